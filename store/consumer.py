@@ -1,0 +1,110 @@
+"""The consumer interface: the only way an inference engine reaches a model's bytes.
+
+An engine (ours in ``inference``, or any other: a torch module, a C server)
+needs four things from the store, and nothing else:
+
+1. open a model version through a portal (``open_model``, implemented by the
+   store; the portal must carry the ``infer`` right);
+2. get trunk tensors by role and layer (``trunk``), resident for the run;
+3. resolve an expert ``(layer, router_byte)`` to its extent and read it into
+   a caller-owned slot (``expert_extent`` once per expert at plan time is
+   arithmetic on the layout; ``read_expert`` does one raw read, verified);
+4. release (``close``).
+
+Role names are architecture-neutral (see ``TRUNK_ROLES``); the mapping from a
+checkpoint's tensor names lives in ``store.archs``.
+
+The expert extent format: the gate ``[I, H]``, up ``[I, H]`` and down ``[H, I]``
+matrices, contiguous and row-major in that order, each in the format recorded
+in the manifest (``ModelInfo.expert_format``); ``expert_views`` turns a filled
+slot into the three arrays without copying.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+# Global roles (layer=None) and per-layer roles. Not every architecture has
+# every role: ``ModelConsumer.has_trunk`` tells.
+GLOBAL_ROLES = ("embed", "final_norm", "lm_head")
+LAYER_ROLES = (
+    "input_norm",  # [H]
+    "post_attn_norm",  # [H]
+    "q_proj",  # [n_heads * head_dim, H]
+    "k_proj",  # [n_kv_heads * head_dim, H]
+    "v_proj",  # [n_kv_heads * head_dim, H]
+    "o_proj",  # [H, n_heads * head_dim]
+    "q_bias",  # [n_heads * head_dim]          (Qwen2-MoE)
+    "k_bias",  # [n_kv_heads * head_dim]       (Qwen2-MoE)
+    "v_bias",  # [n_kv_heads * head_dim]       (Qwen2-MoE)
+    "q_norm",  # [head_dim] (Qwen3-MoE) or [n_heads * head_dim] (OLMoE)
+    "k_norm",  # [head_dim] (Qwen3-MoE) or [n_kv_heads * head_dim] (OLMoE)
+    "router",  # [E, H]
+    "shared_gate_proj",  # [I_shared, H]   (Qwen2-MoE shared expert)
+    "shared_up_proj",  # [I_shared, H]
+    "shared_down_proj",  # [H, I_shared]
+    "shared_expert_gate",  # [1, H]        (Qwen2-MoE sigmoid gate of the shared expert)
+    "mlp_gate_proj",  # dense MLP layers of models that mix dense and sparse layers
+    "mlp_up_proj",
+    "mlp_down_proj",
+)
+TRUNK_ROLES = GLOBAL_ROLES + LAYER_ROLES
+
+
+@dataclass(frozen=True)
+class ExpertExtent:
+    """Where one expert's bytes are: resolved once, then read many times."""
+
+    fd: int
+    offset: int
+    length: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What an engine needs to know about a mounted model version."""
+
+    arch: str  # "mixtral" | "qwen2_moe" | "qwen3_moe" | "olmoe" | ...
+    config: dict[str, Any]  # the checkpoint's config.json
+    n_layers: int
+    n_experts: int
+    expert_nbytes: int  # bytes of one expert extent (all experts of a model share it)
+    expert_slot_nbytes: int  # expert_nbytes rounded up to the direct-I/O alignment
+    expert_format: str  # "f32", "f16", "bf16", or a quantized format name
+    selector: bytes  # the model version's 32-byte space selector
+
+
+@runtime_checkable
+class ModelConsumer(Protocol):
+    """A model version opened through a portal, as an engine sees it."""
+
+    info: ModelInfo
+
+    def has_trunk(self, role: str, layer: int | None = None) -> bool: ...
+
+    def trunk(self, role: str, layer: int | None = None) -> np.ndarray:
+        """The tensor of ``role`` (at ``layer``), as float32, resident."""
+        ...
+
+    def expert_extent(self, layer: int, router_byte: int) -> ExpertExtent:
+        """Resolve ``(layer, router byte)`` to its extent: class permutation,
+        then the layout's curve ordinal, then arithmetic. Raises the portal's
+        denial error if the portal does not cover this class or layer."""
+        ...
+
+    def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
+        """Read one expert's extent into ``slot`` (a uint8 view of
+        ``expert_slot_nbytes``), verifying its checksum; raises on a short
+        read or a mismatch, never returns other bytes."""
+        ...
+
+    def expert_views(self, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Zero-copy ``(gate [I,H], up [I,H], down [H,I])`` views of a filled slot
+        (for float formats); quantized formats return their packed views."""
+        ...
+
+    def close(self) -> None: ...
