@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from czyx.space import Selector
-from portals.caveats import GRANT, READ, Caveat, Tenant, check_tenant, describe
+from portals.caveats import GRANT, INFER, READ, Caveat, Rights, Tenant, check_tenant, describe
 from portals.chain import ChainKeys, extend_registered, mint, verify_signature
 from portals.errors import (
     OutOfScope,
@@ -45,6 +45,8 @@ from portals.token import Token
 from portals.view import SpaceView
 
 OWNER = "owner"
+# Rights a grant gets when it names none: never "grant" (re-delegation is opt-in).
+DEFAULT_GRANT_RIGHTS = frozenset({READ, INFER})
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,8 @@ class PortalAuthority:
         ----------
         caveats:
             Restrictions (spaces, rights, classes, layers, expiry); they must
-            not ask for more than the parent holds.
+            not ask for more than the parent holds. Without a ``Rights``
+            caveat the portal gets ``read`` and ``infer`` (not ``grant``).
         tenant:
             The tenant the portal is bound to.
         parent:
@@ -228,14 +231,17 @@ class PortalAuthority:
         check_tenant(tenant)
         parent_text = self.root_token() if parent is None else parent
         pperm = self.verify(parent_text, right=GRANT)
+        caveats = list(caveats)
+        if not any(isinstance(c, Rights) for c in caveats):
+            # Fail closed: re-granting is never implied; ask for "grant" by name.
+            caveats.append(Rights(DEFAULT_GRANT_RIGHTS & pperm.rights))
         new_id = secrets.token_bytes(16)
         try:
             tok = extend_registered(
                 Token.from_text(parent_text), new_id, [Tenant(tenant), *caveats]
             )
         except WideningError as exc:
-            denial = PortalDenied(str(exc), reason="widening")
-            self.deny(denial, perm=pperm, right=GRANT, requested_tenant=tenant)
+            self.deny(exc, perm=pperm, right=GRANT, requested_tenant=tenant)
             raise
         perm = tok.permission()
         created = self._clock()

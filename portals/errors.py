@@ -23,16 +23,6 @@ class CaveatError(PortalError, ValueError):
     """A caveat value is invalid (empty class set, reversed range, bad tenant name)."""
 
 
-class WideningError(PortalError, ValueError):
-    """An attenuation asked for more than its parent allows.
-
-    Attenuation can only narrow. The signature chain already guarantees that
-    an added caveat never widens the *effective* permission (caveats
-    intersect); this error is raised earlier, when the request itself would
-    be wider, so that the caller is not silently handed less than asked for.
-    """
-
-
 class SecretError(PortalError):
     """The store secret file is missing, unreadable, malformed or too permissive."""
 
@@ -63,6 +53,18 @@ class TokenFormatError(PortalDenied, ValueError):
     """
 
     reason = "malformed"
+
+
+class WideningError(PortalDenied, ValueError):
+    """An attenuation asked for more than its parent allows.
+
+    Attenuation can only narrow. The signature chain already guarantees that
+    an added caveat never widens the *effective* permission (caveats
+    intersect); this error is raised earlier, when the request itself would
+    be wider, so that the caller is not silently handed less than asked for.
+    """
+
+    reason = "widening"
 
 
 class InvalidSignature(PortalDenied):

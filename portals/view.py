@@ -178,9 +178,8 @@ class SpaceView:
         if rec is None:
             raise KeyError(f"no record at {key} in space {self.space.hex()[:16]}..")
         if self._reader is None:
-            from store.reader import RawReader
-
-            self._reader = RawReader(self._store.block_path(self.space))
+            # open_reader checks the block file is the published one first.
+            self._reader = self._store.open_reader(self.space)
         from store.reader import read_extent_verified
 
         read_extent_verified(self._reader, rec, buf)
