@@ -71,7 +71,13 @@ class Token:
         return header_bytes(self.store_id, self.root_id)
 
     def encoded_caveats(self) -> list[bytes]:
-        """Each caveat's canonical bytes, in chain order."""
+        """Each caveat's canonical bytes, in chain order.
+
+        Always re-encoded from the caveat values, never cached from parsing:
+        the bytes the signature covers must be the ones the permission is
+        computed from (decoding is canonical, so for a parsed token they are
+        the same bytes).
+        """
         return [c.encode() for c in self.caveats]
 
     def permission(self) -> Permission:
@@ -124,9 +130,8 @@ class Token:
             raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
         except (binascii.Error, ValueError) as exc:
             raise TokenFormatError("token: not valid base64url") from exc
-        tok = cls.from_bytes(raw)
         # Reject non-canonical spellings (spare bits set in the last base64
         # character), so that a token has exactly one printable form.
-        if tok.to_text() != text:
+        if base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii") != body:
             raise TokenFormatError("token: non-canonical base64url")
-        return tok
+        return cls.from_bytes(raw)

@@ -56,7 +56,8 @@ class SpaceView:
     tenant, right:
         Who opened it and for what (``read`` or ``infer``).
     allowed_classes:
-        ``numpy.bool_[256]``, read-only: ``allowed_classes[c]`` for class ``c``.
+        ``numpy.bool_[256]``, read-only: ``allowed_classes[c]`` for class ``c``
+        (for vectorised checks of many classes at once).
     layer_lo, layer_hi:
         Inclusive layer range.
     """
@@ -81,6 +82,7 @@ class SpaceView:
         self._manifest = manifest
         self._curve = curve_of(manifest)
         self._mask = scope.classes
+        self._classes = frozenset(c for c in range(N_CLASSES) if scope.classes >> c & 1)
         self.layer_lo = scope.layer_lo
         self.layer_hi = scope.layer_hi
         bits = np.array([(scope.classes >> c) & 1 for c in range(N_CLASSES)], dtype=bool)
@@ -94,10 +96,11 @@ class SpaceView:
     def allows(self, cls: int, layer: int) -> bool:
         """Whether class ``cls`` at layer ``layer`` may be read (no audit, no raise).
 
-        A shift of the 256-bit mask: a class >= 256 gives 0 and a negative one
-        raises, so nothing outside 0..255 slips through.
+        One hash-set membership and two comparisons. The set holds exactly
+        the allowed ints 0..255, so any other value (negative, >= 256, not an
+        int) is simply absent: fail closed without a separate range check.
         """
-        return (self._mask >> cls) & 1 == 1 and self.layer_lo <= layer <= self.layer_hi
+        return cls in self._classes and self.layer_lo <= layer <= self.layer_hi
 
     def check(self, cls: int, layer: int) -> None:
         """Raise :class:`OutOfScope` (audited) unless ``(cls, layer)`` is readable."""
