@@ -1,0 +1,587 @@
+"""The LMDB backend of the store: one environment per store directory.
+
+Directory layout::
+
+    <store>/index/      the LMDB environment (data.mdb, lock.mdb)
+    <store>/blocks/     one block file per published space (store.blockfile)
+
+Named databases: ``records`` (``selector || key -> msgpack``), ``spaces``
+(selector -> manifest entry with the seal and block-file identity), ``tags``
+(``name@version`` -> selector), ``portals`` (portal id -> descriptor),
+``edges`` (edge key -> record) and ``audit`` (8-byte big-endian sequence
+number -> event).
+
+Concurrency rules, and why:
+
+- One writer at a time (LMDB's write lock, shared between processes); any
+  number of readers in any threads or processes. py-lmdb opens every
+  environment with ``MDB_NOTLS``, so this module begins a fresh read
+  transaction per call (or per scan chunk) and never hands one to another
+  thread.
+- The map starts at ``map_size`` and doubles when a write hits
+  ``MDB_MAP_FULL``: the write transaction is aborted, the map grown and the
+  whole transaction retried (every write is a re-runnable function of its
+  transaction). Growing remaps the file, so it waits until no read
+  transaction of this process is open; scans therefore read in chunks and
+  never hold a transaction while the caller runs.
+- An environment must not be used across ``fork()``: the opening pid is
+  recorded and any use from another process raises ``StoreForkError``
+  (open the store again in the child).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import lmdb
+
+from czyx.key import class_range_bounds
+from czyx.space import SELECTOR_SIZE, Selector
+from store.blockfile import BlockIdentity, verify_block_file
+from store.errors import (
+    KeyLengthError,
+    ReservedSpaceError,
+    SealedSpaceError,
+    SpaceNotFoundError,
+    StoreError,
+    StoreForkError,
+    StoreMapFullError,
+    TagConflictError,
+    TagNotFoundError,
+)
+from store.interfaces import StoreInterface
+from store.reader import RawReader
+from store.records import check_key, check_selector, decode, encode
+from store.writer import SpaceWriter
+
+T = TypeVar("T")
+
+DEFAULT_MAP_SIZE = 1 << 30  # virtual reservation only; the file grows as written
+MAX_MAP_SIZE = 1 << 40
+MAX_KEY = 511  # LMDB's default maximum key size
+_SCAN_CHUNK = 4096
+_SEQ = struct.Struct(">Q")
+_DBS = ("records", "spaces", "tags", "portals", "edges", "audit")
+
+
+def _check_blob_key(what: str, key: bytes) -> bytes:
+    if not isinstance(key, bytes | bytearray) or not 0 < len(key) <= MAX_KEY:
+        raise KeyLengthError(f"{what}: expected 1..{MAX_KEY} bytes, got {key!r:.60}")
+    return bytes(key)
+
+
+class Store(StoreInterface):
+    """A store directory: records, sealed spaces, tags, portals, edges and audit log.
+
+    Use :meth:`open`; the constructor is internal.
+    """
+
+    def __init__(
+        self, path: pathlib.Path, env: lmdb.Environment, readonly: bool, max_map_size: int
+    ) -> None:
+        self.path = path
+        self.readonly = readonly
+        self._env = env
+        self._pid = os.getpid()
+        self._max_map = max_map_size
+        self._db = {name: env.open_db(name.encode(), create=False) for name in _DBS}
+        self._records = self._db["records"]
+        self._spaces = self._db["spaces"]
+        # Active read transactions of this process; the map is only remapped at zero.
+        self._cond = threading.Condition(threading.Lock())
+        self._nread = 0
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike,
+        *,
+        create: bool = True,
+        readonly: bool = False,
+        map_size: int = DEFAULT_MAP_SIZE,
+        max_map_size: int = MAX_MAP_SIZE,
+    ) -> Store:
+        """Create or open the store at ``path``.
+
+        Parameters
+        ----------
+        path
+            The store directory.
+        create
+            Create the directory and databases if missing (ignored when ``readonly``).
+        readonly
+            Open without write access; every write raises.
+        map_size
+            Initial LMDB map size in bytes; it grows by doubling on demand.
+        max_map_size
+            Growth stops here (``StoreMapFullError``).
+
+        Raises
+        ------
+        StoreError
+            The store does not exist (and ``create`` is false or ``readonly``),
+            or LMDB refused to open it.
+        """
+        root = pathlib.Path(path)
+        index = root / "index"
+        if not (index / "data.mdb").exists():
+            if readonly or not create:
+                raise StoreError(f"{root}: no store here (missing {index / 'data.mdb'})")
+            (root / "blocks").mkdir(parents=True, exist_ok=True)
+            index.mkdir(exist_ok=True)
+        try:
+            env = lmdb.open(
+                str(index),
+                map_size=max(map_size, 1 << 16),
+                max_dbs=len(_DBS) + 2,
+                max_readers=1024,
+                readonly=readonly,
+                lock=True,
+                subdir=True,
+                readahead=False,  # point reads into a large index: no wasted readahead
+            )
+        except lmdb.Error as exc:
+            raise StoreError(f"{index}: cannot open LMDB environment ({exc})") from exc
+        if not readonly:
+            with env.begin(write=True) as txn:
+                for name in _DBS:
+                    env.open_db(name.encode(), txn=txn, create=True)
+        try:
+            return cls(root, env, readonly, max_map_size)
+        except lmdb.Error as exc:
+            env.close()
+            raise StoreError(f"{index}: store databases missing ({exc})") from exc
+
+    def close(self) -> None:
+        """Close the environment (idempotent). In a forked child it only drops the handle."""
+        if self._closed:
+            return
+        self._closed = True
+        if os.getpid() == self._pid:
+            self._env.close()
+
+    def _check(self) -> None:
+        if self._pid != os.getpid():
+            raise StoreForkError(
+                f"{self.path}: store opened in pid {self._pid} used in pid {os.getpid()}; "
+                "LMDB environments must not cross fork(): call Store.open again in the child"
+            )
+        if self._closed:
+            raise StoreError(f"{self.path}: store is closed")
+
+    # -- transactions ------------------------------------------------------------------
+    def _begin_read(self) -> lmdb.Transaction:
+        self._check()
+        with self._cond:
+            self._nread += 1
+        try:
+            return self._env.begin()
+        except lmdb.MapResizedError:
+            # Another process grew the map past ours: adopt its size and retry.
+            self._end_read()
+            self._remap(0)
+            return self._begin_read()
+        except BaseException:
+            self._end_read()
+            raise
+
+    def _end_read(self, txn: lmdb.Transaction | None = None) -> None:
+        if txn is not None:
+            txn.abort()
+        with self._cond:
+            self._nread -= 1
+            if self._nread == 0:
+                self._cond.notify_all()
+
+    def _remap(self, new_size: int) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._nread == 0, timeout=30.0):
+                raise StoreMapFullError(
+                    f"{self.path}: cannot resize the LMDB map while read transactions stay open"
+                )
+            self._env.set_mapsize(new_size)
+
+    def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in one write transaction, growing the map and retrying on MapFull."""
+        self._check()
+        if self.readonly:
+            raise StoreError(f"{self.path}: store is open read-only")
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                size = self._env.info()["map_size"]
+                if size >= self._max_map:
+                    raise StoreMapFullError(
+                        f"{self.path}: LMDB map full at {size} bytes (limit {self._max_map})"
+                    ) from None
+                self._remap(min(size * 2, self._max_map))
+            except lmdb.MapResizedError:
+                self._remap(0)
+
+    def map_size(self) -> int:
+        """The current LMDB map size in bytes."""
+        self._check()
+        return self._env.info()["map_size"]
+
+    # -- records -----------------------------------------------------------------------
+    def _sealed_in(self, txn: lmdb.Transaction, sel: bytes) -> bool:
+        return txn.get(sel, db=self._spaces) is not None
+
+    def _writable_space(self, space: Selector) -> bytes:
+        sel = check_selector(space)
+        if sel[0] in (0xFE, 0xFF):
+            raise ReservedSpaceError(
+                f"space {sel.hex()}: reserved prefix 0x{sel[0]:02X}; use put_portal_descriptor"
+                " / put_edge"
+            )
+        return sel
+
+    def _refuse_sealed(self, txn: lmdb.Transaction, sel: bytes) -> None:
+        if self._sealed_in(txn, sel):
+            raise SealedSpaceError(f"space {sel.hex()} is published (sealed); it is immutable")
+
+    def put(self, space: Selector, key: bytes, record: dict) -> None:
+        """Store ``record`` at ``(space, key)``.
+
+        Raises
+        ------
+        KeyLengthError
+            ``key`` is not 24 bytes (or ``space`` not a selector).
+        SealedSpaceError
+            ``space`` is published.
+        """
+        k = self._writable_space(space) + check_key(key)
+        v = encode(record)
+
+        def fn(txn: lmdb.Transaction) -> None:
+            self._refuse_sealed(txn, k[:SELECTOR_SIZE])
+            txn.put(k, v, db=self._records)
+
+        self._write(fn)
+
+    def put_many(self, space: Selector, items: Iterable[tuple[bytes, dict]]) -> int:
+        """Store many records in one transaction; returns how many were written."""
+        sel = self._writable_space(space)
+        rows = [(sel + check_key(k), encode(r)) for k, r in items]
+
+        def fn(txn: lmdb.Transaction) -> int:
+            self._refuse_sealed(txn, sel)
+            with txn.cursor(db=self._records) as cur:
+                cur.putmulti(rows)
+            return len(rows)
+
+        return self._write(fn)
+
+    def get(self, space: Selector, key: bytes) -> dict | None:
+        """The record at ``(space, key)``, or ``None`` if there is none.
+
+        Raises
+        ------
+        KeyLengthError
+            Bad key or selector.
+        RecordDecodeError
+            The stored value is not a msgpack map.
+        """
+        k = check_selector(space) + check_key(key)
+        txn = self._begin_read()
+        try:
+            v = txn.get(k, db=self._records)
+        finally:
+            self._end_read(txn)
+        return None if v is None else decode(v, f"record {k.hex()}")
+
+    def delete(self, space: Selector, key: bytes) -> bool:
+        """Delete the record at ``(space, key)``; ``True`` if it existed."""
+        k = self._writable_space(space) + check_key(key)
+
+        def fn(txn: lmdb.Transaction) -> bool:
+            self._refuse_sealed(txn, k[:SELECTOR_SIZE])
+            return txn.delete(k, db=self._records)
+
+        return self._write(fn)
+
+    def _scan_raw(
+        self, db: Any, start: bytes, stop: Callable[[bytes], bool]
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """Raw ``(key, value)`` pairs from ``start`` on until ``stop(key)``, in chunks.
+
+        Each chunk is read in its own short read transaction, so no transaction
+        is held while the caller consumes the rows.
+        """
+        cursor_key, skip = start, False
+        while True:
+            txn = self._begin_read()
+            try:
+                cur = txn.cursor(db=db)
+                rows: list[tuple[bytes, bytes]] = []
+                if cur.set_range(cursor_key):
+                    it = cur.iternext()
+                    if skip:
+                        next(it, None)
+                    for k, v in it:
+                        if stop(k):
+                            break
+                        rows.append((k, v))
+                        if len(rows) == _SCAN_CHUNK:
+                            break
+            finally:
+                self._end_read(txn)
+            yield from rows
+            if len(rows) < _SCAN_CHUNK:
+                return
+            cursor_key, skip = rows[-1][0], True
+
+    def scan(
+        self, space: Selector, lo_cls: int = 0, hi_cls: int = 255
+    ) -> Iterator[tuple[bytes, dict]]:
+        """Records of classes ``lo_cls..hi_cls`` inclusive, in packed-key (curve) order.
+
+        Yields
+        ------
+        (key, record)
+            ``key`` is the 24-byte packed key.
+        """
+        sel = check_selector(space)
+        lo, hi = class_range_bounds(lo_cls, hi_cls)
+        end = sel + hi
+        for k, v in self._scan_raw(self._records, sel + lo, end.__lt__):
+            yield k[SELECTOR_SIZE:], decode(v, f"record {k.hex()}")
+
+    def keys(self, space: Selector, lo_cls: int = 0, hi_cls: int = 255) -> Iterator[bytes]:
+        """The 24-byte keys of classes ``lo_cls..hi_cls``, in order, without decoding values."""
+        sel = check_selector(space)
+        lo, hi = class_range_bounds(lo_cls, hi_cls)
+        end = sel + hi
+        for k, _ in self._scan_raw(self._records, sel + lo, end.__lt__):
+            yield k[SELECTOR_SIZE:]
+
+    def aggregate(self, space: Selector, lo_cls: int = 0, hi_cls: int = 255) -> tuple[int, int]:
+        """``(count, total bytes)`` of the records in a class range.
+
+        Computed by a scan (never stored twice); records without an extent
+        count with 0 bytes.
+        """
+        count = total = 0
+        for _, rec in self.scan(space, lo_cls, hi_cls):
+            count += 1
+            n = rec.get("len", 0)
+            total += n if isinstance(n, int) else 0
+        return count, total
+
+    # -- spaces ------------------------------------------------------------------------
+    def begin_space(self, space: Selector, manifest: dict) -> SpaceWriter:
+        """Start publishing ``space`` with ``manifest``; see :class:`SpaceWriter`.
+
+        Raises
+        ------
+        SealedSpaceError
+            The space is already published.
+        """
+        sel = self._writable_space(space)
+        if self.has_space(space):
+            raise SealedSpaceError(f"space {sel.hex()} is already published")
+        return SpaceWriter(self, sel, manifest)
+
+    def _space_entry(self, space: Selector) -> dict:
+        sel = check_selector(space)
+        txn = self._begin_read()
+        try:
+            v = txn.get(sel, db=self._spaces)
+        finally:
+            self._end_read(txn)
+        if v is None:
+            raise SpaceNotFoundError(f"space {sel.hex()} is not published")
+        return decode(v, f"space entry {sel.hex()}")
+
+    def has_space(self, space: Selector) -> bool:
+        """Whether ``space`` is published (and therefore sealed)."""
+        sel = check_selector(space)
+        txn = self._begin_read()
+        try:
+            return txn.get(sel, db=self._spaces) is not None
+        finally:
+            self._end_read(txn)
+
+    def manifest(self, space: Selector) -> dict:
+        """The manifest ``space`` was published with (``SpaceNotFoundError`` otherwise)."""
+        return self._space_entry(space)["manifest"]
+
+    def space_info(self, space: Selector) -> dict:
+        """The full index entry: ``manifest``, ``block`` identity, ``checksum``, ``count``,
+        ``time``."""
+        return self._space_entry(space)
+
+    def spaces(self) -> list[Selector]:
+        """Every published space, in selector order."""
+        return [Selector(k) for k, _ in self._scan_raw(self._spaces, b"", lambda k: False)]
+
+    def block_identity(self, space: Selector) -> BlockIdentity:
+        """The identity recorded for the space's block file at publication."""
+        return BlockIdentity.from_record(self._space_entry(space)["block"])
+
+    def block_path(self, space: Selector) -> pathlib.Path:
+        """The published space's block file (``SpaceNotFoundError`` if unpublished)."""
+        return self.path / "blocks" / self.block_identity(space).name
+
+    def verify_space(self, space: Selector) -> BlockIdentity:
+        """Check the block file is exactly the published one (``BlockFileError`` if not)."""
+        ident = self.block_identity(space)
+        verify_block_file(self.path / "blocks" / ident.name, ident, check_selector(space))
+        return ident
+
+    def open_reader(
+        self, space: Selector, *, direct: bool = False, backend: str = "auto"
+    ) -> RawReader:
+        """A :class:`RawReader` on the space's block file, after :meth:`verify_space`.
+
+        Raises
+        ------
+        SpaceNotFoundError, BlockFileError
+            Unpublished space; missing, truncated or replaced block file.
+        """
+        ident = self.verify_space(space)
+        return RawReader(
+            self.path / "blocks" / ident.name, direct=direct, align=ident.align, backend=backend
+        )
+
+    # -- tags --------------------------------------------------------------------------
+    def set_tag(self, tag: str, space: Selector) -> None:
+        """Point ``tag`` at ``space`` (idempotent).
+
+        Raises
+        ------
+        TagConflictError
+            ``tag`` already points at another space (remove it first).
+        """
+        t = _tag_key(tag)
+        sel = check_selector(space)
+
+        def fn(txn: lmdb.Transaction) -> None:
+            old = txn.get(t, db=self._db["tags"])
+            if old is not None and old != sel:
+                raise TagConflictError(f"tag {tag!r} points at {old.hex()}, not {sel.hex()}")
+            if old is None:
+                txn.put(t, sel, db=self._db["tags"])
+                self._audit_in(txn, "tag.set", {"tag": tag, "space": sel.hex()})
+
+        self._write(fn)
+
+    def remove_tag(self, tag: str) -> bool:
+        """Remove ``tag``; ``True`` if it existed."""
+        t = _tag_key(tag)
+
+        def fn(txn: lmdb.Transaction) -> bool:
+            old = txn.pop(t, db=self._db["tags"])
+            if old is not None:
+                self._audit_in(txn, "tag.remove", {"tag": tag, "space": old.hex()})
+            return old is not None
+
+        return self._write(fn)
+
+    def resolve_tag(self, tag: str) -> Selector:
+        """The space ``tag`` points at (``TagNotFoundError`` otherwise)."""
+        t = _tag_key(tag)
+        txn = self._begin_read()
+        try:
+            v = txn.get(t, db=self._db["tags"])
+        finally:
+            self._end_read(txn)
+        if v is None:
+            raise TagNotFoundError(f"tag {tag!r} not found")
+        return Selector(v)
+
+    def tags(self) -> dict[str, Selector]:
+        """Every tag and the space it points at."""
+        rows = self._scan_raw(self._db["tags"], b"", lambda k: False)
+        return {k.decode(): Selector(v) for k, v in rows}
+
+    # -- portal descriptors and edges ----------------------------------------------------
+    def _put_blob(self, db: str, key: bytes, record: dict) -> None:
+        v = encode(record)
+        self._write(lambda txn: txn.put(key, v, db=self._db[db]))
+
+    def _get_blob(self, db: str, key: bytes) -> dict | None:
+        txn = self._begin_read()
+        try:
+            v = txn.get(key, db=self._db[db])
+        finally:
+            self._end_read(txn)
+        return None if v is None else decode(v, f"{db} {key.hex()}")
+
+    def _prefix(self, db: str, prefix: bytes) -> Iterator[tuple[bytes, dict]]:
+        def stop(k: bytes) -> bool:
+            return not k.startswith(prefix)
+
+        for k, v in self._scan_raw(self._db[db], prefix, stop):
+            yield k, decode(v, f"{db} {k.hex()}")
+
+    def put_portal_descriptor(self, portal_id: bytes, record: dict) -> None:
+        """Store (or replace) the descriptor of portal ``portal_id``."""
+        self._put_blob("portals", _check_blob_key("portal id", portal_id), record)
+
+    def get_portal_descriptor(self, portal_id: bytes) -> dict | None:
+        """The descriptor of ``portal_id``, or ``None``."""
+        return self._get_blob("portals", _check_blob_key("portal id", portal_id))
+
+    def portal_descriptors(self) -> Iterator[tuple[bytes, dict]]:
+        """Every portal descriptor, in id order."""
+        return self._prefix("portals", b"")
+
+    def put_edge(self, key: bytes, record: dict) -> None:
+        """Store (or replace) the association edge at ``key``."""
+        self._put_blob("edges", _check_blob_key("edge key", key), record)
+
+    def get_edge(self, key: bytes) -> dict | None:
+        """The edge at ``key``, or ``None``."""
+        return self._get_blob("edges", _check_blob_key("edge key", key))
+
+    def delete_edge(self, key: bytes) -> bool:
+        """Delete the edge at ``key``; ``True`` if it existed."""
+        k = _check_blob_key("edge key", key)
+        return self._write(lambda txn: txn.delete(k, db=self._db["edges"]))
+
+    def edges(self, prefix: bytes = b"") -> Iterator[tuple[bytes, dict]]:
+        """Edges whose key starts with ``prefix``, in key order."""
+        return self._prefix("edges", bytes(prefix))
+
+    # -- audit log ---------------------------------------------------------------------
+    def _audit_in(self, txn: lmdb.Transaction, event: str, fields: dict) -> int:
+        with txn.cursor(db=self._db["audit"]) as cur:
+            seq = _SEQ.unpack(cur.key())[0] + 1 if cur.last() else 1
+        entry = {**fields, "seq": seq, "time": time.time(), "event": event}
+        txn.put(_SEQ.pack(seq), encode(entry), db=self._db["audit"], append=True)
+        return seq
+
+    def audit(self, event: str, **fields: Any) -> None:
+        """Append ``event`` with ``fields`` to the log (sequence number and time added)."""
+        if not isinstance(event, str) or not event:
+            raise ValueError("audit: event must be a non-empty string")
+        encode(fields)  # fail before taking the write lock
+        self._write(lambda txn: self._audit_in(txn, event, fields))
+
+    def audit_log(self, since: int = 0) -> Iterator[dict]:
+        """Audit entries with ``seq > since``, oldest first."""
+        for _, v in self._scan_raw(self._db["audit"], _SEQ.pack(since + 1), lambda k: False):
+            yield decode(v, "audit entry")
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.path)!r})"
+
+
+def _tag_key(tag: str) -> bytes:
+    if not isinstance(tag, str) or not tag or "\x00" in tag:
+        raise ValueError(f"tag: {tag!r} is not a non-empty string without NUL")
+    t = tag.encode()
+    if len(t) > MAX_KEY:
+        raise ValueError(f"tag: longer than {MAX_KEY} bytes")
+    return t
