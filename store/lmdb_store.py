@@ -25,17 +25,23 @@ Concurrency rules, and why:
   transaction of this process is open; scans therefore read in chunks and
   never hold a transaction while the caller runs.
 - An environment must not be used across ``fork()``: the opening pid is
-  recorded and any use from another process raises ``StoreForkError``
-  (open the store again in the child).
+  recorded and any use from another process raises ``StoreForkError``. Right
+  after a fork the child closes its inherited copies of every open
+  environment (``os.register_at_fork``; LMDB's close only releases the
+  child's own reader slots and mappings), so the child can ``Store.open``
+  the same directory afresh (py-lmdb refuses a second open of a path that is
+  still open in the process).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -76,6 +82,20 @@ def _check_blob_key(what: str, key: bytes) -> bytes:
     return bytes(key)
 
 
+_OPEN: weakref.WeakSet[Store] = weakref.WeakSet()
+
+
+def _close_inherited() -> None:
+    """In a fork child: drop every environment inherited from the parent."""
+    for st in list(_OPEN):
+        with contextlib.suppress(Exception):
+            st._env.close()
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
+
+
 class Store(StoreInterface):
     """A store directory: records, sealed spaces, tags, portals, edges and audit log.
 
@@ -97,6 +117,7 @@ class Store(StoreInterface):
         self._cond = threading.Condition(threading.Lock())
         self._nread = 0
         self._closed = False
+        _OPEN.add(self)
 
     # -- lifecycle ---------------------------------------------------------------------
     @classmethod
@@ -161,10 +182,11 @@ class Store(StoreInterface):
             raise StoreError(f"{index}: store databases missing ({exc})") from exc
 
     def close(self) -> None:
-        """Close the environment (idempotent). In a forked child it only drops the handle."""
+        """Close the environment (idempotent; in a fork child it was closed at fork)."""
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         if os.getpid() == self._pid:
             self._env.close()
 

@@ -170,7 +170,10 @@ class RawReader:
         if self._bfd < 0:
             raise StoreError(f"{self.path}: reader is closed")
         if self.backend == "c":
-            cbuf = self._ffi.from_buffer(buf, require_writable=True)
+            try:
+                cbuf = self._ffi.from_buffer(buf, require_writable=True)
+            except (BufferError, TypeError) as exc:
+                raise ValueError(f"buffer: {exc}") from exc
             n = len(cbuf)
             r = self._lib.czyx_read_one(self._bfd, self._dfd, self.align, offset, cbuf, n)
             if r != n:
@@ -223,7 +226,10 @@ class RawReader:
         arr = ffi.new("czyx_extent[]", n)
         keep = []  # the cdata buffers must outlive the call
         for i, (off, length, buf) in enumerate(extents):
-            cbuf = ffi.from_buffer(buf, require_writable=True)
+            try:
+                cbuf = ffi.from_buffer(buf, require_writable=True)
+            except (BufferError, TypeError) as exc:
+                raise ValueError(f"buffer {i}: {exc}") from exc
             if length > len(cbuf):
                 raise ValueError(f"read_many: length {length} > buffer of {len(cbuf)} bytes")
             keep.append(cbuf)
