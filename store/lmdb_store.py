@@ -38,9 +38,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-import struct
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -50,16 +48,14 @@ import lmdb
 from czyx.key import class_range_bounds
 from czyx.space import SELECTOR_SIZE, Selector
 from store.blockfile import BlockIdentity, verify_block_file
+from store.catalog import CatalogMixin
 from store.errors import (
-    KeyLengthError,
     ReservedSpaceError,
     SealedSpaceError,
     SpaceNotFoundError,
     StoreError,
     StoreForkError,
     StoreMapFullError,
-    TagConflictError,
-    TagNotFoundError,
 )
 from store.interfaces import StoreInterface
 from store.reader import RawReader
@@ -70,16 +66,8 @@ T = TypeVar("T")
 
 DEFAULT_MAP_SIZE = 1 << 30  # virtual reservation only; the file grows as written
 MAX_MAP_SIZE = 1 << 40
-MAX_KEY = 511  # LMDB's default maximum key size
 _SCAN_CHUNK = 4096
-_SEQ = struct.Struct(">Q")
 _DBS = ("records", "spaces", "tags", "portals", "edges", "audit")
-
-
-def _check_blob_key(what: str, key: bytes) -> bytes:
-    if not isinstance(key, bytes | bytearray) or not 0 < len(key) <= MAX_KEY:
-        raise KeyLengthError(f"{what}: expected 1..{MAX_KEY} bytes, got {key!r:.60}")
-    return bytes(key)
 
 
 _OPEN: weakref.WeakSet[Store] = weakref.WeakSet()
@@ -96,7 +84,7 @@ def _close_inherited() -> None:
 os.register_at_fork(after_in_child=_close_inherited)
 
 
-class Store(StoreInterface):
+class Store(CatalogMixin, StoreInterface):
     """A store directory: records, sealed spaces, tags, portals, edges and audit log.
 
     Use :meth:`open`; the constructor is internal.
@@ -322,6 +310,25 @@ class Store(StoreInterface):
             self._end_read(txn)
         return None if v is None else decode(v, f"record {k.hex()}")
 
+    def get_many(self, space: Selector, keys: Iterable[bytes]) -> list[dict | None]:
+        """The records at many keys of one space, read in one transaction."""
+        sel = check_selector(space)
+        full = [sel + check_key(k) for k in keys]
+        txn = self._begin_read()
+        try:
+            vals = [txn.get(k, db=self._records) for k in full]
+        finally:
+            self._end_read(txn)
+        return [None if v is None else decode(v, f"record {k.hex()}") for k, v in zip(full, vals)]
+
+    def snapshot(self) -> Snapshot:
+        """A consistent read view in one read transaction, for many lookups in one thread.
+
+        Use it as a context manager and keep it short: while it is open the
+        LMDB map of this process cannot grow.
+        """
+        return Snapshot(self)
+
     def delete(self, space: Selector, key: bytes) -> bool:
         """Delete the record at ``(space, key)``; ``True`` if it existed."""
         k = self._writable_space(space) + check_key(key)
@@ -476,134 +483,55 @@ class Store(StoreInterface):
             self.path / "blocks" / ident.name, direct=direct, align=ident.align, backend=backend
         )
 
-    # -- tags --------------------------------------------------------------------------
-    def set_tag(self, tag: str, space: Selector) -> None:
-        """Point ``tag`` at ``space`` (idempotent).
-
-        Raises
-        ------
-        TagConflictError
-            ``tag`` already points at another space (remove it first).
-        """
-        t = _tag_key(tag)
-        sel = check_selector(space)
-
-        def fn(txn: lmdb.Transaction) -> None:
-            old = txn.get(t, db=self._db["tags"])
-            if old is not None and old != sel:
-                raise TagConflictError(f"tag {tag!r} points at {old.hex()}, not {sel.hex()}")
-            if old is None:
-                txn.put(t, sel, db=self._db["tags"])
-                self._audit_in(txn, "tag.set", {"tag": tag, "space": sel.hex()})
-
-        self._write(fn)
-
-    def remove_tag(self, tag: str) -> bool:
-        """Remove ``tag``; ``True`` if it existed."""
-        t = _tag_key(tag)
-
-        def fn(txn: lmdb.Transaction) -> bool:
-            old = txn.pop(t, db=self._db["tags"])
-            if old is not None:
-                self._audit_in(txn, "tag.remove", {"tag": tag, "space": old.hex()})
-            return old is not None
-
-        return self._write(fn)
-
-    def resolve_tag(self, tag: str) -> Selector:
-        """The space ``tag`` points at (``TagNotFoundError`` otherwise)."""
-        t = _tag_key(tag)
-        txn = self._begin_read()
-        try:
-            v = txn.get(t, db=self._db["tags"])
-        finally:
-            self._end_read(txn)
-        if v is None:
-            raise TagNotFoundError(f"tag {tag!r} not found")
-        return Selector(v)
-
-    def tags(self) -> dict[str, Selector]:
-        """Every tag and the space it points at."""
-        rows = self._scan_raw(self._db["tags"], b"", lambda k: False)
-        return {k.decode(): Selector(v) for k, v in rows}
-
-    # -- portal descriptors and edges ----------------------------------------------------
-    def _put_blob(self, db: str, key: bytes, record: dict) -> None:
-        v = encode(record)
-        self._write(lambda txn: txn.put(key, v, db=self._db[db]))
-
-    def _get_blob(self, db: str, key: bytes) -> dict | None:
-        txn = self._begin_read()
-        try:
-            v = txn.get(key, db=self._db[db])
-        finally:
-            self._end_read(txn)
-        return None if v is None else decode(v, f"{db} {key.hex()}")
-
-    def _prefix(self, db: str, prefix: bytes) -> Iterator[tuple[bytes, dict]]:
-        def stop(k: bytes) -> bool:
-            return not k.startswith(prefix)
-
-        for k, v in self._scan_raw(self._db[db], prefix, stop):
-            yield k, decode(v, f"{db} {k.hex()}")
-
-    def put_portal_descriptor(self, portal_id: bytes, record: dict) -> None:
-        """Store (or replace) the descriptor of portal ``portal_id``."""
-        self._put_blob("portals", _check_blob_key("portal id", portal_id), record)
-
-    def get_portal_descriptor(self, portal_id: bytes) -> dict | None:
-        """The descriptor of ``portal_id``, or ``None``."""
-        return self._get_blob("portals", _check_blob_key("portal id", portal_id))
-
-    def portal_descriptors(self) -> Iterator[tuple[bytes, dict]]:
-        """Every portal descriptor, in id order."""
-        return self._prefix("portals", b"")
-
-    def put_edge(self, key: bytes, record: dict) -> None:
-        """Store (or replace) the association edge at ``key``."""
-        self._put_blob("edges", _check_blob_key("edge key", key), record)
-
-    def get_edge(self, key: bytes) -> dict | None:
-        """The edge at ``key``, or ``None``."""
-        return self._get_blob("edges", _check_blob_key("edge key", key))
-
-    def delete_edge(self, key: bytes) -> bool:
-        """Delete the edge at ``key``; ``True`` if it existed."""
-        k = _check_blob_key("edge key", key)
-        return self._write(lambda txn: txn.delete(k, db=self._db["edges"]))
-
-    def edges(self, prefix: bytes = b"") -> Iterator[tuple[bytes, dict]]:
-        """Edges whose key starts with ``prefix``, in key order."""
-        return self._prefix("edges", bytes(prefix))
-
-    # -- audit log ---------------------------------------------------------------------
-    def _audit_in(self, txn: lmdb.Transaction, event: str, fields: dict) -> int:
-        with txn.cursor(db=self._db["audit"]) as cur:
-            seq = _SEQ.unpack(cur.key())[0] + 1 if cur.last() else 1
-        entry = {**fields, "seq": seq, "time": time.time(), "event": event}
-        txn.put(_SEQ.pack(seq), encode(entry), db=self._db["audit"], append=True)
-        return seq
-
-    def audit(self, event: str, **fields: Any) -> None:
-        """Append ``event`` with ``fields`` to the log (sequence number and time added)."""
-        if not isinstance(event, str) or not event:
-            raise ValueError("audit: event must be a non-empty string")
-        encode(fields)  # fail before taking the write lock
-        self._write(lambda txn: self._audit_in(txn, event, fields))
-
-    def audit_log(self, since: int = 0) -> Iterator[dict]:
-        """Audit entries with ``seq > since``, oldest first."""
-        for _, v in self._scan_raw(self._db["audit"], _SEQ.pack(since + 1), lambda k: False):
-            yield decode(v, "audit entry")
-
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r})"
 
 
-def _tag_key(tag: str) -> bytes:
-    if not isinstance(tag, str) or not tag or "\x00" in tag:
-        raise ValueError(f"tag: {tag!r} is not a non-empty string without NUL")
-    t = tag.encode()
-    if len(t) > MAX_KEY:
-        raise ValueError(f"tag: longer than {MAX_KEY} bytes")
-    return t
+class Snapshot:
+    """One read transaction over a :class:`Store`, owned by the thread that made it.
+
+    Lookups cost one LMDB ``get`` each, with no transaction setup; the view
+    does not change while it is open.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._txn: lmdb.Transaction | None = store._begin_read()
+        self._records = store._records
+
+    def get(self, space: Selector, key: bytes) -> dict | None:
+        """The record at ``(space, key)`` as of the snapshot, or ``None``."""
+        if self._txn is None:
+            raise StoreError("snapshot is closed")
+        k = check_selector(space) + check_key(key)
+        v = self._txn.get(k, db=self._records)
+        return None if v is None else decode(v, f"record {k.hex()}")
+
+    def scan(
+        self, space: Selector, lo_cls: int = 0, hi_cls: int = 255
+    ) -> Iterator[tuple[bytes, dict]]:
+        """Like :meth:`Store.scan`, inside the snapshot's transaction."""
+        if self._txn is None:
+            raise StoreError("snapshot is closed")
+        sel = check_selector(space)
+        lo, hi = class_range_bounds(lo_cls, hi_cls)
+        end = sel + hi
+        cur = self._txn.cursor(db=self._records)
+        if not cur.set_range(sel + lo):
+            return
+        for k, v in cur.iternext():
+            if k > end:
+                break
+            yield k[SELECTOR_SIZE:], decode(v, f"record {k.hex()}")
+
+    def close(self) -> None:
+        """End the read transaction (idempotent)."""
+        if self._txn is not None:
+            self._store._end_read(self._txn)
+            self._txn = None
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

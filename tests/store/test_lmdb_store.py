@@ -225,3 +225,21 @@ def test_collect_garbage(tmp_path: pathlib.Path) -> None:
     assert live_part.exists() and new_blk.exists() and s.block_path(sp).exists()
     s.verify_space(sp)
     s.close()
+
+
+def test_snapshot_and_get_many(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s")
+    sp = Selector.from_name("g")
+    items = [(Key(c, i).pack(), {"c": c, "i": i}) for c in (4, 5) for i in range(5)]
+    s.put_many(sp, items)
+    with s.snapshot() as snap:
+        s.put(sp, Key(4, 99).pack(), {"late": True})  # not visible in the snapshot
+        assert snap.get(sp, Key(4, 99).pack()) is None
+        assert all(snap.get(sp, k) == r for k, r in items)
+        assert list(snap.scan(sp, 5, 5)) == sorted(i for i in items if i[0][0] == 5)
+    with pytest.raises(StoreError):
+        snap.get(sp, items[0][0])
+    got = s.get_many(sp, [k for k, _ in items] + [Key(9).pack()])
+    assert got == [r for _, r in items] + [None]
+    assert s.get(sp, Key(4, 99).pack()) == {"late": True}
+    s.close()
