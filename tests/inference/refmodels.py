@@ -78,7 +78,9 @@ def tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
         )
         cls, ccls = T.Qwen2MoeForCausalLM, T.Qwen2MoeConfig
     elif arch == "qwen3_moe":
-        cfg = dict(common, num_experts=8, moe_intermediate_size=24, head_dim=16, norm_topk_prob=True)
+        cfg = dict(
+            common, num_experts=8, moe_intermediate_size=24, head_dim=16, norm_topk_prob=True
+        )
         cls, ccls = T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig
     elif arch == "olmoe":
         cfg = dict(common, num_experts=8, intermediate_size=24, norm_topk_prob=False, clip_qkv=8.0)
