@@ -65,33 +65,37 @@ def resolve_space(store: Any, name: str) -> Selector:
     return Selector.from_hex(name)
 
 
-def linked_spaces(manifest: dict) -> list[Selector]:
-    """Spaces a model version's manifest names as part of it (its trunk, ...).
+def _as_selector(v: Any) -> Selector | None:
+    raw = bytes.fromhex(v) if isinstance(v, str) and len(v) == 2 * SELECTOR_SIZE else v
+    if isinstance(raw, bytes) and len(raw) == SELECTOR_SIZE:
+        return Selector(raw)
+    return None
 
-    A grant on a model version covers these whole; its class and layer
-    caveats apply to the version's own (expert) space only. Recognised
-    manifest fields: ``trunk``/``trunk_space`` (a selector) and ``spaces`` (a
-    list or a role -> selector map), each as 32 bytes or 64 hex digits.
+
+def model_spaces(store: Any, sel: Selector) -> tuple[list[Selector], list[Selector]]:
+    """The spaces a grant on ``sel`` must name: ``(scoped, whole)``.
+
+    ``scoped`` is ``sel`` and, for an adapter or derived version, every base
+    it names (manifest ``base``, followed to the full model): the expert
+    spaces, where class and layer caveats apply. ``whole`` are the linked
+    spaces read whole (manifest ``trunk`` of each version in the chain, and
+    any ``spaces`` list or role map), where they do not: a tenant limited to
+    some experts still needs the trunk to run the model.
     """
-    found: list[Selector] = []
-
-    def add(v: Any) -> None:
-        raw = bytes.fromhex(v) if isinstance(v, str) and len(v) == 2 * SELECTOR_SIZE else v
-        if isinstance(raw, bytes) and len(raw) == SELECTOR_SIZE:
-            sel = Selector(raw)
-            if sel not in found:
-                found.append(sel)
-
-    for field in ("trunk", "trunk_space", "trunk_selector"):
-        add(manifest.get(field))
-    spaces = manifest.get("spaces")
-    if isinstance(spaces, dict):
-        for v in spaces.values():
-            add(v)
-    elif isinstance(spaces, list | tuple):
-        for v in spaces:
-            add(v)
-    return found
+    scoped: list[Selector] = []
+    whole: list[Selector] = []
+    cur: Selector | None = sel
+    while cur is not None and cur not in scoped and len(scoped) < 64:
+        scoped.append(cur)
+        manifest = store.manifest(cur)
+        extra = manifest.get("spaces")
+        values = list(extra.values()) if isinstance(extra, dict) else list(extra or [])
+        for v in (manifest.get("trunk"), manifest.get("trunk_space"), *values):
+            s = _as_selector(v)
+            if s is not None and s not in whole:
+                whole.append(s)
+        cur = _as_selector(manifest.get("base"))
+    return scoped, [s for s in whole if s not in scoped]
 
 
 def fmt_time(t: float | None) -> str:

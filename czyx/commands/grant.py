@@ -38,28 +38,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from portals._cli import linked_spaces, open_store, parse_expiry, resolve_space
+    from portals._cli import model_spaces, open_store, parse_expiry, resolve_space
     from portals.authority import PortalAuthority
     from portals.caveats import Expires, Spaces, parse_classes, parse_layers, parse_rights
 
     with open_store(args) as store:
         auth = PortalAuthority(store)
         main = resolve_space(store, args.space)
-        linked = [s for s in linked_spaces(store.manifest(main)) if s != main]
-        # With linked spaces (a trunk), class/layer caveats name the main space only.
-        scoped = main.raw if linked else None
-        cavs = [Spaces(frozenset({main.raw, *(s.raw for s in linked)}))]
+        scoped, whole = model_spaces(store, main)
+        cavs = [Spaces(frozenset(s.raw for s in (*scoped, *whole)))]
         cavs.append(parse_rights(args.rights))
-        if args.classes:
-            cavs.append(parse_classes(args.classes, scoped))
-        if args.layers:
-            cavs.append(parse_layers(args.layers, scoped))
+        # Class/layer caveats: for every space when the grant is one space;
+        # otherwise one per expert space, so the trunk stays whole.
+        targets = [None] if not whole and len(scoped) == 1 else [s.raw for s in scoped]
+        for t in targets:
+            if args.classes:
+                cavs.append(parse_classes(args.classes, t))
+            if args.layers:
+                cavs.append(parse_layers(args.layers, t))
         if args.expires:
             cavs.append(Expires(parse_expiry(args.expires, time.time())))
         g = auth.grant(cavs, tenant=args.tenant, parent=args.portal, note=args.note)
     print(
         f"granted portal {g.id_hex} to {args.tenant} on {args.space}"
-        + (f" (+{len(linked)} linked space(s))" if linked else ""),
+        + (f" ({len(scoped) + len(whole)} spaces)" if whole or len(scoped) > 1 else ""),
         file=sys.stderr,
     )
     print(g.token)

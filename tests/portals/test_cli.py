@@ -8,7 +8,7 @@ import pytest
 from czyx.cli import main
 from czyx.key import Key
 from czyx.space import Selector
-from portals._cli import linked_spaces, parse_expiry
+from portals._cli import model_spaces, parse_expiry
 from portals.errors import CaveatError
 from portals.token import Token
 from tests.portals.conftest import Store
@@ -44,7 +44,7 @@ def test_grant_attenuate_list_revoke_audit(store_dir, capsys):
     rc, out, err = _run(
         capsys, "grant", "m@1", "--tenant", "acme", "--classes", "0-1", "--expires", "1h"
     )
-    assert rc == 0 and "granted portal" in err
+    assert rc == 0 and "granted portal" in err and "2 spaces" in err
     token = out.strip()
     perm = Token.from_text(token).permission()
     assert perm.spaces == {experts.raw, trunk.raw}  # the trunk comes with the version
@@ -96,7 +96,31 @@ def test_parse_expiry():
         parse_expiry("soon", 0)
 
 
-def test_linked_spaces_from_manifest():
-    a, b = Selector.from_name("a"), Selector.from_name("b")
-    assert linked_spaces({"trunk": a.hex(), "spaces": {"x": b.raw, "y": "junk"}}) == [a, b]
-    assert linked_spaces({}) == []
+def test_model_spaces_follow_trunk_and_base_chain(store_dir):
+    path, experts, trunk = store_dir
+    adapter = Selector.from_name("cli-adapter")
+    other = Selector.from_name("cli-other")
+    with Store.open(path) as st:
+        with st.begin_space(
+            adapter, {"kind": "adapter", "base": experts.hex(), "spaces": {"x": other.raw}}
+        ):
+            pass
+        assert model_spaces(st, adapter) == ([adapter, experts], [other, trunk])
+        assert model_spaces(st, trunk) == ([trunk], [])
+
+
+def test_grant_on_adapter_narrows_every_expert_space(store_dir, capsys):
+    path, experts, trunk = store_dir
+    adapter = Selector.from_name("cli-adapter2")
+    with Store.open(path) as st:
+        with st.begin_space(adapter, {"kind": "adapter", "base": experts.hex()}):
+            pass
+        st.set_tag("m@2", adapter)
+    rc, out, _ = _run(capsys, "grant", "m@2", "--tenant", "t", "--classes", "1", "--layers", "0")
+    assert rc == 0
+    perm = Token.from_text(out.strip()).permission()
+    assert perm.spaces == {adapter.raw, experts.raw, trunk.raw}
+    for s in (adapter.raw, experts.raw):
+        sc = perm.scope_for(s)
+        assert sc.classes == 0b10 and (sc.layer_lo, sc.layer_hi) == (0, 0)
+    assert perm.scope_for(trunk.raw).classes == (1 << 256) - 1
