@@ -34,7 +34,9 @@ def curve_of(manifest: dict) -> Curve:
     Fails closed on a curve it does not know: decoding keys with the wrong
     curve would check the wrong layer.
     """
-    spec = manifest.get("key_curve", manifest.get("curve"))
+    # Only "key_curve" is read: "curve"/"layout" fields of model manifests
+    # describe the block-file layout, not how keys are packed.
+    spec = manifest.get("key_curve")
     name = spec.get("name") if isinstance(spec, dict) else spec
     if name in (None, "morton", DEFAULT_CURVE.name):
         return DEFAULT_CURVE

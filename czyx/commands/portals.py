@@ -15,6 +15,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--active", action="store_true", help="only portals that are still valid")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument(
+        "--root-token",
+        action="store_true",
+        help="print the owner's root portal token (needs the store secret) and exit",
+    )
     add_store_arg(p)
     p.set_defaults(func=run)
 
@@ -40,7 +45,11 @@ def run(args: argparse.Namespace) -> int:
     from portals.authority import PortalAuthority
 
     with open_store(args) as store:
-        descs = PortalAuthority(store).descriptors()
+        auth = PortalAuthority(store)
+        if args.root_token:
+            print(auth.root_token())
+            return 0
+        descs = auth.descriptors()
         tags = {sel.hex(): t for t, sel in store.tags().items()}
     if args.active:
         descs = [d for d in descs if d["status"] == "active"]

@@ -34,7 +34,7 @@ class Clock:
 
 
 def _publish(store, sel: Selector, cells: list[tuple[int, int]]) -> None:
-    with store.begin_space(sel, {"kind": "test", "curve": "morton"}) as w:
+    with store.begin_space(sel, {"kind": "test", "key_curve": "morton"}) as w:
         for cls, layer in cells:
             ext = w.write_extent(np.frombuffer(payload(cls, layer), dtype=np.uint8))
             w.put(Key(cls, layer).pack(), {**ext.record(), "cls": cls, "layer": layer})

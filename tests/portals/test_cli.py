@@ -56,6 +56,9 @@ def test_grant_attenuate_list_revoke_audit(store_dir, capsys):
     narrow = Token.from_text(out.strip()).permission()
     assert rc == 0 and narrow.scope_for(experts.raw).classes == 0b10
 
+    rc, out, _ = _run(capsys, "portals", "--root-token")
+    root = Token.from_text(out.strip()).permission()
+    assert rc == 0 and root.spaces is None and root.portal_id.hex() == perm.ids[0].hex()
     rc, out, _ = _run(capsys, "portals")
     assert rc == 0 and pid in out and "m@1" in out and "classes=0-1" in out
 

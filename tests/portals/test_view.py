@@ -99,3 +99,12 @@ def test_view_has_no_write_path(world):
     view = auth.open_space(auth.root_token(), a)
     assert not any(n.startswith(("put", "write", "delete", "begin")) for n in dir(view))
     assert "classes=256" in repr(view)
+
+
+def test_unknown_key_curve_fails_closed():
+    from portals.view import curve_of
+
+    assert curve_of({}).name == curve_of({"key_curve": "morton"}).name
+    assert curve_of({"curve": "hilbert", "layout": {"outer": "hilbert"}}).name == "morton"
+    with pytest.raises(PortalError, match="key curve"):
+        curve_of({"key_curve": {"name": "hilbert"}})
