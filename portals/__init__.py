@@ -5,6 +5,8 @@ Public entry points:
 
 - :func:`open_space` ``(store, token, space=None) -> SpaceView``: the only way
   to read a space through a portal;
+- :func:`open_model` ``(store, token, "name@version") -> SpaceView``: the same
+  for a model version (all its spaces covered, ``infer`` right), for consumers;
 - :class:`PortalAuthority` (``authority(store)``): grant, verify, revoke, list;
 - :func:`attenuate`: offline narrowing of a token (no store, no secret).
 
@@ -24,6 +26,8 @@ _EXPORTS = {
     "grant": "portals.authority",
     "open_space": "portals.authority",
     "root_token": "portals.authority",
+    "model_spaces": "portals.model",
+    "open_model": "portals.model",
     "GRANT": "portals.caveats",
     "INFER": "portals.caveats",
     "READ": "portals.caveats",

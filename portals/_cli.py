@@ -11,8 +11,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from czyx.space import SELECTOR_SIZE, Selector
+from czyx.space import Selector
 from portals.errors import CaveatError
+from portals.model import model_spaces  # re-exported for the grant command
 
 DEFAULT_STORE = "czyx-store"
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -65,37 +66,7 @@ def resolve_space(store: Any, name: str) -> Selector:
     return Selector.from_hex(name)
 
 
-def _as_selector(v: Any) -> Selector | None:
-    raw = bytes.fromhex(v) if isinstance(v, str) and len(v) == 2 * SELECTOR_SIZE else v
-    if isinstance(raw, bytes) and len(raw) == SELECTOR_SIZE:
-        return Selector(raw)
-    return None
-
-
-def model_spaces(store: Any, sel: Selector) -> tuple[list[Selector], list[Selector]]:
-    """The spaces a grant on ``sel`` must name: ``(scoped, whole)``.
-
-    ``scoped`` is ``sel`` and, for an adapter or derived version, every base
-    it names (manifest ``base``, followed to the full model): the expert
-    spaces, where class and layer caveats apply. ``whole`` are the linked
-    spaces read whole (manifest ``trunk`` of each version in the chain, and
-    any ``spaces`` list or role map), where they do not: a tenant limited to
-    some experts still needs the trunk to run the model.
-    """
-    scoped: list[Selector] = []
-    whole: list[Selector] = []
-    cur: Selector | None = sel
-    while cur is not None and cur not in scoped and len(scoped) < 64:
-        scoped.append(cur)
-        manifest = store.manifest(cur)
-        extra = manifest.get("spaces")
-        values = list(extra.values()) if isinstance(extra, dict) else list(extra or [])
-        for v in (manifest.get("trunk"), manifest.get("trunk_space"), *values):
-            s = _as_selector(v)
-            if s is not None and s not in whole:
-                whole.append(s)
-        cur = _as_selector(manifest.get("base"))
-    return scoped, [s for s in whole if s not in scoped]
+__all__ = ["add_store_arg", "fmt_time", "model_spaces", "open_store", "parse_expiry"]
 
 
 def fmt_time(t: float | None) -> str:

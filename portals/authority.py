@@ -359,6 +359,8 @@ class PortalAuthority:
         *,
         right: str = READ,
         tenant: str | None = None,
+        requires: Sequence[Selector] = (),
+        narrow_by: Sequence[Selector] = (),
     ) -> SpaceView:
         """Verify ``token`` and open one of its spaces as a read-only :class:`SpaceView`.
 
@@ -374,22 +376,42 @@ class PortalAuthority:
             consumer opens with this).
         tenant:
             The tenant the caller acts for, checked against the portal's.
+        requires:
+            Further spaces the portal must also cover for ``right`` (a model
+            version's trunk and bases), else the open is refused.
+        narrow_by:
+            Spaces whose class/layer scopes are intersected into the view's
+            (a version's base expert spaces), so one O(1) check is valid for
+            all of them.
 
         Raises
         ------
         PortalDenied
             Any refusal (audited).
         """
-        sel = self._resolve_space(token, space)
+        sel = self.resolve_space(token, space)
         perm = self.verify(token, space=sel, right=right, tenant=tenant)
         scope = perm.scope_for(sel.raw)
+        for other in (*requires, *narrow_by):
+            try:
+                _check_open(perm, other.raw, right, tenant)
+            except PortalDenied as exc:
+                self.deny(exc, perm=perm, space=other.raw, right=right, opening=sel.hex())
+                raise
+        for other in narrow_by:
+            scope = scope.narrow(perm.scope_for(other.raw))
+        if scope.empty:
+            exc = OutOfScope("portal's class/layer caveats leave nothing of this model")
+            self.deny(exc, perm=perm, space=sel.raw, right=right)
+            raise exc
         who = tenant or perm.tenant or OWNER
         manifest = self.store.manifest(sel)  # SpaceNotFoundError for an unknown space
         view = SpaceView(self, sel, perm, scope, right=right, tenant=who, manifest=manifest)
         self._audit("portal.open", perm.portal_id, who, space=sel.hex(), right=right)
         return view
 
-    def _resolve_space(self, token: str, space: Selector | bytes | str | None) -> Selector:
+    def resolve_space(self, token: str, space: Selector | bytes | str | None) -> Selector:
+        """The selector ``space`` names (tag, hex, bytes), or the portal's only space."""
         if isinstance(space, Selector):
             return space
         if isinstance(space, bytes):

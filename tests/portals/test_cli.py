@@ -8,8 +8,10 @@ import pytest
 from czyx.cli import main
 from czyx.key import Key
 from czyx.space import Selector
-from portals._cli import model_spaces, parse_expiry
+from portals._cli import parse_expiry
+from portals.caveats import Rights
 from portals.errors import CaveatError
+from portals.model import model_spaces
 from portals.token import Token
 from tests.portals.conftest import Store
 
@@ -127,3 +129,47 @@ def test_grant_on_adapter_narrows_every_expert_space(store_dir, capsys):
         sc = perm.scope_for(s)
         assert sc.classes == 0b10 and (sc.layer_lo, sc.layer_hi) == (0, 0)
     assert perm.scope_for(trunk.raw).classes == (1 << 256) - 1
+
+
+def test_open_model_covers_the_whole_version(store_dir, capsys):
+    path, experts, trunk = store_dir
+    from portals import attenuate, open_model
+    from portals.caveats import Spaces
+    from portals.errors import OutOfScope
+
+    _, out, _ = _run(capsys, "grant", "m@1", "--tenant", "acme", "--classes", "1-2")
+    token = out.strip()
+    with Store.open(path) as st:
+        view = open_model(st, token, "m@1")
+        assert view.right == "infer" and view.space == experts
+        assert view.allows(1, 0) and not view.allows(0, 0)
+        # Dropping the trunk from the portal makes the model unopenable.
+        no_trunk = attenuate(token, [Spaces(frozenset({experts.raw}))])
+        with pytest.raises(OutOfScope):
+            open_model(st, no_trunk, "m@1")
+        last = list(st.audit_log())[-1]
+        assert last["event"] == "portal.deny" and last["space"] == trunk.hex()
+        with pytest.raises(OutOfScope):
+            open_model(st, attenuate(token, [Rights(frozenset({"read"}))]), "m@1")
+
+
+def test_open_model_intersects_the_chain_scopes(store_dir):
+    path, experts, trunk = store_dir
+    from portals import open_model
+    from portals.authority import PortalAuthority
+    from portals.caveats import ClassRange, Spaces
+
+    adapter = Selector.from_name("cli-adapter3")
+    with Store.open(path) as st:
+        with st.begin_space(adapter, {"kind": "adapter", "base": experts.hex()}):
+            pass
+        g = PortalAuthority(st).grant(
+            [
+                Spaces(frozenset({adapter.raw, experts.raw, trunk.raw})),
+                ClassRange(0, 3, adapter.raw),
+                ClassRange(2, 5, experts.raw),
+            ],
+            tenant="acme",
+        )
+        view = open_model(st, g.token, adapter)
+        assert [c for c in range(8) if view.allows(c, 0)] == [2, 3]
