@@ -84,12 +84,15 @@ class SpaceView:
         self._manifest = manifest
         self._curve = curve_of(manifest)
         self._mask = scope.classes
-        self._classes = frozenset(c for c in range(N_CLASSES) if scope.classes >> c & 1)
         self.layer_lo = scope.layer_lo
         self.layer_hi = scope.layer_hi
-        bits = np.array([(scope.classes >> c) & 1 for c in range(N_CLASSES)], dtype=bool)
+        bits = np.unpackbits(
+            np.frombuffer(scope.classes.to_bytes(N_CLASSES // 8, "little"), dtype=np.uint8),
+            bitorder="little",
+        ).astype(bool)
         bits.flags.writeable = False
         self.allowed_classes = bits
+        self._classes = frozenset(np.flatnonzero(bits).tolist())
         self._reader: Any = None
         self._closed = False
 
@@ -106,10 +109,12 @@ class SpaceView:
 
     def check(self, cls: int, layer: int) -> None:
         """Raise :class:`OutOfScope` (audited) unless ``(cls, layer)`` is readable."""
+        # Fast path inlined (no second call); a closed view has no classes.
+        if cls in self._classes and self.layer_lo <= layer <= self.layer_hi:
+            return
         if self._closed:
             raise PortalError("space view is closed")
-        if not (isinstance(cls, int) and 0 <= cls < N_CLASSES and self.allows(cls, layer)):
-            self._deny(f"class {cls!r}, layer {layer!r} outside the portal", cls=cls, layer=layer)
+        self._deny(f"class {cls!r}, layer {layer!r} outside the portal", cls=cls, layer=layer)
 
     def check_many(self, classes: np.ndarray, layers: np.ndarray | int) -> None:
         """Vectorised :meth:`check` for arrays of classes (and layers)."""
@@ -193,6 +198,7 @@ class SpaceView:
     def close(self) -> None:
         """Release the block-file reader; the view refuses reads afterwards."""
         self._closed = True
+        self._classes = frozenset()
         if self._reader is not None:
             self._reader.close()
             self._reader = None
