@@ -116,19 +116,25 @@ class SpaceView:
             raise PortalError("space view is closed")
         self._deny(f"class {cls!r}, layer {layer!r} outside the portal", cls=cls, layer=layer)
 
-    def check_many(self, classes: np.ndarray, layers: np.ndarray | int) -> None:
-        """Vectorised :meth:`check` for arrays of classes (and layers)."""
-        classes = np.asarray(classes)
-        layers = np.asarray(layers)
-        bad = (classes < 0) | (classes >= N_CLASSES) | (layers < self.layer_lo)
-        bad |= layers > self.layer_hi
-        ok = ~bad
-        ok[ok] = self.allowed_classes[classes[ok] if classes.ndim else int(classes)]
+    def check_many(self, classes: np.ndarray | int, layers: np.ndarray | int) -> None:
+        """Vectorised :meth:`check`: ``classes`` and ``layers`` broadcast together.
+
+        Raises :class:`OutOfScope` (audited, naming the first offender) if any
+        pair is outside the portal.
+        """
+        c, z = np.broadcast_arrays(np.asarray(classes), np.asarray(layers))
+        c, z = c.ravel(), z.ravel()
+        in_range = (c >= 0) & (c < N_CLASSES) & (z >= self.layer_lo) & (z <= self.layer_hi)
+        ok = in_range & self.allowed_classes[np.where(in_range, c, 0).astype(np.intp)]
+        if self._closed:
+            raise PortalError("space view is closed")
         if not ok.all():
-            idx = np.flatnonzero(~ok.ravel())[0]
-            c = int(classes.ravel()[idx] if classes.ndim else classes)
-            lay = int(layers.ravel()[idx] if layers.ndim else layers)
-            self._deny(f"class {c}, layer {lay} outside the portal", cls=c, layer=lay)
+            i = int(np.flatnonzero(~ok)[0])
+            self._deny(
+                f"class {int(c[i])}, layer {int(z[i])} outside the portal",
+                cls=int(c[i]),
+                layer=int(z[i]),
+            )
 
     def _deny(self, message: str, **fields: Any) -> None:
         exc = OutOfScope(message)

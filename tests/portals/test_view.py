@@ -108,3 +108,14 @@ def test_unknown_key_curve_fails_closed():
     assert curve_of({"curve": "hilbert", "layout": {"outer": "hilbert"}}).name == "morton"
     with pytest.raises(PortalError, match="key curve"):
         curve_of({"key_curve": {"name": "hilbert"}})
+
+
+def test_check_many_broadcasts(world):
+    auth, a, _, _ = world
+    g = auth.grant([ClassRange(0, 3), LayerRange(0, 1), Spaces(frozenset({a.raw}))], tenant="t")
+    view = auth.open_space(g.token)
+    view.check_many(np.array([[0, 1], [2, 3]]), np.array([0, 1]))
+    view.check_many(3, np.arange(2))
+    for classes, layers in (([0, 4], 0), (1, [0, 2]), ([[0], [-1]], [0, 1])):
+        with pytest.raises(OutOfScope):
+            view.check_many(np.array(classes), np.array(layers))
