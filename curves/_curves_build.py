@@ -23,6 +23,10 @@ int czyx_hilbert_encode(int ndim, int bits, const uint64_t *coords, size_t n,
                         uint64_t *out, int w);
 int czyx_hilbert_decode(int ndim, int bits, const uint64_t *ords, size_t n,
                         uint64_t *out, int w);
+int czyx_key_pack(int hilbert, const uint8_t *cls, const uint64_t *coords, size_t n,
+                  uint8_t *out);
+int czyx_key_unpack(int hilbert, const uint8_t *keys, size_t n, uint8_t *cls,
+                    uint64_t *coords);
 """
 
 SOURCE = r"""
@@ -83,14 +87,22 @@ static inline uint64_t get_at(const uint64_t *acc, int pos) {
 }
 
 /* Interleave x[0..ndim) (axis 0 most significant in each group) into the
-   big-endian words out[0..w). */
+   big-endian words out[0..w). The common cases (3-D up to 63 bits, 2-D) are
+   straight-line code; 3-D at 64 bits takes the generic piece loop. */
 static inline void interleave(int ndim, int bits, const uint64_t *x, uint64_t *out, int w) {
     uint64_t acc[5] = {0, 0, 0, 0, 0};
-    if (ndim == 2) {
-        for (int j = 0; j * 32 < bits; j++) {
-            uint64_t piece = (spread2(x[0] >> (32 * j)) << 1) | spread2(x[1] >> (32 * j));
-            or_at(acc, piece, 64 * j);
-        }
+    if (ndim == 3 && bits <= 63) {
+        uint64_t p0 = (spread3(x[0]) << 2) | (spread3(x[1]) << 1) | spread3(x[2]);
+        uint64_t p1 = (spread3(x[0] >> 21) << 2) | (spread3(x[1] >> 21) << 1)
+                    | spread3(x[2] >> 21);
+        uint64_t p2 = (spread3(x[0] >> 42) << 2) | (spread3(x[1] >> 42) << 1)
+                    | spread3(x[2] >> 42);
+        acc[0] = p0 | (p1 << 63);
+        acc[1] = (p1 >> 1) | (p2 << 62);
+        acc[2] = p2 >> 2;
+    } else if (ndim == 2) {
+        acc[0] = (spread2(x[0]) << 1) | spread2(x[1]);
+        acc[1] = (spread2(x[0] >> 32) << 1) | spread2(x[1] >> 32);
     } else {
         for (int j = 0; j * 21 < bits; j++) {
             uint64_t piece = (spread3(x[0] >> (21 * j)) << 2)
@@ -105,13 +117,16 @@ static inline void interleave(int ndim, int bits, const uint64_t *x, uint64_t *o
 static inline void deinterleave(int ndim, int bits, const uint64_t *in, uint64_t *x, int w) {
     uint64_t acc[5] = {0, 0, 0, 0, 0};
     for (int k = 0; k < w; k++) acc[k] = in[w - 1 - k];
-    if (ndim == 2) {
-        x[0] = x[1] = 0;
-        for (int j = 0; j * 32 < bits; j++) {
-            uint64_t piece = get_at(acc, 64 * j);
-            x[0] |= compact2(piece >> 1) << (32 * j);
-            x[1] |= compact2(piece) << (32 * j);
-        }
+    if (ndim == 3 && bits <= 63) {
+        uint64_t p0 = acc[0];
+        uint64_t p1 = (acc[0] >> 63) | (acc[1] << 1);
+        uint64_t p2 = (acc[1] >> 62) | (acc[2] << 2);
+        x[0] = compact3(p0 >> 2) | (compact3(p1 >> 2) << 21) | (compact3(p2 >> 2) << 42);
+        x[1] = compact3(p0 >> 1) | (compact3(p1 >> 1) << 21) | (compact3(p2 >> 1) << 42);
+        x[2] = compact3(p0) | (compact3(p1) << 21) | (compact3(p2) << 42);
+    } else if (ndim == 2) {
+        x[0] = compact2(acc[0] >> 1) | (compact2(acc[1] >> 1) << 32);
+        x[1] = compact2(acc[0]) | (compact2(acc[1]) << 32);
     } else {
         x[0] = x[1] = x[2] = 0;
         for (int j = 0; j * 21 < bits; j++) {
@@ -213,6 +228,56 @@ int czyx_hilbert_decode(int ndim, int bits, const uint64_t *ords, size_t n,
         }
         for (size_t k = 0; k < cnt; k++)
             for (int i = 0; i < ndim; i++) out[(base + k) * ndim + i] = X[i][k];
+    }
+    return 0;
+}
+
+/* 24-byte keys: class byte, then the 3 x 61-bit ordinal as 23 big-endian bytes
+   (the 192-bit big-endian word triple with its always-zero top byte replaced
+   by the class). Encoded a block at a time into a stack buffer. */
+#define KB 256
+static inline uint64_t to_be64(uint64_t v) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    return v;
+#else
+    return __builtin_bswap64(v);
+#endif
+}
+
+int czyx_key_pack(int hilbert, const uint8_t *cls, const uint64_t *coords, size_t n,
+                  uint8_t *out) {
+    uint64_t words[KB * 3];
+    for (size_t base = 0; base < n; base += KB) {
+        size_t cnt = n - base < KB ? n - base : KB;
+        if (hilbert) czyx_hilbert_encode(3, 61, coords + base * 3, cnt, words, 3);
+        else czyx_morton_encode(3, 61, coords + base * 3, cnt, words, 3);
+        for (size_t k = 0; k < cnt; k++) {
+            uint64_t be[3] = {to_be64(words[3 * k]), to_be64(words[3 * k + 1]),
+                              to_be64(words[3 * k + 2])};
+            uint8_t *dst = out + (base + k) * 24;
+            memcpy(dst, be, 24);
+            dst[0] = cls[base + k];
+        }
+    }
+    return 0;
+}
+
+int czyx_key_unpack(int hilbert, const uint8_t *keys, size_t n, uint8_t *cls,
+                    uint64_t *coords) {
+    uint64_t words[KB * 3];
+    for (size_t base = 0; base < n; base += KB) {
+        size_t cnt = n - base < KB ? n - base : KB;
+        for (size_t k = 0; k < cnt; k++) {
+            const uint8_t *src = keys + (base + k) * 24;
+            uint64_t be[3];
+            memcpy(be, src, 24);
+            cls[base + k] = src[0];
+            words[3 * k] = to_be64(be[0]) & 0x00FFFFFFFFFFFFFFULL;
+            words[3 * k + 1] = to_be64(be[1]);
+            words[3 * k + 2] = to_be64(be[2]);
+        }
+        if (hilbert) czyx_hilbert_decode(3, 61, words, cnt, coords + base * 3, 3);
+        else czyx_morton_decode(3, 61, words, cnt, coords + base * 3, 3);
     }
     return 0;
 }

@@ -148,6 +148,21 @@ def class_prefix(cls: int) -> bytes:
 # --------------------------------------------------------------------------- vectorised
 
 
+def _kernel_kind(curve: Curve) -> int | None:
+    """0/1 when the C key kernel serves ``curve`` (plain Morton/Hilbert), else ``None``."""
+    from curves import _native
+    from curves.hilbert import HilbertCurve
+    from curves.morton import MortonCurve
+
+    if _native.LIB is None:
+        return None
+    if type(curve) is MortonCurve:
+        return 0
+    if type(curve) is HilbertCurve:
+        return 1
+    return None
+
+
 def _check_classes(classes: Any, n: int) -> np.ndarray:
     arr = np.asarray(classes)
     if arr.ndim == 0:
@@ -200,7 +215,23 @@ def pack_keys(classes: Any, coords: Any, curve: Curve | None = None) -> np.ndarr
     """
     src = _check_key_coords(coords)
     cls = _check_classes(classes, src.shape[0])
-    words = _key_curve(curve).encode_array(src)  # (N, 3) big-endian words, top 9 bits zero
+    curve = _key_curve(curve)
+    kernel = _kernel_kind(curve)
+    if kernel is not None:  # one C pass: encode and write the bytes
+        from curves import _native
+
+        out = np.empty((src.shape[0], KEY_SIZE), dtype=np.uint8)
+        cls8 = np.ascontiguousarray(cls, dtype=np.uint8)
+        ffi = _native.FFI
+        _native.LIB.czyx_key_pack(
+            kernel,
+            ffi.cast("const uint8_t *", cls8.ctypes.data),
+            ffi.cast("const uint64_t *", src.ctypes.data),
+            src.shape[0],
+            ffi.cast("uint8_t *", out.ctypes.data),
+        )
+        return out
+    words = curve.encode_array(src)  # (N, 3) big-endian words, top 9 bits zero
     out = words.astype(">u8").view(np.uint8).reshape(-1, KEY_SIZE)
     out[:, 0] = cls
     return out
@@ -247,10 +278,26 @@ def unpack_keys(keys: Any, curve: Curve | None = None) -> tuple[np.ndarray, np.n
     if arr.shape[0] and int(arr[:, 1].max()) & 0x80:
         bad = int(np.flatnonzero(arr[:, 1] & 0x80)[0])
         raise ValueError(f"key code[{bad}]: top bit set (codes are {CODE_BITS} bits)")
+    curve = _key_curve(curve)
+    kernel = _kernel_kind(curve)
+    if kernel is not None:  # one C pass: read the bytes and decode
+        from curves import _native
+
+        src = np.ascontiguousarray(arr)
+        coords = np.empty((src.shape[0], 3), dtype=np.uint64)
+        ffi = _native.FFI
+        _native.LIB.czyx_key_unpack(
+            kernel,
+            ffi.cast("const uint8_t *", src.ctypes.data),
+            src.shape[0],
+            ffi.cast("uint8_t *", cls.ctypes.data),
+            ffi.cast("uint64_t *", coords.ctypes.data),
+        )
+        return cls, coords
     buf = arr.copy()
     buf[:, 0] = 0
     words = buf.view(">u8").astype(np.uint64)
-    return cls, _key_curve(curve).decode_array(words)
+    return cls, curve.decode_array(words)
 
 
 def as_void(keys: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from curves import HilbertCurve, MortonCurve, RowMajorCurve
+from curves import HilbertCurve, MortonCurve, PermutedCurve, RowMajorCurve
 from czyx.key import (
     COORD_BITS,
     EDG,
@@ -86,6 +86,21 @@ def test_extremes_and_named_classes():
     assert Key(MEM).pack() == bytes([MEM]) + bytes(23)
     assert Key(1, 1, 0, 0).pack() == bytes([1]) + (4).to_bytes(23, "big")  # Morton default
     assert default_curve() == MortonCurve(3, 61)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(KEYS, min_size=1, max_size=30))
+def test_kernel_and_generic_paths_agree(keys):
+    # An identity PermutedCurve is the same curve but never takes the C key kernel.
+    cls = np.array([k.cls for k in keys], dtype=np.uint8)
+    coords = np.array([(k.z, k.y, k.x) for k in keys], dtype=np.uint64)
+    for inner in (MortonCurve(3, 61), HilbertCurve(3, 61)):
+        generic = PermutedCurve(inner, (None, None, None))
+        fast = pack_keys(cls, coords, inner)
+        assert np.array_equal(pack_keys(cls, coords, generic), fast)
+        c1, x1 = unpack_keys(fast, generic)
+        c2, x2 = unpack_keys(fast, inner)
+        assert np.array_equal(c1, c2) and np.array_equal(x1, x2) and np.array_equal(x1, coords)
 
 
 def test_scalar_class_broadcasts_and_signed_input():
