@@ -2,7 +2,9 @@
 
 Run from the repository root: ``python bench/bench_curves.py`` (about 15-30 s).
 
-Every figure is a median over repeats, and every ratio is against a baseline
+Every figure is a median of CPU time (``time.process_time``: user + system,
+so time spent descheduled on a shared machine is not counted) over repeats,
+and every ratio is against a baseline
 measured in the same run on the same random coordinates:
 
 - Morton (3-D, 61 bits an axis, the key's curve): ``zCurve.interlace`` /
@@ -48,13 +50,18 @@ from czyx.key import Key, pack_keys, unpack_keys
 
 
 def median_time(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs (after one warm-up run)."""
+    """Median CPU time (user + system) of ``fn()`` over ``repeats`` runs, after a warm-up.
+
+    CPU time, not wall time: this machine's 2 cores are shared, and a
+    single-threaded CPU-bound loop's CPU time does not count the time it spent
+    descheduled. Both sides of every ratio are measured the same way.
+    """
     fn()
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = time.process_time()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(time.process_time() - t)
     return statistics.median(times)
 
 
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     cls = rng.integers(0, 256, size=n, dtype=np.uint8)
     kernel = "C (cffi)" if _native.LIB is not None else "numpy fallback"
     print(
-        f"czyx curve benchmark: N={n:,}, repeats={reps} (medians), kernel={kernel}, "
+        f"czyx curve benchmark: N={n:,}, repeats={reps} (median CPU time), kernel={kernel}, "
         f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')} (no BLAS used), "
         f"single thread; pure-Python baselines timed on the first {s:,} rows and scaled per item"
     )

@@ -91,7 +91,13 @@ static inline uint64_t get_at(const uint64_t *acc, int pos) {
    straight-line code; 3-D at 64 bits takes the generic piece loop. */
 static inline void interleave(int ndim, int bits, const uint64_t *x, uint64_t *out, int w) {
     uint64_t acc[5] = {0, 0, 0, 0, 0};
-    if (ndim == 3 && bits <= 63) {
+    if (ndim == 3 && bits <= 21) {
+        out[0] = (spread3(x[0]) << 2) | (spread3(x[1]) << 1) | spread3(x[2]);
+        return;
+    } else if (ndim == 2 && bits <= 32) {
+        out[0] = (spread2(x[0]) << 1) | spread2(x[1]);
+        return;
+    } else if (ndim == 3 && bits <= 63) {
         uint64_t p0 = (spread3(x[0]) << 2) | (spread3(x[1]) << 1) | spread3(x[2]);
         uint64_t p1 = (spread3(x[0] >> 21) << 2) | (spread3(x[1] >> 21) << 1)
                     | spread3(x[2] >> 21);
@@ -116,6 +122,16 @@ static inline void interleave(int ndim, int bits, const uint64_t *x, uint64_t *o
 
 static inline void deinterleave(int ndim, int bits, const uint64_t *in, uint64_t *x, int w) {
     uint64_t acc[5] = {0, 0, 0, 0, 0};
+    if (ndim == 3 && bits <= 21) {
+        x[0] = compact3(in[0] >> 2);
+        x[1] = compact3(in[0] >> 1);
+        x[2] = compact3(in[0]);
+        return;
+    } else if (ndim == 2 && bits <= 32) {
+        x[0] = compact2(in[0] >> 1);
+        x[1] = compact2(in[0]);
+        return;
+    }
     for (int k = 0; k < w; k++) acc[k] = in[w - 1 - k];
     if (ndim == 3 && bits <= 63) {
         uint64_t p0 = acc[0];
