@@ -34,6 +34,14 @@ SOURCE = r"""
 #include <stddef.h>
 #include <string.h>
 
+/* On x86-64 Linux with GCC, also compile AVX2 clones of the hot loops and let
+   the loader pick one at run time (ifunc); elsewhere, plain portable code. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define CZYX_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CZYX_CLONES
+#endif
+
 /* Spread the low 32 (2-D) or 21 (3-D) bits of x so that bit i lands at bit
    ndim*i; compact is the inverse. Classic magic-mask bit twiddling. */
 static inline uint64_t spread2(uint64_t x) {
@@ -154,6 +162,7 @@ static inline void deinterleave(int ndim, int bits, const uint64_t *in, uint64_t
     }
 }
 
+CZYX_CLONES
 int czyx_morton_encode(int ndim, int bits, const uint64_t *coords, size_t n,
                        uint64_t *out, int w) {
     if (ndim != 2 && ndim != 3) return -1;
@@ -161,6 +170,7 @@ int czyx_morton_encode(int ndim, int bits, const uint64_t *coords, size_t n,
     return 0;
 }
 
+CZYX_CLONES
 int czyx_morton_decode(int ndim, int bits, const uint64_t *ords, size_t n,
                        uint64_t *out, int w) {
     if (ndim != 2 && ndim != 3) return -1;
@@ -201,6 +211,7 @@ static inline void invert0(uint64_t *restrict x0, int q, size_t cnt) {
     for (size_t k = 0; k < cnt; k++) x0[k] ^= P & (0 - ((x0[k] >> q) & 1));
 }
 
+CZYX_CLONES
 int czyx_hilbert_encode(int ndim, int bits, const uint64_t *coords, size_t n,
                         uint64_t *out, int w) {
     if (ndim != 2 && ndim != 3) return -1;
@@ -224,6 +235,7 @@ int czyx_hilbert_encode(int ndim, int bits, const uint64_t *coords, size_t n,
     return 0;
 }
 
+CZYX_CLONES
 int czyx_hilbert_decode(int ndim, int bits, const uint64_t *ords, size_t n,
                         uint64_t *out, int w) {
     if (ndim != 2 && ndim != 3) return -1;

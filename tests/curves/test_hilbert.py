@@ -13,7 +13,7 @@ from curves import HilbertCurve
 from curves.errors import CurveError
 from curves.hilbert import hilbert_decode_np, hilbert_encode_np
 from curves.words import ints_to_words, words_to_ints
-from tests.curves.conftest import shape_and_points
+from tests.curves.strategies import shape_and_points
 
 # The 4x4 Hilbert curve, ordinal -> (axis0, axis1): the sequence printed in the
 # hilbertcurve README for p=2, n=2 (Skilling's orientation).

@@ -13,7 +13,7 @@ from curves import MortonCurve, _native
 from curves.errors import CurveError
 from curves.morton import deinterleave_np, interleave_np
 from curves.words import words_to_ints
-from tests.curves.conftest import shape_and_points
+from tests.curves.strategies import shape_and_points
 
 
 def test_published_vectors_3d():

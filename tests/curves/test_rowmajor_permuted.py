@@ -18,7 +18,7 @@ from curves import (
 )
 from curves.errors import CurveError
 from curves.words import words_to_ints
-from tests.curves.conftest import shape_and_points
+from tests.curves.strategies import shape_and_points
 
 
 def test_rowmajor_vectors():
