@@ -142,6 +142,20 @@ class ExpertLayout:
         """Size of the raw outer-curve range ``2**(2*bits)`` before compaction."""
         return 1 << (2 * self._bits)
 
+    @property
+    def slot_table(self) -> np.ndarray:
+        """Read-only ``(n_layers, n_classes)`` ``int64`` table: ``[layer, expert] -> slot``.
+
+        For hot paths that have already validated their indices:
+        ``layout.slot_table[layer, experts]`` is one fancy index, no checks.
+        """
+        return self._slot
+
+    @property
+    def cell_table(self) -> np.ndarray:
+        """Read-only ``(n_slots, 2)`` ``int64`` table: ``slot -> (layer, expert)``."""
+        return self._cell
+
     # ----------------------------------------------------------------- scalar
 
     def _check_cell(self, layer: Any, expert: Any) -> tuple[int, int]:

@@ -43,6 +43,9 @@ def test_slots_are_a_compact_order_preserving_bijection(lay):
     ea = np.array([c[1] for c in cells])
     assert lay.ordinal_array(la, ea).tolist() == slots
     assert lay.cell_array(np.array(slots)).tolist() == [list(c) for c in cells]
+    assert lay.slot_table[la, ea].tolist() == slots
+    assert lay.cell_table[slots].tolist() == [list(c) for c in cells]
+    assert not lay.slot_table.flags.writeable
     assert lay.class_array(la, ea).tolist() == [lay.class_of(l, e) for l, e in cells]
     for l, e in cells[:50]:
         assert lay.expert_of(l, lay.class_of(l, e)) == e

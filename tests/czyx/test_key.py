@@ -76,6 +76,17 @@ def test_class_ranges_are_disjoint_prefix_ranges(key, a, b, curve):
     assert not olo <= key.pack(curve) <= ohi  # never inside another class's range
 
 
+@given(KEYS, KEYS)
+def test_key_is_a_frozen_ordered_hashable_value(a, b):
+    assert (a < b) == ((a.cls, a.z, a.y, a.x) < (b.cls, b.z, b.y, b.x))
+    assert (a == b) == (a.pack() == b.pack())  # the packing is injective
+    assert hash(Key(a.cls, a.z, a.y, a.x)) == hash(a)
+    assert Key(np.uint8(a.cls), np.uint64(a.z), a.y, a.x) == a
+    assert hash(Key(np.uint8(a.cls), np.uint64(a.z), a.y, a.x)) == hash(a)
+    with pytest.raises(AttributeError):
+        a.cls = 1  # type: ignore[misc]
+
+
 def test_extremes_and_named_classes():
     top = (1 << COORD_BITS) - 1
     for curve in CURVES:
