@@ -2,7 +2,7 @@
 
 Conventions every curve in this package follows:
 
-- ``ndim`` axes of ``bits`` bits each (``1 <= bits <= 64``); ordinals lie in
+- ``ndim`` axes (``1 <= ndim <= 16``) of ``bits`` bits each (``1 <= bits <= 64``); ordinals lie in
   ``[0, 2**(ndim * bits))``.
 - Scalar methods take and return Python ints, so the 3 x 61 = 183-bit ordinals
   of a key are exact.
@@ -22,6 +22,9 @@ import numpy as np
 
 from curves.errors import CurveError
 from curves.words import check_coords, check_words, n_words
+
+# Scalar Morton decoding keeps a 2**ndim-entry table per dimension count.
+MAX_NDIM = 16
 
 
 @runtime_checkable
@@ -53,8 +56,8 @@ class CurveBase:
             v = getattr(self, field)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise CurveError(f"{field}: {v!r} is not an integer")
-        if self.ndim < 1:
-            raise CurveError(f"ndim: {self.ndim} < 1")
+        if not 1 <= self.ndim <= MAX_NDIM:
+            raise CurveError(f"ndim: {self.ndim} outside [1, {MAX_NDIM}]")
         if not 1 <= self.bits <= 64:
             raise CurveError(f"bits: {self.bits} outside [1, 64]")
 

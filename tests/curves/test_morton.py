@@ -119,7 +119,17 @@ def test_errors():
     with pytest.raises(ValueError, match="ndim"):
         MortonCurve(0, 4)
     with pytest.raises(ValueError, match="ndim"):
+        MortonCurve(17, 4)
+    with pytest.raises(ValueError, match="ndim"):
         MortonCurve("3", 4)
+
+
+@pytest.mark.parametrize("ndim", [2, 3, 5])
+def test_empty_arrays(ndim):
+    m = MortonCurve(ndim, 61)
+    words = m.encode_array(np.zeros((0, ndim), np.uint64))
+    assert words.shape == (0, m.n_words)
+    assert m.decode_array(words).shape == (0, ndim)
 
 
 def test_kernel_state_is_reported():
