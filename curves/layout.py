@@ -66,6 +66,8 @@ def _norm_perm(perm: Any, n_layers: int, n_classes: int) -> tuple[tuple[int, ...
     for layer in range(n_layers):
         if not np.array_equal(np.sort(arr[layer]), ref):
             raise CurveError(f"class_perm[{layer}]: not a permutation of range({n_classes})")
+    if (arr == ref).all():  # the identity is recorded as None, so equal layouts compare equal
+        return None
     return tuple(tuple(int(v) for v in row) for row in arr)
 
 

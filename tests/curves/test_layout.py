@@ -84,6 +84,11 @@ def test_rowmajor_is_plain_arithmetic_and_morton_vector():
     assert m.runs([(0, 0), (0, 1), (1, 0), (2, 4)]) == [(0, 3), (14, 1)]
 
 
+def test_identity_permutation_is_no_permutation():
+    assert ExpertLayout(3, 4, "hilbert", [0, 1, 2, 3]) == ExpertLayout(3, 4, "hilbert")
+    assert ExpertLayout(3, 4, "hilbert", [0, 1, 2, 3]).to_dict()["class_perm"] is None
+
+
 def test_shared_permutation_and_class_mapping():
     perm = [3, 1, 0, 2]
     lay = ExpertLayout(2, 4, "rowmajor", perm)  # one order for every layer
