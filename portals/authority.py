@@ -95,6 +95,10 @@ class PortalAuthority:
         return mint(self._keys, self._keys.owner_id).to_text()
 
     def _ensure_root(self) -> None:
+        # A read-only store cannot record it; its root token then fails closed
+        # (unknown portal) until the store is opened writable once.
+        if getattr(self.store, "readonly", False):
+            return
         if self.store.get_portal_descriptor(self._keys.owner_id) is None:
             self.store.put_portal_descriptor(
                 self._keys.owner_id,
@@ -116,6 +120,12 @@ class PortalAuthority:
     # --- audit -----------------------------------------------------------------------
 
     def _audit(self, event: str, portal_id: bytes | None, tenant: str | None, **fields) -> None:
+        if getattr(self.store, "readonly", False):
+            # Fail closed: an open or a refusal that cannot be audited does not happen.
+            raise PortalError(
+                f"{event}: the store is open read-only and portal events must be audited; "
+                "open it writable"
+            )
         fields = {k: v for k, v in fields.items() if v is not None}
         self.store.audit(
             event, portal=portal_id.hex() if portal_id else None, tenant=tenant, **fields

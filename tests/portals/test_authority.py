@@ -28,6 +28,7 @@ from portals.errors import (
     InvalidSignature,
     OutOfScope,
     PortalDenied,
+    PortalError,
     PortalExpired,
     PortalRevoked,
     RootRevocationError,
@@ -315,3 +316,16 @@ def test_class_set_grant(world):
     view.check_many(np.array([1, 5, 5]), np.array([0, 1, 3]))
     with pytest.raises(OutOfScope):
         view.check_many(np.array([1, 2]), 0)
+
+
+def test_read_only_store_fails_closed(world):
+    auth, a, _, _ = world
+    from store import Store
+
+    g = _tenant_grant(auth, a)
+    path = auth.store.path
+    auth.store.close()  # LMDB allows one environment per path and process
+    with Store.open(path, readonly=True) as ro:
+        ro_auth = PortalAuthority(ro)
+        with pytest.raises(PortalError, match="read-only"):
+            ro_auth.open_space(g.token)
