@@ -105,14 +105,14 @@ class CatalogMixin:
             v = txn.get(key, db=self._db[db])
         finally:
             self._end_read(txn)
-        return None if v is None else decode(v, f"{db} {key.hex()}")
+        return None if v is None else decode(v, db, key)
 
     def _prefix(self, db: str, prefix: bytes) -> Iterator[tuple[bytes, dict]]:
         def stop(k: bytes) -> bool:
             return not k.startswith(prefix)
 
         for k, v in self._scan_raw(self._db[db], prefix, stop):
-            yield k, decode(v, f"{db} {k.hex()}")
+            yield k, decode(v, db, k)
 
     def put_portal_descriptor(self, portal_id: bytes, record: dict) -> None:
         """Store (or replace) the descriptor of portal ``portal_id``."""

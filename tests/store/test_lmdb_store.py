@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -86,6 +87,7 @@ def test_map_resized_by_another_process(tmp_path: pathlib.Path) -> None:
         "s.close()\n"
     )
     subprocess.run([sys.executable, "-c", code, str(path)], check=True, cwd=ROOT)
+    assert s.get(sp, Key(2, 2999).pack()) == {"p": b"z" * 300}
     assert s.aggregate(sp)[0] == 3001
     s.put(sp, Key(3).pack(), {"parent": 2})
     assert s.get(sp, Key(3).pack()) == {"parent": 2}
@@ -242,4 +244,30 @@ def test_snapshot_and_get_many(tmp_path: pathlib.Path) -> None:
     got = s.get_many(sp, [k for k, _ in items] + [Key(9).pack()])
     assert got == [r for _, r in items] + [None]
     assert s.get(sp, Key(4, 99).pack()) == {"late": True}
+    s.close()
+
+
+def test_map_growth_waits_for_open_readers(tmp_path: pathlib.Path) -> None:
+    """A resize never remaps under a live read transaction of this process."""
+    s = Store.open(tmp_path / "s", map_size=64 << 10)
+    sp = Selector.from_name("g")
+    s.put(sp, Key(0).pack(), {"first": True})
+    items = records(3000)
+    errors: list[BaseException] = []
+
+    def grow() -> None:
+        try:
+            s.put_many(sp, items)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with s.snapshot() as snap:
+        t = threading.Thread(target=grow)
+        t.start()
+        for _ in range(200):  # the snapshot stays valid while the writer wants to grow
+            assert snap.get(sp, Key(0).pack()) == {"first": True}
+            assert s.get(sp, Key(0).pack()) == {"first": True}
+    t.join()
+    assert errors == []
+    assert s.aggregate(sp)[0] == 3001
     s.close()

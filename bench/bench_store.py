@@ -1,0 +1,330 @@
+"""Benchmark of the store: the raw reader against the device, LMDB against raw py-lmdb.
+
+Every figure is printed next to a baseline measured in the same run, as a
+ratio, and is the median of ``--repeats`` interleaved passes.
+
+Raw reader (a block file of ``--size`` bytes, read as 1, 4 and 16 MiB
+extents, sequential and random order, 1 and 4 threads):
+
+- cold (the file evicted with ``posix_fadvise(DONTNEED)`` before every pass):
+  baseline = ``os.preadv`` on an ``O_DIRECT`` descriptor into a huge-page-backed
+  buffer (the device limit, see DESIGN.md); ours = the C reader in direct
+  mode, the Python fallback in direct mode, and the C reader buffered;
+- warm (the file in the page cache): baseline = a memory copy of the same
+  number of bytes between resident buffers (``np.copyto``) and buffered
+  ``os.preadv``; ours = the C reader buffered, and ``read_many`` batches.
+
+LMDB (``--keys`` random 24-byte keys, msgpack values like an extent record):
+point reads per second and prefix-scan records per second through ``Store``
+against the same environment driven by raw py-lmdb (``txn.get`` / cursor plus
+the same ``msgpack.unpackb``), one transaction per read and one per batch.
+
+Usage::
+
+    python bench/bench_store.py                      # 512 MiB file, 200k keys
+    python bench/bench_store.py --size 2G --keys 1000000   # the issue's full size
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from czyx.space import Selector
+from store import RawReader, Store, aligned_empty, c_available
+
+MiB = 1 << 20
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": MiB, "G": 1 << 30}
+    t = text.strip().upper().rstrip("B").rstrip("I")
+    return int(float(t[:-1]) * units[t[-1]]) if t[-1] in units else int(t)
+
+
+def make_file(path: Path, size: int) -> None:
+    chunk = np.random.default_rng(0).integers(0, 256, 16 * MiB, dtype=np.uint8).tobytes()
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, len(chunk))
+            f.write(chunk[:n])
+            left -= n
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def warm_up(path: Path) -> None:
+    buf = bytearray(16 * MiB)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def run_threads(parts: list[list[int]], fn: Callable[[int, list[int]], None]) -> float:
+    """Run ``fn(thread_index, offsets)`` in one thread per part; return seconds."""
+    if len(parts) == 1:
+        t0 = time.perf_counter()
+        fn(0, parts[0])
+        return time.perf_counter() - t0
+    ts = [threading.Thread(target=fn, args=(i, p)) for i, p in enumerate(parts)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def bench_reader(path: Path, size: int, repeats: int) -> list[tuple]:
+    rows = []
+    direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buffered_fd = os.open(path, os.O_RDONLY)
+    c_direct = RawReader(path, direct=True, backend="c")
+    c_buf = RawReader(path, backend="c")
+    py_direct = RawReader(path, direct=True, backend="python")
+    try:
+        for ext in (1 * MiB, 4 * MiB, 16 * MiB):
+            offsets = list(range(0, size - ext + 1, ext))
+            for order in ("seq", "rand"):
+                offs = list(offsets)
+                if order == "rand":
+                    random.Random(ext).shuffle(offs)
+                for nthreads in (1, 4):
+                    parts = [offs[i::nthreads] for i in range(nthreads)]
+                    if order == "seq":  # each thread streams its own contiguous range
+                        step = -(-len(offs) // nthreads)
+                        parts = [offs[i * step : (i + 1) * step] for i in range(nthreads)]
+                    bufs = [aligned_empty(ext, hugepage=True) for _ in range(nthreads)]
+                    src = aligned_empty(ext, hugepage=True)
+                    src[:] = 1
+                    nbytes = ext * len(offs)
+
+                    def preadv_fn(fd):
+                        def f(i, part):
+                            b = bufs[i]
+                            for o in part:
+                                if os.preadv(fd, [b], o) != ext:
+                                    raise RuntimeError("short read in baseline")
+
+                        return f
+
+                    def reader_fn(rd):
+                        def f(i, part):
+                            b = bufs[i]
+                            for o in part:
+                                rd.read_into(o, b)
+
+                        return f
+
+                    def many_fn(rd):
+                        def f(i, part):
+                            b = bufs[i]  # batch of reads into one slot: I/O cost only
+                            rd.read_many([(o, ext, b) for o in part])
+
+                        return f
+
+                    def memcpy_fn(i, part):
+                        b = bufs[i]
+                        for _ in part:
+                            np.copyto(b, src)
+
+                    cold = {
+                        "O_DIRECT preadv (baseline)": preadv_fn(direct_fd),
+                        "C direct": reader_fn(c_direct),
+                        "C direct read_many": many_fn(c_direct),
+                        "Python direct": reader_fn(py_direct),
+                        "C buffered": reader_fn(c_buf),
+                    }
+                    warm = {
+                        "memory copy (baseline)": memcpy_fn,
+                        "buffered preadv": preadv_fn(buffered_fd),
+                        "C buffered": reader_fn(c_buf),
+                        "C buffered read_many": many_fn(c_buf),
+                    }
+                    for mode, fns in (("cold", cold), ("warm", warm)):
+                        times: dict[str, list[float]] = {k: [] for k in fns}
+                        if mode == "warm":
+                            warm_up(path)
+                        for _ in range(repeats):
+                            for name, fn in fns.items():
+                                if mode == "cold":
+                                    evict(path)
+                                times[name].append(run_threads(parts, fn))
+                        base = statistics.median(next(iter(times.values())))
+                        for name, ts in times.items():
+                            med = statistics.median(ts)
+                            rows.append(
+                                (
+                                    mode,
+                                    ext // MiB,
+                                    order,
+                                    nthreads,
+                                    name,
+                                    nbytes / med / 1e9,
+                                    base / med,
+                                )
+                            )
+                            print(
+                                f"{mode:4} {ext // MiB:>2} MiB {order:4} {nthreads}T  "
+                                f"{name:28} {nbytes / med / 1e9:7.2f} GB/s  "
+                                f"ratio {base / med:5.2f}",
+                                flush=True,
+                            )
+    finally:
+        os.close(direct_fd)
+        os.close(buffered_fd)
+        for r in (c_direct, c_buf, py_direct):
+            r.close()
+    return rows
+
+
+def bench_lmdb(root: Path, nkeys: int, repeats: int) -> list[tuple]:
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, (nkeys, 24), dtype=np.uint8)
+    keys = sorted({r.tobytes() for r in raw})
+    sums = rng.integers(0, 2**63, len(keys))
+    sp = Selector.from_name("bench")
+    store = Store.open(root / "lmdb", map_size=64 * MiB)
+    batch = 50_000
+    for i in range(0, len(keys), batch):
+        store.put_many(
+            sp,
+            [
+                (k, {"off": (i + j) * 4096, "len": 4096, "sum": int(sums[i + j]), "fmt": "q2"})
+                for j, k in enumerate(keys[i : i + batch])
+            ],
+        )
+    env, db = store._env, store._records
+    sel = sp.raw
+    sample = random.Random(1).sample(keys, min(len(keys), 100_000))
+    full = [sel + k for k in sample]
+    unpack = msgpack.unpackb
+    lo_cls, hi_cls = 0, 63
+    end = sel + bytes([hi_cls]) + b"\xff" * 23
+
+    def ours_get():
+        g = store.get
+        for k in sample:
+            g(sp, k)
+
+    def raw_get():
+        begin = env.begin
+        for fk in full:
+            txn = begin(db=db)
+            v = txn.get(fk)
+            txn.abort()
+            unpack(v, raw=False, strict_map_key=False)
+
+    def ours_snapshot():
+        with store.snapshot() as snap:
+            g = snap.get
+            for k in sample:
+                g(sp, k)
+
+    def raw_one_txn():
+        with env.begin(db=db) as txn:
+            g = txn.get
+            for fk in full:
+                unpack(g(fk), raw=False, strict_map_key=False)
+
+    n_scan = sum(1 for k in keys if lo_cls <= k[0] <= hi_cls)
+
+    def ours_scan():
+        for _ in store.scan(sp, lo_cls, hi_cls):
+            pass
+
+    def raw_scan():
+        with env.begin(db=db) as txn:
+            cur = txn.cursor()
+            cur.set_range(sel + bytes([lo_cls]) + bytes(23))
+            for k, v in cur.iternext():
+                if k > end:
+                    break
+                unpack(v, raw=False, strict_map_key=False)
+
+    pairs = [
+        ("point get, txn per read", len(sample), raw_get, ours_get),
+        ("point get, one txn", len(sample), raw_one_txn, ours_snapshot),
+        (f"prefix scan classes {lo_cls}..{hi_cls}", n_scan, raw_scan, ours_scan),
+    ]
+    rows = []
+    for name, n, raw_fn, ours_fn in pairs:
+        raw_fn()
+        ours_fn()  # warm both
+        rt, ot = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            raw_fn()
+            rt.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ours_fn()
+            ot.append(time.perf_counter() - t0)
+        r, o = statistics.median(rt), statistics.median(ot)
+        rows.append((name, n / r, n / o, o / r - 1))
+        print(
+            f"{name:32} raw py-lmdb {n / r / 1e6:6.3f} M/s   Store {n / o / 1e6:6.3f} M/s   "
+            f"overhead {100 * (o / r - 1):+5.1f}%",
+            flush=True,
+        )
+    store.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="512M", help="block file size (default 512M; issue: 2G)")
+    ap.add_argument("--keys", type=int, default=200_000, help="LMDB keys (issue: 1000000)")
+    ap.add_argument("--repeats", type=int, default=3, help="passes per figure (median)")
+    ap.add_argument("--dir", default=None, help="directory for the files (default: a tmp dir)")
+    ap.add_argument("--skip-reader", action="store_true")
+    ap.add_argument("--skip-lmdb", action="store_true")
+    args = ap.parse_args(argv)
+    if not c_available():
+        sys.exit("bench_store: the C reader is not built (python setup.py build_ext --inplace)")
+    size = parse_size(args.size)
+    root = Path(tempfile.mkdtemp(prefix="czyx-bench-", dir=args.dir))
+    print(
+        f"# bench_store: file {size / MiB:.0f} MiB, {args.keys} keys, median of "
+        f"{args.repeats}; cpus={os.cpu_count()} python={sys.version.split()[0]} "
+        f"dir={root}"
+    )
+    try:
+        if not args.skip_reader:
+            path = root / "bench.blk"
+            make_file(path, size)
+            print("# raw reader: GB/s, ratio = ours / baseline (first row of each group)")
+            bench_reader(path, size, args.repeats)
+            path.unlink()
+        if not args.skip_lmdb:
+            print("# LMDB: records per second, overhead = Store time / raw py-lmdb time - 1")
+            bench_lmdb(root, args.keys, args.repeats)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
