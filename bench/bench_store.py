@@ -11,7 +11,8 @@ extents, sequential and random order, 1 and 4 threads):
   buffer (the device limit, see DESIGN.md); ours = the C reader in direct
   mode, the Python fallback in direct mode, and the C reader buffered;
 - warm (the file in the page cache): baseline = a memory copy of the same
-  number of bytes between resident buffers (``np.copyto``) and buffered
+  extents out of a resident, huge-page-backed array of the file's size
+  (``np.copyto``, RAM to RAM as the page cache copy is) and buffered
   ``os.preadv``; ours = the C reader buffered, and ``read_many`` batches.
 
 LMDB (``--keys`` random 24-byte keys, msgpack values like an extent record):
@@ -99,6 +100,45 @@ def run_threads(parts: list[list[int]], fn: Callable[[int, list[int]], None]) ->
     return time.perf_counter() - t0
 
 
+class Case:
+    """One (extent size, order, thread count) combination: its offsets and buffers."""
+
+    def __init__(self, ext: int, parts: list[list[int]], src: np.ndarray) -> None:
+        self.ext = ext
+        self.parts = parts
+        self.bufs = [aligned_empty(ext, hugepage=True) for _ in parts]
+        self.src = src  # resident copy of the file's size: RAM-to-RAM, like the page cache
+
+    def preadv(self, fd: int) -> Callable[[int, list[int]], None]:
+        def f(i: int, part: list[int]) -> None:
+            b, ext = self.bufs[i], self.ext
+            for o in part:
+                if os.preadv(fd, [b], o) != ext:
+                    raise RuntimeError("short read in baseline")
+
+        return f
+
+    def reader(self, rd: RawReader) -> Callable[[int, list[int]], None]:
+        def f(i: int, part: list[int]) -> None:
+            b = self.bufs[i]
+            for o in part:
+                rd.read_into(o, b)
+
+        return f
+
+    def many(self, rd: RawReader) -> Callable[[int, list[int]], None]:
+        def f(i: int, part: list[int]) -> None:
+            b, ext = self.bufs[i], self.ext  # a batch into one slot: measures I/O only
+            rd.read_many([(o, ext, b) for o in part])
+
+        return f
+
+    def memcpy(self, i: int, part: list[int]) -> None:
+        b, src, ext = self.bufs[i], self.src, self.ext
+        for o in part:
+            np.copyto(b, src[o : o + ext])
+
+
 def bench_reader(path: Path, size: int, repeats: int) -> list[tuple]:
     rows = []
     direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -106,6 +146,8 @@ def bench_reader(path: Path, size: int, repeats: int) -> list[tuple]:
     c_direct = RawReader(path, direct=True, backend="c")
     c_buf = RawReader(path, backend="c")
     py_direct = RawReader(path, direct=True, backend="python")
+    src = aligned_empty(size, hugepage=True)
+    src[:] = 1
     try:
         for ext in (1 * MiB, 4 * MiB, 16 * MiB):
             offsets = list(range(0, size - ext + 1, ext))
@@ -114,62 +156,31 @@ def bench_reader(path: Path, size: int, repeats: int) -> list[tuple]:
                 if order == "rand":
                     random.Random(ext).shuffle(offs)
                 for nthreads in (1, 4):
-                    parts = [offs[i::nthreads] for i in range(nthreads)]
                     if order == "seq":  # each thread streams its own contiguous range
                         step = -(-len(offs) // nthreads)
                         parts = [offs[i * step : (i + 1) * step] for i in range(nthreads)]
-                    bufs = [aligned_empty(ext, hugepage=True) for _ in range(nthreads)]
-                    src = aligned_empty(ext, hugepage=True)
-                    src[:] = 1
+                    else:
+                        parts = [offs[i::nthreads] for i in range(nthreads)]
+                    case = Case(ext, parts, src)
                     nbytes = ext * len(offs)
-
-                    def preadv_fn(fd):
-                        def f(i, part):
-                            b = bufs[i]
-                            for o in part:
-                                if os.preadv(fd, [b], o) != ext:
-                                    raise RuntimeError("short read in baseline")
-
-                        return f
-
-                    def reader_fn(rd):
-                        def f(i, part):
-                            b = bufs[i]
-                            for o in part:
-                                rd.read_into(o, b)
-
-                        return f
-
-                    def many_fn(rd):
-                        def f(i, part):
-                            b = bufs[i]  # batch of reads into one slot: I/O cost only
-                            rd.read_many([(o, ext, b) for o in part])
-
-                        return f
-
-                    def memcpy_fn(i, part):
-                        b = bufs[i]
-                        for _ in part:
-                            np.copyto(b, src)
-
                     cold = {
-                        "O_DIRECT preadv (baseline)": preadv_fn(direct_fd),
-                        "C direct": reader_fn(c_direct),
-                        "C direct read_many": many_fn(c_direct),
-                        "Python direct": reader_fn(py_direct),
-                        "C buffered": reader_fn(c_buf),
+                        "O_DIRECT preadv (baseline)": case.preadv(direct_fd),
+                        "C direct": case.reader(c_direct),
+                        "C direct read_many": case.many(c_direct),
+                        "Python direct": case.reader(py_direct),
+                        "C buffered": case.reader(c_buf),
                     }
                     warm = {
-                        "memory copy (baseline)": memcpy_fn,
-                        "buffered preadv": preadv_fn(buffered_fd),
-                        "C buffered": reader_fn(c_buf),
-                        "C buffered read_many": many_fn(c_buf),
+                        "memory copy (baseline)": case.memcpy,
+                        "buffered preadv": case.preadv(buffered_fd),
+                        "C buffered": case.reader(c_buf),
+                        "C buffered read_many": case.many(c_buf),
                     }
                     for mode, fns in (("cold", cold), ("warm", warm)):
                         times: dict[str, list[float]] = {k: [] for k in fns}
                         if mode == "warm":
                             warm_up(path)
-                        for _ in range(repeats):
+                        for _ in range(repeats):  # interleaved, so drift hits all alike
                             for name, fn in fns.items():
                                 if mode == "cold":
                                     evict(path)
@@ -177,21 +188,11 @@ def bench_reader(path: Path, size: int, repeats: int) -> list[tuple]:
                         base = statistics.median(next(iter(times.values())))
                         for name, ts in times.items():
                             med = statistics.median(ts)
-                            rows.append(
-                                (
-                                    mode,
-                                    ext // MiB,
-                                    order,
-                                    nthreads,
-                                    name,
-                                    nbytes / med / 1e9,
-                                    base / med,
-                                )
-                            )
+                            gbs = nbytes / med / 1e9
+                            rows.append((mode, ext // MiB, order, nthreads, name, gbs, base / med))
                             print(
                                 f"{mode:4} {ext // MiB:>2} MiB {order:4} {nthreads}T  "
-                                f"{name:28} {nbytes / med / 1e9:7.2f} GB/s  "
-                                f"ratio {base / med:5.2f}",
+                                f"{name:28} {gbs:7.2f} GB/s  ratio {base / med:5.2f}",
                                 flush=True,
                             )
     finally:
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="512M", help="block file size (default 512M; issue: 2G)")
     ap.add_argument("--keys", type=int, default=200_000, help="LMDB keys (issue: 1000000)")
-    ap.add_argument("--repeats", type=int, default=3, help="passes per figure (median)")
+    ap.add_argument("--repeats", type=int, default=5, help="passes per figure (median)")
     ap.add_argument("--dir", default=None, help="directory for the files (default: a tmp dir)")
     ap.add_argument("--skip-reader", action="store_true")
     ap.add_argument("--skip-lmdb", action="store_true")

@@ -43,7 +43,10 @@ import pathlib
 import threading
 import time
 import weakref
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
+from operator import itemgetter
 from typing import Any, TypeVar
 
 import lmdb
@@ -406,12 +409,14 @@ class Store(CatalogMixin, StoreInterface):
         return self._write(fn)
 
     def _scan_chunks(
-        self, db: Any, start: bytes, stop: Callable[[bytes], bool]
+        self, db: Any, start: bytes, end: bytes | None
     ) -> Iterator[list[tuple[bytes, bytes]]]:
-        """Lists of raw ``(key, value)`` pairs from ``start`` on until ``stop(key)``.
+        """Lists of raw ``(key, value)`` pairs with ``start <= key < end`` (``None``: no end).
 
         Each chunk is read in its own short read transaction, so no transaction
-        is held while the caller consumes the rows.
+        is held while the caller consumes the rows; a chunk is sliced off the
+        cursor in C (``islice``) and cut at ``end`` by bisection, so the bound
+        costs nothing per key.
         """
         cursor_key, skip = start, False
         while True:
@@ -423,25 +428,22 @@ class Store(CatalogMixin, StoreInterface):
                     it = cur.iternext()
                     if skip:
                         next(it, None)
-                    for kv in it:
-                        if stop(kv[0]):
-                            break
-                        rows.append(kv)
-                        if len(rows) == _SCAN_CHUNK:
-                            break
+                    rows = list(islice(it, _SCAN_CHUNK))
             finally:
                 self._end_read(txn)
+            full = len(rows) == _SCAN_CHUNK
+            if end is not None and rows and rows[-1][0] >= end:
+                rows = rows[: bisect_left(rows, end, key=itemgetter(0))]
+                full = False
             if rows:
                 yield rows
-            if len(rows) < _SCAN_CHUNK:
+            if not full:
                 return
             cursor_key, skip = rows[-1][0], True
 
-    def _scan_raw(
-        self, db: Any, start: bytes, stop: Callable[[bytes], bool]
-    ) -> Iterator[tuple[bytes, bytes]]:
+    def _scan_raw(self, db: Any, start: bytes, end: bytes | None) -> Iterator[tuple[bytes, bytes]]:
         """Raw ``(key, value)`` pairs, chunk by chunk (see :meth:`_scan_chunks`)."""
-        for rows in self._scan_chunks(db, start, stop):
+        for rows in self._scan_chunks(db, start, end):
             yield from rows
 
     def scan(
@@ -457,7 +459,7 @@ class Store(CatalogMixin, StoreInterface):
         sel = check_selector(space)
         lo, hi = class_range_bounds(lo_cls, hi_cls)
         end = sel + hi
-        for rows in self._scan_chunks(self._records, sel + lo, end.__lt__):
+        for rows in self._scan_chunks(self._records, sel + lo, end + b"\x00"):
             for k, v in rows:
                 try:
                     obj = _unpackb(v, raw=False, strict_map_key=False)
@@ -472,7 +474,7 @@ class Store(CatalogMixin, StoreInterface):
         sel = check_selector(space)
         lo, hi = class_range_bounds(lo_cls, hi_cls)
         end = sel + hi
-        for k, _ in self._scan_raw(self._records, sel + lo, end.__lt__):
+        for k, _ in self._scan_raw(self._records, sel + lo, end + b"\x00"):
             yield k[SELECTOR_SIZE:]
 
     def aggregate(self, space: Selector, lo_cls: int = 0, hi_cls: int = 255) -> tuple[int, int]:
@@ -533,7 +535,7 @@ class Store(CatalogMixin, StoreInterface):
 
     def spaces(self) -> list[Selector]:
         """Every published space, in selector order."""
-        return [Selector(k) for k, _ in self._scan_raw(self._spaces, b"", lambda k: False)]
+        return [Selector(k) for k, _ in self._scan_raw(self._spaces, b"", None)]
 
     def block_identity(self, space: Selector) -> BlockIdentity:
         """The identity recorded for the space's block file at publication."""
