@@ -552,7 +552,12 @@ class Store(CatalogMixin, StoreInterface):
         return ident
 
     def open_reader(
-        self, space: Selector, *, direct: bool = False, backend: str = "auto"
+        self,
+        space: Selector,
+        *,
+        direct: bool = False,
+        mapped: bool = False,
+        backend: str = "auto",
     ) -> RawReader:
         """A :class:`RawReader` on the space's block file, after :meth:`verify_space`.
 
@@ -563,7 +568,11 @@ class Store(CatalogMixin, StoreInterface):
         """
         ident = self.verify_space(space)
         return RawReader(
-            self.path / "blocks" / ident.name, direct=direct, align=ident.align, backend=backend
+            self.path / "blocks" / ident.name,
+            direct=direct,
+            mapped=mapped,
+            align=ident.align,
+            backend=backend,
         )
 
     def __repr__(self) -> str:
