@@ -136,6 +136,10 @@ class Store(CatalogMixin, StoreInterface):
         self._lock = threading.Lock()  # serialises resizes
         self._readers: list[None] = []
         self._resizing = False
+        # Snapshots open in the current thread: such a thread must not wait for a
+        # resize (the resize waits for its snapshot: a deadlock), and need not (its
+        # snapshot is in _readers, so the resize cannot start before it closes).
+        self._local = threading.local()
         _OPEN.add(self)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -220,7 +224,8 @@ class Store(CatalogMixin, StoreInterface):
         readers = self._readers
         while True:
             readers.append(None)
-            if self._resizing:  # a resize is in progress: step back and wait for it
+            if self._resizing and not getattr(self._local, "snapshots", 0):
+                # A resize is in progress: step back and wait for it.
                 readers.pop()
                 with self._lock:
                     pass
@@ -246,6 +251,11 @@ class Store(CatalogMixin, StoreInterface):
         the flag after registering, so (under the GIL's sequential
         consistency) a reader either is counted here or sees the flag.
         """
+        if getattr(self._local, "snapshots", 0):
+            raise StoreMapFullError(
+                f"{self.path}: the LMDB map must grow, but this thread holds an open "
+                "snapshot; close it and retry"
+            )
         with self._lock:
             self._resizing = True
             try:
@@ -584,7 +594,8 @@ def _snapshot_closed(key: bytes) -> None:
 
 
 class Snapshot:
-    """One read transaction over a :class:`Store`, owned by the thread that made it.
+    """One read transaction over a :class:`Store`, owned by (and closed in) the thread
+    that made it.
 
     Lookups cost one LMDB ``get`` each, with no transaction setup; the view
     does not change while it is open.
@@ -594,6 +605,8 @@ class Snapshot:
         self._store = store
         self._txn: lmdb.Transaction | None = store._begin_read(store._records)
         self._tget = self._txn.get
+        local = store._local
+        local.snapshots = getattr(local, "snapshots", 0) + 1
 
     def get(self, space: Selector, key: bytes) -> dict | None:
         """The record at ``(space, key)`` as of the snapshot, or ``None``."""
@@ -631,6 +644,7 @@ class Snapshot:
             self._store._end_read(self._txn)
             self._txn = None
             self._tget = _snapshot_closed
+            self._store._local.snapshots -= 1
 
     def __enter__(self) -> Snapshot:
         return self

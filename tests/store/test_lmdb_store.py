@@ -271,3 +271,12 @@ def test_map_growth_waits_for_open_readers(tmp_path: pathlib.Path) -> None:
     assert errors == []
     assert s.aggregate(sp)[0] == 3001
     s.close()
+
+
+def test_growth_under_own_snapshot_fails_fast(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s", map_size=64 << 10)
+    sp = Selector.from_name("g")
+    with s.snapshot(), pytest.raises(StoreMapFullError, match="snapshot"):
+        s.put_many(sp, records(3000))
+    assert s.put_many(sp, records(3000)) == 3000  # fine once the snapshot is closed
+    s.close()
