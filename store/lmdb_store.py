@@ -65,7 +65,7 @@ from store.errors import (
 )
 from store.interfaces import StoreInterface
 from store.reader import RawReader
-from store.records import _unpackb, check_key, check_selector, decode, encode
+from store.records import check_key, check_selector, decode, encode, unpackb
 from store.writer import SpaceWriter
 
 T = TypeVar("T")
@@ -376,7 +376,7 @@ class Store(CatalogMixin, StoreInterface):
         if v is None:
             return None
         try:
-            obj = _unpackb(v, raw=False, strict_map_key=False)
+            obj = unpackb(v, raw=False, strict_map_key=False)
         except Exception:
             obj = None
         return obj if type(obj) is dict else decode(v, "record", k)  # decode raises
@@ -473,7 +473,7 @@ class Store(CatalogMixin, StoreInterface):
             # Decode a whole chunk in a comprehension and hand it out with a C-level
             # ``yield from``: per-record Python work is what a scan costs.
             try:
-                objs = [_unpackb(v, raw=False, strict_map_key=False) for _, v in rows]
+                objs = [unpackb(v, raw=False, strict_map_key=False) for _, v in rows]
             except Exception:
                 objs = []
             if len(objs) != len(rows) or set(map(type, objs)) != {dict}:
@@ -618,7 +618,7 @@ class Snapshot:
         if v is None:
             return None
         try:
-            obj = _unpackb(v, raw=False, strict_map_key=False)
+            obj = unpackb(v, raw=False, strict_map_key=False)
         except Exception:
             obj = None
         return obj if type(obj) is dict else decode(v, "record", k)

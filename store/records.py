@@ -47,7 +47,8 @@ def encode(record: dict) -> bytes:
     return msgpack.packb(record, **_packer_opts)
 
 
-_unpackb = msgpack.unpackb
+# Bound once: the read hot paths call it per record.
+unpackb = msgpack.unpackb
 
 
 def decode(data: bytes | memoryview, where: str = "record", key: bytes | None = None) -> dict:
@@ -67,7 +68,7 @@ def decode(data: bytes | memoryview, where: str = "record", key: bytes | None = 
         If the bytes are not one complete msgpack map.
     """
     try:
-        obj = _unpackb(data, raw=False, strict_map_key=False)
+        obj = unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types
         raise RecordDecodeError(f"{_where(where, key)}: undecodable msgpack ({exc})") from exc
     if type(obj) is not dict:

@@ -111,6 +111,8 @@ class SpaceWriter(SpaceWriterInterface):
         """
         self._check_open()
         k = check_key(key)
+        if not isinstance(record, dict):
+            raise TypeError(f"record: expected a dict, got {type(record).__name__}")
         off, n = record.get("off"), record.get("len")
         if isinstance(off, int) and isinstance(n, int) and off + n > self._block.size:
             raise ValueError(
