@@ -280,3 +280,30 @@ def test_growth_under_own_snapshot_fails_fast(tmp_path: pathlib.Path) -> None:
         s.put_many(sp, records(3000))
     assert s.put_many(sp, records(3000)) == 3000  # fine once the snapshot is closed
     s.close()
+
+
+def test_catalog_extras(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s")
+    sp = Selector.from_name("m")
+    with s.begin_space(sp, {"v": 1}) as w:
+        w.put(Key(3, 1).pack(), w.write_extent(b"abc").record())
+    info = s.space_info(sp)
+    assert info["manifest"] == {"v": 1} and info["count"] == 1 and info["checksum"] == "xxh3_64"
+    assert info["block"]["size"] == s.block_path(sp).stat().st_size
+    assert list(s.keys(sp)) == [Key(3, 1).pack()]
+    s.set_tag("m@1", sp)
+    assert s.remove_tag("m@1") and not s.remove_tag("m@1")
+    s.set_tag("m@1", Selector.from_name("other"))  # re-pointing after an explicit removal
+    s.put_edge(b"e1", {"w": 1})
+    assert s.get_edge(b"e1") == {"w": 1}
+    assert s.delete_edge(b"e1") and s.get_edge(b"e1") is None
+    for bad in (b"", b"x" * 512, "str"):
+        with pytest.raises(ValueError):
+            s.put_edge(bad, {})  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        s.set_tag("", sp)
+    with pytest.raises(ValueError):
+        s.audit("")
+    events = [e["event"] for e in s.audit_log()]
+    assert events == ["space.publish", "tag.set", "tag.remove", "tag.set"]
+    s.close()

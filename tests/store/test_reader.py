@@ -247,3 +247,17 @@ def test_mapped_reader_edge_cases(tmp_path: pathlib.Path, backend: str) -> None:
         assert ei.value.errno == errno.EINVAL
         with pytest.raises(ShortReadError):
             rd.read_many([(1, 2, bytearray(2)), (2, 5, bytearray(5))])
+
+
+def test_verified_read_of_an_unpadded_file_in_direct_mode(tmp_path: pathlib.Path) -> None:
+    """Rounding the read up to the alignment must not fail on a file that ends unaligned."""
+    payload = os.urandom(5000)
+    p = tmp_path / "f"
+    p.write_bytes(bytes(4096) + payload)  # no padding after the extent
+    rec = Extent(4096, 5000, checksum(payload)).record()
+    with RawReader(p, direct=True) as rd:
+        slot = aligned_empty(8192)
+        read_extent_verified(rd, rec, slot)
+        assert slot[:5000].tobytes() == payload
+        with pytest.raises(ShortReadError):
+            read_extent_verified(rd, {**rec, "len": 5001}, slot)
