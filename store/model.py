@@ -31,7 +31,8 @@ from store.checkpoint import DTYPES, to_float32
 from store.checksum import checksum
 from store.consumer import ExpertExtent, ModelInfo
 from store.errors import ChecksumError
-from store.mount import ADAPTER_KIND, MODEL_KIND, TRUNK_KIND, layout_from_manifest, resolve
+from store.expert_layout import layout_from_manifest
+from store.mount import ADAPTER_KIND, MODEL_KIND, TRUNK_KIND, resolve
 from store.mount_errors import ModelSpaceError
 
 _NO_BLOCK = -1

@@ -52,6 +52,7 @@ from czyx.space import Selector
 from store.archs import ROLE_INDEX
 from store.checkpoint import Checkpoint
 from store.errors import TagConflictError, TagNotFoundError
+from store.expert_layout import DEFAULT_OUTER, layout_from_manifest, make_layout
 from store.mount_errors import ModelSpaceError, MountError, ShapeMismatchError
 from store.mount_plan import ModelPlan, plan_checkpoint
 
@@ -60,7 +61,6 @@ ADAPTER_KIND = "czyx.adapter"
 TRUNK_KIND = "czyx.trunk"
 MANIFEST_VERSION = 1
 EXTENT_ALIGN = 4096
-DEFAULT_OUTER = "morton"
 _TAG_RX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-/]*@[A-Za-z0-9][A-Za-z0-9._\-+]*")
 
 
@@ -100,20 +100,6 @@ def parse_tag(tag: str) -> tuple[str, str]:
         raise ValueError(f"tag {tag!r} is not NAME@VERSION (letters, digits, . _ - /)")
     name, version = tag.split("@", 1)
     return name, version
-
-
-def make_layout(n_layers: int, n_classes: int, outer: str, class_perm: Any = None) -> Any:
-    """The two-level expert layout (the one place that constructs it, so it can be swapped)."""
-    from curves.layout import ExpertLayout
-
-    return ExpertLayout(n_layers, n_classes, outer, class_perm)
-
-
-def layout_from_manifest(manifest: dict[str, Any]) -> Any:
-    """Rebuild the layout recorded in a model manifest."""
-    from curves.layout import ExpertLayout
-
-    return ExpertLayout.from_dict(manifest["layout"])
 
 
 def canonical_bytes(manifest: dict[str, Any]) -> bytes:

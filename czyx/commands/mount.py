@@ -17,7 +17,7 @@ def register(subparsers: Any) -> None:
     add_store_arg(p)
     p.add_argument(
         "--layout",
-        default="morton",
+        default=None,
         choices=("morton", "hilbert", "rowmajor"),
         help="outer curve of the expert layout over (layer, class) (default morton)",
     )
@@ -37,14 +37,14 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Mount and print the one-line summary."""
     from store import Store
-    from store.mount import mount
+    from store.mount import DEFAULT_OUTER, mount
 
     with Store.open(store_dir(args)) as store:
         result = mount(
             store,
             args.path,
             args.tag,
-            outer=args.layout,
+            outer=args.layout or DEFAULT_OUTER,
             adapter_of=args.adapter_of,
             progress=not args.no_progress and sys.stderr.isatty(),
         )
