@@ -91,7 +91,7 @@ def test_extents_follow_the_layout_arithmetic(store, base_ckpt):
         assert [s[0] for s in r["src"]] == [
             EXPERT.format(l=r["layer"], e=r["expert"], p=p) for p in ("gate", "up", "down")
         ]
-        assert len(r["sha"]) == 64 and r["fmt"] == "f32"
+        assert len(r["hash"]) == 64 and r["fmt"] == "f32"
 
 
 def test_second_version_shares_unchanged_extents(store, base_ckpt, tmp_path):
@@ -105,7 +105,7 @@ def test_second_version_shares_unchanged_extents(store, base_ckpt, tmp_path):
     v1recs = {(r["layer"], r["expert"]): r for _, r in store.scan(v1.selector)}
     for key, r in recs.items():
         if key in ((1, 2), (0, 5)):
-            assert "blk" not in r and r["sha"] != v1recs[key]["sha"]
+            assert "blk" not in r and r["hash"] != v1recs[key]["hash"]
         else:
             assert r["blk"] == v1.selector.hex() and r["blk_off"] == v1recs[key]["off"]
             assert "off" not in r
