@@ -53,7 +53,12 @@ from store.archs import ROLE_INDEX
 from store.checkpoint import Checkpoint
 from store.errors import TagConflictError, TagNotFoundError
 from store.expert_layout import DEFAULT_OUTER, layout_from_manifest, make_layout
-from store.mount_errors import ModelSpaceError, MountError, ShapeMismatchError
+from store.mount_errors import (
+    ModelSpaceError,
+    MountError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+)
 from store.mount_plan import ModelPlan, plan_checkpoint
 
 MODEL_KIND = "czyx.model"
@@ -210,7 +215,7 @@ def mount(
         if adapter_of is not None:
             base_sel = resolve(store, adapter_of)
             base_manifest = _model_manifest(store, base_sel)
-            _check_adapter_fits(plan, base_manifest)
+            _check_adapter_fits(store, base_sel, ckpt, plan, base_manifest)
             layout = layout_from_manifest(base_manifest)
         else:
             layout = make_layout(plan.n_layers, plan.n_experts, outer, class_perm)
@@ -306,7 +311,30 @@ def _model_manifest(store: Any, sel: Selector) -> dict[str, Any]:
     return manifest
 
 
-def _check_adapter_fits(plan: ModelPlan, base: dict[str, Any]) -> None:
+def _check_adapter_fits(
+    store: Any, base_sel: Selector, ckpt: Checkpoint, plan: ModelPlan, base: dict[str, Any]
+) -> None:
+    """An adapter may only replace tensors the base has, with the same shape and dtype
+    (so the merged model, and its export into the base's file headers, stay valid)."""
+    from store.model import ModelSpace  # model imports this module
+
+    base_trunk = ModelSpace(store, base_sel).trunk
+    for t in plan.trunk:
+        info = ckpt.info(t.tensor)
+        ref = base_trunk.get((t.role, t.layer))
+        if ref is None:
+            raise UnexpectedTensorError(
+                f"the base has no {t.role} at layer {t.layer} to replace",
+                file=str(info.file),
+                tensor=t.tensor,
+            )
+        if (ref.dtype, ref.shape) != (info.dtype, info.shape):
+            raise ShapeMismatchError(
+                f"{info.dtype}{list(info.shape)} cannot replace the base's "
+                f"{ref.dtype}{list(ref.shape)}",
+                file=str(info.file),
+                tensor=t.tensor,
+            )
     ex = base["expert"]
     for field, mine in (("arch", plan.arch),):
         if base[field] != mine:

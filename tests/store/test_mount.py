@@ -15,6 +15,7 @@ from store.mount import ADAPTER_KIND, mount, parse_tag, summarize
 from store.mount_errors import (
     HeaderError,
     MissingTensorError,
+    MountError,
     TruncatedFileError,
     UnexpectedTensorError,
     UnknownArchitectureError,
@@ -281,3 +282,29 @@ def test_progress_and_summary(store, base_ckpt, capsys):
     line = res.summary()
     assert "q@1" in line and "GB/s" in line and "69 tensors" in line
     assert "\n" not in line
+
+
+def test_adapter_must_fit_its_base(store, base_ckpt, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    mount(store, base_ckpt, "q@1")
+    cases = {
+        "wrong-shape": (
+            {"model.layers.0.input_layernorm.weight": torch.ones(31)},
+            "cannot replace",
+        ),
+        "wrong-dtype": (
+            {"model.layers.0.input_layernorm.weight": torch.ones(32, dtype=torch.float16)},
+            "cannot replace",
+        ),
+    }
+    for name, (tensors, match) in cases.items():
+        ad = tmp_path / name
+        ad.mkdir()
+        shutil.copy(base_ckpt / "config.json", ad)
+        save_file(tensors, str(ad / "model.safetensors"))
+        before = _state(store)
+        with pytest.raises(MountError, match=match) as info:
+            mount(store, ad, f"q@{name}", adapter_of="q@1")
+        assert "input_layernorm" in str(info.value) and _state(store) == before
