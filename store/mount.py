@@ -48,7 +48,7 @@ import blake3
 import numpy as np
 
 from czyx.key import Key
-from czyx.space import Selector
+from czyx.space import Selector, canonical_manifest
 from store.archs import ROLE_INDEX
 from store.checkpoint import Checkpoint
 from store.errors import TagConflictError, TagNotFoundError
@@ -117,11 +117,6 @@ def parse_tag(tag: str) -> tuple[str, str]:
         raise ValueError(f"tag {tag!r} is not NAME@VERSION (letters, digits, . _ - /)")
     name, version = tag.split("@", 1)
     return name, version
-
-
-def canonical_bytes(manifest: dict[str, Any]) -> bytes:
-    """Canonical JSON of a manifest (sorted keys, no whitespace): what the selector hashes."""
-    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
 
 
 def resolve(store: Any, ref: str | Selector) -> Selector:
@@ -235,11 +230,13 @@ def mount(
         bar.close()
 
         trunk_manifest = _trunk_manifest(ckpt, plan, trunk_hash)
-        trunk_sel = Selector.from_content(canonical_bytes(trunk_manifest)) if plan.trunk else None
+        trunk_sel = (
+            Selector.from_content(canonical_manifest(trunk_manifest)) if plan.trunk else None
+        )
         manifest = _model_manifest_for(
             ckpt, plan, layout, expert_hash, trunk_sel, base_sel, base_manifest
         )
-        sel = Selector.from_content(canonical_bytes(manifest))
+        sel = Selector.from_content(canonical_manifest(manifest))
         _check_tag_free(store, tag, sel)
         n_tensors = len(ckpt)
         if store.has_space(sel):

@@ -10,7 +10,7 @@ import pytest
 
 from czyx.key import Key
 from store import Store, TagConflictError
-from store.expert_layout import HAVE_CURVE_LAYOUT, layout_from_manifest
+from store.expert_layout import layout_from_manifest
 from store.mount import ADAPTER_KIND, mount, parse_tag, summarize
 from store.mount_errors import (
     HeaderError,
@@ -76,7 +76,7 @@ def test_same_checkpoint_twice_is_the_same_space(store, base_ckpt, tmp_path):
 
 
 def test_extents_follow_the_layout_arithmetic(store, base_ckpt):
-    outer = "hilbert" if HAVE_CURVE_LAYOUT else "rowmajor"
+    outer = "hilbert"
     res = mount(store, base_ckpt, "q@1", outer=outer)
     m = store.manifest(res.selector)
     layout = layout_from_manifest(m)
@@ -250,6 +250,18 @@ def test_class_permutation(store, base_ckpt):
         assert Key.unpack(key).cls == perm[r["layer"]][r["expert"]]
     assert store.manifest(res.selector)["layout"]["class_perm"] == perm
     assert res.selector != mount(store, base_ckpt, "q@plain").selector
+
+
+@pytest.mark.parametrize(
+    "perm", [[[0] * 8, list(range(8))], [list(range(8))], [list(range(9))] * 2]
+)
+def test_bad_class_permutation_is_refused_before_writing(store, base_ckpt, perm):
+    from curves.errors import CurveError
+
+    before = _state(store)
+    with pytest.raises(CurveError):
+        mount(store, base_ckpt, "q@perm", class_perm=perm)
+    assert _state(store) == before
 
 
 def test_adapter_holds_only_replaced_tensors(store, base_ckpt, tmp_path):
