@@ -166,7 +166,7 @@ def _export_experts(
             if src is None:
                 raise ModelSpaceError(f"expert ({layer}, {e}) is not in the base model")
             pos = 0
-            for tensor, start, nbytes in src:
+            for _, tensor, start, nbytes in src:
                 fname, at = _where(where, tensor)
                 os.pwrite(handles[fname].fileno(), buf[pos : pos + nbytes], at + start)
                 covered[fname] += nbytes

@@ -27,6 +27,14 @@ equal one in an earlier version: its record points at that space's block file
 (``"blk"`` names that space, ``"blk_off"`` the offset; such a record has no
 ``"off"``, which always means "in this space's own block file").
 
+Records. Expert (key ``Key(class, layer)``): ``off``, ``len``, ``sum`` (the
+store's extent checksum), ``layer``, ``expert`` (router byte), ``fmt``,
+``hash`` (BLAKE3 of the extent bytes) and ``src`` (``[file, tensor, start,
+nbytes]`` for gate, up and down); a shared extent has ``blk``/``blk_off``
+instead of ``off``. Trunk (key ``Key(role index, layer or 0)``): ``off``,
+``len``, ``sum``, ``role``, ``layer``, ``dtype``, ``shape``, ``hash``,
+``src`` (``[file, tensor]``).
+
 Failure: everything is validated and hashed before the first byte is
 written; a tag that already points elsewhere is refused before writing; a
 failure while writing aborts the space writer, so no partial version is ever
@@ -502,7 +510,10 @@ def _write_experts(
                 "expert": e,
                 "hash": digest,
                 "fmt": fmt,
-                "src": [[p.tensor, p.start, p.nbytes] for p in src.plan.experts[(layer, e)]],
+                "src": [
+                    [src.ckpt.info(p.tensor).file.name, p.tensor, p.start, p.nbytes]
+                    for p in src.plan.experts[(layer, e)]
+                ],
             }
             hit = shared_index.get(digest)
             if hit is not None:

@@ -89,7 +89,8 @@ def test_extents_follow_the_layout_arithmetic(store, base_ckpt):
     for key, r in recs:
         k = Key.unpack(key)
         assert (k.cls, k.z) == (r["expert"], r["layer"])
-        assert [s[0] for s in r["src"]] == [
+        assert {s[0] for s in r["src"]} == {"model.safetensors"}
+        assert [s[1] for s in r["src"]] == [
             EXPERT.format(l=r["layer"], e=r["expert"], p=p) for p in ("gate", "up", "down")
         ]
         assert len(r["hash"]) == 64 and r["fmt"] == "f32"
