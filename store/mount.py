@@ -58,7 +58,7 @@ import numpy as np
 from czyx.key import Key
 from czyx.space import Selector, canonical_manifest
 from store.archs import ROLE_INDEX
-from store.checkpoint import Checkpoint
+from store.checkpoint import DTYPES, Checkpoint
 from store.errors import TagConflictError, TagNotFoundError
 from store.expert_layout import DEFAULT_OUTER, layout_from_manifest, make_layout
 from store.mount_errors import (
@@ -401,7 +401,8 @@ def _model_manifest_for(
     base: dict[str, Any] | None,
 ) -> dict[str, Any]:
     dtype = plan.dtype if plan.experts or base is None else base["expert"]["dtype"]
-    nbytes = plan.expert_nbytes
+    # An adapter that replaces no expert still describes the base's experts.
+    nbytes = 3 * plan.inter * plan.hidden * DTYPES[dtype][1]
     return {
         "kind": MODEL_KIND if base_sel is None else ADAPTER_KIND,
         "version": MANIFEST_VERSION,

@@ -117,7 +117,14 @@ def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
             )
         if kind.layer is not None and kind.layer >= n_layers:
             raise UnexpectedTensorError(
-                f"layer {kind.layer} >= num_hidden_layers {n_layers}", file=file, tensor=name
+                f"layer {kind.layer} >= num_hidden_layers {n_layers}"
+                + (
+                    " (multi-token-prediction layers are not supported)"
+                    if cfg.get("num_nextn_predict_layers")
+                    else ""
+                ),
+                file=file,
+                tensor=name,
             )
         if kind.kind == "trunk":
             _add_trunk(kind, name, file, seen_roles, trunk)

@@ -321,3 +321,23 @@ def test_adapter_must_fit_its_base(store, base_ckpt, tmp_path):
         with pytest.raises(MountError, match=match) as info:
             mount(store, ad, f"q@{name}", adapter_of="q@1")
         assert "input_layernorm" in str(info.value) and _state(store) == before
+
+
+def test_trunk_only_adapter_of_a_bf16_model(store, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from store.model import open_model
+
+    src = make_tiny_checkpoint("olmoe", tmp_path / "bf", dtype="bfloat16")
+    base = mount(store, src, "o@1")
+    st = load_file(str(src / "model.safetensors"))
+    ad = tmp_path / "ad"
+    ad.mkdir()
+    shutil.copy(src / "config.json", ad)
+    save_file({"model.norm.weight": st["model.norm.weight"] * 2}, str(ad / "model.safetensors"))
+    res = mount(store, ad, "o@1-norm", adapter_of="o@1")
+    m = store.manifest(res.selector)
+    assert m["expert"] == store.manifest(base.selector)["expert"] and m["experts"] == []
+    with open_model(store, "o@1-norm") as model, open_model(store, "o@1") as orig:
+        assert np.array_equal(model.trunk("final_norm"), 2 * orig.trunk("final_norm"))
+        assert model.info.expert_format == "bf16"
