@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from store.archs import ALL_ROLES, ARCHS, arch_for_config, role_key_class
 from store.checkpoint import Checkpoint
@@ -210,3 +212,35 @@ def test_partial_plan_for_adapters(tmp_path):
             plan_checkpoint(ck)
         plan = plan_checkpoint(ck, partial=True)
     assert list(plan.experts) == [(1, 2)] and plan.trunk == ()
+
+
+_PARTS = {
+    "mixtral": (
+        "block_sparse_moe.experts.{e}.{t}.weight",
+        {"gate": "w1", "up": "w3", "down": "w2"},
+    ),
+    "qwen3_moe": ("mlp.experts.{e}.{t}_proj.weight", {"gate": "gate", "up": "up", "down": "down"}),
+}
+
+
+@given(
+    arch=st.sampled_from(sorted(ARCHS)),
+    layer=st.integers(0, 10**6),
+    expert=st.integers(0, 10**4),
+    part=st.sampled_from(["gate", "up", "down"]),
+)
+def test_expert_names_classify_for_all_indices(arch, layer, expert, part):
+    template, tokens = _PARTS["mixtral" if arch == "mixtral" else "qwen3_moe"]
+    name = f"model.layers.{layer}." + template.format(e=expert, t=tokens[part])
+    kind = ARCHS[arch].classify(name)
+    assert (kind.kind, kind.layer, kind.expert, kind.part) == ("expert", layer, expert, part)
+    stacked = "down" if part == "down" else "gate_up"
+    fused = ARCHS[arch].classify(f"model.layers.{layer}.mlp.experts.{stacked}_proj")
+    assert (fused.kind, fused.layer, fused.part) == ("fused", layer, stacked)
+
+
+@given(st.text(max_size=80))
+def test_arbitrary_names_never_crash(name):
+    for spec in ARCHS.values():
+        kind = spec.classify(name)
+        assert kind is None or kind.kind in ("trunk", "expert", "fused")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 
@@ -213,3 +214,38 @@ def test_bf16_widening_is_exact(bits):
     got = to_float32(np.array([bits], np.uint16), "BF16")
     want = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
     assert got.view(np.uint32)[0] == want.numpy().view(np.uint32)[0]
+
+
+_entry = st.fixed_dictionaries(
+    {
+        "dtype": st.sampled_from(["F32", "F16", "BF16", "U8", "Q4", 7]),
+        "shape": st.one_of(st.lists(st.integers(-2, 6), max_size=3), st.just("x")),
+        "data_offsets": st.one_of(
+            st.lists(st.integers(-4, 200), min_size=0, max_size=3),
+            st.tuples(st.integers(0, 100), st.integers(0, 100)).map(list),
+        ),
+    }
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    header=st.dictionaries(st.text(min_size=1, max_size=6), _entry, max_size=4),
+    data_len=st.integers(0, 160),
+)
+def test_for_all_headers_valid_or_typed_error(tmp_path_factory, header, data_len):
+    """Whatever the header says, the reader either refuses with a CheckpointError or
+    every tensor it accepts lies inside the file, sized right, overlapping no other."""
+    path = tmp_path_factory.mktemp("fuzz") / "f.safetensors"
+    _raw_file(path, header, bytes(data_len))
+    try:
+        f = SafetensorsFile(path)
+    except CheckpointError:
+        return
+    with f:
+        spans = sorted((i.begin, i.end) for i in f.tensors.values() if i.nbytes)
+        for (_, end), (begin, _) in itertools.pairwise(spans):
+            assert begin >= end
+        for name, info in f.tensors.items():
+            assert 0 <= info.begin <= info.end <= data_len
+            assert f.array(name).nbytes == info.nbytes
