@@ -44,6 +44,7 @@ def store(tmp_path):
         ("olmoe", False, {"dtype": "bfloat16"}),
         ("deepseek_v3", True, {}),
         ("deepseek_v2", False, {"dtype": "float16"}),
+        ("qwen2_moe", False, {"mlp_only_layers": [0]}),
     ],
     ids=[
         "mixtral",
@@ -53,6 +54,7 @@ def store(tmp_path):
         "olmoe-bf16",
         "dsv3-fused",
         "dsv2-f16",
+        "qwen2-dense-layer0",
     ],
 )
 def test_export_is_bit_identical_and_reloads(store, tmp_path, arch, fused, kw):
