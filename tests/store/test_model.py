@@ -264,3 +264,17 @@ def test_for_all_layouts_and_permutations_reads_return_the_router_bytes_expert(
                 offsets.add(m.expert_extent(layer, byte).offset)
             assert len(offsets) == len(want)
             assert (max(offsets) - min(offsets)) // m.info.expert_slot_nbytes == len(want) - 1
+
+
+def test_direct_io_reads_the_padded_stride(mounted):
+    from store import aligned_empty
+
+    with open_model(mounted, "olmoe@1") as plain, open_model(mounted, "olmoe@1", direct=True) as m:
+        a = aligned_empty(m.info.expert_slot_nbytes)
+        b = np.empty(plain.info.expert_slot_nbytes, np.uint8)
+        for layer, byte in [(0, 0), (1, 7), (0, 5)]:
+            m.read_expert(layer, byte, a)
+            plain.read_expert(layer, byte, b)
+            n = m.info.expert_nbytes
+            assert a[:n].tobytes() == b[:n].tobytes()
+            assert not a[n:].any()  # the padding of the block file is zeros
