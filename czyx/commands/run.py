@@ -1,0 +1,99 @@
+"""``czyx run NAME@VERSION --prompt TEXT``: generate text with a mounted model version.
+
+The model is opened only through a portal carrying the ``infer`` right
+(``store.model.open_model``); the trunk is loaded resident and routed experts
+stream through the slot cache sized by ``--cache-mb`` or ``--cache-fraction``
+(default: every expert resident). The text streams to stdout; the figures
+(tokens/s of prefill and decode, hit rate, bytes read per token, exposed I/O
+wait) follow on stderr so the text stays clean for pipes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``run`` subcommand."""
+    p = subparsers.add_parser(
+        "run",
+        help="generate text with a mounted MoE model",
+        description="Generate text with a mounted model version, opened through a portal.",
+    )
+    p.add_argument("ref", metavar="NAME@VERSION", help="the model version's tag")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument(
+        "--portal",
+        default=os.environ.get("CZYX_PORTAL"),
+        help="portal token with the infer right (default: $CZYX_PORTAL, else the owner's)",
+    )
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--cache-mb", type=float, help="expert slot budget in MiB")
+    budget.add_argument(
+        "--cache-fraction", type=float, help="expert slot budget as a fraction of expert bytes"
+    )
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1.0: off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument(
+        "--store",
+        default=os.environ.get("CZYX_STORE", ".czyx"),
+        help="store directory (default: $CZYX_STORE or ./.czyx)",
+    )
+    p.set_defaults(func=run)
+
+
+def _tokenizer_source(consumer: object) -> str | None:
+    """The checkpoint's tokenizer.json text if the consumer carries one (optional extension)."""
+    src = getattr(consumer, "tokenizer_json", None)
+    if callable(src):
+        src = src()
+    if isinstance(src, bytes):
+        src = src.decode("utf-8")
+    return src
+
+
+def run(args: argparse.Namespace) -> int:
+    """Open, generate, stream, report."""
+    from inference.engine import Engine
+    from inference.errors import InferenceError
+    from inference.generate import generate
+    from inference.sampling import SamplingParams
+    from inference.tokenizer import load_tokenizer
+
+    try:
+        from store.model import open_model
+    except ImportError as exc:
+        raise InferenceError(f"this build has no store model reader (store.model): {exc}") from exc
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.max_tokens < 0:
+        raise ValueError(f"--max-tokens {args.max_tokens} is negative")
+    consumer = open_model(args.store, args.ref, portal=args.portal)
+    try:
+        cache_bytes = None if args.cache_mb is None else int(args.cache_mb * 2**20)
+        engine = Engine(consumer, cache_bytes=cache_bytes, cache_fraction=args.cache_fraction)
+        tokenizer = load_tokenizer(_tokenizer_source(consumer), engine.cfg.vocab_size)
+
+        def emit(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        out = generate(engine, tokenizer, args.prompt, args.max_tokens, sampling, on_text=emit)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        budget_mb = engine.cache.n_slots * engine.cache.slot_nbytes / 2**20
+        print(
+            f"cache: {budget_mb:.1f} MiB of {engine.expert_bytes / 2**20:.1f} MiB experts "
+            f"({engine.cache.n_slots} slots), tokenizer: {tokenizer.name}",
+            file=sys.stderr,
+        )
+        print(out.stats.summary(), file=sys.stderr)
+        engine.close()
+    finally:
+        consumer.close()
+    return 0
