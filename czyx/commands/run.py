@@ -40,6 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1.0: off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument(
+        "--hot", metavar="PROFILE", help="routing profile (czyx profile) whose hot list to prewarm"
+    )
+    p.add_argument(
         "--store",
         default=os.environ.get("CZYX_STORE", ".czyx"),
         help="store directory (default: $CZYX_STORE or ./.czyx)",
@@ -57,26 +60,38 @@ def _tokenizer_source(consumer: object) -> str | None:
     return src
 
 
+def store_opener(error: type[Exception]):
+    """``store.model.open_model``, or a one-line error when the store lacks it."""
+    try:
+        from store.model import open_model
+    except ImportError as exc:
+        raise error(f"this build has no store model reader (store.model): {exc}") from exc
+    return open_model
+
+
 def run(args: argparse.Namespace) -> int:
     """Open, generate, stream, report."""
     from inference.engine import Engine
     from inference.errors import InferenceError
     from inference.generate import generate
+    from inference.profile import RoutingProfile
     from inference.sampling import SamplingParams
     from inference.tokenizer import load_tokenizer
 
-    try:
-        from store.model import open_model
-    except ImportError as exc:
-        raise InferenceError(f"this build has no store model reader (store.model): {exc}") from exc
-
+    open_model = store_opener(InferenceError)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_tokens < 0:
         raise ValueError(f"--max-tokens {args.max_tokens} is negative")
     consumer = open_model(args.store, args.ref, portal=args.portal)
     try:
         cache_bytes = None if args.cache_mb is None else int(args.cache_mb * 2**20)
-        engine = Engine(consumer, cache_bytes=cache_bytes, cache_fraction=args.cache_fraction)
+        hot = None
+        if args.hot:
+            info = consumer.info
+            hot = RoutingProfile.load(args.hot, info.n_layers, info.n_experts).hot_list()
+        engine = Engine(
+            consumer, cache_bytes=cache_bytes, cache_fraction=args.cache_fraction, hot=hot
+        )
         tokenizer = load_tokenizer(_tokenizer_source(consumer), engine.cfg.vocab_size)
 
         def emit(piece: str) -> None:

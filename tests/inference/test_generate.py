@@ -85,3 +85,26 @@ def test_bad_tokens_are_refused(model):
         eng.prefill([999])
     with pytest.raises(ValueError, match="empty"):
         generate_ids(eng, [], 3)
+
+
+def test_routing_profile_counts_every_choice_and_orders_the_hot_list(model, tmp_path):
+    from inference.profile import ProfileError, RoutingProfile
+
+    eng = Engine(StateDictConsumer(model))
+    eng.prefill([9, 8, 7, 6, 5, 4])
+    prof = eng.routing_profile()
+    cfg = eng.cfg
+    assert prof.counts.sum() == 6 * cfg.top_k * sum(cfg.sparse_layers)
+    hot = prof.hot_list()
+    counts = [prof.counts[la, e] for la, e in hot]
+    assert counts == sorted(counts, reverse=True) and min(counts) > 0
+    prof.save(tmp_path / "p.json")
+    back = RoutingProfile.load(tmp_path / "p.json", cfg.n_layers, cfg.n_experts)
+    assert np.array_equal(back.counts, prof.counts)
+    with pytest.raises(ProfileError, match="layers"):
+        RoutingProfile.load(tmp_path / "p.json", cfg.n_layers + 1, cfg.n_experts)
+    # A prewarmed hot list turns the same prompt's cold misses into hits.
+    warm = Engine(StateDictConsumer(model), cache_fraction=0.5, hot=hot)
+    before = warm.stats()
+    warm.prefill([9, 8, 7, 6, 5, 4])
+    assert warm.stats().minus(before).hit_rate > 0
