@@ -147,11 +147,13 @@ def speed_and_dial(args: argparse.Namespace, sizes: dict, workdir: str) -> None:
     if not args.only or "dial" in args.only:
         print(f"\n[dial] cold start per budget, {n} generated, median of {args.repeats}")
         base = None
-        for frac in (1.0, 0.5, 0.25, 0.125):
+        for frac, policy in [(f, p) for f in (1.0, 0.5, 0.25, 0.125) for p in ("lru", "lfu")]:
+            if frac == 1.0 and policy == "lfu":
+                continue  # nothing is ever evicted at 100 %: the policy cannot matter
             runs = []
             for _ in range(args.repeats):
                 consumer.evict_page_cache()
-                eng = Engine(consumer, cache_fraction=frac)
+                eng = Engine(consumer, cache_fraction=frac, policy=policy)
                 _, st = generate_ids(eng, prompt, n)
                 runs.append(st)
                 eng.close()
@@ -160,7 +162,7 @@ def speed_and_dial(args: argparse.Namespace, sizes: dict, workdir: str) -> None:
             if base is None:
                 base = tps
             print(
-                f"  budget {frac * 100:5.1f}% ({eng.cache.n_slots:3d} slots): decode "
+                f"  budget {frac * 100:5.1f}% ({eng.cache.n_slots:3d} slots, {policy}): decode "
                 f"{tps:7.1f} tok/s (x{tps / base:.2f} of 100%), hit rate {st.hit_rate:.3f}, "
                 f"{st.decode_bytes_per_token / 2**20:7.2f} MiB/token decode, "
                 f"{st.bytes_per_token / 2**20:6.2f} MiB/token overall, "

@@ -39,6 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1.0: off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--policy", choices=["lru", "lfu"], default="lru", help="expert eviction policy")
     p.add_argument(
         "--hot", metavar="PROFILE", help="routing profile (czyx profile) whose hot list to prewarm"
     )
@@ -90,7 +91,11 @@ def run(args: argparse.Namespace) -> int:
             info = consumer.info
             hot = RoutingProfile.load(args.hot, info.n_layers, info.n_experts).hot_list()
         engine = Engine(
-            consumer, cache_bytes=cache_bytes, cache_fraction=args.cache_fraction, hot=hot
+            consumer,
+            cache_bytes=cache_bytes,
+            cache_fraction=args.cache_fraction,
+            policy=args.policy,
+            hot=hot,
         )
         tokenizer = load_tokenizer(_tokenizer_source(consumer), engine.cfg.vocab_size)
 
