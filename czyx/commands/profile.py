@@ -25,22 +25,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="routing-profile.json", help="where to write the profile")
     p.add_argument("--chunk", type=int, default=256, help="tokens per forward pass (KV reset)")
     p.add_argument("--portal", default=os.environ.get("CZYX_PORTAL"))
-    p.add_argument("--store", default=os.environ.get("CZYX_STORE", ".czyx"))
+    p.add_argument("--store", default=None, metavar="DIR", help="store directory")
     p.set_defaults(func=profile)
 
 
 def profile(args: argparse.Namespace) -> int:
     """Run the text, save the counts, print the top of the hot list."""
-    from czyx.commands.run import _tokenizer_source, store_opener
+    from czyx.commands.run import DEFAULT_STORE, OpenedModel, _tokenizer_source
     from inference.engine import Engine
-    from inference.errors import InferenceError
     from inference.tokenizer import load_tokenizer
 
     if args.chunk <= 0:
         raise ValueError(f"--chunk {args.chunk} must be positive")
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
-    consumer = store_opener(InferenceError)(args.store, args.ref, portal=args.portal)
+    store_dir = args.store or os.environ.get("CZYX_STORE") or DEFAULT_STORE
+    opened = OpenedModel(store_dir, args.ref, args.portal)
+    consumer = opened.consumer
     try:
         engine = Engine(consumer)
         ids = load_tokenizer(_tokenizer_source(consumer), engine.cfg.vocab_size).encode(text)
@@ -55,5 +56,5 @@ def profile(args: argparse.Namespace) -> int:
         print(f"profiled {len(ids)} tokens -> {args.out}; hottest: {top}", file=sys.stderr)
         engine.close()
     finally:
-        consumer.close()
+        opened.close()
     return 0

@@ -1,7 +1,9 @@
 """``czyx run NAME@VERSION --prompt TEXT``: generate text with a mounted model version.
 
 The model is opened only through a portal carrying the ``infer`` right
-(``store.model.open_model``); the trunk is loaded resident and routed experts
+(``portals.open_model`` gives the checked view, ``store.model.open_model`` the
+consumer, with O_DIRECT expert reads; no ``--portal`` means the store owner's
+root portal); the trunk is loaded resident and routed experts
 stream through the slot cache sized by ``--cache-mb`` or ``--cache-fraction``
 (default: every expert resident). The text streams to stdout; the figures
 (tokens/s of prefill and decode, hit rate, bytes read per token, exposed I/O
@@ -45,8 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--store",
-        default=os.environ.get("CZYX_STORE", ".czyx"),
-        help="store directory (default: $CZYX_STORE or ./.czyx)",
+        default=None,
+        metavar="DIR",
+        help=f"store directory (default: $CZYX_STORE or ./{DEFAULT_STORE})",
     )
     p.set_defaults(func=run)
 
@@ -61,29 +64,60 @@ def _tokenizer_source(consumer: object) -> str | None:
     return src
 
 
-def store_opener(error: type[Exception]):
-    """``store.model.open_model``, or a one-line error when the store lacks it."""
-    try:
-        from store.model import open_model
-    except ImportError as exc:
-        raise error(f"this build has no store model reader (store.model): {exc}") from exc
-    return open_model
+DEFAULT_STORE = "czyx-store"  # the mount commands' default (czyx/commands/_storearg.py)
+
+
+class OpenedModel:
+    """A model version opened through a portal, with the store it came from.
+
+    ``consumer`` is the store's ``ModelConsumer``; :meth:`close` releases it
+    and the store.
+    """
+
+    def __init__(self, store_dir: str, ref: str, token: str | None) -> None:
+        from inference.errors import InferenceError
+
+        try:
+            from store.model import open_model
+
+            import portals
+            from store import Store
+        except ImportError as exc:
+            raise InferenceError(f"this build lacks the store or portals: {exc}") from exc
+        if not os.path.isdir(store_dir):
+            raise InferenceError(f"no store at {store_dir!r} (set --store or $CZYX_STORE)")
+        self.store = Store.open(store_dir, create=False)
+        try:
+            # No token: the owner's root portal (local use); a tenant passes theirs.
+            token = token or portals.root_token(self.store)
+            view = portals.open_model(self.store, token, ref)
+            self.consumer = open_model(self.store, ref, view=view, direct=True)
+        except BaseException:
+            self.store.close()
+            raise
+
+    def close(self) -> None:
+        """Close the consumer, then the store."""
+        try:
+            self.consumer.close()
+        finally:
+            self.store.close()
 
 
 def run(args: argparse.Namespace) -> int:
     """Open, generate, stream, report."""
     from inference.engine import Engine
-    from inference.errors import InferenceError
     from inference.generate import generate
     from inference.profile import RoutingProfile
     from inference.sampling import SamplingParams
     from inference.tokenizer import load_tokenizer
 
-    open_model = store_opener(InferenceError)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_tokens < 0:
         raise ValueError(f"--max-tokens {args.max_tokens} is negative")
-    consumer = open_model(args.store, args.ref, portal=args.portal)
+    store_dir = args.store or os.environ.get("CZYX_STORE") or DEFAULT_STORE
+    opened = OpenedModel(store_dir, args.ref, args.portal)
+    consumer = opened.consumer
     try:
         cache_bytes = None if args.cache_mb is None else int(args.cache_mb * 2**20)
         hot = None
@@ -115,5 +149,5 @@ def run(args: argparse.Namespace) -> int:
         print(out.stats.summary(), file=sys.stderr)
         engine.close()
     finally:
-        consumer.close()
+        opened.close()
     return 0
