@@ -43,6 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--policy", choices=["lru", "lfu"], default="lru", help="expert eviction policy")
     p.add_argument(
+        "--pin-classes",
+        metavar="LO-HI",
+        help="pin the experts with router bytes LO..HI (inclusive) in every layer",
+    )
+    p.add_argument(
         "--hot", metavar="PROFILE", help="routing profile (czyx profile) whose hot list to prewarm"
     )
     p.add_argument(
@@ -104,6 +109,20 @@ class OpenedModel:
             self.store.close()
 
 
+def parse_class_range(text: str | None) -> tuple[int, int] | None:
+    """``"LO-HI"`` (inclusive, decimal or 0x hex) as a half-open ``(lo, hi + 1)``."""
+    if text is None:
+        return None
+    try:
+        lo_s, _, hi_s = text.partition("-")
+        lo, hi = int(lo_s, 0), int(hi_s or lo_s, 0)
+    except ValueError:
+        raise ValueError(f"--pin-classes {text!r} is not LO-HI (e.g. 0-15 or 0x20-0x2f)") from None
+    if not 0 <= lo <= hi <= 255:
+        raise ValueError(f"--pin-classes {text!r} must satisfy 0 <= LO <= HI <= 255")
+    return lo, hi + 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Open, generate, stream, report."""
     from inference.engine import Engine
@@ -113,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from inference.tokenizer import load_tokenizer
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    pin = parse_class_range(args.pin_classes)
     if args.max_tokens < 0:
         raise ValueError(f"--max-tokens {args.max_tokens} is negative")
     store_dir = args.store or os.environ.get("CZYX_STORE") or DEFAULT_STORE
@@ -130,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
             cache_fraction=args.cache_fraction,
             policy=args.policy,
             hot=hot,
+            pin_classes=pin,
         )
         tokenizer = load_tokenizer(_tokenizer_source(consumer), engine.cfg.vocab_size)
 

@@ -44,3 +44,17 @@ def test_cache_budget_flags_are_exclusive():
         text=True,
     )
     assert proc.returncode != 0 and "not allowed with" in proc.stderr
+
+
+def test_pin_class_ranges_parse_inclusive_and_refuse_nonsense():
+    import pytest
+
+    from czyx.commands.run import parse_class_range
+
+    assert parse_class_range("0-15") == (0, 16)
+    assert parse_class_range("0x20-0x2f") == (0x20, 0x30)
+    assert parse_class_range("7") == (7, 8)
+    assert parse_class_range(None) is None
+    for bad in ("a-b", "5-2", "0-256"):
+        with pytest.raises(ValueError):
+            parse_class_range(bad)
