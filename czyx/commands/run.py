@@ -83,10 +83,9 @@ class OpenedModel:
         from inference.errors import InferenceError
 
         try:
-            from store.model import open_model
-
             import portals
             from store import Store
+            from store.model import open_model
         except ImportError as exc:
             raise InferenceError(f"this build lacks the store or portals: {exc}") from exc
         if not os.path.isdir(store_dir):
