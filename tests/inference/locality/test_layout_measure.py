@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from curves.morton import MortonCurve
-from inference.locality.curves_shim import CURVES, curve_codes, expert_slots
+from inference.locality.curves_shim import CURVES, expert_slots
 from inference.locality.errors import LocalityError
 from inference.locality.layout_measure import measure_layout
 
@@ -52,17 +51,18 @@ def test_slots_are_a_permutation(n_layers: int, n_experts: int, curve: str) -> N
     assert sorted(s.ravel().tolist()) == list(range(n_layers * n_experts))
 
 
-def test_morton_matches_the_project_curve() -> None:
-    codes = curve_codes("morton", 4, 16)
-    ref = MortonCurve(ndim=2, bits=4)
-    for layer in range(4):
-        for c in range(16):
-            assert codes[layer, c] == ref.encode((layer, c))
+def test_layer_major_is_row_major_and_class_order_applies() -> None:
+    assert np.array_equal(expert_slots("layer-major", 3, 5), np.arange(15).reshape(3, 5))
+    class_of = np.array([[1, 0, 2]])
+    assert expert_slots("layer-major", 1, 3, class_of).tolist() == [[1, 0, 2]]
+    with pytest.raises(LocalityError, match="unknown curve"):
+        expert_slots("peano", 2, 2)
+    with pytest.raises(LocalityError, match="class_of shape"):
+        expert_slots("morton", 2, 2, np.zeros((1, 2), np.int64))
 
 
 def test_hilbert_steps_between_grid_neighbours() -> None:
-    codes = curve_codes("hilbert", 8, 8)
-    cells = np.argwhere(codes >= 0)[np.argsort(codes.ravel())]
+    slots = expert_slots("hilbert", 8, 8)
+    cells = np.argwhere(slots >= 0)[np.argsort(slots.ravel())]
     steps = np.abs(np.diff(cells, axis=0)).sum(axis=1)
     assert np.all(steps == 1)
-    assert sorted(codes.ravel().tolist()) == list(range(64))
