@@ -12,9 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("store.model", reason="needs the store's model reader (mount issue)")
-pytest.importorskip("portals.model", reason="needs portals.open_model (portals issue)")
-
 import portals
 from czyx.cli import main
 from czyx.commands.run import OpenedModel
