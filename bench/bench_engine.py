@@ -126,23 +126,24 @@ def speed_and_dial(args: argparse.Namespace, sizes: dict, workdir: str) -> None:
             with torch.no_grad():
                 model(ids)
 
-        t_ours_pf = _median_time(ours_prefill, args.repeats)
-        t_hf_pf = _median_time(hf_prefill, args.repeats)
-        ours_dec, ours_tokens = [], None
+        hf_prefill()  # warm: lazy initialisation of torch kernels
+        # Interleaved (ours, theirs, ours, ...) so both see the same machine load.
+        pf_ours, pf_hf, gen_hf, ours_dec = [], [], [], []
+        ours_tokens = hf_tokens = None
         for _ in range(args.repeats):
+            pf_ours.append(_median_time(ours_prefill, 1))
+            pf_hf.append(_median_time(hf_prefill, 1))
             ours_tokens, st = generate_ids(eng, prompt, n)
             ours_dec.append(st.decode_tokens_per_s)
-        hf_tokens = None
-
-        def hf_generate() -> None:
-            nonlocal hf_tokens
+            t0 = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(
                     ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
                 )
+            gen_hf.append(time.perf_counter() - t0)
             hf_tokens = out[0, len(prompt) :].tolist()
-
-        t_hf_gen = _median_time(hf_generate, args.repeats)
+        t_ours_pf, t_hf_pf = statistics.median(pf_ours), statistics.median(pf_hf)
+        t_hf_gen = statistics.median(gen_hf)
         hf_dec = (n - 1) / max(t_hf_gen - t_hf_pf, 1e-9)
         _row("prefill tokens/s", len(prompt) / t_ours_pf, len(prompt) / t_hf_pf, "tok/s")
         _row("decode tokens/s", statistics.median(ours_dec), hf_dec, "tok/s")

