@@ -73,3 +73,62 @@ def engine_factory(model, selector: bytes = MODEL_A):
         return Engine(c)
 
     return make
+
+
+class NumpyConsumer:
+    """A ``ModelConsumer`` over plain arrays, so a child process needs no torch.
+
+    Built from any consumer by :func:`freeze_consumer` (every trunk tensor and
+    every expert extent copied out), then pickled to the child.
+    """
+
+    def __init__(self, info, trunks, extents, inter: int, hidden: int) -> None:
+        self.info = info
+        self._trunks = trunks
+        self._extents = extents
+        self._inter, self._hidden = inter, hidden
+
+    def has_trunk(self, role: str, layer: int | None = None) -> bool:
+        return (role, layer) in self._trunks
+
+    def trunk(self, role: str, layer: int | None = None) -> np.ndarray:
+        return self._trunks[(role, layer)]
+
+    def expert_extent(self, layer: int, router_byte: int):
+        from store.consumer import ExpertExtent
+
+        return ExpertExtent(fd=-1, offset=0, length=self.info.expert_nbytes, checksum=0)
+
+    def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
+        src = self._extents[(layer, router_byte)]
+        slot[: src.size] = src
+
+    def expert_views(self, slot: np.ndarray):
+        i, h = self._inter, self._hidden
+        f = slot[: self.info.expert_nbytes].view(np.float32)
+        return (
+            f[: i * h].reshape(i, h),
+            f[i * h : 2 * i * h].reshape(i, h),
+            f[2 * i * h :].reshape(h, i),
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def freeze_consumer(c, selector: bytes = MODEL_A) -> NumpyConsumer:
+    """A :class:`NumpyConsumer` holding the same bytes as the consumer ``c``."""
+    from store.consumer import GLOBAL_ROLES, LAYER_ROLES
+
+    trunks = {(r, None): c.trunk(r) for r in GLOBAL_ROLES if c.has_trunk(r)}
+    for layer in range(c.info.n_layers):
+        for r in LAYER_ROLES:
+            if c.has_trunk(r, layer):
+                trunks[(r, layer)] = c.trunk(r, layer)
+    return NumpyConsumer(
+        dataclasses.replace(c.info, selector=selector),
+        trunks,
+        dict(c._extents),
+        c._inter,
+        c._hidden,
+    )
