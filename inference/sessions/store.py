@@ -38,6 +38,7 @@ Design, and why:
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ from inference.sessions.format import (
     encode,
 )
 from inference.sessions.prefix import PrefixHit, PrefixIndex
-from store.errors import SealedSpaceError, TagConflictError
+from store.errors import SealedSpaceError, StoreError, TagConflictError
 from store.interfaces import StoreInterface
 from store.reader import aligned_empty
 
@@ -223,7 +224,9 @@ class SessionStore:
 
     def _check_tenant(self, tenant: object, what: str) -> None:
         if tenant != self.tenant:
-            self.store.audit("session.denied", what=what, tenant=self.tenant)
+            # Best effort: a read-only store cannot log, and must refuse all the same.
+            with contextlib.suppress(StoreError):
+                self.store.audit("session.denied", what=what, tenant=self.tenant)
             raise WrongTenantError(f"{what} belongs to another tenant, not {self.tenant!r}")
 
     def info(self, name: str, version: int | None = None) -> SessionInfo:
