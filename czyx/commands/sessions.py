@@ -7,9 +7,12 @@ Usage::
     czyx sessions fork PARENT CHILD [--at N]          # start CHILD from PARENT
     czyx sessions show NAME                           # every saved version of NAME
 
-The store defaults to ``$CZYX_STORE`` or ``./czyx-store``; the tenant to
-``$CZYX_TENANT`` or ``default`` (listing without ``--tenant`` shows every
-tenant's sessions: it reads only the catalog, never a session's bytes).
+The store defaults to ``$CZYX_STORE`` or ``./czyx-store``. ``diff``, ``fork``
+and ``show`` act through a portal: ``--portal TOKEN`` (default
+``$CZYX_PORTAL``, else the owner's root portal of a store you own), for the
+portal's tenant, or for ``--tenant`` / ``$CZYX_TENANT`` when the portal is the
+owner's. Listing reads only the catalog (names, sizes, lineage), never a
+session's bytes; without ``--tenant`` it shows every tenant's sessions.
 """
 
 from __future__ import annotations
@@ -31,13 +34,28 @@ def _tenant_arg(p: argparse.ArgumentParser, top: bool) -> None:
     p.add_argument(
         "--tenant",
         default=None if top else argparse.SUPPRESS,
-        help="act for (list: only show) this tenant (default: $CZYX_TENANT or 'default'; "
-        "listing defaults to every tenant)",
+        help="act for (list: only show) this tenant (default: the portal's, or $CZYX_TENANT)",
     )
 
 
-def _tenant(args: argparse.Namespace) -> str:
-    return args.tenant or os.environ.get("CZYX_TENANT", "default")
+def _portal_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--portal",
+        default=os.environ.get("CZYX_PORTAL"),
+        help="portal token (default: $CZYX_PORTAL, else the store owner's root portal)",
+    )
+
+
+def _sessions(args: argparse.Namespace, st):
+    from inference.sessions.store import SessionStore
+
+    portal = args.portal
+    if not portal:
+        from portals import root_token
+
+        portal = root_token(st)
+    tenant = args.tenant or os.environ.get("CZYX_TENANT") or None
+    return SessionStore(st, portal, tenant=tenant)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -62,6 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--context", type=int, default=8, help="tokens shown after the divergence")
     _store_arg(q, False)
     _tenant_arg(q, False)
+    _portal_arg(q)
     q.set_defaults(func=_diff)
 
     q = sub.add_parser("fork", help="start a session from another one's head")
@@ -70,12 +89,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--at", type=int, default=None, help="keep only the first N tokens")
     _store_arg(q, False)
     _tenant_arg(q, False)
+    _portal_arg(q)
     q.set_defaults(func=_fork)
 
     q = sub.add_parser("show", help="every saved version of a session")
     q.add_argument("name")
     _store_arg(q, False)
     _tenant_arg(q, False)
+    _portal_arg(q)
     q.set_defaults(func=_show)
 
 
@@ -132,10 +153,8 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from inference.sessions.store import SessionStore
-
-    with _open(args, readonly=True) as st:
-        d = SessionStore(st, _tenant(args)).diff(args.a, args.b, args.context)
+    with _open(args, readonly=False) as st:  # portal opens are audited: writable
+        d = _sessions(args, st).diff(args.a, args.b, args.context)
 
     def tail(toks: tuple[int, ...], length: int) -> str:
         if not toks:
@@ -155,19 +174,15 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _fork(args: argparse.Namespace) -> int:
-    from inference.sessions.store import SessionStore
-
     with _open(args, readonly=False) as st:
-        info = SessionStore(st, _tenant(args)).fork(args.parent, args.child, at=args.at)
+        info = _sessions(args, st).fork(args.parent, args.child, at=args.at)
     print(f"{info.name}@{info.version}: fork of {info.parent} at {info.fork_at} tokens")
     return 0
 
 
 def _show(args: argparse.Namespace) -> int:
-    from inference.sessions.store import SessionStore
-
-    with _open(args, readonly=True) as st:
-        ss = SessionStore(st, _tenant(args))
+    with _open(args, readonly=False) as st:
+        ss = _sessions(args, st)
         lineage = ss.lineage(args.name)
         print(f"{args.name}" + (f" (lineage: {' <- '.join(lineage)})" if len(lineage) > 1 else ""))
         for v, _ in ss.versions(args.name):

@@ -27,10 +27,18 @@ Design, and why:
   before the child's first tag. A fork at the parent's full length is zero-copy
   (the child's version 1 tags the parent's own sealed space); a fork at an
   earlier position writes the truncated state, reading only the blocks it keeps.
-- **Tenants.** Every state records its tenant; a :class:`SessionStore` acts for
-  one tenant and refuses (``WrongTenantError``) to load, save over, fork or diff
-  another tenant's session. The check is made on the record before any extent
-  byte is read, and again on the extent's own header.
+- **Tenants and portals.** A :class:`SessionStore` is opened with a portal
+  token (``portals``) and acts for the portal's tenant. Every read of a
+  session's bytes opens its space through the portal (``open_space``,
+  ``read`` right: verified, scope-checked, audited), exactly like any other
+  space. Since every save is a new space, a session portal names no spaces
+  (or the store's owner acts for a tenant): what keeps tenants apart is that
+  every state records its tenant, and loading, saving over, forking or
+  diffing another tenant's session is refused (``WrongTenantError``,
+  audited as ``session.denied``): checked on the catalog record before the
+  portal is opened, then on the record read through the portal, then on the
+  extent's own header. Portals have no write right yet: a save re-verifies
+  the portal and stamps the state with its tenant.
 - **Model versions.** A state records the 32-byte selector of the model
   version that computed its KV; loading for another selector (or other KV
   shapes) raises ``ModelVersionMismatchError``.
@@ -179,20 +187,44 @@ class SessionStore:
     ----------
     store
         The store holding session spaces, tags and edges.
+    portal
+        A portal token of the store (``portals``), verified here for the
+        ``read`` right; every read of a session's bytes opens its space
+        through it (``portals.open_space``: checked and audited).
     tenant
-        The tenant this handle acts for (once a portal has been verified, the
-        portal's tenant).
+        The tenant to act for. A tenant-bound portal fixes it (a different
+        value is refused by the portal); the owner's root portal may act for
+        any tenant and must name one.
     direct
         Read extents with ``O_DIRECT`` (bypassing the page cache).
+
+    Raises
+    ------
+    portals.PortalDenied
+        The portal is invalid, expired, revoked, or not for ``tenant``.
     """
 
-    def __init__(self, store: StoreInterface, tenant: str, *, direct: bool = False) -> None:
-        if not isinstance(tenant, str) or not tenant:
-            raise ValueError("tenant: a non-empty string is required")
+    def __init__(
+        self,
+        store: StoreInterface,
+        portal: str,
+        *,
+        tenant: str | None = None,
+        direct: bool = False,
+    ) -> None:
+        from portals import READ, authority
+
         self.store = store
-        self.tenant = tenant
+        self.portal = portal
         self.direct = direct
         self.prefixes = PrefixIndex(store)
+        self._auth = authority(store)
+        self._read_right = READ
+        perm = self._auth.verify(portal, right=READ, tenant=tenant)
+        who = perm.tenant or tenant
+        if not who:
+            raise ValueError("the portal is not bound to a tenant: say which tenant to act for")
+        self.tenant: str = who
 
     # -- names -------------------------------------------------------------------------
     def versions(self, name: str) -> list[tuple[int, Selector]]:
@@ -320,6 +352,7 @@ class SessionStore:
             Another writer saved this version first (or ``expect_version`` is stale).
         """
         check_name(name)
+        self._auth.verify(self.portal, right=self._read_right, tenant=self.tenant)
         if state.tenant != self.tenant:
             raise WrongTenantError(f"state of tenant {state.tenant!r} saved by {self.tenant!r}")
         vs = self.versions(name)
@@ -392,30 +425,51 @@ class SessionStore:
     def _read_space(
         self, sel: Selector, rec: dict, what: str, model: bytes | None, rows: int | None
     ) -> ParsedExtent:
-        if rec.get("format") != FORMAT_VERSION:
-            raise SessionFormatError(
-                f"{what}: format {rec.get('format')}, expected {FORMAT_VERSION}"
-            )
-        if model is not None and bytes(rec["model"]) != bytes(model):
-            raise ModelVersionMismatchError(
-                f"{what} was saved against model version {bytes(rec['model']).hex()[:16]}..., "
-                f"not {bytes(model).hex()[:16]}...; its KV cache is only valid on that version"
-            )
-        lay = _layout(rec)
-        n = lay.prefix_nbytes(lay.length if rows is None else rows)
-        off = int(rec["off"])
+        # Through the portal: verified, scope-checked and audited at open.
+        view = self._auth.open_space(self.portal, sel, right=self._read_right, tenant=self.tenant)
+        try:
+            rec = view.get(Key(SES))  # the record as the portal shows it
+            if rec is None or rec.get("kind") != "ses":
+                raise SessionNotFoundError(f"{what}: space {sel.hex()} holds no SES record")
+            self._check_tenant(rec.get("tenant"), what)
+            if rec.get("format") != FORMAT_VERSION:
+                raise SessionFormatError(
+                    f"{what}: format {rec.get('format')}, expected {FORMAT_VERSION}"
+                )
+            if model is not None and bytes(rec["model"]) != bytes(model):
+                raise ModelVersionMismatchError(
+                    f"{what} was saved against model version {bytes(rec['model']).hex()[:16]}..., "
+                    f"not {bytes(model).hex()[:16]}...; its KV cache is only valid on that version"
+                )
+            lay = _layout(rec)
+            whole = rows is None or rows == lay.length
+            n = lay.prefix_nbytes(lay.length if rows is None else rows)
+            if whole and not self.direct:
+                buf = aligned_empty(max(n, 1))
+                view.read_extent(Key(SES), buf)  # the one read, whole-extent checksum verified
+                parsed = ParsedExtent(buf[:n], rows, what)
+            else:
+                parsed = self._read_prefix(sel, rec, n, rows, what)
+        finally:
+            view.close()
+        if parsed.tenant != self.tenant:
+            raise WrongTenantError(f"{what}: extent belongs to another tenant")
+        if parsed.model != bytes(rec["model"]) or parsed.layout.length != rec["length"]:
+            raise SessionFormatError(f"{what}: extent header disagrees with its record")
+        return parsed
+
+    def _read_prefix(
+        self, sel: Selector, rec: dict, n: int, rows: int | None, what: str
+    ) -> ParsedExtent:
+        """Read the first ``n`` bytes of the extent in one read; verify head and blocks."""
         with self.store.open_reader(sel, direct=self.direct) as reader:
             # Block files pad every extent to the alignment, so an O_DIRECT read
             # may round its length up and stay one aligned request.
             nread = -(-n // reader.align) * reader.align if self.direct else n
             buf = aligned_empty(max(nread, 1), reader.align)
-            reader.read_into(off, buf[:nread])  # the one read
+            reader.read_into(int(rec["off"]), buf[:nread])  # the one read
         parsed = ParsedExtent(buf[:n], rows, what)
         parsed.verify(rec["head_sum"], rec["block_sums"])
-        if parsed.tenant != self.tenant:
-            raise WrongTenantError(f"{what}: extent belongs to another tenant")
-        if parsed.model != bytes(rec["model"]) or parsed.layout.length != rec["length"]:
-            raise SessionFormatError(f"{what}: extent header disagrees with its record")
         return parsed
 
     def load(
@@ -437,6 +491,7 @@ class SessionStore:
             ``child`` already has saved states.
         """
         check_name(child)
+        self._auth.verify(self.portal, right=self._read_right, tenant=self.tenant)
         if self.versions(child):
             raise SessionExistsError(f"session {child!r} already exists")
         pv, psel, prec = self._resolve(parent, None)

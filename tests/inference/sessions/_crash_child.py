@@ -17,10 +17,9 @@ import sys
 
 import numpy as np
 
-from inference.sessions.store import SessionStore
 from store import Store
 from store.blockfile import BlockWriter
-from tests.inference.sessions.helpers import random_state
+from tests.inference.sessions.helpers import random_state, sessions_for
 
 
 def state_for(version: int):
@@ -35,7 +34,7 @@ def _die(*_a, **_k):
 def main() -> None:
     path, mode = sys.argv[1], sys.argv[2]
     st = Store.open(path)
-    ss = SessionStore(st, "alice")
+    ss = sessions_for(st, "alice")
     if mode == "loop":
         v = len(ss.versions("s"))
         while True:

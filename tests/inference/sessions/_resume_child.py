@@ -1,6 +1,6 @@
 """Child process of the cross-process test: resume a saved session and continue it.
 
-``python -m tests.inference.sessions._resume_child MODEL.pkl STORE NAME STEPS OUT.npz``
+``python -m tests.inference.sessions._resume_child MODEL.pkl STORE PORTAL NAME STEPS OUT.npz``
 loads the model as a pickled :class:`~tests.inference.sessions.helpers.NumpyConsumer`
 (no torch here), resumes, and writes the sampled tokens and every step's logits.
 """
@@ -20,11 +20,11 @@ from tests.inference.sessions.helpers import MODEL_A
 
 
 def main() -> None:
-    model, path, name, steps, out = sys.argv[1:6]
+    model, path, portal, name, steps, out = sys.argv[1:7]
     with open(model, "rb") as f:
         engine = Engine(pickle.load(f))
     with Store.open(path) as st:
-        parsed = SessionStore(st, "alice").read(name, model=MODEL_A)
+        parsed = SessionStore(st, portal).read(name, model=MODEL_A)
     live = LiveSession.resume(engine, parsed, "alice")
     toks, logits = [], []
     for _ in range(int(steps)):

@@ -43,6 +43,14 @@ def random_state(
     )
 
 
+def sessions_for(store, tenant: str = "alice", **kw):
+    """A :class:`SessionStore` through a fresh portal granted to ``tenant``."""
+    from inference.sessions.store import SessionStore
+    from portals import authority
+
+    return SessionStore(store, authority(store).grant([], tenant=tenant).token, **kw)
+
+
 def states_equal(a: SessionState, b: SessionState) -> bool:
     """Exact equality of every field (arrays bit for bit)."""
     same_logits = (a.logits is None and b.logits is None) or (

@@ -6,20 +6,20 @@ import numpy as np
 
 from czyx.cli import main
 from inference.sessions.format import BLOCK
-from inference.sessions.store import SessionStore
+from portals import authority
 from store import Store
-from tests.inference.sessions.helpers import random_state
+from tests.inference.sessions.helpers import random_state, sessions_for
 
 
 def _populate(path):
     with Store.open(path) as st:
-        ss = SessionStore(st, "alice")
+        ss = sessions_for(st, "alice")
         base = random_state(np.random.default_rng(1), length=BLOCK + 10)
         ss.save("main", base)
         ss.fork("main", "side", at=BLOCK)
         toks = np.concatenate([base.tokens[:BLOCK], np.array([7, 7, 7], np.int32)])
         ss.save("side", random_state(np.random.default_rng(2), length=toks.size, tokens=toks))
-        SessionStore(st, "bob").save(
+        sessions_for(st, "bob").save(
             "other", random_state(np.random.default_rng(3), length=5, tenant="bob")
         )
         return base
@@ -57,8 +57,21 @@ def test_diff_fork_show(tmp_path, capsys):
 
 def test_refusals_are_one_line(tmp_path, capsys):
     _populate(tmp_path)
-    assert main(["sessions", "diff", "main", "other", "--store", str(tmp_path)]) == 1
+    store = ["--store", str(tmp_path)]
+    # The owner's root portal acting for bob may not read alice's session.
+    assert main(["sessions", "diff", "main", "other", *store, "--tenant", "bob"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("czyx: error:") and "another tenant" in err and err.count("\n") == 1
+    # The root portal must be told which tenant it acts for.
+    assert main(["sessions", "diff", "main", "side", *store]) == 1
+    assert "say which tenant" in capsys.readouterr().err
+    # A portal bound to bob cannot act for alice.
+    with Store.open(tmp_path) as st:
+        bob = authority(st).grant([], tenant="bob").token
+    args = [*store, "--portal", bob, "--tenant", "alice"]
+    assert main(["sessions", "diff", "main", "side", *args]) == 1
+    assert "not for tenant 'alice'" in capsys.readouterr().err
+    assert main(["sessions", "diff", "main", "side", *store, "--portal", bob]) == 1
+    assert "another tenant" in capsys.readouterr().err
     assert main(["sessions", "--store", str(tmp_path / "missing")]) == 1
     assert "no store here" in capsys.readouterr().err

@@ -15,11 +15,16 @@ from inference.engine import Engine
 from inference.sampling import SamplingParams
 from inference.sessions.errors import ModelVersionMismatchError
 from inference.sessions.live import LiveSession, run_with_session
-from inference.sessions.store import SessionStore
 from inference.tokenizer import ByteTokenizer
 from store import Store
 from tests.inference.refmodels import tiny_model
-from tests.inference.sessions.helpers import MODEL_A, MODEL_B, engine_factory, freeze_consumer
+from tests.inference.sessions.helpers import (
+    MODEL_A,
+    MODEL_B,
+    engine_factory,
+    freeze_consumer,
+    sessions_for,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 SAMPLED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
@@ -38,7 +43,7 @@ def make(model):
 @pytest.fixture
 def sessions(tmp_path):
     st = Store.open(tmp_path / "st")
-    yield SessionStore(st, "alice")
+    yield sessions_for(st, "alice")
     st.close()
 
 
@@ -99,7 +104,7 @@ def test_resume_in_another_process(make, sessions, tmp_path):
     out, frozen = tmp_path / "child.npz", tmp_path / "model.pkl"
     frozen.write_bytes(pickle.dumps(freeze_consumer(a.engine.consumer)))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
-    argv = [str(frozen), str(sessions.store.path), "chat", "10", str(out)]
+    argv = [str(frozen), str(sessions.store.path), sessions.portal, "chat", "10", str(out)]
     r = subprocess.run(
         [sys.executable, "-m", "tests.inference.sessions._resume_child", *argv],
         cwd=ROOT,

@@ -23,10 +23,17 @@ from inference.sessions.errors import (
 )
 from inference.sessions.format import BLOCK
 from inference.sessions.store import FORK_EDGE, RECORD_KEY, SessionStore, list_sessions
-from store import Store
+from portals import PortalDenied, Spaces, authority
+from store import ChecksumError, Store
 from store.writer import SpaceWriter
 from tests.inference.sessions._crash_child import state_for
-from tests.inference.sessions.helpers import MODEL_A, MODEL_B, random_state, states_equal
+from tests.inference.sessions.helpers import (
+    MODEL_A,
+    MODEL_B,
+    random_state,
+    sessions_for,
+    states_equal,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -39,7 +46,7 @@ def store(tmp_path):
 
 
 def test_save_load_versions_and_one_read(store, monkeypatch):
-    ss = SessionStore(store, "alice")
+    ss = sessions_for(store, "alice")
     s1, s2 = state_for(1), state_for(2)
     i1 = ss.save("chat", s1)
     i2 = ss.save("chat", s2)
@@ -66,20 +73,20 @@ def test_save_load_versions_and_one_read(store, monkeypatch):
 
 
 def test_saving_the_same_state_twice_reuses_its_space(store):
-    ss = SessionStore(store, "alice")
+    ss = sessions_for(store, "alice")
     a = ss.save("x", state_for(1))
     b = ss.save("y", state_for(1))
     assert a.space == b.space and len(store.spaces()) == 1
 
 
 def test_direct_io_read_matches(store):
-    ss = SessionStore(store, "alice")
+    ss = sessions_for(store, "alice")
     ss.save("chat", state_for(3))
-    assert states_equal(SessionStore(store, "alice", direct=True).load("chat"), state_for(3))
+    assert states_equal(sessions_for(store, "alice", direct=True).load("chat"), state_for(3))
 
 
 def test_prefix_read_reads_only_needed_bytes(store, monkeypatch):
-    ss = SessionStore(store, "alice")
+    ss = sessions_for(store, "alice")
     s = random_state(np.random.default_rng(0), length=3 * BLOCK + 5)
     ss.save("chat", s)
     parsed = ss.read("chat", rows=BLOCK)
@@ -90,7 +97,7 @@ def test_prefix_read_reads_only_needed_bytes(store, monkeypatch):
 
 
 def test_model_version_is_checked(store):
-    ss = SessionStore(store, "alice")
+    ss = sessions_for(store, "alice")
     ss.save("chat", state_for(1))
     ss.read("chat", model=MODEL_A)
     with pytest.raises(ModelVersionMismatchError, match="model version"):
@@ -98,7 +105,7 @@ def test_model_version_is_checked(store):
 
 
 def test_wrong_tenant_is_refused_everywhere(store):
-    alice, bob = SessionStore(store, "alice"), SessionStore(store, "bob")
+    alice, bob = sessions_for(store, "alice"), sessions_for(store, "bob")
     info = alice.save("chat", state_for(3))
     with pytest.raises(WrongTenantError):
         bob.load("chat")
@@ -120,18 +127,18 @@ def test_wrong_tenant_is_refused_everywhere(store):
 
 
 def test_conflicting_saves(store):
-    ss = SessionStore(store, "alice")
+    ss = sessions_for(store, "alice")
     ss.save("chat", state_for(1), expect_version=0)
     with pytest.raises(SessionConflictError, match="version 1, not 0"):
         ss.save("chat", state_for(2), expect_version=0)
     # A writer that lost the race for version 2 is told so.
     store.set_tag("session:chat@00000002", Selector.from_name("elsewhere"))
     with pytest.raises(SessionConflictError, match="concurrently"):
-        SessionStore(store, "alice")._tag("chat", 2, Selector.from_name("mine"))
+        sessions_for(store, "alice")._tag("chat", 2, Selector.from_name("mine"))
 
 
 def test_fork_lineage_and_diff(store):
-    ss = SessionStore(store, "alice")
+    ss = sessions_for(store, "alice")
     base = random_state(np.random.default_rng(5), length=2 * BLOCK + 9)
     ss.save("a", base)
     whole = ss.fork("a", "b")  # zero copy
@@ -160,14 +167,14 @@ def test_fork_lineage_and_diff(store):
 
 
 def test_names_are_validated(store):
-    ss = SessionStore(store, "alice")
+    ss = sessions_for(store, "alice")
     for bad in ("", "a@b", " x", "-x", "x" * 201, "a\x00"):
         with pytest.raises(ValueError, match="session name"):
             ss.save(bad, state_for(1))
 
 
 def test_corrupt_extent_is_refused(store):
-    ss = SessionStore(store, "alice")
+    ss = sessions_for(store, "alice")
     info = ss.save("chat", state_for(2))
     rec = store.get(info.space, RECORD_KEY)
     path = store.block_path(info.space)
@@ -176,15 +183,18 @@ def test_corrupt_extent_is_refused(store):
         b = f.read(1)
         f.seek(rec["off"] + rec["kv_off"] + 3)
         f.write(bytes([b[0] ^ 0xFF]))
-    with pytest.raises(SessionFormatError, match="KV block 0"):
+    with pytest.raises(ChecksumError):  # a whole read: the store's extent checksum
         ss.load("chat")
+    with pytest.raises(SessionFormatError, match="KV block 0"):  # a prefix: per-block sums
+        ss.read("chat", rows=1)
+    ss.read("chat", rows=0)  # the head alone is intact
 
 
 # -- interrupted saves -------------------------------------------------------------------
 
 
 def test_exception_between_extent_write_and_commit_keeps_previous_state(store, monkeypatch):
-    ss = SessionStore(store, "alice")
+    ss = sessions_for(store, "alice")
     ss.save("chat", state_for(1))
     orig = SpaceWriter.commit
 
@@ -202,7 +212,7 @@ def test_exception_between_extent_write_and_commit_keeps_previous_state(store, m
 
 
 def test_exception_between_publication_and_tag_keeps_previous_state(store, monkeypatch):
-    ss = SessionStore(store, "alice")
+    ss = sessions_for(store, "alice")
     ss.save("chat", state_for(1))
 
     def boom(*a, **k):
@@ -235,12 +245,12 @@ def _child(path: Path, mode: str) -> subprocess.Popen:
 def test_sigkill_mid_save_keeps_previous_state(tmp_path, mode):
     path = tmp_path / "st"
     with Store.open(path) as st:
-        SessionStore(st, "alice").save("s", state_for(1))
+        sessions_for(st, "alice").save("s", state_for(1))
     p = _child(path, mode)
     _, err = p.communicate(timeout=60)
     assert p.returncode == -signal.SIGKILL, err
     with Store.open(path) as st:
-        ss = SessionStore(st, "alice")
+        ss = sessions_for(st, "alice")
         assert [v for v, _ in ss.versions("s")] == [1]
         assert states_equal(ss.load("s"), state_for(1))
         assert ss.save("s", state_for(2)).version == 2
@@ -261,7 +271,7 @@ def test_sigkill_at_random_instants(tmp_path):
         out, _ = p.communicate(timeout=60)
         done = [int(x) for x in (line + out).split()]
         with Store.open(path) as st:
-            ss = SessionStore(st, "alice")
+            ss = sessions_for(st, "alice")
             head = ss.info("s").version
             # Every reported save is durable; at most one more (killed after its tag) exists.
             assert done[-1] <= head <= done[-1] + 1
@@ -271,3 +281,37 @@ def test_sigkill_at_random_instants(tmp_path):
             hit = ss.find_prefix(state_for(head).tokens, MODEL_A)
             assert hit is not None and hit.space == ss.info("s").space
             last = head
+
+
+# -- portals -----------------------------------------------------------------------------
+
+
+def test_sessions_are_opened_through_the_portal(store):
+    auth = authority(store)
+    g = auth.grant([], tenant="alice")
+    ss = SessionStore(store, g.token)
+    assert ss.tenant == "alice"
+    info = ss.save("chat", state_for(2))
+    ss.load("chat")
+    opens = [e for e in store.audit_log() if e["event"] == "portal.open"]
+    assert opens and opens[-1]["space"] == info.space.hex() and opens[-1]["right"] == "read"
+    # A portal confined to other spaces cannot open the session's space.
+    other = auth.grant([Spaces(frozenset({Selector.from_name("x").raw}))], tenant="alice")
+    with pytest.raises(PortalDenied):
+        SessionStore(store, other.token).load("chat")
+    # The owner's root portal acts for a tenant it names, and only then.
+    with pytest.raises(ValueError, match="which tenant"):
+        SessionStore(store, auth.root_token())
+    assert np.array_equal(
+        SessionStore(store, auth.root_token(), tenant="alice").tokens("chat"), state_for(2).tokens
+    )
+    # A tenant-bound portal cannot be used for another tenant.
+    with pytest.raises(PortalDenied):
+        SessionStore(store, g.token, tenant="bob")
+    # Revocation: the next save and the next read are refused.
+    auth.revoke(g.portal_id, reason="test")
+    with pytest.raises(PortalDenied):
+        ss.save("chat", state_for(3))
+    with pytest.raises(PortalDenied):
+        ss.load("chat")
+    assert [v for v, _ in sessions_for(store).versions("chat")] == [1]
