@@ -103,6 +103,10 @@ class SessionState:
         n = self.length
         shape = (self.k[0].shape[0], n, self.k[0].shape[2])
         for i, (k, v) in enumerate(zip(self.k, self.v)):
+            if k.dtype != np.float32 or v.dtype != np.float32:
+                # The extent stores float32 KV (the engine's); a wider or narrower
+                # cache would need its own format version, not a silent cast.
+                raise SessionFormatError(f"state: layer {i} k/v are {k.dtype}/{v.dtype}, not f32")
             if k.ndim != 3 or k.shape != shape or v.shape != shape:
                 raise SessionFormatError(
                     f"state: layer {i} k/v shapes {k.shape}/{v.shape}, expected {shape}"

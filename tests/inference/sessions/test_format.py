@@ -119,5 +119,7 @@ def test_inconsistent_state_is_refused():
     s = random_state(np.random.default_rng(4), length=10)
     with pytest.raises(SessionFormatError, match="layer 1"):
         type(s)(s.model, s.tenant, s.tokens, s.k, (s.v[0], s.v[1][:, :5]))
+    with pytest.raises(SessionFormatError, match="not f32"):
+        type(s)(s.model, s.tenant, s.tokens, tuple(a.astype(np.float16) for a in s.k), s.v)
     with pytest.raises(SessionFormatError, match="32 bytes"):
         type(s)(b"short", s.tenant, s.tokens, s.k, s.v)
