@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hst
 
 from czyx.space import Selector
 from inference.sessions.errors import (
@@ -315,3 +317,30 @@ def test_sessions_are_opened_through_the_portal(store):
     with pytest.raises(PortalDenied):
         ss.load("chat")
     assert [v for v, _ in sessions_for(store).versions("chat")] == [1]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    length=hst.integers(1, 3 * BLOCK + 3),
+    cut=hst.integers(0, 3 * BLOCK + 3),
+    other=hst.lists(hst.integers(0, 999), max_size=20),
+)
+def test_for_all_histories_read_and_diff_agree_with_the_tokens(
+    length, cut, other, tmp_path_factory
+):
+    with Store.open(tmp_path_factory.mktemp("rt")) as st_:
+        ss = sessions_for(st_)
+        a = random_state(np.random.default_rng(length), length=length)
+        ss.save("a", a)
+        toks = np.concatenate([a.tokens[: min(cut, length)], np.asarray(other, np.int32)])
+        if toks.size:
+            ss.save("b", random_state(np.random.default_rng(cut), length=toks.size, tokens=toks))
+            d = ss.diff("a", "b")
+            n = min(length, toks.size)
+            want = next((i for i in range(n) if a.tokens[i] != toks[i]), n)
+            assert (d.common, d.a_length, d.b_length) == (want, length, toks.size)
+        rows = min(cut, length)
+        got = ss.read("a", rows=rows).to_state()
+        assert np.array_equal(got.tokens, a.tokens[:rows])
+        assert all(np.array_equal(x, y[:, :rows]) for x, y in zip(got.k, a.k))
+        assert states_equal(ss.load("a"), a)
