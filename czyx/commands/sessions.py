@@ -49,13 +49,8 @@ def _portal_arg(p: argparse.ArgumentParser) -> None:
 def _sessions(args: argparse.Namespace, st):
     from inference.sessions.store import SessionStore
 
-    portal = args.portal
-    if not portal:
-        from portals import root_token
-
-        portal = root_token(st)
     tenant = args.tenant or os.environ.get("CZYX_TENANT") or None
-    return SessionStore(st, portal, tenant=tenant)
+    return SessionStore.open(st, args.portal, tenant=tenant)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

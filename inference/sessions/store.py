@@ -226,6 +226,18 @@ class SessionStore:
             raise ValueError("the portal is not bound to a tenant: say which tenant to act for")
         self.tenant: str = who
 
+    @classmethod
+    def open(
+        cls, store: StoreInterface, portal: str | None = None, *, tenant: str | None = None
+    ) -> SessionStore:
+        """A handle through ``portal``, or, when ``None``, the store owner's root portal
+        (for a process that owns the store directory and its portal secret)."""
+        if not portal:
+            from portals import root_token
+
+            portal = root_token(store)
+        return cls(store, portal, tenant=tenant)
+
     # -- names -------------------------------------------------------------------------
     def versions(self, name: str) -> list[tuple[int, Selector]]:
         """Every saved ``(version, space)`` of ``name``, oldest first (any tenant)."""
