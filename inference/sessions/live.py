@@ -75,7 +75,7 @@ class LiveSession:
             The tenant resuming it (must own it).
         sampling
             ``None``: the saved sampler parameters *and* RNG state (exact
-            continuation). Given: these parameters, with a fresh RNG.
+            continuation). Given: these parameters, with a fresh RNG (their seed).
         rows
             Restore only the first ``rows`` positions (a prefix); their logits
             are unknown, so the caller feeds at least one more token.
@@ -112,12 +112,12 @@ class LiveSession:
         parsed.copy_kv_into(kv.k, kv.v, rows)
         kv.length = rows
         engine.kv = kv
-        if sampling is None and full:
+        if sampling is None:
             sampler = Sampler(SamplingParams(**parsed.sampling))
             if parsed.rng_state is not None:
                 sampler.rng.bit_generator.state = parsed.rng_state
         else:
-            sampler = Sampler(sampling or SamplingParams(**parsed.sampling))
+            sampler = Sampler(sampling)
         live = cls(engine, sampler, tenant)
         live.tokens = [int(t) for t in parsed.tokens[:rows]]
         live.logits = parsed.logits.copy() if full else None
