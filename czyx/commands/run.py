@@ -63,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the prompt is appended and the new state saved (inference.sessions)",
     )
     p.add_argument(
-        "--tenant", help="tenant the session belongs to (default: the portal's; owner: required)"
+        "--tenant", help="tenant the session belongs to (default: the portal's, or 'owner')"
     )
     p.set_defaults(func=run)
 
@@ -92,10 +92,9 @@ class OpenedModel:
         from inference.errors import InferenceError
 
         try:
-            from store.model import open_model
-
             import portals
             from store import Store
+            from store.model import open_model
         except ImportError as exc:
             raise InferenceError(f"this build lacks the store or portals: {exc}") from exc
         if not os.path.isdir(store_dir):
@@ -187,7 +186,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_session(args, store, engine, tokenizer, sampling, emit) -> None:
+def _run_session(
+    args: argparse.Namespace,
+    store: object,
+    engine: object,
+    tokenizer: object,
+    sampling: object,
+    emit: object,
+) -> None:
     """``--session NAME``: :func:`inference.sessions.run_with_session`, then its figures."""
     from inference.sampling import SamplingParams
     from inference.sessions import SessionStore, run_with_session
