@@ -194,7 +194,7 @@ class SessionStore:
     tenant
         The tenant to act for. A tenant-bound portal fixes it (a different
         value is refused by the portal); the owner's root portal may act for
-        any tenant and must name one.
+        any tenant it names (by default the owner's own, tenant ``"owner"``).
     direct
         Read extents with ``O_DIRECT`` (bypassing the page cache).
 
@@ -213,6 +213,7 @@ class SessionStore:
         direct: bool = False,
     ) -> None:
         from portals import READ, authority
+        from portals.authority import OWNER
 
         self.store = store
         self.portal = portal
@@ -221,10 +222,9 @@ class SessionStore:
         self._auth = authority(store)
         self._read_right = READ
         perm = self._auth.verify(portal, right=READ, tenant=tenant)
-        who = perm.tenant or tenant
-        if not who:
-            raise ValueError("the portal is not bound to a tenant: say which tenant to act for")
-        self.tenant: str = who
+        # An unbound portal is the owner's: it acts for the tenant it names, else
+        # for the owner's own sessions (tenant "owner", as portals audits it).
+        self.tenant: str = perm.tenant or tenant or OWNER
 
     @classmethod
     def open(

@@ -62,9 +62,9 @@ def test_refusals_are_one_line(tmp_path, capsys):
     assert main(["sessions", "diff", "main", "other", *store, "--tenant", "bob"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("czyx: error:") and "another tenant" in err and err.count("\n") == 1
-    # The root portal must be told which tenant it acts for.
+    # The root portal without --tenant acts for the owner, who does not own alice's.
     assert main(["sessions", "diff", "main", "side", *store]) == 1
-    assert "say which tenant" in capsys.readouterr().err
+    assert "not 'owner'" in capsys.readouterr().err
     # A portal bound to bob cannot act for alice.
     with Store.open(tmp_path) as st:
         bob = authority(st).grant([], tenant="bob").token

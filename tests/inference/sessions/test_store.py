@@ -301,9 +301,10 @@ def test_sessions_are_opened_through_the_portal(store):
     other = auth.grant([Spaces(frozenset({Selector.from_name("x").raw}))], tenant="alice")
     with pytest.raises(PortalDenied):
         SessionStore(store, other.token).load("chat")
-    # The owner's root portal acts for a tenant it names, and only then.
-    with pytest.raises(ValueError, match="which tenant"):
-        SessionStore(store, auth.root_token())
+    # The owner's root portal acts for the tenant it names, else for the owner.
+    assert SessionStore(store, auth.root_token()).tenant == "owner"
+    with pytest.raises(WrongTenantError):
+        SessionStore(store, auth.root_token()).load("chat")
     assert np.array_equal(
         SessionStore(store, auth.root_token(), tenant="alice").tokens("chat"), state_for(2).tokens
     )
