@@ -11,8 +11,9 @@ The store defaults to ``$CZYX_STORE`` or ``./czyx-store``. ``diff``, ``fork``
 and ``show`` act through a portal: ``--portal TOKEN`` (default
 ``$CZYX_PORTAL``, else the owner's root portal of a store you own), for the
 portal's tenant, or for ``--tenant`` / ``$CZYX_TENANT`` when the portal is the
-owner's (else for the owner's own sessions, tenant ``owner``). Listing reads only the catalog (names, sizes, lineage), never a
-session's bytes; without ``--tenant`` it shows every tenant's sessions.
+owner's (else for the owner's own sessions, tenant ``owner``). Listing reads
+only the catalog (names, sizes, lineage), never a session's bytes; without
+``--tenant`` it shows every tenant's sessions.
 """
 
 from __future__ import annotations
