@@ -149,8 +149,12 @@ class LiveSession:
             live = cls.start(engine, sampling, sessions.tenant)
             live.feed(prompt)
             return live
-        rec_len = sessions.store.get(hit.space, RECORD_KEY)["length"]
-        parsed = sessions.read_space(hit.space, model=model, rows=min(rec_len, len(prompt)))
+        rec = sessions.store.get(hit.space, RECORD_KEY)
+        if rec is None:  # an edge without its state (never published): nothing to reuse
+            live = cls.start(engine, sampling, sessions.tenant)
+            live.feed(prompt)
+            return live
+        parsed = sessions.read_space(hit.space, model=model, rows=min(rec["length"], len(prompt)))
         n = parsed.rows
         neq = np.flatnonzero(parsed.tokens[:n] != np.asarray(prompt[:n], np.int32))
         common = int(neq[0]) if neq.size else n
