@@ -226,6 +226,8 @@ class StoreModel:
             k: to_float32(_as_dtype(space.read_trunk_raw(r), r), r.dtype)
             for k, r in space.trunk.items()
         }
+        for arr in self._trunk.values():
+            arr.setflags(write=False)  # shared by every caller: nobody may edit weights
         gate = (ex["inter"], ex["hidden"])
         item = DTYPES[ex["dtype"]][1]
         self._view_dtype = DTYPES[ex["dtype"]][0]
@@ -255,7 +257,10 @@ class StoreModel:
                 f"{self.info.n_layers} layers x 256 bytes"
             )
         if not self._allowed[layer, router_byte]:
-            self._view.check(int(self._cls[layer, router_byte]), layer)  # raises, audited
+            cls = int(self._cls[layer, router_byte])
+            self._view.check(cls, layer)  # raises the portal's error and audits it
+            # Fail closed even if a view's check disagrees with its own mask.
+            raise ModelSpaceError(f"the portal does not cover class {cls} at layer {layer}")
         blk = int(self._blk[layer, router_byte])
         if blk == _NO_BLOCK:
             raise ModelSpaceError(f"layer {layer} has no routed expert {router_byte}")

@@ -15,14 +15,13 @@ import torch
 pytest.importorskip("store.model", reason="needs the store's model reader (mount issue)")
 pytest.importorskip("portals.model", reason="needs portals.open_model (portals issue)")
 
-from store.mount import mount
-
 import portals
 from czyx.cli import main
 from czyx.commands.run import OpenedModel
 from inference.engine import Engine
 from inference.generate import generate_ids
 from store import Store
+from store.mount import mount
 from tests.inference.refmodels import ARCHS, tiny_model
 
 PROMPT = np.random.default_rng(11).integers(0, 256, 10)
