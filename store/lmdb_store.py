@@ -133,7 +133,10 @@ class Store(CatalogMixin, StoreInterface):
         self._spaces = self._db["spaces"]
         # Active read transactions of this process: the map is only remapped at zero,
         # while holding the lock, so no reader can begin during the remap.
-        self._lock = threading.Lock()  # serialises resizes
+        self._lock = threading.Lock()  # held while remapping: readers wait on it
+        # Serialises this process's write transactions and resizes: LMDB refuses to
+        # resize while a write transaction of the process is open (EINVAL).
+        self._wlock = threading.RLock()
         self._readers: list[None] = []
         self._resizing = False
         # Snapshots open in the current thread: such a thread must not wait for a
@@ -256,7 +259,7 @@ class Store(CatalogMixin, StoreInterface):
                 f"{self.path}: the LMDB map must grow, but this thread holds an open "
                 "snapshot; close it and retry"
             )
-        with self._lock:
+        with self._wlock, self._lock:
             self._resizing = True
             try:
                 deadline = time.monotonic() + 30.0
@@ -275,6 +278,10 @@ class Store(CatalogMixin, StoreInterface):
         """Run ``fn`` in one write transaction, growing the map and retrying on MapFull."""
         if self.readonly:
             raise StoreError(f"{self.path}: store is open read-only")
+        with self._wlock:
+            return self._write_locked(fn)
+
+    def _write_locked(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         while True:
             try:
                 with self._env.begin(write=True) as txn:

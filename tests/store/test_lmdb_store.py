@@ -307,3 +307,39 @@ def test_catalog_extras(tmp_path: pathlib.Path) -> None:
     events = [e["event"] for e in s.audit_log()]
     assert events == ["space.publish", "tag.set", "tag.remove", "tag.set"]
     s.close()
+
+
+def test_threads_write_and_read_while_the_map_grows(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s", map_size=64 << 10)
+    sp = Selector.from_name("g")
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def writer(t: int) -> None:
+        try:
+            for b in range(10):
+                s.put_many(sp, [(Key(t, b, i).pack(), {"pad": b"p" * 200}) for i in range(50)])
+        except BaseException as exc:
+            errors.append(exc)
+
+    def reader() -> None:
+        try:
+            while not done.is_set():
+                s.get(sp, Key(0, 0, 0).pack())
+                sum(1 for _ in s.scan(sp, 1, 1))
+        except BaseException as exc:
+            errors.append(exc)
+
+    writers = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
+    readers = [threading.Thread(target=reader) for _ in range(2)]
+    for th in writers + readers:
+        th.start()
+    for th in writers:
+        th.join()
+    done.set()
+    for th in readers:
+        th.join()
+    assert errors == []
+    assert s.aggregate(sp)[0] == 4 * 10 * 50
+    assert s.map_size() > 64 << 10
+    s.close()
