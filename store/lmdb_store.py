@@ -26,18 +26,16 @@ Concurrency rules, and why:
   never hold a transaction while the caller runs. Readers announce
   themselves by appending to a list and re-check a ``resizing`` flag (both
   atomic under the GIL), which costs ~50 ns instead of a lock per read.
-- An environment must not be used across ``fork()``: the opening pid is
-  recorded and any use from another process raises ``StoreForkError``. Right
-  after a fork the child closes its inherited copies of every open
-  environment (``os.register_at_fork``; LMDB's close only releases the
-  child's own reader slots and mappings), so the child can ``Store.open``
-  the same directory afresh (py-lmdb refuses a second open of a path that is
-  still open in the process).
+- An environment must not be used across ``fork()``: in a fork child every
+  inherited store refuses use with ``StoreForkError``. Right after the fork
+  the child closes its copies of the environments that were idle, so it can
+  ``Store.open`` them afresh; one that had a transaction in flight is pinned
+  open instead, because closing it would release the parent's reader slot
+  (see :func:`store.lifecycle.close_inherited`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
 import threading
@@ -60,10 +58,10 @@ from store.errors import (
     SealedSpaceError,
     SpaceNotFoundError,
     StoreError,
-    StoreForkError,
     StoreMapFullError,
 )
 from store.interfaces import StoreInterface
+from store.lifecycle import OPEN_STORES, Unusable
 from store.reader import RawReader
 from store.records import check_key, check_selector, decode, encode, unpackb
 from store.snapshot import Snapshot
@@ -79,40 +77,6 @@ _DBS = ("records", "spaces", "tags", "portals", "edges", "audit")
 
 class _Retry(Exception):
     """Internal: a read met a map resize and takes the slow path."""
-
-
-class _Unusable:
-    """Stands in for the LMDB environment of a closed or fork-inherited store.
-
-    Every use raises the stored error, so the read hot path needs no
-    ``closed``/pid checks of its own.
-    """
-
-    def __init__(self, exc_type: type[StoreError], message: str) -> None:
-        self._exc_type, self._message = exc_type, message
-
-    def __getattr__(self, name: str) -> Any:
-        raise self._exc_type(self._message)
-
-
-_OPEN: weakref.WeakSet[Store] = weakref.WeakSet()
-
-
-def _close_inherited() -> None:
-    """In a fork child: close every environment inherited from the parent."""
-    for st in list(_OPEN):
-        env = st._env
-        st._env = _Unusable(
-            StoreForkError,
-            f"{st.path}: store opened in pid {st._pid} used in pid {os.getpid()}; LMDB "
-            "environments must not cross fork(): call Store.open again in the child",
-        )
-        with contextlib.suppress(Exception):
-            env.close()
-    _OPEN.clear()
-
-
-os.register_at_fork(after_in_child=_close_inherited)
 
 
 class Store(CatalogMixin, StoreInterface):
@@ -138,13 +102,15 @@ class Store(CatalogMixin, StoreInterface):
         # Serialises this process's write transactions and resizes: LMDB refuses to
         # resize while a write transaction of the process is open (EINVAL).
         self._wlock = threading.RLock()
+        self._writing = 0  # write transactions in flight (see store.lifecycle)
         self._readers: list[None] = []
         self._resizing = False
         # Snapshots open in the current thread: such a thread must not wait for a
         # resize (the resize waits for its snapshot: a deadlock), and need not (its
         # snapshot is in _readers, so the resize cannot start before it closes).
         self._local = threading.local()
-        _OPEN.add(self)
+        self._snapshots: weakref.WeakSet[Snapshot] = weakref.WeakSet()
+        OPEN_STORES.add(self)
 
     # -- lifecycle ---------------------------------------------------------------------
     @classmethod
@@ -197,7 +163,13 @@ class Store(CatalogMixin, StoreInterface):
                 readahead=False,  # point reads into a large index: no wasted readahead
             )
         except lmdb.Error as exc:
-            raise StoreError(f"{index}: cannot open LMDB environment ({exc})") from exc
+            hint = ""
+            if "already open" in str(exc):
+                hint = (
+                    "; if this process was forked while the parent used this store, open it"
+                    " in a spawned process instead"
+                )
+            raise StoreError(f"{index}: cannot open LMDB environment ({exc}){hint}") from exc
         if not readonly:
             with env.begin(write=True) as txn:
                 for name in _DBS:
@@ -211,16 +183,16 @@ class Store(CatalogMixin, StoreInterface):
     def close(self) -> None:
         """Close the environment (idempotent; in a fork child it was closed at fork)."""
         env = self._env
-        if isinstance(env, _Unusable):
+        if isinstance(env, Unusable):
             return
-        self._env = _Unusable(StoreError, f"{self.path}: store is closed")
-        _OPEN.discard(self)
+        self._env = Unusable(StoreError, f"{self.path}: store is closed")
+        OPEN_STORES.discard(self)
         env.close()
 
     @property
     def closed(self) -> bool:
         """Whether this handle can no longer be used (closed, or inherited across fork)."""
-        return isinstance(self._env, _Unusable)
+        return isinstance(self._env, Unusable)
 
     # -- transactions ------------------------------------------------------------------
     def _begin_read(self, db: Any = None) -> lmdb.Transaction:
@@ -280,7 +252,11 @@ class Store(CatalogMixin, StoreInterface):
         if self.readonly:
             raise StoreError(f"{self.path}: store is open read-only")
         with self._wlock:
-            return self._write_locked(fn)
+            self._writing += 1
+            try:
+                return self._write_locked(fn)
+            finally:
+                self._writing -= 1
 
     def _write_locked(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         while True:

@@ -16,7 +16,7 @@ import lmdb
 
 from czyx.key import KEY_SIZE, class_range_bounds
 from czyx.space import SELECTOR_SIZE, Selector
-from store.errors import StoreError
+from store.errors import StoreError, StoreForkError
 from store.records import check_key, check_selector, decode, unpackb
 
 if TYPE_CHECKING:
@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 def _snapshot_closed(key: bytes) -> None:
     raise StoreError("snapshot is closed")
+
+
+def _snapshot_forked(key: bytes) -> None:
+    raise StoreForkError("snapshot opened before fork(): unusable in the child")
 
 
 class Snapshot:
@@ -41,6 +45,7 @@ class Snapshot:
         self._tget = self._txn.get
         local = store._local
         local.snapshots = getattr(local, "snapshots", 0) + 1
+        store._snapshots.add(self)
 
     def get(self, space: Selector, key: bytes) -> dict | None:
         """The record at ``(space, key)`` as of the snapshot, or ``None``."""
@@ -60,7 +65,7 @@ class Snapshot:
     ) -> Iterator[tuple[bytes, dict]]:
         """Like :meth:`Store.scan`, inside the snapshot's transaction."""
         if self._txn is None:
-            raise StoreError("snapshot is closed")
+            self._tget(b"")  # raises: closed, or retired after fork
         sel = check_selector(space)
         lo, hi = class_range_bounds(lo_cls, hi_cls)
         end = sel + hi
@@ -79,6 +84,19 @@ class Snapshot:
             self._txn = None
             self._tget = _snapshot_closed
             self._store._local.snapshots -= 1
+            self._store._snapshots.discard(self)
+
+    def retire_after_fork(self, pinned: list) -> None:
+        """In a fork child: refuse further use without ending the parent's transaction.
+
+        The transaction object is moved to ``pinned`` (kept alive for the
+        child's lifetime): aborting or freeing the child's copy would release
+        the parent's reader slot.
+        """
+        if self._txn is not None:
+            pinned.append(self._txn)
+            self._txn = None
+        self._tget = _snapshot_forked
 
     def __enter__(self) -> Snapshot:
         return self
