@@ -83,3 +83,19 @@ def test_czyx_run_streams_text_and_figures(mounted, capsys):
         assert figure in out.err
     assert main([*argv, "--cache-mb", "0.001"]) == 1
     assert "top-2" in capsys.readouterr().err
+
+
+def test_torch_consumer_on_the_mounted_store_agrees_with_the_engine(mounted):
+    from inference.torch_moe import TorchMoELayer
+
+    store_dir, _, token = mounted
+    opened = OpenedModel(str(store_dir), "qwen3_moe@1", token)
+    try:
+        eng = Engine(opened.consumer, cache_fraction=0.5)
+        x = np.random.default_rng(5).standard_normal((7, eng.cfg.hidden_size)).astype(np.float32)
+        ours = eng.model._routed(0, eng.model.layers[0], x)
+        layer = TorchMoELayer(opened.consumer, 0, eng.cfg.top_k, eng.cfg.renormalize)
+        theirs = layer(torch.from_numpy(x)).numpy()
+        assert np.abs(theirs - ours).max() < 1e-5 * float(np.abs(ours).max())
+    finally:
+        opened.close()
