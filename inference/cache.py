@@ -255,7 +255,10 @@ class ExpertCache:
         How many (layer, expert) pairs exist (for the cap); defaults to
         ``n_layers * n_experts``.
     policy
-        ``"lru"`` or an :class:`EvictionPolicy` instance.
+        ``"lru"``, ``"lfu"`` or an :class:`EvictionPolicy` instance.
+
+    ``bytes_read`` counts a whole slot per miss (what the arena receives; the
+    store may read the padded stride in direct mode).
 
     Raises
     ------
