@@ -99,3 +99,20 @@ def test_torch_consumer_on_the_mounted_store_agrees_with_the_engine(mounted):
         assert np.abs(theirs - ours).max() < 1e-5 * float(np.abs(ours).max())
     finally:
         opened.close()
+
+
+def test_czyx_profile_then_run_with_the_hot_list(mounted, tmp_path, capsys):
+    store_dir, _, token = mounted
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 4)
+    prof = tmp_path / "hot.json"
+    common = ["--store", str(store_dir), "--portal", token]
+    assert main(["profile", "mixtral@1", "--text", str(text), "--out", str(prof), *common]) == 0
+    assert "hottest: L" in capsys.readouterr().err
+    argv = ["run", "mixtral@1", "--prompt", "the quick", "--max-tokens", "4", *common]
+    assert main([*argv, "--cache-fraction", "0.5", "--hot", str(prof)]) == 0
+    assert "hit rate" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "czyx-routing-profile-1", "counts": [[1]]}')
+    assert main([*argv, "--hot", str(bad)]) == 1
+    assert "routing profile" in capsys.readouterr().err
