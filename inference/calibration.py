@@ -1,0 +1,220 @@
+"""Calibration importance: mean squared activation per input column of each matrix.
+
+Scope: accumulating, naming, merging and serialising the importance maps that
+the quantizer (:mod:`store.quant.quantizer`) uses as error weights. Running
+the model over text is the engine's job: it calls
+:meth:`ImportanceCollector.add` with the input of each matrix in its forward
+pass (``x`` of ``y = W @ x``), and the command that records the map stores
+:meth:`ImportanceCollector.to_dict` at the model's coordinate.
+
+Naming (:func:`input_key`): matrices that read the same input share one map.
+In layer ``l``, q/k/v read ``L{l}.attn_in``; o_proj reads ``L{l}.o_in``; the
+router, the shared expert's gate/up and the dense MLP's gate/up read
+``L{l}.moe_in`` (all tokens); routed expert ``e``'s gate/up read
+``L{l}.E{e}.in`` (only the tokens routed to it, which is why each expert has
+its own map) and its down reads ``L{l}.E{e}.down_in``; the shared expert's and
+dense MLP's down read ``L{l}.shared.down_in`` / ``L{l}.mlp.down_in``; the head
+reads ``lm_head_in``. The embedding is a gather, not a product: no map.
+
+Sums are float64 (millions of tokens), the exported mean is float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from store.quant.errors import CalibrationError
+
+#: Version tag of the serialised form.
+FORMAT_TAG = "czyx-importance/1"
+
+_LAYER_INPUT = {
+    "q_proj": "attn_in",
+    "k_proj": "attn_in",
+    "v_proj": "attn_in",
+    "o_proj": "o_in",
+    "router": "moe_in",
+    "shared_expert_gate": "moe_in",
+    "shared_gate_proj": "moe_in",
+    "shared_up_proj": "moe_in",
+    "mlp_gate_proj": "moe_in",
+    "mlp_up_proj": "moe_in",
+    "shared_down_proj": "shared.down_in",
+    "mlp_down_proj": "mlp.down_in",
+}
+
+
+def input_key(layer: int | None, role: str, expert: int | None = None) -> str | None:
+    """The importance-map name of the input of ``role`` (``None``: no map, e.g. embed).
+
+    Parameters
+    ----------
+    layer : int or None
+        The layer (``None`` for global roles).
+    role : str
+        A consumer role (``store.consumer.TRUNK_ROLES``) or, for routed experts,
+        ``"gate_proj"``, ``"up_proj"`` or ``"down_proj"`` with ``expert`` set.
+    expert : int or None
+        The routed expert's index (its router byte).
+    """
+    if role == "embed":
+        return None
+    if role == "lm_head":
+        return "lm_head_in"
+    if layer is None:
+        raise CalibrationError(f"role {role!r} needs a layer")
+    if expert is not None:
+        if role in ("gate_proj", "up_proj"):
+            return f"L{layer}.E{expert}.in"
+        if role == "down_proj":
+            return f"L{layer}.E{expert}.down_in"
+        raise CalibrationError(f"role {role!r} is not a routed-expert matrix")
+    try:
+        return f"L{layer}.{_LAYER_INPUT[role]}"
+    except KeyError:
+        raise CalibrationError(f"role {role!r} has no importance map (not a matrix)") from None
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where an importance map came from: the calibration text's hash and size."""
+
+    text_sha256: str
+    n_tokens: int
+    source: str = ""
+
+    @classmethod
+    def for_text(cls, text: str | bytes, n_tokens: int, source: str = "") -> Provenance:
+        """Provenance of ``text`` (hashed as UTF-8 when a ``str``)."""
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        return cls(hashlib.sha256(data).hexdigest(), int(n_tokens), source)
+
+
+class ImportanceCollector:
+    """Accumulates ``sum(x**2)`` per input column and a row count, per named matrix input.
+
+    Not thread-safe: use one collector per thread and :meth:`merge` them.
+    """
+
+    def __init__(self) -> None:
+        self._sumsq: dict[str, np.ndarray] = {}
+        self._count: dict[str, int] = {}
+
+    def add(self, name: str, x: np.ndarray) -> None:
+        """Add activations ``x [..., C]`` (each leading index is one row/token) to ``name``.
+
+        Raises
+        ------
+        CalibrationError
+            If ``x`` is not finite or its width differs from earlier rows of ``name``.
+        """
+        x = np.asarray(x)
+        if x.ndim == 0:
+            raise CalibrationError(f"importance {name}: activations must have a column axis")
+        cols = x.shape[-1]
+        rows = x.reshape(-1, cols)
+        sq = np.einsum("ij,ij->j", rows, rows, dtype=np.float64)
+        if not np.isfinite(sq).all():
+            raise CalibrationError(f"importance {name}: non-finite activations")
+        acc = self._sumsq.get(name)
+        if acc is None:
+            self._sumsq[name] = sq
+            self._count[name] = rows.shape[0]
+            return
+        if acc.shape != sq.shape:
+            raise CalibrationError(
+                f"importance {name}: {cols} columns, earlier activations had {acc.shape[0]}"
+            )
+        acc += sq
+        self._count[name] += rows.shape[0]
+
+    def names(self) -> list[str]:
+        """The names with at least one row, sorted."""
+        return sorted(self._sumsq)
+
+    def count(self, name: str) -> int:
+        """Rows accumulated for ``name``."""
+        return self._count.get(name, 0)
+
+    def importance(self, name: str) -> np.ndarray:
+        """``float32 [C]``: the mean squared activation of each column of ``name``'s input.
+
+        Raises
+        ------
+        CalibrationError
+            If nothing was accumulated for ``name``.
+        """
+        if name not in self._sumsq:
+            raise CalibrationError(f"importance {name}: no activations recorded")
+        return (self._sumsq[name] / self._count[name]).astype(np.float32)
+
+    def merge(self, other: ImportanceCollector) -> None:
+        """Add ``other``'s sums and counts into this collector."""
+        for name, sq in other._sumsq.items():
+            acc = self._sumsq.get(name)
+            if acc is None:
+                self._sumsq[name] = sq.copy()
+                self._count[name] = other._count[name]
+            elif acc.shape != sq.shape:
+                raise CalibrationError(
+                    f"importance {name}: cannot merge {sq.shape} into {acc.shape}"
+                )
+            else:
+                acc += sq
+                self._count[name] += other._count[name]
+
+    def to_dict(self, provenance: Provenance) -> dict[str, object]:
+        """A msgpack-friendly dict: tag, provenance, and per name the count and float64 sums.
+
+        Sums (not means) are stored so that maps from several texts merge exactly.
+        """
+        return {
+            "format": FORMAT_TAG,
+            "provenance": {
+                "text_sha256": provenance.text_sha256,
+                "n_tokens": provenance.n_tokens,
+                "source": provenance.source,
+            },
+            "matrices": {
+                name: {
+                    "count": self._count[name],
+                    "cols": int(self._sumsq[name].shape[0]),
+                    "sumsq": self._sumsq[name].astype("<f8").tobytes(),
+                }
+                for name in self.names()
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> tuple[ImportanceCollector, Provenance]:
+        """Inverse of :meth:`to_dict`.
+
+        Raises
+        ------
+        CalibrationError
+            On a wrong tag, missing field or inconsistent sizes (naming the matrix).
+        """
+        if not isinstance(data, dict) or data.get("format") != FORMAT_TAG:
+            raise CalibrationError(f"not an importance map (expected format {FORMAT_TAG!r})")
+        try:
+            p = data["provenance"]
+            prov = Provenance(str(p["text_sha256"]), int(p["n_tokens"]), str(p.get("source", "")))
+            mats = data["matrices"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CalibrationError(f"importance map: malformed provenance ({exc})") from None
+        out = cls()
+        for name, rec in dict(mats).items():
+            try:
+                count, cols, raw = int(rec["count"]), int(rec["cols"]), rec["sumsq"]
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CalibrationError(f"importance {name}: malformed record ({exc})") from None
+            if not isinstance(raw, bytes | bytearray) or len(raw) != 8 * cols or count <= 0:
+                raise CalibrationError(
+                    f"importance {name}: {cols} columns need {8 * cols} bytes and a positive count"
+                )
+            out._sumsq[str(name)] = np.frombuffer(raw, dtype="<f8").astype(np.float64)
+            out._count[str(name)] = count
+        return out, prov
