@@ -165,56 +165,124 @@ QK_AVX2 static inline void qk_h2f_n(const uint16_t *h, int64_t n, float *out) {
     for (; i < n; i++) out[i] = qk_h2f(h[i]);
 }
 
-/* matvec: eight codes decoded into a register at a time, four FMA chains,
- * the group's scale applied once per group. */
-QK_AVX2 static inline __attribute__((always_inline)) void qk_mv_avx2(
-    int bits, int64_t group, int64_t cols, const uint8_t *codes, const uint16_t *scales,
-    const uint16_t *mins, const float *x, float *y, int64_t r0, int64_t r1,
-    const float *xsum, float *dsc, float *mnv) {
-    const int64_t G = cols / group, rb = cols * bits / 8, gb = group * bits / 8;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *c = codes + r * rb;
-        qk_h2f_n(scales + r * G, G, dsc);
-        qk_h2f_n(mins + r * G, G, mnv);
-        __m256 racc = _mm256_setzero_ps();
-        float mt = 0.0f;
-        for (int64_t gi = 0; gi < G; gi++) {
-            const uint8_t *cg = c + gi * gb;
-            const float *xg = x + gi * group;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t s = 0; s < group; s += 32) {
-                const uint8_t *cs = cg + s * bits / 8;
-                a0 = _mm256_fmadd_ps(qk_dec8(cs, bits), _mm256_loadu_ps(xg + s), a0);
-                a1 = _mm256_fmadd_ps(qk_dec8(cs + bits, bits), _mm256_loadu_ps(xg + s + 8), a1);
-                a2 = _mm256_fmadd_ps(qk_dec8(cs + 2 * bits, bits), _mm256_loadu_ps(xg + s + 16), a2);
-                a3 = _mm256_fmadd_ps(qk_dec8(cs + 3 * bits, bits), _mm256_loadu_ps(xg + s + 24), a3);
-            }
-            __m256 gs = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-            racc = _mm256_fmadd_ps(_mm256_set1_ps(dsc[gi]), gs, racc);
-            mt += mnv[gi] * xsum[gi];
-        }
-        y[r] = qk_hsum(racc) + mt;
-    }
+/* The matvec's x in "plane order" for 2- and 4-bit codes. Eight code bytes
+ * zero-extended into eight 32-bit lanes (one vpmovzxbd) hold per = 8 / bits
+ * codes each; plane j = (lane >> bits*j) & mask is then code per*k + j of the
+ * chunk in lane k. Permuting x once per call to match (xp[base + 8j + k] =
+ * x[base + per*k + j], chunks of 8*per codes) makes the inner loop one load,
+ * one shift and one mask per plane: fewer instructions per weight than
+ * decoding every eight codes from a broadcast word. */
+static void qk_plane_order(const float *x, int64_t cols, int bits, float *xp) {
+    const int per = 8 / bits, chunk = 8 * per;
+    for (int64_t base = 0; base < cols; base += chunk)
+        for (int j = 0; j < per; j++)
+            for (int k = 0; k < 8; k++) xp[base + 8 * j + k] = x[base + per * k + j];
 }
 
-/* matmul on a tile of RB rows: each group of the RB rows is decoded once into
- * tmp (RB * group floats, in L1) and reused for every vector; each vector's x
- * chunk is loaded once per tile and multiplied into the RB rows, so x streams
- * from cache rows/RB times instead of rows times. */
-QK_AVX2 static inline __attribute__((always_inline)) void qk_tile_avx2(
-    int bits, int RB, int64_t group, int64_t rows, int64_t cols, const uint8_t *codes,
-    const uint16_t *scales, const uint16_t *mins, const float *x, int64_t nvec,
-    float *y, int64_t r, const float *xsum, float *tmp, float *dsc, float *mnv) {
+/* matvec on RB rows at once (RB = 2, or 1 for a tail): codes decoded into
+ * registers, each x chunk loaded once for the RB rows, two FMA chains per row,
+ * each group's scale applied once per group. For 2 and 4 bits xv is the
+ * plane-ordered x (qk_plane_order), otherwise x itself. */
+QK_AVX2 static inline __attribute__((always_inline)) void qk_mv_rows_avx2(
+    int bits, int RB, int64_t group, int64_t cols, const uint8_t *codes,
+    const uint16_t *scales, const uint16_t *mins, const float *xv, float *y, int64_t r,
+    const float *xsum, float *dsc, float *mnv) {
     const int64_t G = cols / group, rb = cols * bits / 8, gb = group * bits / 8;
+    const __m256i m2 = _mm256_set1_epi32(3), m4 = _mm256_set1_epi32(15);
+    __m256 racc[2];
+    float mt[2];
     for (int i = 0; i < RB; i++) {
         qk_h2f_n(scales + (r + i) * G, G, dsc + i * G);
         qk_h2f_n(mins + (r + i) * G, G, mnv + i * G);
+        racc[i] = _mm256_setzero_ps();
+        mt[i] = 0.0f;
+    }
+    for (int64_t gi = 0; gi < G; gi++) {
+        const float *xg = xv + gi * group;
+        __m256 a[2][2];
+        for (int i = 0; i < RB; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+        if (bits == 2) {
+            for (int64_t s = 0; s < group; s += 32) {
+                const __m256 x0 = _mm256_loadu_ps(xg + s), x1 = _mm256_loadu_ps(xg + s + 8);
+                const __m256 x2 = _mm256_loadu_ps(xg + s + 16), x3 = _mm256_loadu_ps(xg + s + 24);
+                for (int i = 0; i < RB; i++) {
+                    const uint8_t *cs = codes + (r + i) * rb + gi * gb + s / 4;
+                    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)cs));
+                    const __m256 p0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, m2));
+                    const __m256 p1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 2), m2));
+                    const __m256 p2 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), m2));
+                    const __m256 p3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 6));
+                    a[i][0] = _mm256_fmadd_ps(p0, x0, a[i][0]);
+                    a[i][1] = _mm256_fmadd_ps(p1, x1, a[i][1]);
+                    a[i][0] = _mm256_fmadd_ps(p2, x2, a[i][0]);
+                    a[i][1] = _mm256_fmadd_ps(p3, x3, a[i][1]);
+                }
+            }
+        } else if (bits == 4) {
+            for (int64_t s = 0; s < group; s += 16) {
+                const __m256 x0 = _mm256_loadu_ps(xg + s), x1 = _mm256_loadu_ps(xg + s + 8);
+                for (int i = 0; i < RB; i++) {
+                    const uint8_t *cs = codes + (r + i) * rb + gi * gb + s / 2;
+                    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)cs));
+                    const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, m4));
+                    const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+                    a[i][0] = _mm256_fmadd_ps(lo, x0, a[i][0]);
+                    a[i][1] = _mm256_fmadd_ps(hi, x1, a[i][1]);
+                }
+            }
+        } else {
+            for (int64_t s = 0; s < group; s += 16) {
+                const __m256 x0 = _mm256_loadu_ps(xg + s), x1 = _mm256_loadu_ps(xg + s + 8);
+                for (int i = 0; i < RB; i++) {
+                    const uint8_t *cs = codes + (r + i) * rb + gi * gb + s * bits / 8;
+                    a[i][0] = _mm256_fmadd_ps(qk_dec8(cs, bits), x0, a[i][0]);
+                    a[i][1] = _mm256_fmadd_ps(qk_dec8(cs + bits, bits), x1, a[i][1]);
+                }
+            }
+        }
+        for (int i = 0; i < RB; i++) {
+            racc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dsc[i * G + gi]),
+                                      _mm256_add_ps(a[i][0], a[i][1]), racc[i]);
+            mt[i] += mnv[i * G + gi] * xsum[gi];
+        }
+    }
+    for (int i = 0; i < RB; i++) y[r + i] = qk_hsum(racc[i]) + mt[i];
+}
+
+QK_AVX2 static inline __attribute__((always_inline)) void qk_mv_avx2(
+    int bits, int64_t group, int64_t cols, const uint8_t *codes, const uint16_t *scales,
+    const uint16_t *mins, const float *x, float *y, int64_t r0, int64_t r1,
+    const float *xsum, float *xp, float *dsc, float *mnv) {
+    const float *xv = x;
+    if (bits == 2 || bits == 4) {
+        qk_plane_order(x, cols, bits, xp);
+        xv = xp;
+    }
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2)
+        qk_mv_rows_avx2(bits, 2, group, cols, codes, scales, mins, xv, y, r, xsum, dsc, mnv);
+    for (; r < r1; r++)
+        qk_mv_rows_avx2(bits, 1, group, cols, codes, scales, mins, xv, y, r, xsum, dsc, mnv);
+}
+
+/* matmul on a tile of RB rows and the groups [g0, g1): each group of the RB rows
+ * is decoded once into tmp (RB * group floats, in L1) and reused for every
+ * vector; each vector's x chunk is loaded once per tile. Adds into y. */
+QK_AVX2 static inline __attribute__((always_inline)) void qk_tile_avx2(
+    int bits, int RB, int64_t group, int64_t rows, int64_t cols, const uint8_t *codes,
+    const uint16_t *scales, const uint16_t *mins, const float *x, int64_t nvec,
+    float *y, int64_t r, int64_t g0, int64_t g1, const float *xsum, float *tmp,
+    float *dsc, float *mnv) {
+    const int64_t G = cols / group, rb = cols * bits / 8, gb = group * bits / 8;
+    for (int i = 0; i < RB; i++) {
+        qk_h2f_n(scales + (r + i) * G + g0, g1 - g0, dsc + i * G + g0);
+        qk_h2f_n(mins + (r + i) * G + g0, g1 - g0, mnv + i * G + g0);
     }
     for (int64_t b0 = 0; b0 < nvec; b0 += 16) {
         const int64_t nb = nvec - b0 < 16 ? nvec - b0 : 16;
         __m256 racc[16 * 4];
         for (int64_t j = 0; j < nb * RB; j++) racc[j] = _mm256_setzero_ps();
-        for (int64_t gi = 0; gi < G; gi++) {
+        for (int64_t gi = g0; gi < g1; gi++) {
             for (int i = 0; i < RB; i++) {
                 const uint8_t *cg = codes + (r + i) * rb + gi * gb;
                 for (int64_t t = 0; t < group / 8; t++)
@@ -238,28 +306,41 @@ QK_AVX2 static inline __attribute__((always_inline)) void qk_tile_avx2(
             const float *xs = xsum + (b0 + b) * G;
             for (int i = 0; i < RB; i++) {
                 float mt = 0.0f;
-                for (int64_t gi = 0; gi < G; gi++) mt += mnv[i * G + gi] * xs[gi];
-                y[(b0 + b) * rows + r + i] = qk_hsum(racc[b * RB + i]) + mt;
+                for (int64_t gi = g0; gi < g1; gi++) mt += mnv[i * G + gi] * xs[gi];
+                y[(b0 + b) * rows + r + i] += qk_hsum(racc[b * RB + i]) + mt;
             }
         }
     }
 }
 
+/* matmul: columns in blocks whose slice of x (all vectors) fits in L1, so x is
+ * read from L1 by every row tile instead of streaming from L2 per tile. */
+#define QK_L1_X_FLOATS 4096
 QK_AVX2 static inline __attribute__((always_inline)) void qk_mm_avx2(
     int bits, int64_t group, int64_t rows, int64_t cols, const uint8_t *codes,
     const uint16_t *scales, const uint16_t *mins, const float *x, int64_t nvec,
     float *y, int64_t r0, int64_t r1, const float *xsum, float *tmp, float *dsc, float *mnv) {
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4)
-        qk_tile_avx2(bits, 4, group, rows, cols, codes, scales, mins, x, nvec, y, r, xsum, tmp, dsc, mnv);
-    for (; r < r1; r++)
-        qk_tile_avx2(bits, 1, group, rows, cols, codes, scales, mins, x, nvec, y, r, xsum, tmp, dsc, mnv);
+    const int64_t G = cols / group;
+    int64_t gblk = QK_L1_X_FLOATS / ((nvec < 16 ? nvec : 16) * group);
+    if (gblk < 1) gblk = 1;
+    for (int64_t b = 0; b < nvec; b++)
+        for (int64_t r = r0; r < r1; r++) y[b * rows + r] = 0.0f;
+    for (int64_t g0 = 0; g0 < G; g0 += gblk) {
+        const int64_t g1 = g0 + gblk < G ? g0 + gblk : G;
+        int64_t r = r0;
+        for (; r + 4 <= r1; r += 4)
+            qk_tile_avx2(bits, 4, group, rows, cols, codes, scales, mins, x, nvec, y, r, g0, g1,
+                         xsum, tmp, dsc, mnv);
+        for (; r < r1; r++)
+            qk_tile_avx2(bits, 1, group, rows, cols, codes, scales, mins, x, nvec, y, r, g0, g1,
+                         xsum, tmp, dsc, mnv);
+    }
 }
 
 QK_AVX2 static void qk_avx2(int bits, int64_t group, int64_t rows, int64_t cols,
                             const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
                             const float *x, int64_t nvec, float *y, int64_t r0, int64_t r1,
-                            float *xsum, float *tmp, float *dsc, float *mnv) {
+                            float *xsum, float *tmp, float *xp, float *dsc, float *mnv) {
     if (nvec > 1) {
         switch (bits) {
         case 2: qk_mm_avx2(2, group, rows, cols, codes, scales, mins, x, nvec, y, r0, r1, xsum, tmp, dsc, mnv); return;
@@ -269,10 +350,10 @@ QK_AVX2 static void qk_avx2(int bits, int64_t group, int64_t rows, int64_t cols,
         }
     }
     switch (bits) {
-    case 2: qk_mv_avx2(2, group, cols, codes, scales, mins, x, y, r0, r1, xsum, dsc, mnv); break;
-    case 3: qk_mv_avx2(3, group, cols, codes, scales, mins, x, y, r0, r1, xsum, dsc, mnv); break;
-    case 4: qk_mv_avx2(4, group, cols, codes, scales, mins, x, y, r0, r1, xsum, dsc, mnv); break;
-    default: qk_mv_avx2(8, group, cols, codes, scales, mins, x, y, r0, r1, xsum, dsc, mnv); break;
+    case 2: qk_mv_avx2(2, group, cols, codes, scales, mins, x, y, r0, r1, xsum, xp, dsc, mnv); break;
+    case 3: qk_mv_avx2(3, group, cols, codes, scales, mins, x, y, r0, r1, xsum, xp, dsc, mnv); break;
+    case 4: qk_mv_avx2(4, group, cols, codes, scales, mins, x, y, r0, r1, xsum, xp, dsc, mnv); break;
+    default: qk_mv_avx2(8, group, cols, codes, scales, mins, x, y, r0, r1, xsum, xp, dsc, mnv); break;
     }
 }
 
@@ -304,15 +385,17 @@ int qk_matmul(int bits, int64_t group, int64_t rows, int64_t cols, const uint8_t
     if (r0 < 0 || r1 > rows || r0 > r1) return QK_EARGS;
     if (r0 == r1) return QK_OK;
     const int64_t G = cols / group;
-    /* One allocation per call: per-vector group sums of x, one decoded group
-     * (32-byte aligned), and one row's scales and mins as floats. */
-    const int64_t nfloats = nvec * G + 4 * group + 8 * G + 8;
+    /* One allocation per call: per-vector group sums of x, a tile's decoded
+     * group (32-byte aligned), a tile's scales and mins as floats, and the
+     * matvec's plane-ordered x. */
+    const int64_t nfloats = nvec * G + 4 * group + 8 * G + cols + 8;
     float *work = (float *)malloc((size_t)nfloats * sizeof(float));
     if (!work) return QK_ENOMEM;
     float *xsum = work;
     float *tmp = (float *)(((uintptr_t)(work + nvec * G) + 31u) & ~(uintptr_t)31u);
     float *dsc = tmp + 4 * group;
     float *mnv = dsc + 4 * G;
+    float *xp = mnv + 4 * G;
     for (int64_t b = 0; b < nvec; b++)
         for (int64_t gi = 0; gi < G; gi++) {
             const float *xg = x + b * cols + gi * group;
@@ -322,7 +405,7 @@ int qk_matmul(int bits, int64_t group, int64_t rows, int64_t cols, const uint8_t
         }
 #if QK_HAVE_X86
     if (qk_simd_level() == 1)
-        qk_avx2(bits, group, rows, cols, codes, scales, mins, x, nvec, y, r0, r1, xsum, tmp, dsc, mnv);
+        qk_avx2(bits, group, rows, cols, codes, scales, mins, x, nvec, y, r0, r1, xsum, tmp, xp, dsc, mnv);
     else
 #endif
         qk_portable(bits, group, rows, cols, codes, scales, mins, x, nvec, y, r0, r1, xsum, tmp, dsc, mnv);
