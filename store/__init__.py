@@ -1,2 +1,66 @@
 """The store: LMDB index, msgpack records, aligned block files, the cffi raw reader,
-and model checkpoints mounted as spaces. It never runs a model."""
+and model checkpoints mounted as spaces. It never runs a model.
+
+Public surface: :class:`Store` (the LMDB backend of :class:`StoreInterface`),
+:class:`SpaceWriter`, :class:`Extent`, :class:`RawReader`,
+:func:`read_extent_verified`, :func:`checksum`, :func:`aligned_empty` and the
+errors of :mod:`store.errors`.
+"""
+
+from __future__ import annotations
+
+from store.checksum import CHECKSUM_NAME, checksum
+from store.errors import (
+    BlockFileError,
+    ChecksumError,
+    KeyLengthError,
+    MapFullError,
+    ReadIOError,
+    RecordDecodeError,
+    ReservedSpaceError,
+    SealedSpaceError,
+    ShortReadError,
+    SpaceNotEmptyError,
+    SpaceNotFoundError,
+    StoreError,
+    StoreForkError,
+    StoreMapFullError,
+    TagConflictError,
+    TagNotFoundError,
+)
+from store.interfaces import SpaceWriterInterface, StoreInterface
+from store.lmdb_store import Store
+from store.reader import RawReader, aligned_empty, c_available, read_extent_verified
+from store.records import Extent
+from store.writer import SpaceWriter, collect_garbage
+
+__all__ = [
+    "CHECKSUM_NAME",
+    "BlockFileError",
+    "ChecksumError",
+    "Extent",
+    "KeyLengthError",
+    "MapFullError",
+    "RawReader",
+    "ReadIOError",
+    "RecordDecodeError",
+    "ReservedSpaceError",
+    "SealedSpaceError",
+    "ShortReadError",
+    "SpaceNotEmptyError",
+    "SpaceNotFoundError",
+    "SpaceWriter",
+    "SpaceWriterInterface",
+    "Store",
+    "StoreError",
+    "StoreForkError",
+    "StoreInterface",
+    "StoreMapFullError",
+    "TagConflictError",
+    "TagNotFoundError",
+    "aligned_empty",
+    "c_available",
+    "checksum",
+    "collect_garbage",
+    "read_extent_verified",
+]

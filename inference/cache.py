@@ -1,0 +1,446 @@
+"""The expert slot cache: RAM as a dial.
+
+Scope: one aligned arena of equal slots sized by a byte budget; a lookup
+table ``(layer, router byte) -> slot`` kept as a numpy int32 array; hits are
+zero-copy views of a slot; misses are one ``consumer.read_expert`` into a free
+or evicted slot; eviction behind :class:`EvictionPolicy` (LRU first); a hot
+list prewarmed at start; a pinned hot set selected by class range or prefix.
+
+Invariants (tested):
+
+* a slot marked busy (acquired for the layer being computed) or pinned is
+  never chosen as a victim; any budget holding one layer's top-k experts runs;
+* the table and the slot owners always agree: ``table[owner[s]] == s`` for
+  every filled slot, and an expert is in at most one slot;
+* the bytes in a slot are exactly what ``read_expert`` put there (the cache
+  never copies or mixes slots), so tiered and fully resident runs compute on
+  identical bytes and give bit-identical results.
+
+The per-fetch path does no dictionary lookup, no LMDB access and no
+allocation: one table read, and on a miss one policy query over preallocated
+arrays and one raw read into a precomputed slot view.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from inference.errors import CacheBudgetError, SlotInUseError, UnsupportedModelError
+from store.consumer import ModelConsumer
+
+ALIGN = 4096
+HUGE_PAGE = 2 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A snapshot of the cache's counters."""
+
+    n_slots: int
+    slot_nbytes: int
+    hits: int
+    misses: int
+    evictions: int
+    bytes_read: int
+    read_seconds: float
+
+    @property
+    def lookups(self) -> int:
+        """Hits plus misses."""
+        return self.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of expert lookups served from a slot (1.0 when there were none)."""
+        return self.hits / self.lookups if self.lookups else 1.0
+
+    def minus(self, earlier: CacheStats) -> CacheStats:
+        """The counters accumulated since ``earlier``."""
+        return CacheStats(
+            self.n_slots,
+            self.slot_nbytes,
+            self.hits - earlier.hits,
+            self.misses - earlier.misses,
+            self.evictions - earlier.evictions,
+            self.bytes_read - earlier.bytes_read,
+            self.read_seconds - earlier.read_seconds,
+        )
+
+
+class EvictionPolicy(Protocol):
+    """Chooses which filled slot a miss overwrites.
+
+    ``touch`` is called on every use of a slot; ``victim`` gets a boolean mask
+    of slots that must not be chosen (pinned or busy) and returns a slot
+    index, or -1 when every slot is blocked.
+    """
+
+    name: str
+
+    def touch(self, slot: int) -> None: ...
+
+    def victim(self, blocked: np.ndarray) -> int: ...
+
+
+class LRUPolicy:
+    """Least recently used: a use clock per slot, victim = the oldest unblocked.
+
+    Both operations work on preallocated arrays (``argmin`` over the slots),
+    so a miss allocates nothing.
+    """
+
+    name = "lru"
+    _NEVER = np.iinfo(np.int64).max
+
+    def __init__(self, n_slots: int) -> None:
+        self.last_use = np.zeros(n_slots, np.int64)
+        self._scratch = np.empty(n_slots, np.int64)
+        self._clock = 0
+
+    def touch(self, slot: int) -> None:
+        """Record a use of ``slot`` now."""
+        self._clock += 1
+        self.last_use[slot] = self._clock
+
+    def victim(self, blocked: np.ndarray) -> int:
+        """The least recently used slot not in ``blocked``, or -1."""
+        np.copyto(self._scratch, self.last_use)
+        np.putmask(self._scratch, blocked, self._NEVER)
+        s = int(self._scratch.argmin())
+        return -1 if blocked[s] else s
+
+
+POLICIES = {"lru": LRUPolicy}
+
+
+def class_prefix_range(prefix: int, bits: int) -> tuple[int, int]:
+    """The class range ``[lo, hi)`` of every byte whose top ``bits`` bits equal ``prefix``.
+
+    >>> class_prefix_range(0b10, 2)
+    (128, 192)
+    """
+    if not 0 <= bits <= 8 or not 0 <= prefix < (1 << bits):
+        raise ValueError(f"class prefix {prefix:#x} does not fit in {bits} bits (0..8)")
+    lo = prefix << (8 - bits)
+    return lo, lo + (1 << (8 - bits))
+
+
+def _aligned_arena(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """An anonymous mapping of at least ``nbytes``, sliced to a 2 MiB boundary.
+
+    Huge pages are requested (``MADV_HUGEPAGE``) because direct reads into
+    huge-page-backed buffers reach the device limit (DESIGN, Measuring).
+    Pages are not touched here: RSS grows only as slots fill.
+    """
+    size = max(nbytes, 1) + HUGE_PAGE
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        # Transparent huge pages disabled: still correct, just slower I/O.
+        with contextlib.suppress(OSError):
+            mm.madvise(mmap.MADV_HUGEPAGE)
+    buf = np.frombuffer(mm, np.uint8)
+    skew = (-buf.ctypes.data) % HUGE_PAGE
+    return mm, buf[skew : skew + nbytes]
+
+
+def _float32_weights(
+    views: tuple[np.ndarray, np.ndarray, np.ndarray], slot: np.ndarray, fmt: str
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Zero-copy ``(gate_up [2I, H], down [H, I])`` float32 views of a slot, if possible.
+
+    Returns None when the format needs converting per use (f16, bf16).
+    """
+    gate, up, down = views
+    if gate.dtype != np.float32 or up.dtype != np.float32 or down.dtype != np.float32:
+        return None
+    base = slot.ctypes.data
+    off = gate.ctypes.data - base
+    if (
+        gate.flags.c_contiguous
+        and up.flags.c_contiguous
+        and gate.shape == up.shape
+        and up.ctypes.data == gate.ctypes.data + gate.nbytes
+    ):
+        gate_up = np.ndarray((2 * gate.shape[0], gate.shape[1]), np.float32, slot.data, off)
+        return gate_up, down
+    return np.concatenate([gate, up]), down  # not adjacent: only possible for odd layouts
+
+
+def _to_float32(a: np.ndarray, fmt: str) -> np.ndarray:
+    if a.dtype == np.float32:
+        return a
+    if a.dtype == np.float16:
+        return a.astype(np.float32)
+    if fmt == "bf16" and a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    raise UnsupportedModelError(
+        f"expert format {fmt!r} (view dtype {a.dtype}) has no float32 path in the numpy engine"
+    )
+
+
+class ExpertCache:
+    """A fixed byte budget of equal expert slots in one aligned arena.
+
+    Parameters
+    ----------
+    consumer
+        The opened model; the cache calls only ``info``, ``read_expert`` and
+        ``expert_views``.
+    budget_bytes
+        Bytes for slots. The slot count is ``budget // expert_slot_nbytes``
+        (capped at the number of routed experts).
+    top_k
+        Experts per token: the least number of slots that must stay
+        unpinned, since a layer's experts are held together while it computes.
+    n_sparse_experts
+        How many (layer, expert) pairs exist (for the cap); defaults to
+        ``n_layers * n_experts``.
+    policy
+        ``"lru"`` or an :class:`EvictionPolicy` instance.
+
+    Raises
+    ------
+    CacheBudgetError
+        When the budget holds fewer than ``top_k`` slots.
+    """
+
+    def __init__(
+        self,
+        consumer: ModelConsumer,
+        budget_bytes: int,
+        top_k: int,
+        n_sparse_experts: int | None = None,
+        policy: str | EvictionPolicy = "lru",
+    ) -> None:
+        info = consumer.info
+        self.consumer = consumer
+        self.slot_nbytes = int(info.expert_slot_nbytes)
+        self.n_layers = int(info.n_layers)
+        self.n_experts = int(info.n_experts)
+        self.top_k = int(top_k)
+        self.format = info.expert_format
+        total = n_sparse_experts if n_sparse_experts is not None else self.n_layers * self.n_experts
+        if self.slot_nbytes <= 0 or self.slot_nbytes % ALIGN:
+            raise CacheBudgetError(
+                f"expert_slot_nbytes={self.slot_nbytes} is not a positive multiple of {ALIGN}"
+            )
+        n_slots = min(int(budget_bytes) // self.slot_nbytes, max(total, self.top_k))
+        if n_slots < self.top_k:
+            raise CacheBudgetError(
+                f"cache budget {int(budget_bytes)} B holds {n_slots} slot(s) of "
+                f"{self.slot_nbytes} B; one layer's top-{self.top_k} experts need "
+                f"{self.top_k * self.slot_nbytes} B"
+            )
+        self.n_slots = n_slots
+        self._mm, arena = _aligned_arena(n_slots * self.slot_nbytes)
+        self.arena = arena.reshape(n_slots, self.slot_nbytes)
+        # Precomputed per-slot views: a fetch indexes a list, it never slices.
+        self._slot_views = [self.arena[s] for s in range(n_slots)]
+        self._weights = [self._make_weights(s) for s in range(n_slots)]
+        self.table = np.full((self.n_layers, self.n_experts), -1, np.int32)
+        self.owner = np.full(n_slots, -1, np.int64)  # layer * n_experts + expert
+        self.pinned = np.zeros(n_slots, bool)
+        self.blocked = np.zeros(n_slots, bool)  # pinned or busy
+        self._busy = np.empty(n_slots, np.int64)
+        self._n_busy = 0
+        self._n_filled = 0
+        self._out = np.empty(n_slots, np.int64)
+        if isinstance(policy, str):
+            if policy not in POLICIES:
+                raise ValueError(f"unknown eviction policy {policy!r}; known: {sorted(POLICIES)}")
+            policy = POLICIES[policy](n_slots)
+        self.policy = policy
+        self.hits = self.misses = self.evictions = self.bytes_read = 0
+        self.read_seconds = 0.0
+
+    def _make_weights(self, s: int) -> tuple[np.ndarray, np.ndarray] | None:
+        views = self.consumer.expert_views(self._slot_views[s])
+        return _float32_weights(views, self._slot_views[s], self.format)
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def n_pinned(self) -> int:
+        """Slots pinned for the whole run."""
+        return int(self.pinned.sum())
+
+    @property
+    def max_acquire(self) -> int:
+        """How many distinct experts one :meth:`acquire` may hold at once."""
+        return self.n_slots - self.n_pinned
+
+    def stats(self) -> CacheStats:
+        """A snapshot of the counters."""
+        return CacheStats(
+            self.n_slots,
+            self.slot_nbytes,
+            self.hits,
+            self.misses,
+            self.evictions,
+            self.bytes_read,
+            self.read_seconds,
+        )
+
+    def weights(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(gate_up [2I, H], down [H, I])`` float32 of a filled slot: views for f32."""
+        w = self._weights[slot]
+        if w is not None:
+            return w
+        gate, up, down = self.consumer.expert_views(self._slot_views[slot])
+        return (
+            np.concatenate([_to_float32(gate, self.format), _to_float32(up, self.format)]),
+            _to_float32(down, self.format),
+        )
+
+    def slot_bytes(self, slot: int) -> np.ndarray:
+        """The raw uint8 view of a slot (for tests and other consumers)."""
+        return self._slot_views[slot]
+
+    # ------------------------------------------------------------------ the hot path
+
+    def acquire(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """Make ``experts`` of ``layer`` resident and hold them until :meth:`release`.
+
+        Returns the slot of each expert (a view of a preallocated array, valid
+        until the next call). Held slots are never evicted, so at most
+        :attr:`max_acquire` distinct experts may be held together.
+
+        Raises
+        ------
+        SlotInUseError
+            When a miss finds every slot pinned or held.
+        """
+        row = self.table[layer]
+        out = self._out
+        blocked = self.blocked
+        for j, e in enumerate(experts.tolist()):
+            s = int(row[e])
+            if s >= 0:
+                self.hits += 1
+            else:
+                s = self._fill(layer, e)
+            if not blocked[s]:
+                blocked[s] = True
+                self._busy[self._n_busy] = s
+                self._n_busy += 1
+            self.policy.touch(s)
+            out[j] = s
+        return out[: len(experts)]
+
+    def release(self) -> None:
+        """End the current layer's hold: its slots become evictable (unless pinned)."""
+        n = self._n_busy
+        if n:
+            busy = self._busy[:n]
+            self.blocked[busy] = self.pinned[busy]
+            self._n_busy = 0
+
+    def _fill(self, layer: int, expert: int) -> int:
+        if self._n_filled < self.n_slots:
+            s = self._n_filled
+            self._n_filled += 1
+        else:
+            s = self.policy.victim(self.blocked)
+            if s < 0:
+                raise SlotInUseError(
+                    f"no evictable slot for layer {layer} expert {expert}: all {self.n_slots} "
+                    f"slots are pinned ({self.n_pinned}) or held by the current layer"
+                )
+            if self.blocked[s]:
+                raise SlotInUseError(f"policy {self.policy.name!r} chose held slot {s}")
+            old = int(self.owner[s])
+            if old >= 0:
+                self.table.flat[old] = -1
+                self.evictions += 1
+        # The slot is unowned while it is written: a failed read leaves no stale mapping.
+        self.owner[s] = -1
+        t0 = time.perf_counter()
+        self.consumer.read_expert(layer, expert, self._slot_views[s])
+        self.read_seconds += time.perf_counter() - t0
+        self.misses += 1
+        self.bytes_read += self.slot_nbytes
+        self.owner[s] = layer * self.n_experts + expert
+        self.table[layer, expert] = s
+        return s
+
+    # ------------------------------------------------------------------ residency
+
+    def prewarm(self, hot: Iterable[tuple[int, int]]) -> int:
+        """Load a hot list (most important first) until the slots are full.
+
+        The first entries are touched last, so LRU evicts them last. Counted
+        as misses and bytes read (a cold start pays for them). Returns how
+        many experts were loaded.
+        """
+        loaded: list[int] = []
+        for layer, expert in hot:
+            if self.table[layer, expert] >= 0:
+                continue
+            if self._n_filled >= self.n_slots:
+                break
+            loaded.append(self._fill(layer, expert))
+        for s in reversed(loaded):
+            self.policy.touch(s)
+        return len(loaded)
+
+    def pin(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Pin ``(layer, expert)`` pairs resident for the run (loading them if needed).
+
+        Raises
+        ------
+        CacheBudgetError
+            If pinning would leave fewer than ``top_k`` unpinned slots.
+        """
+        new = [p for p in pairs if not self._is_pinned(*p)]
+        if self.n_pinned + len(new) > self.n_slots - self.top_k:
+            raise CacheBudgetError(
+                f"pinning {len(new)} more expert(s) would leave fewer than top-{self.top_k} "
+                f"unpinned slots out of {self.n_slots}"
+            )
+        for layer, expert in new:
+            slot = int(self.acquire(layer, np.array([expert]))[0])
+            self.pinned[slot] = True
+            self.release()
+
+    def pin_classes(self, lo: int, hi: int, layers: Iterable[int] | None = None) -> int:
+        """Pin every expert whose router byte lies in ``[lo, hi)``, in ``layers`` (default all).
+
+        Use :func:`class_prefix_range` to pin by class prefix. Returns how
+        many experts are pinned now.
+        """
+        lays = range(self.n_layers) if layers is None else layers
+        hi = min(hi, self.n_experts)
+        self.pin([(la, e) for la in lays for e in range(max(lo, 0), hi)])
+        return self.n_pinned
+
+    def _is_pinned(self, layer: int, expert: int) -> bool:
+        s = int(self.table[layer, expert])
+        return s >= 0 and bool(self.pinned[s])
+
+    def resident(self) -> np.ndarray:
+        """``[n, 2]`` array of the resident ``(layer, expert)`` pairs."""
+        filled = self.owner[self.owner >= 0]
+        return np.stack([filled // self.n_experts, filled % self.n_experts], axis=1)
+
+    def check(self) -> None:
+        """Verify the table/owner invariants (tests and debugging); raises AssertionError."""
+        for s in range(self.n_slots):
+            o = int(self.owner[s])
+            if o >= 0:
+                assert self.table.flat[o] == s, f"slot {s} owner {o} not mapped back"
+        mapped = self.table[self.table >= 0]
+        assert len(np.unique(mapped)) == len(mapped), "an expert mapped to two slots or vice versa"
+        for o in np.flatnonzero(self.table.ravel() >= 0):
+            assert self.owner[self.table.flat[o]] == o
+
+    def close(self) -> None:
+        """Drop the arena (views held elsewhere keep it alive until they go)."""
+        self._weights = []
+        self._slot_views = []

@@ -1,0 +1,126 @@
+"""The inference engine: a decoder, its expert slot cache and a KV cache, stepped.
+
+Scope: choosing the slot budget (bytes, or a fraction of the routed-expert
+bytes), building the architecture's decoder over a :class:`ModelConsumer`,
+prefill and decode with a KV cache, returning float32 logits. Sampling and
+text live in :mod:`inference.sampling` and :mod:`inference.generate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from inference.cache import CacheStats, EvictionPolicy, ExpertCache
+from inference.errors import CacheBudgetError
+from inference.models import DecoderConfig, decoder_class
+from store.consumer import ModelConsumer
+
+
+def expert_bytes(consumer: ModelConsumer, cfg: DecoderConfig) -> int:
+    """Slot bytes of every routed expert: the budget that makes the model fully resident."""
+    return cfg.n_sparse_experts * int(consumer.info.expert_slot_nbytes)
+
+
+def resolve_budget(
+    consumer: ModelConsumer,
+    cfg: DecoderConfig,
+    cache_bytes: int | None = None,
+    cache_fraction: float | None = None,
+) -> int:
+    """The slot budget in bytes from at most one of ``cache_bytes`` / ``cache_fraction``.
+
+    Neither given: every routed expert fits (fully resident). A fraction is
+    of :func:`expert_bytes`. The result is never below one layer's top-k
+    slots unless asked for explicitly in bytes (then the cache refuses it).
+    """
+    if cache_bytes is not None and cache_fraction is not None:
+        raise ValueError("give a cache budget in bytes or as a fraction, not both")
+    total = expert_bytes(consumer, cfg)
+    floor = cfg.top_k * int(consumer.info.expert_slot_nbytes)
+    if cache_bytes is not None:
+        if cache_bytes < 0:
+            raise ValueError(f"cache budget {cache_bytes} B is negative")
+        return int(cache_bytes)
+    if cache_fraction is not None:
+        if not 0.0 < cache_fraction <= 1.0:
+            raise ValueError(f"cache fraction {cache_fraction} is not in (0, 1]")
+        want = int(total * cache_fraction)
+        if want < floor:
+            raise CacheBudgetError(
+                f"cache fraction {cache_fraction} gives {want} B, below one layer's "
+                f"top-{cfg.top_k} experts ({floor} B = {floor / max(total, 1):.4f} of the experts)"
+            )
+        return want
+    return max(total, floor)
+
+
+class Engine:
+    """A model ready to run: trunk resident, routed experts behind a slot cache.
+
+    Parameters
+    ----------
+    consumer
+        The opened model version (through a portal, by the store).
+    cache_bytes, cache_fraction
+        The expert slot budget (see :func:`resolve_budget`).
+    policy
+        Eviction policy name or instance.
+    hot
+        A hot list of ``(layer, expert)`` pairs, most important first, loaded
+        before the first token.
+    pin_classes
+        A router-byte range ``(lo, hi)`` pinned resident in every sparse layer.
+    """
+
+    def __init__(
+        self,
+        consumer: ModelConsumer,
+        cache_bytes: int | None = None,
+        cache_fraction: float | None = None,
+        policy: str | EvictionPolicy = "lru",
+        hot: Sequence[tuple[int, int]] | None = None,
+        pin_classes: tuple[int, int] | None = None,
+    ) -> None:
+        cls = decoder_class(consumer.info.arch)
+        cfg = cls.parse_config(consumer.info)
+        self.consumer = consumer
+        self.budget_bytes = resolve_budget(consumer, cfg, cache_bytes, cache_fraction)
+        self.expert_bytes = expert_bytes(consumer, cfg)
+        self.cache = ExpertCache(
+            consumer, self.budget_bytes, cfg.top_k, cfg.n_sparse_experts, policy
+        )
+        self.model = cls(consumer, self.cache)
+        self.cfg = self.model.cfg
+        if pin_classes is not None:
+            sparse = [i for i, s in enumerate(self.cfg.sparse_layers) if s]
+            self.cache.pin_classes(pin_classes[0], pin_classes[1], sparse)
+        if hot:
+            self.cache.prewarm(hot)
+        self.kv = self.model.new_kv()
+
+    @property
+    def position(self) -> int:
+        """Tokens processed so far (the KV cache length)."""
+        return self.kv.length
+
+    def reset(self) -> None:
+        """Forget the sequence (the expert cache stays warm)."""
+        self.kv.truncate(0)
+
+    def prefill(self, tokens: Sequence[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
+        """Process prompt ``tokens`` in one batch; logits of the last (or every) token."""
+        return self.model.forward(np.asarray(tokens, np.int64), self.kv, all_logits)
+
+    def decode(self, token: int) -> np.ndarray:
+        """Process one token; returns its ``[V]`` logits."""
+        return self.model.forward(np.array([token], np.int64), self.kv)
+
+    def stats(self) -> CacheStats:
+        """The expert cache's counters."""
+        return self.cache.stats()
+
+    def close(self) -> None:
+        """Release the cache arena (the consumer is the caller's to close)."""
+        self.cache.close()

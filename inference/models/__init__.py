@@ -1,0 +1,32 @@
+"""One readable numpy module per MoE architecture, and the registry by arch name.
+
+``DECODERS`` maps the ``ModelInfo.arch`` string (the checkpoint's
+``model_type``) to its decoder class; :func:`decoder_class` fails closed on
+anything else.
+"""
+
+from __future__ import annotations
+
+from inference.errors import UnsupportedModelError
+from inference.models.decoder import DecoderConfig, MoEDecoder
+from inference.models.mixtral import MixtralDecoder
+from inference.models.olmoe import OlmoeDecoder
+from inference.models.qwen2_moe import Qwen2MoeDecoder
+from inference.models.qwen3_moe import Qwen3MoeDecoder
+
+DECODERS: dict[str, type[MoEDecoder]] = {
+    cls.arch: cls for cls in (MixtralDecoder, Qwen2MoeDecoder, Qwen3MoeDecoder, OlmoeDecoder)
+}
+
+
+def decoder_class(arch: str) -> type[MoEDecoder]:
+    """The decoder class of ``arch``; raises :class:`UnsupportedModelError` if unknown."""
+    try:
+        return DECODERS[arch]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"architecture {arch!r} is not supported (known: {', '.join(sorted(DECODERS))})"
+        ) from None
+
+
+__all__ = ["DECODERS", "DecoderConfig", "MoEDecoder", "decoder_class"]

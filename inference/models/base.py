@@ -1,0 +1,290 @@
+"""Numerical building blocks shared by every MoE decoder: float32 numpy only.
+
+Scope: RMSNorm, SwiGLU, rotary position embeddings (default and linear
+scaling, full or partial rotary width), grouped-query attention over a KV
+cache (causal, optional sliding window) and softmax top-k routing with or
+without renormalisation. Each follows the Hugging Face transformers
+implementation of the same operation (read from transformers 5.x), so our
+logits match theirs to float32 rounding.
+
+Nothing here knows about the store, the slot cache or an architecture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from inference.errors import UnsupportedModelError
+
+F32 = np.float32
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Root-mean-square norm over the last axis, then the elementwise weight.
+
+    As transformers: ``weight * (x * rsqrt(mean(x**2) + eps))``, in float32.
+    """
+    var = np.mean(np.square(x), axis=-1, keepdims=True)
+    return weight * (x * (F32(1.0) / np.sqrt(var + F32(eps))))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """``x * sigmoid(x)``, computed as ``x / (1 + exp(-x))`` (no overflow warning path)."""
+    with np.errstate(over="ignore"):
+        return x / (F32(1.0) + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """The logistic function, float32."""
+    with np.errstate(over="ignore"):
+        return F32(1.0) / (F32(1.0) + np.exp(-x))
+
+
+def swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """A SwiGLU MLP: ``down @ (silu(gate @ x) * (up @ x))`` for row vectors ``x [T, H]``.
+
+    ``gate``/``up`` are ``[I, H]`` and ``down`` is ``[H, I]`` (the checkpoint's
+    row-major layout); the transposes are BLAS flags, not copies.
+    """
+    return (silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def swiglu_fused(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """SwiGLU with gate and up stacked as one ``[2I, H]`` matrix: one matmul instead of two.
+
+    The expert extent stores gate then up contiguously, so the slot already
+    holds this stacked matrix; using it halves the BLAS calls per expert.
+    """
+    inter = gate_up.shape[0] // 2
+    gu = x @ gate_up.T
+    return (silu(gu[:, :inter]) * gu[:, inter:]) @ down.T
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """A numerically stable softmax along ``axis`` (float32)."""
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def route_topk(
+    router_logits: np.ndarray, top_k: int, renormalize: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax over the experts, then the ``top_k`` largest probabilities per token.
+
+    Parameters
+    ----------
+    router_logits
+        ``[T, E]`` float32 router outputs.
+    top_k
+        Experts per token.
+    renormalize
+        Divide the chosen probabilities by their sum (Mixtral always;
+        Qwen-MoE and OLMoE when ``norm_topk_prob``).
+
+    Returns
+    -------
+    (indices, weights)
+        ``[T, top_k]`` int64 expert indices in descending probability order
+        (as ``torch.topk``) and their float32 weights.
+    """
+    probs = softmax(router_logits.astype(F32, copy=False), axis=-1)
+    n = probs.shape[-1]
+    if top_k < n:
+        part = np.argpartition(-probs, top_k - 1, axis=-1)[:, :top_k]
+    else:
+        part = np.broadcast_to(np.arange(n), probs.shape).copy()
+    vals = np.take_along_axis(probs, part, axis=-1)
+    # Descending order among the chosen, ties broken by the lower index like torch.topk.
+    order = np.lexsort((part, -vals), axis=-1)
+    idx = np.take_along_axis(part, order, axis=-1)
+    w = np.take_along_axis(vals, order, axis=-1)
+    if renormalize:
+        w = w / np.sum(w, axis=-1, keepdims=True)
+    return idx.astype(np.int64, copy=False), w.astype(F32, copy=False)
+
+
+# --------------------------------------------------------------------------- rope
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters, normalised from a checkpoint config.
+
+    ``rotary_dim`` is the number of leading channels of each head that rotate
+    (``head_dim * partial_rotary_factor``); the rest pass through unchanged.
+    ``linear_factor`` divides positions (the "linear" rope type); 1.0 otherwise.
+    """
+
+    theta: float
+    rotary_dim: int
+    linear_factor: float = 1.0
+
+
+def rope_config(config: dict[str, Any], head_dim: int) -> RopeConfig:
+    """Read the rope conventions of a config: transformers 5.x ``rope_parameters``
+    or the older top-level ``rope_theta``/``rope_scaling``/``partial_rotary_factor``.
+
+    Raises
+    ------
+    UnsupportedModelError
+        For rope types other than ``default`` and ``linear`` (yarn, llama3, ...).
+    """
+    params = dict(config.get("rope_parameters") or {})
+    legacy = config.get("rope_scaling") or {}
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", legacy.get("rope_type", legacy.get("type", "default")))
+    factor = float(params.get("factor", legacy.get("factor", 1.0)) or 1.0)
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if rope_type not in ("default", "linear"):
+        raise UnsupportedModelError(
+            f"config rope type {rope_type!r} is not implemented (default and linear are)"
+        )
+    rot = int(head_dim * float(partial))
+    if rot <= 0 or rot % 2 or rot > head_dim:
+        raise UnsupportedModelError(
+            f"config partial_rotary_factor={partial} gives rotary width {rot} for head_dim "
+            f"{head_dim}; it must be even and within the head"
+        )
+    return RopeConfig(
+        theta=float(theta),
+        rotary_dim=rot,
+        linear_factor=factor if rope_type == "linear" else 1.0,
+    )
+
+
+class Rotary:
+    """Cos/sin tables for rotary embeddings, grown on demand, applied in place of a copy.
+
+    Matches transformers: ``inv_freq = 1 / theta**(arange(0, d, 2) / d)`` in
+    float32, ``freqs = position * inv_freq``, halves concatenated, and
+    ``x * cos + rotate_half(x) * sin`` on the rotary channels.
+    """
+
+    def __init__(self, rope: RopeConfig, initial: int = 256) -> None:
+        d = rope.rotary_dim
+        exps = np.arange(0, d, 2, dtype=F32) / F32(d)
+        inv = F32(1.0) / np.power(F32(rope.theta), exps, dtype=F32)
+        self.inv_freq = (inv / F32(rope.linear_factor)).astype(F32)
+        self.rotary_dim = d
+        self._cos = np.empty((0, d), F32)
+        self._sin = np.empty((0, d), F32)
+        self._grow(initial)
+
+    def _grow(self, n: int) -> None:
+        pos = np.arange(n, dtype=F32)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        emb = np.concatenate([freqs, freqs], axis=-1)
+        self._cos = np.cos(emb).astype(F32)
+        self._sin = np.sin(emb).astype(F32)
+
+    def apply(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Rotate ``x [heads, T, head_dim]`` for token ``positions [T]``; returns a new array."""
+        need = int(positions.max()) + 1
+        if need > self._cos.shape[0]:
+            self._grow(max(need, 2 * self._cos.shape[0]))
+        cos = self._cos[positions]
+        sin = self._sin[positions]
+        d = self.rotary_dim
+        half = d // 2
+        xr = x[..., :d]
+        rot = np.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+        out = xr * cos + rot * sin
+        if d == x.shape[-1]:
+            return out
+        return np.concatenate([out, x[..., d:]], axis=-1)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class KVCache:
+    """Per-layer key/value arrays ``[n_kv_heads, capacity, head_dim]``, grown by doubling.
+
+    Keys are stored after RoPE, as transformers' cache does, so decode never
+    re-rotates history.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int = 64) -> None:
+        self.n_layers = n_layers
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.length = 0
+        shape = (n_kv_heads, capacity, head_dim)
+        self.k = [np.zeros(shape, F32) for _ in range(n_layers)]
+        self.v = [np.zeros(shape, F32) for _ in range(n_layers)]
+
+    @property
+    def capacity(self) -> int:
+        """Positions the arrays can hold without growing."""
+        return self.k[0].shape[1]
+
+    def reserve(self, total: int) -> None:
+        """Make room for ``total`` positions (doubling, so appends are amortised O(1))."""
+        cap = self.capacity
+        if total <= cap:
+            return
+        new = max(total, 2 * cap)
+        for i in range(self.n_layers):
+            for arrs in (self.k, self.v):
+                grown = np.zeros((self.n_kv_heads, new, self.head_dim), F32)
+                grown[:, :cap] = arrs[i][:, :cap]
+                arrs[i] = grown
+
+    def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store ``k``/``v`` ``[n_kv, T, head_dim]`` at positions ``start .. start+T``."""
+        t = k.shape[1]
+        self.k[layer][:, start : start + t] = k
+        self.v[layer][:, start : start + t] = v
+
+    def truncate(self, length: int) -> None:
+        """Forget positions from ``length`` on (the arrays keep their capacity)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a KV cache of length {self.length} to {length}")
+        self.length = length
+
+
+def attention(
+    q: np.ndarray,
+    k_all: np.ndarray,
+    v_all: np.ndarray,
+    q_positions: np.ndarray,
+    sliding_window: int | None,
+) -> np.ndarray:
+    """Grouped-query causal attention of new queries over cached keys/values.
+
+    Parameters
+    ----------
+    q
+        ``[n_heads, T, head_dim]`` rotated queries at ``q_positions``.
+    k_all, v_all
+        ``[n_kv_heads, L, head_dim]``: every key/value from position 0 to L-1
+        (including the new ones).
+    q_positions
+        ``[T]`` absolute positions of the queries.
+    sliding_window
+        When set, a query at ``p`` sees keys at ``j`` with ``p - j < window``
+        (transformers' sliding-window mask).
+
+    Returns
+    -------
+    ``[T, n_heads * head_dim]``.
+    """
+    n_heads, t, hd = q.shape
+    n_kv, length, _ = k_all.shape
+    groups = n_heads // n_kv
+    scale = F32(hd**-0.5)
+    qg = q.reshape(n_kv, groups * t, hd)
+    scores = (qg @ k_all.transpose(0, 2, 1)).reshape(n_kv, groups, t, length) * scale
+    keys = np.arange(length)
+    masked = keys[None, :] > q_positions[:, None]
+    if sliding_window:
+        masked |= (q_positions[:, None] - keys[None, :]) >= sliding_window
+    if masked.any():
+        scores = np.where(masked[None, None], F32(-np.inf), scores)
+    probs = softmax(scores, axis=-1).reshape(n_kv, groups * t, length)
+    out = (probs @ v_all).reshape(n_heads, t, hd)
+    return out.transpose(1, 0, 2).reshape(t, n_heads * hd)

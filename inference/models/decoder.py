@@ -1,0 +1,347 @@
+"""The generic MoE decoder: the forward pass every supported architecture shares.
+
+Scope: reading a config into a :class:`DecoderConfig`, loading the resident
+trunk through the consumer by role, and the pre-norm decoder loop
+(attention with a KV cache, then a routed-expert MLP) with hooks an
+architecture overrides: :meth:`MoEDecoder.post_qkv` (q/k norms, clipping),
+:meth:`MoEDecoder.routed_extra` (a shared expert) and
+:meth:`MoEDecoder.parse_config`.
+
+Routed experts are reached only through the :class:`~inference.cache.ExpertCache`:
+router -> top-k bytes -> slot. In a batch (prefill) the tokens are grouped
+by expert, so each expert is fetched and multiplied once per layer.
+Each token's expert outputs land in a fixed ``[T, top_k, H]`` buffer and
+are summed in top-k order, so the result does not depend on the order in
+which experts were found resident or fetched: tiered and fully resident
+runs are bit-identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from inference.cache import ExpertCache
+from inference.errors import MissingTensorError, UnsupportedModelError
+from inference.models.base import (
+    F32,
+    KVCache,
+    RopeConfig,
+    Rotary,
+    attention,
+    rms_norm,
+    rope_config,
+    route_topk,
+    sigmoid,
+    swiglu,
+    swiglu_fused,
+)
+from store.consumer import ModelConsumer, ModelInfo
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The architecture facts the forward pass needs, normalised across configs."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    top_k: int
+    rms_eps: float
+    rope: RopeConfig
+    renormalize: bool
+    sparse_layers: tuple[bool, ...]  # True where the layer routes to experts
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+    clip_qkv: float | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def n_sparse_experts(self) -> int:
+        """How many routed (layer, expert) pairs the model has."""
+        return sum(self.sparse_layers) * self.n_experts
+
+
+def _need(config: dict[str, Any], key: str) -> Any:
+    if config.get(key) is None:
+        raise UnsupportedModelError(f"config field {key!r} is missing")
+    return config[key]
+
+
+def eos_ids(config: dict[str, Any]) -> tuple[int, ...]:
+    """The config's ``eos_token_id`` as a tuple (it may be absent, an int or a list)."""
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+
+
+def common_config(
+    info: ModelInfo, renormalize: bool, sliding_windows: list[int | None]
+) -> DecoderConfig:
+    """Fields every supported config spells the same way.
+
+    The expert count is ``num_experts`` or ``num_local_experts``: transformers
+    5.x aliases the two and serialises whichever the class declares (Qwen3-MoE
+    writes ``num_local_experts``, Qwen2-MoE ``num_experts``).
+    """
+    c = info.config
+    if c.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"config hidden_act={c['hidden_act']!r} (only silu)")
+    hidden = int(_need(c, "hidden_size"))
+    n_heads = int(_need(c, "num_attention_heads"))
+    head_dim = int(c.get("head_dim") or hidden // n_heads)
+    n_layers = int(_need(c, "num_hidden_layers"))
+    key = "num_experts" if c.get("num_experts") is not None else "num_local_experts"
+    n_experts = int(_need(c, key))
+    if n_experts != info.n_experts or n_layers != info.n_layers:
+        raise UnsupportedModelError(
+            f"config says {n_layers} layers x {n_experts} experts but the mount says "
+            f"{info.n_layers} x {info.n_experts}"
+        )
+    mlp_only = set(c.get("mlp_only_layers") or [])
+    step = int(c.get("decoder_sparse_step") or 1)
+    sparse = tuple(
+        (i not in mlp_only) and n_experts > 0 and (i + 1) % step == 0 for i in range(n_layers)
+    )
+    return DecoderConfig(
+        arch=info.arch,
+        vocab_size=int(_need(c, "vocab_size")),
+        hidden_size=hidden,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=int(c.get("num_key_value_heads") or n_heads),
+        head_dim=head_dim,
+        n_experts=n_experts,
+        top_k=int(_need(c, "num_experts_per_tok")),
+        rms_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope=rope_config(c, head_dim),
+        renormalize=renormalize,
+        sparse_layers=sparse,
+        sliding_windows=tuple(sliding_windows),
+        clip_qkv=c.get("clip_qkv"),
+        eos_token_ids=eos_ids(c),
+    )
+
+
+class Layer:
+    """The resident trunk tensors of one decoder layer, by role (None when absent)."""
+
+    __slots__ = (
+        "input_norm",
+        "k_bias",
+        "k_norm",
+        "k_proj",
+        "mlp_down_proj",
+        "mlp_gate_proj",
+        "mlp_up_proj",
+        "o_proj",
+        "post_attn_norm",
+        "q_bias",
+        "q_norm",
+        "q_proj",
+        "router",
+        "shared_down_proj",
+        "shared_expert_gate",
+        "shared_gate_proj",
+        "shared_up_proj",
+        "v_bias",
+        "v_proj",
+    )
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, None)
+
+
+class MoEDecoder:
+    """A pre-norm MoE transformer decoder over a :class:`ModelConsumer`.
+
+    Subclasses set :attr:`arch`, implement :meth:`parse_config`, and list in
+    :attr:`required_roles` / :attr:`optional_roles` the per-layer trunk roles
+    they use.
+    """
+
+    arch: ClassVar[str] = ""
+    required_roles: ClassVar[tuple[str, ...]] = (
+        "input_norm",
+        "post_attn_norm",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+    )
+    optional_roles: ClassVar[tuple[str, ...]] = ("q_bias", "k_bias", "v_bias")
+    sparse_roles: ClassVar[tuple[str, ...]] = ("router",)
+    dense_roles: ClassVar[tuple[str, ...]] = ("mlp_gate_proj", "mlp_up_proj", "mlp_down_proj")
+
+    def __init__(self, consumer: ModelConsumer, experts: ExpertCache) -> None:
+        self.consumer = consumer
+        self.cfg = self.parse_config(consumer.info)
+        self.experts = experts
+        cfg = self.cfg
+        self.embed = self._trunk("embed", None, (cfg.vocab_size, cfg.hidden_size))
+        self.final_norm = self._trunk("final_norm", None, (cfg.hidden_size,))
+        if consumer.has_trunk("lm_head"):
+            self.lm_head = self._trunk("lm_head", None, (cfg.vocab_size, cfg.hidden_size))
+        else:  # tied embeddings
+            self.lm_head = self.embed
+        self.layers = [self._load_layer(i) for i in range(cfg.n_layers)]
+        self.rotary = Rotary(cfg.rope)
+
+    @classmethod
+    def parse_config(cls, info: ModelInfo) -> DecoderConfig:
+        """Normalise the checkpoint config of this architecture."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ loading
+
+    def _trunk(self, role: str, layer: int | None, shape: tuple[int, ...] | None) -> np.ndarray:
+        where = f"role {role!r}" + ("" if layer is None else f" of layer {layer}")
+        if not self.consumer.has_trunk(role, layer):
+            raise MissingTensorError(f"the {self.arch} trunk has no {where}")
+        t = np.ascontiguousarray(self.consumer.trunk(role, layer), dtype=F32)
+        if shape is not None and t.shape != shape:
+            raise MissingTensorError(f"{where} has shape {t.shape}, expected {shape}")
+        return t
+
+    def _load_layer(self, i: int) -> Layer:
+        lw = Layer()
+        roles = self.required_roles + (
+            self.sparse_roles if self.cfg.sparse_layers[i] else self.dense_roles
+        )
+        for role in roles:
+            setattr(lw, role, self._trunk(role, i, None))
+        for role in self.optional_roles:
+            if self.consumer.has_trunk(role, i):
+                setattr(lw, role, self._trunk(role, i, None))
+        if self.cfg.sparse_layers[i]:
+            want = (self.cfg.n_experts, self.cfg.hidden_size)
+            if lw.router.shape != want:
+                raise MissingTensorError(
+                    f"router of layer {i} has shape {lw.router.shape}, expected {want}"
+                )
+        return lw
+
+    # ------------------------------------------------------------------ hooks
+
+    def post_qkv(
+        self, lw: Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Transform the projected ``[T, width]`` q/k/v before RoPE (q/k norms, clipping)."""
+        return q, k, v
+
+    def routed_extra(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
+        """Combine the routed-expert output with anything else the MLP adds (shared expert)."""
+        return routed
+
+    # ------------------------------------------------------------------ forward
+
+    def new_kv(self, capacity: int = 64) -> KVCache:
+        """An empty KV cache sized for this model."""
+        return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, capacity)
+
+    def forward(self, tokens: np.ndarray, kv: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Run ``tokens`` (``[T]`` ids) after the ``kv.length`` cached positions.
+
+        Returns the logits of the last token ``[V]``, or of every token
+        ``[T, V]`` with ``all_logits``. The KV cache grows by T.
+        """
+        cfg = self.cfg
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size == 0:
+            raise ValueError("forward needs at least one token")
+        if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
+            raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
+        start = kv.length
+        t = tokens.size
+        kv.reserve(start + t)
+        positions = np.arange(start, start + t)
+        h = self.embed[tokens]
+        for i, lw in enumerate(self.layers):
+            x = rms_norm(h, lw.input_norm, cfg.rms_eps)
+            h = h + self._attention(i, lw, x, kv, start, positions)
+            x = rms_norm(h, lw.post_attn_norm, cfg.rms_eps)
+            h = h + self._mlp(i, lw, x)
+        kv.length = start + t
+        if not all_logits:
+            h = h[-1:]
+        out = rms_norm(h, self.final_norm, cfg.rms_eps) @ self.lm_head.T
+        return out if all_logits else out[0]
+
+    def _attention(
+        self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
+    ) -> np.ndarray:
+        cfg = self.cfg
+        t = x.shape[0]
+        q = x @ lw.q_proj.T
+        k = x @ lw.k_proj.T
+        v = x @ lw.v_proj.T
+        if lw.q_bias is not None:
+            q = q + lw.q_bias
+        if lw.k_bias is not None:
+            k = k + lw.k_bias
+        if lw.v_bias is not None:
+            v = v + lw.v_bias
+        q, k, v = self.post_qkv(lw, q, k, v)
+        hd = cfg.head_dim
+        q = q.reshape(t, cfg.n_heads, hd).transpose(1, 0, 2)
+        k = k.reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
+        v = v.reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
+        q = self.rotary.apply(q, positions)
+        k = self.rotary.apply(k, positions)
+        kv.write(i, start, k, v)
+        end = start + t
+        out = attention(q, kv.k[i][:, :end], kv.v[i][:, :end], positions, cfg.sliding_windows[i])
+        return out @ lw.o_proj.T
+
+    def _mlp(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
+        if not self.cfg.sparse_layers[i]:
+            return swiglu(x, lw.mlp_gate_proj, lw.mlp_up_proj, lw.mlp_down_proj)
+        return self.routed_extra(lw, x, self._routed(i, lw, x))
+
+    def _routed(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
+        cfg = self.cfg
+        idx, w = route_topk(x @ lw.router.T, cfg.top_k, cfg.renormalize)
+        t = x.shape[0]
+        contrib = np.zeros((t, cfg.top_k, cfg.hidden_size), F32)
+        cache = self.experts
+        if t == 1:
+            # Decode: the token's top-k experts are distinct; hold them all together.
+            order = idx[0]
+            kpos_of = None
+        else:
+            # Prefill: one fetch and one batched matmul per distinct expert, residents first
+            # (so a small budget evicts only after the hits are used).
+            uniq = np.unique(idx)
+            order = uniq[np.argsort(cache.table[i, uniq] < 0, kind="stable")]
+            kpos_of = idx
+        chunk = cache.max_acquire
+        for c0 in range(0, len(order), chunk):
+            group = order[c0 : c0 + chunk]
+            slots = cache.acquire(i, group)
+            try:
+                for j, s in enumerate(slots.tolist()):
+                    gate_up, down = cache.weights(s)
+                    if kpos_of is None:
+                        contrib[0, j] = swiglu_fused(x, gate_up, down)[0] * w[0, j]
+                    else:
+                        rows, kpos = np.nonzero(kpos_of == group[j])
+                        y = swiglu_fused(x[rows], gate_up, down)
+                        contrib[rows, kpos] = y * w[rows, kpos, None]
+            finally:
+                cache.release()
+        # Fixed top-k order: independent of which experts hit or missed.
+        return contrib.sum(axis=1)
+
+
+def shared_expert(lw: Layer, x: np.ndarray) -> np.ndarray:
+    """Qwen2-MoE's shared expert, scaled by its sigmoid gate."""
+    y = swiglu(x, lw.shared_gate_proj, lw.shared_up_proj, lw.shared_down_proj)
+    return sigmoid(x @ lw.shared_expert_gate.T) * y

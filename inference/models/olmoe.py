@@ -1,0 +1,44 @@
+"""OLMoE: RMS norms over the full query and key width, optional q/k/v clipping.
+
+Differences from the shared base: ``q_norm`` spans all query heads
+(``n_heads * head_dim``) and ``k_norm`` all key heads, applied to the
+projections before they are split into heads; ``clip_qkv`` clamps q, k and v
+after the norms; ``norm_topk_prob`` decides renormalisation; no sliding window.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from inference.errors import UnsupportedModelError
+from inference.models.base import rms_norm
+from inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
+from store.consumer import ModelInfo
+
+
+class OlmoeDecoder(MoEDecoder):
+    """``OlmoeForCausalLM`` in numpy."""
+
+    arch = "olmoe"
+    required_roles = (*MoEDecoder.required_roles, "q_norm", "k_norm")
+
+    @classmethod
+    def parse_config(cls, info: ModelInfo) -> DecoderConfig:
+        """OLMoE config; ``attention_bias`` (an o_proj bias) is not supported."""
+        c = info.config
+        if c.get("attention_bias"):
+            raise UnsupportedModelError("config attention_bias=true (o_proj bias) is not supported")
+        n = int(c["num_hidden_layers"])
+        return common_config(info, bool(c.get("norm_topk_prob")), [None] * n)
+
+    def post_qkv(
+        self, lw: Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Full-width RMS norms of q and k, then the optional clamp of q, k and v."""
+        eps = self.cfg.rms_eps
+        q = rms_norm(q, lw.q_norm, eps)
+        k = rms_norm(k, lw.k_norm, eps)
+        clip = self.cfg.clip_qkv
+        if clip is not None:
+            q, k, v = (np.clip(a, -clip, clip) for a in (q, k, v))
+        return q, k, v

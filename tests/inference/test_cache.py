@@ -1,0 +1,152 @@
+"""The expert slot cache: budgets, hits as views, LRU, pinning, prewarm, fail-closed fills."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inference.cache import ExpertCache, LRUPolicy, class_prefix_range
+from inference.errors import CacheBudgetError
+from tests.inference.fakes import FakeConsumer, owner_value
+
+SLOT = 4096
+
+
+def test_budget_below_one_layers_top_k_is_refused():
+    with pytest.raises(CacheBudgetError, match="top-2"):
+        ExpertCache(FakeConsumer(), budget_bytes=SLOT * 2 - 1, top_k=2)
+    assert ExpertCache(FakeConsumer(), budget_bytes=SLOT * 2, top_k=2).n_slots == 2
+
+
+def test_slots_are_capped_at_the_number_of_experts_and_aligned():
+    c = ExpertCache(FakeConsumer(2, 4), budget_bytes=SLOT * 100, top_k=2)
+    assert c.n_slots == 8
+    assert c.arena.ctypes.data % 4096 == 0 and c.arena.shape == (8, SLOT)
+
+
+def test_hit_is_a_zero_copy_view_of_the_slot():
+    cons = FakeConsumer()
+    c = ExpertCache(cons, SLOT * 4, top_k=2)
+    s1 = int(c.acquire(1, np.array([3]))[0])
+    c.release()
+    s2 = int(c.acquire(1, np.array([3]))[0])
+    c.release()
+    assert s1 == s2 and cons.reads == [(1, 3)]
+    gate_up, down = c.weights(s1)
+    assert np.shares_memory(gate_up, c.arena) and np.shares_memory(down, c.arena)
+    assert gate_up.shape == (16, 8) and np.all(gate_up == 1003.0)
+    assert c.stats().hits == 1 and c.stats().misses == 1
+
+
+def test_lru_evicts_the_least_recently_used():
+    cons = FakeConsumer()
+    c = ExpertCache(cons, SLOT * 3, top_k=1)
+    for e in (0, 1, 2, 0):  # 1 is now the oldest
+        c.acquire(0, np.array([e]))
+        c.release()
+    c.acquire(0, np.array([5]))
+    c.release()
+    assert c.table[0, 1] == -1 and c.table[0, 0] >= 0 and c.table[0, 2] >= 0
+    assert c.stats().evictions == 1
+
+
+def test_a_held_slot_is_never_evicted_and_overflow_fails_closed():
+    c = ExpertCache(FakeConsumer(), SLOT * 2, top_k=2)
+    slots = c.acquire(0, np.array([1, 2])).copy()
+    assert sorted(owner_value(c, s) for s in slots) == [1.0, 2.0]
+    c.release()
+    c.acquire(0, np.array([1, 2]))
+    with pytest.raises(Exception, match="held by the current layer"):
+        c.acquire(0, np.array([3]))
+
+
+def test_failed_read_leaves_no_stale_mapping():
+    c = ExpertCache(FakeConsumer(fail=(0, 4)), SLOT * 2, top_k=1)
+    c.acquire(0, np.array([1]))
+    c.release()
+    with pytest.raises(OSError):
+        c.acquire(0, np.array([4]))
+    c.release()
+    assert c.table[0, 4] == -1
+    c.check()
+    s = int(c.acquire(0, np.array([6]))[0])
+    assert owner_value(c, s) == 6.0
+
+
+def test_prewarm_loads_in_order_and_keeps_the_first_longest():
+    cons = FakeConsumer()
+    c = ExpertCache(cons, SLOT * 3, top_k=1)
+    assert c.prewarm([(0, 1), (0, 2), (1, 1), (2, 2)]) == 3
+    assert c.table[2, 2] == -1
+    c.acquire(2, np.array([2]))  # evicts the least important: (1, 1)
+    c.release()
+    assert c.table[1, 1] == -1 and c.table[0, 1] >= 0
+
+
+def test_pinned_classes_stay_and_leave_room_for_top_k():
+    cons = FakeConsumer(2, 8)
+    c = ExpertCache(cons, SLOT * 6, top_k=2)
+    lo, hi = class_prefix_range(0b000, 3)  # router bytes 0..31 -> experts 0..7
+    with pytest.raises(CacheBudgetError):
+        c.pin_classes(lo, hi)
+    assert c.pin_classes(0, 2) == 4
+    for e in range(8):
+        for layer in range(2):
+            c.acquire(layer, np.array([e, (e + 3) % 8]))
+            c.release()
+    assert all(c.table[la, e] >= 0 for la in range(2) for e in range(2))
+    assert c.max_acquire == 2
+    c.check()
+
+
+def test_class_prefix_range():
+    assert class_prefix_range(0, 0) == (0, 256)
+    assert class_prefix_range(0x2A, 8) == (0x2A, 0x2B)
+    with pytest.raises(ValueError):
+        class_prefix_range(4, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n_slots=st.integers(2, 12),
+    pinned=st.integers(0, 3),
+    steps=st.lists(
+        st.tuples(st.integers(0, 2), st.lists(st.integers(0, 7), min_size=1, max_size=2)),
+        min_size=1,
+        max_size=60,
+    ),
+)
+def test_for_all_access_sequences_slots_hold_what_they_claim(n_slots, pinned, steps):
+    cons = FakeConsumer(3, 8)
+    c = ExpertCache(cons, SLOT * n_slots, top_k=2)
+    pinned = min(pinned, n_slots - 2)
+    if pinned:
+        c.pin([(0, e) for e in range(pinned)])
+    lookups = 0
+    for layer, experts in steps:
+        experts = np.array(sorted(set(experts)))
+        slots = c.acquire(layer, experts).copy()
+        lookups += len(experts)
+        # Every held slot holds exactly its expert, and no two experts share a slot.
+        assert len(set(slots.tolist())) == len(slots)
+        for e, s in zip(experts.tolist(), slots.tolist()):
+            assert owner_value(c, s) == layer * 1000 + e
+        assert c.blocked[slots].all()
+        c.release()
+        c.check()
+    st_ = c.stats()
+    assert st_.hits + st_.misses == lookups + pinned
+    assert st_.misses == len(cons.reads) and st_.bytes_read == st_.misses * SLOT
+    for e in range(pinned):
+        assert c.table[0, e] >= 0 and c.pinned[c.table[0, e]]
+
+
+def test_lru_policy_victim_skips_blocked():
+    p = LRUPolicy(4)
+    for s in (2, 0, 3, 1):
+        p.touch(s)
+    blocked = np.array([False, False, True, False])
+    assert p.victim(blocked) == 0
+    assert p.victim(np.ones(4, bool)) == -1

@@ -1,0 +1,87 @@
+"""Generation: stopping, streaming text, and the statistics it reports."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from inference.engine import Engine, resolve_budget
+from inference.errors import CacheBudgetError
+from inference.generate import generate, generate_ids
+from inference.sampling import SamplingParams
+from inference.tokenizer import ByteTokenizer
+from tests.inference.refmodels import StateDictConsumer, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("olmoe", seed=2)
+
+
+def test_stops_on_eos_and_on_max_tokens(model):
+    eng = Engine(StateDictConsumer(model))
+    prompt = [5, 6, 7]
+    free, st = generate_ids(eng, prompt, 12)
+    assert len(free) == 12 and st.stop_reason == "max_tokens" and st.decode_steps == 11
+    eos = free[4]
+    first = free.index(eos)
+    cut, st = generate_ids(eng, prompt, 12, eos_ids=[eos])
+    assert cut == free[: first + 1] and st.stop_reason == "eos"
+    none, st = generate_ids(eng, prompt, 0)
+    assert none == [] and st.generated_tokens == 0
+
+
+def test_sampling_is_seeded(model):
+    eng = Engine(StateDictConsumer(model))
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=11)
+    a, _ = generate_ids(eng, [1, 2, 3], 16, params)
+    b, _ = generate_ids(eng, [1, 2, 3], 16, params)
+    assert a == b
+
+
+def test_streamed_text_equals_final_text_and_stats_add_up(model):
+    consumer = StateDictConsumer(model)
+    eng = Engine(consumer, cache_fraction=0.25)
+    pieces: list[str] = []
+    out = generate(eng, ByteTokenizer(), "héllo", 20, on_text=pieces.append)
+    assert "".join(pieces) == out.text
+    assert len(out.tokens) == 20
+    st = out.stats
+    assert st.prompt_tokens == len("héllo".encode())
+    total_misses = st.prefill_cache.misses + st.decode_cache.misses
+    assert total_misses == len(consumer.reads)
+    assert st.decode_cache.bytes_read == st.decode_cache.misses * eng.cache.slot_nbytes
+    assert st.decode_bytes_per_token == pytest.approx(st.decode_cache.bytes_read / 19)
+    assert 0.0 <= st.hit_rate < 1.0 and st.io_wait_seconds >= 0
+    assert "hit rate" in st.summary()
+
+
+def test_budget_resolution(model):
+    consumer = StateDictConsumer(model)
+    eng = Engine(consumer)
+    cfg, slot = eng.cfg, consumer.info.expert_slot_nbytes
+    assert resolve_budget(consumer, cfg) == cfg.n_sparse_experts * slot
+    assert resolve_budget(consumer, cfg, cache_fraction=0.5) == cfg.n_sparse_experts * slot // 2
+    with pytest.raises(CacheBudgetError, match="top-2"):
+        resolve_budget(consumer, cfg, cache_fraction=0.01)
+    with pytest.raises(ValueError):
+        resolve_budget(consumer, cfg, cache_bytes=1, cache_fraction=0.5)
+    with pytest.raises(CacheBudgetError):
+        Engine(consumer, cache_bytes=slot)
+
+
+def test_hot_list_and_pinned_classes_do_not_change_outputs(model):
+    base = Engine(StateDictConsumer(model)).prefill([3, 1, 4, 1, 5], all_logits=True)
+    consumer = StateDictConsumer(model)
+    eng = Engine(consumer, cache_fraction=0.5, hot=[(1, 3), (0, 2)], pin_classes=(0, 1))
+    assert eng.cache.n_pinned == 2 and eng.cache.table[1, 3] >= 0
+    got = eng.prefill([3, 1, 4, 1, 5], all_logits=True)
+    assert np.array_equal(got, base)
+
+
+def test_bad_tokens_are_refused(model):
+    eng = Engine(StateDictConsumer(model))
+    with pytest.raises(ValueError, match="out of range"):
+        eng.prefill([999])
+    with pytest.raises(ValueError, match="empty"):
+        generate_ids(eng, [], 3)

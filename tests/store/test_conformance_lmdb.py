@@ -1,0 +1,13 @@
+"""Runs the store conformance suite against the LMDB backend."""
+
+from __future__ import annotations
+
+import pathlib
+
+from store import Store
+from tests.store.conformance import StoreConformance
+
+
+class TestLMDBStore(StoreConformance):
+    def open_store(self, path: pathlib.Path) -> Store:
+        return Store.open(path)

@@ -1,0 +1,245 @@
+"""LMDB-backend specifics: map growth, processes and fork, chunked scans, garbage."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+import store.lmdb_store as lmdb_store_mod
+from czyx.key import Key
+from czyx.space import Selector
+from store import (
+    ReservedSpaceError,
+    SealedSpaceError,
+    SpaceNotEmptyError,
+    Store,
+    StoreError,
+    StoreForkError,
+    StoreMapFullError,
+    collect_garbage,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def records(n: int, pad: int = 200) -> list[tuple[bytes, dict]]:
+    return [(Key(i % 256, i).pack(), {"i": i, "pad": b"x" * pad}) for i in range(n)]
+
+
+def test_map_grows_on_demand(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s", map_size=64 << 10)
+    start = s.map_size()
+    sp = Selector.from_name("g")
+    items = records(3000)
+    assert s.put_many(sp, items) == 3000  # ~700 KiB: needs several doublings
+    for k, r in items[:10]:
+        s.put(Selector.from_name("h"), k, r)  # single puts after growth still fine
+    assert s.map_size() > start
+    assert dict(s.scan(sp)) == dict(items)
+    s.close()
+    s = Store.open(tmp_path / "s", map_size=64 << 10)  # reopening with a small size is fine
+    assert s.aggregate(sp)[0] == 3000
+    s.close()
+
+
+def test_map_full_at_the_limit_writes_nothing(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s", map_size=64 << 10, max_map_size=256 << 10)
+    sp = Selector.from_name("g")
+    s.put(sp, Key(1).pack(), {"before": True})
+    with pytest.raises(StoreMapFullError, match="limit"):
+        s.put_many(sp, records(5000))
+    assert list(s.scan(sp)) == [(Key(1).pack(), {"before": True})]
+    s.close()
+
+
+def test_map_full_during_publication_leaves_old_state(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s", map_size=64 << 10, max_map_size=128 << 10)
+    sp = Selector.from_name("m")
+    w = s.begin_space(sp, {})
+    ext = w.write_extent(b"abc")
+    for k, _ in records(4000):
+        w.put(k, {**ext.record(), "pad": b"y" * 100})
+    with pytest.raises(StoreMapFullError):
+        w.commit()
+    assert not s.has_space(sp)
+    assert list((tmp_path / "s" / "blocks").iterdir()) == []
+    s.close()
+
+
+def test_map_resized_by_another_process(tmp_path: pathlib.Path) -> None:
+    """A second process grows the map; this one adopts the new size on its next txn."""
+    path = tmp_path / "s"
+    s = Store.open(path, map_size=64 << 10)
+    sp = Selector.from_name("g")
+    s.put(sp, Key(1).pack(), {"parent": 1})
+    code = (
+        "import sys; from store import Store; from czyx.space import Selector;"
+        "from czyx.key import Key\n"
+        "s = Store.open(sys.argv[1], map_size=64 << 10)\n"
+        "sp = Selector.from_name('g')\n"
+        "s.put_many(sp, [(Key(2, i).pack(), {'p': b'z' * 300}) for i in range(3000)])\n"
+        "s.close()\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, cwd=ROOT)
+    assert s.aggregate(sp)[0] == 3001
+    s.put(sp, Key(3).pack(), {"parent": 2})
+    assert s.get(sp, Key(3).pack()) == {"parent": 2}
+    s.close()
+
+
+def test_env_is_not_used_across_fork(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s")
+    sp = Selector.from_name("g")
+    s.put(sp, Key(1).pack(), {"v": 1})
+    pid = os.fork()
+    if pid == 0:  # child: every use must refuse; a fresh open must work
+        code = 1
+        try:
+            try:
+                s.get(sp, Key(1).pack())
+            except StoreForkError:
+                t = Store.open(tmp_path / "s")  # the inherited env was closed at fork
+                code = 0 if t.get(sp, Key(1).pack()) == {"v": 1} else 2
+                t.close()
+                s.close()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert s.get(sp, Key(1).pack()) == {"v": 1}  # the parent's handle is intact
+    s.close()
+
+
+def test_readonly_and_missing(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(StoreError, match="no store"):
+        Store.open(tmp_path / "nothing", readonly=True)
+    with pytest.raises(StoreError, match="no store"):
+        Store.open(tmp_path / "nothing", create=False)
+    Store.open(tmp_path / "s").close()
+    ro = Store.open(tmp_path / "s", readonly=True)
+    assert ro.get(Selector.from_name("g"), Key(1).pack()) is None
+    with pytest.raises(StoreError, match="read-only"):
+        ro.put(Selector.from_name("g"), Key(1).pack(), {})
+    ro.close()
+    with pytest.raises(StoreError, match="closed"):
+        ro.get(Selector.from_name("g"), Key(1).pack())
+
+
+def test_scan_across_chunk_boundaries(tmp_path: pathlib.Path, monkeypatch) -> None:
+    monkeypatch.setattr(lmdb_store_mod, "_SCAN_CHUNK", 3)
+    s = Store.open(tmp_path / "s")
+    sp = Selector.from_name("g")
+    items = [(Key(c, i).pack(), {"c": c, "i": i}) for c in (1, 2, 3) for i in range(7)]
+    s.put_many(sp, items)
+    s.put_many(Selector.from_name("h"), items)
+    assert list(s.scan(sp)) == sorted(items)
+    assert [r["c"] for _, r in s.scan(sp, 2, 2)] == [2] * 7
+    assert list(s.keys(sp, 3, 3)) == sorted(k for k, _ in items if k[0] == 3)
+    for i in range(10):
+        s.audit("e", i=i)
+    assert [e["i"] for e in s.audit_log()] == list(range(10))
+    assert [e["i"] for e in s.audit_log(since=7)] == [7, 8, 9]
+    s.close()
+
+
+def test_second_publisher_of_a_space_loses_cleanly(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s")
+    sp = Selector.from_name("m")
+    a, b = s.begin_space(sp, {"who": "a"}), s.begin_space(sp, {"who": "b"})
+    a.put(Key(1).pack(), a.write_extent(b"A" * 100).record())
+    b.put(Key(2).pack(), b.write_extent(b"B" * 100).record())
+    a.commit()
+    with pytest.raises(SealedSpaceError, match="another writer"):
+        b.commit()
+    assert s.manifest(sp) == {"who": "a"}
+    assert [k for k, _ in s.scan(sp)] == [Key(1).pack()]
+    assert [p.name for p in (tmp_path / "s" / "blocks").iterdir()] == [s.block_path(sp).name]
+    s.close()
+
+
+def test_space_with_loose_records_cannot_be_published(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s")
+    sp = Selector.from_name("m")
+    s.put(sp, Key(9).pack(), {"loose": True})
+    with pytest.raises(SpaceNotEmptyError), s.begin_space(sp, {}) as w:
+        w.put(Key(1).pack(), w.write_extent(b"x").record())
+    assert not s.has_space(sp)
+    s.close()
+
+
+def test_reserved_selectors_are_refused(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s")
+    for prefix in (0xFE, 0xFF):
+        sel = Selector.reserved_space(prefix, "x")
+        with pytest.raises(ReservedSpaceError):
+            s.put(sel, Key(1).pack(), {})
+        with pytest.raises(ReservedSpaceError):
+            s.begin_space(sel, {})
+    s.close()
+
+
+def test_hole_in_block_file(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s")
+    sp = Selector.from_name("m")
+    with s.begin_space(sp, {}) as w:
+        assert w.data_start == w.alignment >= 4096
+        w.skip_to(w.data_start + 3 * w.alignment)
+        e = w.write_extent(b"late")
+        assert e.offset == w.data_start + 3 * w.alignment
+        with pytest.raises(ValueError):
+            w.skip_to(w.data_start)
+        w.put(Key(1).pack(), e.record())
+    with s.open_reader(sp) as rd:
+        buf = bytearray(4)
+        rd.read_into(e.offset, buf)
+    assert bytes(buf) == b"late"
+    s.close()
+
+
+def test_collect_garbage(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s")
+    sp = Selector.from_name("m")
+    with s.begin_space(sp, {}) as w:
+        w.put(Key(1).pack(), w.write_extent(b"x").record())
+    blocks = tmp_path / "s" / "blocks"
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    orphan_part = blocks / f"aa-bb.blk.{int(dead.stdout)}.part"
+    live_part = blocks / f"aa-cc.blk.{os.getpid()}.part"
+    old_blk, new_blk = blocks / "aa-dd.blk", blocks / "aa-ee.blk"
+    for p in (orphan_part, live_part, old_blk, new_blk):
+        p.write_bytes(b"junk")
+    past = time.time() - 7200
+    os.utime(old_blk, (past, past))
+    removed = collect_garbage(s)
+    assert sorted(removed) == sorted([orphan_part.name, old_blk.name])
+    assert live_part.exists() and new_blk.exists() and s.block_path(sp).exists()
+    s.verify_space(sp)
+    s.close()
+
+
+def test_snapshot_and_get_many(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s")
+    sp = Selector.from_name("g")
+    items = [(Key(c, i).pack(), {"c": c, "i": i}) for c in (4, 5) for i in range(5)]
+    s.put_many(sp, items)
+    with s.snapshot() as snap:
+        s.put(sp, Key(4, 99).pack(), {"late": True})  # not visible in the snapshot
+        assert snap.get(sp, Key(4, 99).pack()) is None
+        assert all(snap.get(sp, k) == r for k, r in items)
+        assert list(snap.scan(sp, 5, 5)) == sorted(i for i in items if i[0][0] == 5)
+    with pytest.raises(StoreError):
+        snap.get(sp, items[0][0])
+    got = s.get_many(sp, [k for k, _ in items] + [Key(9).pack()])
+    assert got == [r for _, r in items] + [None]
+    assert s.get(sp, Key(4, 99).pack()) == {"late": True}
+    s.close()
