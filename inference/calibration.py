@@ -218,3 +218,33 @@ class ImportanceCollector:
             out._sumsq[str(name)] = np.frombuffer(raw, dtype="<f8").astype(np.float64)
             out._count[str(name)] = count
         return out, prov
+
+
+def collect(
+    model: object, token_chunks: list[np.ndarray] | tuple[np.ndarray, ...]
+) -> ImportanceCollector:
+    """Run ``model`` (an :class:`inference.engine.Engine`) over text, recording importance.
+
+    Each chunk is prefilled from an empty KV cache (a calibration window), with
+    the decoder's observer hook feeding an :class:`ImportanceCollector`: every
+    matrix input of every layer, each routed expert seeing only its tokens.
+
+    Parameters
+    ----------
+    model : Engine
+        The float (or any) engine to calibrate with.
+    token_chunks : sequence of numpy.ndarray
+        Token id windows, each ``[T]``.
+    """
+    col = ImportanceCollector()
+    decoder = model.model  # type: ignore[attr-defined]
+    decoder.observer = col.add
+    try:
+        for chunk in token_chunks:
+            model.reset()  # type: ignore[attr-defined]
+            # all_logits: the head sees every position, as every other matrix does
+            model.prefill(np.asarray(chunk, np.int64), all_logits=True)  # type: ignore[attr-defined]
+    finally:
+        decoder.observer = None
+        model.reset()  # type: ignore[attr-defined]
+    return col

@@ -75,12 +75,15 @@ class PackedMatrix:
         Its format.
     shape : tuple of int
         The logical ``(rows, cols)``.
+    buf : numpy.ndarray
+        The whole packed ``uint8`` buffer.
     codes, scales, mins : numpy.ndarray
-        Zero-copy views into the packed buffer (which they keep alive).
+        Zero-copy views of its three parts.
     """
 
     fmt: QuantFormat
     shape: tuple[int, int]
+    buf: np.ndarray
     codes: np.ndarray
     scales: np.ndarray
     mins: np.ndarray
@@ -175,7 +178,8 @@ def prepare(
             _ffi.cast("const uint16_t *", _ffi.from_buffer(scales)),
             _ffi.cast("const uint16_t *", _ffi.from_buffer(mins)),
         )
-    return PackedMatrix(fmt, shape, codes, scales, mins, ptrs)
+    raw = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
+    return PackedMatrix(fmt, shape, raw.reshape(-1).view(np.uint8), codes, scales, mins, ptrs)
 
 
 def qmatvec(
