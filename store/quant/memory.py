@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from store.consumer import ExpertExtent, ModelConsumer
+from store.consumer import GLOBAL_ROLES, LAYER_ROLES, ExpertExtent, ModelConsumer
 from store.quant.errors import QuantError
 from store.quant.extent import ExpertLayout, expert_format, pack_expert
 from store.quant.formats import QuantFormat, dequantize, quantize
@@ -69,6 +69,7 @@ class QuantizedConsumer:
         slot = np.zeros(info.expert_slot_nbytes, np.uint8)
         self._extents: dict[tuple[int, int], np.ndarray] = {}
         self.layout: ExpertLayout | None = None
+        self._n_float_experts = 0
         for layer in range(info.n_layers):
             for e in range(info.n_experts):
                 try:
@@ -79,7 +80,8 @@ class QuantizedConsumer:
                 if self.layout is None:
                     fmt = expert_format(policy, gate.shape[0], gate.shape[1])
                     if fmt is None:
-                        break
+                        self._n_float_experts += 1
+                        continue
                     self.layout = ExpertLayout(fmt, gate.shape[0], gate.shape[1])
                 self._extents[(layer, e)] = pack_expert(
                     gate,
@@ -138,6 +140,26 @@ class QuantizedConsumer:
             return self._float[(role, layer)]
         buf, fmt, shape = q
         return dequantize(buf, fmt, shape)
+
+    def model_nbytes(self) -> tuple[int, int]:
+        """``(trunk bytes, routed-expert bytes)`` as stored under the policy (float = 4 B)."""
+        trunk = 0
+        for role in GLOBAL_ROLES:
+            if self.has_trunk(role):
+                trunk += self._tensor_nbytes(role, None)
+        for layer in range(self.info.n_layers):
+            for role in LAYER_ROLES:
+                if self.has_trunk(role, layer):
+                    trunk += self._tensor_nbytes(role, layer)
+        if self.layout is not None:
+            experts = len(self._extents) * self.layout.nbytes
+        else:
+            experts = self._n_float_experts * int(self.base.info.expert_nbytes)
+        return trunk, experts
+
+    def _tensor_nbytes(self, role: str, layer: int | None) -> int:
+        q = self.trunk_quantized(role, layer)
+        return int(q[0].size) if q is not None else int(self._float[(role, layer)].nbytes)
 
     # ------------------------------------------------------------------ experts
 

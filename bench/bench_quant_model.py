@@ -1,0 +1,195 @@
+"""Selective quantization on a real model: bytes, quality and decode speed per policy.
+
+For a MoE checkpoint (a Hugging Face directory, or ``tiny:ARCH`` for a random
+smoke-test model) this prints, all measured in the same run:
+
+* model bytes on disk for each policy, against fp32;
+* quality on held-out text against the unquantized model: mean per-token NLL
+  drift, KL(ref || quant) of the next-token distribution and top-1 agreement,
+  for q2-all, selective, selective with calibration, and q4-all (plus the
+  calibrated q2-all and q4-all); calibration runs the float model over
+  separate text (the importance map: mean squared activation per input
+  column of every matrix, every routed expert on its own tokens);
+* decode tokens/s of the selective model against the fp32 model (same
+  engine) and against transformers on the same checkpoint, greedy, medians.
+
+The quantized models are built in memory (``store.quant.memory``), the same
+bytes a ``czyx mount --quant`` stores; the engine runs the C kernels on them.
+
+Run: ``python bench/bench_quant_model.py --model inference/assets/czyx-moe-stdlib``
+(``--calib``/``--eval`` take text files; the defaults are disjoint Python
+standard-library modules of this interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+
+from inference.calibration import collect, input_key
+from inference.engine import Engine
+from inference.kernels import simd_level
+from inference.quant_eval import evaluate, window_logits
+from inference.tokenizer import load_tokenizer
+from store.quant.memory import QuantizedConsumer
+from store.quant.policy import POLICIES, parse_policy
+
+_STDLIB = Path(sysconfig.get_paths()["stdlib"])
+DEFAULT_CALIB = ["argparse.py", "dataclasses.py", "textwrap.py"]
+DEFAULT_EVAL = ["csv.py", "heapq.py", "bisect.py"]
+ROWS = [
+    ("q2-all", False),
+    ("q2-all", True),
+    ("selective", False),
+    ("selective", True),
+    ("q4-all", False),
+    ("q4-all", True),
+]
+
+
+def load(model: str):
+    """``(transformers model, float consumer, tokenizer)``."""
+    import torch
+
+    from tests.inference.refmodels import StateDictConsumer, tiny_model
+
+    torch.set_num_threads(1)
+    if model.startswith("tiny:"):
+        tm = tiny_model(model[5:], hidden_size=64, moe_intermediate_size=32, intermediate_size=64)
+        tok_src = None
+    else:
+        from transformers import AutoModelForCausalLM
+
+        tm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        tok_src = model
+    base = StateDictConsumer(tm)
+    return tm, base, load_tokenizer(tok_src, base.info.config["vocab_size"])
+
+
+def windows(tok, files: list[str], length: int, limit: int) -> list[np.ndarray]:
+    """Non-overlapping token windows of ``length`` from the files, at most ``limit``."""
+    out: list[np.ndarray] = []
+    for f in files:
+        p = Path(f) if Path(f).exists() else _STDLIB / f
+        ids = np.asarray(tok.encode(p.read_text(encoding="utf-8")), np.int64)
+        for s in range(0, ids.size - length + 1, length):
+            out.append(ids[s : s + length])
+            if len(out) == limit:
+                return out
+    return out
+
+
+def decode_rate(step, prompt: np.ndarray, n: int, reps: int) -> float:
+    """Median tokens/s of ``n`` greedy steps after a prefill of ``prompt``."""
+    rates = []
+    for _ in range(reps):
+        first = step(prompt, True)
+        t0 = time.perf_counter()
+        tok = first
+        for _ in range(n):
+            tok = step(np.array([tok]), False)
+        rates.append(n / (time.perf_counter() - t0))
+    return float(np.median(rates))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="checkpoint directory, or tiny:ARCH")
+    ap.add_argument("--calib", nargs="*", default=DEFAULT_CALIB, help="calibration text files")
+    ap.add_argument("--eval", nargs="*", default=DEFAULT_EVAL, help="held-out text files")
+    ap.add_argument("--window", type=int, default=128, help="tokens per window")
+    ap.add_argument("--calib-windows", type=int, default=16)
+    ap.add_argument("--eval-windows", type=int, default=8)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    tm, base, tok = load(args.model)
+    print(f"# bench_quant_model: {args.model}")
+    print(
+        f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}, torch threads="
+        f"{torch.get_num_threads()}, kernel path={simd_level()}, tokenizer={tok.name}"
+    )
+    calib = windows(tok, args.calib, args.window, args.calib_windows)
+    held = windows(tok, args.eval, args.window, args.eval_windows)
+    n_calib = sum(w.size for w in calib)
+    print(f"calibration: {n_calib} tokens from {args.calib}; held-out windows: {len(held)}")
+
+    ref_engine = Engine(base)
+    ref = window_logits(ref_engine, held)
+    col = collect(ref_engine, calib)
+    imp = {k: col.importance(k) for k in col.names()}
+
+    fp32 = QuantizedConsumer(base, POLICIES["none"])
+    t32, e32 = fp32.model_nbytes()
+    print("\n## Bytes and quality on held-out text (vs the fp32 model)")
+    print(
+        "| policy | calibrated | trunk MiB | experts MiB | total vs fp32 | NLL ref | NLL drift "
+        "| KL | top-1 agree |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| none (fp32) | - | {t32 / 2**20:.2f} | {e32 / 2**20:.2f} | 1.000 | | | | |")
+    models = {}
+    for name, calibrated in ROWS:
+        q = QuantizedConsumer(
+            base, parse_policy(name), imp if calibrated else None, input_key if calibrated else None
+        )
+        tb, eb = q.model_nbytes()
+        r = evaluate(ref, Engine(q), held)
+        models[(name, calibrated)] = q
+        print(
+            f"| {name} | {'yes' if calibrated else 'no'} | {tb / 2**20:.2f} | {eb / 2**20:.2f} | "
+            f"{(tb + eb) / (t32 + e32):.3f} | {r.nll_ref:.4f} | {r.nll_drift:+.4f} | "
+            f"{r.kl:.4f} | {r.top1:.3f} |"
+        )
+
+    print(f"\n## Decode tokens/s ({args.decode_tokens} greedy tokens after {args.window}, median)")
+    prompt = held[0]
+
+    def engine_step(eng):
+        def step(ids, first):
+            if first:
+                eng.reset()
+                return int(np.argmax(eng.prefill(ids)))
+            return int(np.argmax(eng.decode(int(ids[0]))))
+
+        return step
+
+    past = {}
+
+    def torch_step(ids, first):
+        with torch.no_grad():
+            if first:
+                out = tm(torch.tensor(ids)[None], use_cache=True)
+            else:
+                out = tm(torch.tensor(ids)[None], past_key_values=past["kv"], use_cache=True)
+            past["kv"] = out.past_key_values
+            return int(out.logits[0, -1].argmax())
+
+    n, reps = args.decode_tokens, args.reps
+    r32 = decode_rate(engine_step(ref_engine), prompt, n, reps)
+    rsel = decode_rate(engine_step(Engine(models[("selective", True)])), prompt, n, reps)
+    rtf = decode_rate(torch_step, prompt, n, reps)
+    print("| model | tokens/s | vs fp32 engine | vs transformers |")
+    print("|---|---|---|---|")
+    print(f"| fp32 (numpy engine) | {r32:.1f} | 1.00 | {r32 / rtf:.2f} |")
+    print(f"| selective+calib (C kernels) | {rsel:.1f} | {rsel / r32:.2f} | {rsel / rtf:.2f} |")
+    print(f"| transformers fp32 | {rtf:.1f} | {rtf / r32:.2f} | 1.00 |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
