@@ -81,7 +81,71 @@ static inline __attribute__((always_inline)) uint64_t qk_word(const uint8_t *p, 
     return w;
 }
 
+/* The matvec's x in "plane order" for 2- and 4-bit codes. Eight code bytes
+ * zero-extended into eight 32-bit lanes (one vpmovzxbd) hold per = 8 / bits
+ * codes each; plane j = (lane >> bits*j) & mask is then code per*k + j of the
+ * chunk in lane k. Permuting x once per call to match (xp[base + 8j + k] =
+ * x[base + per*k + j], chunks of 8*per codes) makes the inner loop one load,
+ * one shift and one mask per plane: fewer instructions per weight than
+ * decoding every eight codes from a broadcast word. */
+static void qk_plane_order(const float *x, int64_t cols, int bits, float *xp) {
+    const int per = 8 / bits, chunk = 8 * per;
+    for (int64_t base = 0; base < cols; base += chunk)
+        for (int j = 0; j < per; j++)
+            for (int k = 0; k < 8; k++) xp[base + 8 * j + k] = x[base + per * k + j];
+}
+
 /* ------------------------------------------------------------ portable */
+
+/* matvec, portable: the same plane order as the AVX2 path for 2 and 4 bits,
+ * written as eight-lane loops the compiler vectorises at -O3 on any target
+ * (byte -> float conversion and constant shifts exist in SSE2 and NEON). */
+static inline __attribute__((always_inline)) void qk_mv_portable(
+    int bits, int64_t group, int64_t cols, const uint8_t *codes, const uint16_t *scales,
+    const uint16_t *mins, const float *xv, float *y, int64_t r0, int64_t r1,
+    const float *xsum, float *dsc, float *mnv) {
+    const int64_t G = cols / group, rb = cols * bits / 8, gb = group * bits / 8;
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t gi = 0; gi < G; gi++) {
+            dsc[gi] = qk_h2f(scales[r * G + gi]);
+            mnv[gi] = qk_h2f(mins[r * G + gi]);
+        }
+        float total = 0.0f;
+        for (int64_t gi = 0; gi < G; gi++) {
+            const uint8_t *cg = codes + r * rb + gi * gb;
+            const float *xg = xv + gi * group;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (bits == 4) {
+                for (int64_t s = 0; s < group; s += 16)
+                    for (int k = 0; k < 8; k++) {
+                        const uint32_t v = cg[s / 2 + k];
+                        acc[k] += (float)(v & 15u) * xg[s + k] + (float)(v >> 4) * xg[s + 8 + k];
+                    }
+            } else if (bits == 2) {
+                for (int64_t s = 0; s < group; s += 32)
+                    for (int k = 0; k < 8; k++) {
+                        const uint32_t v = cg[s / 4 + k];
+                        acc[k] += (float)(v & 3u) * xg[s + k] + (float)((v >> 2) & 3u) * xg[s + 8 + k] +
+                                  (float)((v >> 4) & 3u) * xg[s + 16 + k] + (float)(v >> 6) * xg[s + 24 + k];
+                    }
+            } else if (bits == 8) {
+                for (int64_t s = 0; s < group; s += 8)
+                    for (int k = 0; k < 8; k++) acc[k] += (float)cg[s + k] * xg[s + k];
+            } else {
+                for (int64_t t = 0; t < group / 8; t++) {
+                    const uint64_t w = qk_word(cg + t * bits, bits);
+                    for (int k = 0; k < 8; k++)
+                        acc[k] += (float)((w >> (bits * k)) & ((1u << bits) - 1u)) * xg[8 * t + k];
+                }
+            }
+            const float sg = ((acc[0] + acc[1]) + (acc[2] + acc[3])) +
+                             ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+            total += dsc[gi] * sg + mnv[gi] * xsum[gi];
+        }
+        y[r] = total;
+    }
+}
+
 
 static inline __attribute__((always_inline)) void qk_decode_group_portable(
     const uint8_t *c, int bits, int64_t group, float *tmp) {
@@ -122,8 +186,21 @@ static inline __attribute__((always_inline)) void qk_rows_portable(
 static void qk_portable(int bits, int64_t group, int64_t rows, int64_t cols,
                         const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
                         const float *x, int64_t nvec, float *y, int64_t r0, int64_t r1,
-                        float *xsum, float *tmp, float *dsc, float *mnv) {
+                        float *xsum, float *tmp, float *xp, float *dsc, float *mnv) {
     /* Constant bit widths let the compiler specialise each loop. */
+    if (nvec == 1) {
+        const float *xv = x;
+        if (bits == 2 || bits == 4) {
+            qk_plane_order(x, cols, bits, xp);
+            xv = xp;
+        }
+        switch (bits) {
+        case 2: qk_mv_portable(2, group, cols, codes, scales, mins, xv, y, r0, r1, xsum, dsc, mnv); return;
+        case 3: qk_mv_portable(3, group, cols, codes, scales, mins, xv, y, r0, r1, xsum, dsc, mnv); return;
+        case 4: qk_mv_portable(4, group, cols, codes, scales, mins, xv, y, r0, r1, xsum, dsc, mnv); return;
+        default: qk_mv_portable(8, group, cols, codes, scales, mins, xv, y, r0, r1, xsum, dsc, mnv); return;
+        }
+    }
     switch (bits) {
     case 2: qk_rows_portable(2, group, rows, cols, codes, scales, mins, x, nvec, y, r0, r1, xsum, tmp, dsc, mnv); break;
     case 3: qk_rows_portable(3, group, rows, cols, codes, scales, mins, x, nvec, y, r0, r1, xsum, tmp, dsc, mnv); break;
@@ -163,20 +240,6 @@ QK_AVX2 static inline void qk_h2f_n(const uint16_t *h, int64_t n, float *out) {
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
     for (; i < n; i++) out[i] = qk_h2f(h[i]);
-}
-
-/* The matvec's x in "plane order" for 2- and 4-bit codes. Eight code bytes
- * zero-extended into eight 32-bit lanes (one vpmovzxbd) hold per = 8 / bits
- * codes each; plane j = (lane >> bits*j) & mask is then code per*k + j of the
- * chunk in lane k. Permuting x once per call to match (xp[base + 8j + k] =
- * x[base + per*k + j], chunks of 8*per codes) makes the inner loop one load,
- * one shift and one mask per plane: fewer instructions per weight than
- * decoding every eight codes from a broadcast word. */
-static void qk_plane_order(const float *x, int64_t cols, int bits, float *xp) {
-    const int per = 8 / bits, chunk = 8 * per;
-    for (int64_t base = 0; base < cols; base += chunk)
-        for (int j = 0; j < per; j++)
-            for (int k = 0; k < 8; k++) xp[base + 8 * j + k] = x[base + per * k + j];
 }
 
 /* matvec on RB rows at once (RB = 2, or 1 for a tail): codes decoded into
@@ -408,7 +471,7 @@ int qk_matmul(int bits, int64_t group, int64_t rows, int64_t cols, const uint8_t
         qk_avx2(bits, group, rows, cols, codes, scales, mins, x, nvec, y, r0, r1, xsum, tmp, xp, dsc, mnv);
     else
 #endif
-        qk_portable(bits, group, rows, cols, codes, scales, mins, x, nvec, y, r0, r1, xsum, tmp, dsc, mnv);
+        qk_portable(bits, group, rows, cols, codes, scales, mins, x, nvec, y, r0, r1, xsum, tmp, xp, dsc, mnv);
     free(work);
     return QK_OK;
 }
