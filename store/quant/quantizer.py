@@ -60,12 +60,14 @@ def _snap_minmax(xmin: np.ndarray, xmax: np.ndarray, qmax: int) -> tuple[np.ndar
 
 def _assign(x: np.ndarray, d: np.ndarray, m: np.ndarray, qmax: int) -> np.ndarray:
     """Nearest codes of ``x [N, g]`` on the grid ``d * q + m`` (float32 codes)."""
-    df = d.astype(_F32)[:, None]
+    df = d.astype(_F32)
     mf = m.astype(_F32)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.rint((x - mf) / df)
-    q = np.where(df > 0, q, 0.0)
-    return np.clip(q, 0, qmax, out=q).astype(_F32)
+        inv = np.where(df > 0, _F32(1.0) / df, _F32(0.0)).astype(_F32)[:, None]
+    q = x - mf
+    q *= inv
+    np.rint(q, out=q)
+    return np.clip(q, 0, qmax, out=q)
 
 
 def _werr(
@@ -79,21 +81,29 @@ def _werr(
     return r.sum(axis=1, dtype=np.float64)
 
 
-def _wls(
-    x: np.ndarray, w: np.ndarray | None, q: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Weighted least-squares ``(d, m)`` for fixed codes; ``ok`` masks solvable groups."""
-    x64 = x.astype(np.float64)
-    q64 = q.astype(np.float64)
-    if w is None:
-        sw = np.full(x.shape[0], float(x.shape[1]))
-        sl, sll = q64.sum(1), (q64 * q64).sum(1)
-        sx, slx = x64.sum(1), (q64 * x64).sum(1)
-    else:
-        w64 = w.astype(np.float64)
-        wq = w64 * q64
-        sw, sl, sll = w64.sum(1), wq.sum(1), (wq * q64).sum(1)
-        sx, slx = (w64 * x64).sum(1), (wq * x64).sum(1)
+class _Sums:
+    """The code-independent sums of one chunk's weighted fit, computed once."""
+
+    def __init__(self, x: np.ndarray, w: np.ndarray | None) -> None:
+        self.x = x
+        self.w = w
+        self.wx = x if w is None else w * x
+        self.sw = (
+            np.full(x.shape[0], float(x.shape[1])) if w is None else w.sum(1, dtype=np.float64)
+        )
+        self.sx = self.wx.sum(1, dtype=np.float64)
+
+
+def _wls(sums: _Sums, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Weighted least-squares ``(d, m)`` for fixed codes; ``ok`` masks solvable groups.
+
+    Products in float32 (codes are small integers), sums in float64.
+    """
+    wq = q if sums.w is None else sums.w * q
+    sl = wq.sum(1, dtype=np.float64)
+    sll = (wq * q).sum(1, dtype=np.float64)
+    slx = (sums.wx * q).sum(1, dtype=np.float64)
+    sw, sx = sums.sw, sums.sx
     det = sw * sll - sl * sl
     ok = det > 1e-12 * np.maximum(sw * sll, 1e-300)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -104,22 +114,16 @@ def _wls(
     return d, m, ok
 
 
-def _try(
-    x: np.ndarray,
-    w: np.ndarray | None,
-    qmax: int,
-    cand: np.ndarray,
-    best: list[np.ndarray],
-) -> None:
+def _try(sums: _Sums, qmax: int, cand: np.ndarray, best: list[np.ndarray]) -> None:
     """Fit ``(d, m)`` to candidate codes, snap to fp16, reassign, keep where better."""
-    d, m, ok = _wls(x, w, cand)
+    d, m, ok = _wls(sums, cand)
     if not ok.any():
         return
     dh = np.where(ok, d, 0.0).astype(_F16)
     mh = np.where(ok, m, 0.0).astype(_F16)
     ok &= dh > 0
-    q = _assign(x, dh, mh, qmax)
-    err = _werr(x, w, q, dh, mh)
+    q = _assign(sums.x, dh, mh, qmax)
+    err = _werr(sums.x, sums.w, q, dh, mh)
     better = ok & (err < best[3])
     if better.any():
         best[0][better] = q[better]
@@ -141,12 +145,16 @@ def _fit_chunk(
         with np.errstate(divide="ignore", invalid="ignore"):
             inv = np.where(live, 1.0 / rng, 0.0).astype(_F32)[:, None]
         shifted = x - xmin[:, None]
+        sums = _Sums(x, w)
+        cand = np.empty_like(x)
         for k in range(_NSTEP + 1):
             iscale = _F32(qmax + _RMIN + _RDELTA * k) * inv
-            cand = np.clip(np.rint(iscale * shifted), 0, qmax).astype(_F32)
-            _try(x, w, qmax, cand, best)
+            np.multiply(iscale, shifted, out=cand)
+            np.rint(cand, out=cand)
+            np.clip(cand, 0, qmax, out=cand)
+            _try(sums, qmax, cand, best)
         for _ in range(_REFINE_ROUNDS):
-            _try(x, w, qmax, best[0].copy(), best)
+            _try(sums, qmax, best[0].copy(), best)
     return best[0].astype(np.uint8), best[1], best[2]
 
 
