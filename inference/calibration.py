@@ -151,6 +151,43 @@ class ImportanceCollector:
             raise CalibrationError(f"importance {name}: no activations recorded")
         return (self._sumsq[name] / self._count[name]).astype(np.float32)
 
+    def importance_map(self, prior_tokens: float = 32.0) -> dict[str, np.ndarray]:
+        """Every name's importance, routed experts shrunk toward their layer's.
+
+        A routed expert sees only the tokens routed to it, so a rarely chosen
+        expert's map rests on few tokens. Its mean is blended with the layer's
+        as if ``prior_tokens`` tokens of the layer-wide distribution had been
+        seen too: ``(sum_e + k * mean_layer) / (count_e + k)``. The prior of
+        ``L{l}.E{e}.in`` is ``L{l}.moe_in`` (the same hidden state, all tokens);
+        that of ``L{l}.E{e}.down_in`` is the pool of every expert's down input
+        in the layer. Other names are their plain means.
+        """
+        out = {name: self.importance(name) for name in self.names()}
+        pools: dict[str, tuple[np.ndarray, int]] = {}
+        for name in self.names():
+            layer, _, rest = name.partition(".")
+            if rest.startswith("E") and rest.endswith(".down_in"):
+                acc = pools.get(layer)
+                s, c = self._sumsq[name], self._count[name]
+                pools[layer] = (s.copy(), c) if acc is None else (acc[0] + s, acc[1] + c)
+        k = float(prior_tokens)
+        for name in self.names():
+            layer, _, rest = name.partition(".")
+            if not rest.startswith("E") or k <= 0:
+                continue
+            if rest.endswith(".down_in"):
+                ps, pc = pools[layer]
+                prior = ps / pc
+            elif f"{layer}.moe_in" in self._sumsq:
+                prior = self._sumsq[f"{layer}.moe_in"] / self._count[f"{layer}.moe_in"]
+            else:
+                continue
+            if prior.shape != self._sumsq[name].shape:
+                continue
+            blended = (self._sumsq[name] + k * prior) / (self._count[name] + k)
+            out[name] = blended.astype(np.float32)
+        return out
+
     def merge(self, other: ImportanceCollector) -> None:
         """Add ``other``'s sums and counts into this collector."""
         for name, sq in other._sumsq.items():

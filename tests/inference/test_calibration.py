@@ -114,3 +114,29 @@ def test_importance_lowers_output_error_on_skewed_inputs(fmt):
     assert err_weighted < 0.85 * err_plain
     # and it is a trade, not a free lunch: the unweighted weight error grows
     assert np.mean((w - weighted) ** 2) > np.mean((w - plain) ** 2)
+
+
+def test_importance_map_shrinks_sparse_experts_toward_their_layer():
+    rng = np.random.default_rng(4)
+    col = ImportanceCollector()
+    layer_x = rng.standard_normal((400, 8)).astype(np.float32)
+    col.add("L0.moe_in", layer_x)
+    col.add("L0.E1.in", 10 * layer_x[:2])  # two tokens, far from the layer
+    col.add("L0.E2.in", 10 * layer_x[:400])  # plenty of tokens
+    col.add("L0.E1.down_in", np.ones((2, 4), np.float32))
+    col.add("L0.E2.down_in", 3 * np.ones((6, 4), np.float32))
+    col.add("L0.attn_in", layer_x)
+    m = col.importance_map(prior_tokens=32)
+    layer = col.importance("L0.moe_in")
+    # the rare expert moves most of the way to the layer, the busy one barely
+    assert (
+        np.abs(m["L0.E1.in"] - layer).mean()
+        < 0.2 * np.abs(col.importance("L0.E1.in") - layer).mean()
+    )
+    assert np.allclose(m["L0.E2.in"], col.importance("L0.E2.in"), rtol=0.1)
+    pooled = (2 * 1 + 6 * 9) / 8
+    assert np.allclose(m["L0.E1.down_in"], (2 * 1 + 32 * pooled) / 34)
+    assert np.array_equal(m["L0.attn_in"], col.importance("L0.attn_in"))
+    assert np.array_equal(
+        col.importance_map(prior_tokens=0)["L0.E1.in"], col.importance("L0.E1.in")
+    )
