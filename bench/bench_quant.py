@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from inference.kernels import force_portable, prepare, simd_level
+from inference.kernels import prepare, simd_level
+from inference.kernels.ops import SIMD_LEVELS, set_simd_cap
 from store.quant.formats import FORMATS, quantize
 
 FORMAT_ORDER = ("q2", "q3", "q4", "q8")
@@ -90,23 +91,28 @@ def bench_size(rows: int, cols: int, reps: int, batch: int, portable: bool) -> N
     )
     print(f"baseline fp32 mm : B={batch}, {rows * batch / t_f32b / 1e6:7.3f} M row-vectors/s")
     hdr = (
-        f"{'format':7} {'path':9} {'GB/s wts':>9} {'M rows/s':>9} {'rows/s vs fp32':>15} "
+        f"{'format':7} {'path':10} {'GB/s wts':>9} {'M rows/s':>9} {'rows/s vs fp32':>15} "
         f"{'wts vs copy':>12} {'mm B=' + str(batch) + ' vs fp32 mm':>18} {'mm vs B matvecs':>16}"
     )
     print(hdr)
-    paths = [("c-" + simd_level(), False)] + ([("c-portable", True)] if portable else [])
+    best = simd_level()
+    lower = [lv for lv in SIMD_LEVELS[: SIMD_LEVELS.index(best)]] if best in SIMD_LEVELS else []
+    paths = [best] + (lower[::-1] if portable else [])
     for name in FORMAT_ORDER:
         fmt = FORMATS[name]
         pm = prepare(quantize(w, fmt, method="minmax"), fmt, (rows, cols))
-        for label, force in paths:
-            force_portable(force)
+        for level in paths:
+            label = "c-" + level if level in SIMD_LEVELS else level
+            if level in SIMD_LEVELS:
+                set_simd_cap(level)
             try:
                 t = median_time(lambda pm=pm: pm.matvec(x, out=y), reps)
                 tb = median_time(lambda pm=pm: pm.matmul(xb, out=yb), max(3, reps // 2))
             finally:
-                force_portable(False)
+                if level in SIMD_LEVELS:
+                    set_simd_cap(SIMD_LEVELS[-1])
             print(
-                f"{name:7} {label:9} {pm.nbytes / t / 1e9:9.2f} {rows / t / 1e6:9.3f} "
+                f"{name:7} {label:10} {pm.nbytes / t / 1e9:9.2f} {rows / t / 1e6:9.3f} "
                 f"{t_f32 / t:15.2f} {pm.nbytes / t / bw:12.2f} {t_f32b / tb:18.2f} "
                 f"{batch * t / tb:16.2f}"
             )
@@ -117,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true", help="add the 8192 x 8192 size")
     ap.add_argument("--reps", type=int, default=11, help="timed runs per figure (median)")
     ap.add_argument("--batch", type=int, default=8, help="vectors in the small matmul")
-    ap.add_argument("--portable", action="store_true", help="also time the portable C path")
+    ap.add_argument(
+        "--portable", action="store_true", help="also time the lower SIMD paths (avx2, portable)"
+    )
     ap.add_argument("--clock", choices=sorted(CLOCK), default="cpu", help="cpu (default) or wall")
     args = ap.parse_args(argv)
     global _clock

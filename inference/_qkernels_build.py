@@ -2,9 +2,10 @@
 
 Compiled by ``python setup.py build_ext --inplace`` (setup.py discovers this
 module). Flags: ``-O3`` only, no ``-march``: the C source selects an
-AVX2/FMA/F16C path at run time (function target attributes and
-``__builtin_cpu_supports``) and otherwise runs its portable autovectorised
-loops, so one build works on every x86-64 (and compiles elsewhere).
+AVX-512 (matvec) or AVX2/FMA/F16C path at run time (function target
+attributes and ``__builtin_cpu_supports``) and otherwise runs its portable
+autovectorised loops, so one build works on every x86-64 (and compiles
+elsewhere).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ int qk_matmul(int bits, int64_t group, int64_t rows, int64_t cols, const uint8_t
               const uint16_t *scales, const uint16_t *mins, const float *x, int64_t nvec,
               float *y, int64_t r0, int64_t r1);
 int qk_simd_level(void);
-void qk_force_portable(int on);
+void qk_set_simd_cap(int level);
 """
 
 ffibuilder = FFI()

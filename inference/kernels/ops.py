@@ -40,17 +40,28 @@ def have_c() -> bool:
     return _lib is not None
 
 
+#: The C kernel's SIMD levels, lowest first.
+SIMD_LEVELS = ("portable", "avx2", "avx512")
+
+
 def simd_level() -> str:
-    """``"avx2"``, ``"portable"`` (C without AVX2) or ``"numpy"`` (no extension)."""
+    """``"avx512"``, ``"avx2"``, ``"portable"`` (plain C) or ``"numpy"`` (no extension)."""
     if _lib is None:
         return "numpy"
-    return "avx2" if _lib.qk_simd_level() == 1 else "portable"
+    return SIMD_LEVELS[_lib.qk_simd_level()]
+
+
+def set_simd_cap(level: str) -> None:
+    """Use at most SIMD ``level`` (one of :data:`SIMD_LEVELS`); for tests and benchmarks."""
+    if level not in SIMD_LEVELS:
+        raise ValueError(f"unknown SIMD level {level!r}; one of {SIMD_LEVELS}")
+    if _lib is not None:
+        _lib.qk_set_simd_cap(SIMD_LEVELS.index(level))
 
 
 def force_portable(on: bool) -> None:
-    """Force the C kernel's portable path even where AVX2 exists (for tests)."""
-    if _lib is not None:
-        _lib.qk_force_portable(1 if on else 0)
+    """Force the C kernel's portable path (``on``) or restore the best one."""
+    set_simd_cap("portable" if on else "avx512")
 
 
 def _warn_fallback() -> None:

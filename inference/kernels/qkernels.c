@@ -16,7 +16,8 @@
  * x86-64 an AVX2+FMA+F16C one compiled with a function-level target attribute
  * and selected at run time with __builtin_cpu_supports. No -march flag is used,
  * so the extension runs on any x86-64 and the fast path is taken where the CPU
- * has it. qk_force_portable() lets the tests compare both paths.
+ * has it; an AVX-512 matvec likewise where AVX-512F/BW exist.
+ * qk_set_simd_cap() lets the tests compare every path.
  *
  * Codes: a row is a little-endian bit stream, code i in bits [bits*i, bits*i+bits).
  * Eight codes therefore occupy exactly `bits` bytes and are decoded from one
@@ -43,7 +44,8 @@
 #define QK_EARGS (-1)
 #define QK_ENOMEM (-2)
 
-static int qk_portable_forced = 0;
+/* The highest SIMD level used (tests lower it to compare every path). */
+static int qk_simd_cap = 2;
 
 /* IEEE half -> float, exact for every input (subnormals, inf, nan). */
 static inline float qk_h2f(uint16_t h) {
@@ -88,11 +90,11 @@ static inline __attribute__((always_inline)) uint64_t qk_word(const uint8_t *p, 
  * x[base + per*k + j], chunks of 8*per codes) makes the inner loop one load,
  * one shift and one mask per plane: fewer instructions per weight than
  * decoding every eight codes from a broadcast word. */
-static void qk_plane_order(const float *x, int64_t cols, int bits, float *xp) {
-    const int per = 8 / bits, chunk = 8 * per;
+static void qk_plane_order(const float *x, int64_t cols, int bits, int lanes, float *xp) {
+    const int per = 8 / bits, chunk = lanes * per;
     for (int64_t base = 0; base < cols; base += chunk)
         for (int j = 0; j < per; j++)
-            for (int k = 0; k < 8; k++) xp[base + 8 * j + k] = x[base + per * k + j];
+            for (int k = 0; k < lanes; k++) xp[base + lanes * j + k] = x[base + per * k + j];
 }
 
 /* ------------------------------------------------------------ portable */
@@ -191,7 +193,7 @@ static void qk_portable(int bits, int64_t group, int64_t rows, int64_t cols,
     if (nvec == 1) {
         const float *xv = x;
         if (bits == 2 || bits == 4) {
-            qk_plane_order(x, cols, bits, xp);
+            qk_plane_order(x, cols, bits, 8, xp);
             xv = xp;
         }
         switch (bits) {
@@ -318,7 +320,7 @@ QK_AVX2 static inline __attribute__((always_inline)) void qk_mv_avx2(
     const float *xsum, float *xp, float *dsc, float *mnv) {
     const float *xv = x;
     if (bits == 2 || bits == 4) {
-        qk_plane_order(x, cols, bits, xp);
+        qk_plane_order(x, cols, bits, 8, xp);
         xv = xp;
     }
     int64_t r = r0;
@@ -420,24 +422,136 @@ QK_AVX2 static void qk_avx2(int bits, int64_t group, int64_t rows, int64_t cols,
     }
 }
 
-static int qk_cpu_avx2(void) {
+/* -------------------------------------------------------------- AVX-512 */
+/* The matvec with 16 lanes (AVX-512F/BW): the AVX2 loop's plane order with 16
+ * code bytes per load, half the instructions per weight. 2-bit needs groups
+ * of 64 (a 16-byte load holds 64 codes); 3-bit keeps the AVX2 path. */
+#define QK_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
+
+QK_AVX512 static inline __attribute__((always_inline)) void qk_mv_rows_avx512(
+    int bits, int RB, int64_t group, int64_t cols, const uint8_t *codes,
+    const uint16_t *scales, const uint16_t *mins, const float *xv, float *y, int64_t r,
+    const float *xsum, float *dsc, float *mnv) {
+    const int64_t G = cols / group, rb = cols * bits / 8, gb = group * bits / 8;
+    const __m512i m2 = _mm512_set1_epi32(3), m4 = _mm512_set1_epi32(15);
+    __m512 racc[2];
+    float mt[2];
+    for (int i = 0; i < RB; i++) {
+        qk_h2f_n(scales + (r + i) * G, G, dsc + i * G);
+        qk_h2f_n(mins + (r + i) * G, G, mnv + i * G);
+        racc[i] = _mm512_setzero_ps();
+        mt[i] = 0.0f;
+    }
+    for (int64_t gi = 0; gi < G; gi++) {
+        const float *xg = xv + gi * group;
+        __m512 a[2][2];
+        for (int i = 0; i < RB; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
+        if (bits == 2) {
+            for (int64_t s = 0; s < group; s += 64) {
+                const __m512 x0 = _mm512_loadu_ps(xg + s), x1 = _mm512_loadu_ps(xg + s + 16);
+                const __m512 x2 = _mm512_loadu_ps(xg + s + 32), x3 = _mm512_loadu_ps(xg + s + 48);
+                for (int i = 0; i < RB; i++) {
+                    const uint8_t *cs = codes + (r + i) * rb + gi * gb + s / 4;
+                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)cs));
+                    const __m512 p0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, m2));
+                    const __m512 p1 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 2), m2));
+                    const __m512 p2 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 4), m2));
+                    const __m512 p3 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 6));
+                    a[i][0] = _mm512_fmadd_ps(p0, x0, a[i][0]);
+                    a[i][1] = _mm512_fmadd_ps(p1, x1, a[i][1]);
+                    a[i][0] = _mm512_fmadd_ps(p2, x2, a[i][0]);
+                    a[i][1] = _mm512_fmadd_ps(p3, x3, a[i][1]);
+                }
+            }
+        } else if (bits == 4) {
+            for (int64_t s = 0; s < group; s += 32) {
+                const __m512 x0 = _mm512_loadu_ps(xg + s), x1 = _mm512_loadu_ps(xg + s + 16);
+                for (int i = 0; i < RB; i++) {
+                    const uint8_t *cs = codes + (r + i) * rb + gi * gb + s / 2;
+                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)cs));
+                    a[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, m4)), x0, a[i][0]);
+                    a[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), x1, a[i][1]);
+                }
+            }
+        } else {
+            for (int64_t s = 0; s < group; s += 32) {
+                const __m512 x0 = _mm512_loadu_ps(xg + s), x1 = _mm512_loadu_ps(xg + s + 16);
+                for (int i = 0; i < RB; i++) {
+                    const uint8_t *cs = codes + (r + i) * rb + gi * gb + s;
+                    const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)cs));
+                    const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(cs + 16)));
+                    a[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v0), x0, a[i][0]);
+                    a[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v1), x1, a[i][1]);
+                }
+            }
+        }
+        for (int i = 0; i < RB; i++) {
+            racc[i] = _mm512_fmadd_ps(_mm512_set1_ps(dsc[i * G + gi]),
+                                      _mm512_add_ps(a[i][0], a[i][1]), racc[i]);
+            mt[i] += mnv[i * G + gi] * xsum[gi];
+        }
+    }
+    for (int i = 0; i < RB; i++) y[r + i] = _mm512_reduce_add_ps(racc[i]) + mt[i];
+}
+
+QK_AVX512 static inline __attribute__((always_inline)) void qk_mv_avx512_bits(
+    int bits, int64_t group, int64_t cols, const uint8_t *codes, const uint16_t *scales,
+    const uint16_t *mins, const float *xv, float *y, int64_t r0, int64_t r1,
+    const float *xsum, float *dsc, float *mnv) {
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2)
+        qk_mv_rows_avx512(bits, 2, group, cols, codes, scales, mins, xv, y, r, xsum, dsc, mnv);
+    for (; r < r1; r++)
+        qk_mv_rows_avx512(bits, 1, group, cols, codes, scales, mins, xv, y, r, xsum, dsc, mnv);
+}
+
+/* Whether the AVX-512 matvec handles this call. */
+static int qk_avx512_fits(int bits, int64_t group, int64_t nvec) {
+    return nvec == 1 && bits != 3 && (bits != 2 || group % 64 == 0);
+}
+
+QK_AVX512 static void qk_mv_avx512(int bits, int64_t group, int64_t cols, const uint8_t *codes,
+                                   const uint16_t *scales, const uint16_t *mins, const float *x,
+                                   float *y, int64_t r0, int64_t r1, const float *xsum, float *xp,
+                                   float *dsc, float *mnv) {
+    const float *xv = x;
+    if (bits != 8) {
+        qk_plane_order(x, cols, bits, 16, xp);
+        xv = xp;
+    }
+    switch (bits) {
+    case 2: qk_mv_avx512_bits(2, group, cols, codes, scales, mins, xv, y, r0, r1, xsum, dsc, mnv); break;
+    case 4: qk_mv_avx512_bits(4, group, cols, codes, scales, mins, xv, y, r0, r1, xsum, dsc, mnv); break;
+    default: qk_mv_avx512_bits(8, group, cols, codes, scales, mins, xv, y, r0, r1, xsum, dsc, mnv); break;
+    }
+}
+
+/* 0: portable, 1: AVX2+FMA+F16C, 2: also AVX-512F/BW. */
+static int qk_cpu_level(void) {
     static int cached = -1;
     if (cached < 0) {
         __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                 __builtin_cpu_supports("f16c");
+        cached = 0;
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+            __builtin_cpu_supports("f16c")) {
+            cached = 1;
+            if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) cached = 2;
+        }
     }
     return cached;
 }
 #else
-static int qk_cpu_avx2(void) { return 0; }
+static int qk_cpu_level(void) { return 0; }
 #endif
 
 /* --------------------------------------------------------------- public */
 
-int qk_simd_level(void) { return (!qk_portable_forced && qk_cpu_avx2()) ? 1 : 0; }
+int qk_simd_level(void) {
+    const int hw = qk_cpu_level();
+    return hw < qk_simd_cap ? hw : qk_simd_cap;
+}
 
-void qk_force_portable(int on) { qk_portable_forced = on ? 1 : 0; }
+void qk_set_simd_cap(int level) { qk_simd_cap = level < 0 ? 0 : level; }
 
 int qk_matmul(int bits, int64_t group, int64_t rows, int64_t cols, const uint8_t *codes,
               const uint16_t *scales, const uint16_t *mins, const float *x, int64_t nvec,
@@ -467,7 +581,10 @@ int qk_matmul(int bits, int64_t group, int64_t rows, int64_t cols, const uint8_t
             xsum[b * G + gi] = s;
         }
 #if QK_HAVE_X86
-    if (qk_simd_level() == 1)
+    const int level = qk_simd_level();
+    if (level == 2 && qk_avx512_fits(bits, group, nvec))
+        qk_mv_avx512(bits, group, cols, codes, scales, mins, x, y, r0, r1, xsum, xp, dsc, mnv);
+    else if (level >= 1)
         qk_avx2(bits, group, rows, cols, codes, scales, mins, x, nvec, y, r0, r1, xsum, tmp, xp, dsc, mnv);
     else
 #endif

@@ -30,15 +30,16 @@ def _case(seed: int, fmt_name: str, rows: int, ngroups: int, nvec: int):
     return fmt, buf, x, exact, tol
 
 
-@pytest.fixture(params=["avx2", "portable"])
+@pytest.fixture(params=list(ops.SIMD_LEVELS))
 def c_path(request):
     if not ops.have_c():
         pytest.skip("inference._qkernels not built (python setup.py build_ext --inplace)")
-    if request.param == "avx2" and ops._lib.qk_simd_level() != 1:
-        pytest.skip("CPU without AVX2/FMA/F16C: only the portable path exists here")
-    ops.force_portable(request.param == "portable")
+    want = ops.SIMD_LEVELS.index(request.param)
+    if ops._lib.qk_simd_level() < want:
+        pytest.skip(f"this CPU lacks {request.param}: that path cannot run here")
+    ops.set_simd_cap(request.param)
     yield request.param
-    ops.force_portable(False)
+    ops.set_simd_cap("avx512")
 
 
 # c_path only selects the kernel path for the whole test: sharing it across
@@ -76,15 +77,21 @@ def test_every_format_odd_shapes(c_path, fmt_name):
 
 
 @needs_c
-def test_paths_agree_with_each_other():
-    fmt, buf, x, _, tol = _case(99, "q4", 37, 5, 4)
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+def test_paths_agree_with_each_other(fmt_name):
+    fmt, buf, x, _, tol = _case(99, fmt_name, 37, 4, 1)
     pm = prepare(buf, fmt, (37, x.shape[1]))
-    ops.force_portable(True)
+    got = {}
     try:
-        portable = pm.matmul(x)
+        for level in ops.SIMD_LEVELS:
+            ops.set_simd_cap(level)
+            got[level] = pm.matvec(x[0])
     finally:
-        ops.force_portable(False)
-    assert (np.abs(portable - pm.matmul(x)) <= tol).all()
+        ops.set_simd_cap("avx512")
+    for level in ops.SIMD_LEVELS[1:]:
+        assert (np.abs(got[level] - got["portable"]) <= tol[0]).all()
+    with pytest.raises(ValueError):
+        ops.set_simd_cap("sse9")
 
 
 def test_out_argument_is_written_in_place():
