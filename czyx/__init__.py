@@ -16,13 +16,18 @@ from czyx.key import (
     PRJ,
     SES,
     Key,
+    as_void,
+    class_prefix,
     class_range_bounds,
+    pack_keys,
+    unpack_keys,
 )
 from czyx.space import (
     EDGE_PREFIX,
     PORTAL_PREFIX,
     SELECTOR_SIZE,
     Selector,
+    canonical_manifest,
 )
 
 __version__ = "0.1.0"
@@ -41,5 +46,10 @@ __all__ = [
     "Key",
     "Selector",
     "__version__",
+    "as_void",
+    "canonical_manifest",
+    "class_prefix",
     "class_range_bounds",
+    "pack_keys",
+    "unpack_keys",
 ]

@@ -483,6 +483,23 @@ class Store(CatalogMixin, StoreInterface):
             self.path / "blocks" / ident.name, direct=direct, align=ident.align, backend=backend
         )
 
+    def open_space(
+        self,
+        portal: str,
+        space: Selector | None = None,
+        *,
+        right: str = "read",
+        tenant: str | None = None,
+    ):
+        """Open a space through a portal token: the public path to a space's data.
+
+        Returns the read-only :class:`portals.view.SpaceView` whose reads are
+        checked against the portal's caveats (computed once, here).
+        """
+        from portals import open_space
+
+        return open_space(self, portal, space, right=right, tenant=tenant)
+
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r})"
 
