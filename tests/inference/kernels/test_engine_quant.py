@@ -162,3 +162,14 @@ def test_compare_logits_measures():
     assert same.kl == pytest.approx(0.0, abs=1e-12) and same.top1 == 1.0 and same.nll_drift == 0
     other = compare_logits(ref, ref + rng.standard_normal((20, 7)), tg)
     assert other.kl > 0 and other.top1 < 1.0
+
+
+def test_quantized_tiered_runs_are_bit_identical_to_resident(bases):
+    q = QuantizedConsumer(bases["olmoe"], POLICIES["selective"])
+    resident = Engine(q)
+    full = resident.prefill(TOKENS, all_logits=True)
+    small = Engine(q, cache_bytes=resident.cfg.top_k * q.info.expert_slot_nbytes)
+    assert small.cache.n_slots < resident.cache.n_slots
+    assert np.array_equal(small.prefill(TOKENS, all_logits=True), full)
+    assert np.array_equal(small.decode(5), resident.decode(5))
+    assert small.stats().misses > resident.stats().misses
