@@ -54,7 +54,9 @@ def mm_t(x: np.ndarray, w: Weight | GateUp) -> np.ndarray:
             out[:, inter:] = w.up.matmul(x)
         return out
     if x.shape[0] == 1:
-        return w.matvec(x[0]).reshape(1, -1)
+        out = np.empty((1, w.shape[0]), np.float32)
+        w.matvec(x.reshape(-1), out=out.reshape(-1))
+        return out
     return w.matmul(x)
 
 

@@ -33,6 +33,7 @@ except ImportError:  # pragma: no cover - exercised where the extension is not b
     _lib = None
 
 _warned = False
+_F32 = np.dtype(np.float32)
 
 
 def have_c() -> bool:
@@ -106,13 +107,40 @@ class PackedMatrix:
         return self.fmt.nbytes(*self.shape)
 
     def matvec(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """``W @ x`` for ``x float32 [cols]``; returns ``float32 [rows]``."""
-        x = np.asarray(x, dtype=np.float32)
-        if x.shape != (self.shape[1],):
-            raise ShapeError(f"matvec: x shape {x.shape} != ({self.shape[1]},)")
+        """``W @ x`` for ``x float32 [cols]``; returns ``float32 [rows]``.
+
+        The decode hot path: a float32 contiguous ``x`` and ``out`` go to C
+        with two buffer wraps and no other allocation.
+        """
+        if x.dtype != _F32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=_F32)
+        rows, cols = self.shape
+        if x.shape != (cols,):
+            raise ShapeError(f"matvec: x shape {x.shape} != ({cols},)")
         if out is None:
-            out = np.empty(self.shape[0], dtype=np.float32)
-        self._run(x.reshape(1, -1), out.reshape(1, -1), "matvec: out")
+            out = np.empty(rows, _F32)
+        elif out.shape != (rows,) or out.dtype != _F32 or not out.flags.c_contiguous:
+            raise ShapeError(f"matvec: out must be float32 C-contiguous ({rows},)")
+        if self._ptrs is None or rows == 0:
+            self._run(x.reshape(1, -1), out.reshape(1, -1), "matvec: out")
+            return out
+        pc, ps, pm = self._ptrs
+        rc = _lib.qk_matmul(
+            self.fmt.bits,
+            self.fmt.group_size,
+            rows,
+            cols,
+            pc,
+            ps,
+            pm,
+            _ffi.from_buffer("float[]", x),
+            1,
+            _ffi.from_buffer("float[]", out),
+            0,
+            rows,
+        )
+        if rc != 0:
+            raise QuantError(f"qk_matmul failed with code {rc} ({self.fmt.name} {self.shape})")
         return out
 
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
