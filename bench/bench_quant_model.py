@@ -16,9 +16,13 @@ smoke-test model) this prints, all measured in the same run:
 The quantized models are built in memory (``store.quant.memory``), the same
 bytes a ``czyx mount --quant`` stores; the engine runs the C kernels on them.
 
-Run: ``python bench/bench_quant_model.py --model inference/assets/czyx-moe-stdlib``
-(``--calib``/``--eval`` take text files; the defaults are disjoint Python
-standard-library modules of this interpreter).
+Run: ``python bench/bench_quant_model.py --model inference/assets/czyx-moe-stdlib``.
+Text: by default the shipped model's own split of this interpreter's standard
+library (``tools/train_moe.py``: a file is validation when
+``sha256(relative path)[0] < 13``): held-out windows come from validation
+files, calibration windows from training files, so the quality is measured on
+text neither training nor calibration saw. ``--calib``/``--eval`` take files
+instead.
 """
 
 from __future__ import annotations
@@ -46,8 +50,24 @@ from store.quant.memory import QuantizedConsumer
 from store.quant.policy import POLICIES, parse_policy
 
 _STDLIB = Path(sysconfig.get_paths()["stdlib"])
-DEFAULT_CALIB = ["argparse.py", "dataclasses.py", "textwrap.py"]
-DEFAULT_EVAL = ["csv.py", "heapq.py", "bisect.py"]
+#: The shipped model's validation rule (tools/train_moe.py, --val-fraction 0.05).
+VAL_THRESHOLD = round(256 * 0.05)
+
+
+def stdlib_split() -> tuple[list[str], list[str]]:
+    """``(training files, validation files)`` of the stdlib, as the shipped model was split."""
+    import hashlib
+
+    files = sorted(
+        p.relative_to(_STDLIB).as_posix()
+        for p in _STDLIB.rglob("*.py")
+        if "site-packages" not in p.parts and "dist-packages" not in p.parts and p.is_file()
+    )
+    val = [f for f in files if hashlib.sha256(f.encode()).digest()[0] < VAL_THRESHOLD]
+    held = set(val)
+    return [f for f in files if f not in held], val
+
+
 ROWS = [
     ("q2-all", False),
     ("q2-all", True),
@@ -82,7 +102,7 @@ def windows(tok, files: list[str], length: int, limit: int) -> list[np.ndarray]:
     out: list[np.ndarray] = []
     for f in files:
         p = Path(f) if Path(f).exists() else _STDLIB / f
-        ids = np.asarray(tok.encode(p.read_text(encoding="utf-8")), np.int64)
+        ids = np.asarray(tok.encode(p.read_text(encoding="utf-8", errors="replace")), np.int64)
         for s in range(0, ids.size - length + 1, length):
             out.append(ids[s : s + length])
             if len(out) == limit:
@@ -106,8 +126,8 @@ def decode_rate(step, prompt: np.ndarray, n: int, reps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="checkpoint directory, or tiny:ARCH")
-    ap.add_argument("--calib", nargs="*", default=DEFAULT_CALIB, help="calibration text files")
-    ap.add_argument("--eval", nargs="*", default=DEFAULT_EVAL, help="held-out text files")
+    ap.add_argument("--calib", nargs="*", default=None, help="calibration text files")
+    ap.add_argument("--eval", nargs="*", default=None, help="held-out text files")
     ap.add_argument("--window", type=int, default=128, help="tokens per window")
     ap.add_argument("--calib-windows", type=int, default=16)
     ap.add_argument("--eval-windows", type=int, default=8)
@@ -123,10 +143,18 @@ def main(argv: list[str] | None = None) -> int:
         f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}, torch threads="
         f"{torch.get_num_threads()}, kernel path={simd_level()}, tokenizer={tok.name}"
     )
-    calib = windows(tok, args.calib, args.window, args.calib_windows)
-    held = windows(tok, args.eval, args.window, args.eval_windows)
+    train_files, val_files = stdlib_split()
+    calib_files = args.calib or train_files[:: max(1, len(train_files) // 64)]
+    eval_files = args.eval or val_files
+    calib = windows(tok, calib_files, args.window, args.calib_windows)
+    held = windows(tok, eval_files, args.window, args.eval_windows)
     n_calib = sum(w.size for w in calib)
-    print(f"calibration: {n_calib} tokens from {args.calib}; held-out windows: {len(held)}")
+    src = "stdlib training files" if args.calib is None else str(args.calib)
+    dst = "stdlib validation files" if args.eval is None else str(args.eval)
+    print(
+        f"calibration: {n_calib} tokens from {src}; held-out: {len(held)} windows x "
+        f"{args.window} tokens from {dst}"
+    )
 
     ref_engine = Engine(base)
     ref = window_logits(ref_engine, held)
