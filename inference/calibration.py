@@ -7,14 +7,9 @@ the model over text is the engine's job: it calls
 pass (``x`` of ``y = W @ x``), and the command that records the map stores
 :meth:`ImportanceCollector.to_dict` at the model's coordinate.
 
-Naming (:func:`input_key`): matrices that read the same input share one map.
-In layer ``l``, q/k/v read ``L{l}.attn_in``; o_proj reads ``L{l}.o_in``; the
-router, the shared expert's gate/up and the dense MLP's gate/up read
-``L{l}.moe_in`` (all tokens); routed expert ``e``'s gate/up read
-``L{l}.E{e}.in`` (only the tokens routed to it, which is why each expert has
-its own map) and its down reads ``L{l}.E{e}.down_in``; the shared expert's and
-dense MLP's down read ``L{l}.shared.down_in`` / ``L{l}.mlp.down_in``; the head
-reads ``lm_head_in``. The embedding is a gather, not a product: no map.
+Naming: :func:`store.quant.names.input_key` (re-exported here); matrices
+that read the same input share one map, and each routed expert has its own
+(only the tokens routed to it).
 
 Sums are float64 (millions of tokens), the exported mean is float32.
 """
@@ -27,55 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from store.quant.errors import CalibrationError
+from store.quant.names import input_key
+
+__all__ = ["FORMAT_TAG", "ImportanceCollector", "Provenance", "collect", "input_key"]
 
 #: Version tag of the serialised form.
 FORMAT_TAG = "czyx-importance/1"
-
-_LAYER_INPUT = {
-    "q_proj": "attn_in",
-    "k_proj": "attn_in",
-    "v_proj": "attn_in",
-    "o_proj": "o_in",
-    "router": "moe_in",
-    "shared_expert_gate": "moe_in",
-    "shared_gate_proj": "moe_in",
-    "shared_up_proj": "moe_in",
-    "mlp_gate_proj": "moe_in",
-    "mlp_up_proj": "moe_in",
-    "shared_down_proj": "shared.down_in",
-    "mlp_down_proj": "mlp.down_in",
-}
-
-
-def input_key(layer: int | None, role: str, expert: int | None = None) -> str | None:
-    """The importance-map name of the input of ``role`` (``None``: no map, e.g. embed).
-
-    Parameters
-    ----------
-    layer : int or None
-        The layer (``None`` for global roles).
-    role : str
-        A consumer role (``store.consumer.TRUNK_ROLES``) or, for routed experts,
-        ``"gate_proj"``, ``"up_proj"`` or ``"down_proj"`` with ``expert`` set.
-    expert : int or None
-        The routed expert's index (its router byte).
-    """
-    if role == "embed":
-        return None
-    if role == "lm_head":
-        return "lm_head_in"
-    if layer is None:
-        raise CalibrationError(f"role {role!r} needs a layer")
-    if expert is not None:
-        if role in ("gate_proj", "up_proj"):
-            return f"L{layer}.E{expert}.in"
-        if role == "down_proj":
-            return f"L{layer}.E{expert}.down_in"
-        raise CalibrationError(f"role {role!r} is not a routed-expert matrix")
-    try:
-        return f"L{layer}.{_LAYER_INPUT[role]}"
-    except KeyError:
-        raise CalibrationError(f"role {role!r} has no importance map (not a matrix)") from None
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inference.calibration import input_key
+from store.quant.names import input_key
 from store.consumer import GLOBAL_ROLES, LAYER_ROLES
 from store.quant.errors import QuantError
 from store.quant.extent import ExpertLayout
