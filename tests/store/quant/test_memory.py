@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from store.quant.names import input_key
 from store.consumer import GLOBAL_ROLES, LAYER_ROLES
 from store.quant.errors import QuantError
 from store.quant.extent import ExpertLayout
 from store.quant.formats import dequantize, quantize
 from store.quant.memory import QuantizedConsumer
+from store.quant.names import input_key
 from store.quant.policy import POLICIES
 from tests.inference.refmodels import StateDictConsumer, tiny_model
 
