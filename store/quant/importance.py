@@ -111,3 +111,85 @@ def importance_from_records(records: Iterable[dict], provenance: dict) -> dict[s
         else:
             raise CalibrationError(f"record {sorted(rec)} is not an importance record")
     return {"format": FORMAT_TAG, "provenance": dict(provenance), "matrices": mats}
+
+
+#: Manifest kind of an importance space.
+IMPORTANCE_KIND = "czyx-importance"
+
+
+def publish_importance(
+    store: object,
+    model: object,
+    data: Mapping[str, object],
+    class_of: Callable[[int, int], int],
+    role_index: Mapping[str, int],
+    tag: str | None = None,
+) -> object:
+    """Publish an importance map as its own sealed space beside the model version.
+
+    The space is content-addressed: its manifest names the model's selector,
+    the provenance (text SHA-256, token count) and a hash of the records, so
+    the same calibration of the same version is the same space. Records are
+    :func:`importance_records` (the weights' coordinates).
+
+    Parameters
+    ----------
+    store : store.Store
+        An open store.
+    model : czyx.space.Selector
+        The model version's selector (its expert space).
+    data : mapping
+        ``ImportanceCollector.to_dict(provenance)``.
+    class_of, role_index
+        As for :func:`importance_records` (the model's layout and trunk roles).
+    tag : str or None
+        A tag to point at the space (``set_tag`` semantics: idempotent).
+
+    Returns
+    -------
+    czyx.space.Selector
+        The importance space.
+    """
+    import hashlib
+
+    import msgpack
+
+    from czyx.space import Selector
+
+    recs = importance_records(data, class_of, role_index)
+    digest = hashlib.sha256()
+    for key, rec in sorted(recs, key=lambda kr: kr[0]):
+        digest.update(key)
+        digest.update(msgpack.packb(rec, use_bin_type=True))
+    manifest = {
+        "kind": IMPORTANCE_KIND,
+        "version": 1,
+        "model": model.hex(),  # type: ignore[attr-defined]
+        "provenance": dict(data["provenance"]),  # type: ignore[arg-type]
+        "records_sha256": digest.hexdigest(),
+        "n_records": len(recs),
+    }
+    sel = Selector.from_manifest(manifest)
+    if not store.has_space(sel):  # type: ignore[attr-defined]
+        with store.begin_space(sel, manifest) as w:  # type: ignore[attr-defined]
+            w.put_many(recs)
+    if tag is not None:
+        store.set_tag(tag, sel)  # type: ignore[attr-defined]
+    return sel
+
+
+def load_importance(store: object, space: object) -> tuple[dict[str, object], str]:
+    """``(serialised map, model selector hex)`` of a published importance space.
+
+    Raises
+    ------
+    CalibrationError
+        If the space is not an importance space.
+    """
+    manifest = store.manifest(space)  # type: ignore[attr-defined]
+    if manifest.get("kind") != IMPORTANCE_KIND:
+        raise CalibrationError(
+            f"space {space.hex()} is not an importance map (kind {manifest.get('kind')!r})"  # type: ignore[attr-defined]
+        )
+    records = [rec for _, rec in store.scan(space)]  # type: ignore[attr-defined]
+    return importance_from_records(records, manifest["provenance"]), str(manifest["model"])

@@ -62,3 +62,27 @@ def test_bad_names_and_records_fail_closed():
         importance_records({"format": "nope"}, lambda layer, b: b, ROLES)
     with pytest.raises(CalibrationError):
         importance_from_records([{"foo": 1}], {})
+
+
+def test_publish_and_load_through_a_store(tmp_path):
+    from czyx.space import Selector
+    from store.lmdb_store import Store
+    from store.quant.importance import load_importance, publish_importance
+
+    col = _collector()
+    data = col.to_dict(Provenance.for_text("text", 24))
+    model = Selector.from_name("some-model")
+    with Store.open(tmp_path / "s") as store:
+        sel = publish_importance(store, model, data, lambda layer, b: b, ROLES, tag="m-imp@1")
+        assert publish_importance(store, model, data, lambda layer, b: b, ROLES) == sel
+        assert store.resolve_tag("m-imp@1") == sel
+        back, model_hex = load_importance(store, sel)
+        assert model_hex == model.hex()
+        loaded, prov = ImportanceCollector.from_dict(back)
+        assert prov.n_tokens == 24 and loaded.names() == col.names()
+        assert np.array_equal(loaded.importance("L1.E5.down_in"), col.importance("L1.E5.down_in"))
+        other = Selector.from_name("not-importance")
+        with store.begin_space(other, {"kind": "something-else"}):
+            pass
+        with pytest.raises(CalibrationError, match="not an importance map"):
+            load_importance(store, other)
