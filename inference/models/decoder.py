@@ -199,9 +199,11 @@ class MoEDecoder:
         self.layers = [self._load_layer(i) for i in range(cfg.n_layers)]
         self.rotary = Rotary(cfg.rope)
         # Calibration hook: called as observer(input name, rows) with the input of
-        # every matrix product (names of inference.calibration.input_key); None
-        # in normal runs, so the forward pass pays one attribute test per product.
+        # every matrix product (names of store.quant.names.input_key); None in
+        # normal runs, so the forward pass pays one attribute test per product.
         self.observer: Callable[[str, np.ndarray], None] | None = None
+        # Top-k selections per (layer, expert): the routing profile of everything run.
+        self.route_counts = np.zeros((cfg.n_layers, cfg.n_experts), np.int64)
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
@@ -342,6 +344,7 @@ class MoEDecoder:
     def _routed(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
         cfg = self.cfg
         idx, w = route_topk(mm_t(x, lw.router), cfg.top_k, cfg.renormalize)
+        self.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
         t = x.shape[0]
         contrib = np.zeros((t, cfg.top_k, cfg.hidden_size), F32)
         cache = self.experts
