@@ -99,3 +99,45 @@ def open_model(
     return auth.open_space(
         token, sel, right=right, tenant=tenant, requires=whole, narrow_by=scoped[1:]
     )
+
+
+def grant_model(
+    store: Any,
+    ref: Selector | str,
+    *,
+    tenant: str,
+    classes: str | None = None,
+    layers: str | None = None,
+    expires_at: int | None = None,
+    rights: str = "read,infer",
+    parent: str | None = None,
+    note: str = "",
+) -> Any:
+    """Issue a portal on model version ``ref`` (and the spaces it spans) to ``tenant``.
+
+    Class and layer caveats (``"0-63"``, ``"1,5,7-9"``) narrow the routed
+    experts of every expert space in the version's chain; the trunks stay
+    readable so the tenant can still run the model. Returns the
+    :class:`portals.authority.Grant` (its ``token`` is what the tenant holds).
+    """
+    from portals.authority import authority
+    from portals.caveats import Expires, Spaces, parse_classes, parse_layers, parse_rights
+
+    sel = ref if isinstance(ref, Selector) else _resolve(store, ref)
+    scoped, whole = model_spaces(store, sel)
+    cavs: list = [Spaces(frozenset(s.raw for s in (*scoped, *whole))), parse_rights(rights)]
+    targets = [None] if not whole and len(scoped) == 1 else [s.raw for s in scoped]
+    for t in targets:
+        if classes:
+            cavs.append(parse_classes(classes, t))
+        if layers:
+            cavs.append(parse_layers(layers, t))
+    if expires_at is not None:
+        cavs.append(Expires(int(expires_at)))
+    return authority(store).grant(cavs, tenant=tenant, parent=parent, note=note)
+
+
+def _resolve(store: Any, name: str) -> Selector:
+    if "@" in name:
+        return store.resolve_tag(name)
+    return Selector.from_hex(name)

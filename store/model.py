@@ -234,6 +234,8 @@ class StoreModel:
                 self._trunk[k], self._packed[k] = trunk_tensor(r.record, raw)
             else:
                 self._trunk[k] = to_float32(_as_dtype(raw, r), r.dtype)
+        for arr in self._trunk.values():
+            arr.setflags(write=False)  # shared by every caller: nobody may edit weights
         self._qfmt = ex["format"] if is_quant_format(ex["format"]) else None
         self._inter, self._hidden = int(ex["inter"]), int(ex["hidden"])
         gate = (ex["inter"], ex["hidden"])
@@ -273,7 +275,10 @@ class StoreModel:
                 f"{self.info.n_layers} layers x 256 bytes"
             )
         if not self._allowed[layer, router_byte]:
-            self._view.check(int(self._cls[layer, router_byte]), layer)  # raises, audited
+            cls = int(self._cls[layer, router_byte])
+            self._view.check(cls, layer)  # raises the portal's error and audits it
+            # Fail closed even if a view's check disagrees with its own mask.
+            raise ModelSpaceError(f"the portal does not cover class {cls} at layer {layer}")
         blk = int(self._blk[layer, router_byte])
         if blk == _NO_BLOCK:
             raise ModelSpaceError(f"layer {layer} has no routed expert {router_byte}")

@@ -38,27 +38,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from portals._cli import model_spaces, open_store, parse_expiry, resolve_space
-    from portals.authority import PortalAuthority
-    from portals.caveats import Expires, Spaces, parse_classes, parse_layers, parse_rights
+    from portals._cli import open_store, parse_expiry, resolve_space
+    from portals.model import grant_model, model_spaces
 
     with open_store(args) as store:
-        auth = PortalAuthority(store)
         main = resolve_space(store, args.space)
         scoped, whole = model_spaces(store, main)
-        cavs = [Spaces(frozenset(s.raw for s in (*scoped, *whole)))]
-        cavs.append(parse_rights(args.rights))
-        # Class/layer caveats: for every space when the grant is one space;
-        # otherwise one per expert space, so the trunk stays whole.
-        targets = [None] if not whole and len(scoped) == 1 else [s.raw for s in scoped]
-        for t in targets:
-            if args.classes:
-                cavs.append(parse_classes(args.classes, t))
-            if args.layers:
-                cavs.append(parse_layers(args.layers, t))
-        if args.expires:
-            cavs.append(Expires(parse_expiry(args.expires, time.time())))
-        g = auth.grant(cavs, tenant=args.tenant, parent=args.portal, note=args.note)
+        expires = parse_expiry(args.expires, time.time()) if args.expires else None
+        g = grant_model(
+            store,
+            main,
+            tenant=args.tenant,
+            classes=args.classes,
+            layers=args.layers,
+            expires_at=expires,
+            rights=args.rights,
+            parent=args.portal,
+            note=args.note,
+        )
     print(
         f"granted portal {g.id_hex} to {args.tenant} on {args.space}"
         + (f" ({len(scoped) + len(whole)} spaces)" if whole or len(scoped) > 1 else ""),

@@ -28,6 +28,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
+        "--class-order",
+        metavar="TRACE",
+        help=(
+            "per-layer class permutation learned from a routing trace (.npz from czyx "
+            "profile) or a saved order (.npy [L, E] from czyx locality --out)"
+        ),
+    )
+    p.add_argument(
         "--quant",
         metavar="POLICY",
         default=None,
@@ -43,8 +51,6 @@ def register(subparsers: Any) -> None:
         default=None,
         help="calibration importance map (a tag or selector from `czyx calibrate`) for --quant",
     )
-    # `--class-order TRACE` (a per-layer class permutation learned from routing
-    # traces) belongs here too; store.mount.mount already takes `class_perm=`.
     p.set_defaults(func=run)
 
 
@@ -55,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.importance is not None and args.quant is None:
         raise ValueError("--importance needs --quant POLICY")
+    class_perm = None
+    if args.class_order:
+        from inference.locality.ordering import class_order_from_trace
+
+        class_perm = class_order_from_trace(args.class_order).tolist()
     with Store.open(store_dir(args)) as store:
         codec = None
         if args.quant is not None:
@@ -79,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             args.tag,
             outer=args.layout or DEFAULT_OUTER,
             adapter_of=args.adapter_of,
+            class_perm=class_perm,
             progress=not args.no_progress and sys.stderr.isatty(),
             quant=codec,
         )

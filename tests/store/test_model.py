@@ -113,7 +113,7 @@ def test_experts_and_trunk_match_transformers(mounted, arch, tag):
                         assert not m.has_trunk(role, layer)
                     continue
                 got = m.trunk(role, layer)
-                assert got.dtype == np.float32
+                assert got.dtype == np.float32 and not got.flags.writeable
                 assert np.array_equal(got, want.detach().numpy())
                 checked += 1
         assert checked >= 3 + 4 * info.n_layers - 1
