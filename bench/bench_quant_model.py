@@ -33,7 +33,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -44,29 +43,10 @@ import numpy as np
 from inference.calibration import collect, input_key
 from inference.engine import Engine
 from inference.kernels import simd_level
-from inference.quant_eval import evaluate, window_logits
+from inference.quant_eval import evaluate, stdlib_split, text_windows, window_logits
 from inference.tokenizer import load_tokenizer
 from store.quant.memory import QuantizedConsumer
 from store.quant.policy import POLICIES, parse_policy
-
-_STDLIB = Path(sysconfig.get_paths()["stdlib"])
-#: The shipped model's validation rule (tools/train_moe.py, --val-fraction 0.05).
-VAL_THRESHOLD = round(256 * 0.05)
-
-
-def stdlib_split() -> tuple[list[str], list[str]]:
-    """``(training files, validation files)`` of the stdlib, as the shipped model was split."""
-    import hashlib
-
-    files = sorted(
-        p.relative_to(_STDLIB).as_posix()
-        for p in _STDLIB.rglob("*.py")
-        if "site-packages" not in p.parts and "dist-packages" not in p.parts and p.is_file()
-    )
-    val = [f for f in files if hashlib.sha256(f.encode()).digest()[0] < VAL_THRESHOLD]
-    held = set(val)
-    return [f for f in files if f not in held], val
-
 
 ROWS = [
     ("q2-all", False),
@@ -95,19 +75,6 @@ def load(model: str):
         tok_src = model
     base = StateDictConsumer(tm)
     return tm, base, load_tokenizer(tok_src, base.info.config["vocab_size"])
-
-
-def windows(tok, files: list[str], length: int, limit: int) -> list[np.ndarray]:
-    """Non-overlapping token windows of ``length`` from the files, at most ``limit``."""
-    out: list[np.ndarray] = []
-    for f in files:
-        p = Path(f) if Path(f).exists() else _STDLIB / f
-        ids = np.asarray(tok.encode(p.read_text(encoding="utf-8", errors="replace")), np.int64)
-        for s in range(0, ids.size - length + 1, length):
-            out.append(ids[s : s + length])
-            if len(out) == limit:
-                return out
-    return out
 
 
 def decode_rate(step, prompt: np.ndarray, n: int, reps: int) -> float:
@@ -146,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     train_files, val_files = stdlib_split()
     calib_files = args.calib or train_files[:: max(1, len(train_files) // 64)]
     eval_files = args.eval or val_files
-    calib = windows(tok, calib_files, args.window, args.calib_windows)
-    held = windows(tok, eval_files, args.window, args.eval_windows)
+    calib = text_windows(tok.encode, calib_files, args.window, args.calib_windows)
+    held = text_windows(tok.encode, eval_files, args.window, args.eval_windows)
     n_calib = sum(w.size for w in calib)
     src = "stdlib training files" if args.calib is None else str(args.calib)
     dst = "stdlib validation files" if args.eval is None else str(args.eval)
@@ -165,11 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     t32, e32 = fp32.model_nbytes()
     print("\n## Bytes and quality on held-out text (vs the fp32 model)")
     print(
-        "| policy | calibrated | trunk MiB | experts MiB | total vs fp32 | NLL ref | NLL drift "
-        "| KL | top-1 agree |"
+        "| policy | calibrated | trunk MiB | experts MiB | total MiB | vs fp32 | NLL ref "
+        "| NLL drift | KL | top-1 agree |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| none (fp32) | - | {t32 / 2**20:.2f} | {e32 / 2**20:.2f} | 1.000 | | | | |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    tot32 = (t32 + e32) / 2**20
+    print(
+        f"| none (fp32) | - | {t32 / 2**20:.2f} | {e32 / 2**20:.2f} | {tot32:.2f} | 1.000 | | | | |"
+    )
+    if not args.model.startswith("tiny:"):
+        disk = sum(p.stat().st_size for p in Path(args.model).glob("*.safetensors"))
+        print(
+            f"| checkpoint files | - | | | {disk / 2**20:.2f} | {disk / (t32 + e32):.3f} | | | | |"
+        )
     models = {}
     for name, calibrated in ROWS:
         q = QuantizedConsumer(
@@ -180,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         models[(name, calibrated)] = q
         print(
             f"| {name} | {'yes' if calibrated else 'no'} | {tb / 2**20:.2f} | {eb / 2**20:.2f} | "
-            f"{(tb + eb) / (t32 + e32):.3f} | {r.nll_ref:.4f} | {r.nll_drift:+.4f} | "
+            f"{(tb + eb) / 2**20:.2f} | {(tb + eb) / (t32 + e32):.3f} | {r.nll_ref:.4f} | "
+            f"{r.nll_drift:+.4f} | "
             f"{r.kl:.4f} | {r.top1:.3f} |"
         )
 

@@ -9,10 +9,17 @@ agreement. Building the engines (policy, calibration) is the caller's.
 
 from __future__ import annotations
 
+import hashlib
+import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+
+#: The shipped model's validation rule (``tools/train_moe.py``, ``--val-fraction 0.05``):
+#: a stdlib file is validation when ``sha256(relative path)[0] < 13``.
+VAL_THRESHOLD = round(256 * 0.05)
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,39 @@ def compare_logits(ref: np.ndarray, test: np.ndarray, targets: np.ndarray) -> Qu
         kl=float((pr * (lr - lt)).sum(axis=-1).mean()),
         top1=float((lr.argmax(-1) == lt.argmax(-1)).mean()),
     )
+
+
+def stdlib_split() -> tuple[list[Path], list[Path]]:
+    """``(training files, validation files)`` of this interpreter's standard library,
+    split as the shipped model was trained (so held-out text is text it never saw)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*.py")
+        if "site-packages" not in p.parts and "dist-packages" not in p.parts and p.is_file()
+    )
+    train, val = [], []
+    for f in files:
+        (val if hashlib.sha256(f.encode()).digest()[0] < VAL_THRESHOLD else train).append(root / f)
+    return train, val
+
+
+def text_windows(
+    encode: object, files: Sequence[str | Path], length: int, limit: int
+) -> list[np.ndarray]:
+    """Non-overlapping windows of ``length`` token ids from the files, at most ``limit``.
+
+    ``encode`` is a tokenizer's ``encode(str) -> list[int]``.
+    """
+    out: list[np.ndarray] = []
+    for f in files:
+        text = Path(f).read_text(encoding="utf-8", errors="replace")
+        ids = np.asarray(encode(text), np.int64)  # type: ignore[operator]
+        for s in range(0, ids.size - length + 1, length):
+            out.append(ids[s : s + length])
+            if len(out) == limit:
+                return out
+    return out
 
 
 def window_logits(engine: object, windows: Sequence[np.ndarray]) -> list[np.ndarray]:
