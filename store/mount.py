@@ -617,7 +617,8 @@ def summarize(store: Any, ref: str | Selector) -> dict[str, Any]:
         tsel = Selector.from_hex(m["trunk"])
         trunk_n, trunk_bytes = store.aggregate(tsel)
         for _, rec in store.scan(tsel):
-            formats[rec["dtype"].lower()] = formats.get(rec["dtype"].lower(), 0) + 1
+            f = rec.get("qfmt") or rec["dtype"].lower()  # packed trunk tensors name their format
+            formats[f] = formats.get(f, 0) + 1
     return {
         "selector": sel.hex(),
         "kind": m["kind"],
