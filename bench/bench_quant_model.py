@@ -199,6 +199,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| fp32 (numpy engine) | {r32:.1f} | 1.00 | {r32 / rtf:.2f} |")
     print(f"| selective+calib (C kernels) | {rsel:.1f} | {rsel / r32:.2f} | {rsel / rtf:.2f} |")
     print(f"| transformers fp32 | {rtf:.1f} | {rtf / r32:.2f} | 1.00 |")
+
+    # The same slot budget holds more quantized experts: hit rate at a fixed budget,
+    # decoding held-out text token by token (teacher-forced, so routing follows real text).
+    budget = int(0.25 * e32)
+    text = np.concatenate(held)[: 16 + 4 * n]
+    print(
+        f"\n## One slot budget ({budget / 2**20:.2f} MiB = 25 % of the fp32 experts): "
+        f"{text.size - 16} held-out tokens decoded one at a time after 16"
+    )
+    print("| model | slots | hit rate | expert MB read per token |")
+    print("|---|---|---|---|")
+    for label, consumer in (("fp32", base), ("selective+calib", models[("selective", True)])):
+        eng = Engine(consumer, cache_bytes=budget)
+        eng.prefill(text[:16])
+        before = eng.stats()
+        for t in text[16:].tolist():
+            eng.decode(int(t))
+        st = eng.stats()
+        hits, misses = st.hits - before.hits, st.misses - before.misses
+        mb = (st.bytes_read - before.bytes_read) / 1e6 / (text.size - 16)
+        print(f"| {label} | {st.n_slots} | {hits / max(hits + misses, 1):.3f} | {mb:.4f} |")
+        eng.close()
     return 0
 
 
