@@ -112,7 +112,7 @@ class PackedMatrix:
         The decode hot path: a float32 contiguous ``x`` and ``out`` go to C
         with two buffer wraps and no other allocation.
         """
-        if x.dtype != _F32 or not x.flags.c_contiguous:
+        if not isinstance(x, np.ndarray) or x.dtype != _F32 or not x.flags.c_contiguous:
             x = np.ascontiguousarray(x, dtype=_F32)
         rows, cols = self.shape
         if x.shape != (cols,):

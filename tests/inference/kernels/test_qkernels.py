@@ -102,6 +102,10 @@ def test_out_argument_is_written_in_place():
     assert (np.abs(out - exact) <= tol).all()
     out1 = np.empty(6, np.float32)
     assert pm.matvec(x[0], out=out1) is out1
+    # any array-like x is converted (float64 list, strided view)
+    assert np.allclose(pm.matvec(x[0].astype(np.float64).tolist()), out1, atol=1e-5)
+    wide = np.repeat(x[:1], 2, axis=1)[0, ::2]
+    assert np.allclose(pm.matvec(wide), out1, atol=1e-5)
 
 
 def test_error_paths():
