@@ -58,7 +58,7 @@ import numpy as np
 from czyx.key import Key
 from czyx.space import Selector, canonical_manifest
 from store.archs import ROLE_INDEX
-from store.checkpoint import DTYPES, Checkpoint, to_float32
+from store.checkpoint import DTYPES, Checkpoint
 from store.errors import TagConflictError, TagNotFoundError
 from store.expert_layout import DEFAULT_OUTER, layout_from_manifest, make_layout
 from store.mount_errors import (
@@ -164,18 +164,7 @@ class _Source:
             self.ckpt.read_into(p.tensor, p.start, raw[pos : pos + p.nbytes])
             pos += p.nbytes
         if self.qlayout is not None:
-            dt = DTYPES[self.plan.dtype][0]
-            n = self.plan.inter * self.plan.hidden
-            f = to_float32(raw.view(dt), self.plan.dtype)
-            ih, hi = (self.plan.inter, self.plan.hidden), (self.plan.hidden, self.plan.inter)
-            out[:] = self.codec.encode_expert(
-                self.qlayout,
-                key[0],
-                key[1],
-                f[:n].reshape(ih),
-                f[n : 2 * n].reshape(ih),
-                f[2 * n :].reshape(hi),
-            )
+            out[:] = self.codec.encode_expert_raw(self.qlayout, *key, raw, self.plan.dtype)
 
     def stored_tensor(self, t: Any) -> tuple[np.ndarray, str | None]:
         """``(bytes to store, quantized format or None)`` of trunk entry ``t``."""
@@ -183,9 +172,7 @@ class _Source:
         if self.codec is None:
             return raw, None
         info = self.ckpt.info(t.tensor)
-        arr = to_float32(raw.view(DTYPES[info.dtype][0]).reshape(info.shape), info.dtype)
-        buf, qfmt = self.codec.encode_trunk(t.role, t.layer, arr)
-        return (raw, None) if qfmt is None else (buf, qfmt)
+        return self.codec.encode_trunk_raw(t.role, t.layer, raw, info.dtype, info.shape)
 
     def expert_hash(self, key: tuple[int, int]) -> str:
         self.assemble(key, self.buf)

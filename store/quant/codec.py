@@ -79,6 +79,29 @@ class QuantCodec:
             self._imp(layer, "down_proj", expert),
         )
 
+    def encode_expert_raw(
+        self, layout: ExpertLayout, layer: int, expert: int, raw: np.ndarray, dtype: str
+    ) -> np.ndarray:
+        """:meth:`encode_expert` from the source extent's bytes (gate | up | down in ``dtype``,
+        a safetensors dtype name such as ``"F16"``)."""
+        from store.checkpoint import DTYPES, to_float32
+
+        f = to_float32(np.asarray(raw).view(DTYPES[dtype][0]), dtype)
+        n = layout.inter * layout.hidden
+        ih, hi = (layout.inter, layout.hidden), (layout.hidden, layout.inter)
+        gate, up, down = f[:n].reshape(ih), f[n : 2 * n].reshape(ih), f[2 * n :].reshape(hi)
+        return self.encode_expert(layout, layer, expert, gate, up, down)
+
+    def encode_trunk_raw(
+        self, role: str, layer: int | None, raw: np.ndarray, dtype: str, shape: tuple[int, ...]
+    ) -> tuple[np.ndarray, str | None]:
+        """:meth:`encode_trunk` from a source tensor's bytes; float tensors come back as given."""
+        from store.checkpoint import DTYPES, to_float32
+
+        arr = to_float32(np.asarray(raw).view(DTYPES[dtype][0]).reshape(shape), dtype)
+        buf, qfmt = self.encode_trunk(role, layer, arr)
+        return (raw, None) if qfmt is None else (buf, qfmt)
+
     def encode_trunk(
         self, role: str, layer: int | None, tensor: np.ndarray
     ) -> tuple[np.ndarray, str | None]:

@@ -46,3 +46,37 @@ def test_experts_use_their_own_importance():
     assert codec.manifest()["policy"] == "selective"
     assert codec.manifest()["importance"]["n_tokens"] == 5
     assert QuantCodec(POLICIES["none"]).expert_layout(64, 64) is None
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "F32"])
+def test_raw_source_bytes_decode_like_the_float_tensors(dtype):
+    from store.checkpoint import to_float32
+
+    rng = np.random.default_rng(2)
+    f = rng.standard_normal(3 * 32 * 64).astype(np.float32)
+    if dtype == "F16":
+        raw = f.astype(np.float16).view(np.uint8)
+    elif dtype == "BF16":
+        raw = (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    else:
+        raw = f.view(np.uint8)
+    wide = to_float32(
+        raw.view({"F16": np.float16, "BF16": np.uint16, "F32": np.float32}[dtype]), dtype
+    )
+    codec = QuantCodec(POLICIES["q4-all"])
+    lay = codec.expert_layout(32, 64)
+    n = 32 * 64
+    want = codec.encode_expert(
+        lay,
+        0,
+        0,
+        wide[:n].reshape(32, 64),
+        wide[n : 2 * n].reshape(32, 64),
+        wide[2 * n :].reshape(64, 32),
+    )
+    assert np.array_equal(codec.encode_expert_raw(lay, 0, 0, raw, dtype), want)
+    item = 4 if dtype == "F32" else 2
+    tbuf, q = codec.encode_trunk_raw("o_proj", 0, raw[: n * item], dtype, (32, 64))
+    assert q == "q4" and tbuf.size == lay.fmt.nbytes(32, 64)
+    same, none = codec.encode_trunk_raw("input_norm", 0, raw[: 64 * item], dtype, (64,))
+    assert none is None and np.array_equal(same, raw[: 64 * item])  # float: bytes as given
