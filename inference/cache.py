@@ -33,7 +33,9 @@ from typing import Protocol
 import numpy as np
 
 from inference.errors import CacheBudgetError, SlotInUseError, UnsupportedModelError
+from inference.kernels.linear import packed_expert_from_views
 from store.consumer import ModelConsumer
+from store.quant.formats import is_quant_format
 
 ALIGN = 4096
 HUGE_PAGE = 2 * 1024 * 1024
@@ -327,6 +329,10 @@ class ExpertCache:
 
     def _make_weights(self, s: int) -> tuple[np.ndarray, np.ndarray] | None:
         views = self.consumer.expert_views(self._slot_views[s])
+        if is_quant_format(self.format):
+            # Packed q2/q3/q4/q8 extents: kernel-ready views of the slot, made once.
+            hidden = int(self.consumer.info.config["hidden_size"])
+            return packed_expert_from_views(self.format, hidden, views)
         return _float32_weights(views, self._slot_views[s], self.format)
 
     # ------------------------------------------------------------------ queries
@@ -354,9 +360,10 @@ class ExpertCache:
         )
 
     def weights(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(gate_up [2I, H], down [H, I])`` float32 of a filled slot.
+        """``(gate_up [2I, H], down [H, I])`` of a filled slot.
 
-        For f32 slots, zero-copy views of the slot. For f16/bf16 slots, the
+        For f32 slots, zero-copy views of the slot; for quantized formats,
+        kernel-ready packed matrices over the slot. For f16/bf16 slots, the
         widened weights in a scratch pair shared by every slot: valid until
         the next call (the decoder uses each expert before fetching the next).
         """
