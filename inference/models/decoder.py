@@ -42,6 +42,7 @@ from inference.models.base import (
     swiglu,
     swiglu_fused,
 )
+from inference.profile import RouteRecorder
 from store.consumer import ModelConsumer, ModelInfo
 
 
@@ -204,6 +205,8 @@ class MoEDecoder:
         self.observer: Callable[[str, np.ndarray], None] | None = None
         # Top-k selections per (layer, expert): the routing profile of everything run.
         self.route_counts = np.zeros((cfg.n_layers, cfg.n_experts), np.int64)
+        # Optional per-token recorder (czyx profile): None on the ordinary path.
+        self.recorder: RouteRecorder | None = None
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
@@ -345,6 +348,8 @@ class MoEDecoder:
         cfg = self.cfg
         idx, w = route_topk(mm_t(x, lw.router), cfg.top_k, cfg.renormalize)
         self.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
+        if self.recorder is not None:
+            self.recorder.record(i, idx, w)
         t = x.shape[0]
         contrib = np.zeros((t, cfg.top_k, cfg.hidden_size), F32)
         cache = self.experts

@@ -105,10 +105,21 @@ def test_czyx_profile_then_run_with_the_hot_list(mounted, tmp_path, capsys):
     store_dir, _, token = mounted
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 4)
-    prof = tmp_path / "hot.json"
+    prof = tmp_path / "trace.npz"
     common = ["--store", str(store_dir), "--portal", token]
-    assert main(["profile", "mixtral@1", "--text", str(text), "--out", str(prof), *common]) == 0
+    argv = ["profile", "mixtral@1", "--text", str(text), "--out", str(prof), "--chunk", "64"]
+    assert main([*argv, *common]) == 0
     assert "hottest: L" in capsys.readouterr().err
+    # The trace is the documented format, one row per token, chunked into segments.
+    from inference.trace import RoutingTrace
+
+    trace = RoutingTrace.load(prof)
+    n_tokens = len(text.read_bytes())
+    assert trace.n_tokens == n_tokens
+    assert trace.segments.max() == (n_tokens - 1) // 64
+    assert trace.text_sha256 == __import__("hashlib").sha256(text.read_bytes()).hexdigest()
+    # Renormalised top-k weights of each (token, layer) sum to one.
+    assert np.allclose(trace.weights.sum(-1), 1.0, atol=1e-5)
     argv = ["run", "mixtral@1", "--prompt", "the quick", "--max-tokens", "4", *common]
     assert main([*argv, "--cache-fraction", "0.5", "--hot", str(prof)]) == 0
     assert "hit rate" in capsys.readouterr().err
