@@ -1,0 +1,245 @@
+"""The transfer planner and the streaming cache: verified transfers, fault injection, parity."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from inference.cache import ExpertCache
+from inference.errors import SlotInUseError
+from inference.models import decoder_class
+from inference.planner import (
+    DEMAND,
+    PREFETCH,
+    DeadlineMissedError,
+    InvalidExtentError,
+    SlotLiveError,
+    TransferPlanner,
+)
+from inference.streaming import StreamingExpertCache, attach
+from store import iopaths
+from store.errors import ChecksumError, ShortReadError
+from store.reader import aligned_empty
+from tests.inference.filemodel import FileConsumer, SyntheticExperts
+
+IO_PATHS = [p for p, why in iopaths.available_paths().items() if why == "available"]
+
+
+@pytest.fixture
+def synth(tmp_path):
+    fc = FileConsumer(SyntheticExperts(), tmp_path)
+    yield fc
+    fc.close()
+
+
+def _arena(consumer, n):
+    a = aligned_empty(n * consumer.info.expert_slot_nbytes).reshape(n, -1)
+    return [a[i] for i in range(n)], np.zeros(n, bool)
+
+
+def _planner(consumer, n=4, **kw):
+    slots, live = _arena(consumer, n)
+    return TransferPlanner(consumer, slots, live, **kw), slots, live
+
+
+class Gate:
+    """Wraps a planner's sources so reads block until released (a slow device)."""
+
+    def __init__(self, planner):
+        self.go = threading.Event()
+        for src in planner.sources:
+            read = src.read_into
+
+            def slow(off, n, dest, _read=read):
+                self.go.wait(10)
+                return _read(off, n, dest)
+
+            src.read_into = slow
+
+
+@pytest.mark.parametrize("io", IO_PATHS)
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_transfers_land_verified_in_their_final_slot(synth, io, threads):
+    p, slots, _ = _planner(synth, io=io, threads=threads)
+    try:
+        ts = [p.submit(1, e, e, kind=DEMAND) for e in range(4)]
+        for e, t in enumerate(ts):
+            p.wait(t)
+            n = synth.info.expert_nbytes
+            assert np.array_equal(slots[e][:n], synth.base.blobs[(1, e)])
+            assert t.checksum_result == "ok" and t.used and t.source == io
+            assert t.t_request <= t.t_start <= t.t_complete <= t.t_first_use + t.exposed_ns
+        assert p.inflight == [None] * 4
+    finally:
+        p.close()
+
+
+def test_a_slot_may_be_a_destination_only_when_its_owner_is_dead(synth):
+    p, _, live = _planner(synth, io="pread")
+    gate = Gate(p)
+    try:
+        t = p.submit(0, 0, 0)
+        with pytest.raises(SlotLiveError, match="in flight"):
+            p.submit(0, 1, 0)  # reuse while a transfer is in flight into it
+        live[1] = True
+        with pytest.raises(SlotLiveError, match="still live"):
+            p.submit(0, 2, 1)  # held by the current layer or pinned
+        with pytest.raises(InvalidExtentError):
+            p.submit(0, 3, 99)  # outside the arena
+        with pytest.raises(InvalidExtentError):
+            p.submit(7, 0, 2)  # no such expert
+        gate.go.set()
+        p.wait(t)
+        p.submit(0, 1, 0)  # dead now: allowed
+    finally:
+        gate.go.set()
+        p.close()
+
+
+def test_an_extent_larger_than_the_slot_is_refused(tmp_path):
+    fc = FileConsumer(SyntheticExperts(nbytes=4096 + 1), tmp_path)
+    slots, live = _arena(fc, 2)
+    p = TransferPlanner(fc, [s[:4096] for s in slots], live, io="pread")
+    try:
+        with pytest.raises(InvalidExtentError, match="does not fit"):
+            p.submit(0, 0, 0)
+    finally:
+        p.close()
+        fc.close()
+
+
+@pytest.mark.parametrize("io", IO_PATHS)
+def test_forced_short_read_is_a_typed_error_and_the_slot_is_unmapped(synth, io):
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io=io, threads=2, prefetch=False)
+    try:
+        cache.acquire(0, np.array([0, 1]))
+        cache.release()
+        os.truncate(synth.path, int(synth.off[2, 0]) + 100)  # the block file loses its tail
+        with pytest.raises(ShortReadError):
+            cache.acquire(2, np.array([0]))
+        assert cache.table[2, 0] == -1 and not cache.blocked.any()
+        cache.check()
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("io", IO_PATHS)
+def test_stale_block_file_is_refused(synth, io, tmp_path):
+    p, _, _ = _planner(synth, io=io)
+    try:
+        fresh = FileConsumer(SyntheticExperts(seed=9), tmp_path / "..")  # same size, other bytes
+        os.replace(fresh.path, synth.path)  # the block file is replaced after mount
+        with pytest.raises(iopaths.StaleSourceError, match="replaced"):
+            p.wait(p.submit(0, 0, 0))
+        fresh.close()
+    finally:
+        p.close()
+
+
+def test_checksum_failure_is_a_typed_error_never_the_bytes(synth):
+    st = os.stat(synth.path)
+    with open(synth.path, "r+b") as f:  # silent bit rot: content changes, metadata does not
+        f.seek(int(synth.off[1, 3]) + 17)
+        f.write(b"\xff\x00")
+    os.utime(synth.path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    cache = StreamingExpertCache(synth, 6 * 4096 * 3, 2, io="pread", threads=2)
+    try:
+        with pytest.raises(ChecksumError, match="checksum"):
+            cache.acquire(1, np.array([2, 3]))
+        assert cache.table[1, 3] == -1 and cache.table[1, 2] >= 0
+    finally:
+        cache.close()
+
+
+def test_late_transfer_is_a_counted_stall_or_a_typed_error(synth):
+    for strict in (False, True):
+        p, slots, _ = _planner(synth, io="pread", strict_deadlines=strict)
+        gate = Gate(p)
+        try:
+            t = p.submit(0, 4, 0, kind=PREFETCH, deadline_ns=0)  # deadline already passed
+            threading.Timer(0.02, gate.go.set).start()
+            if strict:
+                with pytest.raises(DeadlineMissedError, match="after its deadline"):
+                    p.wait(t)
+            else:
+                p.wait(t)
+                n = synth.info.expert_nbytes
+                assert t.stalled and p.stalls == 1 and t.exposed_ns > 0
+                assert np.array_equal(slots[0][:n], synth.base.blobs[(0, 4)])
+        finally:
+            gate.go.set()
+            p.close()
+
+
+def test_in_flight_and_held_slots_are_never_victims(synth):
+    # 4 slots, top-2: two held by layer 0, two prefetched for layer 1 while gated.
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", threads=1)
+    cache.set_routers([np.eye(8, 5, dtype=np.float32)] * 3)
+    try:
+        cache.acquire(0, np.array([0, 1]))
+        cache.release()
+        gate = Gate(cache.planner)
+        x = np.zeros((1, 5), np.float32)
+        x[0, 2] = x[0, 3] = 1.0  # predicts experts 2 and 3 of layer 1
+        cache.lookahead(0, x)
+        slots = cache.acquire(0, np.array([0, 1])).copy()
+        assert cache.inflight.sum() == 2 and cache.prefetches == 2
+        with pytest.raises(SlotInUseError):
+            cache.acquire(2, np.array([5]))  # every slot is held or in flight: refuse
+        cache.release()
+        gate.go.set()
+        got = cache.acquire(1, np.array([3, 2]))
+        assert set(got.tolist()).isdisjoint(slots.tolist())
+        assert cache.prefetch_hits == 2 and cache.predicted_correct == 2
+        cache.release()
+        cache.check()
+    finally:
+        cache.close()
+
+
+def _decode(model, kv, tokens):
+    out = [model.forward(np.array(tokens[:4]), kv)]
+    for tok in tokens[4:]:
+        out.append(model.forward(np.array([tok]), kv))
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, tmp_path):
+    from tests.inference.refmodels import StateDictConsumer, tiny_model
+
+    base = StateDictConsumer(tiny_model(arch))
+    fc = FileConsumer(base, tmp_path)
+    cls = decoder_class(arch)
+    cfg = cls.parse_config(fc.info)
+    slot = fc.info.expert_slot_nbytes
+    tokens = [3, 17, 99, 4, 250, 8, 8, 61, 130, 7]
+    resident = ExpertCache(fc, cfg.n_sparse_experts * slot, cfg.top_k, cfg.n_sparse_experts)
+    model = cls(fc, resident)
+    want = _decode(model, model.new_kv(), tokens)
+    budget = max(cfg.n_sparse_experts * slot // 4, cfg.top_k * slot)
+    try:
+        runs = [(io, 2, True) for io in IO_PATHS]
+        runs += [("pread", t, p) for t in (1, 8) for p in (False, True)]
+        for io, threads, prefetch in runs:
+            cache = StreamingExpertCache(
+                fc,
+                budget,
+                cfg.top_k,
+                cfg.n_sparse_experts,
+                io=io,
+                threads=threads,
+                prefetch=prefetch,
+            )
+            m = cls(fc, cache)
+            attach(m, cache)
+            got = _decode(m, m.new_kv(), tokens)
+            assert np.array_equal(got, want), (io, threads, prefetch)
+            assert cache.misses > 0 and (cache.prefetches > 0) == prefetch
+            cache.check()
+            cache.close()
+    finally:
+        fc.close()
