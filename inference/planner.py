@@ -187,7 +187,8 @@ class TransferPlanner:
         self.stalls = 0
         self._tid = 0
         self._resolve_extents(consumer)
-        self._queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
+        # Demand reads overtake queued prefetches: (priority, id, transfer).
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._threads = [
             threading.Thread(target=self._worker, name=f"czyx-reader-{i}", daemon=True)
             for i in range(self.n_threads)
@@ -254,8 +255,12 @@ class TransferPlanner:
         deadline_ns: int | None = None,
         evicted: tuple[int, int] | None = None,
         evict_reason: str = "empty",
+        priority: int | None = None,
     ) -> Transfer:
         """Start reading expert ``(layer, expert)`` into ``slot``; returns its :class:`Transfer`.
+
+        Queued transfers start in ``priority`` order (default: 0 for demand,
+        1 for prefetch; lower first), then in submission order.
 
         Raises
         ------
@@ -285,7 +290,9 @@ class TransferPlanner:
         self.inflight[slot] = t
         if self.xray is not None:
             self.xray.add(t)
-        self._queue.put(t)
+        if priority is None:
+            priority = 0 if kind == DEMAND else 1
+        self._queue.put((priority, t.id, t))
         return t
 
     def wait(self, t: Transfer) -> None:
@@ -344,7 +351,7 @@ class TransferPlanner:
 
     def _worker(self) -> None:
         while True:
-            t = self._queue.get()
+            _, _, t = self._queue.get()
             if t is None:
                 return
             try:
@@ -389,8 +396,8 @@ class TransferPlanner:
         if not self._threads:
             return
         self.drain()
-        for _ in self._threads:
-            self._queue.put(None)
+        for i, _ in enumerate(self._threads):
+            self._queue.put((1 << 30, -1 - i, None))
         for th in self._threads:
             th.join()
         self._threads = []

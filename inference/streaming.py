@@ -49,6 +49,10 @@ class StreamingExpertCache(ExpertCache):
     prefetch
         Issue look-ahead reads (False: synchronous streaming through the same
         planner, the baseline prefetch is measured against).
+    lookahead_depth
+        How many sparse layers ahead to predict (each with its own router on
+        the current hidden state): deeper grows the overlap window and lowers
+        the recall.
     strict_deadlines
         A late transfer raises instead of counting a stall.
     xray
@@ -66,11 +70,15 @@ class StreamingExpertCache(ExpertCache):
         io: str | None = None,
         threads: int = 2,
         prefetch: bool = True,
+        lookahead_depth: int = 1,
         strict_deadlines: bool = False,
         xray=None,
     ) -> None:
         super().__init__(consumer, budget_bytes, top_k, n_sparse_experts, policy)
         self.prefetch_enabled = prefetch
+        if lookahead_depth < 1:
+            raise ValueError(f"lookahead_depth: {lookahead_depth} < 1")
+        self.lookahead_depth = int(lookahead_depth)
         self.xray = xray
         self.inflight = np.zeros(self.n_slots, bool)
         self._mask = np.zeros(self.n_slots, bool)
@@ -86,7 +94,7 @@ class StreamingExpertCache(ExpertCache):
         )
         self.routers: list[np.ndarray | None] = []
         self._next_sparse: list[int] = []
-        self._pending: tuple[int, np.ndarray] | None = None
+        self._pending: list[tuple[int, np.ndarray]] = []
         self._predicted: dict[int, np.ndarray] = {}
         self.prefetches = self.prefetch_hits = 0
         self.predicted_total = self.predicted_correct = 0
@@ -112,30 +120,31 @@ class StreamingExpertCache(ExpertCache):
         """
         if not self.prefetch_enabled or layer >= len(self._next_sparse):
             return
-        nxt = self._next_sparse[layer]
-        if nxt < 0:
-            return
-        logits = x @ self.routers[nxt].T
-        k = min(self.top_k, logits.shape[1])
-        top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
-        pred = np.unique(top)
-        self._pending = (nxt, pred)
-        self._predicted[nxt] = pred
+        nxt = layer
+        for _ in range(self.lookahead_depth):
+            nxt = self._next_sparse[nxt]
+            if nxt < 0:
+                return
+            logits = x @ self.routers[nxt].T
+            k = min(self.top_k, logits.shape[1])
+            top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+            pred = np.unique(top)
+            self._pending.append((nxt, pred))
+            old = self._predicted.get(nxt)
+            self._predicted[nxt] = pred if old is None else np.union1d(old, pred)
 
     def _issue_prefetch(self) -> None:
-        if self._pending is None:
-            return
-        layer, pred = self._pending
-        self._pending = None
-        row = self.table[layer]
-        for e in pred.tolist():
-            if row[e] >= 0:
-                continue  # resident or already on its way
-            s = self._victim()
-            if s < 0:
-                return  # no dead slot: prefetch is optional, demand will fetch it
-            self._claim(layer, e, s, PREFETCH)
-            self.prefetches += 1
+        pending, self._pending = self._pending, []
+        for depth, (layer, pred) in enumerate(pending):
+            row = self.table[layer]
+            for e in pred.tolist():
+                if row[e] >= 0:
+                    continue  # resident or already on its way
+                s = self._victim()
+                if s < 0:
+                    return  # no dead slot: prefetch is optional, demand will fetch it
+                self._claim(layer, e, s, PREFETCH, priority=1 + depth)
+                self.prefetches += 1
 
     # ------------------------------------------------------------------ the hot path
 
@@ -197,7 +206,9 @@ class StreamingExpertCache(ExpertCache):
         np.logical_or(self.blocked, self.inflight, out=self._mask)
         return self.policy.victim(self._mask)
 
-    def _claim(self, layer: int, expert: int, s: int, kind: str) -> Transfer:
+    def _claim(
+        self, layer: int, expert: int, s: int, kind: str, priority: int | None = None
+    ) -> Transfer:
         """Evict slot ``s``'s owner (proven dead by the planner) and read ``expert`` into it."""
         evicted, reason = None, "empty"
         if s == self._n_filled:
@@ -209,7 +220,9 @@ class StreamingExpertCache(ExpertCache):
             evicted, reason = (old // self.n_experts, old % self.n_experts), self.policy.name
         self.owner[s] = -1  # unowned while written: a failed read leaves no mapping
         self._xfer[s] = None
-        t = self.planner.submit(layer, expert, s, kind=kind, evicted=evicted, evict_reason=reason)
+        t = self.planner.submit(
+            layer, expert, s, kind=kind, evicted=evicted, evict_reason=reason, priority=priority
+        )
         key = layer * self.n_experts + expert
         self.inflight[s] = True
         self.owner[s] = key

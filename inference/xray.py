@@ -12,9 +12,11 @@ exposed, demand, wasted, failed), the evicted owner and the eviction
 reason, checksum result, deadline stall and error.
 
 Per run: model bytes resident, bytes read per token, I/O time hidden versus
-exposed (the exposure equation, ``exposed = max(0, transfer - overlap)``
-summed over transfers: each transfer's hidden part is its duration minus
-the wait it caused), hit rate, prefetch recall and wasted reads, and useful
+exposed (the exposure equation, ``exposed = max(0, transfer - overlap)``:
+I/O time is the time any read was in flight, exposed is the time the
+consumer was blocked on a completion event, hidden is the rest, the I/O
+that overlapped compute; ``transfer_seconds`` sums every read's own
+duration, which counts parallel reads twice), hit rate, prefetch recall and wasted reads, and useful
 bandwidth (bytes of used transfers over the time any read was in flight)
 against the device baseline measured by ``czyx bench io``.
 """
@@ -82,6 +84,23 @@ class XRay:
         self.threads = threads
         self.device_baseline = device_baseline
         self.transfers: list = []
+        self._mark: tuple[int, int, int, int, int] | None = None
+
+    def mark(self, cache=None) -> None:
+        """Start the reporting window now (for example after prefill, to report decode).
+
+        :meth:`report` with ``since_mark=True`` then counts only transfers
+        requested or first used after this point, and cache counters as
+        differences from their values now.
+        """
+        c = cache
+        self._mark = (
+            time.monotonic_ns(),
+            int(c.hits) if c is not None else 0,
+            int(c.misses) if c is not None else 0,
+            int(getattr(c, "predicted_total", 0)),
+            int(getattr(c, "predicted_correct", 0)),
+        )
 
     def add(self, t) -> None:
         """Record a transfer at submission (its fields are read at report time)."""
@@ -131,6 +150,7 @@ class XRay:
         tokens: int = 0,
         trunk_bytes: int = 0,
         extra: dict[str, Any] | None = None,
+        since_mark: bool = False,
     ) -> dict[str, Any]:
         """The whole report: ``{"schema_version", "run", "transfers"}``.
 
@@ -145,43 +165,57 @@ class XRay:
             Bytes of resident trunk tensors, counted as model bytes resident.
         extra
             Run facts to carry along (model, budget, command line).
+        since_mark
+            Report only the window since :meth:`mark` (``tokens`` should then
+            count that window's tokens).
         """
-        recs = [self.transfer_record(t) for t in self.transfers]
-        done = [t for t in self.transfers if t.t_start is not None and t.t_complete is not None]
+        transfers = self.transfers
+        base = (0, 0, 0, 0, 0)
+        if since_mark:
+            if self._mark is None:
+                raise ValueError("report(since_mark=True) needs mark() first")
+            base = self._mark
+            transfers = [
+                t for t in transfers if t.t_request >= base[0] or (t.t_first_use or 0) >= base[0]
+            ]
+        recs = [self.transfer_record(t) for t in transfers]
+        done = [t for t in transfers if t.t_start is not None and t.t_complete is not None]
         io_ns = sum(t.t_complete - t.t_start for t in done)
-        exposed_ns = sum(t.exposed_ns for t in self.transfers)
+        exposed_ns = sum(t.exposed_ns for t in transfers)
         used = [t for t in done if t.used and t.error is None]
         useful = sum(t.completed_bytes for t in used)
         busy = _busy_ns([(t.t_start, t.t_complete) for t in done])
-        read_bytes = sum(t.completed_bytes for t in self.transfers)
+        read_bytes = sum(t.completed_bytes for t in transfers)
         counts = {k: 0 for k in ("hidden", "exposed", "demand", "wasted", "failed")}
         for r in recs:
             counts[r["outcome"]] += 1
-        prefetches = [t for t in self.transfers if t.kind == "prefetch"]
+        prefetches = [t for t in transfers if t.kind == "prefetch"]
         wasted = [t for t in prefetches if not t.used]
         hits = misses = 0
         resident = trunk_bytes
         recall = None
-        stalls = sum(1 for t in self.transfers if t.stalled)
+        stalls = sum(1 for t in transfers if t.stalled)
         if cache is not None:
-            hits, misses = int(cache.hits), int(cache.misses)
+            hits, misses = int(cache.hits) - base[1], int(cache.misses) - base[2]
             resident += int((cache.owner >= 0).sum()) * int(cache.slot_nbytes)
-            if getattr(cache, "predicted_total", 0):
-                recall = cache.predicted_correct / cache.predicted_total
+            total = int(getattr(cache, "predicted_total", 0)) - base[3]
+            if total:
+                recall = (int(cache.predicted_correct) - base[4]) / total
         lookups = hits + misses
         useful_bw = useful / (busy / 1e9) if busy else None
         run = {
             "io_path": self.io_path,
             "reader_threads": self.threads,
             "tokens": tokens,
-            "transfers": len(self.transfers),
+            "transfers": len(transfers),
             "outcomes": counts,
             "model_bytes_resident": resident,
             "bytes_read": read_bytes,
             "bytes_read_per_token": read_bytes / tokens if tokens else None,
-            "io_seconds": io_ns / 1e9,
+            "io_seconds": busy / 1e9,
+            "transfer_seconds": io_ns / 1e9,
             "exposed_seconds": exposed_ns / 1e9,
-            "hidden_seconds": max(io_ns - exposed_ns, 0) / 1e9,
+            "hidden_seconds": max(busy - exposed_ns, 0) / 1e9,
             "stalls": stalls,
             "lookups": lookups,
             "hits": hits,

@@ -90,3 +90,16 @@ def test_busy_time_is_the_union_of_intervals(spans):
     for s, e in intervals:
         covered.update(range(s, e))
     assert xr._busy_ns(intervals) == len(covered)
+
+
+def test_since_mark_reports_only_the_window(run):
+    x, cache, _ = run
+    x.mark(cache)
+    n_before = len(x.transfers)
+    cache.acquire(0, np.array([6, 7]))
+    cache.release()
+    cache.planner.drain()
+    r = x.report(cache, tokens=1, since_mark=True)
+    assert r["run"]["lookups"] == 2
+    assert r["run"]["transfers"] == len(x.transfers) - n_before <= 2
+    jsonschema.validate(r, xr.load_schema())
