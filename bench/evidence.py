@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(args.dir)
     scratch.mkdir(parents=True, exist_ok=True)
     machine = iobench.machine_description(scratch)
+    load0 = os.getloadavg()
     file_mib = 1024 if args.full else 128
     sustained_mib = 4096 if args.full else 512
     rows, details = [], []
@@ -220,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - t_start
+    load1 = os.getloadavg()
+    machine["load_average"] = (
+        f"{load0[0]:.2f} at start, {load1[0]:.2f} at end (1-minute; other users share "
+        f"these {os.cpu_count()} CPUs, so timings carry their noise)"
+    )
     out = Path(args.out)
     out.write_text(render(rows, details, machine, io, args, elapsed))
     print(f"wrote {out} in {elapsed:.0f} s")

@@ -91,6 +91,7 @@ class Transfer:
         "requested_bytes",
         "slot",
         "source",
+        "staging_copy_bytes",
         "stalled",
         "t_complete",
         "t_first_byte",
@@ -111,6 +112,7 @@ class Transfer:
         self.requested_bytes = nbytes
         self.completed_bytes = 0
         self.source = source
+        self.staging_copy_bytes = 0
         self.event = threading.Event()
         self.error: BaseException | None = None
         self.checksum_result = "pending"
@@ -371,6 +373,7 @@ class TransferPlanner:
         if src < 0:
             self.consumer.read_expert(layer, e, dest)
             t.t_complete = t.t_first_byte = time.monotonic_ns()
+            t.staging_copy_bytes = t.requested_bytes  # unknown path: declared as a copy
             t.completed_bytes = t.requested_bytes
             t.checksum_result = "consumer"
             return
@@ -379,6 +382,8 @@ class TransferPlanner:
         timing = source.read_into(int(self.offset[layer, e]), n, dest)
         t.t_first_byte = timing.first_ns
         t.completed_bytes = min(timing.nbytes, n)
+        if source.staging_copy:
+            t.staging_copy_bytes = timing.nbytes
         source.check_identity()
         got = checksum(dest[:n])
         want = int(self.sums[layer, e])

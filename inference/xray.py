@@ -135,6 +135,7 @@ class XRay:
             "prefetch_lead_us": lead if t.kind == "prefetch" else None,
             "exposed_wait_us": round(t.exposed_ns / 1e3, 3),
             "bandwidth_bytes_per_s": bw,
+            "staging_copy_bytes": t.staging_copy_bytes,
             "outcome": outcome(t),
             "evicted": None if t.evicted is None else list(t.evicted),
             "eviction_reason": t.evict_reason,
@@ -211,6 +212,7 @@ class XRay:
             "outcomes": counts,
             "model_bytes_resident": resident,
             "bytes_read": read_bytes,
+            "staging_copy_bytes": sum(t.staging_copy_bytes for t in transfers),
             "bytes_read_per_token": read_bytes / tokens if tokens else None,
             "io_seconds": busy / 1e9,
             "transfer_seconds": io_ns / 1e9,
@@ -273,6 +275,7 @@ def table(report: dict[str, Any]) -> str:
             f"{_fmt_bytes(r['bytes_read'])} ({_fmt_bytes(r['bytes_read_per_token'])})",
         ),
         ("hit rate", pct(r["hit_rate"])),
+        ("staging-copy bytes", _fmt_bytes(r["staging_copy_bytes"])),
         ("transfers", " ".join(f"{k}={v}" for k, v in r["outcomes"].items())),
         (
             "I/O time hidden / exposed",

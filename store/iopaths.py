@@ -164,6 +164,10 @@ class TransferSource:
 
     name = "abstract"
     direct = False
+    #: Whether the bytes pass through the page cache and are then copied into
+    #: the slot (pread: by the kernel; mmap: by memcpy). Reported by X-Ray as
+    #: staging-copy bytes, so no staging copy goes undeclared.
+    staging_copy = True
 
     def __init__(self, path: str | os.PathLike, *, align: int = DIRECT_ALIGN) -> None:
         if align < 512 or align & (align - 1):
@@ -313,6 +317,7 @@ class DirectSource(_PreadBase):
 
     name = "direct"
     direct = True
+    staging_copy = False
 
 
 class MmapSource(TransferSource):
@@ -385,6 +390,7 @@ class IoUringSource(TransferSource):
 
     name = "io_uring"
     direct = True
+    staging_copy = False
 
     def __init__(
         self, path: str | os.PathLike, *, align: int = DIRECT_ALIGN, queue_depth: int = 16

@@ -71,6 +71,8 @@ def test_transfers_land_verified_in_their_final_slot(synth, io, threads):
             n = synth.info.expert_nbytes
             assert np.array_equal(slots[e][:n], synth.base.blobs[(1, e)])
             assert t.checksum_result == "ok" and t.used and t.source == io
+            direct = io in ("direct", "io_uring")
+            assert t.staging_copy_bytes == (0 if direct else t.completed_bytes)
             assert t.t_request <= t.t_start <= t.t_complete <= t.t_first_use + t.exposed_ns
         assert p.inflight == [None] * 4
     finally:

@@ -74,6 +74,7 @@ def test_the_run_adds_up(run):
         if t["kind"] == "demand":
             assert t["outcome"] in ("demand", "failed") and t["prefetch_lead_us"] is None
     assert r["useful_bytes"] <= r["bytes_read"]
+    assert r["staging_copy_bytes"] == r["bytes_read"]  # pread: through the page cache
 
 
 def test_table_names_the_key_figures(run):
