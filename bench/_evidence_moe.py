@@ -150,9 +150,10 @@ def _fault(scratch: Path, name: str, io: str) -> str:
             live = np.zeros(2, bool)
             p = TransferPlanner(m, [arena[0], arena[1]], live, io=io, threads=1)
             gate = threading.Event()
-            src = p.sources[0]
-            read = src.read_into
-            src.read_into = lambda o, n, dst: (gate.wait(5), read(o, n, dst))[1]
+            read = iop.TransferSource.read_into
+            iop.TransferSource.read_into = lambda s, o, n, dst: (gate.wait(5), read(s, o, n, dst))[
+                1
+            ]
             try:
                 if name == "slot reuse while live":
                     live[0] = True
@@ -172,19 +173,23 @@ def _fault(scratch: Path, name: str, io: str) -> str:
                 return "NOT REFUSED"
             finally:
                 gate.set()
+                iop.TransferSource.read_into = read
                 p.close()
         if name.startswith("late transfer"):
             strict = "strict" in name
             c = streaming(m, 2 * slot, io=io, prefetch=False, strict=strict)
-            src = c.planner.sources[0]
-            read = src.read_into
-            src.read_into = lambda o, n, dst: (time.sleep(0.02), read(o, n, dst))[1]
+            read = iop.TransferSource.read_into
+            iop.TransferSource.read_into = lambda s, o, n, dst: (
+                time.sleep(0.02),
+                read(s, o, n, dst),
+            )[1]
             try:
                 c.acquire(0, np.array([0]))
                 c.release()
             except DeadlineMissedError as exc:
                 return f"`{type(exc).__name__}`: {exc}"
             finally:
+                iop.TransferSource.read_into = read
                 stalls = c.planner.stalls
                 c.close()
             return f"counted stall: {stalls} stall(s), bytes verified and used"

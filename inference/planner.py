@@ -201,36 +201,51 @@ class TransferPlanner:
     # ------------------------------------------------------------------ plan time
 
     def _resolve_extents(self, consumer: ModelConsumer) -> None:
-        """``[layer, expert]`` tables of offset, length, checksum and source index.
+        """Allocate the ``[layer, expert]`` tables of offset, length, checksum and source.
 
-        Source index -1: no file (read through ``consumer.read_expert``);
-        -2: no such expert (a dense layer), refused at submit.
+        Entries are resolved on first use (:meth:`_resolve`), not here: asking
+        the consumer for every extent up front would make a portal-restricted
+        consumer refuse, and audit, every class the run never touches.
+        Source index -3: not resolved yet; -1: no file (read through
+        ``consumer.read_expert``); >= 0: an index into :attr:`sources`.
         """
         nl, ne = int(consumer.info.n_layers), self.n_experts
         self.offset = np.zeros((nl, ne), np.int64)
         self.length = np.zeros((nl, ne), np.int64)
         self.sums = np.zeros((nl, ne), np.uint64)
-        self.src = np.full((nl, ne), -2, np.int32)
+        self.src = np.full((nl, ne), -3, np.int32)
         self.sources: list[TransferSource] = []
-        by_fd: dict[int, int] = {}
-        for layer in range(nl):
-            for e in range(ne):
-                try:
-                    ext = consumer.expert_extent(layer, e)
-                except (CzyxError, LookupError, ValueError):
-                    continue  # a dense layer, or a class the portal does not cover
-                self.length[layer, e] = ext.length
-                if ext.fd < 0:
-                    self.src[layer, e] = -1
-                    continue
-                if ext.fd not in by_fd:
-                    # Reopen the consumer's descriptor (same file, even if renamed since)
-                    # through the chosen path; the path is re-checked for replacement.
-                    by_fd[ext.fd] = len(self.sources)
-                    self.sources.append(open_source(self.io, f"/proc/self/fd/{ext.fd}"))
-                self.src[layer, e] = by_fd[ext.fd]
-                self.offset[layer, e] = ext.offset
-                self.sums[layer, e] = ext.checksum
+        self._by_fd: dict[int, int] = {}
+
+    def _resolve(self, layer: int, expert: int) -> int:
+        """Resolve one extent through the consumer (once); returns its source index.
+
+        The consumer's own refusals (a portal denial, a dense layer) propagate
+        as raised; other lookup failures become :class:`InvalidExtentError`.
+        """
+        try:
+            ext = self.consumer.expert_extent(layer, expert)
+        except CzyxError:
+            raise
+        except (LookupError, ValueError) as exc:
+            raise InvalidExtentError(
+                f"expert (layer {layer}, {expert}) has no extent: {exc}"
+            ) from exc
+        self.length[layer, expert] = ext.length
+        if ext.fd < 0:
+            self.src[layer, expert] = -1
+            return -1
+        src = self._by_fd.get(ext.fd)
+        if src is None:
+            # Reopen the consumer's descriptor (the same file, even if renamed since)
+            # through the chosen path; the path is re-checked for replacement per read.
+            src = len(self.sources)
+            self.sources.append(open_source(self.io, f"/proc/self/fd/{ext.fd}"))
+            self._by_fd[ext.fd] = src
+        self.offset[layer, expert] = ext.offset
+        self.sums[layer, expert] = ext.checksum
+        self.src[layer, expert] = src
+        return src
 
     # ------------------------------------------------------------------ submit / wait
 
@@ -270,14 +285,16 @@ class TransferPlanner:
             The slot's owner is live or a transfer is in flight into it.
         InvalidExtentError
             No such expert, or its extent does not fit a slot.
+        CzyxError
+            The consumer's refusal to resolve the extent (a portal denial).
         """
         self.check_destination(slot)
         if not (0 <= layer < self.src.shape[0] and 0 <= expert < self.n_experts):
             raise InvalidExtentError(f"expert (layer {layer}, {expert}) outside the model")
         src = int(self.src[layer, expert])
+        if src == -3:
+            src = self._resolve(layer, expert)
         n = int(self.length[layer, expert])
-        if src == -2:
-            raise InvalidExtentError(f"layer {layer} has no routed expert {expert}")
         if n <= 0 or n > self.slot_nbytes:
             raise InvalidExtentError(
                 f"expert (layer {layer}, {expert}): extent of {n} bytes does not fit a "

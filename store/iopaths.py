@@ -183,8 +183,15 @@ class TransferSource:
         except OSError as exc:
             self.close()
             raise ReadIOError(exc.errno or 0, self.path, 0, 0) from exc
-        # The name to re-stat for replacement: a /proc/self/fd link resolves to the file.
+        # The name to re-stat for replacement: a /proc/self/fd link resolves to the file,
+        # or to "NAME (deleted)" when it was replaced or removed after its owner opened it.
         real = os.path.realpath(self.path)
+        if real.endswith(" (deleted)"):
+            self.close()
+            raise StaleSourceError(
+                f"{real[: -len(' (deleted)')]}: stale: the file was replaced or removed "
+                "after it was opened"
+            )
         self.identity = SourceIdentity.of_fd(real, self._fd)
 
     # -- identity ----------------------------------------------------------------------
@@ -207,7 +214,9 @@ class TransferSource:
         try:
             now = os.stat(ident.path)
         except FileNotFoundError as exc:
-            raise StaleSourceError(f"{ident.path}: stale: the file was removed") from exc
+            raise StaleSourceError(
+                f"{ident.path}: stale: the file was replaced or removed"
+            ) from exc
         if (now.st_dev, now.st_ino) != (ident.dev, ident.ino):
             raise StaleSourceError(
                 f"{ident.path}: stale: the path now names inode {now.st_ino}, "

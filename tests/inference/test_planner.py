@@ -45,19 +45,19 @@ def _planner(consumer, n=4, **kw):
     return TransferPlanner(consumer, slots, live, **kw), slots, live
 
 
-class Gate:
-    """Wraps a planner's sources so reads block until released (a slow device)."""
+@pytest.fixture
+def gate(monkeypatch):
+    """Every transfer source blocks until ``gate.set()`` (a slow device)."""
+    go = threading.Event()
+    read = iopaths.TransferSource.read_into
 
-    def __init__(self, planner):
-        self.go = threading.Event()
-        for src in planner.sources:
-            read = src.read_into
+    def slow(self, off, n, dest):
+        go.wait(10)
+        return read(self, off, n, dest)
 
-            def slow(off, n, dest, _read=read):
-                self.go.wait(10)
-                return _read(off, n, dest)
-
-            src.read_into = slow
+    monkeypatch.setattr(iopaths.TransferSource, "read_into", slow)
+    yield go
+    go.set()
 
 
 @pytest.mark.parametrize("io", IO_PATHS)
@@ -79,9 +79,8 @@ def test_transfers_land_verified_in_their_final_slot(synth, io, threads):
         p.close()
 
 
-def test_a_slot_may_be_a_destination_only_when_its_owner_is_dead(synth):
+def test_a_slot_may_be_a_destination_only_when_its_owner_is_dead(synth, gate):
     p, _, live = _planner(synth, io="pread")
-    gate = Gate(p)
     try:
         t = p.submit(0, 0, 0)
         with pytest.raises(SlotLiveError, match="in flight"):
@@ -93,11 +92,14 @@ def test_a_slot_may_be_a_destination_only_when_its_owner_is_dead(synth):
             p.submit(0, 3, 99)  # outside the arena
         with pytest.raises(InvalidExtentError):
             p.submit(7, 0, 2)  # no such expert
-        gate.go.set()
+        synth.off[2, 5] = -1  # the consumer has no extent for it (a dense layer)
+        with pytest.raises(InvalidExtentError, match="no extent"):
+            p.submit(2, 5, 2)
+        gate.set()
         p.wait(t)
         p.submit(0, 1, 0)  # dead now: allowed
     finally:
-        gate.go.set()
+        gate.set()
         p.close()
 
 
@@ -129,15 +131,19 @@ def test_forced_short_read_is_a_typed_error_and_the_slot_is_unmapped(synth, io):
 
 
 @pytest.mark.parametrize("io", IO_PATHS)
-def test_stale_block_file_is_refused(synth, io, tmp_path):
+@pytest.mark.parametrize("first_use", ["before", "after"])
+def test_stale_block_file_is_refused(synth, io, first_use, tmp_path):
+    """The block file is replaced after mount, before or after the planner first reads it."""
     p, _, _ = _planner(synth, io=io)
+    fresh = FileConsumer(SyntheticExperts(seed=9), tmp_path / "..")  # same size, other bytes
     try:
-        fresh = FileConsumer(SyntheticExperts(seed=9), tmp_path / "..")  # same size, other bytes
-        os.replace(fresh.path, synth.path)  # the block file is replaced after mount
-        with pytest.raises(iopaths.StaleSourceError, match="replaced"):
+        if first_use == "before":
             p.wait(p.submit(0, 0, 0))
-        fresh.close()
+        os.replace(fresh.path, synth.path)
+        with pytest.raises(iopaths.StaleSourceError, match="replaced"):
+            p.wait(p.submit(0, 1, 1))
     finally:
+        fresh.close()
         p.close()
 
 
@@ -156,13 +162,13 @@ def test_checksum_failure_is_a_typed_error_never_the_bytes(synth):
         cache.close()
 
 
-def test_late_transfer_is_a_counted_stall_or_a_typed_error(synth):
+def test_late_transfer_is_a_counted_stall_or_a_typed_error(synth, gate):
     for strict in (False, True):
+        gate.clear()
         p, slots, _ = _planner(synth, io="pread", strict_deadlines=strict)
-        gate = Gate(p)
         try:
             t = p.submit(0, 4, 0, kind=PREFETCH, deadline_ns=0)  # deadline already passed
-            threading.Timer(0.02, gate.go.set).start()
+            threading.Timer(0.02, gate.set).start()
             if strict:
                 with pytest.raises(DeadlineMissedError, match="after its deadline"):
                     p.wait(t)
@@ -172,18 +178,19 @@ def test_late_transfer_is_a_counted_stall_or_a_typed_error(synth):
                 assert t.stalled and p.stalls == 1 and t.exposed_ns > 0
                 assert np.array_equal(slots[0][:n], synth.base.blobs[(0, 4)])
         finally:
-            gate.go.set()
+            gate.set()
             p.close()
 
 
-def test_in_flight_and_held_slots_are_never_victims(synth):
+def test_in_flight_and_held_slots_are_never_victims(synth, gate):
     # 4 slots, top-2: two held by layer 0, two prefetched for layer 1 while gated.
     cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", threads=1)
     cache.set_routers([np.eye(8, 5, dtype=np.float32)] * 3)
     try:
+        gate.set()
         cache.acquire(0, np.array([0, 1]))
         cache.release()
-        gate = Gate(cache.planner)
+        gate.clear()
         x = np.zeros((1, 5), np.float32)
         x[0, 2] = x[0, 3] = 1.0  # predicts experts 2 and 3 of layer 1
         cache.lookahead(0, x)
@@ -192,7 +199,7 @@ def test_in_flight_and_held_slots_are_never_victims(synth):
         with pytest.raises(SlotInUseError):
             cache.acquire(2, np.array([5]))  # every slot is held or in flight: refuse
         cache.release()
-        gate.go.set()
+        gate.set()
         got = cache.acquire(1, np.array([3, 2]))
         assert set(got.tolist()).isdisjoint(slots.tolist())
         assert cache.prefetch_hits == 2 and cache.predicted_correct == 2
