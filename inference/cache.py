@@ -3,7 +3,7 @@
 Scope: one aligned arena of equal slots sized by a byte budget; a lookup
 table ``(layer, router byte) -> slot`` kept as a numpy int32 array; hits are
 zero-copy views of a slot; misses are one ``consumer.read_expert`` into a free
-or evicted slot; eviction behind :class:`EvictionPolicy` (LRU first); a hot
+or evicted slot; eviction behind :class:`EvictionPolicy` (LRU, and LFU for comparison); a hot
 list prewarmed at start; a pinned hot set selected by class range or prefix.
 
 Invariants (tested):
@@ -77,12 +77,16 @@ class CacheStats:
 class EvictionPolicy(Protocol):
     """Chooses which filled slot a miss overwrites.
 
-    ``touch`` is called on every use of a slot; ``victim`` gets a boolean mask
-    of slots that must not be chosen (pinned or busy) and returns a slot
-    index, or -1 when every slot is blocked.
+    ``filled`` is called when a slot receives expert ``key`` (``layer *
+    n_experts + expert``), ``touch`` on every
+    use of a slot (including the use right after a fill); ``victim`` gets a
+    boolean mask of slots that must not be chosen (pinned or busy) and
+    returns a slot index, or -1 when every slot is blocked.
     """
 
     name: str
+
+    def filled(self, slot: int, key: int) -> None: ...
 
     def touch(self, slot: int) -> None: ...
 
@@ -99,10 +103,13 @@ class LRUPolicy:
     name = "lru"
     _NEVER = np.iinfo(np.int64).max
 
-    def __init__(self, n_slots: int) -> None:
+    def __init__(self, n_slots: int, n_keys: int = 0) -> None:
         self.last_use = np.zeros(n_slots, np.int64)
         self._scratch = np.empty(n_slots, np.int64)
         self._clock = 0
+
+    def filled(self, slot: int, key: int) -> None:
+        """LRU keeps no per-expert state."""
 
     def touch(self, slot: int) -> None:
         """Record a use of ``slot`` now."""
@@ -117,7 +124,49 @@ class LRUPolicy:
         return -1 if blocked[s] else s
 
 
-POLICIES = {"lru": LRUPolicy}
+class LFUPolicy:
+    """Least frequently used expert, by its use count over the whole run; ties go
+    to the most recently used.
+
+    Counts belong to the expert ``(layer, class)``, not the slot, so an expert
+    that keeps coming back outranks a newcomer even after being evicted. The
+    tie rule matters for sweeps: when every token visits more experts than
+    there are slots, LRU misses every time, while keeping the older residents
+    and letting the newest equal go first keeps a core that hits.
+    """
+
+    name = "lfu"
+    _NEVER = np.iinfo(np.int64).max
+
+    def __init__(self, n_slots: int, n_keys: int) -> None:
+        self.counts = np.zeros(n_keys, np.int64)  # uses per (layer, expert)
+        self.key = np.zeros(n_slots, np.int64)  # whose expert each slot holds
+        self.last_use = np.zeros(n_slots, np.int64)
+        self._score = np.empty(n_slots, np.int64)
+        self._clock = 0
+
+    def filled(self, slot: int, key: int) -> None:
+        """``slot`` now holds expert ``key``."""
+        self.key[slot] = key
+
+    def touch(self, slot: int) -> None:
+        """Count a use of the slot's expert now."""
+        self._clock += 1
+        self.counts[self.key[slot]] += 1
+        self.last_use[slot] = self._clock
+
+    def victim(self, blocked: np.ndarray) -> int:
+        """The unblocked slot whose expert has the fewest uses (then the newest), or -1."""
+        # count * 2**40 - last_use: fewest uses first, then the most recent, in one argmin.
+        np.take(self.counts, self.key, out=self._score)
+        self._score <<= 40
+        self._score -= self.last_use
+        np.putmask(self._score, blocked, self._NEVER)
+        s = int(self._score.argmin())
+        return -1 if blocked[s] else s
+
+
+POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy}
 
 
 def class_prefix_range(prefix: int, bits: int) -> tuple[int, int]:
@@ -255,7 +304,7 @@ class ExpertCache:
         if isinstance(policy, str):
             if policy not in POLICIES:
                 raise ValueError(f"unknown eviction policy {policy!r}; known: {sorted(POLICIES)}")
-            policy = POLICIES[policy](n_slots)
+            policy = POLICIES[policy](n_slots, self.n_layers * self.n_experts)
         self.policy = policy
         self.hits = self.misses = self.evictions = self.bytes_read = 0
         self.read_seconds = 0.0
@@ -368,6 +417,7 @@ class ExpertCache:
         self.bytes_read += self.slot_nbytes
         self.owner[s] = layer * self.n_experts + expert
         self.table[layer, expert] = s
+        self.policy.filled(s, layer * self.n_experts + expert)
         return s
 
     # ------------------------------------------------------------------ residency

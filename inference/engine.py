@@ -15,6 +15,7 @@ import numpy as np
 from inference.cache import CacheStats, EvictionPolicy, ExpertCache
 from inference.errors import CacheBudgetError
 from inference.models import DecoderConfig, decoder_class
+from inference.profile import RoutingProfile
 from store.consumer import ModelConsumer
 
 
@@ -116,6 +117,10 @@ class Engine:
     def decode(self, token: int) -> np.ndarray:
         """Process one token; returns its ``[V]`` logits."""
         return self.model.forward(np.array([token], np.int64), self.kv)
+
+    def routing_profile(self) -> RoutingProfile:
+        """The routing counts of everything this engine has run."""
+        return RoutingProfile(self.model.route_counts.copy())
 
     def stats(self) -> CacheStats:
         """The expert cache's counters."""

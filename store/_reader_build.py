@@ -12,7 +12,9 @@ Return convention (no per-call allocation of out-parameters on the hot path):
 ``czyx_read_one`` returns the bytes read (== length on success, less at end of
 file) or ``-errno``; ``czyx_read_many`` returns the index of the first extent
 that did not read fully (``-1`` when all did) and stores that extent's
-``czyx_read_one`` result in ``*result``.
+``czyx_read_one`` result in ``*result``. ``czyx_copy_many`` is the same
+batch served by ``memcpy`` from a read-only mapping of the file (the warm,
+page-cache path without a system call per request).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ typedef struct { int64_t offset; int64_t length; char *buf; } czyx_extent;
 int64_t czyx_read_one(int fd, int dfd, int64_t align, int64_t offset, char *buf, int64_t length);
 int64_t czyx_read_many(int fd, int dfd, int64_t align, const czyx_extent *ex, int64_t n,
                        int64_t *result);
+int64_t czyx_copy_many(const char *base, int64_t size, const czyx_extent *ex, int64_t n,
+                       int64_t *result);
+int64_t czyx_copy_one(const char *base, int64_t size, int64_t offset, char *buf, int64_t length);
 """
 
 SOURCE = r"""
@@ -32,6 +37,7 @@ SOURCE = r"""
 #endif
 #include <errno.h>
 #include <stdint.h>
+#include <string.h>
 #include <unistd.h>
 
 typedef struct { int64_t offset; int64_t length; char *buf; } czyx_extent;
@@ -77,6 +83,31 @@ int64_t czyx_read_many(int fd, int dfd, int64_t align, const czyx_extent *ex, in
                        int64_t *result) {
     for (int64_t i = 0; i < n; i++) {
         int64_t r = czyx_read_one(fd, dfd, align, ex[i].offset, ex[i].buf, ex[i].length);
+        if (r != ex[i].length) {
+            *result = r;
+            return i;
+        }
+    }
+    *result = 0;
+    return -1;
+}
+
+/* The mapped path: copy extents out of a read-only mapping of the whole file
+   (taken when the reader opened it). A request reaching past the mapped size
+   copies what exists and reports a short read, as pread does at end of file. */
+int64_t czyx_copy_one(const char *base, int64_t size, int64_t offset, char *buf,
+                      int64_t length) {
+    int64_t avail;
+    if (offset < 0 || length < 0) return -EINVAL;
+    avail = offset >= size ? 0 : (size - offset < length ? size - offset : length);
+    if (avail > 0) memcpy(buf, base + offset, (size_t)avail);
+    return avail;
+}
+
+int64_t czyx_copy_many(const char *base, int64_t size, const czyx_extent *ex, int64_t n,
+                       int64_t *result) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = czyx_copy_one(base, size, ex[i].offset, ex[i].buf, ex[i].length);
         if (r != ex[i].length) {
             *result = r;
             return i;

@@ -31,6 +31,12 @@ def _check_blob_key(what: str, key: bytes) -> bytes:
     return bytes(key)
 
 
+def prefix_end(prefix: bytes) -> bytes | None:
+    """The smallest key greater than every key starting with ``prefix`` (``None``: none)."""
+    p = prefix.rstrip(b"\xff")
+    return p[:-1] + bytes((p[-1] + 1,)) if p else None
+
+
 def _tag_key(tag: str) -> bytes:
     if not isinstance(tag, str) or not tag or "\x00" in tag:
         raise ValueError(f"tag: {tag!r} is not a non-empty string without NUL")
@@ -91,7 +97,7 @@ class CatalogMixin:
 
     def tags(self) -> dict[str, Selector]:
         """Every tag and the space it points at."""
-        rows = self._scan_raw(self._db["tags"], b"", lambda k: False)
+        rows = self._scan_raw(self._db["tags"], b"", None)
         return {k.decode(): Selector(v) for k, v in rows}
 
     # -- portal descriptors and edges ----------------------------------------------------
@@ -105,14 +111,11 @@ class CatalogMixin:
             v = txn.get(key, db=self._db[db])
         finally:
             self._end_read(txn)
-        return None if v is None else decode(v, f"{db} {key.hex()}")
+        return None if v is None else decode(v, db, key)
 
     def _prefix(self, db: str, prefix: bytes) -> Iterator[tuple[bytes, dict]]:
-        def stop(k: bytes) -> bool:
-            return not k.startswith(prefix)
-
-        for k, v in self._scan_raw(self._db[db], prefix, stop):
-            yield k, decode(v, f"{db} {k.hex()}")
+        for k, v in self._scan_raw(self._db[db], prefix, prefix_end(prefix)):
+            yield k, decode(v, db, k)
 
     def put_portal_descriptor(self, portal_id: bytes, record: dict) -> None:
         """Store (or replace) the descriptor of portal ``portal_id``."""
@@ -160,5 +163,5 @@ class CatalogMixin:
 
     def audit_log(self, since: int = 0) -> Iterator[dict]:
         """Audit entries with ``seq > since``, oldest first."""
-        for _, v in self._scan_raw(self._db["audit"], _SEQ.pack(since + 1), lambda k: False):
+        for _, v in self._scan_raw(self._db["audit"], _SEQ.pack(since + 1), None):
             yield decode(v, "audit entry")

@@ -96,6 +96,13 @@ class RawReader:
         The file to read.
     direct
         Also open an ``O_DIRECT`` descriptor and use it for aligned requests.
+    mapped
+        Serve reads by ``memcpy`` from a read-only ``MAP_SHARED | MAP_POPULATE``
+        mapping of the whole file, taken at open (the warm path: no system call
+        per request). Only for sealed files: the size is fixed at open, and a
+        file truncated *under* a live mapping would raise ``SIGBUS``, so open a
+        mapped reader through :meth:`store.lmdb_store.Store.open_reader`,
+        which verifies the file first. Exclusive with ``direct``.
     align
         Direct-I/O alignment (offset and buffer address); 4096 by default.
     backend
@@ -119,9 +126,12 @@ class RawReader:
         path: str | os.PathLike,
         *,
         direct: bool = False,
+        mapped: bool = False,
         align: int = DIRECT_ALIGN,
         backend: str = "auto",
     ) -> None:
+        if direct and mapped:
+            raise ValueError("reader: direct and mapped are exclusive")
         if backend not in ("auto", "c", "python"):
             raise ValueError(f"backend: {backend!r} is not 'auto', 'c' or 'python'")
         if backend == "c" and _c is None:
@@ -134,13 +144,27 @@ class RawReader:
             raise ValueError(f"align: {align} is not a power of two >= 512")
         self.path = os.fspath(path)
         self.direct = direct
+        self.mapped = mapped
         self.align = align
         self.backend = backend
         self._bfd = self._dfd = -1
+        self._map: mmap.mmap | None = None
+        self._mview: memoryview | None = None
+        self._mptr = None
+        self._msize = 0
         try:
             self._bfd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
             if direct:
                 self._dfd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+            if mapped:
+                self._msize = os.fstat(self._bfd).st_size
+                if self._msize:
+                    self._map = mmap.mmap(
+                        self._bfd,
+                        self._msize,
+                        flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                        prot=mmap.PROT_READ,
+                    )
         except OSError as exc:
             self.close()
             raise ReadIOError(exc.errno or 0, self.path, 0, 0) from exc
@@ -149,6 +173,9 @@ class RawReader:
             self._ffi = _c.ffi
             self._lib = _c.lib
             self._result = _c.ffi.new("int64_t[1]")
+            self._mptr = _c.ffi.from_buffer(self._map) if self._map is not None else _c.ffi.NULL
+        elif self._map is not None:
+            self._mview = memoryview(self._map)
 
     # -- errors -----------------------------------------------------------------------
     def _raise(self, offset: int, length: int, r: int) -> None:
@@ -175,14 +202,25 @@ class RawReader:
             except (BufferError, TypeError) as exc:
                 raise ValueError(f"buffer: {exc}") from exc
             n = len(cbuf)
-            r = self._lib.czyx_read_one(self._bfd, self._dfd, self.align, offset, cbuf, n)
+            if self.mapped:
+                r = self._lib.czyx_copy_one(self._mptr, self._msize, offset, cbuf, n)
+            else:
+                r = self._lib.czyx_read_one(self._bfd, self._dfd, self.align, offset, cbuf, n)
             if r != n:
                 self._raise(offset, n, r)
             return
         mv = _as_bytes_view(buf)
-        r = self._py_read_one(offset, mv)
+        r = self._py_copy_one(offset, mv) if self.mapped else self._py_read_one(offset, mv)
         if r != len(mv):
             self._raise(offset, len(mv), r)
+
+    def _py_copy_one(self, offset: int, mv: memoryview) -> int:
+        if offset < 0:
+            return -22
+        avail = max(0, min(len(mv), self._msize - offset))
+        if avail:
+            mv[:avail] = self._mview[offset : offset + avail]
+        return avail
 
     def _py_read_one(self, offset: int, mv: memoryview) -> int:
         n = len(mv)
@@ -218,7 +256,8 @@ class RawReader:
                 mv = _as_bytes_view(buf)
                 if length > len(mv):
                     raise ValueError(f"read_many: length {length} > buffer of {len(mv)} bytes")
-                r = self._py_read_one(off, mv[:length])
+                part = mv[:length]
+                r = self._py_copy_one(off, part) if self.mapped else self._py_read_one(off, part)
                 if r != length:
                     self._raise(off, length, r)
             return
@@ -237,13 +276,25 @@ class RawReader:
             e.offset = off
             e.length = length
             e.buf = cbuf
-        bad = self._lib.czyx_read_many(self._bfd, self._dfd, self.align, arr, n, self._result)
+        if self.mapped:
+            bad = self._lib.czyx_copy_many(self._mptr, self._msize, arr, n, self._result)
+        else:
+            bad = self._lib.czyx_read_many(self._bfd, self._dfd, self.align, arr, n, self._result)
         if bad >= 0:
             off, length, _ = extents[bad]
             self._raise(off, length, self._result[0])
 
     def close(self) -> None:
-        """Close the descriptors (idempotent)."""
+        """Close the descriptors and the mapping (idempotent)."""
+        if getattr(self, "_mptr", None) is not None and self._map is not None:
+            self._ffi.release(self._mptr)
+        self._mptr = None
+        if getattr(self, "_mview", None) is not None:
+            self._mview.release()
+            self._mview = None
+        if getattr(self, "_map", None) is not None:
+            self._map.close()
+            self._map = None
         for name in ("_dfd", "_bfd"):
             fd = getattr(self, name, -1)
             if fd >= 0:
@@ -304,7 +355,13 @@ def read_extent_verified(reader: RawReader, extent_record: dict, buf: Buffer) ->
         rounded = -(-n // reader.align) * reader.align
         if rounded <= len(mv):
             n = rounded
-    reader.read_into(ext.offset, mv[:n])
+    try:
+        reader.read_into(ext.offset, mv[:n])
+    except ShortReadError as exc:
+        # Only the rounding ran past the end (a file not padded to the alignment):
+        # the extent itself was read in full.
+        if n == ext.length or exc.got < ext.length:
+            raise
     got = checksum(mv[: ext.length])
     if got != ext.checksum:
         raise ChecksumError(

@@ -47,8 +47,20 @@ def encode(record: dict) -> bytes:
     return msgpack.packb(record, **_packer_opts)
 
 
-def decode(data: bytes | memoryview, where: str = "record") -> dict:
-    """Decode msgpack bytes into a dict; ``where`` names the source in errors.
+# Bound once: the read hot paths call it per record.
+unpackb = msgpack.unpackb
+
+
+def decode(data: bytes | memoryview, where: str = "record", key: bytes | None = None) -> dict:
+    """Decode msgpack bytes into a dict.
+
+    Parameters
+    ----------
+    data
+        The stored value.
+    where, key
+        Name the value's source in errors (``key`` is shown in hex); the
+        message is only built on failure, since this runs once per record read.
 
     Raises
     ------
@@ -56,12 +68,18 @@ def decode(data: bytes | memoryview, where: str = "record") -> dict:
         If the bytes are not one complete msgpack map.
     """
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        obj = unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise RecordDecodeError(f"{where}: undecodable msgpack ({exc})") from exc
-    if not isinstance(obj, dict):
-        raise RecordDecodeError(f"{where}: expected a msgpack map, got {type(obj).__name__}")
+        raise RecordDecodeError(f"{_where(where, key)}: undecodable msgpack ({exc})") from exc
+    if type(obj) is not dict:
+        raise RecordDecodeError(
+            f"{_where(where, key)}: expected a msgpack map, got {type(obj).__name__}"
+        )
     return obj
+
+
+def _where(where: str, key: bytes | None) -> str:
+    return where if key is None else f"{where} {bytes(key).hex()}"
 
 
 def check_key(key: bytes) -> bytes:

@@ -111,6 +111,8 @@ class SpaceWriter(SpaceWriterInterface):
         """
         self._check_open()
         k = check_key(key)
+        if not isinstance(record, dict):
+            raise TypeError(f"record: expected a dict, got {type(record).__name__}")
         off, n = record.get("off"), record.get("len")
         if isinstance(off, int) and isinstance(n, int) and off + n > self._block.size:
             raise ValueError(
@@ -222,7 +224,8 @@ def collect_garbage(store: Store, *, grace_s: float = 3600.0) -> list[str]:
         if p.name in live:
             continue
         if p.suffix == ".part":
-            pid = int(p.name.rsplit(".", 2)[-2]) if p.name.count(".") >= 2 else -1
+            pid_text = p.name.rsplit(".", 2)[-2] if p.name.count(".") >= 2 else ""
+            pid = int(pid_text) if pid_text.isdigit() else -1
             if pid > 0 and _pid_alive(pid):
                 continue
         elif p.suffix != ".blk" or now - p.stat().st_mtime < grace_s:

@@ -194,6 +194,8 @@ class MoEDecoder:
             self.lm_head = self.embed
         self.layers = [self._load_layer(i) for i in range(cfg.n_layers)]
         self.rotary = Rotary(cfg.rope)
+        # Top-k selections per (layer, expert): the routing profile of everything run.
+        self.route_counts = np.zeros((cfg.n_layers, cfg.n_experts), np.int64)
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
@@ -309,6 +311,7 @@ class MoEDecoder:
     def _routed(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
         cfg = self.cfg
         idx, w = route_topk(x @ lw.router.T, cfg.top_k, cfg.renormalize)
+        self.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
         t = x.shape[0]
         contrib = np.zeros((t, cfg.top_k, cfg.hidden_size), F32)
         cache = self.experts

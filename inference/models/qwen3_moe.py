@@ -3,7 +3,8 @@
 Differences from the shared base: ``q_norm``/``k_norm`` of width ``head_dim``
 apply per head (unlike OLMoE's full-width norms); no attention biases unless
 ``attention_bias``; ``norm_topk_prob`` decides renormalisation; dense layers
-and sliding windows as in Qwen2-MoE.
+as in Qwen2-MoE; with ``use_sliding_window`` every layer slides (unless the
+config lists ``layer_types``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ class Qwen3MoeDecoder(MoEDecoder):
             raise UnsupportedModelError("config attention_bias=true (o_proj bias) is not supported")
         n = int(c["num_hidden_layers"])
         renorm = bool(c.get("norm_topk_prob"))
-        return common_config(info, renorm, layer_windows(c, n))
+        # Unlike Qwen2-MoE, transformers' Qwen3-MoE has no per-layer types: with
+        # use_sliding_window every layer slides (max_window_layers is ignored).
+        window = (c.get("sliding_window") or None) if c.get("use_sliding_window") else None
+        if c.get("layer_types"):
+            return common_config(info, renorm, layer_windows(c, n))
+        return common_config(info, renorm, [window] * n)
 
     def post_qkv(
         self, lw: Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray

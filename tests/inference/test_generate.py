@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from inference.engine import Engine, resolve_budget
 from inference.errors import CacheBudgetError
@@ -85,3 +87,49 @@ def test_bad_tokens_are_refused(model):
         eng.prefill([999])
     with pytest.raises(ValueError, match="empty"):
         generate_ids(eng, [], 3)
+
+
+def test_routing_profile_counts_every_choice_and_orders_the_hot_list(model, tmp_path):
+    from inference.profile import ProfileError, RoutingProfile
+
+    eng = Engine(StateDictConsumer(model))
+    eng.prefill([9, 8, 7, 6, 5, 4])
+    prof = eng.routing_profile()
+    cfg = eng.cfg
+    assert prof.counts.sum() == 6 * cfg.top_k * sum(cfg.sparse_layers)
+    hot = prof.hot_list()
+    counts = [prof.counts[la, e] for la, e in hot]
+    assert counts == sorted(counts, reverse=True) and min(counts) > 0
+    prof.save(tmp_path / "p.json")
+    back = RoutingProfile.load(tmp_path / "p.json", cfg.n_layers, cfg.n_experts)
+    assert np.array_equal(back.counts, prof.counts)
+    with pytest.raises(ProfileError, match="layers"):
+        RoutingProfile.load(tmp_path / "p.json", cfg.n_layers + 1, cfg.n_experts)
+    # A prewarmed hot list turns the same prompt's cold misses into hits.
+    warm = Engine(StateDictConsumer(model), cache_fraction=0.5, hot=hot)
+    before = warm.stats()
+    warm.prefill([9, 8, 7, 6, 5, 4])
+    assert warm.stats().minus(before).hit_rate > 0
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    n_slots=st.integers(2, 16),
+    prompt=st.lists(st.integers(0, 255), min_size=1, max_size=12),
+    steps=st.integers(0, 6),
+)
+def test_for_all_budgets_tiered_equals_resident(model, n_slots, prompt, steps):
+    def run(**budget):
+        eng = Engine(StateDictConsumer(model), **budget)
+        logits = [eng.prefill(prompt, all_logits=True)]
+        tok = int(np.argmax(logits[-1][-1]))
+        for _ in range(steps):
+            logits.append(eng.decode(tok))
+            tok = int(np.argmax(logits[-1]))
+        return logits
+
+    slot = StateDictConsumer(model).info.expert_slot_nbytes
+    resident, tiered = run(), run(cache_bytes=n_slots * slot)
+    assert all(np.array_equal(a, b) for a, b in zip(resident, tiered))

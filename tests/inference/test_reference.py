@@ -104,3 +104,23 @@ def test_class_permutation_in_the_store_is_invisible(ref, arch):
     perm = [rng.permutation(eng.cfg.n_experts) for _ in range(eng.cfg.n_layers)]
     logits, tokens, _ = _run(StateDictConsumer(model, perm), cache_fraction=0.5)
     assert np.array_equal(logits, base_logits) and tokens == base_tokens
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("qwen2_moe", dict(use_sliding_window=True, sliding_window=5, max_window_layers=3)),
+        ("qwen3_moe", dict(use_sliding_window=True, sliding_window=5)),
+        ("olmoe", dict(clip_qkv=0.05)),
+        ("qwen3_moe", dict(tie_word_embeddings=True)),
+    ],
+)
+def test_config_variants_match_transformers(arch, overrides):
+    model = tiny_model(arch, seed=5, **overrides)
+    with torch.no_grad():
+        want = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
+    consumer = StateDictConsumer(model)
+    if overrides.get("tie_word_embeddings"):
+        del consumer.sd["lm_head.weight"]  # a store keeps a tied head once, as the embedding
+    got = Engine(consumer).prefill(PROMPT, all_logits=True)
+    assert np.abs(got - want).max() < _tol(want)

@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -86,6 +87,7 @@ def test_map_resized_by_another_process(tmp_path: pathlib.Path) -> None:
         "s.close()\n"
     )
     subprocess.run([sys.executable, "-c", code, str(path)], check=True, cwd=ROOT)
+    assert s.get(sp, Key(2, 2999).pack()) == {"p": b"z" * 300}
     assert s.aggregate(sp)[0] == 3001
     s.put(sp, Key(3).pack(), {"parent": 2})
     assert s.get(sp, Key(3).pack()) == {"parent": 2}
@@ -242,4 +244,66 @@ def test_snapshot_and_get_many(tmp_path: pathlib.Path) -> None:
     got = s.get_many(sp, [k for k, _ in items] + [Key(9).pack()])
     assert got == [r for _, r in items] + [None]
     assert s.get(sp, Key(4, 99).pack()) == {"late": True}
+    s.close()
+
+
+def test_map_growth_waits_for_open_readers(tmp_path: pathlib.Path) -> None:
+    """A resize never remaps under a live read transaction of this process."""
+    s = Store.open(tmp_path / "s", map_size=64 << 10)
+    sp = Selector.from_name("g")
+    s.put(sp, Key(255, 2**40).pack(), {"first": True})
+    items = records(3000)
+    errors: list[BaseException] = []
+
+    def grow() -> None:
+        try:
+            s.put_many(sp, items)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with s.snapshot() as snap:
+        t = threading.Thread(target=grow)
+        t.start()
+        for _ in range(200):  # the snapshot stays valid while the writer wants to grow
+            assert snap.get(sp, Key(255, 2**40).pack()) == {"first": True}
+            assert s.get(sp, Key(255, 2**40).pack()) == {"first": True}
+    t.join()
+    assert errors == []
+    assert s.aggregate(sp)[0] == 3001
+    s.close()
+
+
+def test_growth_under_own_snapshot_fails_fast(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s", map_size=64 << 10)
+    sp = Selector.from_name("g")
+    with s.snapshot(), pytest.raises(StoreMapFullError, match="snapshot"):
+        s.put_many(sp, records(3000))
+    assert s.put_many(sp, records(3000)) == 3000  # fine once the snapshot is closed
+    s.close()
+
+
+def test_catalog_extras(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s")
+    sp = Selector.from_name("m")
+    with s.begin_space(sp, {"v": 1}) as w:
+        w.put(Key(3, 1).pack(), w.write_extent(b"abc").record())
+    info = s.space_info(sp)
+    assert info["manifest"] == {"v": 1} and info["count"] == 1 and info["checksum"] == "xxh3_64"
+    assert info["block"]["size"] == s.block_path(sp).stat().st_size
+    assert list(s.keys(sp)) == [Key(3, 1).pack()]
+    s.set_tag("m@1", sp)
+    assert s.remove_tag("m@1") and not s.remove_tag("m@1")
+    s.set_tag("m@1", Selector.from_name("other"))  # re-pointing after an explicit removal
+    s.put_edge(b"e1", {"w": 1})
+    assert s.get_edge(b"e1") == {"w": 1}
+    assert s.delete_edge(b"e1") and s.get_edge(b"e1") is None
+    for bad in (b"", b"x" * 512, "str"):
+        with pytest.raises(ValueError):
+            s.put_edge(bad, {})  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        s.set_tag("", sp)
+    with pytest.raises(ValueError):
+        s.audit("")
+    events = [e["event"] for e in s.audit_log()]
+    assert events == ["space.publish", "tag.set", "tag.remove", "tag.set"]
     s.close()

@@ -44,8 +44,11 @@ def test_c_reader_is_built() -> None:
     assert c_available(), f"store._reader missing: {reader_mod._C_IMPORT_ERROR}"
 
 
+MODES = {"buffered": {}, "direct": {"direct": True}, "mapped": {"mapped": True}}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("mode", list(MODES))
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -56,14 +59,14 @@ def test_c_reader_is_built() -> None:
     buf_shift=st.sampled_from([0, 1, 512]),
 )
 def test_read_into_matches_file(
-    data_file, backend: str, direct: bool, off: int, n: int, aligned_off: bool, buf_shift: int
+    data_file, backend: str, mode: str, off: int, n: int, aligned_off: bool, buf_shift: int
 ) -> None:
     path, data = data_file
     if aligned_off:
         off = off // 4096 * 4096
     arena = aligned_empty(n + buf_shift)
     buf = arena[buf_shift : buf_shift + n]
-    with RawReader(path, direct=direct, backend=backend) as rd:
+    with RawReader(path, backend=backend, **MODES[mode]) as rd:
         if off + n <= len(data):
             rd.read_into(off, buf)
             assert buf.tobytes() == data[off : off + n]
@@ -74,8 +77,8 @@ def test_read_into_matches_file(
             assert str(path) in str(ei.value)
 
 
-@pytest.mark.parametrize("direct", [False, True])
-def test_backends_agree_on_read_many(data_file, direct: bool) -> None:
+@pytest.mark.parametrize("mode", list(MODES))
+def test_backends_agree_on_read_many(data_file, mode: str) -> None:
     path, data = data_file
     rng = np.random.default_rng(1)
     reqs = [
@@ -85,7 +88,7 @@ def test_backends_agree_on_read_many(data_file, direct: bool) -> None:
     outs = {}
     for backend in ("python", "c") if c_available() else ("python",):
         bufs = [aligned_empty(n) for _, n in reqs]
-        with RawReader(path, direct=direct, backend=backend) as rd:
+        with RawReader(path, backend=backend, **MODES[mode]) as rd:
             rd.read_many([(o, n, b) for (o, n), b in zip(reqs, bufs)])
         outs[backend] = [b.tobytes() for b in bufs]
         assert outs[backend] == [data[o : o + n] for o, n in reqs]
@@ -93,10 +96,12 @@ def test_backends_agree_on_read_many(data_file, direct: bool) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_read_many_stops_at_first_bad_extent(data_file, backend: str) -> None:
+@pytest.mark.parametrize("mode", list(MODES))
+def test_read_many_stops_at_first_bad_extent(data_file, backend: str, mode: str) -> None:
     path, data = data_file
     good, bad = bytearray(10), bytearray(100)
-    with RawReader(path, backend=backend) as rd, pytest.raises(ShortReadError) as ei:
+    rd = RawReader(path, backend=backend, **MODES[mode])
+    with rd, pytest.raises(ShortReadError) as ei:
         rd.read_many([(0, 10, good), (len(data) - 50, 100, bad)])
     assert bytes(good) == data[:10]
     assert ei.value.offset == len(data) - 50 and ei.value.got == 50
@@ -136,10 +141,11 @@ def test_rejects_readonly_and_closed(data_file, backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_threads_share_a_reader(data_file, backend: str) -> None:
+@pytest.mark.parametrize("mode", list(MODES))
+def test_threads_share_a_reader(data_file, backend: str, mode: str) -> None:
     path, data = data_file
     errors = []
-    with RawReader(path, backend=backend) as rd:
+    with RawReader(path, backend=backend, **MODES[mode]) as rd:
 
         def work(seed: int) -> None:
             rng = np.random.default_rng(seed)
@@ -158,13 +164,13 @@ def test_threads_share_a_reader(data_file, backend: str) -> None:
     assert errors == []
 
 
-@pytest.mark.parametrize("direct", [False, True])
-def test_read_extent_verified(tmp_path: pathlib.Path, direct: bool) -> None:
+@pytest.mark.parametrize("mode", list(MODES))
+def test_read_extent_verified(tmp_path: pathlib.Path, mode: str) -> None:
     payload = os.urandom(5000)
     p = tmp_path / "f"
     p.write_bytes(bytes(4096) + payload + bytes(8192 - 5000))
     rec = Extent(4096, 5000, checksum(payload)).record()
-    with RawReader(p, direct=direct) as rd:
+    with RawReader(p, **MODES[mode]) as rd:
         slot = aligned_empty(8192)  # room for the rounded-up O_DIRECT read
         read_extent_verified(rd, rec, slot)
         assert slot[:5000].tobytes() == payload
@@ -222,3 +228,36 @@ def test_bad_arguments(data_file) -> None:
         RawReader(path, backend="rust")
     with pytest.raises(ValueError):
         RawReader(path, align=1000)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mapped_reader_edge_cases(tmp_path: pathlib.Path, backend: str) -> None:
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    with RawReader(empty, mapped=True, backend=backend) as rd:
+        rd.read_into(0, bytearray(0))
+        with pytest.raises(ShortReadError):
+            rd.read_into(0, bytearray(1))
+    with pytest.raises(ValueError):
+        RawReader(empty, mapped=True, direct=True)
+    (tmp_path / "f").write_bytes(b"abc")
+    with RawReader(tmp_path / "f", mapped=True, backend=backend) as rd:
+        with pytest.raises(ReadIOError) as ei:
+            rd.read_into(-1, bytearray(1))
+        assert ei.value.errno == errno.EINVAL
+        with pytest.raises(ShortReadError):
+            rd.read_many([(1, 2, bytearray(2)), (2, 5, bytearray(5))])
+
+
+def test_verified_read_of_an_unpadded_file_in_direct_mode(tmp_path: pathlib.Path) -> None:
+    """Rounding the read up to the alignment must not fail on a file that ends unaligned."""
+    payload = os.urandom(5000)
+    p = tmp_path / "f"
+    p.write_bytes(bytes(4096) + payload)  # no padding after the extent
+    rec = Extent(4096, 5000, checksum(payload)).record()
+    with RawReader(p, direct=True) as rd:
+        slot = aligned_empty(8192)
+        read_extent_verified(rd, rec, slot)
+        assert slot[:5000].tobytes() == payload
+        with pytest.raises(ShortReadError):
+            read_extent_verified(rd, {**rec, "len": 5001}, slot)

@@ -1,0 +1,264 @@
+"""The routing-locality experiment (design source section 7.1) on the shipped model.
+
+Builds routing traces of the bundled byte-level MoE (``inference/assets/
+czyx-moe-stdlib``) with transformers on held-out Python standard-library text
+(the validation files of ``tools/train_moe.py``: never trained on), learns
+class orders and hot sets on the first part and measures on the second, then
+writes ``bench/LOCALITY.md`` and its plots (``bench/locality_hit_rate.png``,
+``bench/locality_run_length.png``). Every layout figure is a ratio against the
+arbitrary-identifier, layer-major baseline and every policy against LRU,
+measured in the same run.
+
+    python bench/locality.py            # 2 x 16 KiB of text (~1-2 min on 2 idle cores)
+    python bench/locality.py --full     # 2 x 128 KiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def build_traces(model_dir: Path, n_bytes: int, window: int, seed_frac: float = 0.05):
+    """Trace ``2 * n_bytes`` of validation text as windows; return (learn, measure, text_bytes)."""
+    import numpy as np
+    import torch
+    from train_moe import load_corpus
+    from transformers import MixtralForCausalLM
+
+    from inference.trace import text_sha256, trace_hf_model
+
+    corpus = load_corpus(seed_frac)
+    text = corpus.val[: 2 * n_bytes].tobytes()
+    model = MixtralForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = np.frombuffer(text, dtype=np.uint8).astype(np.int64)
+    windows = [ids[i : i + window].tolist() for i in range(0, len(ids) - window + 1, window)]
+    trace = trace_hf_model(
+        model, windows, model_id=model_dir.name, text_sha256=text_sha256(text), batch_size=16
+    )
+    learn, measure = trace.split(0.5)
+    return trace, learn, measure, model.config
+
+
+def plot(res: dict, out_dir: Path) -> list[str]:
+    """Hit rate vs budget per policy, and run length per layout; returns file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    total = res["n_layers"] * res["n_experts"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    x = [b / total for b in res["budgets"]]
+    for p, rates in res["hit_rates"].items():
+        ax.plot(x, rates, marker="o", label=p)
+    ax.set_xlabel("cache budget (share of all routed experts)")
+    ax.set_ylabel("hit rate (held-out trace)")
+    ax.set_title("Expert cache hit rate by policy")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    f1 = "locality_hit_rate.png"
+    fig.savefig(out_dir / f1, dpi=110)
+    plt.close(fig)
+
+    names = list(res["layouts"])
+    L = res["n_layers"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.27
+    for j, (key, label) in enumerate(
+        [("run_w1", "per layer"), ("run_w2", "+1 layer look-ahead"), (f"run_w{L}", "all layers")]
+    ):
+        ax.bar(
+            [i + (j - 1) * width for i in range(len(names))],
+            [res["layouts"][n][key] for n in names],
+            width,
+            label=label,
+        )
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("mean contiguous run length (experts)")
+    ax.set_title("Run length of a token's expert fetches, by layout (no cache)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    f2 = "locality_run_length.png"
+    fig.savefig(out_dir / f2, dpi=110)
+    plt.close(fig)
+    return [f1, f2]
+
+
+def conclusion(res: dict) -> str:
+    """One plain paragraph, computed from the figures (it says whichever way they fall)."""
+    import numpy as np
+
+    lay = res["layouts"]
+    base = lay["identity/layer-major"]
+    best = lay["learned/layer-major"]
+    rnd = lay["random/layer-major"]
+    L, E, k = res["n_layers"], res["n_experts"], res["top_k"]
+    bud = res["budgets"]
+    mid = bud[len(bud) // 2]
+    s_b, s_l = base[f"seeks_w1_b{mid}"], best[f"seeks_w1_b{mid}"]
+    run_gain = best["run_w1"] / base["run_w1"] - 1
+    seek_cut = 1 - s_l / s_b if s_b else 0.0
+    hr = res["hit_rates"]
+    i = bud.index(mid)
+    tr = res["temporal"]
+    reuse = tr["observed"][0] / tr["shuffled"][0]
+    adj = res["ordering"]
+    held = sum(adj["adjacent_pair_share_measure"]) / L
+    ident = sum(adj["adjacent_pair_share_identity"]) / L
+    ent = sum(u["entropy_bits"] for u in res["usage"]) / L
+    pair = sum(c["top_pair_share"] for c in res["cooccur"]) / L
+    pair_ind = sum(c["top_pair_share_independent"] for c in res["cooccur"]) / L
+    no_cache_cut = 1 - best["seeks_w1"] / base["seeks_w1"]
+    verdict = (
+        "Ordering helps"
+        if seek_cut >= 0.05
+        else ("Ordering helps only marginally" if seek_cut > 0.01 else "Ordering does not help")
+    )
+    best_other = max((p for p in hr if p != "belady"), key=lambda p: hr[p][i])
+    miss_cut = 1 - (1 - hr[best_other][i]) / (1 - hr["lru"][i]) if hr["lru"][i] < 1 else 0.0
+    bigger = (
+        "the cache policy matters more than the layout"
+        if miss_cut > seek_cut
+        else "the layout matters as much as the cache policy or more"
+    )
+    return (
+        f"{verdict} once a cache is in front of the disk. On held-out text a learned class "
+        f"order puts {held:.0%} of a layer's co-routed pairs on adjacent class values "
+        f"(arbitrary identifiers: {ident:.0%}; a random order gives about {2 / E:.0%}). "
+        f"Without a cache this raises the mean contiguous run of a layer's fetch from "
+        f"{base['run_w1']:.3f} to {best['run_w1']:.3f} experts ({run_gain:+.1%}; random orders "
+        f"{rnd['run_w1']:.3f}) and cuts seeks per token by {no_cache_cut:.1%}; behind a "
+        f"{mid}-slot LRU cache ({mid / (L * E):.0%} of experts) seeks per token go from "
+        f"{s_b:.2f} to {s_l:.2f} ({-seek_cut:+.1%}), because the misses that remain are mostly "
+        f"single experts. Bytes read per token do not change with the order (every missed "
+        f"expert is read either way), and with top-{k} of {E} experts a per-layer run can never "
+        f"exceed {k}, so the ceiling is low by construction. Routing is concentrated in usage "
+        f"(mean entropy {ent:.2f} of {np.log2(E):.0f} bits) and somewhat in pairs (the {E} "
+        f"heaviest pairs carry {pair:.0%} of pair mass against {pair_ind:.0%} for independent "
+        f"routing with the same usage), and token t reuses token t-1's experts "
+        f"{reuse:.2f}x as often as shuffled tokens do. At {mid} slots {best_other} hits "
+        f"{hr[best_other][i]:.1%} against LRU's {hr['lru'][i]:.1%} (Belady's bound "
+        f"{hr['belady'][i]:.1%}): {miss_cut:.0%} fewer misses, so for this model {bigger}."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=str(ROOT / "inference/assets/czyx-moe-stdlib"))
+    ap.add_argument("--bytes", type=int, default=16384, help="bytes per part (learn, measure)")
+    ap.add_argument("--full", action="store_true", help="128 KiB per part")
+    ap.add_argument("--window", type=int, default=256, help="tokens per traced window")
+    ap.add_argument("--out", default=str(ROOT / "bench"))
+    ap.add_argument("--trace-out", help="also save the whole trace (.npz) here")
+    args = ap.parse_args(argv)
+    import torch
+
+    threads = int(os.environ.get("CZYX_BENCH_THREADS", "2"))
+    torch.set_num_threads(threads)
+    from inference.locality.report import analyze, to_markdown
+
+    n_bytes = 131072 if args.full else args.bytes
+    t0 = time.time()
+    trace, learn, measure, cfg = build_traces(Path(args.model), n_bytes, args.window)
+    t_trace = time.time() - t0
+    if args.trace_out:
+        trace.save(args.trace_out)
+    res = analyze(learn, measure)
+    t_all = time.time() - t0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pngs = plot(res, out)
+    expert_bytes = 3 * cfg.hidden_size * cfg.intermediate_size * 2  # fp16 w1, w2, w3
+    bud = res["budgets"]
+    total = res["n_layers"] * res["n_experts"]
+    lines = [
+        "# Does MoE routing have locality a layout can use?",
+        "",
+        "Written by `python bench/locality.py"
+        + (" --full" if args.full else f" --bytes {n_bytes}")
+        + "` (the design source's section 7.1 experiment). Numbers below are measured, "
+        "in one run, on the model shipped in `inference/assets/czyx-moe-stdlib`.",
+        "",
+        "## Conclusion",
+        "",
+        conclusion(res),
+        "",
+        "## Method",
+        "",
+        f"- Model: the bundled byte-level Mixtral-format MoE ({res['n_layers']} MoE layers, "
+        f"{res['n_experts']} experts, top-{res['top_k']}; one expert is {expert_bytes:,} bytes "
+        "in fp16).",
+        f"- Text: the first {2 * n_bytes:,} bytes of the held-out standard-library files "
+        "(the training script's validation split, never trained on), cut into "
+        f"{args.window}-byte windows, each run from an empty context. The trace is split at a "
+        "window boundary: the first half (learn) trains class orders, transition counts and "
+        "the pinned hot set; every figure is measured on the second half.",
+        "- Traces: `inference.trace.trace_hf_model` (transformers' `output_router_logits`), "
+        "the format documented in `inference/trace.py`.",
+        "- Orders: per layer, the better of a spectral order (Fiedler vector of the "
+        "co-occurrence Laplacian) and a greedy chain (heaviest pairs first), each refined by "
+        "2-opt, maximising the co-routed pair mass on adjacent class values. `aligned` keeps "
+        "layer 0's order and gives each later expert the class of the expert it most often "
+        "follows, for the 2-D curves. `random` averages 5 seeded permutations.",
+        "- Layouts: slots ranked along row-major (layer-major), Morton or Hilbert order over "
+        "(layer, class); fetch groups as the engine issues them: per layer (w1) and with one "
+        "layer of look-ahead (w2); all layers at once is shown as an unreachable bound.",
+        "- Caches: replayed on the request stream token by token, layer by layer, "
+        "cold start; `hotness` halves scores every 32 tokens; `slru` protects 80%; "
+        "`pinned` pins the learn trace's most used experts in half the budget, LRU "
+        "for the rest; `belady` is MIN with bypass (the offline optimum).",
+        f"- Wall time: tracing {t_trace:.0f} s, everything {t_all:.0f} s; torch threads {threads}.",
+        "",
+        "## Results",
+        "",
+        to_markdown(res),
+        "### Ratios against the baselines of this run",
+        "",
+        "Layouts vs `identity/layer-major` (arbitrary identifiers), no cache, per-layer groups:",
+        "",
+        "| layout | run length ratio | seeks/token ratio |",
+        "| --- | --- | --- |",
+    ]
+    base = res["layouts"]["identity/layer-major"]
+    for name, r in res["layouts"].items():
+        lines.append(
+            f"| {name} | {r['run_w1'] / base['run_w1']:.3f} | "
+            f"{r['seeks_w1'] / base['seeks_w1']:.3f} |"
+        )
+    lines += [
+        "",
+        "Policies vs LRU (hit rate ratio) and bytes read per token (misses x expert bytes):",
+        "",
+        "| policy | " + " | ".join(f"{b} slots ({b / total:.0%})" for b in bud) + " |",
+        "| --- |" + " --- |" * len(bud),
+    ]
+    per_tok = res["n_layers"] * res["top_k"]
+    for p, rates in res["hit_rates"].items():
+        cells = [
+            (f"{r / lru:.2f}x" if lru > 0 else ("-" if r == 0 else "inf (LRU 0)"))
+            + f", {(1 - r) * per_tok * expert_bytes / 1024:.0f} KiB"
+            for r, lru in zip(rates, res["hit_rates"]["lru"])
+        ]
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in pngs] + [""]
+    (out / "LOCALITY.md").write_text("\n".join(lines))
+    (out / "locality.json").write_text(json.dumps(res, indent=1) + "\n")
+    print("\n".join(lines[:8]))
+    print(f"wrote {out / 'LOCALITY.md'} ({t_all:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

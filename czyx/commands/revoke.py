@@ -1,0 +1,32 @@
+"""``czyx revoke ID``: revoke a portal and everything attenuated from it."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from portals._cli import add_store_arg
+
+    p = subparsers.add_parser(
+        "revoke",
+        help="revoke a portal and every portal derived from it",
+        description="Revoke portal ID (full hex or a unique prefix of at least 6 digits).",
+    )
+    p.add_argument("id", help="portal id (hex, or a unique prefix)")
+    p.add_argument("--reason", default="", help="kept in the descriptor and the audit log")
+    add_store_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from portals._cli import open_store
+    from portals.authority import PortalAuthority
+
+    with open_store(args) as store:
+        marked = PortalAuthority(store).revoke(args.id, reason=args.reason)
+    if not marked:
+        print(f"portal {args.id} was already revoked")
+    for pid in marked:
+        print(f"revoked {pid.hex()}")
+    return 0

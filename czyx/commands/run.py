@@ -1,0 +1,173 @@
+"""``czyx run NAME@VERSION --prompt TEXT``: generate text with a mounted model version.
+
+The model is opened only through a portal carrying the ``infer`` right
+(``portals.open_model`` gives the checked view, ``store.model.open_model`` the
+consumer, with O_DIRECT expert reads; no ``--portal`` means the store owner's
+root portal); the trunk is loaded resident and routed experts
+stream through the slot cache sized by ``--cache-mb`` or ``--cache-fraction``
+(default: every expert resident). The text streams to stdout; the figures
+(tokens/s of prefill and decode, hit rate, bytes read per token, exposed I/O
+wait) follow on stderr so the text stays clean for pipes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``run`` subcommand."""
+    p = subparsers.add_parser(
+        "run",
+        help="generate text with a mounted MoE model",
+        description="Generate text with a mounted model version, opened through a portal.",
+    )
+    p.add_argument("ref", metavar="NAME@VERSION", help="the model version's tag")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument(
+        "--portal",
+        default=os.environ.get("CZYX_PORTAL"),
+        help="portal token with the infer right (default: $CZYX_PORTAL, else the owner's)",
+    )
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--cache-mb", type=float, help="expert slot budget in MiB")
+    budget.add_argument(
+        "--cache-fraction", type=float, help="expert slot budget as a fraction of expert bytes"
+    )
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1.0: off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--policy", choices=["lru", "lfu"], default="lru", help="expert eviction policy")
+    p.add_argument(
+        "--pin-classes",
+        metavar="LO-HI",
+        help="pin the experts with router bytes LO..HI (inclusive) in every layer",
+    )
+    p.add_argument(
+        "--hot", metavar="PROFILE", help="routing profile (czyx profile) whose hot list to prewarm"
+    )
+    p.add_argument(
+        "--store",
+        default=None,
+        metavar="DIR",
+        help=f"store directory (default: $CZYX_STORE or ./{DEFAULT_STORE})",
+    )
+    p.set_defaults(func=run)
+
+
+def _tokenizer_source(consumer: object) -> str | None:
+    """The checkpoint's tokenizer.json text if the consumer carries one (optional extension)."""
+    src = getattr(consumer, "tokenizer_json", None)
+    if callable(src):
+        src = src()
+    if isinstance(src, bytes):
+        src = src.decode("utf-8")
+    return src
+
+
+DEFAULT_STORE = "czyx-store"  # the mount commands' default (czyx/commands/_storearg.py)
+
+
+class OpenedModel:
+    """A model version opened through a portal, with the store it came from.
+
+    ``consumer`` is the store's ``ModelConsumer``; :meth:`close` releases it
+    and the store.
+    """
+
+    def __init__(self, store_dir: str, ref: str, token: str | None) -> None:
+        from inference.errors import InferenceError
+
+        try:
+            import portals
+            from store import Store
+            from store.model import open_model
+        except ImportError as exc:
+            raise InferenceError(f"this build lacks the store or portals: {exc}") from exc
+        if not os.path.isdir(store_dir):
+            raise InferenceError(f"no store at {store_dir!r} (set --store or $CZYX_STORE)")
+        self.store = Store.open(store_dir, create=False)
+        try:
+            # No token: the owner's root portal (local use); a tenant passes theirs.
+            token = token or portals.root_token(self.store)
+            view = portals.open_model(self.store, token, ref)
+            self.consumer = open_model(self.store, ref, view=view, direct=True)
+        except BaseException:
+            self.store.close()
+            raise
+
+    def close(self) -> None:
+        """Close the consumer, then the store."""
+        try:
+            self.consumer.close()
+        finally:
+            self.store.close()
+
+
+def parse_class_range(text: str | None) -> tuple[int, int] | None:
+    """``"LO-HI"`` (inclusive, decimal or 0x hex) as a half-open ``(lo, hi + 1)``."""
+    if text is None:
+        return None
+    try:
+        lo_s, _, hi_s = text.partition("-")
+        lo, hi = int(lo_s, 0), int(hi_s or lo_s, 0)
+    except ValueError:
+        raise ValueError(f"--pin-classes {text!r} is not LO-HI (e.g. 0-15 or 0x20-0x2f)") from None
+    if not 0 <= lo <= hi <= 255:
+        raise ValueError(f"--pin-classes {text!r} must satisfy 0 <= LO <= HI <= 255")
+    return lo, hi + 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """Open, generate, stream, report."""
+    from inference.engine import Engine
+    from inference.generate import generate
+    from inference.profile import RoutingProfile
+    from inference.sampling import SamplingParams
+    from inference.tokenizer import load_tokenizer
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    pin = parse_class_range(args.pin_classes)
+    if args.max_tokens < 0:
+        raise ValueError(f"--max-tokens {args.max_tokens} is negative")
+    store_dir = args.store or os.environ.get("CZYX_STORE") or DEFAULT_STORE
+    opened = OpenedModel(store_dir, args.ref, args.portal)
+    consumer = opened.consumer
+    try:
+        cache_bytes = None if args.cache_mb is None else int(args.cache_mb * 2**20)
+        hot = None
+        if args.hot:
+            info = consumer.info
+            hot = RoutingProfile.load(args.hot, info.n_layers, info.n_experts).hot_list()
+        engine = Engine(
+            consumer,
+            cache_bytes=cache_bytes,
+            cache_fraction=args.cache_fraction,
+            policy=args.policy,
+            hot=hot,
+            pin_classes=pin,
+        )
+        tokenizer = load_tokenizer(_tokenizer_source(consumer), engine.cfg.vocab_size)
+
+        def emit(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        out = generate(engine, tokenizer, args.prompt, args.max_tokens, sampling, on_text=emit)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        budget_mb = engine.cache.n_slots * engine.cache.slot_nbytes / 2**20
+        print(
+            f"cache: {budget_mb:.1f} MiB of {engine.expert_bytes / 2**20:.1f} MiB experts "
+            f"({engine.cache.n_slots} slots), tokenizer: {tokenizer.name}",
+            file=sys.stderr,
+        )
+        print(out.stats.summary(), file=sys.stderr)
+        engine.close()
+    finally:
+        opened.close()
+    return 0

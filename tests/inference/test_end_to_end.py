@@ -1,0 +1,88 @@
+"""End to end: a tiny checkpoint mounted in a store, opened through a portal, run.
+
+The engine sees only the store's ModelConsumer (``store.model``) behind a
+portal view (``portals.open_model``): logits match transformers, tiered runs
+match resident ones bit for bit, a portal narrowed to some classes refuses
+the experts outside them, and ``czyx run`` streams text and its figures.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("store.model", reason="needs the store's model reader (mount issue)")
+pytest.importorskip("portals.model", reason="needs portals.open_model (portals issue)")
+
+import portals
+from czyx.cli import main
+from czyx.commands.run import OpenedModel
+from inference.engine import Engine
+from inference.generate import generate_ids
+from store import Store
+from store.mount import mount
+from tests.inference.refmodels import ARCHS, tiny_model
+
+PROMPT = np.random.default_rng(11).integers(0, 256, 10)
+
+
+@pytest.fixture(scope="module")
+def mounted(tmp_path_factory):
+    """A store holding each architecture as ``ARCH@1``, and the reference models."""
+    root = tmp_path_factory.mktemp("e2e")
+    models = {}
+    store = Store.open(root / "store")
+    for arch in ARCHS:
+        model = tiny_model(arch, seed=3)
+        model.save_pretrained(root / arch)
+        mount(store, root / arch, f"{arch}@1")
+        models[arch] = model
+    token = portals.root_token(store)
+    store.close()
+    return root / "store", models, token
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mounted_model_through_a_portal_matches_transformers(mounted, arch):
+    store_dir, models, token = mounted
+    with torch.no_grad():
+        want = models[arch](torch.tensor(PROMPT)[None]).logits[0].numpy()
+    opened = OpenedModel(str(store_dir), f"{arch}@1", token)
+    try:
+        got = Engine(opened.consumer).prefill(PROMPT, all_logits=True)
+        assert np.abs(got - want).max() < 1e-4 * float(want.max() - want.min())
+        full, _ = generate_ids(Engine(opened.consumer), PROMPT.tolist(), 16)
+        top_k = int(opened.consumer.info.config["num_experts_per_tok"])
+        slot = opened.consumer.info.expert_slot_nbytes
+        small = Engine(opened.consumer, cache_bytes=top_k * slot)
+        tiered, st = generate_ids(small, PROMPT.tolist(), 16)
+        assert tiered == full and st.decode_cache.misses > 0
+        small.reset()
+        assert np.array_equal(small.prefill(PROMPT, all_logits=True), got)
+    finally:
+        opened.close()
+
+
+def test_portal_narrowed_to_some_classes_refuses_the_rest(mounted):
+    store_dir, _, token = mounted
+    narrow = portals.attenuate(token, [portals.ClassRange(0, 0)])
+    opened = OpenedModel(str(store_dir), "mixtral@1", narrow)
+    try:
+        eng = Engine(opened.consumer)
+        with pytest.raises(portals.PortalDenied):
+            eng.prefill(PROMPT)
+    finally:
+        opened.close()
+
+
+def test_czyx_run_streams_text_and_figures(mounted, capsys):
+    store_dir, _, token = mounted
+    argv = ["run", "olmoe@1", "--prompt", "hi", "--store", str(store_dir), "--portal", token]
+    assert main([*argv, "--max-tokens", "8", "--cache-fraction", "0.5", "--seed", "1"]) == 0
+    out = capsys.readouterr()
+    assert out.out.endswith("\n") and len(out.out) >= 1
+    for figure in ("prefill:", "decode:", "hit rate", "MB/token", "exposed I/O wait"):
+        assert figure in out.err
+    assert main([*argv, "--cache-mb", "0.001"]) == 1
+    assert "top-2" in capsys.readouterr().err

@@ -1,0 +1,124 @@
+"""Export: byte-identical files, transformers reloads them, logits compared exactly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from store import Store
+from store.export import export
+from store.mount import mount
+from tests.store.tiny_models import make_tiny_checkpoint, reference_logits
+
+TOKENS = [3, 17, 5, 60, 1, 88, 42, 9]
+
+
+def _sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _same_files(src, out):
+    names = sorted(p.name for p in src.glob("*.safetensors"))
+    assert names and names == sorted(p.name for p in out.glob("*.safetensors"))
+    for name in names:
+        assert _sha(src / name) == _sha(out / name), name
+
+
+@pytest.fixture
+def store(tmp_path):
+    with Store.open(tmp_path / "store") as s:
+        yield s
+
+
+@pytest.mark.parametrize(
+    ("arch", "fused", "kw"),
+    [
+        ("mixtral", False, {}),
+        ("mixtral", True, {}),
+        ("qwen2_moe", True, {}),
+        ("qwen3_moe", False, {"max_shard_size": "20KB"}),
+        ("olmoe", False, {"dtype": "bfloat16"}),
+        ("deepseek_v3", True, {}),
+        ("deepseek_v2", False, {"dtype": "float16"}),
+        ("qwen2_moe", False, {"mlp_only_layers": [0]}),
+    ],
+    ids=[
+        "mixtral",
+        "mixtral-fused",
+        "qwen2-fused",
+        "qwen3-sharded",
+        "olmoe-bf16",
+        "dsv3-fused",
+        "dsv2-f16",
+        "qwen2-dense-layer0",
+    ],
+)
+def test_export_is_bit_identical_and_reloads(store, tmp_path, arch, fused, kw):
+    import torch
+
+    src = make_tiny_checkpoint(arch, tmp_path / "src", fused=fused, **kw)
+    mount(store, src, f"{arch}@1", class_perm=None)
+    out = tmp_path / "out"
+    export(store, f"{arch}@1", out)
+    _same_files(src, out)
+    if "max_shard_size" in kw:
+        index = "model.safetensors.index.json"
+        assert (
+            json.loads((out / index).read_text())["weight_map"]
+            == json.loads((src / index).read_text())["weight_map"]
+        )
+    want, got = reference_logits(src, arch, TOKENS), reference_logits(out, arch, TOKENS)
+    assert torch.equal(want, got)
+
+
+def test_export_after_permutation_and_dedup(store, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_checkpoint("qwen3_moe", tmp_path / "v1")
+    v2 = shutil.copytree(src, tmp_path / "v2")
+    st = load_file(str(src / "model.safetensors"))
+    st["model.layers.1.mlp.experts.4.down_proj.weight"] -= 0.5
+    save_file(st, str(v2 / "model.safetensors"), metadata={"format": "pt"})
+    perm = [list(reversed(range(8))), list(range(8))]
+    mount(store, src, "q@1", class_perm=perm)
+    res = mount(store, v2, "q@2", class_perm=perm)
+    assert res.bytes_shared > 0
+    for tag, ck in (("q@1", src), ("q@2", v2)):
+        out = tmp_path / f"out-{tag}"
+        export(store, tag, out)
+        _same_files(ck, out)
+
+
+def test_export_of_adapter_is_the_merged_model(store, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_checkpoint("mixtral", tmp_path / "base")
+    mount(store, src, "m@1")
+    st = load_file(str(src / "model.safetensors"))
+    replaced = {
+        "model.layers.0.block_sparse_moe.experts.1.w1.weight": None,
+        "model.layers.0.block_sparse_moe.experts.1.w2.weight": None,
+        "model.layers.0.block_sparse_moe.experts.1.w3.weight": None,
+        "model.layers.1.self_attn.v_proj.weight": None,
+    }
+    rng = np.random.default_rng(0)
+    for name in replaced:
+        replaced[name] = torch.from_numpy(rng.standard_normal(tuple(st[name].shape)).astype("f4"))
+    ad = tmp_path / "adapter"
+    ad.mkdir()
+    shutil.copy(src / "config.json", ad)
+    save_file(replaced, str(ad / "model.safetensors"))
+    mount(store, ad, "m@1-ad", adapter_of="m@1")
+    out = tmp_path / "out"
+    export(store, "m@1-ad", out)
+    merged = load_file(str(out / "model.safetensors"))
+    for name, tensor in st.items():
+        assert torch.equal(merged[name], replaced.get(name, tensor)), name
+    assert not torch.equal(
+        reference_logits(out, "mixtral", TOKENS), reference_logits(src, "mixtral", TOKENS)
+    )

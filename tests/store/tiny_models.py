@@ -1,0 +1,155 @@
+"""Tiny MoE checkpoints built with transformers, for tests (shared with the engine tests).
+
+``make_tiny_checkpoint(arch, path)`` builds a randomly initialised model of
+one of the supported architectures with a tiny config and writes it as a
+Hugging Face checkpoint directory. Nothing is downloaded.
+
+``fused=None`` or ``False`` writes what ``save_pretrained`` writes
+(transformers 5.x converts its fused in-memory experts back to per-expert
+tensors on save); ``fused=True`` writes the in-memory state dict as it is,
+with stacked ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj
+[E, H, I]``, which transformers also loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+ARCHES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+# The architectures the numpy engine targets first (DeepSeek is naming-only for now).
+ENGINE_ARCHES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+_COMMON: dict[str, Any] = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 96,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+_DEEPSEEK: dict[str, Any] = {
+    "num_key_value_heads": 4,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 8,
+    "n_group": 2,
+    "topk_group": 1,
+}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "mixtral": {"intermediate_size": 24, "num_local_experts": 4},
+    "qwen2_moe": {
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 40,
+        "num_experts": 8,
+    },
+    "qwen3_moe": {
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "head_dim": 8,
+        "num_experts": 8,
+    },
+    "olmoe": {"intermediate_size": 16, "num_experts": 8, "eos_token_id": 1, "pad_token_id": 0},
+    "deepseek_v2": _DEEPSEEK,
+    "deepseek_v3": _DEEPSEEK,
+}
+_CLASSES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+}
+
+
+def model_class(arch: str) -> Any:
+    """The transformers ``*ForCausalLM`` class of ``arch``."""
+    import transformers
+
+    return getattr(transformers, _CLASSES[arch][1])
+
+
+def build_tiny_model(arch: str, seed: int = 0, dtype: str = "float32", **overrides: Any) -> Any:
+    """A randomly initialised tiny model of ``arch`` (eval mode)."""
+    import torch
+    import transformers
+
+    cfg_cls = getattr(transformers, _CLASSES[arch][0])
+    config = cfg_cls(**{**_COMMON, **CONFIGS[arch], **overrides})
+    torch.manual_seed(seed)
+    model = model_class(arch)(config)
+    # Default init leaves norms at exactly 1 and biases at 0; perturb every
+    # parameter so a mix-up of any two tensors changes the logits.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model.to(getattr(torch, dtype)).eval()
+
+
+def make_tiny_checkpoint(
+    arch: str,
+    path: str | os.PathLike[str],
+    seed: int = 0,
+    fused: bool | None = None,
+    *,
+    dtype: str = "float32",
+    max_shard_size: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny ``arch`` checkpoint directory at ``path`` and return the path.
+
+    Parameters
+    ----------
+    arch
+        One of :data:`ARCHES`.
+    seed
+        Torch seed of the random weights (same seed, same bytes).
+    fused
+        ``True`` writes stacked expert tensors; ``None``/``False`` per-expert.
+    dtype
+        ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+    max_shard_size
+        If given (e.g. ``"20KB"``), shard with an index (per-expert layout only).
+    overrides
+        Config fields to change (e.g. ``num_hidden_layers=3``).
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    model = build_tiny_model(arch, seed, dtype, **overrides)
+    if fused:
+        path.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(path)
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(path, **kwargs)
+    return path
+
+
+def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``config.json`` of a checkpoint directory."""
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def reference_logits(path: str | os.PathLike[str], arch: str, tokens: list[int]) -> Any:
+    """Logits of transformers' implementation loaded from ``path`` (float32 torch tensor)."""
+    import torch
+
+    model = model_class(arch).from_pretrained(path).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
