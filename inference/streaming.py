@@ -26,6 +26,7 @@ outputs equal the fully resident run's for any thread count (tested).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,6 +34,33 @@ from inference.cache import EvictionPolicy, ExpertCache
 from inference.errors import SlotInUseError
 from inference.planner import DEMAND, PREFETCH, Transfer, TransferPlanner
 from store.consumer import ModelConsumer
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """How an :class:`~inference.engine.Engine` streams experts through the planner.
+
+    Attributes
+    ----------
+    io
+        I/O path (:data:`store.iopaths.PATHS`); None: the one ``czyx bench io``
+        measured fastest, else buffered ``pread``.
+    readers
+        Reader threads.
+    prefetch
+        Look-ahead prefetch (off by default: then every read is a demand
+        read, so misses equal reads; ``czyx run`` turns it on).
+    lookahead
+        Sparse layers predicted ahead.
+    strict_deadlines
+        A late transfer raises instead of counting a stall.
+    """
+
+    io: str | None = None
+    readers: int = 2
+    prefetch: bool = False
+    lookahead: int = 1
+    strict_deadlines: bool = False
 
 
 class StreamingExpertCache(ExpertCache):
@@ -231,7 +259,8 @@ class StreamingExpertCache(ExpertCache):
         filled = getattr(self.policy, "filled", None)
         if filled is not None:
             filled(s, key)
-        self.policy.touch(s)  # a fresh prefetch is not the first victim of the next one
+        if kind == PREFETCH:
+            self.policy.touch(s)  # a fresh prefetch is not the first victim of the next one
         self.bytes_read += self.slot_nbytes
         return t
 
