@@ -19,7 +19,9 @@ Lifecycle of a transfer:
    the source file's identity (:class:`~store.iopaths.StaleSourceError`) and
    the extent's checksum (:class:`~store.errors.ChecksumError`), stamps the
    times and sets the event. The C readers release the GIL.
-3. :meth:`TransferPlanner.wait` is the consumer's dependency: it blocks on
+3. :meth:`TransferPlanner.wait` is the consumer's dependency: if no reader
+   has started the transfer yet, the consumer runs it itself (a blocked
+   consumer gains nothing from a thread hand-off); otherwise it blocks on
    the event, then raises the transfer's error if it has one; only a
    verified transfer returns. A completion after the deadline (by default
    the first use) is a counted stall, or :class:`DeadlineMissedError` in
@@ -77,6 +79,7 @@ class Transfer:
 
     __slots__ = (
         "checksum_result",
+        "claim",
         "completed_bytes",
         "deadline_ns",
         "error",
@@ -114,6 +117,7 @@ class Transfer:
         self.source = source
         self.staging_copy_bytes = 0
         self.event = threading.Event()
+        self.claim = threading.Lock()  # taken by whoever runs the read: a reader or wait()
         self.error: BaseException | None = None
         self.checksum_result = "pending"
         self.t_request = time.monotonic_ns()
@@ -327,6 +331,10 @@ class TransferPlanner:
             t.t_first_use = time.monotonic_ns()
         if not t.event.is_set():
             t0 = time.monotonic_ns()
+            if t.claim.acquire(False):
+                # No reader has started it: run it here rather than pay a thread
+                # hand-off while blocked (the bytes and checks are the same).
+                self._execute(t)
             t.event.wait()
             if first:
                 t.exposed_ns = time.monotonic_ns() - t0
@@ -373,14 +381,19 @@ class TransferPlanner:
             _, _, t = self._queue.get()
             if t is None:
                 return
-            try:
-                self._run(t)
-            except BaseException as exc:  # recorded, raised to the consumer by wait()
-                t.error = exc
-                if t.t_complete is None:
-                    t.t_complete = time.monotonic_ns()
-            finally:
-                t.event.set()
+            if t.claim.acquire(False):  # else the consumer already ran it
+                self._execute(t)
+
+    def _execute(self, t: Transfer) -> None:
+        """Run ``t`` once (by a reader, or by a consumer that stopped waiting for one)."""
+        try:
+            self._run(t)
+        except BaseException as exc:  # recorded, raised to the consumer by wait()
+            t.error = exc
+            if t.t_complete is None:
+                t.t_complete = time.monotonic_ns()
+        finally:
+            t.event.set()
 
     def _run(self, t: Transfer) -> None:
         layer, e = t.layer, t.expert
