@@ -39,6 +39,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -48,6 +49,9 @@ from store.checksum import checksum
 from store.consumer import ModelConsumer
 from store.errors import ChecksumError
 from store.iopaths import TransferSource, default_io_path, open_source
+
+if TYPE_CHECKING:
+    from inference.xray import XRay
 
 DEMAND = "demand"
 PREFETCH = "prefetch"
@@ -173,7 +177,7 @@ class TransferPlanner:
         io: str | None = None,
         threads: int = 2,
         strict_deadlines: bool = False,
-        xray=None,
+        xray: XRay | None = None,
     ) -> None:
         if threads < 1:
             raise ValueError(f"threads: {threads} < 1")

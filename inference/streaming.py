@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,6 +35,9 @@ from inference.cache import EvictionPolicy, ExpertCache
 from inference.errors import SlotInUseError
 from inference.planner import DEMAND, PREFETCH, Transfer, TransferPlanner
 from store.consumer import ModelConsumer
+
+if TYPE_CHECKING:
+    from inference.xray import XRay
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,7 @@ class StreamingExpertCache(ExpertCache):
         prefetch: bool = True,
         lookahead_depth: int = 1,
         strict_deadlines: bool = False,
-        xray=None,
+        xray: XRay | None = None,
     ) -> None:
         super().__init__(consumer, budget_bytes, top_k, n_sparse_experts, policy)
         self.prefetch_enabled = prefetch

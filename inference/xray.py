@@ -27,7 +27,11 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: the planner imports nothing from here
+    from inference.planner import Transfer
+    from inference.streaming import StreamingExpertCache
 
 SCHEMA_PATH = Path(__file__).with_name("xray.schema.json")
 SCHEMA_VERSION = 1
@@ -37,7 +41,7 @@ def _us(t: int | None, t0: int) -> float | None:
     return None if t is None else round((t - t0) / 1e3, 3)
 
 
-def outcome(t) -> str:
+def outcome(t: Transfer) -> str:
     """A transfer's outcome: failed, wasted (never used), demand, hidden or exposed."""
     if t.error is not None:
         return "failed"
@@ -83,10 +87,10 @@ class XRay:
         self.io_path = io_path
         self.threads = threads
         self.device_baseline = device_baseline
-        self.transfers: list = []
+        self.transfers: list[Transfer] = []
         self._mark: tuple[int, int, int, int, int] | None = None
 
-    def mark(self, cache=None) -> None:
+    def mark(self, cache: StreamingExpertCache | None = None) -> None:
         """Start the reporting window now (for example after prefill, to report decode).
 
         :meth:`report` with ``since_mark=True`` then counts only transfers
@@ -102,13 +106,13 @@ class XRay:
             int(getattr(c, "predicted_correct", 0)),
         )
 
-    def add(self, t) -> None:
+    def add(self, t: Transfer) -> None:
         """Record a transfer at submission (its fields are read at report time)."""
         self.transfers.append(t)
 
     # ------------------------------------------------------------------ records
 
-    def transfer_record(self, t) -> dict[str, Any]:
+    def transfer_record(self, t: Transfer) -> dict[str, Any]:
         """The JSON record of one transfer."""
         t0 = self.t0
         dur = None
@@ -146,7 +150,7 @@ class XRay:
 
     def report(
         self,
-        cache=None,
+        cache: StreamingExpertCache | None = None,
         *,
         tokens: int = 0,
         trunk_bytes: int = 0,
