@@ -345,10 +345,16 @@ def open_model(
     view
         A portal's ``SpaceView`` onto the version's expert space (from
         ``portals``); expert reads outside its classes or layers are refused
-        (and audited) by the view. ``None``: no portal check (local use).
+        (and audited) by the view. ``None``: the store owner's root portal is
+        used, so even local use goes through a portal open (checked, audited):
+        there is no path to a model's experts that bypasses the portals.
     direct
         Read experts with ``O_DIRECT`` (slots must then be 4096-aligned).
     """
+    if view is None:
+        import portals
+
+        view = portals.open_model(store, portals.root_token(store), tag_or_selector)
     model = StoreModel(store, tag_or_selector, view=view, direct=direct)
     if view is not None and getattr(view, "space", model._space.selector) != model._space.selector:
         model.close()

@@ -27,10 +27,15 @@ def register(subparsers: Any) -> None:
         help="mount as an adapter of BASE (NAME@VERSION): only the tensors it replaces",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    # Hooks for later options: `--quant POLICY` (quantized expert formats) and
-    # `--class-order TRACE` (a per-layer class permutation learned from routing
-    # traces) belong here. store.mount.mount already takes `class_perm=`; a
-    # quantizing codec is not implemented yet, so neither option is offered.
+    p.add_argument(
+        "--class-order",
+        metavar="TRACE",
+        help=(
+            "per-layer class permutation learned from a routing trace (.npz from czyx "
+            "profile) or a saved order (.npy [L, E] from czyx locality --out)"
+        ),
+    )
+    # `--quant POLICY` is added by the quantization work (store.quant).
     p.set_defaults(func=run)
 
 
@@ -39,6 +44,11 @@ def run(args: argparse.Namespace) -> int:
     from store import Store
     from store.mount import DEFAULT_OUTER, mount
 
+    class_perm = None
+    if args.class_order:
+        from inference.locality.ordering import class_order_from_trace
+
+        class_perm = class_order_from_trace(args.class_order).tolist()
     with Store.open(store_dir(args)) as store:
         result = mount(
             store,
@@ -46,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
             args.tag,
             outer=args.layout or DEFAULT_OUTER,
             adapter_of=args.adapter_of,
+            class_perm=class_perm,
             progress=not args.no_progress and sys.stderr.isatty(),
         )
     print(result.summary())

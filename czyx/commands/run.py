@@ -75,6 +75,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help=f"store directory (default: $CZYX_STORE or ./{DEFAULT_STORE})",
     )
+    p.add_argument(
+        "--session",
+        metavar="NAME",
+        help="continue (or start) saved session NAME: its KV cache is loaded, not recomputed; "
+        "the prompt is appended and the new state saved (inference.sessions)",
+    )
+    p.add_argument(
+        "--tenant", help="tenant the session belongs to (default: the portal's, or 'owner')"
+    )
     p.set_defaults(func=run)
 
 
@@ -231,6 +240,10 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
+        if args.session:
+            _run_session(args, opened.store, engine, tokenizer, sampling, emit)
+            engine.close()
+            return 0
         out = generate(engine, tokenizer, args.prompt, args.max_tokens, sampling, on_text=emit)
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -247,3 +260,34 @@ def run(args: argparse.Namespace) -> int:
     finally:
         opened.close()
     return 0
+
+
+def _run_session(
+    args: argparse.Namespace,
+    store: object,
+    engine: object,
+    tokenizer: object,
+    sampling: object,
+    emit: object,
+) -> None:
+    """``--session NAME``: :func:`inference.sessions.run_with_session`, then its figures."""
+    from inference.sampling import SamplingParams
+    from inference.sessions import SessionStore, run_with_session
+
+    sessions = SessionStore.open(store, args.portal, tenant=args.tenant)
+    # Sampling flags left at their defaults keep a resumed session's own sampler
+    # (parameters and RNG state), so the continuation is exact.
+    chosen = None if sampling == SamplingParams() else sampling
+    r = run_with_session(
+        engine, tokenizer, sessions, args.session, args.prompt, args.max_tokens, chosen, emit
+    )
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    how = "resumed" if r.resumed else "started"
+    print(
+        f"session {r.info.name}@{r.info.version} ({how}): {r.reused} tokens restored in "
+        f"{r.restore_seconds * 1e3:.1f} ms, {r.prefilled} prefilled in "
+        f"{r.prefill_seconds * 1e3:.1f} ms, {len(r.tokens)} generated in "
+        f"{r.decode_seconds * 1e3:.1f} ms; {r.info.length} tokens saved",
+        file=sys.stderr,
+    )

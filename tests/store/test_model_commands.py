@@ -67,3 +67,35 @@ def test_errors_are_one_line(env, capsys, argv, needle):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith("czyx: error:") and needle in err and err.count("\n") == 1
+
+
+def test_mount_class_order_from_saved_order(tmp_path):
+    """``--class-order`` applies a saved [L, E] permutation; the model reads identically."""
+    import numpy as np
+
+    from czyx.cli import main
+    from store import Store
+    from store.model import open_model
+    from tests.store.tiny_models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint("mixtral", tmp_path / "ckpt")
+    store_dir = tmp_path / "store"
+    assert main(["mount", str(ckpt), "--as", "plain@v1", "--store", str(store_dir)]) == 0
+    with Store.open(store_dir) as st, open_model(st, "plain@v1") as m:
+        n_layers, n_exp = m.info.n_layers, m.info.n_experts
+    rng = np.random.default_rng(0)
+    order = np.stack([rng.permutation(n_exp) for _ in range(n_layers)])
+    np.save(tmp_path / "order.npy", order)
+    argv = ["mount", str(ckpt), "--as", "perm@v1", "--store", str(store_dir)]
+    assert main([*argv, "--class-order", str(tmp_path / "order.npy")]) == 0
+    with Store.open(store_dir) as st:
+        assert st.resolve_tag("perm@v1") != st.resolve_tag("plain@v1")
+        with open_model(st, "plain@v1") as a, open_model(st, "perm@v1") as b:
+            sa = np.empty(a.info.expert_slot_nbytes, np.uint8)
+            sb = np.empty(b.info.expert_slot_nbytes, np.uint8)
+            for layer in range(n_layers):
+                for byte in range(n_exp):
+                    a.read_expert(layer, byte, sa)
+                    b.read_expert(layer, byte, sb)
+                    n = a.info.expert_nbytes
+                    assert np.array_equal(sa[:n], sb[:n])
