@@ -178,23 +178,29 @@ def _fault(scratch: Path, name: str, io: str) -> str:
                 iop.TransferSource.read_into = read
                 p.close()
         if name.startswith("late transfer"):
-            strict = "strict" in name
-            c = streaming(m, 2 * slot, io=io, prefetch=False, strict=strict)
+            # A prefetch due 1 ms after submission, from a device slowed to 20 ms a read.
+            from store.reader import aligned_empty
+
+            arena = aligned_empty(slot)
+            p = TransferPlanner(
+                m, [arena], np.zeros(1, bool), io=io, threads=1, strict_deadlines="strict" in name
+            )
             read = iop.TransferSource.read_into
             iop.TransferSource.read_into = lambda s, o, n, dst: (
                 time.sleep(0.02),
                 read(s, o, n, dst),
             )[1]
             try:
-                c.acquire(0, np.array([0]))
-                c.release()
+                t = p.submit(0, 0, 0, kind="prefetch", deadline_ns=time.monotonic_ns() + 10**6)
+                p.wait(t)
             except DeadlineMissedError as exc:
                 return f"`{type(exc).__name__}`: {exc}"
             finally:
                 iop.TransferSource.read_into = read
-                stalls = c.planner.stalls
-                c.close()
-            return f"counted stall: {stalls} stall(s), bytes verified and used"
+                p.close()
+            return (
+                f"counted stall: {p.stalls} stall(s), bytes verified ({t.checksum_result}) and used"
+            )
         c = streaming(m, 2 * slot, io=io, prefetch=False)
         try:
             if name == "forced short read":

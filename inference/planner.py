@@ -23,8 +23,9 @@ Lifecycle of a transfer:
    has started the transfer yet, the consumer runs it itself (a blocked
    consumer gains nothing from a thread hand-off); otherwise it blocks on
    the event, then raises the transfer's error if it has one; only a
-   verified transfer returns. A completion after the deadline (by default
-   the first use) is a counted stall, or :class:`DeadlineMissedError` in
+   verified transfer returns. A completion after the deadline (a
+   prefetch's default deadline is its first use; a demand read has none
+   unless given) is a counted stall, or :class:`DeadlineMissedError` in
    strict mode. Bytes are never substituted either way.
 
 Consumers without a file behind their extents (``ExpertExtent.fd < 0``, the
@@ -347,8 +348,12 @@ class TransferPlanner:
             raise t.error
         if first:
             t.used = True
-            deadline = t.deadline_ns if t.deadline_ns is not None else t.t_first_use
-            if t.t_complete is not None and t.t_complete > deadline:
+            # A prefetch is due at its first use; a demand read is requested at its first
+            # use (always exposed, reported as such), so only an explicit deadline applies.
+            deadline = t.deadline_ns
+            if deadline is None and t.kind == PREFETCH:
+                deadline = t.t_first_use
+            if deadline is not None and t.t_complete is not None and t.t_complete > deadline:
                 t.stalled = True
                 self.stalls += 1
                 if self.strict:

@@ -193,6 +193,7 @@ class TransferSource:
                 "after it was opened"
             )
         self.identity = SourceIdentity.of_fd(real, self._fd)
+        self.path = real  # errors name the file, not the /proc/self/fd link
 
     # -- identity ----------------------------------------------------------------------
     def check_identity(self) -> None:

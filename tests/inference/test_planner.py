@@ -252,3 +252,20 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
             cache.close()
     finally:
         fc.close()
+
+
+def test_a_demand_read_is_exposed_but_not_a_deadline_stall(synth, gate):
+    p, _, _ = _planner(synth, io="pread")
+    try:
+        threading.Timer(0.02, gate.set).start()
+        t = p.submit(0, 2, 0)  # demand, no deadline: requested at its first use
+        p.wait(t)
+        assert t.exposed_ns > 0 and not t.stalled and p.stalls == 0
+        gate.clear()
+        threading.Timer(0.02, gate.set).start()
+        t = p.submit(0, 3, 1, deadline_ns=t.t_complete)  # an explicit deadline, missed
+        p.wait(t)
+        assert t.stalled and p.stalls == 1
+    finally:
+        gate.set()
+        p.close()
