@@ -262,7 +262,9 @@ def failure_rows(scratch: Path, io: str):
     return rows, [("Failure injection", "\n".join(lines))]
 
 
-def certify(consumer, io: str, tokens: list[int], prompt: list[int], baseline: float, files):
+def certify(
+    consumer, io: str, tokens: list[int], prompt: list[int], baseline: float, files, rounds: int = 3
+):
     """Resident vs 25% sync vs 25% prefetch (look-ahead 1 and 2): ``(text, status, table)``."""
     res = resident_cache(consumer)
     want, t_res = run_tokens(consumer, res, tokens, prompt)
@@ -277,17 +279,29 @@ def certify(consumer, io: str, tokens: list[int], prompt: list[int], baseline: f
         ]
         if consumer.has_trunk(r, la)
     )
+    # Rounds alternate the configurations so load from other users hits them alike;
+    # per configuration: every token's time pooled (median), exposed wait = median round.
+    runs: dict[str, list] = {}
+    for _ in range(rounds):
+        for label, pf, depth in (
+            ("sync", False, 1),
+            ("prefetch", True, 1),
+            ("prefetch-2", True, 2),
+        ):
+            for f in files:
+                iop.drop_file_cache(f)
+            x = XRay(io_path=io, threads=2, device_baseline=baseline)
+            c = streaming(consumer, budget25(consumer), io=io, prefetch=pf, xray=x, depth=depth)
+            got, t = run_tokens(consumer, c, tokens, prompt)
+            c.planner.drain()
+            rep = x.report(c, tokens=len(tokens), trunk_bytes=trunk, since_mark=True)["run"]
+            runs.setdefault(label, []).append((t, rep, bool(np.array_equal(got, want))))
+            c.close()
     out = {}
-    for label, pf, depth in (("sync", False, 1), ("prefetch", True, 1), ("prefetch-2", True, 2)):
-        for f in files:
-            iop.drop_file_cache(f)
-        x = XRay(io_path=io, threads=2, device_baseline=baseline)
-        c = streaming(consumer, budget25(consumer), io=io, prefetch=pf, xray=x, depth=depth)
-        got, t = run_tokens(consumer, c, tokens, prompt)
-        c.planner.drain()
-        rep = x.report(c, tokens=len(tokens), trunk_bytes=trunk, since_mark=True)["run"]
-        out[label] = (t, rep, bool(np.array_equal(got, want)))
-        c.close()
+    for label, rs in runs.items():
+        order = sorted(rs, key=lambda r: r[1]["exposed_seconds"])
+        rep = order[len(order) // 2][1]  # the median round's report
+        out[label] = ([x for r in rs for x in r[0]], rep, all(r[2] for r in rs))
     med_res = float(np.median(t_res))
     t_s, r_s, _ = out["sync"]
     best = min(("prefetch", "prefetch-2"), key=lambda k: out[k][1]["exposed_seconds"])

@@ -198,8 +198,15 @@ class TransferPlanner:
         self.stalls = 0
         self._tid = 0
         self._resolve_extents(consumer)
-        # Demand reads overtake queued prefetches: (priority, id, transfer).
+        # Demand reads overtake queued prefetches: (priority, id, transfer). And a
+        # prefetch waits while any demand read is outstanding: the device's bandwidth
+        # is shared, and a consumer blocked on a demand read gains nothing from a
+        # concurrent speculative one.
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._demand_lock = threading.Lock()
+        self._demands = 0
+        self._no_demand = threading.Event()
+        self._no_demand.set()
         self._threads = [
             threading.Thread(target=self._worker, name=f"czyx-reader-{i}", daemon=True)
             for i in range(self.n_threads)
@@ -320,6 +327,10 @@ class TransferPlanner:
             self.xray.add(t)
         if priority is None:
             priority = 0 if kind == DEMAND else 1
+        if kind == DEMAND:
+            with self._demand_lock:
+                self._demands += 1
+                self._no_demand.clear()
         self._queue.put((priority, t.id, t))
         return t
 
@@ -380,6 +391,8 @@ class TransferPlanner:
         """Wait for every transfer in flight to finish (not a use: nothing is marked used)."""
         for t in list(self.inflight):
             if t is not None:
+                if t.claim.acquire(False):  # not started by a reader: run it here
+                    self._execute(t)
                 t.event.wait()
                 self._retire(t)
 
@@ -390,6 +403,9 @@ class TransferPlanner:
             _, _, t = self._queue.get()
             if t is None:
                 return
+            if t.kind != DEMAND:
+                # Bounded: a demand read nobody waits for must not park the readers.
+                self._no_demand.wait(0.1)
             if t.claim.acquire(False):  # else the consumer already ran it
                 self._execute(t)
 
@@ -402,6 +418,11 @@ class TransferPlanner:
             if t.t_complete is None:
                 t.t_complete = time.monotonic_ns()
         finally:
+            if t.kind == DEMAND:
+                with self._demand_lock:
+                    self._demands -= 1
+                    if not self._demands:
+                        self._no_demand.set()
             t.event.set()
 
     def _run(self, t: Transfer) -> None:

@@ -107,6 +107,9 @@ class StreamingExpertCache(ExpertCache):
         xray: XRay | None = None,
     ) -> None:
         super().__init__(consumer, budget_bytes, top_k, n_sparse_experts, policy)
+        # The budget is allocated up front: touch every page now, so a transfer's
+        # time is I/O, not first-touch faults (zeroing huge pages) of the arena.
+        self.arena[:, ::4096] = 0
         self.prefetch_enabled = prefetch
         if lookahead_depth < 1:
             raise ValueError(f"lookahead_depth: {lookahead_depth} < 1")
