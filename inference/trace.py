@@ -320,6 +320,7 @@ def trace_hf_model(
     model_id: str = "",
     text_sha256: str = "",
     batch_size: int = 8,
+    moe_layers: Sequence[int] | None = None,
 ) -> RoutingTrace:
     """Run a transformers MoE causal LM over token windows and record its routing.
 
@@ -338,6 +339,11 @@ def trace_hf_model(
         Provenance for the metadata.
     batch_size : int
         Windows per forward pass.
+    moe_layers : sequence of int, optional
+        Model layer index of each router output. Defaults to every layer when
+        the model returns one router output per layer; models with dense
+        layers (Qwen2-MoE ``mlp_only_layers``, DeepSeek's first dense layers)
+        should say which, else the trace numbers its layers ``0..L-1``.
 
     Returns
     -------
@@ -380,8 +386,12 @@ def trace_hf_model(
             seg_id += len(group)
     if not per_layer:
         raise TraceError("no token windows to trace")
-    n_layers = int(cfg.num_hidden_layers)
-    moe_layers = list(range(n_layers)) if len(per_layer) == n_layers else None
+    if moe_layers is None and len(per_layer) == int(cfg.num_hidden_layers):
+        moe_layers = list(range(len(per_layer)))
+    if moe_layers is not None and len(moe_layers) != len(per_layer):
+        raise TraceError(
+            f"moe_layers names {len(moe_layers)} layers, the model returned {len(per_layer)}"
+        )
     return trace_from_router_logits(
         [np.concatenate(chunks) for chunks in per_layer],
         top_k,

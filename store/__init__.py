@@ -32,6 +32,7 @@ from store.interfaces import SpaceWriterInterface, StoreInterface
 from store.lmdb_store import Store
 from store.reader import RawReader, aligned_empty, c_available, read_extent_verified
 from store.records import Extent
+from store.snapshot import Snapshot
 from store.writer import SpaceWriter, collect_garbage
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "ReservedSpaceError",
     "SealedSpaceError",
     "ShortReadError",
+    "Snapshot",
     "SpaceNotEmptyError",
     "SpaceNotFoundError",
     "SpaceWriter",

@@ -19,6 +19,7 @@ from czyx.space import Selector
 if TYPE_CHECKING:
     import numpy as np
 
+    from store.reader import RawReader
     from store.records import Extent
 
 
@@ -118,6 +119,16 @@ class StoreInterface(abc.ABC):
     @abc.abstractmethod
     def block_path(self, space: Selector) -> pathlib.Path:
         """The published space's block file."""
+
+    @abc.abstractmethod
+    def verify_space(self, space: Selector) -> Any:
+        """Check the block file is exactly the published one (``BlockFileError`` if not)."""
+
+    @abc.abstractmethod
+    def open_reader(
+        self, space: Selector, *, direct: bool = False, mapped: bool = False, backend: str = "auto"
+    ) -> RawReader:
+        """A verified :class:`~store.reader.RawReader` on the space's block file."""
 
     # -- tags --------------------------------------------------------------------------
     @abc.abstractmethod

@@ -26,18 +26,16 @@ Concurrency rules, and why:
   never hold a transaction while the caller runs. Readers announce
   themselves by appending to a list and re-check a ``resizing`` flag (both
   atomic under the GIL), which costs ~50 ns instead of a lock per read.
-- An environment must not be used across ``fork()``: the opening pid is
-  recorded and any use from another process raises ``StoreForkError``. Right
-  after a fork the child closes its inherited copies of every open
-  environment (``os.register_at_fork``; LMDB's close only releases the
-  child's own reader slots and mappings), so the child can ``Store.open``
-  the same directory afresh (py-lmdb refuses a second open of a path that is
-  still open in the process).
+- An environment must not be used across ``fork()``: in a fork child every
+  inherited store refuses use with ``StoreForkError``. Right after the fork
+  the child closes its copies of the environments that were idle, so it can
+  ``Store.open`` them afresh; one that had a transaction in flight is pinned
+  open instead, because closing it would release the parent's reader slot
+  (see :func:`store.lifecycle.close_inherited`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
 import threading
@@ -60,12 +58,13 @@ from store.errors import (
     SealedSpaceError,
     SpaceNotFoundError,
     StoreError,
-    StoreForkError,
     StoreMapFullError,
 )
 from store.interfaces import StoreInterface
+from store.lifecycle import OPEN_STORES, Unusable
 from store.reader import RawReader
 from store.records import check_key, check_selector, decode, encode, unpackb
+from store.snapshot import Snapshot
 from store.writer import SpaceWriter
 
 T = TypeVar("T")
@@ -78,40 +77,6 @@ _DBS = ("records", "spaces", "tags", "portals", "edges", "audit")
 
 class _Retry(Exception):
     """Internal: a read met a map resize and takes the slow path."""
-
-
-class _Unusable:
-    """Stands in for the LMDB environment of a closed or fork-inherited store.
-
-    Every use raises the stored error, so the read hot path needs no
-    ``closed``/pid checks of its own.
-    """
-
-    def __init__(self, exc_type: type[StoreError], message: str) -> None:
-        self._exc_type, self._message = exc_type, message
-
-    def __getattr__(self, name: str) -> Any:
-        raise self._exc_type(self._message)
-
-
-_OPEN: weakref.WeakSet[Store] = weakref.WeakSet()
-
-
-def _close_inherited() -> None:
-    """In a fork child: close every environment inherited from the parent."""
-    for st in list(_OPEN):
-        env = st._env
-        st._env = _Unusable(
-            StoreForkError,
-            f"{st.path}: store opened in pid {st._pid} used in pid {os.getpid()}; LMDB "
-            "environments must not cross fork(): call Store.open again in the child",
-        )
-        with contextlib.suppress(Exception):
-            env.close()
-    _OPEN.clear()
-
-
-os.register_at_fork(after_in_child=_close_inherited)
 
 
 class Store(CatalogMixin, StoreInterface):
@@ -133,14 +98,19 @@ class Store(CatalogMixin, StoreInterface):
         self._spaces = self._db["spaces"]
         # Active read transactions of this process: the map is only remapped at zero,
         # while holding the lock, so no reader can begin during the remap.
-        self._lock = threading.Lock()  # serialises resizes
+        self._lock = threading.Lock()  # held while remapping: readers wait on it
+        # Serialises this process's write transactions and resizes: LMDB refuses to
+        # resize while a write transaction of the process is open (EINVAL).
+        self._wlock = threading.RLock()
+        self._writing = 0  # write transactions in flight (see store.lifecycle)
         self._readers: list[None] = []
         self._resizing = False
         # Snapshots open in the current thread: such a thread must not wait for a
         # resize (the resize waits for its snapshot: a deadlock), and need not (its
         # snapshot is in _readers, so the resize cannot start before it closes).
         self._local = threading.local()
-        _OPEN.add(self)
+        self._snapshots: weakref.WeakSet[Snapshot] = weakref.WeakSet()
+        OPEN_STORES.add(self)
 
     # -- lifecycle ---------------------------------------------------------------------
     @classmethod
@@ -193,7 +163,13 @@ class Store(CatalogMixin, StoreInterface):
                 readahead=False,  # point reads into a large index: no wasted readahead
             )
         except lmdb.Error as exc:
-            raise StoreError(f"{index}: cannot open LMDB environment ({exc})") from exc
+            hint = ""
+            if "already open" in str(exc):
+                hint = (
+                    "; if this process was forked while the parent used this store, open it"
+                    " in a spawned process instead"
+                )
+            raise StoreError(f"{index}: cannot open LMDB environment ({exc}){hint}") from exc
         if not readonly:
             with env.begin(write=True) as txn:
                 for name in _DBS:
@@ -207,16 +183,16 @@ class Store(CatalogMixin, StoreInterface):
     def close(self) -> None:
         """Close the environment (idempotent; in a fork child it was closed at fork)."""
         env = self._env
-        if isinstance(env, _Unusable):
+        if isinstance(env, Unusable):
             return
-        self._env = _Unusable(StoreError, f"{self.path}: store is closed")
-        _OPEN.discard(self)
+        self._env = Unusable(StoreError, f"{self.path}: store is closed")
+        OPEN_STORES.discard(self)
         env.close()
 
     @property
     def closed(self) -> bool:
         """Whether this handle can no longer be used (closed, or inherited across fork)."""
-        return isinstance(self._env, _Unusable)
+        return isinstance(self._env, Unusable)
 
     # -- transactions ------------------------------------------------------------------
     def _begin_read(self, db: Any = None) -> lmdb.Transaction:
@@ -256,7 +232,7 @@ class Store(CatalogMixin, StoreInterface):
                 f"{self.path}: the LMDB map must grow, but this thread holds an open "
                 "snapshot; close it and retry"
             )
-        with self._lock:
+        with self._wlock, self._lock:
             self._resizing = True
             try:
                 deadline = time.monotonic() + 30.0
@@ -275,6 +251,14 @@ class Store(CatalogMixin, StoreInterface):
         """Run ``fn`` in one write transaction, growing the map and retrying on MapFull."""
         if self.readonly:
             raise StoreError(f"{self.path}: store is open read-only")
+        with self._wlock:
+            self._writing += 1
+            try:
+                return self._write_locked(fn)
+            finally:
+                self._writing -= 1
+
+    def _write_locked(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         while True:
             try:
                 with self._env.begin(write=True) as txn:
@@ -606,67 +590,3 @@ class Store(CatalogMixin, StoreInterface):
 
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r})"
-
-
-def _snapshot_closed(key: bytes) -> None:
-    raise StoreError("snapshot is closed")
-
-
-class Snapshot:
-    """One read transaction over a :class:`Store`, owned by (and closed in) the thread
-    that made it.
-
-    Lookups cost one LMDB ``get`` each, with no transaction setup; the view
-    does not change while it is open.
-    """
-
-    def __init__(self, store: Store) -> None:
-        self._store = store
-        self._txn: lmdb.Transaction | None = store._begin_read(store._records)
-        self._tget = self._txn.get
-        local = store._local
-        local.snapshots = getattr(local, "snapshots", 0) + 1
-
-    def get(self, space: Selector, key: bytes) -> dict | None:
-        """The record at ``(space, key)`` as of the snapshot, or ``None``."""
-        sel = space.raw if type(space) is Selector else check_selector(space)
-        k = sel + (key if type(key) is bytes and len(key) == KEY_SIZE else check_key(key))
-        v = self._tget(k)
-        if v is None:
-            return None
-        try:
-            obj = unpackb(v, raw=False, strict_map_key=False)
-        except Exception:
-            obj = None
-        return obj if type(obj) is dict else decode(v, "record", k)
-
-    def scan(
-        self, space: Selector, lo_cls: int = 0, hi_cls: int = 255
-    ) -> Iterator[tuple[bytes, dict]]:
-        """Like :meth:`Store.scan`, inside the snapshot's transaction."""
-        if self._txn is None:
-            raise StoreError("snapshot is closed")
-        sel = check_selector(space)
-        lo, hi = class_range_bounds(lo_cls, hi_cls)
-        end = sel + hi
-        cur = self._txn.cursor()
-        if not cur.set_range(sel + lo):
-            return
-        for k, v in cur.iternext():
-            if k > end:
-                break
-            yield k[SELECTOR_SIZE:], decode(v, "record", k)
-
-    def close(self) -> None:
-        """End the read transaction (idempotent)."""
-        if self._txn is not None:
-            self._store._end_read(self._txn)
-            self._txn = None
-            self._tget = _snapshot_closed
-            self._store._local.snapshots -= 1
-
-    def __enter__(self) -> Snapshot:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -11,6 +11,7 @@ edges and the audit log, and persistence across reopen.
 from __future__ import annotations
 
 import itertools
+import os
 import pathlib
 
 import numpy as np
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from czyx.key import KEY_SIZE, Key
 from czyx.space import Selector
 from store.errors import (
+    BlockFileError,
     KeyLengthError,
     SealedSpaceError,
     SpaceNotFoundError,
@@ -28,7 +30,7 @@ from store.errors import (
     TagNotFoundError,
 )
 from store.interfaces import StoreInterface
-from store.reader import RawReader, aligned_empty, read_extent_verified
+from store.reader import aligned_empty, read_extent_verified
 
 _counter = itertools.count()
 
@@ -65,6 +67,11 @@ class StoreConformance:
     def open_store(self, path: pathlib.Path) -> StoreInterface:
         """Create or open the backend's store at ``path``."""
         raise NotImplementedError
+
+    def block_files(self, store: StoreInterface) -> list[str]:
+        """Names of the backend's block files (override for a backend without ``blocks/``)."""
+        blocks = store.path / "blocks"
+        return sorted(p.name for p in blocks.iterdir()) if blocks.is_dir() else []
 
     @pytest.fixture
     def store_path(self, tmp_path: pathlib.Path) -> pathlib.Path:
@@ -179,7 +186,7 @@ class StoreConformance:
         assert sp in store.spaces()
         assert store.manifest(sp) == {"arch": "test", "n": 5}
         assert store.block_path(sp).exists()
-        with RawReader(store.block_path(sp)) as rd:
+        with store.open_reader(sp) as rd:
             for k, want in payloads.items():
                 rec = store.get(sp, k)
                 assert rec["off"] % 4096 == 0
@@ -188,9 +195,29 @@ class StoreConformance:
                 assert buf.tobytes() == want
         assert store.aggregate(sp) == (5, sum(len(v) for v in payloads.values()))
 
+    @pytest.mark.parametrize("mode", [{}, {"direct": True}, {"mapped": True}])
+    def test_reader_modes_agree(self, store: StoreInterface, mode: dict) -> None:
+        sp, payloads = self._publish(store, 3)
+        with store.open_reader(sp, **mode) as rd:
+            for k, want in payloads.items():
+                rec = store.get(sp, k)
+                buf = aligned_empty(-(-rec["len"] // 4096) * 4096)
+                read_extent_verified(rd, rec, buf)
+                assert buf[: rec["len"]].tobytes() == want
+
+    def test_open_reader_refuses_a_damaged_block_file(self, store: StoreInterface) -> None:
+        sp, _ = self._publish(store, 2)
+        store.verify_space(sp)
+        path = store.block_path(sp)
+        os.truncate(path, path.stat().st_size - 1)
+        with pytest.raises(BlockFileError):
+            store.open_reader(sp)
+        with pytest.raises(SpaceNotFoundError):
+            store.open_reader(fresh_space())
+
     def test_failed_publication_leaves_nothing(self, store: StoreInterface) -> None:
         sp = fresh_space()
-        before = sorted(p.name for p in (store.path / "blocks").glob("*"))
+        before = self.block_files(store)
         with pytest.raises(RuntimeError), store.begin_space(sp, {"x": 1}) as w:
             w.put(Key(1).pack(), w.write_extent(b"abc").record())
             raise RuntimeError("boom")
@@ -198,7 +225,7 @@ class StoreConformance:
         assert list(store.scan(sp)) == []
         with pytest.raises(SpaceNotFoundError):
             store.manifest(sp)
-        assert sorted(p.name for p in (store.path / "blocks").glob("*")) == before
+        assert self.block_files(store) == before
 
     def test_sealed_space_refuses_writes(self, store: StoreInterface) -> None:
         sp, payloads = self._publish(store, 2)

@@ -307,3 +307,98 @@ def test_catalog_extras(tmp_path: pathlib.Path) -> None:
     events = [e["event"] for e in s.audit_log()]
     assert events == ["space.publish", "tag.set", "tag.remove", "tag.set"]
     s.close()
+
+
+def test_threads_write_and_read_while_the_map_grows(tmp_path: pathlib.Path) -> None:
+    s = Store.open(tmp_path / "s", map_size=64 << 10)
+    sp = Selector.from_name("g")
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def writer(t: int) -> None:
+        try:
+            for b in range(5):
+                s.put_many(sp, [(Key(t, b, i).pack(), {"pad": b"p" * 400}) for i in range(50)])
+        except BaseException as exc:
+            errors.append(exc)
+
+    def reader() -> None:
+        try:
+            while not done.is_set():
+                s.get(sp, Key(0, 0, 0).pack())
+                sum(1 for _ in s.scan(sp, 1, 1))
+                time.sleep(0.0005)  # leave the writers some GIL
+        except BaseException as exc:
+            errors.append(exc)
+
+    writers = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
+    readers = [threading.Thread(target=reader) for _ in range(2)]
+    for th in writers + readers:
+        th.start()
+    for th in writers:
+        th.join()
+    done.set()
+    for th in readers:
+        th.join()
+    assert errors == []
+    assert s.aggregate(sp)[0] == 4 * 5 * 50
+    assert s.map_size() > 64 << 10
+    s.close()
+
+
+def test_fork_during_a_snapshot_keeps_the_parents_reader_slot(tmp_path: pathlib.Path) -> None:
+    """The child must not release (through its copy) a read txn the parent still uses."""
+    s = Store.open(tmp_path / "s")
+    sp = Selector.from_name("g")
+    s.put(sp, Key(1).pack(), {"v": 1})
+    with s.snapshot() as snap:
+        before = s._env.readers()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                try:
+                    snap.get(sp, Key(1).pack())
+                except StoreForkError:
+                    try:
+                        Store.open(tmp_path / "s")
+                    except StoreError as exc:
+                        code = 0 if "spawned process" in str(exc) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert s._env.readers() == before  # our slot is still registered
+        assert str(os.getpid()) in before
+        assert snap.get(sp, Key(1).pack()) == {"v": 1}
+    s.close()
+
+
+def test_fork_child_exiting_normally_keeps_the_parents_reader_slot(tmp_path: pathlib.Path) -> None:
+    """Interpreter shutdown in the child must not abort its copy of the parent's txn."""
+    code = (
+        "import os, sys\n"
+        "from store import Store\n"
+        "from czyx.space import Selector\n"
+        "from czyx.key import Key\n"
+        "s = Store.open(sys.argv[1])\n"
+        "sp = Selector.from_name('g')\n"
+        "s.put(sp, Key(1).pack(), {'v': 1})\n"
+        "with s.snapshot() as snap:\n"
+        "    before = s._env.readers()\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        sys.exit(0)\n"
+        "    os.waitpid(pid, 0)\n"
+        "    assert s._env.readers() == before, (before, s._env.readers())\n"
+        "    assert snap.get(sp, Key(1).pack()) == {'v': 1}\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "s")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "ok"
