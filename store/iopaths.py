@@ -41,6 +41,7 @@ import mmap
 import os
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -58,6 +59,22 @@ else:
     _C_ERROR = None
 
 PATHS = ("pread", "mmap", "direct", "io_uring")
+_warned = False
+
+
+def _warn_fallback() -> None:
+    global _warned
+    if _c is None and not _warned:
+        _warned = True
+        warnings.warn(
+            f"store: C transfer kernels unavailable ({_C_ERROR}); pread, mmap and direct "
+            "use slower Python loops and io_uring is unavailable. Build them with "
+            "`python setup.py build_ext --inplace`.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 DIRECT_ALIGN = 4096
 CONFIG_ENV = "CZYX_IO_CONFIG"
 
@@ -172,6 +189,7 @@ class TransferSource:
     def __init__(self, path: str | os.PathLike, *, align: int = DIRECT_ALIGN) -> None:
         if align < 512 or align & (align - 1):
             raise ValueError(f"align: {align} is not a power of two >= 512")
+        _warn_fallback()
         self.path = os.fspath(path)
         self.align = align
         self._local = threading.local()

@@ -130,6 +130,9 @@ def test_io_uring_batch_reads_at_queue_depth(datafile):
 def test_python_fallbacks_read_the_same_bytes(datafile, monkeypatch):
     path, data = datafile
     monkeypatch.setattr(io, "_c", None)
+    monkeypatch.setattr(io, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="C transfer kernels unavailable"):
+        io.open_source("pread", path).close()
     assert not io.probe_io_uring()[0]
     with pytest.raises(io.IOPathUnavailableError, match="not built"):
         io.open_source("io_uring", path)
