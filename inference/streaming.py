@@ -186,10 +186,13 @@ class StreamingExpertCache(ExpertCache):
     def acquire(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """Make ``experts`` of ``layer`` resident and verified; hold them until :meth:`release`.
 
+        A miss that finds every unheld slot in flight waits for those
+        transfers to complete (they are never overwritten while live).
+
         Raises
         ------
         SlotInUseError
-            A miss found every slot pinned, held or in flight.
+            A miss found every slot pinned or held.
         ShortReadError, ReadIOError, ChecksumError, StaleSourceError, DeadlineMissedError
             A transfer this layer depends on failed (its slot is unmapped first).
         """
@@ -214,10 +217,13 @@ class StreamingExpertCache(ExpertCache):
                             self.prefetch_hits += 1
                 else:
                     s = self._victim()
+                    if s < 0 and self.inflight.any():
+                        self._settle()  # in-flight slots become evictable once complete
+                        s = self._victim()
                     if s < 0:
                         raise SlotInUseError(
                             f"no evictable slot for layer {layer} expert {e}: all "
-                            f"{self.n_slots} slots are pinned, held or in flight"
+                            f"{self.n_slots} slots are pinned or held"
                         )
                     waits.append(self._claim(layer, e, s, DEMAND))
                     self.misses += 1
@@ -290,6 +296,15 @@ class StreamingExpertCache(ExpertCache):
             self.owner[t.slot] = -1
             self._xfer[t.slot] = None
 
+    def _settle(self) -> None:
+        """Wait for every transfer in flight (not a use), then retire them."""
+        pending = [t for t in self.planner.inflight if t is not None]
+        self.planner.drain()
+        for t in pending:
+            self.inflight[t.slot] = False
+            if t.error is not None:
+                self._drop(t)
+
     def _reap(self) -> None:
         for t in self.planner.reap():
             self.inflight[t.slot] = False
@@ -300,16 +315,19 @@ class StreamingExpertCache(ExpertCache):
 
     def prewarm(self, hot) -> int:
         """Load a hot list (as the base class), through the planner, waiting for each."""
-        loaded = 0
+        loaded: list[int] = []
         for layer, expert in hot:
             if self.table[layer, expert] >= 0:
                 continue
             if self._n_filled >= self.n_slots:
                 break
-            self._wait(self._claim(layer, expert, self._n_filled, DEMAND))
+            t = self._claim(layer, expert, self._n_filled, DEMAND)
+            self._wait(t)
             self.misses += 1
-            loaded += 1
-        return loaded
+            loaded.append(t.slot)
+        for s in reversed(loaded):  # the first entries are touched last: evicted last
+            self.policy.touch(s)
+        return len(loaded)
 
     def close(self) -> None:
         """Finish in-flight reads, stop the readers, drop the arena."""

@@ -183,9 +183,10 @@ def test_late_transfer_is_a_counted_stall_or_a_typed_error(synth, gate):
 
 
 def test_in_flight_and_held_slots_are_never_victims(synth, gate):
-    # 4 slots, top-2: two held by layer 0, two prefetched for layer 1 while gated.
+    # 4 slots, top-2: two held by layer 0, two prefetched for layer 1 while the device stalls.
     cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", threads=1)
     cache.set_routers([np.eye(8, 5, dtype=np.float32)] * 3)
+    n = synth.info.expert_nbytes
     try:
         gate.set()
         cache.acquire(0, np.array([0, 1]))
@@ -194,15 +195,23 @@ def test_in_flight_and_held_slots_are_never_victims(synth, gate):
         x = np.zeros((1, 5), np.float32)
         x[0, 2] = x[0, 3] = 1.0  # predicts experts 2 and 3 of layer 1
         cache.lookahead(0, x)
-        slots = cache.acquire(0, np.array([0, 1])).copy()
-        assert cache.inflight.sum() == 2 and cache.prefetches == 2
-        with pytest.raises(SlotInUseError):
-            cache.acquire(2, np.array([5]))  # every slot is held or in flight: refuse
-        cache.release()
-        gate.set()
+        held = cache.acquire(0, np.array([0, 1])).tolist()
+        pre = [cache._xfer[s] for s in range(4) if cache.inflight[s]]
+        assert cache.prefetches == 2 and len(pre) == 2 and not any(t.done for t in pre)
+        # Every unheld slot is in flight: a miss waits for them; it never overwrites one.
+        threading.Timer(0.05, gate.set).start()
+        s5 = int(cache.acquire(2, np.array([5]))[0])
+        assert all(t.done and t.checksum_result == "ok" for t in pre)
+        assert s5 in [t.slot for t in pre] and s5 not in held
+        # Three slots held now, one free: two more misses cannot both be placed.
+        with pytest.raises(SlotInUseError, match="pinned or held"):
+            cache.acquire(2, np.array([6, 7]))
+        assert not cache.blocked.any()  # the failed acquire released its holds
+        assert np.array_equal(cache.slot_bytes(s5)[:n], synth.base.blobs[(2, 5)])
         got = cache.acquire(1, np.array([3, 2]))
-        assert set(got.tolist()).isdisjoint(slots.tolist())
-        assert cache.prefetch_hits == 2 and cache.predicted_correct == 2
+        for e, s in zip((3, 2), got.tolist()):
+            assert np.array_equal(cache.slot_bytes(s)[:n], synth.base.blobs[(1, e)])
+        assert cache.predicted_correct == 2
         cache.release()
         cache.check()
     finally:
@@ -231,22 +240,25 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
     want = _decode(model, model.new_kv(), tokens)
     budget = max(cfg.n_sparse_experts * slot // 4, cfg.top_k * slot)
     try:
-        runs = [(io, 2, True) for io in IO_PATHS]
-        runs += [("pread", t, p) for t in (1, 8) for p in (False, True)]
-        for io, threads, prefetch in runs:
+        tight = (cfg.top_k + 1) * slot  # one slot beyond a layer's top-k
+        runs = [(io, 2, True, budget, 1) for io in IO_PATHS]
+        runs += [("pread", t, p, budget, 1) for t in (1, 8) for p in (False, True)]
+        runs += [("pread", 2, True, tight, 2), ("pread", 8, True, budget, 2)]
+        for io, threads, prefetch, nbytes, depth in runs:
             cache = StreamingExpertCache(
                 fc,
-                budget,
+                nbytes,
                 cfg.top_k,
                 cfg.n_sparse_experts,
                 io=io,
                 threads=threads,
                 prefetch=prefetch,
+                lookahead_depth=depth,
             )
             m = cls(fc, cache)
             attach(m, cache)
             got = _decode(m, m.new_kv(), tokens)
-            assert np.array_equal(got, want), (io, threads, prefetch)
+            assert np.array_equal(got, want), (io, threads, prefetch, nbytes, depth)
             assert cache.misses > 0 and (cache.prefetches > 0) == prefetch
             cache.check()
             cache.close()
