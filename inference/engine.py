@@ -115,6 +115,7 @@ class Engine:
                 threads=stream.readers,
                 prefetch=stream.prefetch,
                 lookahead_depth=stream.lookahead,
+                prefetch_width=stream.width,
                 strict_deadlines=stream.strict_deadlines,
                 xray=xray,
             )

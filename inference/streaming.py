@@ -56,6 +56,8 @@ class StreamOptions:
         read, so misses equal reads; ``czyx run`` turns it on).
     lookahead
         Sparse layers predicted ahead.
+    width
+        Predicted experts read per token and layer (None: top-k).
     strict_deadlines
         A late transfer raises instead of counting a stall.
     """
@@ -64,6 +66,7 @@ class StreamOptions:
     readers: int = 2
     prefetch: bool = False
     lookahead: int = 1
+    width: int | None = None
     strict_deadlines: bool = False
 
 
@@ -85,6 +88,8 @@ class StreamingExpertCache(ExpertCache):
         How many sparse layers ahead to predict (each with its own router on
         the current hidden state): deeper grows the overlap window and lowers
         the recall.
+    prefetch_width
+        How many of each token's predicted experts to read (default: top-k).
     strict_deadlines
         A late transfer raises instead of counting a stall.
     xray
@@ -103,6 +108,7 @@ class StreamingExpertCache(ExpertCache):
         threads: int = 2,
         prefetch: bool = True,
         lookahead_depth: int = 1,
+        prefetch_width: int | None = None,
         strict_deadlines: bool = False,
         xray: XRay | None = None,
     ) -> None:
@@ -114,6 +120,12 @@ class StreamingExpertCache(ExpertCache):
         if lookahead_depth < 1:
             raise ValueError(f"lookahead_depth: {lookahead_depth} < 1")
         self.lookahead_depth = int(lookahead_depth)
+        # Predicted experts read per token and layer: fewer than top-k trades recall
+        # for precision, which pays when reads, not compute, bound the step.
+        width = top_k if prefetch_width is None else int(prefetch_width)
+        if not 1 <= width <= top_k:
+            raise ValueError(f"prefetch_width: {width} is not in 1..{top_k}")
+        self.prefetch_width = width
         self.xray = xray
         self.inflight = np.zeros(self.n_slots, bool)
         self._mask = np.zeros(self.n_slots, bool)
@@ -161,7 +173,7 @@ class StreamingExpertCache(ExpertCache):
             if nxt < 0:
                 return
             logits = x @ self.routers[nxt].T
-            k = min(self.top_k, logits.shape[1])
+            k = min(self.prefetch_width, logits.shape[1])
             top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
             pred = np.unique(top)
             self._pending.append((nxt, pred))

@@ -67,6 +67,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--lookahead", type=int, default=1, help="sparse layers predicted ahead (default 1)"
     )
     p.add_argument(
+        "--prefetch-width",
+        type=int,
+        default=None,
+        help="predicted experts read per token and layer (default: top-k)",
+    )
+    p.add_argument(
         "--xray", metavar="FILE", help="write the X-Ray transfer report (JSON) and print a summary"
     )
     p.add_argument(
@@ -162,7 +168,11 @@ def _stream_options(args: argparse.Namespace):
         raise ValueError(f"--lookahead {args.lookahead} must be at least 1")
     io = default_io_path() if args.io == "auto" else args.io
     stream = StreamOptions(
-        io=io, readers=args.readers, prefetch=not args.no_prefetch, lookahead=args.lookahead
+        io=io,
+        readers=args.readers,
+        prefetch=not args.no_prefetch,
+        lookahead=args.lookahead,
+        width=args.prefetch_width,
     )
     xray = None
     if args.xray:

@@ -241,10 +241,10 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
     budget = max(cfg.n_sparse_experts * slot // 4, cfg.top_k * slot)
     try:
         tight = (cfg.top_k + 1) * slot  # one slot beyond a layer's top-k
-        runs = [(io, 2, True, budget, 1) for io in IO_PATHS]
-        runs += [("pread", t, p, budget, 1) for t in (1, 8) for p in (False, True)]
-        runs += [("pread", 2, True, tight, 2), ("pread", 8, True, budget, 2)]
-        for io, threads, prefetch, nbytes, depth in runs:
+        runs = [(io, 2, True, budget, 1, None) for io in IO_PATHS]
+        runs += [("pread", t, p, budget, 1, None) for t in (1, 8) for p in (False, True)]
+        runs += [("pread", 2, True, tight, 2, None), ("pread", 8, True, budget, 2, 1)]
+        for io, threads, prefetch, nbytes, depth, width in runs:
             cache = StreamingExpertCache(
                 fc,
                 nbytes,
@@ -254,11 +254,12 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
                 threads=threads,
                 prefetch=prefetch,
                 lookahead_depth=depth,
+                prefetch_width=width,
             )
             m = cls(fc, cache)
             attach(m, cache)
             got = _decode(m, m.new_kv(), tokens)
-            assert np.array_equal(got, want), (io, threads, prefetch, nbytes, depth)
+            assert np.array_equal(got, want), (io, threads, prefetch, nbytes, depth, width)
             assert cache.misses > 0 and (cache.prefetches > 0) == prefetch
             cache.check()
             cache.close()
@@ -281,3 +282,8 @@ def test_a_demand_read_is_exposed_but_not_a_deadline_stall(synth, gate):
     finally:
         gate.set()
         p.close()
+
+
+def test_prefetch_width_is_validated(synth):
+    with pytest.raises(ValueError, match="prefetch_width"):
+        StreamingExpertCache(synth, 4 * 4096 * 3, 2, prefetch_width=3)

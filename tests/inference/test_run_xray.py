@@ -58,6 +58,8 @@ def test_xray_report_and_identical_text_on_every_path(store, capsys):
     for readers in ("1", "8"):
         out, _ = _run(capsys, "--cache-fraction", "0.3", "--readers", readers, "--lookahead", "2")
         assert out == want
+    out, _ = _run(capsys, "--cache-fraction", "0.3", "--prefetch-width", "1")
+    assert out == want
 
 
 def test_bad_stream_flags_are_one_line_errors(store, capsys):
