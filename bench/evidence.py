@@ -294,6 +294,9 @@ def render(rows, details, machine, io, args, elapsed) -> str:
         "mispredicted prefetches spend bandwidth the demand reads then lack. The goals "
         "(exposed wait >= 50% lower, decode <= 2x resident at a 25% budget) are reported "
         "as met or not met from the figures above, not assumed.",
+        "- Reader threads cost CPU (checksums, Python hand-offs) that, on 2 vCPUs, "
+        "competes with the decode itself: a configuration can lower the exposed wait and "
+        "still decode more slowly, which the MoE rows show separately.",
         "- Timings on this machine move with other users' load (recorded above); rerun "
         "`python bench/evidence.py` for fresh figures and `--full` for the design's sizes "
         "(64 MiB-1 GiB layers, a 16-layer synthetic model of about 8 GiB).",
