@@ -1,174 +1,41 @@
-"""Bench fixtures for bench_engine.py: a file-backed consumer and a synthetic MoE.
+"""Bench fixtures for bench_engine.py: checkpoints mounted in a real store.
 
-``FileConsumer`` is a stand-in for the store's model reader (``store.model``)
-until it is merged: it holds the trunk in memory and the routed experts in one
-flat file of 4096-aligned slots, read with ``os.preadv`` (O_DIRECT when the
-file system allows it, else buffered with the file evicted from the page cache
-before each cold run). Same interface as ``store.consumer.ModelConsumer``, so
-the engine cannot tell the difference.
-
-``write_synthetic`` generates a Mixtral-shaped model with random weights
-chunk by chunk (never all in memory), for the memory figure.
+``mount_transformers`` saves a transformers model with ``save_pretrained`` and
+mounts it (``store.mount``); ``write_synthetic_checkpoint`` writes a
+Mixtral-shaped checkpoint with random weights, one safetensors shard per
+layer (never the whole model in memory), for the memory figure. Both are then
+opened the way ``czyx run`` opens a model: through a portal
+(``czyx.commands.run.OpenedModel``: the owner's root portal,
+``store.model.open_model`` with O_DIRECT expert reads).
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Callable
 
 import numpy as np
 
-from store.consumer import ExpertExtent, ModelInfo
 
-ALIGN = 4096
+def mount_checkpoint(ckpt_dir: str, store_dir: str, tag: str) -> None:
+    """Mount the checkpoint directory ``ckpt_dir`` into ``store_dir`` as ``tag``."""
+    from store import Store
+    from store.mount import mount
 
-
-def slot_nbytes(hidden: int, inter: int) -> tuple[int, int]:
-    """``(expert_nbytes, slot_nbytes)`` of an f32 expert (gate, up, down)."""
-    n = 3 * hidden * inter * 4
-    return n, -(-n // ALIGN) * ALIGN
-
-
-def write_experts(
-    path: str,
-    n_layers: int,
-    n_experts: int,
-    hidden: int,
-    inter: int,
-    expert: Callable[[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]],
-) -> None:
-    """Write every ``expert(layer, e) -> (gate, up, down)`` into ``path``, one slot each."""
-    nbytes, slot = slot_nbytes(hidden, inter)
-    pad = np.zeros(slot - nbytes, np.uint8)
-    with open(path, "wb") as f:
-        for layer in range(n_layers):
-            for e in range(n_experts):
-                g, u, d = expert(layer, e)
-                for a in (g, u, d):
-                    f.write(np.ascontiguousarray(a, np.float32).tobytes())
-                f.write(pad.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
+    store = Store.open(store_dir)
+    try:
+        mount(store, ckpt_dir, tag)
+    finally:
+        store.close()
 
 
-class FileConsumer:
-    """A ``ModelConsumer`` over an in-memory trunk and a flat expert file.
-
-    Parameters
-    ----------
-    path
-        The expert file written by :func:`write_experts`.
-    config
-        The model's config dict (``model_type`` gives the arch).
-    trunk
-        ``{(role, layer or None): float32 array}``.
-    direct
-        Open with O_DIRECT (falls back to buffered reads where refused).
-    """
-
-    def __init__(
-        self,
-        path: str,
-        config: dict,
-        trunk: dict[tuple[str, int | None], np.ndarray],
-        hidden: int,
-        inter: int,
-        direct: bool = True,
-    ) -> None:
-        n_layers = int(config["num_hidden_layers"])
-        n_experts = int(config.get("num_local_experts") or config["num_experts"])
-        nbytes, slot = slot_nbytes(hidden, inter)
-        self.info = ModelInfo(
-            arch=config["model_type"],
-            config=config,
-            n_layers=n_layers,
-            n_experts=n_experts,
-            expert_nbytes=nbytes,
-            expert_slot_nbytes=slot,
-            expert_format="f32",
-            selector=b"\x00" * 32,
-        )
-        self._trunk = trunk
-        self._h, self._i = hidden, inter
-        self.direct = False
-        flags = os.O_RDONLY
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                self.fd = os.open(path, flags | os.O_DIRECT)
-                self.direct = True
-            except OSError:
-                self.fd = os.open(path, flags)
-        else:
-            self.fd = os.open(path, flags)
-        self.path = path
-
-    def evict_page_cache(self) -> None:
-        """Drop the file from the page cache (for a cold run of buffered reads)."""
-        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-    def has_trunk(self, role: str, layer: int | None = None) -> bool:
-        return (role, layer) in self._trunk
-
-    def trunk(self, role: str, layer: int | None = None) -> np.ndarray:
-        return self._trunk[(role, layer)]
-
-    def expert_extent(self, layer: int, router_byte: int) -> ExpertExtent:
-        off = (layer * self.info.n_experts + router_byte) * self.info.expert_slot_nbytes
-        return ExpertExtent(self.fd, off, self.info.expert_slot_nbytes, 0)
-
-    def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
-        ext = self.expert_extent(layer, router_byte)
-        done = 0
-        while done < ext.length:  # loop over short reads
-            n = os.preadv(self.fd, [memoryview(slot[done:])], ext.offset + done)
-            if n <= 0:
-                raise OSError(f"short read at offset {ext.offset + done} of {self.path}")
-            done += n
-
-    def expert_views(self, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        h, i = self._h, self._i
-        f = slot[: self.info.expert_nbytes].view(np.float32)
-        return (
-            f[: i * h].reshape(i, h),
-            f[i * h : 2 * i * h].reshape(i, h),
-            f[2 * i * h :].reshape(h, i),
-        )
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-def from_transformers(model, path: str, direct: bool = True) -> FileConsumer:
-    """Write a transformers Mixtral/OLMoE/Qwen3-MoE model's experts to ``path``; consume it."""
-    from tests.inference.refmodels import StateDictConsumer
-
-    ref = StateDictConsumer(model)
-    cfg = model.config
-    n_experts = ref.info.n_experts
-    sd = ref.sd
-    sparse = [la for la in range(cfg.num_hidden_layers) if ref.has_trunk("router", la)]
-    if len(sparse) != cfg.num_hidden_layers:
-        raise ValueError("the file stand-in needs every layer sparse")
-    gu0 = sd["model.layers.0.mlp.experts.gate_up_proj"]
-    inter, hidden = gu0.shape[1] // 2, gu0.shape[2]
-
-    def expert(layer: int, e: int):
-        gu = sd[f"model.layers.{layer}.mlp.experts.gate_up_proj"][e]
-        dn = sd[f"model.layers.{layer}.mlp.experts.down_proj"][e]
-        return gu[:inter], gu[inter:], dn
-
-    write_experts(path, cfg.num_hidden_layers, n_experts, hidden, inter, expert)
-    trunk = {}
-    from store.consumer import GLOBAL_ROLES, LAYER_ROLES
-
-    for role in GLOBAL_ROLES:
-        if ref.has_trunk(role):
-            trunk[(role, None)] = ref.trunk(role)
-    for la in range(cfg.num_hidden_layers):
-        for role in LAYER_ROLES:
-            if ref.has_trunk(role, la):
-                trunk[(role, la)] = ref.trunk(role, la)
-    return FileConsumer(path, ref.info.config, trunk, hidden, inter, direct)
+def mount_transformers(model, workdir: str, tag: str = "bench@1") -> str:
+    """Save ``model`` under ``workdir`` and mount it; returns the store directory."""
+    ckpt = os.path.join(workdir, "checkpoint")
+    model.save_pretrained(ckpt)
+    store_dir = os.path.join(workdir, "store")
+    mount_checkpoint(ckpt, store_dir, tag)
+    return store_dir
 
 
 def synthetic_config(
@@ -176,6 +43,7 @@ def synthetic_config(
 ) -> dict:
     """A Mixtral config for a synthetic model."""
     return dict(
+        architectures=["MixtralForCausalLM"],
         model_type="mixtral",
         hidden_size=hidden,
         intermediate_size=inter,
@@ -188,55 +56,69 @@ def synthetic_config(
         rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         hidden_act="silu",
+        torch_dtype="float32",
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
     )
 
 
-def synthetic_trunk(cfg: dict, seed: int = 0) -> dict[tuple[str, int | None], np.ndarray]:
-    """Random trunk tensors (scaled like an initialised model)."""
+def write_synthetic_checkpoint(ckpt_dir: str, cfg: dict, seed: int = 0) -> int:
+    """Write random weights for ``cfg`` as a sharded safetensors checkpoint.
+
+    One shard per layer (its attention, router and stacked experts) plus one
+    for the globals, so at most one layer is in memory. Uniform values scaled
+    to a small spread (faster to draw than normals; they only need to be
+    finite and distinct). Returns the bytes of routed experts written.
+    """
+    from safetensors.numpy import save_file
+
+    os.makedirs(ckpt_dir, exist_ok=True)
     rng = np.random.default_rng(seed)
-    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    e = cfg["num_local_experts"]
     hd = h // cfg["num_attention_heads"]
     kv = cfg["num_key_value_heads"] * hd
 
-    def r(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.05).astype(np.float32)
-
-    t: dict[tuple[str, int | None], np.ndarray] = {
-        ("embed", None): r(v, h),
-        ("final_norm", None): np.ones(h, np.float32),
-        ("lm_head", None): r(v, h),
-    }
-    for la in range(cfg["num_hidden_layers"]):
-        t.update(
-            {
-                ("input_norm", la): np.ones(h, np.float32),
-                ("post_attn_norm", la): np.ones(h, np.float32),
-                ("q_proj", la): r(h, h),
-                ("k_proj", la): r(kv, h),
-                ("v_proj", la): r(kv, h),
-                ("o_proj", la): r(h, h),
-                ("router", la): r(cfg["num_local_experts"], h) * 20,
-            }
-        )
-    return t
-
-
-def write_synthetic(path: str, cfg: dict, seed: int = 0) -> None:
-    """Write random experts for ``cfg`` to ``path`` (one expert in memory at a time).
-
-    Uniform values (faster to draw than normals) scaled to a small std; the
-    values only need to be finite and distinct per expert.
-    """
-    rng = np.random.default_rng(seed + 1)
-    h, i = cfg["hidden_size"], cfg["intermediate_size"]
-
-    def r(*shape: int) -> np.ndarray:
+    def r(*shape: int, scale: float = 0.1) -> np.ndarray:
         a = rng.random(shape, dtype=np.float32)
         a -= 0.5
-        a *= 0.1
+        a *= scale
         return a
 
-    def expert(layer: int, e: int):
-        return r(i, h), r(i, h), r(h, i)
+    weight_map: dict[str, str] = {}
+    expert_bytes = 0
 
-    write_experts(path, cfg["num_hidden_layers"], cfg["num_local_experts"], h, i, expert)
+    def save(tensors: dict[str, np.ndarray], name: str) -> None:
+        save_file(tensors, os.path.join(ckpt_dir, name))
+        weight_map.update(dict.fromkeys(tensors, name))
+
+    save(
+        {
+            "model.embed_tokens.weight": r(v, h),
+            "model.norm.weight": np.ones(h, np.float32),
+            "lm_head.weight": r(v, h),
+        },
+        "globals.safetensors",
+    )
+    for la in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{la}."
+        tensors = {
+            p + "input_layernorm.weight": np.ones(h, np.float32),
+            p + "post_attention_layernorm.weight": np.ones(h, np.float32),
+            p + "self_attn.q_proj.weight": r(h, h),
+            p + "self_attn.k_proj.weight": r(kv, h),
+            p + "self_attn.v_proj.weight": r(kv, h),
+            p + "self_attn.o_proj.weight": r(h, h),
+            p + "mlp.gate.weight": r(e, h, scale=4.0),
+            p + "mlp.experts.gate_up_proj": r(e, 2 * i, h),
+            p + "mlp.experts.down_proj": r(e, h, i),
+        }
+        expert_bytes += tensors[p + "mlp.experts.gate_up_proj"].nbytes
+        expert_bytes += tensors[p + "mlp.experts.down_proj"].nbytes
+        save(tensors, f"layer-{la:03d}.safetensors")
+        del tensors
+    with open(os.path.join(ckpt_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(ckpt_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return expert_bytes

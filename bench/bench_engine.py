@@ -16,9 +16,10 @@ Three sections, each printed as ratios against a baseline measured in the same r
    a child process; its peak RSS above the interpreter's baseline is compared
    with trunk + budget (+15 % allowed).
 
-Until ``store.model`` is merged, experts are read from a flat file of aligned
-slots by ``bench/_engine_fixtures.FileConsumer`` (pread, O_DIRECT when the file
-system allows it), a stand-in with the same consumer interface.
+Every model is mounted in a real store (``store.mount``) and opened as
+``czyx run`` opens it: through the owner's portal, ``store.model.open_model``
+with O_DIRECT expert reads (so every miss is a device read, never the page
+cache).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -79,7 +81,8 @@ def speed_and_dial(args: argparse.Namespace, sizes: dict, workdir: str) -> None:
     import torch
 
     sys.path.insert(0, ROOT)
-    from bench._engine_fixtures import from_transformers
+    from bench._engine_fixtures import mount_transformers
+    from czyx.commands.run import OpenedModel
     from inference.engine import Engine
     from inference.generate import generate_ids
     from tests.inference.refmodels import tiny_model
@@ -98,15 +101,16 @@ def speed_and_dial(args: argparse.Namespace, sizes: dict, workdir: str) -> None:
         sliding_window=None,
         max_position_embeddings=4096,
     )
-    path = os.path.join(workdir, "speed.experts")
-    consumer = from_transformers(model, path)
+    store_dir = mount_transformers(model, os.path.join(workdir, "speed"))
+    opened = OpenedModel(store_dir, "bench@1", None)
+    consumer = opened.consumer
     prompt = np.random.default_rng(0).integers(0, s["vocab"], args.prompt_len).tolist()
     n = args.tokens
     expert_mb = s["layers"] * s["experts"] * consumer.info.expert_slot_nbytes / 2**20
     print(
         f"model: mixtral-shaped, hidden {s['hidden']}, inter {s['inter']}, {s['layers']} layers"
         f" x {s['experts']} experts (top-2), vocab {s['vocab']}; experts {expert_mb:.0f} MiB;"
-        f" O_DIRECT={consumer.direct}"
+        " O_DIRECT expert reads"
     )
     if not args.only or "speed" in args.only:
         print(f"\n[speed] prompt {len(prompt)} tokens, {n} generated, median of {args.repeats}")
@@ -122,37 +126,40 @@ def speed_and_dial(args: argparse.Namespace, sizes: dict, workdir: str) -> None:
             with torch.no_grad():
                 model(ids)
 
-        t_ours_pf = _median_time(ours_prefill, args.repeats)
-        t_hf_pf = _median_time(hf_prefill, args.repeats)
-        ours_dec, ours_tokens = [], None
+        hf_prefill()  # warm: lazy initialisation of torch kernels
+        # Interleaved (ours, theirs, ours, ...) so both see the same machine load.
+        pf_ours, pf_hf, gen_hf, ours_dec = [], [], [], []
+        ours_tokens = hf_tokens = None
         for _ in range(args.repeats):
+            pf_ours.append(_median_time(ours_prefill, 1))
+            pf_hf.append(_median_time(hf_prefill, 1))
             ours_tokens, st = generate_ids(eng, prompt, n)
             ours_dec.append(st.decode_tokens_per_s)
-        hf_tokens = None
-
-        def hf_generate() -> None:
-            nonlocal hf_tokens
+            t0 = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(
                     ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
                 )
+            gen_hf.append(time.perf_counter() - t0)
             hf_tokens = out[0, len(prompt) :].tolist()
-
-        t_hf_gen = _median_time(hf_generate, args.repeats)
+        t_ours_pf, t_hf_pf = statistics.median(pf_ours), statistics.median(pf_hf)
+        t_hf_gen = statistics.median(gen_hf)
         hf_dec = (n - 1) / max(t_hf_gen - t_hf_pf, 1e-9)
         _row("prefill tokens/s", len(prompt) / t_ours_pf, len(prompt) / t_hf_pf, "tok/s")
         _row("decode tokens/s", statistics.median(ours_dec), hf_dec, "tok/s")
         print(f"  greedy tokens identical to transformers: {ours_tokens == hf_tokens}")
 
     if not args.only or "dial" in args.only:
-        print(f"\n[dial] cold start per budget, {n} generated, median of {args.repeats}")
+        print(
+            f"\n[dial] cold start (empty slots, O_DIRECT) per budget, {n} generated, "
+            f"median of {args.repeats}"
+        )
         base = None
         for frac, policy in [(f, p) for f in (1.0, 0.5, 0.25, 0.125) for p in ("lru", "lfu")]:
             if frac == 1.0 and policy == "lfu":
                 continue  # nothing is ever evicted at 100 %: the policy cannot matter
             runs = []
             for _ in range(args.repeats):
-                consumer.evict_page_cache()
                 eng = Engine(consumer, cache_fraction=frac, policy=policy)
                 _, st = generate_ids(eng, prompt, n)
                 runs.append(st)
@@ -168,8 +175,7 @@ def speed_and_dial(args: argparse.Namespace, sizes: dict, workdir: str) -> None:
                 f"{st.bytes_per_token / 2**20:6.2f} MiB/token overall, "
                 f"I/O wait {statistics.median(r.io_wait_seconds for r in runs) * 1e3:7.1f} ms"
             )
-    consumer.close()
-    os.unlink(path)
+    opened.close()
 
 
 def _status_kb(field: str) -> int:
@@ -181,17 +187,16 @@ def _status_kb(field: str) -> int:
 
 
 def memory_child(spec: str) -> None:
-    """Run the synthetic model under a budget; print a JSON line with RSS figures."""
-    cfg_path, path, frac, tokens, hidden, inter = spec.split(",")
+    """Run the mounted synthetic model under a budget; print a JSON line of RSS figures."""
+    store_dir, frac, tokens = spec.split(",")
     import numpy as np
 
     sys.path.insert(0, ROOT)
-    from bench._engine_fixtures import FileConsumer, synthetic_trunk
+    from czyx.commands.run import OpenedModel
     from inference.engine import Engine
     from inference.generate import generate_ids
+    from store.consumer import GLOBAL_ROLES, LAYER_ROLES
 
-    with open(cfg_path) as f:
-        cfg = json.load(f)
     try:  # reset the high-water mark so imports do not count
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -199,12 +204,18 @@ def memory_child(spec: str) -> None:
     except OSError:
         reset = False
     base_kb = _status_kb("VmRSS")
-    trunk = synthetic_trunk(cfg)
-    trunk_bytes = sum(a.nbytes for a in trunk.values())
-    consumer = FileConsumer(path, cfg, trunk, int(hidden), int(inter))
-    consumer.evict_page_cache()
+    opened = OpenedModel(store_dir, "synthetic@1", None)
+    consumer = opened.consumer
+    n_layers = consumer.info.n_layers
+    trunk_bytes = sum(
+        consumer.trunk(r, la).nbytes
+        for r, la in [(g, None) for g in GLOBAL_ROLES]
+        + [(r, la) for r in LAYER_ROLES for la in range(n_layers)]
+        if consumer.has_trunk(r, la)
+    )
     eng = Engine(consumer, cache_fraction=float(frac))
-    prompt = np.random.default_rng(1).integers(0, cfg["vocab_size"], 16).tolist()
+    vocab = int(consumer.info.config["vocab_size"])
+    prompt = np.random.default_rng(1).integers(0, vocab, 16).tolist()
     _, st = generate_ids(eng, prompt, int(tokens))
     print(
         json.dumps(
@@ -217,39 +228,42 @@ def memory_child(spec: str) -> None:
                 expert_bytes=eng.expert_bytes,
                 hit_rate=st.hit_rate,
                 decode_tps=st.decode_tokens_per_s,
-                direct=consumer.direct,
             )
         )
     )
+    opened.close()
 
 
 def memory(args: argparse.Namespace, sizes: dict, workdir: str) -> None:
     sys.path.insert(0, ROOT)
-    from bench._engine_fixtures import synthetic_config, write_synthetic
+    from bench._engine_fixtures import (
+        mount_checkpoint,
+        synthetic_config,
+        write_synthetic_checkpoint,
+    )
 
     m = sizes["memory"]
     cfg = synthetic_config(m["hidden"], m["inter"], m["layers"], m["experts"])
-    path = os.path.join(workdir, "synthetic.experts")
-    cfg_path = os.path.join(workdir, "synthetic.json")
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
+    ckpt = os.path.join(workdir, "synthetic")
+    store_dir = os.path.join(workdir, "synthetic-store")
     t0 = time.perf_counter()
-    write_synthetic(path, cfg)
-    size = os.path.getsize(path)
+    size = write_synthetic_checkpoint(ckpt, cfg)
+    t1 = time.perf_counter()
+    mount_checkpoint(ckpt, store_dir, "synthetic@1")
+    t2 = time.perf_counter()
+    shutil.rmtree(ckpt)  # the store holds its own copy
     print(
         f"\n[memory] synthetic model: {size / 2**30:.2f} GiB of experts written in "
-        f"{time.perf_counter() - t0:.1f} s; budget {m['fraction'] * 100:.1f}% of experts"
+        f"{t1 - t0:.1f} s, mounted in {t2 - t1:.1f} s; budget {m['fraction'] * 100:.1f}% of experts"
     )
-    spec = ",".join(map(str, [cfg_path, path, m["fraction"], args.tokens, m["hidden"], m["inter"]]))
-    env = dict(os.environ)
+    spec = ",".join(map(str, [store_dir, m["fraction"], args.tokens]))
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--memory-child", spec],
         capture_output=True,
         text=True,
-        env=env,
         cwd=ROOT,
     )
-    os.unlink(path)
+    shutil.rmtree(store_dir)
     if out.returncode:
         print(out.stderr[-2000:])
         raise SystemExit("memory child failed")
@@ -260,8 +274,7 @@ def memory(args: argparse.Namespace, sizes: dict, workdir: str) -> None:
     print(
         f"  experts {r['expert_bytes'] / mib:.0f} MiB = "
         f"{r['expert_bytes'] / r['budget_bytes']:.1f}x the budget of "
-        f"{r['budget_bytes'] / mib:.0f} MiB; trunk {r['trunk_bytes'] / mib:.0f} MiB; "
-        f"O_DIRECT={r['direct']}"
+        f"{r['budget_bytes'] / mib:.0f} MiB; trunk {r['trunk_bytes'] / mib:.0f} MiB"
     )
     print(
         f"  peak RSS above interpreter baseline: {peak / mib:.0f} MiB vs trunk+budget "
@@ -289,10 +302,14 @@ def main() -> None:
         f"{torch.get_num_threads()}; cpus: {os.cpu_count()}"
     )
     workdir = args.workdir or tempfile.mkdtemp(prefix="czyx-bench-", dir="/var/tmp")
-    if not args.only or {"speed", "dial"} & set(args.only):
-        speed_and_dial(args, sizes, workdir)
-    if not args.only or "memory" in args.only:
-        memory(args, sizes, workdir)
+    try:
+        if not args.only or {"speed", "dial"} & set(args.only):
+            speed_and_dial(args, sizes, workdir)
+        if not args.only or "memory" in args.only:
+            memory(args, sizes, workdir)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ from typing import Protocol
 import numpy as np
 
 from inference.errors import CacheBudgetError, SlotInUseError, UnsupportedModelError
+from inference.kernels.linear import packed_expert_from_views
 from store.consumer import ModelConsumer
+from store.quant.formats import is_quant_format
 
 ALIGN = 4096
 HUGE_PAGE = 2 * 1024 * 1024
@@ -222,16 +224,19 @@ def _float32_weights(
     return np.concatenate([gate, up]), down  # not adjacent: only possible for odd layouts
 
 
-def _to_float32(a: np.ndarray, fmt: str) -> np.ndarray:
-    if a.dtype == np.float32:
-        return a
-    if a.dtype == np.float16:
-        return a.astype(np.float32)
-    if fmt == "bf16" and a.dtype == np.uint16:
-        return (a.astype(np.uint32) << 16).view(np.float32)
-    raise UnsupportedModelError(
-        f"expert format {fmt!r} (view dtype {a.dtype}) has no float32 path in the numpy engine"
-    )
+def _convert_into(dst: np.ndarray, src: np.ndarray, fmt: str) -> None:
+    """Widen a slot view into a preallocated float32 array (exact for f16 and bf16)."""
+    if src.dtype in (np.float16, np.float32, np.float64):
+        np.copyto(dst, src, casting="same_kind")
+    elif fmt == "bf16" and src.dtype == np.uint16:
+        bits = dst.view(np.uint32)
+        np.copyto(bits, src)  # zero-extend, then the bf16 bits become the high half
+        bits <<= 16
+    else:
+        raise UnsupportedModelError(
+            f"expert format {fmt!r} (view dtype {src.dtype}) has no float32 path "
+            "in the numpy engine"
+        )
 
 
 class ExpertCache:
@@ -252,7 +257,10 @@ class ExpertCache:
         How many (layer, expert) pairs exist (for the cap); defaults to
         ``n_layers * n_experts``.
     policy
-        ``"lru"`` or an :class:`EvictionPolicy` instance.
+        ``"lru"``, ``"lfu"`` or an :class:`EvictionPolicy` instance.
+
+    ``bytes_read`` counts a whole slot per miss (what the arena receives; the
+    store may read the padded stride in direct mode).
 
     Raises
     ------
@@ -293,6 +301,16 @@ class ExpertCache:
         # Precomputed per-slot views: a fetch indexes a list, it never slices.
         self._slot_views = [self.arena[s] for s in range(n_slots)]
         self._weights = [self._make_weights(s) for s in range(n_slots)]
+        # Formats that are not float32 are widened per use into this one scratch
+        # pair (allocated once), so the fetch path still allocates nothing.
+        self._scratch: tuple[np.ndarray, np.ndarray] | None = None
+        if any(w is None for w in self._weights):
+            gate, _, down = consumer.expert_views(self._slot_views[0])
+            self._scratch = (
+                np.empty((2 * gate.shape[0], gate.shape[1]), np.float32),
+                np.empty(down.shape, np.float32),
+            )
+            _convert_into(self._scratch[1], down, self.format)  # refuse odd formats now
         self.table = np.full((self.n_layers, self.n_experts), -1, np.int32)
         self.owner = np.full(n_slots, -1, np.int64)  # layer * n_experts + expert
         self.pinned = np.zeros(n_slots, bool)
@@ -311,6 +329,10 @@ class ExpertCache:
 
     def _make_weights(self, s: int) -> tuple[np.ndarray, np.ndarray] | None:
         views = self.consumer.expert_views(self._slot_views[s])
+        if is_quant_format(self.format):
+            # Packed q2/q3/q4/q8 extents: kernel-ready views of the slot, made once.
+            hidden = int(self.consumer.info.config["hidden_size"])
+            return packed_expert_from_views(self.format, hidden, views)
         return _float32_weights(views, self._slot_views[s], self.format)
 
     # ------------------------------------------------------------------ queries
@@ -338,15 +360,23 @@ class ExpertCache:
         )
 
     def weights(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(gate_up [2I, H], down [H, I])`` float32 of a filled slot: views for f32."""
+        """``(gate_up [2I, H], down [H, I])`` of a filled slot.
+
+        For f32 slots, zero-copy views of the slot; for quantized formats,
+        kernel-ready packed matrices over the slot. For f16/bf16 slots, the
+        widened weights in a scratch pair shared by every slot: valid until
+        the next call (the decoder uses each expert before fetching the next).
+        """
         w = self._weights[slot]
         if w is not None:
             return w
         gate, up, down = self.consumer.expert_views(self._slot_views[slot])
-        return (
-            np.concatenate([_to_float32(gate, self.format), _to_float32(up, self.format)]),
-            _to_float32(down, self.format),
-        )
+        gate_up, down32 = self._scratch  # type: ignore[misc]
+        inter = gate.shape[0]
+        _convert_into(gate_up[:inter], gate, self.format)
+        _convert_into(gate_up[inter:], up, self.format)
+        _convert_into(down32, down, self.format)
+        return gate_up, down32
 
     def slot_bytes(self, slot: int) -> np.ndarray:
         """The raw uint8 view of a slot (for tests and other consumers)."""

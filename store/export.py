@@ -64,6 +64,11 @@ def export(store: Any, ref: str | Selector, out_dir: str | os.PathLike[str]) -> 
     fmt = space.root["expert"]["format"]
     if fmt not in RAW_FORMATS:
         raise ExportError(f"expert format {fmt!r} is quantized; export writes only raw formats")
+    if space.root.get("quant"):  # trunk tensors may be packed even when experts are raw
+        raise ExportError(
+            f"version is quantized (policy {space.root['quant'].get('policy')!r}); "
+            "export writes only raw formats"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     root_sel = space.chain[0][0]

@@ -34,6 +34,8 @@ from store.errors import ChecksumError
 from store.expert_layout import layout_from_manifest
 from store.mount import ADAPTER_KIND, MODEL_KIND, TRUNK_KIND, resolve
 from store.mount_errors import ModelSpaceError
+from store.quant.codec import expert_parts, trunk_tensor
+from store.quant.formats import is_quant_format
 
 _NO_BLOCK = -1
 
@@ -222,12 +224,20 @@ class StoreModel:
             layers = np.arange(space.n_layers)
             in_range = (layers >= view.layer_lo) & (layers <= view.layer_hi)
             self._allowed = np.asarray(view.allowed_classes)[self._cls] & in_range[:, None]
-        self._trunk = {
-            k: to_float32(_as_dtype(space.read_trunk_raw(r), r), r.dtype)
-            for k, r in space.trunk.items()
-        }
+        self._trunk = {}
+        # Quantized trunk tensors (record "qfmt"): packed bytes for the kernels,
+        # and their dequantized float32 for callers that know nothing of formats.
+        self._packed: dict[tuple[str, int | None], tuple] = {}
+        for k, r in space.trunk.items():
+            raw = space.read_trunk_raw(r)
+            if "qfmt" in r.record:
+                self._trunk[k], self._packed[k] = trunk_tensor(r.record, raw)
+            else:
+                self._trunk[k] = to_float32(_as_dtype(raw, r), r.dtype)
         for arr in self._trunk.values():
             arr.setflags(write=False)  # shared by every caller: nobody may edit weights
+        self._qfmt = ex["format"] if is_quant_format(ex["format"]) else None
+        self._inter, self._hidden = int(ex["inter"]), int(ex["hidden"])
         gate = (ex["inter"], ex["hidden"])
         item = DTYPES[ex["dtype"]][1]
         self._view_dtype = DTYPES[ex["dtype"]][0]
@@ -248,6 +258,14 @@ class StoreModel:
                 raise ValueError(f"trunk role {role!r} is not one of {ALL_ROLES}") from None
             where = "" if role in ALL_GLOBAL_ROLES else f" at layer {layer}"
             raise KeyError(f"{self.info.arch} model has no {role}{where}") from None
+
+    def trunk_quantized(self, role: str, layer: int | None = None) -> tuple | None:
+        """``(packed uint8 buffer, QuantFormat, shape)`` of a quantized trunk tensor, else None.
+
+        The optional consumer extension the engine uses to run its kernels on
+        the packed bytes (``store/quant/README.md``).
+        """
+        return self._packed.get((role, layer))
 
     # -- experts -----------------------------------------------------------------------
     def _check(self, layer: int, router_byte: int) -> int:
@@ -307,7 +325,10 @@ class StoreModel:
 
         f32/f16 views have their numpy dtype; bf16 views are ``uint16`` bit
         patterns (numpy has no bfloat16; widen with ``store.checkpoint.to_float32``).
+        A quantized version returns the three packed ``uint8`` parts.
         """
+        if self._qfmt is not None:
+            return expert_parts(self._qfmt, self._inter, self._hidden, slot)
         m, dt = self._matrix_bytes, self._view_dtype
         return tuple(  # type: ignore[return-value]
             np.frombuffer(slot, dt, m // dt.itemsize, i * m).reshape(s)

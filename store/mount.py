@@ -141,19 +141,38 @@ def _round_up(n: int, a: int) -> int:
 
 
 class _Source:
-    """Byte access to the plan's tensors for hashing and writing, through one reused buffer."""
+    """Byte access to the plan's tensors for hashing and writing, through one reused buffer.
 
-    def __init__(self, ckpt: Checkpoint, plan: ModelPlan) -> None:
-        self.ckpt, self.plan = ckpt, plan
-        self.buf = np.empty(plan.expert_nbytes, np.uint8)
+    With a quantizing ``codec`` (``store.quant.codec.QuantCodec``) the bytes are
+    the stored ones: experts packed in the codec's extent layout, trunk tensors
+    packed where the policy says so (``stored_tensor``).
+    """
+
+    def __init__(self, ckpt: Checkpoint, plan: ModelPlan, codec: Any = None) -> None:
+        self.ckpt, self.plan, self.codec = ckpt, plan, codec
+        self.qlayout = None if codec is None else codec.expert_layout(plan.inter, plan.hidden)
+        self.expert_nbytes = plan.expert_nbytes if self.qlayout is None else self.qlayout.nbytes
+        self.buf = np.empty(self.expert_nbytes, np.uint8)
+        self._float = np.empty(plan.expert_nbytes if self.qlayout else 0, np.uint8)
         self._scratch = np.empty(0, np.uint8)
 
     def assemble(self, key: tuple[int, int], out: np.ndarray) -> None:
-        """Read expert ``key``'s gate, up and down bytes back to back into ``out``."""
+        """Read expert ``key``'s gate, up and down back to back into ``out`` (as stored)."""
+        raw = out if self.qlayout is None else self._float
         pos = 0
         for p in self.plan.experts[key]:
-            self.ckpt.read_into(p.tensor, p.start, out[pos : pos + p.nbytes])
+            self.ckpt.read_into(p.tensor, p.start, raw[pos : pos + p.nbytes])
             pos += p.nbytes
+        if self.qlayout is not None:
+            out[:] = self.codec.encode_expert_raw(self.qlayout, *key, raw, self.plan.dtype)
+
+    def stored_tensor(self, t: Any) -> tuple[np.ndarray, str | None]:
+        """``(bytes to store, quantized format or None)`` of trunk entry ``t``."""
+        raw = self.tensor(t.tensor)
+        if self.codec is None:
+            return raw, None
+        info = self.ckpt.info(t.tensor)
+        return self.codec.encode_trunk_raw(t.role, t.layer, raw, info.dtype, info.shape)
 
     def expert_hash(self, key: tuple[int, int]) -> str:
         self.assemble(key, self.buf)
@@ -178,6 +197,7 @@ def mount(
     class_perm: Sequence[Sequence[int]] | None = None,
     adapter_of: str | Selector | None = None,
     progress: bool = False,
+    quant: Any = None,
 ) -> MountResult:
     """Publish the checkpoint at ``path`` as ``tag`` (``NAME@VERSION``).
 
@@ -199,6 +219,11 @@ def mount(
         holds only replaced tensors; layout, permutation and shapes are the base's.
     progress
         Show tqdm progress bars on stderr.
+    quant
+        A ``store.quant.codec.QuantCodec`` (a policy and optionally a calibration
+        importance map): routed experts and trunk tensors are stored in the
+        formats it chooses (``store/quant/README.md``). The version is then a
+        different content, so a different selector, from the float mount.
 
     Returns
     -------
@@ -213,7 +238,9 @@ def mount(
     name, _ = parse_tag(tag)
     with Checkpoint(path) as ckpt:
         plan = plan_checkpoint(ckpt, partial=adapter_of is not None)
-        src = _Source(ckpt, plan)
+        if quant is not None and adapter_of is not None:
+            raise MountError("a quantized adapter is not supported: quantize the base instead")
+        src = _Source(ckpt, plan, quant)
         base_sel, base_manifest = None, None
         if adapter_of is not None:
             base_sel = resolve(store, adapter_of)
@@ -224,25 +251,30 @@ def mount(
             layout = make_layout(plan.n_layers, plan.n_experts, outer, class_perm)
 
         keys = sorted(plan.experts, key=lambda k: layout.ordinal(*k))
-        total = sum(ckpt.info(t.tensor).nbytes for t in plan.trunk)
-        total += len(keys) * plan.expert_nbytes
-        bar = _bar(progress, total, "hash")
+        source_total = sum(ckpt.info(t.tensor).nbytes for t in plan.trunk)
+        source_total += len(keys) * plan.expert_nbytes
+        bar = _bar(progress, source_total, "hash")
         expert_hash = {}
         for k in keys:
             expert_hash[k] = src.expert_hash(k)
             bar.update(plan.expert_nbytes)
-        trunk_hash = {}
+        trunk_hash: dict[str, str] = {}
+        trunk_qfmt: dict[str, str | None] = {}
+        trunk_total = 0
         for t in plan.trunk:
-            trunk_hash[t.tensor] = content_hash(src.tensor(t.tensor))
+            data, qfmt = src.stored_tensor(t)
+            trunk_hash[t.tensor], trunk_qfmt[t.tensor] = content_hash(data), qfmt
+            trunk_total += data.nbytes
             bar.update(ckpt.info(t.tensor).nbytes)
         bar.close()
+        total = trunk_total + len(keys) * src.expert_nbytes
 
-        trunk_manifest = _trunk_manifest(ckpt, plan, trunk_hash)
+        trunk_manifest = _trunk_manifest(ckpt, plan, trunk_hash, trunk_qfmt, quant)
         trunk_sel = (
             Selector.from_content(canonical_manifest(trunk_manifest)) if plan.trunk else None
         )
         manifest = _model_manifest_for(
-            ckpt, plan, layout, expert_hash, trunk_sel, base_sel, base_manifest
+            ckpt, plan, layout, expert_hash, trunk_sel, base_sel, base_manifest, src
         )
         sel = Selector.from_content(canonical_manifest(manifest))
         _check_tag_free(store, tag, sel)
@@ -258,7 +290,7 @@ def mount(
         if trunk_sel is not None and not store.has_space(trunk_sel):
             written += _write_trunk(store, trunk_sel, trunk_manifest, src, trunk_hash, bar)
         else:
-            bar.update(total - len(keys) * plan.expert_nbytes)
+            bar.update(total - len(keys) * src.expert_nbytes)
         shared_index = _shared_index(store, name, base_sel)
         new, shared = _write_experts(
             store, sel, manifest, src, layout, keys, expert_hash, shared_index, bar
@@ -370,7 +402,14 @@ def _source_manifest(ckpt: Checkpoint) -> dict[str, Any]:
     return {"files": files, "index": index}
 
 
-def _trunk_manifest(ckpt: Checkpoint, plan: ModelPlan, hashes: dict[str, str]) -> dict[str, Any]:
+def _trunk_manifest(
+    ckpt: Checkpoint,
+    plan: ModelPlan,
+    hashes: dict[str, str],
+    qfmts: dict[str, str | None] | None = None,
+    codec: Any = None,
+) -> dict[str, Any]:
+    qfmts = qfmts or {}
     tensors = sorted(
         [
             t.role,
@@ -380,15 +419,20 @@ def _trunk_manifest(ckpt: Checkpoint, plan: ModelPlan, hashes: dict[str, str]) -
             list(ckpt.info(t.tensor).shape),
             hashes[t.tensor],
         ]
+        # a quantized tensor names its stored format (float ones stay as before)
+        + ([qfmts[t.tensor]] if qfmts.get(t.tensor) else [])
         for t in plan.trunk
     )
-    return {
+    manifest = {
         "kind": TRUNK_KIND,
         "version": MANIFEST_VERSION,
         "arch": plan.arch,
         "content_hash": CONTENT_HASH,
         "tensors": tensors,
     }
+    if codec is not None:
+        manifest["quant"] = codec.manifest()
+    return manifest
 
 
 def _model_manifest_for(
@@ -399,18 +443,23 @@ def _model_manifest_for(
     trunk_sel: Selector | None,
     base_sel: Selector | None,
     base: dict[str, Any] | None,
+    src: _Source | None = None,
 ) -> dict[str, Any]:
     dtype = plan.dtype if plan.experts or base is None else base["expert"]["dtype"]
     # An adapter that replaces no expert still describes the base's experts.
     nbytes = 3 * plan.inter * plan.hidden * DTYPES[dtype][1]
-    return {
+    fmt = {"F32": "f32", "F16": "f16", "BF16": "bf16", "F64": "f64"}[dtype]
+    qlayout = None if src is None else src.qlayout
+    if qlayout is not None:  # quantized experts: packed gate | up | down
+        nbytes, fmt = qlayout.nbytes, qlayout.fmt.name
+    manifest = {
         "kind": MODEL_KIND if base_sel is None else ADAPTER_KIND,
         "version": MANIFEST_VERSION,
         "content_hash": CONTENT_HASH,
         "arch": plan.arch,
         "config": plan.config,
         "expert": {
-            "format": {"F32": "f32", "F16": "f16", "BF16": "bf16", "F64": "f64"}[dtype],
+            "format": fmt,
             "dtype": dtype,
             "hidden": plan.hidden,
             "inter": plan.inter,
@@ -428,6 +477,9 @@ def _model_manifest_for(
         "base": None if base_sel is None else base_sel.hex(),
         "source": _source_manifest(ckpt),
     }
+    if src is not None and src.codec is not None:
+        manifest["quant"] = src.codec.manifest()
+    return manifest
 
 
 def _write_trunk(
@@ -443,21 +495,22 @@ def _write_trunk(
     with store.begin_space(sel, manifest) as w:
         for t in plan.trunk:
             info = ckpt.info(t.tensor)
-            ext = w.write_extent(src.tensor(t.tensor))
+            data, qfmt = src.stored_tensor(t)
+            ext = w.write_extent(data)
             key = Key(ROLE_INDEX[t.role], 0 if t.layer is None else t.layer).pack()
-            w.put(
-                key,
-                {
-                    **ext.record(),
-                    "role": t.role,
-                    "layer": t.layer,
-                    "dtype": info.dtype,
-                    "shape": list(info.shape),
-                    "hash": hashes[t.tensor],
-                    "src": [info.file.name, t.tensor],
-                },
-            )
-            written += info.nbytes
+            rec = {
+                **ext.record(),
+                "role": t.role,
+                "layer": t.layer,
+                "dtype": info.dtype,
+                "shape": list(info.shape),
+                "hash": hashes[t.tensor],
+                "src": [info.file.name, t.tensor],
+            }
+            if qfmt is not None:  # packed in this format (store.quant); dtype is the source's
+                rec["qfmt"] = qfmt
+            w.put(key, rec)
+            written += data.nbytes
             bar.update(info.nbytes)
     return written
 
@@ -551,7 +604,8 @@ def summarize(store: Any, ref: str | Selector) -> dict[str, Any]:
         tsel = Selector.from_hex(m["trunk"])
         trunk_n, trunk_bytes = store.aggregate(tsel)
         for _, rec in store.scan(tsel):
-            formats[rec["dtype"].lower()] = formats.get(rec["dtype"].lower(), 0) + 1
+            f = rec.get("qfmt") or rec["dtype"].lower()  # packed trunk tensors name their format
+            formats[f] = formats.get(f, 0) + 1
     return {
         "selector": sel.hex(),
         "kind": m["kind"],

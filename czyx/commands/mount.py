@@ -35,21 +35,55 @@ def register(subparsers: Any) -> None:
             "profile) or a saved order (.npy [L, E] from czyx locality --out)"
         ),
     )
-    # `--quant POLICY` is added by the quantization work (store.quant).
+    p.add_argument(
+        "--quant",
+        metavar="POLICY",
+        default=None,
+        help=(
+            "store quantized: none, q2-all, q4-all, selective (routed experts q2, trunk q4, "
+            "embed/head q8, routers and norms float), optionally with CLASS=FMT overrides "
+            "(e.g. selective,embed=q4); see store/quant/README.md"
+        ),
+    )
+    p.add_argument(
+        "--importance",
+        metavar="REF",
+        default=None,
+        help="calibration importance map (a tag or selector from `czyx calibrate`) for --quant",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Mount and print the one-line summary."""
     from store import Store
-    from store.mount import DEFAULT_OUTER, mount
+    from store.mount import DEFAULT_OUTER, mount, resolve
 
+    if args.importance is not None and args.quant is None:
+        raise ValueError("--importance needs --quant POLICY")
     class_perm = None
     if args.class_order:
         from inference.locality.ordering import class_order_from_trace
 
         class_perm = class_order_from_trace(args.class_order).tolist()
     with Store.open(store_dir(args)) as store:
+        codec = None
+        if args.quant is not None:
+            from store.quant.codec import QuantCodec
+            from store.quant.policy import parse_policy
+
+            policy = parse_policy(args.quant)
+            imp, prov = None, None
+            if args.importance is not None:
+                from inference.calibration import ImportanceCollector
+                from store.quant.importance import load_importance
+
+                sel = resolve(store, args.importance)
+                data, _model = load_importance(store, sel)
+                col, provenance = ImportanceCollector.from_dict(data)
+                imp = col.importance_map()
+                prov = {**provenance.__dict__, "space": sel.hex()}
+            codec = QuantCodec(policy, imp, prov) if policy.quantizes else None
         result = mount(
             store,
             args.path,
@@ -58,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             adapter_of=args.adapter_of,
             class_perm=class_perm,
             progress=not args.no_progress and sys.stderr.isatty(),
+            quant=codec,
         )
     print(result.summary())
     return 0

@@ -12,14 +12,18 @@ Nothing here knows about the store, the slot cache or an architecture.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from inference.errors import UnsupportedModelError
+from inference.kernels.linear import GateUp, Weight, mm_t
 
 F32 = np.float32
+#: A calibration hook: called with a matrix's input rows (see inference.calibration).
+Observe = Callable[[np.ndarray], None] | None
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -43,24 +47,48 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
         return F32(1.0) / (F32(1.0) + np.exp(-x))
 
 
-def swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+def swiglu(
+    x: np.ndarray, gate: Weight, up: Weight, down: Weight, observe: Observe = None
+) -> np.ndarray:
     """A SwiGLU MLP: ``down @ (silu(gate @ x) * (up @ x))`` for row vectors ``x [T, H]``.
 
     ``gate``/``up`` are ``[I, H]`` and ``down`` is ``[H, I]`` (the checkpoint's
-    row-major layout); the transposes are BLAS flags, not copies.
+    row-major layout); the transposes are BLAS flags, not copies. Any of them
+    may be a packed quantized matrix (:mod:`inference.kernels.linear`).
+    ``observe``, when given, sees the down projection's input (calibration).
     """
-    return (silu(x @ gate.T) * (x @ up.T)) @ down.T
+    act = silu(mm_t(x, gate)) * mm_t(x, up)
+    if observe is not None:
+        observe(act)
+    return mm_t(act, down)
 
 
-def swiglu_fused(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray) -> np.ndarray:
+def swiglu_fused(
+    x: np.ndarray, gate_up: Weight | GateUp, down: Weight, observe: Observe = None
+) -> np.ndarray:
     """SwiGLU with gate and up stacked as one ``[2I, H]`` matrix: one matmul instead of two.
 
     The expert extent stores gate then up contiguously, so the slot already
     holds this stacked matrix; using it halves the BLAS calls per expert.
+    Computed in column form, ``W @ x.T``, returning a transposed view
+    ``[T, H]``: OpenBLAS runs a tall weight times a few columns about twice
+    as fast as a few rows times a transposed weight (measured here at 16
+    tokens: 0.43 ms against 0.89 ms for ``[2048, 512]``), and the gate and up
+    halves come out as contiguous row blocks.
     """
     inter = gate_up.shape[0] // 2
-    gu = x @ gate_up.T
-    return (silu(gu[:, :inter]) * gu[:, inter:]) @ down.T
+    if isinstance(gate_up, np.ndarray):
+        gu = gate_up @ x.T  # [2I, T]
+        act = silu(gu[:inter]) * gu[inter:]
+        if observe is not None:
+            observe(act.T)
+        return (down @ act).T
+    # Packed (quantized) weights: the C kernels take rows of x.
+    gu = mm_t(x, gate_up)
+    act = silu(gu[:, :inter]) * gu[:, inter:]
+    if observe is not None:
+        observe(act)
+    return mm_t(act, down)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:

@@ -18,6 +18,7 @@ runs are bit-identical.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -25,9 +26,12 @@ import numpy as np
 
 from inference.cache import ExpertCache
 from inference.errors import MissingTensorError, UnsupportedModelError
+from inference.kernels.linear import Weight, mm_t, take_rows
+from inference.kernels.ops import prepare
 from inference.models.base import (
     F32,
     KVCache,
+    Observe,
     RopeConfig,
     Rotary,
     attention,
@@ -38,6 +42,7 @@ from inference.models.base import (
     swiglu,
     swiglu_fused,
 )
+from inference.profile import RouteRecorder
 from store.consumer import ModelConsumer, ModelInfo
 
 
@@ -194,8 +199,14 @@ class MoEDecoder:
             self.lm_head = self.embed
         self.layers = [self._load_layer(i) for i in range(cfg.n_layers)]
         self.rotary = Rotary(cfg.rope)
+        # Calibration hook: called as observer(input name, rows) with the input of
+        # every matrix product (names of store.quant.names.input_key); None in
+        # normal runs, so the forward pass pays one attribute test per product.
+        self.observer: Callable[[str, np.ndarray], None] | None = None
         # Top-k selections per (layer, expert): the routing profile of everything run.
         self.route_counts = np.zeros((cfg.n_layers, cfg.n_experts), np.int64)
+        # Optional per-token recorder (czyx profile): None on the ordinary path.
+        self.recorder: RouteRecorder | None = None
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
@@ -204,11 +215,16 @@ class MoEDecoder:
 
     # ------------------------------------------------------------------ loading
 
-    def _trunk(self, role: str, layer: int | None, shape: tuple[int, ...] | None) -> np.ndarray:
+    def _trunk(self, role: str, layer: int | None, shape: tuple[int, ...] | None) -> Weight:
         where = f"role {role!r}" + ("" if layer is None else f" of layer {layer}")
         if not self.consumer.has_trunk(role, layer):
             raise MissingTensorError(f"the {self.arch} trunk has no {where}")
-        t = np.ascontiguousarray(self.consumer.trunk(role, layer), dtype=F32)
+        packed = getattr(self.consumer, "trunk_quantized", None)
+        q = packed(role, layer) if packed is not None else None
+        if q is not None:  # a quantized tensor: products run on the packed bytes
+            t = prepare(*q)
+        else:
+            t = np.ascontiguousarray(self.consumer.trunk(role, layer), dtype=F32)
         if shape is not None and t.shape != shape:
             raise MissingTensorError(f"{where} has shape {t.shape}, expected {shape}")
         return t
@@ -265,7 +281,7 @@ class MoEDecoder:
         t = tokens.size
         kv.reserve(start + t)
         positions = np.arange(start, start + t)
-        h = self.embed[tokens]
+        h = take_rows(self.embed, tokens)
         for i, lw in enumerate(self.layers):
             x = rms_norm(h, lw.input_norm, cfg.rms_eps)
             h = h + self._attention(i, lw, x, kv, start, positions)
@@ -274,7 +290,10 @@ class MoEDecoder:
         kv.length = start + t
         if not all_logits:
             h = h[-1:]
-        out = rms_norm(h, self.final_norm, cfg.rms_eps) @ self.lm_head.T
+        hn = rms_norm(h, self.final_norm, cfg.rms_eps)
+        if self.observer is not None:
+            self.observer("lm_head_in", hn)
+        out = mm_t(hn, self.lm_head)
         return out if all_logits else out[0]
 
     def _attention(
@@ -282,9 +301,11 @@ class MoEDecoder:
     ) -> np.ndarray:
         cfg = self.cfg
         t = x.shape[0]
-        q = x @ lw.q_proj.T
-        k = x @ lw.k_proj.T
-        v = x @ lw.v_proj.T
+        if self.observer is not None:
+            self.observer(f"L{i}.attn_in", x)
+        q = mm_t(x, lw.q_proj)
+        k = mm_t(x, lw.k_proj)
+        v = mm_t(x, lw.v_proj)
         if lw.q_bias is not None:
             q = q + lw.q_bias
         if lw.k_bias is not None:
@@ -301,17 +322,34 @@ class MoEDecoder:
         kv.write(i, start, k, v)
         end = start + t
         out = attention(q, kv.k[i][:, :end], kv.v[i][:, :end], positions, cfg.sliding_windows[i])
-        return out @ lw.o_proj.T
+        if self.observer is not None:
+            self.observer(f"L{i}.o_in", out)
+        return mm_t(out, lw.o_proj)
+
+    def _observe(self, name: str) -> Observe:
+        """The calibration hook for the input called ``name``, or None when not calibrating."""
+        obs = self.observer
+        return None if obs is None else (lambda a: obs(name, a))
 
     def _mlp(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
+        if self.observer is not None:
+            self.observer(f"L{i}.moe_in", x)
         if not self.cfg.sparse_layers[i]:
-            return swiglu(x, lw.mlp_gate_proj, lw.mlp_up_proj, lw.mlp_down_proj)
+            return swiglu(
+                x,
+                lw.mlp_gate_proj,
+                lw.mlp_up_proj,
+                lw.mlp_down_proj,
+                self._observe(f"L{i}.mlp.down_in"),
+            )
         return self.routed_extra(lw, x, self._routed(i, lw, x))
 
     def _routed(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
         cfg = self.cfg
-        idx, w = route_topk(x @ lw.router.T, cfg.top_k, cfg.renormalize)
+        idx, w = route_topk(mm_t(x, lw.router), cfg.top_k, cfg.renormalize)
         self.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
+        if self.recorder is not None:
+            self.recorder.record(i, idx, w)
         t = x.shape[0]
         contrib = np.zeros((t, cfg.top_k, cfg.hidden_size), F32)
         cache = self.experts
@@ -332,11 +370,19 @@ class MoEDecoder:
             try:
                 for j, s in enumerate(slots.tolist()):
                     gate_up, down = cache.weights(s)
+                    e = int(group[j])
                     if kpos_of is None:
-                        contrib[0, j] = swiglu_fused(x, gate_up, down)[0] * w[0, j]
+                        if self.observer is not None:
+                            self.observer(f"L{i}.E{e}.in", x)
+                        y = swiglu_fused(x, gate_up, down, self._observe(f"L{i}.E{e}.down_in"))
+                        contrib[0, j] = y[0] * w[0, j]
                     else:
                         rows, kpos = np.nonzero(kpos_of == group[j])
-                        y = swiglu_fused(x[rows], gate_up, down)
+                        if self.observer is not None:
+                            self.observer(f"L{i}.E{e}.in", x[rows])
+                        y = swiglu_fused(
+                            x[rows], gate_up, down, self._observe(f"L{i}.E{e}.down_in")
+                        )
                         contrib[rows, kpos] = y * w[rows, kpos, None]
             finally:
                 cache.release()
@@ -344,7 +390,7 @@ class MoEDecoder:
         return contrib.sum(axis=1)
 
 
-def shared_expert(lw: Layer, x: np.ndarray) -> np.ndarray:
-    """Qwen2-MoE's shared expert, scaled by its sigmoid gate."""
-    y = swiglu(x, lw.shared_gate_proj, lw.shared_up_proj, lw.shared_down_proj)
-    return sigmoid(x @ lw.shared_expert_gate.T) * y
+def shared_expert(lw: Layer, x: np.ndarray, observe: Observe = None) -> np.ndarray:
+    """Qwen2-MoE's shared expert, scaled by its sigmoid gate (``observe``: its down input)."""
+    y = swiglu(x, lw.shared_gate_proj, lw.shared_up_proj, lw.shared_down_proj, observe)
+    return sigmoid(mm_t(x, lw.shared_expert_gate)) * y

@@ -3,7 +3,9 @@
 Differences from the shared base: the router always renormalises its top-k
 probabilities (no ``norm_topk_prob`` switch), experts are counted by
 ``num_local_experts``, attention has no biases, and a ``sliding_window``
-(when set) applies to every layer.
+(when set) applies to every layer. ``router_jitter_noise`` and the router
+auxiliary loss (``output_router_logits``, ``router_aux_loss_coef``) act only
+in training in transformers 5.x, so inference ignores them.
 """
 
 from __future__ import annotations

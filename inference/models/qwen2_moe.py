@@ -59,4 +59,8 @@ class Qwen2MoeDecoder(MoEDecoder):
 
     def routed_extra(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
         """Add the gated shared expert."""
-        return routed + shared_expert(lw, x)
+        observe = None
+        if self.observer is not None:  # calibrating: name the shared expert's down input
+            i = next(k for k, layer in enumerate(self.layers) if layer is lw)
+            observe = self._observe(f"L{i}.shared.down_in")
+        return routed + shared_expert(lw, x, observe)

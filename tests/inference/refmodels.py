@@ -1,11 +1,14 @@
 """Tiny transformers MoE models and an in-memory ModelConsumer over their weights.
 
 Tests only. The consumer implements ``store.consumer.ModelConsumer`` from a
-transformers model's state dict (transformers 5.x names: stacked
-``mlp.experts.gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``), packing
-each expert as the contract's extent (gate, up, down; f32; slot rounded up to
-4096 bytes). It counts reads so tests can see the cache at work, and can
-apply a class permutation to prove the engine never assumes identity.
+transformers model's state dict, naming tensors through the store's own
+checkpoint mapping (``store.archs``: trunk roles, and the stacked
+``experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` of transformers
+5.x), packing each expert as the contract's extent (gate, up, down; f32; slot
+rounded up to 4096 bytes). It counts reads so tests can see the cache at
+work, and can apply a class permutation to prove the engine never assumes
+identity. It needs no store directory, so the numerics are tested apart from
+mounting (tests/inference/test_end_to_end.py covers the mounted path).
 """
 
 from __future__ import annotations
@@ -13,36 +16,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from store.archs import arch_for_config
 from store.consumer import ExpertExtent, ModelInfo
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-
-_LAYER_ROLES = {
-    "input_norm": "input_layernorm.weight",
-    "post_attn_norm": "post_attention_layernorm.weight",
-    "q_proj": "self_attn.q_proj.weight",
-    "k_proj": "self_attn.k_proj.weight",
-    "v_proj": "self_attn.v_proj.weight",
-    "o_proj": "self_attn.o_proj.weight",
-    "q_bias": "self_attn.q_proj.bias",
-    "k_bias": "self_attn.k_proj.bias",
-    "v_bias": "self_attn.v_proj.bias",
-    "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight",
-    "router": "mlp.gate.weight",
-    "shared_gate_proj": "mlp.shared_expert.gate_proj.weight",
-    "shared_up_proj": "mlp.shared_expert.up_proj.weight",
-    "shared_down_proj": "mlp.shared_expert.down_proj.weight",
-    "shared_expert_gate": "mlp.shared_expert_gate.weight",
-    "mlp_gate_proj": "mlp.gate_proj.weight",
-    "mlp_up_proj": "mlp.up_proj.weight",
-    "mlp_down_proj": "mlp.down_proj.weight",
-}
-_GLOBAL_ROLES = {
-    "embed": "model.embed_tokens.weight",
-    "final_norm": "model.norm.weight",
-    "lm_head": "lm_head.weight",
-}
 
 
 def tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -113,29 +90,39 @@ class StateDictConsumer:
 
     def __init__(self, model: torch.nn.Module, permutation: list[np.ndarray] | None = None):
         cfg = model.config
-        self.sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-        n_layers = cfg.num_hidden_layers
-        n_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
-        self.layer_prefix = "model.layers.{}."
+        config = cfg.to_dict()
+        spec = arch_for_config(config)
+        self.sd: dict[tuple[str, int | None], np.ndarray] = {}
+        fused: dict[tuple[int, str], np.ndarray] = {}
+        for name, tensor in model.state_dict().items():
+            kind = spec.classify(name)
+            if kind is None:
+                raise ValueError(f"{spec.name}: tensor {name!r} has no role in store.archs")
+            arr = tensor.detach().float().numpy()
+            if kind.kind == "trunk":
+                self.sd[(kind.role, kind.layer)] = arr
+            elif kind.kind == "fused":
+                fused[(kind.layer, kind.part)] = arr
+            else:  # per-expert tensors: in-memory transformers 5.x models are fused
+                raise ValueError(f"unexpected per-expert tensor {name!r} in a 5.x state dict")
+        n_layers = spec.n_layers(config)
+        n_experts = spec.n_experts(config)
         # Experts as contract extents, stored by class (after the permutation).
         self._extents: dict[tuple[int, int], np.ndarray] = {}
         nbytes = 0
-        for layer in range(n_layers):
-            gu = self.sd.get(self.layer_prefix.format(layer) + "mlp.experts.gate_up_proj")
-            if gu is None:
-                continue
-            dn = self.sd[self.layer_prefix.format(layer) + "mlp.experts.down_proj"]
+        for layer in spec.sparse_layers(config):
+            gu, dn = fused[(layer, "gate_up")], fused[(layer, "down")]
             for e in range(n_experts):
                 cls_ = int(permutation[layer][e]) if permutation is not None else e
                 blob = np.concatenate([gu[e].ravel(), dn[e].ravel()]).astype(np.float32)
                 self._extents[(layer, cls_)] = blob.view(np.uint8)
                 nbytes = blob.nbytes
-                self._inter, self._hidden = gu.shape[1] // 2, gu.shape[2]
+            self._inter, self._hidden = gu.shape[1] // 2, gu.shape[2]
         self.permutation = permutation
         slot = -(-nbytes // 4096) * 4096
         self.info = ModelInfo(
-            arch=cfg.model_type,
-            config=cfg.to_dict(),
+            arch=spec.name,
+            config=config,
             n_layers=n_layers,
             n_experts=n_experts,
             expert_nbytes=nbytes,
@@ -146,16 +133,11 @@ class StateDictConsumer:
         self.reads: list[tuple[int, int]] = []
         self.closed = False
 
-    def _name(self, role: str, layer: int | None) -> str:
-        if layer is None:
-            return _GLOBAL_ROLES[role]
-        return self.layer_prefix.format(layer) + _LAYER_ROLES[role]
-
     def has_trunk(self, role: str, layer: int | None = None) -> bool:
-        return self._name(role, layer) in self.sd
+        return (role, layer) in self.sd
 
     def trunk(self, role: str, layer: int | None = None) -> np.ndarray:
-        return self.sd[self._name(role, layer)]
+        return self.sd[(role, layer)]
 
     def _class(self, layer: int, router_byte: int) -> int:
         if self.permutation is None:

@@ -215,3 +215,55 @@ class _Counter:
 
     def append(self, _item: object) -> None:
         self.n += 1
+
+
+class _HalfConsumer(FakeConsumer):
+    """The fake experts stored as f16 or as raw bf16 bits (uint16), like the store's views."""
+
+    def __init__(self, fmt: str) -> None:
+        super().__init__(2, 4)
+        self.fmt = fmt
+        self.info = type(self.info)(**{**self.info.__dict__, "expert_format": fmt})
+
+    def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
+        vals = np.arange(3 * 64, dtype=np.float32) / 7 + layer * 100 + router_byte
+        if self.fmt == "f16":
+            slot[: vals.size * 2].view(np.float16)[:] = vals
+        else:
+            slot[: vals.size * 2].view(np.uint16)[:] = vals.view(np.uint32) >> 16
+        self.reads.append((layer, router_byte))
+
+    def expert_views(self, slot: np.ndarray):
+        dt = np.float16 if self.fmt == "f16" else np.uint16
+        f = slot[: 3 * 64 * 2].view(dt)
+        return f[:64].reshape(8, 8), f[64:128].reshape(8, 8), f[128:].reshape(8, 8)
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
+def test_half_formats_widen_exactly_into_a_reused_scratch(fmt):
+    cons = _HalfConsumer(fmt)
+    c = ExpertCache(cons, SLOT * 2, top_k=1)
+    s = int(c.acquire(1, np.array([2]))[0])
+    gate_up, down = c.weights(s)
+    vals = np.arange(3 * 64, dtype=np.float32) / 7 + 102
+    if fmt == "f16":
+        want = vals.astype(np.float16).astype(np.float32)
+    else:
+        want = ((vals.view(np.uint32) >> 16) << 16).view(np.float32)
+    assert gate_up.dtype == np.float32 and down.dtype == np.float32
+    np.testing.assert_array_equal(np.concatenate([gate_up.ravel(), down.ravel()]), want)
+    again, _ = c.weights(s)
+    assert again is gate_up  # the same preallocated scratch, not a new array
+
+
+def test_a_format_without_a_float32_path_is_refused_at_start():
+    from inference.errors import UnsupportedModelError
+
+    cons = _HalfConsumer("f16")
+    cons.expert_views = (
+        lambda slot: tuple(  # a packed quantized format: int8 views
+            slot[:64].view(np.int8).reshape(8, 8) for _ in range(3)
+        )
+    )
+    with pytest.raises(UnsupportedModelError, match="f16"):
+        ExpertCache(cons, SLOT * 2, top_k=1)

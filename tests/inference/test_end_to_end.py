@@ -12,9 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("store.model", reason="needs the store's model reader (mount issue)")
-pytest.importorskip("portals.model", reason="needs portals.open_model (portals issue)")
-
 import portals
 from czyx.cli import main
 from czyx.commands.run import OpenedModel
@@ -86,3 +83,47 @@ def test_czyx_run_streams_text_and_figures(mounted, capsys):
         assert figure in out.err
     assert main([*argv, "--cache-mb", "0.001"]) == 1
     assert "top-2" in capsys.readouterr().err
+
+
+def test_torch_consumer_on_the_mounted_store_agrees_with_the_engine(mounted):
+    from inference.torch_moe import TorchMoELayer
+
+    store_dir, _, token = mounted
+    opened = OpenedModel(str(store_dir), "qwen3_moe@1", token)
+    try:
+        eng = Engine(opened.consumer, cache_fraction=0.5)
+        x = np.random.default_rng(5).standard_normal((7, eng.cfg.hidden_size)).astype(np.float32)
+        ours = eng.model._routed(0, eng.model.layers[0], x)
+        layer = TorchMoELayer(opened.consumer, 0, eng.cfg.top_k, eng.cfg.renormalize)
+        theirs = layer(torch.from_numpy(x)).numpy()
+        assert np.abs(theirs - ours).max() < 1e-5 * float(np.abs(ours).max())
+    finally:
+        opened.close()
+
+
+def test_czyx_profile_then_run_with_the_hot_list(mounted, tmp_path, capsys):
+    store_dir, _, token = mounted
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 4)
+    prof = tmp_path / "trace.npz"
+    common = ["--store", str(store_dir), "--portal", token]
+    argv = ["profile", "mixtral@1", "--text", str(text), "--out", str(prof), "--chunk", "64"]
+    assert main([*argv, *common]) == 0
+    assert "hottest: L" in capsys.readouterr().err
+    # The trace is the documented format, one row per token, chunked into segments.
+    from inference.trace import RoutingTrace
+
+    trace = RoutingTrace.load(prof)
+    n_tokens = len(text.read_bytes())
+    assert trace.n_tokens == n_tokens
+    assert trace.segments.max() == (n_tokens - 1) // 64
+    assert trace.text_sha256 == __import__("hashlib").sha256(text.read_bytes()).hexdigest()
+    # Renormalised top-k weights of each (token, layer) sum to one.
+    assert np.allclose(trace.weights.sum(-1), 1.0, atol=1e-5)
+    argv = ["run", "mixtral@1", "--prompt", "the quick", "--max-tokens", "4", *common]
+    assert main([*argv, "--cache-fraction", "0.5", "--hot", str(prof)]) == 0
+    assert "hit rate" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "czyx-routing-profile-1", "counts": [[1]]}')
+    assert main([*argv, "--hot", str(bad)]) == 1
+    assert "routing profile" in capsys.readouterr().err

@@ -1,0 +1,110 @@
+"""Products with a weight that is either a float array or a packed quantized matrix.
+
+Scope: the few operations the engine performs on weights, dispatched on the
+weight's type so that the decoder code reads the same for float and quantized
+models: ``x @ W.T`` (:func:`mm_t`), an embedding gather (:func:`take_rows`)
+and wrapping a packed buffer, or a quantized expert's three packed parts,
+into kernel-ready :class:`~inference.kernels.ops.PackedMatrix` objects.
+
+A single token (decode) runs the matvec kernel; several run the small-matmul
+kernel, which decodes each group once for every token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from inference.kernels.ops import PackedMatrix, prepare
+from store.quant.errors import QuantError
+from store.quant.extent import ExpertLayout
+from store.quant.formats import dequantize, get_format
+
+#: A weight as the engine holds it.
+Weight = np.ndarray | PackedMatrix
+
+
+@dataclass(frozen=True)
+class GateUp:
+    """A quantized expert's gate and up, used as the stacked ``[2I, H]`` matrix."""
+
+    gate: PackedMatrix
+    up: PackedMatrix
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(2I, H)``, as the stacked float matrix."""
+        return 2 * self.gate.shape[0], self.gate.shape[1]
+
+
+def mm_t(x: np.ndarray, w: Weight | GateUp) -> np.ndarray:
+    """``x @ w.T`` for ``x float32 [T, C]``; returns ``float32 [T, R]``."""
+    if isinstance(w, np.ndarray):
+        return x @ w.T
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if isinstance(w, GateUp):
+        inter = w.gate.shape[0]
+        out = np.empty((x.shape[0], 2 * inter), np.float32)
+        if x.shape[0] == 1:  # row slices of a single row are contiguous: no copy
+            w.gate.matvec(x[0], out=out[0, :inter])
+            w.up.matvec(x[0], out=out[0, inter:])
+        else:
+            out[:, :inter] = w.gate.matmul(x)
+            out[:, inter:] = w.up.matmul(x)
+        return out
+    if x.shape[0] == 1:
+        out = np.empty((1, w.shape[0]), np.float32)
+        w.matvec(x.reshape(-1), out=out.reshape(-1))
+        return out
+    return w.matmul(x)
+
+
+def take_rows(w: Weight, idx: np.ndarray) -> np.ndarray:
+    """Rows ``idx`` of ``w`` as float32 (an embedding lookup dequantizes only those rows)."""
+    if isinstance(w, np.ndarray):
+        return w[idx]
+    return dequantize(w.buf, w.fmt, w.shape, rows=np.asarray(idx))
+
+
+def packed_expert(layout: ExpertLayout, slot: np.ndarray) -> tuple[GateUp, PackedMatrix]:
+    """Kernel-ready ``(gate_up, down)`` over a slot holding a quantized extent (zero-copy).
+
+    Made once per slot: the views follow whatever extent is later read into it.
+    """
+    g, u, d = layout.split(slot)
+    sg, su, sd = layout.shapes
+    fmt = layout.fmt
+    return GateUp(prepare(g, fmt, sg), prepare(u, fmt, su)), prepare(d, fmt, sd)
+
+
+def packed_expert_from_views(
+    fmt_name: str, hidden: int, views: tuple[np.ndarray, np.ndarray, np.ndarray]
+) -> tuple[GateUp, PackedMatrix]:
+    """Kernel-ready weights from a consumer's packed ``(gate, up, down)`` views of a slot.
+
+    The intermediate size follows from the gate part's size: a packed ``[I, H]``
+    matrix is ``I * H * (bits / 8 + 4 / group)`` bytes.
+
+    Raises
+    ------
+    QuantError
+        If the parts' sizes do not fit ``[I, H]``, ``[I, H]``, ``[H, I]`` in ``fmt_name``.
+    """
+    fmt = get_format(fmt_name)
+    g = np.asarray(views[0]).reshape(-1)
+    per_row = fmt.nbytes(1, hidden)
+    inter = g.size // per_row
+    if inter <= 0 or inter * per_row != g.size:
+        raise QuantError(
+            f"expert gate part of {g.size} bytes is not [I, {hidden}] in format {fmt.name}"
+        )
+    layout = ExpertLayout(fmt, inter, hidden)
+    sizes = tuple(np.asarray(v).size for v in views)
+    if sizes != layout.part_nbytes:
+        raise QuantError(f"expert parts {sizes} B do not match {layout.part_nbytes} B")
+    sg, su, sd = layout.shapes
+    # prepare() keeps views of the slot: later reads into the slot are seen.
+    return GateUp(prepare(views[0], fmt, sg), prepare(views[1], fmt, su)), prepare(
+        views[2], fmt, sd
+    )
