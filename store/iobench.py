@@ -104,7 +104,10 @@ def measure(
     offsets = np.arange(0, nbytes, block, dtype=np.int64)
     samples, lats = [], []
     qd = queue_depth if kind == "io_uring" else 1
-    bufs = [aligned_empty(block * qd, hugepage=True) for _ in range(threads)]
+    # At least one whole huge page per reader: a request inside a 2 MiB page is issued
+    # whole; a smaller buffer cannot be huge-page backed and its direct reads are split.
+    buf_bytes = max(block * qd, 2 << 20)
+    bufs = [aligned_empty(buf_bytes, hugepage=True) for _ in range(threads)]
     for _ in range(repeats):
         if cold:
             drop_file_cache(path)
