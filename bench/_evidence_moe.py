@@ -332,7 +332,7 @@ def certify(
         f"{med_p:.1f} ms/token "
         f"({med_p / med_res:.2f}x resident); exposed I/O wait "
         f"{r_s['exposed_seconds'] * 1e3:.0f} -> "
-        f"{r_p['exposed_seconds'] * 1e3:.0f} ms ({100 * cut:.0f}% lower; the exposure "
+        f"{r_p['exposed_seconds'] * 1e3:.0f} ms ({100 * cut:.1f}% lower; the exposure "
         f"equation caps hiding at compute/I-O = {100 * ceiling:.0f}% when prefetch adds no "
         f"bytes); hit rate "
         f"{100 * (r_s['hit_rate'] or 0):.0f}% -> {100 * (r_p['hit_rate'] or 0):.0f}%; prefetch "
