@@ -49,7 +49,7 @@ from inference.engine import Engine
 from inference.sampling import SamplingParams
 from inference.sessions.live import LiveSession
 from inference.sessions.store import SessionStore
-from portals import authority
+from portals.authority import authority
 from store import Store
 
 

@@ -211,14 +211,14 @@ def _generate(
     from inference.engine import Engine
     from inference.generate import generate
     from inference.sampling import SamplingParams
-    from inference.tokenizer import load_tokenizer
+    from inference.tokenizer import tokenizer_for
     from store.model import open_model
 
     view = portals.open_model(store, token, tag, tenant=DEFAULT_TENANT)
     with open_model(store, tag, view=view, direct=True) as consumer:
         engine = Engine(consumer, cache_fraction=fraction)
         try:
-            tok = load_tokenizer(None, engine.cfg.vocab_size)
+            tok = tokenizer_for(consumer, engine.cfg.vocab_size)
             on_text = None
             if stream is not None:
 

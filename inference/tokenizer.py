@@ -97,6 +97,17 @@ def load_tokenizer(source: str | os.PathLike | None, vocab_size: int) -> Tokeniz
     return ByteTokenizer(vocab_size)
 
 
+def tokenizer_for(consumer: object, vocab_size: int) -> Tokenizer:
+    """The tokenizer of an opened model: its mounted ``tokenizer.json`` if the
+    consumer carries one (``ModelConsumer.tokenizer_json``, optional), else bytes."""
+    src = getattr(consumer, "tokenizer_json", None)
+    if callable(src):
+        src = src()
+    if isinstance(src, bytes):
+        src = src.decode("utf-8")
+    return load_tokenizer(src, vocab_size)
+
+
 class StreamDecoder:
     """Incremental detokenizer: each call returns the new complete text.
 

@@ -7,7 +7,8 @@ Public entry points:
   to read a space through a portal;
 - :func:`open_model` ``(store, token, "name@version") -> SpaceView``: the same
   for a model version (all its spaces covered, ``infer`` right), for consumers;
-- :class:`PortalAuthority` (``authority(store)``): grant, verify, revoke, list;
+- :class:`PortalAuthority` (``portals.authority.authority(store)``; not re-exported
+  here, since the name is also the submodule's): grant, verify, revoke, list;
 - :func:`attenuate`: offline narrowing of a token (no store, no secret).
 
 Names are imported lazily (PEP 562) so that the CLI's ``--help`` does not
@@ -22,7 +23,6 @@ from typing import Any
 _EXPORTS = {
     "Grant": "portals.authority",
     "PortalAuthority": "portals.authority",
-    "authority": "portals.authority",
     "grant": "portals.authority",
     "open_space": "portals.authority",
     "root_token": "portals.authority",

@@ -48,6 +48,12 @@ ALL_LAYER_ROLES = LAYER_ROLES + MLA_ROLES
 ALL_ROLES = ALL_GLOBAL_ROLES + ALL_LAYER_ROLES
 # A role's index is its class byte in the trunk space (see store.mount).
 ROLE_INDEX = {role: i for i, role in enumerate(ALL_ROLES)}
+# The checkpoint's tokenizer.json, when it has one, is a trunk record too, at a
+# class no tensor role uses.
+TOKENIZER_ROLE = "tokenizer"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CLASS = 0xF0
+assert len(ALL_ROLES) <= TOKENIZER_CLASS
 
 EXPERT_PARTS = ("gate", "up", "down")
 FUSED_PARTS = ("gate_up", "down")

@@ -108,3 +108,9 @@ class ModelConsumer(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+# Optional extension an engine may look for with ``getattr``:
+#   tokenizer_json() -> str | None
+#       the checkpoint's tokenizer.json as mounted (None: the model has none,
+#       use bytes). ``inference.tokenizer.tokenizer_for`` does this lookup.

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from czyx.space import Selector
+from store.archs import TOKENIZER_FILE, TOKENIZER_ROLE
 from store.checksum import checksum
 from store.errors import ChecksumError
 from store.model import ModelSpace
@@ -87,6 +88,10 @@ def export(store: Any, ref: str | Selector, out_dir: str | os.PathLike[str]) -> 
         if covered[name] != need:
             raise ExportError(f"{name}: records cover {covered[name]} of {need} data bytes")
     written = [out / name for name in files]
+    tok = space.trunk.get((TOKENIZER_ROLE, None))
+    if tok is not None:
+        (out / TOKENIZER_FILE).write_bytes(space.read_trunk_raw(tok).tobytes())
+        written.append(out / TOKENIZER_FILE)
     (out / "config.json").write_text(json.dumps(space.root["config"], indent=2) + "\n")
     written.append(out / "config.json")
     index = space.root["source"]["index"]
@@ -139,6 +144,8 @@ def _export_trunk(space: ModelSpace, where: dict, handles: dict, covered: dict) 
         else {(r["role"], r["layer"]): r for _, r in space.store.scan(root_trunk)}
     )
     for key, ref in space.trunk.items():
+        if key[0] == TOKENIZER_ROLE:  # not a tensor: written beside the files by export
+            continue
         base = roots.get(key)
         if base is None:
             raise ExportError(f"trunk {key} is not in the base model's source files")

@@ -26,7 +26,7 @@ import numpy as np
 
 from czyx.key import Key
 from czyx.space import Selector
-from store.archs import ALL_GLOBAL_ROLES, ALL_ROLES
+from store.archs import ALL_GLOBAL_ROLES, ALL_ROLES, TOKENIZER_ROLE
 from store.checkpoint import DTYPES, to_float32
 from store.checksum import checksum
 from store.consumer import ExpertExtent, ModelInfo
@@ -228,7 +228,10 @@ class StoreModel:
         # Quantized trunk tensors (record "qfmt"): packed bytes for the kernels,
         # and their dequantized float32 for callers that know nothing of formats.
         self._packed: dict[tuple[str, int | None], tuple] = {}
+        self._tokenizer_ref = space.trunk.get((TOKENIZER_ROLE, None))
         for k, r in space.trunk.items():
+            if k[0] == TOKENIZER_ROLE:
+                continue
             raw = space.read_trunk_raw(r)
             if "qfmt" in r.record:
                 self._trunk[k], self._packed[k] = trunk_tensor(r.record, raw)
@@ -245,6 +248,12 @@ class StoreModel:
         self._matrix_bytes = ex["inter"] * ex["hidden"] * item
 
     # -- trunk -------------------------------------------------------------------------
+    def tokenizer_json(self) -> str | None:
+        """The checkpoint's ``tokenizer.json`` text as mounted (verified), or ``None``."""
+        if self._tokenizer_ref is None:
+            return None
+        return self._space.read_trunk_raw(self._tokenizer_ref).tobytes().decode("utf-8")
+
     def has_trunk(self, role: str, layer: int | None = None) -> bool:
         """Whether the model has ``role`` (at ``layer``)."""
         return (role, layer) in self._trunk

@@ -57,7 +57,7 @@ import numpy as np
 
 from czyx.key import Key
 from czyx.space import Selector, canonical_manifest
-from store.archs import ROLE_INDEX
+from store.archs import ROLE_INDEX, TOKENIZER_CLASS, TOKENIZER_FILE, TOKENIZER_ROLE
 from store.checkpoint import DTYPES, Checkpoint
 from store.errors import TagConflictError, TagNotFoundError
 from store.expert_layout import DEFAULT_OUTER, layout_from_manifest, make_layout
@@ -430,6 +430,9 @@ def _trunk_manifest(
         "content_hash": CONTENT_HASH,
         "tensors": tensors,
     }
+    tok = _tokenizer_bytes(ckpt)
+    if tok is not None:  # the checkpoint's own tokenizer travels with its trunk
+        manifest["tokenizer"] = content_hash(np.frombuffer(tok, np.uint8))
     if codec is not None:
         manifest["quant"] = codec.manifest()
     return manifest
@@ -512,7 +515,28 @@ def _write_trunk(
             w.put(key, rec)
             written += data.nbytes
             bar.update(info.nbytes)
+        tok = _tokenizer_bytes(ckpt)
+        if tok is not None:
+            data = np.frombuffer(tok, np.uint8)
+            ext = w.write_extent(data)
+            w.put(
+                Key(TOKENIZER_CLASS).pack(),
+                {
+                    **ext.record(),
+                    "role": TOKENIZER_ROLE,
+                    "layer": None,
+                    "hash": manifest["tokenizer"],
+                    "src": [TOKENIZER_FILE, None],
+                },
+            )
+            written += data.nbytes
     return written
+
+
+def _tokenizer_bytes(ckpt: Checkpoint) -> bytes | None:
+    """The checkpoint directory's ``tokenizer.json``, if it has one."""
+    path = ckpt.path / TOKENIZER_FILE
+    return path.read_bytes() if path.is_file() else None
 
 
 def _shared_index(store: Any, name: str, base_sel: Selector | None) -> dict[str, dict]:

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     from inference.calibration import Provenance, collect
     from inference.engine import Engine
-    from inference.tokenizer import load_tokenizer
+    from inference.tokenizer import tokenizer_for
     from store import Store
     from store.archs import ROLE_INDEX
     from store.expert_layout import layout_from_manifest
@@ -60,8 +60,7 @@ def run(args: argparse.Namespace) -> int:
         layout = layout_from_manifest(space.root)
         with open_model(store, sel) as model:
             engine = Engine(model)
-            src = getattr(model, "tokenizer_json", None)
-            tok = load_tokenizer(src, engine.cfg.vocab_size)
+            tok = tokenizer_for(model, engine.cfg.vocab_size)
             ids = np.asarray(tok.encode(text), np.int64)[: args.max_tokens]
             n = ids.size // args.window * args.window
             if n == 0:

@@ -35,10 +35,10 @@ def profile(args: argparse.Namespace) -> int:
     """Run the text, save the counts, print the top of the hot list."""
     import hashlib
 
-    from czyx.commands.run import DEFAULT_STORE, OpenedModel, _tokenizer_source
+    from czyx.commands.run import DEFAULT_STORE, OpenedModel
     from inference.engine import Engine
     from inference.profile import RouteRecorder, RoutingProfile
-    from inference.tokenizer import load_tokenizer
+    from inference.tokenizer import tokenizer_for
 
     if args.chunk <= 0:
         raise ValueError(f"--chunk {args.chunk} must be positive")
@@ -53,7 +53,7 @@ def profile(args: argparse.Namespace) -> int:
     try:
         engine = Engine(consumer)
         cfg = engine.cfg
-        ids = load_tokenizer(_tokenizer_source(consumer), cfg.vocab_size).encode(text)
+        ids = tokenizer_for(consumer, cfg.vocab_size).encode(text)
         if not ids:
             raise ValueError(f"{args.text} has no tokens")
         rec = RouteRecorder(cfg.sparse_layers, cfg.n_experts, cfg.top_k)

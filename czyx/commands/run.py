@@ -93,16 +93,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _tokenizer_source(consumer: object) -> str | None:
-    """The checkpoint's tokenizer.json text if the consumer carries one (optional extension)."""
-    src = getattr(consumer, "tokenizer_json", None)
-    if callable(src):
-        src = src()
-    if isinstance(src, bytes):
-        src = src.decode("utf-8")
-    return src
-
-
 DEFAULT_STORE = "czyx-store"  # the mount commands' default (czyx/commands/_storearg.py)
 
 
@@ -218,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     from inference.generate import generate
     from inference.profile import RoutingProfile
     from inference.sampling import SamplingParams
-    from inference.tokenizer import load_tokenizer
+    from inference.tokenizer import tokenizer_for
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     pin = parse_class_range(args.pin_classes)
@@ -244,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
             stream=stream,
             xray=xray,
         )
-        tokenizer = load_tokenizer(_tokenizer_source(consumer), engine.cfg.vocab_size)
+        tokenizer = tokenizer_for(consumer, engine.cfg.vocab_size)
 
         def emit(piece: str) -> None:
             sys.stdout.write(piece)

@@ -212,8 +212,8 @@ class SessionStore:
         tenant: str | None = None,
         direct: bool = False,
     ) -> None:
-        from portals import READ, authority
-        from portals.authority import OWNER
+        from portals import READ
+        from portals.authority import OWNER, authority
 
         self.store = store
         self.portal = portal

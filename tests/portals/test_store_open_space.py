@@ -20,3 +20,17 @@ def test_store_open_space_delegates_to_portals(tmp_path):
     with pytest.raises(portals.PortalDenied):
         store.open_space(root[:-4] + "AAAA", sel)
     store.close()
+
+
+def test_sessions_open_after_portals_authority_module_is_imported(tmp_path):
+    """Regression: ``from portals import authority`` once returned the submodule
+    (same name as the function) when ``portals.authority`` was imported first."""
+    import importlib
+
+    import portals.authority as mod
+    from inference.sessions.store import SessionStore
+
+    importlib.reload(mod)
+    store = Store.open(tmp_path / "s")
+    SessionStore.open(store)  # must not raise TypeError: 'module' object is not callable
+    store.close()

@@ -46,7 +46,7 @@ def random_state(
 def sessions_for(store, tenant: str = "alice", **kw):
     """A :class:`SessionStore` through a fresh portal granted to ``tenant``."""
     from inference.sessions.store import SessionStore
-    from portals import authority
+    from portals.authority import authority
 
     return SessionStore(store, authority(store).grant([], tenant=tenant).token, **kw)
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from czyx.cli import main
 from inference.sessions.format import BLOCK
-from portals import authority
+from portals.authority import authority
 from store import Store
 from tests.inference.sessions.helpers import random_state, sessions_for
 

@@ -11,7 +11,8 @@ from inference.sessions.errors import ModelVersionMismatchError
 from inference.sessions.live import LiveSession
 from inference.sessions.store import SessionStore
 from inference.tokenizer import ByteTokenizer
-from portals import authority, open_model
+from portals import open_model
+from portals.authority import authority
 from store import Store
 from store.model import open_model as open_consumer
 from store.mount import mount

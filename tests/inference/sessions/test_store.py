@@ -25,7 +25,8 @@ from inference.sessions.errors import (
 )
 from inference.sessions.format import BLOCK
 from inference.sessions.store import FORK_EDGE, RECORD_KEY, SessionStore, list_sessions
-from portals import PortalDenied, Spaces, authority
+from portals import PortalDenied, Spaces
+from portals.authority import authority
 from store import ChecksumError, Store
 from store.writer import SpaceWriter
 from tests.inference.sessions._crash_child import state_for
