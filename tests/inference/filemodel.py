@@ -40,7 +40,7 @@ class SyntheticExperts:
             n_experts=n_experts,
             expert_nbytes=nbytes,
             expert_slot_nbytes=-(-nbytes // ALIGN) * ALIGN,
-            expert_format="u8",
+            expert_format="f32",
             selector=b"\x02" * 32,
         )
 
@@ -48,8 +48,10 @@ class SyntheticExperts:
         return self.blobs[(layer, e)]
 
     def expert_views(self, slot: np.ndarray):
-        n = self.info.expert_nbytes // 3
-        return slot[:n], slot[n : 2 * n], slot[2 * n : 3 * n]
+        """Three float32 matrices ``[1, m]``, ``[1, m]``, ``[m, 1]`` (the bytes are random)."""
+        m = self.info.expert_nbytes // 12
+        f = slot[: 12 * m].view(np.float32)
+        return f[:m].reshape(1, m), f[m : 2 * m].reshape(1, m), f[2 * m :].reshape(m, 1)
 
 
 class FileConsumer:
