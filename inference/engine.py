@@ -16,6 +16,8 @@ from inference.cache import CacheStats, EvictionPolicy, ExpertCache
 from inference.errors import CacheBudgetError
 from inference.models import DecoderConfig, decoder_class
 from inference.profile import RoutingProfile
+from inference.streaming import StreamingExpertCache, StreamOptions, attach
+from inference.xray import XRay
 from store.consumer import ModelConsumer
 
 
@@ -73,6 +75,12 @@ class Engine:
         before the first token.
     pin_classes
         A router-byte range ``(lo, hi)`` pinned resident in every sparse layer.
+    stream
+        Expert reads through the transfer planner
+        (:class:`~inference.streaming.StreamOptions`: I/O path, reader threads,
+        look-ahead prefetch); None: the synchronous :class:`ExpertCache`.
+    xray
+        An :class:`inference.xray.XRay` recording every transfer (with ``stream``).
     """
 
     def __init__(
@@ -83,16 +91,37 @@ class Engine:
         policy: str | EvictionPolicy = "lru",
         hot: Sequence[tuple[int, int]] | None = None,
         pin_classes: tuple[int, int] | None = None,
+        stream: StreamOptions | None = StreamOptions(),  # noqa: B008 - frozen, shared safely
+        xray: XRay | None = None,
     ) -> None:
         cls = decoder_class(consumer.info.arch)
         cfg = cls.parse_config(consumer.info)
         self.consumer = consumer
         self.budget_bytes = resolve_budget(consumer, cfg, cache_bytes, cache_fraction)
         self.expert_bytes = expert_bytes(consumer, cfg)
-        self.cache = ExpertCache(
-            consumer, self.budget_bytes, cfg.top_k, cfg.n_sparse_experts, policy
-        )
+        self.xray = xray
+        if stream is None:
+            self.cache = ExpertCache(
+                consumer, self.budget_bytes, cfg.top_k, cfg.n_sparse_experts, policy
+            )
+        else:
+            self.cache = StreamingExpertCache(
+                consumer,
+                self.budget_bytes,
+                cfg.top_k,
+                cfg.n_sparse_experts,
+                policy,
+                io=stream.io,
+                threads=stream.readers,
+                prefetch=stream.prefetch,
+                lookahead_depth=stream.lookahead,
+                prefetch_width=stream.width,
+                strict_deadlines=stream.strict_deadlines,
+                xray=xray,
+            )
         self.model = cls(consumer, self.cache)
+        if stream is not None:
+            attach(self.model, self.cache)
         self.cfg = self.model.cfg
         if pin_classes is not None:
             sparse = [i for i, s in enumerate(self.cfg.sparse_layers) if s]

@@ -5,7 +5,10 @@ The model is opened only through a portal carrying the ``infer`` right
 consumer, with O_DIRECT expert reads; no ``--portal`` means the store owner's
 root portal); the trunk is loaded resident and routed experts
 stream through the slot cache sized by ``--cache-mb`` or ``--cache-fraction``
-(default: every expert resident). The text streams to stdout; the figures
+(default: every expert resident), read by the transfer planner
+(``--io`` path, ``--readers`` threads, look-ahead prefetch unless
+``--no-prefetch``; ``--xray FILE`` writes every transfer's X-Ray report). The
+text streams to stdout; the figures
 (tokens/s of prefill and decode, hit rate, bytes read per token, exposed I/O
 wait) follow on stderr so the text stays clean for pipes.
 """
@@ -49,6 +52,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--hot", metavar="PROFILE", help="routing profile (czyx profile) whose hot list to prewarm"
+    )
+    p.add_argument(
+        "--io",
+        default="auto",
+        choices=["auto", "pread", "mmap", "direct", "io_uring"],
+        help="expert I/O path (auto: the one `czyx bench io` measured fastest, else pread)",
+    )
+    p.add_argument("--readers", type=int, default=2, help="expert reader threads (default 2)")
+    p.add_argument(
+        "--no-prefetch", action="store_true", help="no look-ahead: read experts on demand only"
+    )
+    p.add_argument(
+        "--lookahead", type=int, default=1, help="sparse layers predicted ahead (default 1)"
+    )
+    p.add_argument(
+        "--prefetch-width",
+        type=int,
+        default=None,
+        help="predicted experts read per token and layer (default: top-k)",
+    )
+    p.add_argument(
+        "--xray", metavar="FILE", help="write the X-Ray transfer report (JSON) and print a summary"
     )
     p.add_argument(
         "--store",
@@ -121,6 +146,62 @@ def parse_class_range(text: str | None) -> tuple[int, int] | None:
     return lo, hi + 1
 
 
+def _stream_options(args: argparse.Namespace):
+    """The planner options and X-Ray collector the flags ask for."""
+    from inference.streaming import StreamOptions
+    from inference.xray import XRay
+    from store.iopaths import default_io_path, load_io_config
+
+    if args.readers < 1:
+        raise ValueError(f"--readers {args.readers} must be at least 1")
+    if args.lookahead < 1:
+        raise ValueError(f"--lookahead {args.lookahead} must be at least 1")
+    io = default_io_path() if args.io == "auto" else args.io
+    stream = StreamOptions(
+        io=io,
+        readers=args.readers,
+        prefetch=not args.no_prefetch,
+        lookahead=args.lookahead,
+        width=args.prefetch_width,
+    )
+    xray = None
+    if args.xray:
+        cfg = load_io_config()
+        xray = XRay(
+            io_path=io, threads=args.readers, device_baseline=cfg.bandwidth if cfg else None
+        )
+    return stream, xray
+
+
+def _write_xray(args: argparse.Namespace, engine, xray, stats) -> None:
+    """Finish the reads in flight, write the X-Ray JSON and print its table on stderr."""
+    from inference.xray import table
+
+    engine.cache.planner.drain()
+    model = engine.model
+    arrays = {id(a): a for a in (model.embed, model.final_norm, model.lm_head)}
+    for lw in model.layers:
+        for name in lw.__slots__:
+            a = getattr(lw, name)
+            if a is not None:
+                arrays[id(a)] = a
+    report = xray.report(
+        engine.cache,
+        tokens=stats.prompt_tokens + stats.decode_steps,
+        trunk_bytes=sum(a.nbytes for a in arrays.values()),
+        extra={
+            "model": args.ref,
+            "budget_bytes": engine.budget_bytes,
+            "expert_bytes": engine.expert_bytes,
+            "prefetch": not args.no_prefetch,
+            "lookahead": args.lookahead,
+        },
+    )
+    path = xray.write_json(args.xray, report)
+    print(table(report), file=sys.stderr)
+    print(f"x-ray: {path}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     """Open, generate, stream, report."""
     from inference.engine import Engine
@@ -142,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         if args.hot:
             info = consumer.info
             hot = RoutingProfile.load(args.hot, info.n_layers, info.n_experts).hot_list()
+        stream, xray = _stream_options(args)
         engine = Engine(
             consumer,
             cache_bytes=cache_bytes,
@@ -149,6 +231,8 @@ def run(args: argparse.Namespace) -> int:
             policy=args.policy,
             hot=hot,
             pin_classes=pin,
+            stream=stream,
+            xray=xray,
         )
         tokenizer = tokenizer_for(consumer, engine.cfg.vocab_size)
 
@@ -170,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         print(out.stats.summary(), file=sys.stderr)
+        if xray is not None:
+            _write_xray(args, engine, xray, out.stats)
         engine.close()
     finally:
         opened.close()

@@ -1,0 +1,475 @@
+"""The transfer planner: asynchronous expert reads into their final slots, fail closed.
+
+Scope: a small pool of reader threads, one :class:`Transfer` record with a
+completion event per read, the slot-lifetime rules that decide whether a
+slot may become a destination, deadlines, and the bookkeeping X-Ray reports
+(:mod:`inference.xray`). Which experts to fetch and which slot to evict is
+the cache's business (:mod:`inference.streaming`); the planner only refuses
+what would be unsafe.
+
+Lifecycle of a transfer:
+
+1. :meth:`TransferPlanner.submit` checks that the destination slot's owner is
+   proven dead: not live for the owner (held by the layer being computed, or
+   pinned: the ``live`` mask the cache shares), no transfer in flight into
+   it, and the extent fits the slot. Otherwise it raises
+   :class:`SlotLiveError` / :class:`InvalidExtentError` and touches nothing.
+2. A reader thread reads the extent straight into the slot through a
+   :class:`~store.iopaths.TransferSource` (no staging buffer of ours), checks
+   the source file's identity (:class:`~store.iopaths.StaleSourceError`) and
+   the extent's checksum (:class:`~store.errors.ChecksumError`), stamps the
+   times and sets the event. The C readers release the GIL.
+3. :meth:`TransferPlanner.wait` is the consumer's dependency: if no reader
+   has started the transfer yet, the consumer runs it itself (a blocked
+   consumer gains nothing from a thread hand-off); otherwise it blocks on
+   the event, then raises the transfer's error if it has one; only a
+   verified transfer returns. A completion after the deadline (a
+   prefetch's default deadline is its first use; a demand read has none
+   unless given) is a counted stall, or :class:`DeadlineMissedError` in
+   strict mode. Bytes are never substituted either way.
+
+Consumers without a file behind their extents (``ExpertExtent.fd < 0``, the
+in-memory test consumers) are read through ``consumer.read_expert`` on the
+same threads; that call verifies by its own contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from czyx.errors import CzyxError
+from inference.errors import InferenceError, SlotInUseError
+from store.checksum import checksum
+from store.consumer import ModelConsumer
+from store.errors import ChecksumError
+from store.iopaths import TransferSource, default_io_path, open_source
+
+if TYPE_CHECKING:
+    from inference.xray import XRay
+
+DEMAND = "demand"
+PREFETCH = "prefetch"
+
+
+class PlannerError(InferenceError):
+    """Base of the planner's refusals."""
+
+
+class SlotLiveError(PlannerError, SlotInUseError):
+    """A transfer was aimed at a slot whose owner is still live (held, pinned or in flight)."""
+
+
+class InvalidExtentError(PlannerError, ValueError):
+    """A transfer's source extent or destination slot is invalid (unknown, or does not fit)."""
+
+
+class DeadlineMissedError(PlannerError):
+    """Strict mode: a transfer completed after its deadline (its bytes are not used)."""
+
+
+class Transfer:
+    """One read of one expert into one slot, and everything X-Ray reports about it.
+
+    Times are ``time.monotonic_ns`` values (``None`` until they happen).
+    Written by the reader thread before :attr:`event` is set, read by the
+    consumer after it: the event orders the two.
+    """
+
+    __slots__ = (
+        "checksum_result",
+        "claim",
+        "completed_bytes",
+        "deadline_ns",
+        "error",
+        "event",
+        "evict_reason",
+        "evicted",
+        "expert",
+        "exposed_ns",
+        "id",
+        "kind",
+        "layer",
+        "requested_bytes",
+        "slot",
+        "source",
+        "staging_copy_bytes",
+        "stalled",
+        "t_complete",
+        "t_first_byte",
+        "t_first_use",
+        "t_request",
+        "t_start",
+        "used",
+    )
+
+    def __init__(
+        self, tid: int, layer: int, expert: int, slot: int, kind: str, nbytes: int, source: str
+    ) -> None:
+        self.id = tid
+        self.layer = layer
+        self.expert = expert
+        self.slot = slot
+        self.kind = kind
+        self.requested_bytes = nbytes
+        self.completed_bytes = 0
+        self.source = source
+        self.staging_copy_bytes = 0
+        self.event = threading.Event()
+        self.claim = threading.Lock()  # taken by whoever runs the read: a reader or wait()
+        self.error: BaseException | None = None
+        self.checksum_result = "pending"
+        self.t_request = time.monotonic_ns()
+        self.t_start: int | None = None
+        self.t_first_byte: int | None = None
+        self.t_complete: int | None = None
+        self.t_first_use: int | None = None
+        self.deadline_ns: int | None = None
+        self.exposed_ns = 0
+        self.stalled = False
+        self.used = False
+        self.evicted: tuple[int, int] | None = None
+        self.evict_reason = "empty"
+
+    @property
+    def done(self) -> bool:
+        """Whether the reader finished (successfully or not)."""
+        return self.event.is_set()
+
+
+class TransferPlanner:
+    """Reader threads, completion events and slot-lifetime checks over an arena of slots.
+
+    Parameters
+    ----------
+    consumer
+        The opened model: extents are resolved once here through
+        ``expert_extent`` into ``[layer, expert]`` tables (arithmetic on the
+        hot path afterwards).
+    slots
+        The destination slot views (``uint8``, equal sizes).
+    live
+        A boolean mask over the slots that the owner keeps current: True
+        while a slot's owner is live (held by the current layer, or pinned).
+        Shared by reference; the planner only reads it.
+    io
+        A :data:`store.iopaths.PATHS` name; default: the measured winner
+        (:func:`store.iopaths.default_io_path`).
+    threads
+        Reader threads (>= 1).
+    strict_deadlines
+        Raise :class:`DeadlineMissedError` instead of counting a stall.
+    xray
+        An :class:`inference.xray.XRay` that receives every transfer.
+    """
+
+    def __init__(
+        self,
+        consumer: ModelConsumer,
+        slots: Sequence[np.ndarray],
+        live: np.ndarray,
+        *,
+        io: str | None = None,
+        threads: int = 2,
+        strict_deadlines: bool = False,
+        xray: XRay | None = None,
+    ) -> None:
+        if threads < 1:
+            raise ValueError(f"threads: {threads} < 1")
+        info = consumer.info
+        self.consumer = consumer
+        self.slots = list(slots)
+        self.slot_nbytes = int(self.slots[0].size) if self.slots else 0
+        if len(live) != len(self.slots):
+            raise ValueError(f"live mask has {len(live)} entries for {len(self.slots)} slots")
+        self.live = live
+        self.io = io or default_io_path()
+        self.n_threads = int(threads)
+        self.strict = strict_deadlines
+        self.xray = xray
+        self.n_experts = int(info.n_experts)
+        self.inflight: list[Transfer | None] = [None] * len(self.slots)
+        self.stalls = 0
+        self._tid = 0
+        self._resolve_extents(consumer)
+        # Demand reads overtake queued prefetches: (priority, id, transfer). And a
+        # prefetch waits while any demand read is outstanding: the device's bandwidth
+        # is shared, and a consumer blocked on a demand read gains nothing from a
+        # concurrent speculative one.
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._demand_lock = threading.Lock()
+        self._demands = 0
+        self._no_demand = threading.Event()
+        self._no_demand.set()
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"czyx-reader-{i}", daemon=True)
+            for i in range(self.n_threads)
+        ]
+        for th in self._threads:
+            th.start()
+
+    # ------------------------------------------------------------------ plan time
+
+    def _resolve_extents(self, consumer: ModelConsumer) -> None:
+        """Allocate the ``[layer, expert]`` tables of offset, length, checksum and source.
+
+        Entries are resolved on first use (:meth:`_resolve`), not here: asking
+        the consumer for every extent up front would make a portal-restricted
+        consumer refuse, and audit, every class the run never touches.
+        Source index -3: not resolved yet; -1: no file (read through
+        ``consumer.read_expert``); >= 0: an index into :attr:`sources`.
+        """
+        nl, ne = int(consumer.info.n_layers), self.n_experts
+        self.offset = np.zeros((nl, ne), np.int64)
+        self.length = np.zeros((nl, ne), np.int64)
+        self.sums = np.zeros((nl, ne), np.uint64)
+        self.src = np.full((nl, ne), -3, np.int32)
+        self.sources: list[TransferSource] = []
+        self._by_fd: dict[int, int] = {}
+
+    def _resolve(self, layer: int, expert: int) -> int:
+        """Resolve one extent through the consumer (once); returns its source index.
+
+        The consumer's own refusals (a portal denial, a dense layer) propagate
+        as raised; other lookup failures become :class:`InvalidExtentError`.
+        """
+        try:
+            ext = self.consumer.expert_extent(layer, expert)
+        except CzyxError:
+            raise
+        except (LookupError, ValueError) as exc:
+            raise InvalidExtentError(
+                f"expert (layer {layer}, {expert}) has no extent: {exc}"
+            ) from exc
+        self.length[layer, expert] = ext.length
+        if ext.fd < 0:
+            self.src[layer, expert] = -1
+            return -1
+        src = self._by_fd.get(ext.fd)
+        if src is None:
+            # Reopen the consumer's descriptor (the same file, even if renamed since)
+            # through the chosen path; the path is re-checked for replacement per read.
+            src = len(self.sources)
+            self.sources.append(open_source(self.io, f"/proc/self/fd/{ext.fd}"))
+            self._by_fd[ext.fd] = src
+        self.offset[layer, expert] = ext.offset
+        self.sums[layer, expert] = ext.checksum
+        self.src[layer, expert] = src
+        return src
+
+    # ------------------------------------------------------------------ submit / wait
+
+    def check_destination(self, slot: int) -> None:
+        """Raise :class:`SlotLiveError` unless ``slot``'s owner is proven dead."""
+        if not 0 <= slot < len(self.slots):
+            raise InvalidExtentError(f"slot {slot} outside the arena of {len(self.slots)} slots")
+        t = self.inflight[slot]
+        if t is not None:
+            raise SlotLiveError(
+                f"slot {slot}: transfer {t.id} (layer {t.layer} expert {t.expert}) is still "
+                "in flight into it"
+            )
+        if self.live[slot]:
+            raise SlotLiveError(f"slot {slot}: its owner is still live (held by a layer or pinned)")
+
+    def submit(
+        self,
+        layer: int,
+        expert: int,
+        slot: int,
+        *,
+        kind: str = DEMAND,
+        deadline_ns: int | None = None,
+        evicted: tuple[int, int] | None = None,
+        evict_reason: str = "empty",
+        priority: int | None = None,
+    ) -> Transfer:
+        """Start reading expert ``(layer, expert)`` into ``slot``; returns its :class:`Transfer`.
+
+        Queued transfers start in ``priority`` order (default: 0 for demand,
+        1 for prefetch; lower first), then in submission order.
+
+        Raises
+        ------
+        SlotLiveError
+            The slot's owner is live or a transfer is in flight into it.
+        InvalidExtentError
+            No such expert, or its extent does not fit a slot.
+        CzyxError
+            The consumer's refusal to resolve the extent (a portal denial).
+        """
+        self.check_destination(slot)
+        if not (0 <= layer < self.src.shape[0] and 0 <= expert < self.n_experts):
+            raise InvalidExtentError(f"expert (layer {layer}, {expert}) outside the model")
+        src = int(self.src[layer, expert])
+        if src == -3:
+            src = self._resolve(layer, expert)
+        n = int(self.length[layer, expert])
+        if n <= 0 or n > self.slot_nbytes:
+            raise InvalidExtentError(
+                f"expert (layer {layer}, {expert}): extent of {n} bytes does not fit a "
+                f"{self.slot_nbytes}-byte slot"
+            )
+        self._tid += 1
+        name = self.sources[src].name if src >= 0 else "consumer"
+        t = Transfer(self._tid, layer, expert, slot, kind, n, name)
+        t.deadline_ns = deadline_ns
+        t.evicted = evicted
+        t.evict_reason = evict_reason
+        self.inflight[slot] = t
+        if self.xray is not None:
+            self.xray.add(t)
+        if priority is None:
+            priority = 0 if kind == DEMAND else 1
+        if kind == DEMAND:
+            with self._demand_lock:
+                self._demands += 1
+                self._no_demand.clear()
+        self._queue.put((priority, t.id, t))
+        return t
+
+    def wait(self, t: Transfer) -> None:
+        """Block until ``t`` is complete and verified; the consumer's dependency.
+
+        The first call records the first use and the exposed wait. Raises the
+        transfer's error (short read, stale source, checksum, I/O) or, in
+        strict mode, :class:`DeadlineMissedError`; the slot is then free
+        again and holds nothing usable.
+        """
+        first = t.t_first_use is None
+        if first:
+            t.t_first_use = time.monotonic_ns()
+        if not t.event.is_set():
+            t0 = time.monotonic_ns()
+            if t.claim.acquire(False):
+                # No reader has started it: run it here rather than pay a thread
+                # hand-off while blocked (the bytes and checks are the same).
+                self._execute(t)
+            t.event.wait()
+            if first:
+                t.exposed_ns = time.monotonic_ns() - t0
+        self._retire(t)
+        if t.error is not None:
+            raise t.error
+        if first:
+            t.used = True
+            # A prefetch is due at its first use; a demand read is requested at its first
+            # use (always exposed, reported as such), so only an explicit deadline applies.
+            deadline = t.deadline_ns
+            if deadline is None and t.kind == PREFETCH:
+                deadline = t.t_first_use
+            if deadline is not None and t.t_complete is not None and t.t_complete > deadline:
+                t.stalled = True
+                self.stalls += 1
+                if self.strict:
+                    t.error = DeadlineMissedError(
+                        f"transfer {t.id} (layer {t.layer} expert {t.expert}) completed "
+                        f"{(t.t_complete - deadline) / 1e3:.0f} us after its deadline"
+                    )
+                    raise t.error
+
+    def reap(self) -> list[Transfer]:
+        """Retire every finished transfer; returns them (the owner updates its state)."""
+        done = []
+        for t in self.inflight:
+            if t is not None and t.event.is_set():
+                self._retire(t)
+                done.append(t)
+        return done
+
+    def _retire(self, t: Transfer) -> None:
+        if self.inflight[t.slot] is t:
+            self.inflight[t.slot] = None
+
+    def drain(self) -> None:
+        """Wait for every transfer in flight to finish (not a use: nothing is marked used)."""
+        for t in list(self.inflight):
+            if t is not None:
+                if t.claim.acquire(False):  # not started by a reader: run it here
+                    self._execute(t)
+                t.event.wait()
+                self._retire(t)
+
+    # ------------------------------------------------------------------ readers
+
+    def _worker(self) -> None:
+        while True:
+            _, _, t = self._queue.get()
+            if t is None:
+                return
+            if t.kind != DEMAND:
+                # Bounded: a demand read nobody waits for must not park the readers.
+                self._no_demand.wait(0.1)
+            if t.claim.acquire(False):  # else the consumer already ran it
+                self._execute(t)
+
+    def _execute(self, t: Transfer) -> None:
+        """Run ``t`` once (by a reader, or by a consumer that stopped waiting for one)."""
+        try:
+            self._run(t)
+        except BaseException as exc:  # recorded, raised to the consumer by wait()
+            t.error = exc
+            if t.t_complete is None:
+                t.t_complete = time.monotonic_ns()
+        finally:
+            if t.kind == DEMAND:
+                with self._demand_lock:
+                    self._demands -= 1
+                    if not self._demands:
+                        self._no_demand.set()
+            t.event.set()
+
+    def _run(self, t: Transfer) -> None:
+        layer, e = t.layer, t.expert
+        dest = self.slots[t.slot]
+        src = int(self.src[layer, e])
+        t.t_start = time.monotonic_ns()
+        if src < 0:
+            self.consumer.read_expert(layer, e, dest)
+            t.t_complete = t.t_first_byte = time.monotonic_ns()
+            t.staging_copy_bytes = t.requested_bytes  # unknown path: declared as a copy
+            t.completed_bytes = t.requested_bytes
+            t.checksum_result = "consumer"
+            return
+        source = self.sources[src]
+        n = t.requested_bytes
+        timing = source.read_into(int(self.offset[layer, e]), n, dest)
+        t.t_first_byte = timing.first_ns
+        t.completed_bytes = min(timing.nbytes, n)
+        if source.staging_copy:
+            t.staging_copy_bytes = timing.nbytes
+        source.check_identity()
+        got = checksum(dest[:n])
+        want = int(self.sums[layer, e])
+        t.t_complete = time.monotonic_ns()
+        if got != want:
+            t.checksum_result = "mismatch"
+            raise ChecksumError(
+                f"{source.identity.path}: expert (layer {layer}, {e}) at offset "
+                f"{int(self.offset[layer, e])}: checksum {got:016x} != recorded {want:016x}"
+            )
+        t.checksum_result = "ok"
+
+    def close(self) -> None:
+        """Finish in-flight reads, stop the threads and close the sources (idempotent)."""
+        if not self._threads:
+            return
+        self.drain()
+        for i, _ in enumerate(self._threads):
+            self._queue.put((1 << 30, -1 - i, None))
+        for th in self._threads:
+            th.join()
+        self._threads = []
+        for s in self.sources:
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

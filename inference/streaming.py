@@ -1,0 +1,366 @@
+"""The streaming expert cache: the slot cache with planned, asynchronous, verified reads.
+
+Scope: :class:`StreamingExpertCache`, an :class:`~inference.cache.ExpertCache`
+whose misses go through the :class:`~inference.planner.TransferPlanner`
+(reader threads, completion events, fail-closed slot lifetimes) and which
+prefetches the next sparse layer's experts by look-ahead: layer L+1's router
+applied to layer L's hidden state predicts L+1's top-k, and those experts
+are read into dead slots while layer L computes.
+
+Ordering inside :meth:`StreamingExpertCache.acquire` (why it is safe):
+
+1. the layer's experts are classified (resident, in flight, missing) and
+   every slot they use is marked held, so nothing below can evict them;
+2. demand reads are queued first (FIFO: they reach the readers before any
+   prefetch), then the prefetch recorded by :meth:`lookahead` for the next
+   layer, into victims chosen among slots that are neither held, pinned nor
+   in flight;
+3. the consumer waits on each of its transfers' completion events; only
+   verified bytes are returned, and a failed transfer unmaps its slot
+   before the error propagates.
+
+Bytes are exactly what the store holds whichever path brought them, so the
+outputs equal the fully resident run's for any thread count (tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from inference.cache import EvictionPolicy, ExpertCache
+from inference.errors import SlotInUseError
+from inference.planner import DEMAND, PREFETCH, Transfer, TransferPlanner
+from store.consumer import ModelConsumer
+
+if TYPE_CHECKING:
+    from inference.xray import XRay
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """How an :class:`~inference.engine.Engine` streams experts through the planner.
+
+    Attributes
+    ----------
+    io
+        I/O path (:data:`store.iopaths.PATHS`); None: the one ``czyx bench io``
+        measured fastest, else buffered ``pread``.
+    readers
+        Reader threads.
+    prefetch
+        Look-ahead prefetch (off by default: then every read is a demand
+        read, so misses equal reads; ``czyx run`` turns it on).
+    lookahead
+        Sparse layers predicted ahead.
+    width
+        Predicted experts read per token and layer (None: top-k).
+    strict_deadlines
+        A late transfer raises instead of counting a stall.
+    """
+
+    io: str | None = None
+    readers: int = 2
+    prefetch: bool = False
+    lookahead: int = 1
+    width: int | None = None
+    strict_deadlines: bool = False
+
+
+class StreamingExpertCache(ExpertCache):
+    """An expert slot cache whose reads are planned transfers with look-ahead.
+
+    Parameters
+    ----------
+    consumer, budget_bytes, top_k, n_sparse_experts, policy
+        As :class:`~inference.cache.ExpertCache`.
+    io
+        I/O path name (:data:`store.iopaths.PATHS`); default the measured winner.
+    threads
+        Reader threads.
+    prefetch
+        Issue look-ahead reads (False: synchronous streaming through the same
+        planner, the baseline prefetch is measured against).
+    lookahead_depth
+        How many sparse layers ahead to predict (each with its own router on
+        the current hidden state): deeper grows the overlap window and lowers
+        the recall.
+    prefetch_width
+        How many of each token's predicted experts to read (default: top-k).
+    strict_deadlines
+        A late transfer raises instead of counting a stall.
+    xray
+        An :class:`inference.xray.XRay` to record into.
+    """
+
+    def __init__(
+        self,
+        consumer: ModelConsumer,
+        budget_bytes: int,
+        top_k: int,
+        n_sparse_experts: int | None = None,
+        policy: str | EvictionPolicy = "lru",
+        *,
+        io: str | None = None,
+        threads: int = 2,
+        prefetch: bool = True,
+        lookahead_depth: int = 1,
+        prefetch_width: int | None = None,
+        strict_deadlines: bool = False,
+        xray: XRay | None = None,
+    ) -> None:
+        super().__init__(consumer, budget_bytes, top_k, n_sparse_experts, policy)
+        # The budget is allocated up front: touch every page now, so a transfer's
+        # time is I/O, not first-touch faults (zeroing huge pages) of the arena.
+        self.arena[:, ::4096] = 0
+        self.prefetch_enabled = prefetch
+        if lookahead_depth < 1:
+            raise ValueError(f"lookahead_depth: {lookahead_depth} < 1")
+        self.lookahead_depth = int(lookahead_depth)
+        # Predicted experts read per token and layer: fewer than top-k trades recall
+        # for precision, which pays when reads, not compute, bound the step.
+        width = top_k if prefetch_width is None else int(prefetch_width)
+        if not 1 <= width <= top_k:
+            raise ValueError(f"prefetch_width: {width} is not in 1..{top_k}")
+        self.prefetch_width = width
+        self.xray = xray
+        self.inflight = np.zeros(self.n_slots, bool)
+        self._mask = np.zeros(self.n_slots, bool)
+        self._xfer: list[Transfer | None] = [None] * self.n_slots
+        self.planner = TransferPlanner(
+            consumer,
+            self._slot_views,
+            self.blocked,
+            io=io,
+            threads=threads,
+            strict_deadlines=strict_deadlines,
+            xray=xray,
+        )
+        self.routers: list[np.ndarray | None] = []
+        self._next_sparse: list[int] = []
+        self._pending: list[tuple[int, np.ndarray]] = []
+        self._predicted: dict[int, np.ndarray] = {}
+        self.prefetches = self.prefetch_hits = 0
+        self.predicted_total = self.predicted_correct = 0
+
+    # ------------------------------------------------------------------ look-ahead
+
+    def set_routers(self, routers: Sequence[np.ndarray | None]) -> None:
+        """Give the per-layer router matrices ``[E, H]`` (None for dense layers)."""
+        self.routers = list(routers)
+        nxt, following = [-1] * len(self.routers), -1
+        for i in range(len(self.routers) - 1, -1, -1):
+            nxt[i] = following
+            if self.routers[i] is not None:
+                following = i
+        self._next_sparse = nxt
+
+    def lookahead(self, layer: int, x: np.ndarray) -> None:
+        """Layer ``layer`` routed on ``x`` ``[T, H]``: predict the next sparse layer's experts.
+
+        The prediction (its router on this hidden state, top-k per token) is
+        read into dead slots by the next :meth:`acquire`, after that call has
+        protected the slots its own layer needs.
+        """
+        if not self.prefetch_enabled or layer >= len(self._next_sparse):
+            return
+        nxt = layer
+        for _ in range(self.lookahead_depth):
+            nxt = self._next_sparse[nxt]
+            if nxt < 0:
+                return
+            logits = x @ self.routers[nxt].T
+            k = min(self.prefetch_width, logits.shape[1])
+            top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+            pred = np.unique(top)
+            self._pending.append((nxt, pred))
+            old = self._predicted.get(nxt)
+            self._predicted[nxt] = pred if old is None else np.union1d(old, pred)
+
+    def _issue_prefetch(self) -> None:
+        pending, self._pending = self._pending, []
+        for depth, (layer, pred) in enumerate(pending):
+            row = self.table[layer]
+            for e in pred.tolist():
+                if row[e] >= 0:
+                    continue  # resident or already on its way
+                s = self._victim()
+                if s < 0:
+                    return  # no dead slot: prefetch is optional, demand will fetch it
+                self._claim(layer, e, s, PREFETCH, priority=1 + depth)
+                self.prefetches += 1
+
+    # ------------------------------------------------------------------ the hot path
+
+    def acquire(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """Make ``experts`` of ``layer`` resident and verified; hold them until :meth:`release`.
+
+        A miss that finds every unheld slot in flight waits for those
+        transfers to complete (they are never overwritten while live).
+
+        Raises
+        ------
+        SlotInUseError
+            A miss found every slot pinned or held.
+        ShortReadError, ReadIOError, ChecksumError, StaleSourceError, DeadlineMissedError
+            A transfer this layer depends on failed (its slot is unmapped first).
+        """
+        self._reap()
+        pred = self._predicted.pop(layer, None)
+        if pred is not None:
+            self.predicted_total += len(experts)
+            self.predicted_correct += int(np.isin(experts, pred).sum())
+        row = self.table[layer]
+        out = self._out
+        blocked = self.blocked
+        waits: list[Transfer] = []
+        try:
+            for j, e in enumerate(experts.tolist()):
+                s = int(row[e])
+                if s >= 0:
+                    self.hits += 1
+                    t = self._xfer[s]
+                    if t is not None and not t.used:
+                        waits.append(t)
+                        if t.kind == PREFETCH:
+                            self.prefetch_hits += 1
+                else:
+                    s = self._victim()
+                    if s < 0 and self.inflight.any():
+                        self._settle()  # in-flight slots become evictable once complete
+                        s = self._victim()
+                    if s < 0:
+                        raise SlotInUseError(
+                            f"no evictable slot for layer {layer} expert {e}: all "
+                            f"{self.n_slots} slots are pinned or held"
+                        )
+                    waits.append(self._claim(layer, e, s, DEMAND))
+                    self.misses += 1
+                if not blocked[s]:
+                    blocked[s] = True
+                    self._busy[self._n_busy] = s
+                    self._n_busy += 1
+                self.policy.touch(s)
+                out[j] = s
+            self._issue_prefetch()
+            for t in waits:
+                self._wait(t)
+        except BaseException:
+            self.release()
+            raise
+        return out[: len(experts)]
+
+    def _victim(self) -> int:
+        if self._n_filled < self.n_slots:
+            return self._n_filled
+        np.logical_or(self.blocked, self.inflight, out=self._mask)
+        return self.policy.victim(self._mask)
+
+    def _claim(
+        self, layer: int, expert: int, s: int, kind: str, priority: int | None = None
+    ) -> Transfer:
+        """Evict slot ``s``'s owner (proven dead by the planner) and read ``expert`` into it."""
+        evicted, reason = None, "empty"
+        if s == self._n_filled:
+            self._n_filled += 1
+        old = int(self.owner[s])
+        if old >= 0:
+            self.table.flat[old] = -1
+            self.evictions += 1
+            evicted, reason = (old // self.n_experts, old % self.n_experts), self.policy.name
+        self.owner[s] = -1  # unowned while written: a failed read leaves no mapping
+        self._xfer[s] = None
+        t = self.planner.submit(
+            layer, expert, s, kind=kind, evicted=evicted, evict_reason=reason, priority=priority
+        )
+        key = layer * self.n_experts + expert
+        self.inflight[s] = True
+        self.owner[s] = key
+        self.table[layer, expert] = s
+        self._xfer[s] = t
+        filled = getattr(self.policy, "filled", None)
+        if filled is not None:
+            filled(s, key)
+        if kind == PREFETCH:
+            self.policy.touch(s)  # a fresh prefetch is not the first victim of the next one
+        self.bytes_read += self.slot_nbytes
+        return t
+
+    def _wait(self, t: Transfer) -> None:
+        try:
+            self.planner.wait(t)
+        except BaseException:
+            self._drop(t)
+            raise
+        finally:
+            self.inflight[t.slot] = self.planner.inflight[t.slot] is not None
+            self.read_seconds += t.exposed_ns / 1e9
+
+    def _drop(self, t: Transfer) -> None:
+        """Unmap a failed transfer's slot (if it still belongs to that transfer)."""
+        if self._xfer[t.slot] is t:
+            key = int(self.owner[t.slot])
+            if key >= 0:
+                self.table.flat[key] = -1
+            self.owner[t.slot] = -1
+            self._xfer[t.slot] = None
+
+    def _settle(self) -> None:
+        """Wait for every transfer in flight (not a use), then retire them."""
+        pending = [t for t in self.planner.inflight if t is not None]
+        self.planner.drain()
+        for t in pending:
+            self.inflight[t.slot] = False
+            if t.error is not None:
+                self._drop(t)
+
+    def _reap(self) -> None:
+        for t in self.planner.reap():
+            self.inflight[t.slot] = False
+            if t.error is not None:
+                self._drop(t)
+
+    # ------------------------------------------------------------------ residency
+
+    def prewarm(self, hot) -> int:
+        """Load a hot list (as the base class), through the planner, waiting for each."""
+        loaded: list[int] = []
+        for layer, expert in hot:
+            if self.table[layer, expert] >= 0:
+                continue
+            if self._n_filled >= self.n_slots:
+                break
+            t = self._claim(layer, expert, self._n_filled, DEMAND)
+            self._wait(t)
+            self.misses += 1
+            loaded.append(t.slot)
+        for s in reversed(loaded):  # the first entries are touched last: evicted last
+            self.policy.touch(s)
+        return len(loaded)
+
+    def close(self) -> None:
+        """Finish in-flight reads, stop the readers, drop the arena."""
+        self.planner.close()
+        super().close()
+
+
+def attach(model, cache: StreamingExpertCache) -> None:
+    """Connect a decoder to a streaming cache's look-ahead.
+
+    Gives the cache the decoder's routers and wraps the decoder's routed-MLP
+    step so that, when layer L routes on its hidden state ``x``, the cache
+    first records its prediction for the next sparse layer (issued by the
+    next :meth:`StreamingExpertCache.acquire`, after L's own slots are held).
+    The decoder's arithmetic is untouched: the wrapper only observes ``x``.
+    """
+    cache.set_routers([getattr(lw, "router", None) for lw in model.layers])
+    routed = model._routed
+
+    def _routed(i: int, lw, x: np.ndarray) -> np.ndarray:
+        cache.lookahead(i, x)
+        return routed(i, lw, x)
+
+    model._routed = _routed

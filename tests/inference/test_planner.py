@@ -1,0 +1,289 @@
+"""The transfer planner and the streaming cache: verified transfers, fault injection, parity."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from inference.cache import ExpertCache
+from inference.errors import SlotInUseError
+from inference.models import decoder_class
+from inference.planner import (
+    DEMAND,
+    PREFETCH,
+    DeadlineMissedError,
+    InvalidExtentError,
+    SlotLiveError,
+    TransferPlanner,
+)
+from inference.streaming import StreamingExpertCache, attach
+from store import iopaths
+from store.errors import ChecksumError, ShortReadError
+from store.reader import aligned_empty
+from tests.inference.filemodel import FileConsumer, SyntheticExperts
+
+IO_PATHS = [p for p, why in iopaths.available_paths().items() if why == "available"]
+
+
+@pytest.fixture
+def synth(tmp_path):
+    fc = FileConsumer(SyntheticExperts(), tmp_path)
+    yield fc
+    fc.close()
+
+
+def _arena(consumer, n):
+    a = aligned_empty(n * consumer.info.expert_slot_nbytes).reshape(n, -1)
+    return [a[i] for i in range(n)], np.zeros(n, bool)
+
+
+def _planner(consumer, n=4, **kw):
+    slots, live = _arena(consumer, n)
+    return TransferPlanner(consumer, slots, live, **kw), slots, live
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Every transfer source blocks until ``gate.set()`` (a slow device)."""
+    go = threading.Event()
+    read = iopaths.TransferSource.read_into
+
+    def slow(self, off, n, dest):
+        go.wait(10)
+        return read(self, off, n, dest)
+
+    monkeypatch.setattr(iopaths.TransferSource, "read_into", slow)
+    yield go
+    go.set()
+
+
+@pytest.mark.parametrize("io", IO_PATHS)
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_transfers_land_verified_in_their_final_slot(synth, io, threads):
+    p, slots, _ = _planner(synth, io=io, threads=threads)
+    try:
+        ts = [p.submit(1, e, e, kind=DEMAND) for e in range(4)]
+        for e, t in enumerate(ts):
+            p.wait(t)
+            n = synth.info.expert_nbytes
+            assert np.array_equal(slots[e][:n], synth.base.blobs[(1, e)])
+            assert t.checksum_result == "ok" and t.used and t.source == io
+            direct = io in ("direct", "io_uring")
+            assert t.staging_copy_bytes == (0 if direct else t.completed_bytes)
+            assert t.t_request <= t.t_start <= t.t_complete <= t.t_first_use + t.exposed_ns
+        assert p.inflight == [None] * 4
+    finally:
+        p.close()
+
+
+def test_a_slot_may_be_a_destination_only_when_its_owner_is_dead(synth, gate):
+    p, _, live = _planner(synth, io="pread")
+    try:
+        t = p.submit(0, 0, 0)
+        with pytest.raises(SlotLiveError, match="in flight"):
+            p.submit(0, 1, 0)  # reuse while a transfer is in flight into it
+        live[1] = True
+        with pytest.raises(SlotLiveError, match="still live"):
+            p.submit(0, 2, 1)  # held by the current layer or pinned
+        with pytest.raises(InvalidExtentError):
+            p.submit(0, 3, 99)  # outside the arena
+        with pytest.raises(InvalidExtentError):
+            p.submit(7, 0, 2)  # no such expert
+        synth.off[2, 5] = -1  # the consumer has no extent for it (a dense layer)
+        with pytest.raises(InvalidExtentError, match="no extent"):
+            p.submit(2, 5, 2)
+        gate.set()
+        p.wait(t)
+        p.submit(0, 1, 0)  # dead now: allowed
+    finally:
+        gate.set()
+        p.close()
+
+
+def test_an_extent_larger_than_the_slot_is_refused(tmp_path):
+    fc = FileConsumer(SyntheticExperts(nbytes=4096 + 1), tmp_path)
+    slots, live = _arena(fc, 2)
+    p = TransferPlanner(fc, [s[:4096] for s in slots], live, io="pread")
+    try:
+        with pytest.raises(InvalidExtentError, match="does not fit"):
+            p.submit(0, 0, 0)
+    finally:
+        p.close()
+        fc.close()
+
+
+@pytest.mark.parametrize("io", IO_PATHS)
+def test_forced_short_read_is_a_typed_error_and_the_slot_is_unmapped(synth, io):
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io=io, threads=2, prefetch=False)
+    try:
+        cache.acquire(0, np.array([0, 1]))
+        cache.release()
+        os.truncate(synth.path, int(synth.off[2, 0]) + 100)  # the block file loses its tail
+        with pytest.raises(ShortReadError):
+            cache.acquire(2, np.array([0]))
+        assert cache.table[2, 0] == -1 and not cache.blocked.any()
+        cache.check()
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("io", IO_PATHS)
+@pytest.mark.parametrize("first_use", ["before", "after"])
+def test_stale_block_file_is_refused(synth, io, first_use, tmp_path):
+    """The block file is replaced after mount, before or after the planner first reads it."""
+    p, _, _ = _planner(synth, io=io)
+    fresh = FileConsumer(SyntheticExperts(seed=9), tmp_path / "..")  # same size, other bytes
+    try:
+        if first_use == "before":
+            p.wait(p.submit(0, 0, 0))
+        os.replace(fresh.path, synth.path)
+        with pytest.raises(iopaths.StaleSourceError, match="replaced"):
+            p.wait(p.submit(0, 1, 1))
+    finally:
+        fresh.close()
+        p.close()
+
+
+def test_checksum_failure_is_a_typed_error_never_the_bytes(synth):
+    st = os.stat(synth.path)
+    with open(synth.path, "r+b") as f:  # silent bit rot: content changes, metadata does not
+        f.seek(int(synth.off[1, 3]) + 17)
+        f.write(b"\xff\x00")
+    os.utime(synth.path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    cache = StreamingExpertCache(synth, 6 * 4096 * 3, 2, io="pread", threads=2)
+    try:
+        with pytest.raises(ChecksumError, match="checksum"):
+            cache.acquire(1, np.array([2, 3]))
+        assert cache.table[1, 3] == -1 and cache.table[1, 2] >= 0
+    finally:
+        cache.close()
+
+
+def test_late_transfer_is_a_counted_stall_or_a_typed_error(synth, gate):
+    for strict in (False, True):
+        gate.clear()
+        p, slots, _ = _planner(synth, io="pread", strict_deadlines=strict)
+        try:
+            t = p.submit(0, 4, 0, kind=PREFETCH, deadline_ns=0)  # deadline already passed
+            threading.Timer(0.02, gate.set).start()
+            if strict:
+                with pytest.raises(DeadlineMissedError, match="after its deadline"):
+                    p.wait(t)
+            else:
+                p.wait(t)
+                n = synth.info.expert_nbytes
+                assert t.stalled and p.stalls == 1 and t.exposed_ns > 0
+                assert np.array_equal(slots[0][:n], synth.base.blobs[(0, 4)])
+        finally:
+            gate.set()
+            p.close()
+
+
+def test_in_flight_and_held_slots_are_never_victims(synth, gate):
+    # 4 slots, top-2: two held by layer 0, two prefetched for layer 1 while the device stalls.
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", threads=1)
+    cache.set_routers([np.eye(8, 5, dtype=np.float32)] * 3)
+    n = synth.info.expert_nbytes
+    try:
+        gate.set()
+        cache.acquire(0, np.array([0, 1]))
+        cache.release()
+        gate.clear()
+        x = np.zeros((1, 5), np.float32)
+        x[0, 2] = x[0, 3] = 1.0  # predicts experts 2 and 3 of layer 1
+        cache.lookahead(0, x)
+        held = cache.acquire(0, np.array([0, 1])).tolist()
+        pre = [cache._xfer[s] for s in range(4) if cache.inflight[s]]
+        assert cache.prefetches == 2 and len(pre) == 2 and not any(t.done for t in pre)
+        # Every unheld slot is in flight: a miss waits for them; it never overwrites one.
+        threading.Timer(0.05, gate.set).start()
+        s5 = int(cache.acquire(2, np.array([5]))[0])
+        assert all(t.done and t.checksum_result == "ok" for t in pre)
+        assert s5 in [t.slot for t in pre] and s5 not in held
+        # Three slots held now, one free: two more misses cannot both be placed.
+        with pytest.raises(SlotInUseError, match="pinned or held"):
+            cache.acquire(2, np.array([6, 7]))
+        assert not cache.blocked.any()  # the failed acquire released its holds
+        assert np.array_equal(cache.slot_bytes(s5)[:n], synth.base.blobs[(2, 5)])
+        got = cache.acquire(1, np.array([3, 2]))
+        for e, s in zip((3, 2), got.tolist()):
+            assert np.array_equal(cache.slot_bytes(s)[:n], synth.base.blobs[(1, e)])
+        assert cache.predicted_correct == 2
+        cache.release()
+        cache.check()
+    finally:
+        cache.close()
+
+
+def _decode(model, kv, tokens):
+    out = [model.forward(np.array(tokens[:4]), kv)]
+    for tok in tokens[4:]:
+        out.append(model.forward(np.array([tok]), kv))
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, tmp_path):
+    from tests.inference.refmodels import StateDictConsumer, tiny_model
+
+    base = StateDictConsumer(tiny_model(arch))
+    fc = FileConsumer(base, tmp_path)
+    cls = decoder_class(arch)
+    cfg = cls.parse_config(fc.info)
+    slot = fc.info.expert_slot_nbytes
+    tokens = [3, 17, 99, 4, 250, 8, 8, 61, 130, 7]
+    resident = ExpertCache(fc, cfg.n_sparse_experts * slot, cfg.top_k, cfg.n_sparse_experts)
+    model = cls(fc, resident)
+    want = _decode(model, model.new_kv(), tokens)
+    budget = max(cfg.n_sparse_experts * slot // 4, cfg.top_k * slot)
+    try:
+        tight = (cfg.top_k + 1) * slot  # one slot beyond a layer's top-k
+        runs = [(io, 2, True, budget, 1, None) for io in IO_PATHS]
+        runs += [("pread", t, p, budget, 1, None) for t in (1, 8) for p in (False, True)]
+        runs += [("pread", 2, True, tight, 2, None), ("pread", 8, True, budget, 2, 1)]
+        for io, threads, prefetch, nbytes, depth, width in runs:
+            cache = StreamingExpertCache(
+                fc,
+                nbytes,
+                cfg.top_k,
+                cfg.n_sparse_experts,
+                io=io,
+                threads=threads,
+                prefetch=prefetch,
+                lookahead_depth=depth,
+                prefetch_width=width,
+            )
+            m = cls(fc, cache)
+            attach(m, cache)
+            got = _decode(m, m.new_kv(), tokens)
+            assert np.array_equal(got, want), (io, threads, prefetch, nbytes, depth, width)
+            assert cache.misses > 0 and (cache.prefetches > 0) == prefetch
+            cache.check()
+            cache.close()
+    finally:
+        fc.close()
+
+
+def test_a_demand_read_is_exposed_but_not_a_deadline_stall(synth, gate):
+    p, _, _ = _planner(synth, io="pread")
+    try:
+        threading.Timer(0.02, gate.set).start()
+        t = p.submit(0, 2, 0)  # demand, no deadline: requested at its first use
+        p.wait(t)
+        assert t.exposed_ns > 0 and not t.stalled and p.stalls == 0
+        gate.clear()
+        threading.Timer(0.02, gate.set).start()
+        t = p.submit(0, 3, 1, deadline_ns=t.t_complete)  # an explicit deadline, missed
+        p.wait(t)
+        assert t.stalled and p.stalls == 1
+    finally:
+        gate.set()
+        p.close()
+
+
+def test_prefetch_width_is_validated(synth):
+    with pytest.raises(ValueError, match="prefetch_width"):
+        StreamingExpertCache(synth, 4 * 4096 * 3, 2, prefetch_width=3)
