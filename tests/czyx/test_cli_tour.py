@@ -139,3 +139,47 @@ def test_store_fsck(store):
         [sys.executable, "-m", "czyx", "store", "fsck", store], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_run_xray_and_bench_io(store, tmp_path):
+    import json
+
+    import jsonschema
+
+    from inference.xray import SCHEMA_PATH
+
+    out = tmp_path / "xray.json"
+    czyx(
+        "run",
+        "stdlib@v1",
+        "--prompt",
+        "def ",
+        "--max-tokens",
+        "6",
+        "--cache-fraction",
+        "0.25",
+        "--xray",
+        str(out),
+        store=store,
+    )
+    report = json.loads(out.read_text())
+    jsonschema.validate(report, json.loads(SCHEMA_PATH.read_text()))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "czyx",
+            "bench",
+            "io",
+            "--dir",
+            str(tmp_path),
+            "--size-mib",
+            "8",
+            "--no-save",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "direct" in proc.stdout + proc.stderr
