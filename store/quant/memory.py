@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from store.archs import ARCHS
 from store.consumer import GLOBAL_ROLES, LAYER_ROLES, ExpertExtent, ModelConsumer
 from store.quant.errors import QuantError
 from store.quant.extent import ExpertLayout, expert_format, pack_expert
@@ -70,12 +71,14 @@ class QuantizedConsumer:
         self._extents: dict[tuple[int, int], np.ndarray] = {}
         self.layout: ExpertLayout | None = None
         self._n_float_experts = 0
-        for layer in range(info.n_layers):
+        spec = ARCHS.get(info.arch)
+        if spec is None:
+            raise QuantError(f"architecture {info.arch!r} has no store.archs spec")
+        # Only the sparse layers have experts; any failure to read one of theirs
+        # (missing extent, checksum, portal) propagates rather than leaving a hole.
+        for layer in spec.sparse_layers(info.config):
             for e in range(info.n_experts):
-                try:
-                    base.read_expert(layer, e, slot)
-                except (KeyError, IndexError):
-                    continue  # a dense layer has no experts
+                base.read_expert(layer, e, slot)
                 gate, up, down = (np.array(v, np.float32) for v in base.expert_views(slot))
                 if self.layout is None:
                     fmt = expert_format(policy, gate.shape[0], gate.shape[1])
@@ -174,7 +177,9 @@ class QuantizedConsumer:
             return
         if slot.dtype != np.uint8 or slot.size != self.info.expert_slot_nbytes:
             raise QuantError(f"slot must be uint8[{self.info.expert_slot_nbytes}]")
-        src = self._extents[(layer, router_byte)]
+        src = self._extents.get((layer, router_byte))
+        if src is None:
+            raise QuantError(f"layer {layer} has no routed expert {router_byte}")
         slot[: src.size] = src
 
     def expert_views(self, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

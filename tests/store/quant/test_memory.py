@@ -87,3 +87,22 @@ def test_importance_changes_the_bytes_and_needs_names(base):
         QuantizedConsumer(base, POLICIES["selective"], imp)
     with pytest.raises(QuantError):
         QuantizedConsumer(plain, POLICIES["selective"])  # not a float base
+
+
+def test_a_missing_expert_is_an_error_not_a_hole(base):
+    class Holed:
+        info = base.info
+
+        def __getattr__(self, name):
+            return getattr(base, name)
+
+        def read_expert(self, layer, router_byte, slot):
+            if (layer, router_byte) == (2, 5):
+                raise KeyError("extent (2, 5) lost")
+            base.read_expert(layer, router_byte, slot)
+
+    with pytest.raises(KeyError, match="lost"):
+        QuantizedConsumer(Holed(), POLICIES["selective"])
+    q = QuantizedConsumer(base, POLICIES["selective"])
+    with pytest.raises(QuantError, match="layer 1 has no routed expert"):
+        q.read_expert(1, 0, np.zeros(q.info.expert_slot_nbytes, np.uint8))  # the dense layer
