@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from curves.errors import CurveError
+
 try:
     if os.environ.get("CZYX_CURVES_PURE") == "1":
         raise ImportError("CZYX_CURVES_PURE=1")
@@ -53,4 +55,4 @@ def call(
         w,
     )
     if rc != 0:  # pragma: no cover - guarded by available()
-        raise RuntimeError(f"curves C kernel refused ndim={ndim}")
+        raise CurveError(f"curves C kernel refused ndim={ndim}")
