@@ -19,9 +19,13 @@ class Tokenizer(Protocol):
     name: str
     eos_ids: tuple[int, ...]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
+        ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids ``ids``."""
+        ...
 
 
 class ByteTokenizer:

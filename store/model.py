@@ -49,10 +49,12 @@ class TrunkRef:
 
     @property
     def dtype(self) -> str:
+        """The source dtype name (``F32``, ``F16``, ``BF16``...)."""
         return self.record["dtype"]
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The tensor's shape in the checkpoint."""
         return tuple(self.record["shape"])
 
 

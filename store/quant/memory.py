@@ -115,6 +115,7 @@ class QuantizedConsumer:
     # ------------------------------------------------------------------ trunk
 
     def has_trunk(self, role: str, layer: int | None = None) -> bool:
+        """Whether the base model has ``role`` (at ``layer``)."""
         return self.base.has_trunk(role, layer)
 
     def trunk_quantized(
@@ -167,11 +168,19 @@ class QuantizedConsumer:
     # ------------------------------------------------------------------ experts
 
     def expert_extent(self, layer: int, router_byte: int) -> ExpertExtent:
+        """The base's extent, or an in-memory one (``fd=-1``) of the packed size."""
         if self.layout is None:
             return self.base.expert_extent(layer, router_byte)
         return ExpertExtent(fd=-1, offset=0, length=self.info.expert_nbytes, checksum=0)
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
+        """Copy the packed extent of ``(layer, router_byte)`` into ``slot`` (uint8).
+
+        Raises
+        ------
+        QuantError
+            ``slot`` has the wrong dtype or size, or the layer has no such expert.
+        """
         if self.layout is None:
             self.base.read_expert(layer, router_byte, slot)
             return
@@ -189,4 +198,5 @@ class QuantizedConsumer:
         return self.layout.split(slot)
 
     def close(self) -> None:
+        """Close the base model."""
         self.base.close()
