@@ -74,7 +74,6 @@ from store.mount_source import (
     content_hash,
     round_up,
     source_manifest,
-    tokenizer_bytes,
 )
 
 MODEL_KIND = "czyx.model"
@@ -213,7 +212,7 @@ def mount(
         bar.close()
         total = trunk_total + len(keys) * src.expert_nbytes
 
-        trunk_manifest = _trunk_manifest(ckpt, plan, trunk_hash, trunk_qfmt, quant)
+        trunk_manifest = _trunk_manifest(ckpt, plan, trunk_hash, src.tokenizer, trunk_qfmt, quant)
         trunk_sel = (
             Selector.from_content(canonical_manifest(trunk_manifest)) if plan.trunk else None
         )
@@ -336,6 +335,7 @@ def _trunk_manifest(
     ckpt: Checkpoint,
     plan: ModelPlan,
     hashes: dict[str, str],
+    tok: bytes | None,
     qfmts: dict[str, str | None] | None = None,
     codec: Any = None,
 ) -> dict[str, Any]:
@@ -360,7 +360,6 @@ def _trunk_manifest(
         "content_hash": CONTENT_HASH,
         "tensors": tensors,
     }
-    tok = tokenizer_bytes(ckpt)
     if tok is not None:  # the checkpoint's own tokenizer travels with its trunk
         manifest["tokenizer"] = content_hash(np.frombuffer(tok, np.uint8))
     if codec is not None:
@@ -445,9 +444,8 @@ def _write_trunk(
             w.put(key, rec)
             written += data.nbytes
             bar.update(info.nbytes)
-        tok = tokenizer_bytes(ckpt)
-        if tok is not None:
-            data = np.frombuffer(tok, np.uint8)
+        if src.tokenizer is not None:
+            data = np.frombuffer(src.tokenizer, np.uint8)
             ext = w.write_extent(data)
             w.put(
                 Key(TOKENIZER_CLASS).pack(),

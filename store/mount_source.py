@@ -52,6 +52,8 @@ class MountSource:
         self.buf = np.empty(self.expert_nbytes, np.uint8)
         self._float = np.empty(plan.expert_nbytes if self.qlayout else 0, np.uint8)
         self._scratch = np.empty(0, np.uint8)
+        # Read once: the manifest's hash and the stored extent are of the same bytes.
+        self.tokenizer = tokenizer_bytes(ckpt)
 
     def assemble(self, key: tuple[int, int], out: np.ndarray) -> None:
         """Read expert ``key``'s gate, up and down back to back into ``out`` (as stored)."""
