@@ -8,7 +8,7 @@ directory:
 * ``copy+fsync`` (the baseline): ``shutil.copyfile`` of every checkpoint file
   plus ``fsync`` (mount makes its block files durable before publishing, so
   both pay for durability); ``copy``: the same without ``fsync``;
-* ``mount``: ``store.mount.mount`` into a fresh store (validate, SHA-256 every
+* ``mount``: ``store.mount.mount`` into a fresh store (validate, BLAKE3 every
   tensor for the content selector, write the trunk and expert spaces, fsync,
   publish, tag);
 * ``remount``: mounting the same checkpoint again into that store (hash only,

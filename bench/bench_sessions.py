@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
+from bench.bench_store import evict
 from inference.engine import Engine
 from inference.sampling import SamplingParams
 from inference.sessions.live import LiveSession
@@ -93,15 +94,6 @@ def prefill(engine: Engine, tokens: list[int], chunk: int) -> np.ndarray:
     return logits
 
 
-def drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="256,1024,4096", help="history lengths (tokens)")
@@ -147,7 +139,7 @@ def main() -> int:
             ref = prefill(engine, hist, args.chunk)
             t_prefill.append(time.perf_counter() - t0)
 
-            drop_cache(block)
+            evict(block)  # bench_store's page-cache eviction
             t0 = time.perf_counter()
             resumed = LiveSession.resume(engine, ss.read(name, model=selector), "bench")
             t_cold.append(time.perf_counter() - t0)

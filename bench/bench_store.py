@@ -72,6 +72,7 @@ def make_file(path: Path, size: int) -> None:
 
 
 def evict(path: Path) -> None:
+    """Drop ``path`` from the page cache (after fsync), so the next read goes to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
 
 import numpy as np
+
+from curves.errors import CurveError
 
 try:
     if os.environ.get("CZYX_CURVES_PURE") == "1":
@@ -37,14 +38,14 @@ def available(ndim: int) -> bool:
     return LIB is not None and ndim in NATIVE_NDIMS
 
 
-def call(
-    fn: Callable[..., int], ndim: int, bits: int, src: np.ndarray, out: np.ndarray, w: int
-) -> None:
-    """Run one kernel over C-contiguous ``uint64`` ``src`` rows into ``out`` rows.
+def run(kernel: str, ndim: int, bits: int, src: np.ndarray, out_cols: int, w: int) -> np.ndarray:
+    """Run C kernel ``kernel`` over C-contiguous ``uint64`` ``src`` rows.
 
-    ``w`` is the word count of whichever side holds ordinals.
+    Returns a new ``(N, out_cols)`` ``uint64`` array. ``w`` is the word count
+    of whichever side holds ordinals. Call only where :func:`available`.
     """
-    rc = fn(
+    out = np.empty((src.shape[0], out_cols), dtype=np.uint64)
+    rc = getattr(LIB, kernel)(
         ndim,
         bits,
         FFI.cast("const uint64_t *", src.ctypes.data),
@@ -53,4 +54,5 @@ def call(
         w,
     )
     if rc != 0:  # pragma: no cover - guarded by available()
-        raise RuntimeError(f"curves C kernel refused ndim={ndim}")
+        raise CurveError(f"curves C kernel refused ndim={ndim}")
+    return out

@@ -160,20 +160,14 @@ class HilbertCurve(CurveBase):
         """``(N, ndim)`` integer coordinates -> ``(N, W)`` big-endian uint64 ordinal words."""
         src = self._check_coords_array(coords)
         if _native.available(self.ndim):
-            out = np.empty((src.shape[0], self.n_words), dtype=np.uint64)
-            _native.call(
-                _native.LIB.czyx_hilbert_encode, self.ndim, self.bits, src, out, self.n_words
-            )
-            return out
+            n = self.n_words
+            return _native.run("czyx_hilbert_encode", self.ndim, self.bits, src, n, n)
         return hilbert_encode_np(src, self.bits)
 
     def decode_array(self, ordinals: np.ndarray) -> np.ndarray:
         """``(N, W)`` ordinal words (or ``(N,)`` when ``W == 1``) -> ``(N, ndim)`` uint64."""
         src = self._check_ordinals_array(ordinals)
         if _native.available(self.ndim):
-            out = np.empty((src.shape[0], self.ndim), dtype=np.uint64)
-            _native.call(
-                _native.LIB.czyx_hilbert_decode, self.ndim, self.bits, src, out, self.n_words
-            )
-            return out
+            n = self.n_words
+            return _native.run("czyx_hilbert_decode", self.ndim, self.bits, src, self.ndim, n)
         return hilbert_decode_np(src, self.ndim, self.bits)

@@ -15,6 +15,7 @@ from czyx.errors import CzyxError
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``czyx`` parser, with one subcommand per module in :mod:`czyx.commands`."""
     parser = argparse.ArgumentParser(
         prog="czyx",
         description="Coordinate-addressed storage for model weights, with an MoE engine.",

@@ -26,6 +26,8 @@ from typing import TextIO
 
 import numpy as np
 
+from inference.errors import DemoCheckError
+
 DEFAULT_TAG = "czyx-moe-stdlib@v1"
 DEFAULT_TENANT = "demo-tenant"
 DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef "
@@ -84,6 +86,12 @@ def run_demo(
         The tiered run's expert budget as a fraction of all expert bytes.
     out
         Where the narration goes (default stdout).
+
+    Raises
+    ------
+    DemoCheckError
+        A refusal the demo shows was allowed, or the tiered and fully
+        resident runs generated different text.
     """
     import portals
     from inference.assets import bundled_model_dir
@@ -124,7 +132,7 @@ def run_demo(
         refusals: list[str] = []
         try:
             portals.open_model(store, g.token, tag, right="read", tenant=DEFAULT_TENANT)
-            raise AssertionError("a read through an infer-only portal was allowed")
+            raise DemoCheckError("a read through an infer-only portal was allowed")
         except PortalDenied as exc:
             refusals.append(f"{type(exc).__name__}: {exc}")
             say(f"   raw read of the weights        -> refused ({type(exc).__name__}: {exc})")
@@ -136,7 +144,7 @@ def run_demo(
             byte = min(12, consumer.info.n_experts - 1)
             try:
                 consumer.read_expert(0, byte, slot)
-                raise AssertionError("an expert outside the attenuated portal was read")
+                raise DemoCheckError("an expert outside the attenuated portal was read")
             except PortalDenied as exc:
                 refusals.append(f"{type(exc).__name__}: {exc}")
                 say(
@@ -159,7 +167,7 @@ def run_demo(
         full = _generate(store, tag, g.token, prompt, max_tokens, 1.0, seed, stream=None)
         if full.text != tiered.text:
             # Tiered and resident runs are bit-identical by design; say so loudly if not.
-            raise AssertionError("tiered and fully resident runs generated different text")
+            raise DemoCheckError("tiered and fully resident runs generated different text")
 
         say("")
         say("4. report (same prompt, same seed; the text is identical at both budgets)")

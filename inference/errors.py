@@ -36,3 +36,7 @@ class SamplingError(InferenceError):
 
 class TokenizerError(InferenceError):
     """The checkpoint's tokenizer could not be loaded or used."""
+
+
+class DemoCheckError(InferenceError):
+    """A guarantee the demo shows did not hold (a refusal allowed, runs that differ)."""

@@ -19,9 +19,13 @@ class Tokenizer(Protocol):
     name: str
     eos_ids: tuple[int, ...]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
+        ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids ``ids``."""
+        ...
 
 
 class ByteTokenizer:
@@ -83,18 +87,28 @@ def load_tokenizer(source: str | os.PathLike | None, vocab_size: int) -> Tokeniz
         a ``tokenizer.json`` path, the file's JSON text, or None.
     vocab_size
         The model's vocabulary, for the byte fallback's check.
+
+    Raises
+    ------
+    TokenizerError
+        ``source`` names neither a directory nor an existing file, or the
+        ``tokenizer.json`` does not load. Bytes are the fallback only for
+        ``None`` and for a directory without a ``tokenizer.json``.
     """
-    if source is not None:
-        text = str(source)
-        if text.lstrip().startswith("{"):
-            return HFTokenizer(text)
-        path = os.fspath(source)
-        if os.path.isdir(path):
-            path = os.path.join(path, "tokenizer.json")
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                return HFTokenizer(f.read())
-    return ByteTokenizer(vocab_size)
+    if source is None:
+        return ByteTokenizer(vocab_size)
+    text = str(source)
+    if text.lstrip().startswith("{"):
+        return HFTokenizer(text)
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(path):
+            return ByteTokenizer(vocab_size)
+    elif not os.path.isfile(path):
+        raise TokenizerError(f"tokenizer {path!r}: no such file or directory")
+    with open(path, encoding="utf-8") as f:
+        return HFTokenizer(f.read())
 
 
 def tokenizer_for(consumer: object, vocab_size: int) -> Tokenizer:
@@ -103,9 +117,11 @@ def tokenizer_for(consumer: object, vocab_size: int) -> Tokenizer:
     src = getattr(consumer, "tokenizer_json", None)
     if callable(src):
         src = src()
+    if src is None:
+        return ByteTokenizer(vocab_size)
     if isinstance(src, bytes):
         src = src.decode("utf-8")
-    return load_tokenizer(src, vocab_size)
+    return HFTokenizer(src)  # JSON text, never a path: a bad one must not fall back to bytes
 
 
 class StreamDecoder:

@@ -1,36 +1,21 @@
-"""Helpers shared by the portal CLI commands (store location, expiry parsing,
+"""Helpers shared by the portal CLI commands (store opening, expiry parsing,
 model-space resolution). Kept out of czyx/commands so each command module
-stays a thin argparse layer."""
+stays a thin argparse layer; the ``--store`` option itself is the one every
+command uses (:mod:`czyx.commands._storearg`)."""
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import re
-from pathlib import Path
 from typing import Any
 
+from czyx.commands._storearg import add_store_arg, store_dir
 from czyx.space import Selector
 from portals.errors import CaveatError
 from portals.model import model_spaces  # re-exported for the grant command
 
-DEFAULT_STORE = "czyx-store"
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def add_store_arg(p: argparse.ArgumentParser) -> None:
-    """``--store DIR`` (default ``$CZYX_STORE`` or ``./czyx-store``)."""
-    p.add_argument(
-        "--store",
-        default=None,
-        metavar="DIR",
-        help="store directory (default: $CZYX_STORE or ./czyx-store)",
-    )
-
-
-def store_dir(args: argparse.Namespace) -> Path:
-    return Path(args.store or os.environ.get("CZYX_STORE") or DEFAULT_STORE)
 
 
 def open_store(args: argparse.Namespace, *, create: bool = False) -> Any:
@@ -66,10 +51,19 @@ def resolve_space(store: Any, name: str) -> Selector:
     return Selector.from_hex(name)
 
 
-__all__ = ["add_store_arg", "fmt_time", "model_spaces", "open_store", "parse_expiry"]
-
-
 def fmt_time(t: float | None) -> str:
+    """``YYYY-MM-DD HH:MM:SSZ`` (UTC) for unix seconds ``t``; ``-`` for none."""
     if t is None:
         return "-"
     return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+__all__ = [
+    "add_store_arg",
+    "fmt_time",
+    "model_spaces",
+    "open_store",
+    "parse_expiry",
+    "resolve_space",
+    "store_dir",
+]

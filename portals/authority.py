@@ -58,6 +58,7 @@ class Grant:
 
     @property
     def id_hex(self) -> str:
+        """The portal id in hex (what ``czyx revoke`` and the audit log name)."""
         return self.portal_id.hex()
 
 

@@ -67,10 +67,12 @@ class Caveat:
     TAG: ClassVar[int]
 
     def body(self) -> bytes:  # pragma: no cover - abstract
+        """The caveat's canonical body bytes (after its tag byte in a token)."""
         raise NotImplementedError
 
     @classmethod
     def from_body(cls, body: bytes) -> Caveat:  # pragma: no cover - abstract
+        """Parse :meth:`body` bytes; :class:`TokenFormatError` unless canonical."""
         raise NotImplementedError
 
     def encode(self) -> bytes:
@@ -184,6 +186,7 @@ class ClassRange(Caveat):
 
     @property
     def mask(self) -> int:
+        """The allowed classes as a 256-bit mask (bit ``c`` for class ``c``)."""
         return ((1 << (self.hi + 1)) - 1) ^ ((1 << self.lo) - 1)
 
     def body(self) -> bytes:

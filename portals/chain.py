@@ -65,6 +65,7 @@ class ChainKeys:
 
     @classmethod
     def from_secret(cls, secret: bytes) -> ChainKeys:
+        """Derive the root key, store id and owner portal id from the store secret (HKDF)."""
         return cls(
             root_key=hkdf(secret, b"portal root key"),
             store_id=hkdf(secret, b"store id", STORE_ID_SIZE),

@@ -103,5 +103,12 @@ class OutOfScope(PortalDenied):
     reason = "out-of-scope"
 
 
+class RecordNotFoundError(PortalError, KeyError):
+    """The portal covers the key but the space holds no record there (a ``KeyError`` too)."""
+
+    def __str__(self) -> str:  # KeyError would show the message's repr
+        return str(self.args[0]) if self.args else ""
+
+
 class RootRevocationError(PortalError):
     """The owner's root portal cannot be revoked (rotate the store secret instead)."""

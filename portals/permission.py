@@ -27,6 +27,7 @@ from portals.caveats import (
     Spaces,
     Tenant,
 )
+from portals.errors import CaveatError
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ class Scope:
 def _scope_of(cav: Caveat) -> Scope:
     if isinstance(cav, ClassRange | ClassSet):
         return Scope(classes=cav.mask)
-    assert isinstance(cav, LayerRange)
+    if not isinstance(cav, LayerRange):  # a new scope caveat must be handled here
+        raise CaveatError(f"caveat {type(cav).__name__} has no scope")
     return Scope(layer_lo=cav.lo, layer_hi=cav.hi)
 
 

@@ -68,6 +68,7 @@ class Token:
 
     @property
     def header(self) -> bytes:
+        """The bytes the signature chain starts from (``version || store id || root id``)."""
         return header_bytes(self.store_id, self.root_id)
 
     def encoded_caveats(self) -> list[bytes]:
@@ -85,6 +86,7 @@ class Token:
         return Permission.from_caveats(self.root_id, self.caveats)
 
     def to_bytes(self) -> bytes:
+        """The binary form: header, caveat count, caveats, signature."""
         parts = [self.header, encode_varint(len(self.caveats)), *self.encoded_caveats()]
         return b"".join(parts) + self.signature
 

@@ -21,7 +21,7 @@ from curves.base import Curve
 from czyx.key import DEFAULT_CURVE, Key
 from czyx.space import Selector
 from portals.caveats import N_CLASSES
-from portals.errors import OutOfScope, PortalError
+from portals.errors import OutOfScope, PortalError, RecordNotFoundError
 
 if TYPE_CHECKING:
     from portals.authority import PortalAuthority
@@ -187,12 +187,13 @@ class SpaceView:
         """Read the extent of the record at ``key`` into ``buf`` (checksum verified).
 
         Returns the record. Raises :class:`OutOfScope` before any I/O if the
-        portal does not cover ``key``, and ``KeyError`` if there is no record.
+        portal does not cover ``key``, and :class:`RecordNotFoundError` (a
+        ``KeyError``) if there is no record.
         """
         self.check(key.cls, key.z)
         rec = self._store.get(self.space, key.pack(self._curve))
         if rec is None:
-            raise KeyError(f"no record at {key} in space {self.space.hex()[:16]}..")
+            raise RecordNotFoundError(f"no record at {key} in space {self.space.hex()[:16]}..")
         if self._reader is None:
             # open_reader checks the block file is the published one first.
             self._reader = self._store.open_reader(self.space)

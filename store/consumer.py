@@ -84,7 +84,9 @@ class ModelConsumer(Protocol):
 
     info: ModelInfo
 
-    def has_trunk(self, role: str, layer: int | None = None) -> bool: ...
+    def has_trunk(self, role: str, layer: int | None = None) -> bool:
+        """Whether the model has a tensor of ``role`` (at ``layer``)."""
+        ...
 
     def trunk(self, role: str, layer: int | None = None) -> np.ndarray:
         """The tensor of ``role`` (at ``layer``), as float32, resident."""
@@ -107,7 +109,9 @@ class ModelConsumer(Protocol):
         (for float formats); quantized formats return their packed views."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the model's files and its store handle (idempotent)."""
+        ...
 
 
 # Optional extension an engine may look for with ``getattr``:

@@ -45,7 +45,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from operator import itemgetter
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
@@ -66,6 +66,9 @@ from store.reader import RawReader
 from store.records import check_key, check_selector, decode, encode, unpackb
 from store.snapshot import Snapshot
 from store.writer import SpaceWriter
+
+if TYPE_CHECKING:  # portals imports store; only the annotation needs it
+    from portals.view import SpaceView
 
 T = TypeVar("T")
 
@@ -578,7 +581,7 @@ class Store(CatalogMixin, StoreInterface):
         *,
         right: str = "read",
         tenant: str | None = None,
-    ):
+    ) -> SpaceView:
         """Open a space through a portal token: the public path to a space's data.
 
         Returns the read-only :class:`portals.view.SpaceView` whose reads are

@@ -33,7 +33,7 @@ from store.consumer import ExpertExtent, ModelInfo
 from store.errors import ChecksumError
 from store.expert_layout import layout_from_manifest
 from store.mount import ADAPTER_KIND, MODEL_KIND, TRUNK_KIND, resolve
-from store.mount_errors import ModelSpaceError
+from store.mount_errors import ExpertIndexError, MissingTrunkRoleError, ModelSpaceError
 from store.quant.codec import expert_parts, trunk_tensor
 from store.quant.formats import is_quant_format
 
@@ -49,10 +49,12 @@ class TrunkRef:
 
     @property
     def dtype(self) -> str:
+        """The source dtype name (``F32``, ``F16``, ``BF16``...)."""
         return self.record["dtype"]
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The tensor's shape in the checkpoint."""
         return tuple(self.record["shape"])
 
 
@@ -266,7 +268,7 @@ class StoreModel:
             if role not in ALL_ROLES:
                 raise ValueError(f"trunk role {role!r} is not one of {ALL_ROLES}") from None
             where = "" if role in ALL_GLOBAL_ROLES else f" at layer {layer}"
-            raise KeyError(f"{self.info.arch} model has no {role}{where}") from None
+            raise MissingTrunkRoleError(f"{self.info.arch} model has no {role}{where}") from None
 
     def trunk_quantized(self, role: str, layer: int | None = None) -> tuple | None:
         """``(packed uint8 buffer, QuantFormat, shape)`` of a quantized trunk tensor, else None.
@@ -279,7 +281,7 @@ class StoreModel:
     # -- experts -----------------------------------------------------------------------
     def _check(self, layer: int, router_byte: int) -> int:
         if not (0 <= layer < self.info.n_layers and 0 <= router_byte < 256):
-            raise IndexError(
+            raise ExpertIndexError(
                 f"expert (layer {layer}, byte {router_byte}) outside "
                 f"{self.info.n_layers} layers x 256 bytes"
             )

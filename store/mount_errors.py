@@ -58,3 +58,17 @@ class ShapeMismatchError(CheckpointError):
 
 class ModelSpaceError(MountError):
     """A space is not a mounted model (or its manifest is inconsistent with its records)."""
+
+
+class MissingTrunkRoleError(ModelSpaceError, KeyError):
+    """The model has no tensor of a (valid) trunk role at that layer.
+
+    A ``KeyError`` too: the consumer contract reports an absent tensor as one.
+    """
+
+    def __str__(self) -> str:  # KeyError would show the message's repr
+        return str(self.args[0]) if self.args else ""
+
+
+class ExpertIndexError(ModelSpaceError, IndexError):
+    """A ``(layer, router byte)`` outside the model's layers or the 256 bytes."""

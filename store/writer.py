@@ -33,7 +33,7 @@ import numpy as np
 from czyx.space import Selector
 from store.blockfile import BlockIdentity, BlockWriter, dio_alignment, fsync_dir
 from store.checksum import CHECKSUM_NAME
-from store.errors import SealedSpaceError, SpaceNotEmptyError, StoreError
+from store.errors import SealedSpaceError, SpaceNotEmptyError, SpaceNotFoundError, StoreError
 from store.interfaces import SpaceWriterInterface
 from store.records import Extent, check_key, encode
 
@@ -187,10 +187,15 @@ class SpaceWriter(SpaceWriterInterface):
         self._staged.clear()
 
     def _unlink_unless_published(self) -> None:
+        # Only a definite "not published" deletes the block file. If the store
+        # cannot say (closed, unreadable entry), the file is kept: an orphan is
+        # reclaimed by collect_garbage, a deleted published block is data loss.
         try:
             published = self._store.block_identity(self.space).generation == self._gen
-        except Exception:
+        except SpaceNotFoundError:
             published = False
+        except Exception:
+            return
         if not published:
             self._final.unlink(missing_ok=True)
 

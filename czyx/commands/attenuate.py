@@ -7,6 +7,7 @@ import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``attenuate`` subcommand."""
     p = subparsers.add_parser(
         "attenuate",
         help="narrow a portal token offline (add caveats; never widens)",
@@ -34,6 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the narrowed token."""
     import time
 
     from czyx.space import Selector

@@ -6,7 +6,8 @@ import argparse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from portals._cli import add_store_arg
+    """Add the ``audit`` subcommand."""
+    from czyx.commands._storearg import add_store_arg
 
     p = subparsers.add_parser(
         "audit",
@@ -22,6 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the audit log entries asked for."""
     import json
 
     from portals._cli import fmt_time, open_store

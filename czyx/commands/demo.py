@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
+
+from czyx.commands._storearg import add_store_arg, store_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``demo`` subcommand."""
     p = subparsers.add_parser(
         "demo",
         help="the whole path in one command, on the bundled trained MoE",
@@ -16,12 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "at a quarter of the expert bytes, and report the figures."
         ),
     )
-    p.add_argument(
-        "--store",
-        default=None,
-        metavar="DIR",
-        help="store directory (default: $CZYX_STORE or ./czyx-store; created if missing)",
-    )
+    add_store_arg(p)  # created if missing
     p.add_argument("--prompt", default=None, help="Python text to continue")
     p.add_argument("--max-tokens", type=int, default=120, help="tokens to generate")
     p.add_argument(
@@ -32,13 +29,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the demo; 0 when every check held."""
     from inference.demo import DEFAULT_PROMPT, run_demo
 
-    store_dir = args.store or os.environ.get("CZYX_STORE") or "czyx-store"
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens {args.max_tokens} must be at least 1")
     run_demo(
-        store_dir,
+        store_dir(args),
         prompt=args.prompt or DEFAULT_PROMPT,
         max_tokens=args.max_tokens,
         cache_fraction=args.cache_fraction,

@@ -7,7 +7,8 @@ import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from portals._cli import add_store_arg
+    """Add the ``grant`` subcommand."""
+    from czyx.commands._storearg import add_store_arg
 
     p = subparsers.add_parser(
         "grant",
@@ -36,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Grant a portal and print its token."""
     import time
 
     from portals._cli import open_store, parse_expiry, resolve_space

@@ -6,7 +6,8 @@ import argparse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from portals._cli import add_store_arg
+    """Add the ``portals`` subcommand."""
+    from czyx.commands._storearg import add_store_arg
 
     p = subparsers.add_parser(
         "portals",
@@ -39,6 +40,7 @@ def _caveats(d: dict, tags: dict[str, str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """List the store's portals (or print the root token)."""
     import json
 
     from portals._cli import fmt_time, open_store

@@ -14,6 +14,8 @@ import argparse
 import os
 import sys
 
+from czyx.commands._storearg import add_store_arg, store_dir
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``profile`` subcommand."""
@@ -27,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="routing-trace.npz", help="where to write the trace (.npz)")
     p.add_argument("--chunk", type=int, default=256, help="tokens per forward pass (KV reset)")
     p.add_argument("--portal", default=os.environ.get("CZYX_PORTAL"))
-    p.add_argument("--store", default=None, metavar="DIR", help="store directory")
+    add_store_arg(p)
     p.set_defaults(func=profile)
 
 
@@ -35,7 +37,7 @@ def profile(args: argparse.Namespace) -> int:
     """Run the text, save the counts, print the top of the hot list."""
     import hashlib
 
-    from czyx.commands.run import DEFAULT_STORE, OpenedModel
+    from czyx.commands.run import OpenedModel
     from inference.engine import Engine
     from inference.profile import RouteRecorder, RoutingProfile
     from inference.tokenizer import tokenizer_for
@@ -47,8 +49,7 @@ def profile(args: argparse.Namespace) -> int:
     with open(args.text, "rb") as f:
         raw = f.read()
     text = raw.decode("utf-8")
-    store_dir = args.store or os.environ.get("CZYX_STORE") or DEFAULT_STORE
-    opened = OpenedModel(store_dir, args.ref, args.portal)
+    opened = OpenedModel(store_dir(args), args.ref, args.portal)
     consumer = opened.consumer
     try:
         engine = Engine(consumer)

@@ -6,7 +6,8 @@ import argparse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from portals._cli import add_store_arg
+    """Add the ``revoke`` subcommand."""
+    from czyx.commands._storearg import add_store_arg
 
     p = subparsers.add_parser(
         "revoke",
@@ -20,6 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Revoke a portal (and every portal attenuated from it)."""
     from portals._cli import open_store
     from portals.authority import PortalAuthority
 

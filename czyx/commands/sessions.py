@@ -21,13 +21,16 @@ from __future__ import annotations
 import argparse
 import os
 
+from czyx.commands._storearg import DEFAULT_STORE, store_dir
+
 
 def _store_arg(p: argparse.ArgumentParser, top: bool) -> None:
     # Sub-actions suppress their default so `czyx sessions --store X diff ...` keeps X.
     p.add_argument(
         "--store",
-        default=os.environ.get("CZYX_STORE", "czyx-store") if top else argparse.SUPPRESS,
-        help="store directory (default: $CZYX_STORE or ./czyx-store)",
+        default=None if top else argparse.SUPPRESS,
+        metavar="DIR",
+        help=f"store directory (default: $CZYX_STORE or ./{DEFAULT_STORE})",
     )
 
 
@@ -55,6 +58,7 @@ def _sessions(args: argparse.Namespace, st):
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``sessions`` subcommand and its actions."""
     p = subparsers.add_parser(
         "sessions",
         help="list, diff, fork saved sessions",
@@ -99,7 +103,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _open(args: argparse.Namespace, readonly: bool):
     from store import Store
 
-    return Store.open(args.store, create=False, readonly=readonly)
+    return Store.open(store_dir(args), create=False, readonly=readonly)
 
 
 def _size(n: int) -> str:

@@ -10,24 +10,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from inference.errors import UnsupportedModelError
-from inference.models.base import rms_norm
-from inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
+from inference.models.decoder import DecoderConfig, Layer, common_config
+from inference.models.qknorm import QKNormDecoder
 from store.consumer import ModelInfo
 
 
-class OlmoeDecoder(MoEDecoder):
+class OlmoeDecoder(QKNormDecoder):
     """``OlmoeForCausalLM`` in numpy."""
 
     arch = "olmoe"
-    required_roles = (*MoEDecoder.required_roles, "q_norm", "k_norm")
+    qk_norm_per_head = False
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
         """OLMoE config; ``attention_bias`` (an o_proj bias) is not supported."""
         c = info.config
-        if c.get("attention_bias"):
-            raise UnsupportedModelError("config attention_bias=true (o_proj bias) is not supported")
+        cls.reject_attention_bias(c)
         n = int(c["num_hidden_layers"])
         return common_config(info, bool(c.get("norm_topk_prob")), [None] * n)
 
@@ -35,9 +33,7 @@ class OlmoeDecoder(MoEDecoder):
         self, lw: Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Full-width RMS norms of q and k, then the optional clamp of q, k and v."""
-        eps = self.cfg.rms_eps
-        q = rms_norm(q, lw.q_norm, eps)
-        k = rms_norm(k, lw.k_norm, eps)
+        q, k = self.norm_qk(lw, q, k)
         clip = self.cfg.clip_qkv
         if clip is not None:
             q, k, v = (np.clip(a, -clip, clip) for a in (q, k, v))

@@ -11,25 +11,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from inference.errors import UnsupportedModelError
-from inference.models.base import rms_norm
-from inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
+from inference.models.decoder import DecoderConfig, Layer, common_config
+from inference.models.qknorm import QKNormDecoder
 from inference.models.qwen2_moe import layer_windows
 from store.consumer import ModelInfo
 
 
-class Qwen3MoeDecoder(MoEDecoder):
+class Qwen3MoeDecoder(QKNormDecoder):
     """``Qwen3MoeForCausalLM`` in numpy."""
 
     arch = "qwen3_moe"
-    required_roles = (*MoEDecoder.required_roles, "q_norm", "k_norm")
+    qk_norm_per_head = True
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
         """Qwen3-MoE config; ``attention_bias`` (an o_proj bias) is not supported."""
         c = info.config
-        if c.get("attention_bias"):
-            raise UnsupportedModelError("config attention_bias=true (o_proj bias) is not supported")
+        cls.reject_attention_bias(c)
         n = int(c["num_hidden_layers"])
         renorm = bool(c.get("norm_topk_prob"))
         # Unlike Qwen2-MoE, transformers' Qwen3-MoE has no per-layer types: with
@@ -43,7 +41,5 @@ class Qwen3MoeDecoder(MoEDecoder):
         self, lw: Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-head RMS norm of q and k (weights of width ``head_dim``)."""
-        t, hd, eps = q.shape[0], self.cfg.head_dim, self.cfg.rms_eps
-        q = rms_norm(q.reshape(t, -1, hd), lw.q_norm, eps).reshape(t, -1)
-        k = rms_norm(k.reshape(t, -1, hd), lw.k_norm, eps).reshape(t, -1)
+        q, k = self.norm_qk(lw, q, k)
         return q, k, v

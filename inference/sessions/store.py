@@ -129,6 +129,7 @@ class SessionDiff:
 
     @property
     def identical(self) -> bool:
+        """Whether the two histories are the same tokens (all common, same length)."""
         return self.common == self.a_length == self.b_length
 
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from store.archs import ARCHS
 from store.consumer import GLOBAL_ROLES, LAYER_ROLES, ExpertExtent, ModelConsumer
 from store.quant.errors import QuantError
 from store.quant.extent import ExpertLayout, expert_format, pack_expert
@@ -70,12 +71,14 @@ class QuantizedConsumer:
         self._extents: dict[tuple[int, int], np.ndarray] = {}
         self.layout: ExpertLayout | None = None
         self._n_float_experts = 0
-        for layer in range(info.n_layers):
+        spec = ARCHS.get(info.arch)
+        if spec is None:
+            raise QuantError(f"architecture {info.arch!r} has no store.archs spec")
+        # Only the sparse layers have experts; any failure to read one of theirs
+        # (missing extent, checksum, portal) propagates rather than leaving a hole.
+        for layer in spec.sparse_layers(info.config):
             for e in range(info.n_experts):
-                try:
-                    base.read_expert(layer, e, slot)
-                except (KeyError, IndexError):
-                    continue  # a dense layer has no experts
+                base.read_expert(layer, e, slot)
                 gate, up, down = (np.array(v, np.float32) for v in base.expert_views(slot))
                 if self.layout is None:
                     fmt = expert_format(policy, gate.shape[0], gate.shape[1])
@@ -112,6 +115,7 @@ class QuantizedConsumer:
     # ------------------------------------------------------------------ trunk
 
     def has_trunk(self, role: str, layer: int | None = None) -> bool:
+        """Whether the base model has ``role`` (at ``layer``)."""
         return self.base.has_trunk(role, layer)
 
     def trunk_quantized(
@@ -164,17 +168,27 @@ class QuantizedConsumer:
     # ------------------------------------------------------------------ experts
 
     def expert_extent(self, layer: int, router_byte: int) -> ExpertExtent:
+        """The base's extent, or an in-memory one (``fd=-1``) of the packed size."""
         if self.layout is None:
             return self.base.expert_extent(layer, router_byte)
         return ExpertExtent(fd=-1, offset=0, length=self.info.expert_nbytes, checksum=0)
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
+        """Copy the packed extent of ``(layer, router_byte)`` into ``slot`` (uint8).
+
+        Raises
+        ------
+        QuantError
+            ``slot`` has the wrong dtype or size, or the layer has no such expert.
+        """
         if self.layout is None:
             self.base.read_expert(layer, router_byte, slot)
             return
         if slot.dtype != np.uint8 or slot.size != self.info.expert_slot_nbytes:
             raise QuantError(f"slot must be uint8[{self.info.expert_slot_nbytes}]")
-        src = self._extents[(layer, router_byte)]
+        src = self._extents.get((layer, router_byte))
+        if src is None:
+            raise QuantError(f"layer {layer} has no routed expert {router_byte}")
         slot[: src.size] = src
 
     def expert_views(self, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -184,4 +198,5 @@ class QuantizedConsumer:
         return self.layout.split(slot)
 
     def close(self) -> None:
+        """Close the base model."""
         self.base.close()

@@ -122,3 +122,10 @@ def test_kv_cache_grows_and_truncates():
 def test_unknown_architecture_is_refused():
     with pytest.raises(UnsupportedModelError, match="deepseek"):
         decoder_class("deepseek_v3")
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "qwen3_moe"])
+def test_attention_bias_is_refused(arch):
+    with pytest.raises(UnsupportedModelError, match="attention_bias"):
+        decoder_class(arch).reject_attention_bias({"attention_bias": True})
+    decoder_class(arch).reject_attention_bias({"attention_bias": False})

@@ -7,7 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from inference.errors import TokenizerError
-from inference.tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, load_tokenizer
+from inference.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    StreamDecoder,
+    load_tokenizer,
+    tokenizer_for,
+)
 
 
 @given(text=st.text())
@@ -58,3 +64,21 @@ def test_directory_without_tokenizer_falls_back_to_bytes(tmp_path):
 def test_broken_tokenizer_json_is_a_typed_error():
     with pytest.raises(TokenizerError, match=r"tokenizer\.json"):
         HFTokenizer('{"not": "a tokenizer"}')
+
+
+def test_a_missing_path_or_a_bad_mounted_tokenizer_never_falls_back_to_bytes(tmp_path):
+    with pytest.raises(TokenizerError, match="no such file"):
+        load_tokenizer(tmp_path / "nope" / "tokenizer.json", 256)
+
+    class Consumer:
+        def __init__(self, text):
+            self.text = text
+
+        def tokenizer_json(self):
+            return self.text
+
+    with pytest.raises(TokenizerError):
+        tokenizer_for(Consumer("\ufeff" + _tokenizer_json()), 256)  # not JSON at its start
+    assert isinstance(tokenizer_for(Consumer(_tokenizer_json()), 4), HFTokenizer)
+    assert isinstance(tokenizer_for(Consumer(None), 256), ByteTokenizer)
+    assert isinstance(tokenizer_for(object(), 256), ByteTokenizer)

@@ -7,11 +7,7 @@ import pytest
 
 from czyx.key import Key
 from czyx.space import Selector
-
-try:
-    from store import Store
-except ImportError:  # pragma: no cover - only before the store branch is merged here
-    Store = None
+from store import Store
 
 N_CLASSES_A = 8
 N_LAYERS_A = 4
@@ -45,8 +41,6 @@ def world(tmp_path):
     """An open store with spaces A (8 classes x 4 layers, tag a@1) and B (tag b@1)."""
     from portals.authority import PortalAuthority
 
-    if Store is None:  # pragma: no cover
-        pytest.skip("needs store.Store (the store branch, not merged on this branch yet)")
     st = Store.open(tmp_path / "store")
     a = Selector.from_name("space-a")
     b = Selector.from_name("space-b")

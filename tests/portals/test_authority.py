@@ -31,6 +31,7 @@ from portals.errors import (
     PortalError,
     PortalExpired,
     PortalRevoked,
+    RecordNotFoundError,
     RootRevocationError,
     TokenFormatError,
     UnknownPortal,
@@ -77,6 +78,9 @@ def test_owner_root_portal_opens_everything(world):
     assert view.allowed_classes.all() and view.tenant == "owner"
     assert len(list(view.scan())) == 32
     assert auth.open_space(auth.root_token(), b).get(Key(0, 0)) is not None
+    with pytest.raises(RecordNotFoundError, match="no record") as err:
+        view.read_extent(Key(9, 0), buf)  # covered, but never written
+    assert isinstance(err.value, KeyError) and str(err.value).startswith("no record")
 
 
 def test_grant_open_read_within_caveats(world):

@@ -65,13 +65,25 @@ def test_trailing_garbage_is_refused(tok, extra):
 @given(st.text(max_size=200))
 def test_arbitrary_text_never_crashes(text):
     with contextlib.suppress(TokenFormatError):
-        Token.from_text(text)
+        assert Token.from_text(text).to_text() == text  # what parses is canonical
 
 
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_never_crash(raw):
     with contextlib.suppress(TokenFormatError):
-        Token.from_bytes(raw)
+        assert Token.from_bytes(raw).to_bytes() == raw  # what parses is canonical
+
+
+@given(tokens, st.data())
+def test_a_changed_byte_is_refused_or_a_different_canonical_token(tok, data):
+    raw = bytearray(tok.to_bytes())
+    i = data.draw(st.integers(0, len(raw) - 1))
+    raw[i] ^= data.draw(st.integers(1, 255))
+    try:
+        other = Token.from_bytes(bytes(raw))
+    except TokenFormatError:
+        return
+    assert other != tok and other.to_bytes() == bytes(raw)
 
 
 def _tok(*caveats):

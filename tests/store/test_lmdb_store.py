@@ -164,6 +164,37 @@ def test_second_publisher_of_a_space_loses_cleanly(tmp_path: pathlib.Path) -> No
     s.close()
 
 
+def test_failed_publication_keeps_the_block_unless_surely_unpublished(
+    tmp_path: pathlib.Path, monkeypatch
+) -> None:
+    s = Store.open(tmp_path / "s")
+    blocks = tmp_path / "s" / "blocks"
+    sp = Selector.from_name("u")
+
+    def broken(*_a, **_k):
+        raise StoreError("lmdb went away")
+
+    w = s.begin_space(sp, {})
+    w.put(Key(1).pack(), w.write_extent(b"U" * 100).record())
+    monkeypatch.setattr(s, "_write", broken)
+    monkeypatch.setattr(s, "block_identity", broken)  # cannot tell whether it was published
+    with pytest.raises(StoreError, match="went away"):
+        w.commit()
+    kept = [p.name for p in blocks.iterdir()]
+    assert len(kept) == 1 and kept[0].endswith(".blk")  # left for collect_garbage
+    monkeypatch.undo()
+    (blocks / kept[0]).unlink()
+
+    w = s.begin_space(sp, {})  # the space is plainly unpublished: the block goes
+    w.put(Key(1).pack(), w.write_extent(b"U" * 100).record())
+    monkeypatch.setattr(s, "_write", broken)
+    with pytest.raises(StoreError, match="went away"):
+        w.commit()
+    assert list(blocks.iterdir()) == []
+    monkeypatch.undo()
+    s.close()
+
+
 def test_space_with_loose_records_cannot_be_published(tmp_path: pathlib.Path) -> None:
     s = Store.open(tmp_path / "s")
     sp = Selector.from_name("m")

@@ -13,7 +13,7 @@ from store import ChecksumError, Store
 from store.consumer import ModelConsumer
 from store.model import open_model
 from store.mount import mount
-from store.mount_errors import ModelSpaceError
+from store.mount_errors import ExpertIndexError, MissingTrunkRoleError, ModelSpaceError
 from tests.store.tiny_models import build_tiny_model, make_tiny_checkpoint
 
 CASES = [
@@ -162,14 +162,14 @@ def test_bad_fetches(mounted):
         slot = np.empty(m.info.expert_slot_nbytes, np.uint8)
         with pytest.raises(ModelSpaceError, match="no routed expert"):
             m.read_expert(0, 1, slot)  # layer 0 is dense
-        with pytest.raises(IndexError):
+        with pytest.raises(ExpertIndexError, match="outside"):
             m.read_expert(2, 1, slot)
         with pytest.raises(ModelSpaceError):
             m.read_expert(1, 8, slot)  # 8 experts
         with pytest.raises(ValueError, match="slot"):
             m.read_expert(1, 1, slot[:100])
         assert m.has_trunk("kv_b_proj", 1) and m.has_trunk("mlp_up_proj", 0)
-        with pytest.raises(KeyError):
+        with pytest.raises(MissingTrunkRoleError, match="no shared_expert_gate at layer 1"):
             m.trunk("shared_expert_gate", 1)
         with pytest.raises(ValueError):
             m.trunk("nonsense", 1)

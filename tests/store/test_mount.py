@@ -235,7 +235,7 @@ def test_failure_while_writing_leaves_no_version(store, base_ckpt, monkeypatch):
             raise OSError(28, "No space left on device")
         out[:] = 0
 
-    monkeypatch.setattr(mount_mod._Source, "assemble", boom)
+    monkeypatch.setattr(mount_mod.MountSource, "assemble", boom)
     with pytest.raises(OSError, match="No space"):
         mount(store, base_ckpt, "q@1")
     assert "q@1" not in store.tags()

@@ -38,6 +38,13 @@ def test_list_shows_lineage(tmp_path, capsys):
     assert "other" in out and "main" not in out
 
 
+def test_store_from_the_environment(tmp_path, capsys, monkeypatch):
+    _populate(tmp_path)
+    monkeypatch.setenv("CZYX_STORE", str(tmp_path))  # read when the command runs
+    assert main(["sessions", "show", "main", "--tenant", "alice"]) == 0
+    assert "main" in capsys.readouterr().out
+
+
 def test_diff_fork_show(tmp_path, capsys):
     base = _populate(tmp_path)
     args = ["--store", str(tmp_path), "--tenant", "alice"]

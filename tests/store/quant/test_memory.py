@@ -87,3 +87,44 @@ def test_importance_changes_the_bytes_and_needs_names(base):
         QuantizedConsumer(base, POLICIES["selective"], imp)
     with pytest.raises(QuantError):
         QuantizedConsumer(plain, POLICIES["selective"])  # not a float base
+
+
+def test_a_missing_expert_is_an_error_not_a_hole(base):
+    class Holed:
+        info = base.info
+
+        def __getattr__(self, name):
+            return getattr(base, name)
+
+        def read_expert(self, layer, router_byte, slot):
+            if (layer, router_byte) == (2, 5):
+                raise KeyError("extent (2, 5) lost")
+            base.read_expert(layer, router_byte, slot)
+
+    with pytest.raises(KeyError, match="lost"):
+        QuantizedConsumer(Holed(), POLICIES["selective"])
+    q = QuantizedConsumer(base, POLICIES["selective"])
+    with pytest.raises(QuantError, match="layer 1 has no routed expert"):
+        q.read_expert(1, 0, np.zeros(q.info.expert_slot_nbytes, np.uint8))  # the dense layer
+
+
+def test_a_mounted_model_with_a_dense_layer(tmp_path):
+    from store import Store
+    from store.model import open_model
+    from store.mount import mount
+    from tests.store.tiny_models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(
+        "qwen2_moe",
+        tmp_path / "ckpt",
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
+        hidden_size=64,
+        moe_intermediate_size=32,
+    )
+    with Store.open(tmp_path / "store") as st:
+        mount(st, ckpt, "q@1")
+        with open_model(st, "q@1") as m:
+            q = QuantizedConsumer(m, POLICIES["q4-all"])
+            assert q.info.expert_format == "q4"
+            assert sorted({layer for layer, _ in q._extents}) == [0, 2]  # layer 1 is dense
