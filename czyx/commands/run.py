@@ -19,6 +19,8 @@ import argparse
 import os
 import sys
 
+from czyx.commands._storearg import add_store_arg, store_dir
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``run`` subcommand."""
@@ -75,12 +77,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--xray", metavar="FILE", help="write the X-Ray transfer report (JSON) and print a summary"
     )
-    p.add_argument(
-        "--store",
-        default=None,
-        metavar="DIR",
-        help=f"store directory (default: $CZYX_STORE or ./{DEFAULT_STORE})",
-    )
+    add_store_arg(p)
     p.add_argument(
         "--session",
         metavar="NAME",
@@ -91,9 +88,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--tenant", help="tenant the session belongs to (default: the portal's, or 'owner')"
     )
     p.set_defaults(func=run)
-
-
-DEFAULT_STORE = "czyx-store"  # the mount commands' default (czyx/commands/_storearg.py)
 
 
 class OpenedModel:
@@ -214,8 +208,7 @@ def run(args: argparse.Namespace) -> int:
     pin = parse_class_range(args.pin_classes)
     if args.max_tokens < 0:
         raise ValueError(f"--max-tokens {args.max_tokens} is negative")
-    store_dir = args.store or os.environ.get("CZYX_STORE") or DEFAULT_STORE
-    opened = OpenedModel(store_dir, args.ref, args.portal)
+    opened = OpenedModel(store_dir(args), args.ref, args.portal)
     consumer = opened.consumer
     try:
         cache_bytes = None if args.cache_mb is None else int(args.cache_mb * 2**20)
