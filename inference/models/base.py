@@ -32,7 +32,9 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     As transformers: ``weight * (x * rsqrt(mean(x**2) + eps))``, in float32.
     """
     var = np.mean(np.square(x), axis=-1, keepdims=True)
-    return weight * (x * (F32(1.0) / np.sqrt(var + F32(eps))))
+    out = x * (F32(1.0) / np.sqrt(var + F32(eps)))
+    out *= weight  # in place: the same products as ``weight * (...)``, one array fewer
+    return out
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -258,27 +260,37 @@ class Rotary:
         self._grow(initial)
 
     def _grow(self, n: int) -> None:
+        # Half-width tables: the full-width ones are the same half twice.
         pos = np.arange(n, dtype=F32)
         freqs = pos[:, None] * self.inv_freq[None, :]
-        emb = np.concatenate([freqs, freqs], axis=-1)
-        self._cos = np.cos(emb).astype(F32)
-        self._sin = np.sin(emb).astype(F32)
+        self._cos = np.cos(freqs).astype(F32)
+        self._sin = np.sin(freqs).astype(F32)
 
     def apply(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Rotate ``x [heads, T, head_dim]`` for token ``positions [T]``; returns a new array."""
+        """Rotate ``x [heads, T, head_dim]`` for token ``positions [T]``; returns a new array.
+
+        With ``x1, x2`` the two rotary halves, ``x1*cos - x2*sin`` and
+        ``x2*cos + x1*sin``: the same products and sums as transformers'
+        ``x*cos + rotate_half(x)*sin``, written into one output without the
+        concatenated ``rotate_half`` copy. ``x`` may be a strided view.
+        """
         need = int(positions.max()) + 1
         if need > self._cos.shape[0]:
             self._grow(max(need, 2 * self._cos.shape[0]))
-        cos = self._cos[positions]
+        cos = self._cos[positions]  # [T, d/2]
         sin = self._sin[positions]
         d = self.rotary_dim
         half = d // 2
-        xr = x[..., :d]
-        rot = np.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
-        out = xr * cos + rot * sin
-        if d == x.shape[-1]:
-            return out
-        return np.concatenate([out, x[..., d:]], axis=-1)
+        x1, x2 = x[..., :half], x[..., half:d]
+        out = np.empty(x.shape, F32)
+        o1, o2 = out[..., :half], out[..., half:d]
+        np.multiply(x1, cos, out=o1)
+        o1 -= x2 * sin
+        np.multiply(x2, cos, out=o2)
+        o2 += x1 * sin
+        if d < x.shape[-1]:
+            out[..., d:] = x[..., d:]
+        return out
 
 
 # --------------------------------------------------------------------------- attention
@@ -361,13 +373,18 @@ def attention(
     groups = n_heads // n_kv
     scale = F32(hd**-0.5)
     qg = q.reshape(n_kv, groups * t, hd)
-    scores = (qg @ k_all.transpose(0, 2, 1)).reshape(n_kv, groups, t, length) * scale
+    scores = (qg @ k_all.transpose(0, 2, 1)).reshape(n_kv, groups, t, length)
+    scores *= scale
     keys = np.arange(length)
     masked = keys[None, :] > q_positions[:, None]
     if sliding_window:
         masked |= (q_positions[:, None] - keys[None, :]) >= sliding_window
-    if masked.any():
-        scores = np.where(masked[None, None], F32(-np.inf), scores)
-    probs = softmax(scores, axis=-1).reshape(n_kv, groups * t, length)
+    if masked.any():  # built once per call, broadcast over heads, applied in place
+        np.copyto(scores, F32(-np.inf), where=masked[None, None])
+    # Softmax in place: the same operations as softmax(), without temporaries.
+    scores -= np.max(scores, axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= np.sum(scores, axis=-1, keepdims=True)
+    probs = scores.reshape(n_kv, groups * t, length)
     out = (probs @ v_all).reshape(n_heads, t, hd)
     return out.transpose(1, 0, 2).reshape(t, n_heads * hd)

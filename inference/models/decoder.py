@@ -35,6 +35,7 @@ from inference.models.base import (
     RopeConfig,
     Rotary,
     attention,
+    matmul_small,
     rms_norm,
     rope_config,
     route_topk,
@@ -152,6 +153,7 @@ class Layer:
         "q_bias",
         "q_norm",
         "q_proj",
+        "qkv",
         "router",
         "shared_down_proj",
         "shared_expert_gate",
@@ -240,6 +242,13 @@ class MoEDecoder:
         for role in self.optional_roles:
             if self.consumer.has_trunk(role, i):
                 setattr(lw, role, self._trunk(role, i, None))
+        qkv = (lw.q_proj, lw.k_proj, lw.v_proj)
+        if all(isinstance(m, np.ndarray) for m in qkv):
+            # One [q; k; v] matrix, one BLAS call per layer; the three roles become
+            # row-block views of it, so the trunk holds each weight once.
+            lw.qkv = np.concatenate(qkv, axis=0)
+            nq, nk = lw.q_proj.shape[0], lw.k_proj.shape[0]
+            lw.q_proj, lw.k_proj, lw.v_proj = np.split(lw.qkv, [nq, nq + nk])
         if self.cfg.sparse_layers[i]:
             want = (self.cfg.n_experts, self.cfg.hidden_size)
             if lw.router.shape != want:
@@ -304,9 +313,16 @@ class MoEDecoder:
         t = x.shape[0]
         if self.observer is not None:
             self.observer(f"L{i}.attn_in", x)
-        q = mm_t(x, lw.q_proj)
-        k = mm_t(x, lw.k_proj)
-        v = mm_t(x, lw.v_proj)
+        if lw.qkv is not None:
+            # Column form, as the experts: a tall weight times the tokens as columns,
+            # in small unpacked BLAS blocks; q/k/v are [T, width] views of the result.
+            qkv = matmul_small(lw.qkv, np.ascontiguousarray(x.T)).T
+            nq, nk = lw.q_proj.shape[0], lw.k_proj.shape[0]
+            q, k, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
+        else:
+            q = mm_t(x, lw.q_proj)
+            k = mm_t(x, lw.k_proj)
+            v = mm_t(x, lw.v_proj)
         if lw.q_bias is not None:
             q = q + lw.q_bias
         if lw.k_bias is not None:
@@ -325,6 +341,8 @@ class MoEDecoder:
         out = attention(q, kv.k[i][:, :end], kv.v[i][:, :end], positions, cfg.sliding_windows[i])
         if self.observer is not None:
             self.observer(f"L{i}.o_in", out)
+        if isinstance(lw.o_proj, np.ndarray):
+            return matmul_small(lw.o_proj, np.ascontiguousarray(out.T)).T
         return mm_t(out, lw.o_proj)
 
     def _observe(self, name: str) -> Observe:
