@@ -153,7 +153,6 @@ class Layer:
         "q_bias",
         "q_norm",
         "q_proj",
-        "qkv",
         "router",
         "shared_down_proj",
         "shared_expert_gate",
@@ -242,13 +241,6 @@ class MoEDecoder:
         for role in self.optional_roles:
             if self.consumer.has_trunk(role, i):
                 setattr(lw, role, self._trunk(role, i, None))
-        qkv = (lw.q_proj, lw.k_proj, lw.v_proj)
-        if all(isinstance(m, np.ndarray) for m in qkv):
-            # One [q; k; v] matrix, one BLAS call per layer; the three roles become
-            # row-block views of it, so the trunk holds each weight once.
-            lw.qkv = np.concatenate(qkv, axis=0)
-            nq, nk = lw.q_proj.shape[0], lw.k_proj.shape[0]
-            lw.q_proj, lw.k_proj, lw.v_proj = np.split(lw.qkv, [nq, nq + nk])
         if self.cfg.sparse_layers[i]:
             want = (self.cfg.n_experts, self.cfg.hidden_size)
             if lw.router.shape != want:
@@ -313,12 +305,15 @@ class MoEDecoder:
         t = x.shape[0]
         if self.observer is not None:
             self.observer(f"L{i}.attn_in", x)
-        if lw.qkv is not None:
+        if all(isinstance(m, np.ndarray) for m in (lw.q_proj, lw.k_proj, lw.v_proj)):
             # Column form, as the experts: a tall weight times the tokens as columns,
-            # in small unpacked BLAS blocks; q/k/v are [T, width] views of the result.
-            qkv = matmul_small(lw.qkv, np.ascontiguousarray(x.T)).T
-            nq, nk = lw.q_proj.shape[0], lw.k_proj.shape[0]
-            q, k, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
+            # in small unpacked BLAS blocks; q/k/v are [T, width] transposed views.
+            # (Not one concatenated [q; k; v] matrix: the consumer keeps its trunk,
+            # so a fused copy would hold the attention weights twice.)
+            xt = np.ascontiguousarray(x.T)
+            q = matmul_small(lw.q_proj, xt).T
+            k = matmul_small(lw.k_proj, xt).T
+            v = matmul_small(lw.v_proj, xt).T
         else:
             q = mm_t(x, lw.q_proj)
             k = mm_t(x, lw.k_proj)
