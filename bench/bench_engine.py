@@ -114,6 +114,11 @@ def speed_and_dial(args: argparse.Namespace, sizes: dict, workdir: str) -> None:
     )
     if not args.only or "speed" in args.only:
         print(f"\n[speed] prompt {len(prompt)} tokens, {n} generated, median of {args.repeats}")
+        print(
+            f"  transformers: {type(model).__name__}, {model.dtype}, eval={not model.training},"
+            f" no_grad, attention {model.config._attn_implementation!r},"
+            f" experts {getattr(model.config, '_experts_implementation', None)!r}"
+        )
         eng = Engine(consumer)
         eng.prefill(prompt)  # warm: every expert resident
         ids = torch.tensor(prompt)[None]
@@ -123,8 +128,11 @@ def speed_and_dial(args: argparse.Namespace, sizes: dict, workdir: str) -> None:
             eng.prefill(prompt)
 
         def hf_prefill() -> None:
+            # As generate() prefills: the KV cache filled, logits of the last token only
+            # (ours computes only those too); computing all 64 rows would cost it an
+            # extra [64, vocab] product.
             with torch.no_grad():
-                model(ids)
+                model(ids, use_cache=True, logits_to_keep=1)
 
         hf_prefill()  # warm: lazy initialisation of torch kernels
         # Interleaved (ours, theirs, ours, ...) so both see the same machine load.

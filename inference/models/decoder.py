@@ -35,11 +35,13 @@ from inference.models.base import (
     RopeConfig,
     Rotary,
     attention,
+    matmul_small,
     rms_norm,
     rope_config,
     route_topk,
     sigmoid,
     swiglu,
+    swiglu_columns,
     swiglu_fused,
 )
 from inference.profile import RouteRecorder
@@ -303,9 +305,19 @@ class MoEDecoder:
         t = x.shape[0]
         if self.observer is not None:
             self.observer(f"L{i}.attn_in", x)
-        q = mm_t(x, lw.q_proj)
-        k = mm_t(x, lw.k_proj)
-        v = mm_t(x, lw.v_proj)
+        if all(isinstance(m, np.ndarray) for m in (lw.q_proj, lw.k_proj, lw.v_proj)):
+            # Column form, as the experts: a tall weight times the tokens as columns,
+            # in small unpacked BLAS blocks; q/k/v are [T, width] transposed views.
+            # (Not one concatenated [q; k; v] matrix: the consumer keeps its trunk,
+            # so a fused copy would hold the attention weights twice.)
+            xt = np.ascontiguousarray(x.T)
+            q = matmul_small(lw.q_proj, xt).T
+            k = matmul_small(lw.k_proj, xt).T
+            v = matmul_small(lw.v_proj, xt).T
+        else:
+            q = mm_t(x, lw.q_proj)
+            k = mm_t(x, lw.k_proj)
+            v = mm_t(x, lw.v_proj)
         if lw.q_bias is not None:
             q = q + lw.q_bias
         if lw.k_bias is not None:
@@ -324,6 +336,8 @@ class MoEDecoder:
         out = attention(q, kv.k[i][:, :end], kv.v[i][:, :end], positions, cfg.sliding_windows[i])
         if self.observer is not None:
             self.observer(f"L{i}.o_in", out)
+        if isinstance(lw.o_proj, np.ndarray):
+            return matmul_small(lw.o_proj, np.ascontiguousarray(out.T)).T
         return mm_t(out, lw.o_proj)
 
     def _observe(self, name: str) -> Observe:
@@ -356,13 +370,20 @@ class MoEDecoder:
         if t == 1:
             # Decode: the token's top-k experts are distinct; hold them all together.
             order = idx[0]
-            kpos_of = None
         else:
             # Prefill: one fetch and one batched matmul per distinct expert, residents first
-            # (so a small budget evicts only after the hits are used).
-            uniq = np.unique(idx)
+            # (so a small budget evicts only after the hits are used). The (token, k) pairs
+            # are sorted by expert once; each expert's pairs are then one slice.
+            flat = idx.ravel()
+            pairs = np.argsort(flat, kind="stable")
+            counts = np.bincount(flat, minlength=cfg.n_experts)
+            ends = np.cumsum(counts)
+            uniq = np.flatnonzero(counts)
             order = uniq[np.argsort(cache.table[i, uniq] < 0, kind="stable")]
-            kpos_of = idx
+            wflat = w.reshape(-1)
+            cflat = contrib.reshape(t * cfg.top_k, cfg.hidden_size)
+            # Tokens as columns, once: each expert gathers its columns from here.
+            xt = np.ascontiguousarray(x.T)
         chunk = cache.max_acquire
         for c0 in range(0, len(order), chunk):
             group = order[c0 : c0 + chunk]
@@ -371,19 +392,25 @@ class MoEDecoder:
                 for j, s in enumerate(slots.tolist()):
                     gate_up, down = cache.weights(s)
                     e = int(group[j])
-                    if kpos_of is None:
+                    if t == 1:
                         if self.observer is not None:
                             self.observer(f"L{i}.E{e}.in", x)
                         y = swiglu_fused(x, gate_up, down, self._observe(f"L{i}.E{e}.down_in"))
                         contrib[0, j] = y[0] * w[0, j]
+                        continue
+                    sel = pairs[ends[e] - counts[e] : ends[e]]  # flat (token, k) indices
+                    rows = sel // cfg.top_k
+                    obs = self._observe(f"L{i}.E{e}.down_in")
+                    if isinstance(gate_up, np.ndarray):
+                        xe = np.take(xt, rows, axis=1)  # C order: [H, n]
+                        if self.observer is not None:
+                            self.observer(f"L{i}.E{e}.in", xe.T)
+                        y = swiglu_columns(xe, gate_up, down, obs).T
                     else:
-                        rows, kpos = np.nonzero(kpos_of == group[j])
                         if self.observer is not None:
                             self.observer(f"L{i}.E{e}.in", x[rows])
-                        y = swiglu_fused(
-                            x[rows], gate_up, down, self._observe(f"L{i}.E{e}.down_in")
-                        )
-                        contrib[rows, kpos] = y * w[rows, kpos, None]
+                        y = swiglu_fused(x[rows], gate_up, down, obs)
+                    cflat[sel] = y * wflat[sel, None]
             finally:
                 cache.release()
         # Fixed top-k order: independent of which experts hit or missed.
