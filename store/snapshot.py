@@ -9,7 +9,10 @@ snapshot).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterator
+from itertools import chain, islice
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 import lmdb
@@ -21,6 +24,53 @@ from store.records import check_key, check_selector, decode, unpackb
 
 if TYPE_CHECKING:
     from store.lmdb_store import Store
+
+
+SCAN_CHUNK = 512  # rows per decoded chunk: small enough that its values stay cache-resident
+_first = itemgetter(0)
+_strip_selector = itemgetter(slice(SELECTOR_SIZE, None))
+
+
+def decode_rows(rows: list[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, dict]]:
+    """``(24-byte key, record)`` pairs of a chunk of raw ``(selector || key, value)`` rows.
+
+    The whole chunk is decoded in one comprehension and the keys are cut by
+    C-level ``map`` calls; the caller chains the returned ``zip`` iterators
+    with ``itertools.chain``, so handing out a record runs no Python frame.
+    Profiled on 200k records these per-record costs (a generator resumption,
+    a Python-level key slice) were most of what a scan added to raw py-lmdb.
+
+    Raises
+    ------
+    RecordDecodeError
+        A value does not decode to a msgpack map (named by its key).
+    """
+    try:
+        objs = [unpackb(v, raw=False, strict_map_key=False) for _, v in rows]
+    except Exception:
+        objs = []
+    if len(objs) != len(rows) or set(map(type, objs)) != {dict}:
+        for k, v in rows:  # find the culprit and raise naming its key
+            decode(v, "record", k)
+    return zip(map(_strip_selector, map(_first, rows)), objs)
+
+
+def _cursor_chunks(
+    cur: lmdb.Cursor, start: bytes, end: bytes
+) -> Iterator[list[tuple[bytes, bytes]]]:
+    """Lists of raw rows with ``start <= key < end``, sliced off ``cur`` in C."""
+    if not cur.set_range(start):
+        return
+    it = cur.iternext()
+    while True:
+        rows = list(islice(it, SCAN_CHUNK))
+        if rows and rows[-1][0] >= end:
+            yield rows[: bisect_left(rows, end, key=_first)]
+            return
+        if rows:
+            yield rows
+        if len(rows) < SCAN_CHUNK:
+            return
 
 
 def _snapshot_closed(key: bytes) -> None:
@@ -63,19 +113,17 @@ class Snapshot:
     def scan(
         self, space: Selector, lo_cls: int = 0, hi_cls: int = 255
     ) -> Iterator[tuple[bytes, dict]]:
-        """Like :meth:`Store.scan`, inside the snapshot's transaction."""
+        """Like :meth:`Store.scan`, inside the snapshot's transaction.
+
+        The arguments are checked when called; rows are read lazily, a chunk
+        at a time, as the iterator is consumed.
+        """
         if self._txn is None:
             self._tget(b"")  # raises: closed, or retired after fork
         sel = check_selector(space)
         lo, hi = class_range_bounds(lo_cls, hi_cls)
-        end = sel + hi
-        cur = self._txn.cursor()
-        if not cur.set_range(sel + lo):
-            return
-        for k, v in cur.iternext():
-            if k > end:
-                break
-            yield k[SELECTOR_SIZE:], decode(v, "record", k)
+        chunks = _cursor_chunks(self._txn.cursor(), sel + lo, sel + hi + b"\x00")
+        return chain.from_iterable(map(decode_rows, chunks))
 
     def close(self) -> None:
         """End the read transaction (idempotent)."""

@@ -137,8 +137,10 @@ def test_undecodable_record(store: Store, raw: bytes) -> None:
         txn.put(sp.raw + k, raw, db=store._records)
     with pytest.raises(RecordDecodeError, match=(sp.raw + k).hex()):
         store.get(sp, k)
-    with pytest.raises(RecordDecodeError):
+    with pytest.raises(RecordDecodeError, match=(sp.raw + k).hex()):
         list(store.scan(sp))
+    with store.snapshot() as snap, pytest.raises(RecordDecodeError, match=(sp.raw + k).hex()):
+        list(snap.scan(sp))
     assert store.get(sp, Key(4).pack()) == {"ok": True}
 
 

@@ -12,6 +12,7 @@ import time
 import pytest
 
 import store.lmdb_store as lmdb_store_mod
+import store.snapshot as snapshot_mod
 from czyx.key import Key
 from czyx.space import Selector
 from store import (
@@ -134,6 +135,7 @@ def test_readonly_and_missing(tmp_path: pathlib.Path) -> None:
 
 def test_scan_across_chunk_boundaries(tmp_path: pathlib.Path, monkeypatch) -> None:
     monkeypatch.setattr(lmdb_store_mod, "_SCAN_CHUNK", 3)
+    monkeypatch.setattr(snapshot_mod, "SCAN_CHUNK", 3)
     s = Store.open(tmp_path / "s")
     sp = Selector.from_name("g")
     items = [(Key(c, i).pack(), {"c": c, "i": i}) for c in (1, 2, 3) for i in range(7)]
@@ -141,6 +143,10 @@ def test_scan_across_chunk_boundaries(tmp_path: pathlib.Path, monkeypatch) -> No
     s.put_many(Selector.from_name("h"), items)
     assert list(s.scan(sp)) == sorted(items)
     assert [r["c"] for _, r in s.scan(sp, 2, 2)] == [2] * 7
+    with s.snapshot() as snap:  # 21 rows: the last chunk is full, then an empty read
+        assert list(snap.scan(sp)) == sorted(items)
+        assert list(snap.scan(sp, 2, 3)) == sorted(i for i in items if i[0][0] >= 2)
+        assert list(snap.scan(sp, 4, 9)) == []
     assert list(s.keys(sp, 3, 3)) == sorted(k for k, _ in items if k[0] == 3)
     for i in range(10):
         s.audit("e", i=i)
