@@ -44,6 +44,8 @@ else:
     _C_IMPORT_ERROR = None
 
 HUGE_PAGE = 2 << 20
+# madvise(2) advice values missing from Python 3.11's mmap module (Linux >= 5.14).
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 DIRECT_ALIGN = 4096
 _warned = False
 
@@ -97,12 +99,13 @@ class RawReader:
     direct
         Also open an ``O_DIRECT`` descriptor and use it for aligned requests.
     mapped
-        Serve reads by ``memcpy`` from a read-only ``MAP_SHARED | MAP_POPULATE``
-        mapping of the whole file, taken at open (the warm path: no system call
-        per request). Only for sealed files: the size is fixed at open, and a
-        file truncated *under* a live mapping would raise ``SIGBUS``, so open a
-        mapped reader through :meth:`store.lmdb_store.Store.open_reader`,
-        which verifies the file first. Exclusive with ``direct``.
+        Serve reads by ``memcpy`` from a read-only, shared mapping of the whole
+        file, populated at open with huge pages advised (the warm path: no
+        system call per request; see :func:`_map_whole_file`). Only for sealed
+        files: the size is fixed at open, and a file truncated *under* a live
+        mapping would raise ``SIGBUS``, so open a mapped reader through
+        :meth:`store.lmdb_store.Store.open_reader`, which verifies the file
+        first. Exclusive with ``direct``.
     align
         Direct-I/O alignment (offset and buffer address); 4096 by default.
     backend
@@ -159,12 +162,7 @@ class RawReader:
             if mapped:
                 self._msize = os.fstat(self._bfd).st_size
                 if self._msize:
-                    self._map = mmap.mmap(
-                        self._bfd,
-                        self._msize,
-                        flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                        prot=mmap.PROT_READ,
-                    )
+                    self._map = _map_whole_file(self._bfd, self._msize)
         except OSError as exc:
             self.close()
             raise ReadIOError(exc.errno or 0, self.path, 0, 0) from exc
@@ -311,6 +309,30 @@ class RawReader:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _map_whole_file(fd: int, size: int) -> mmap.mmap:
+    """A read-only, shared, populated mapping of a file's first ``size`` bytes.
+
+    Huge pages are advised *before* populating: the pages of a cold file are
+    then read into the page cache as 2 MiB folios and mapped by PMD entries.
+    Measured here (bench/bench_store.py, "page-cache fill"): warm copies out of
+    a page cache held in 4 KiB folios (what random-order buffered reads
+    leave) ran at 0.5-0.6 of a RAM-to-RAM copy, out of 2 MiB folios at
+    0.9-1.0. Pages already cached keep their folio size. Falls back to
+    ``MAP_POPULATE`` where the advice is unsupported (old kernel, no THP).
+    """
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+            mm.madvise(_MADV_POPULATE_READ)
+            return mm
+        except OSError:
+            mm.close()
+    return mmap.mmap(
+        fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ
+    )
 
 
 def _py_full_pread(fd: int, mv: memoryview, offset: int, direct_align: int) -> int:

@@ -261,3 +261,21 @@ def test_verified_read_of_an_unpadded_file_in_direct_mode(tmp_path: pathlib.Path
         assert slot[:5000].tobytes() == payload
         with pytest.raises(ShortReadError):
             read_extent_verified(rd, {**rec, "len": 5001}, slot)
+
+
+@pytest.mark.parametrize("advice", ["kernel", "refused"])
+def test_mapped_reader_with_and_without_huge_page_advice(
+    tmp_path: pathlib.Path, monkeypatch, advice: str
+) -> None:
+    """The populated huge-page mapping and its MAP_POPULATE fallback give the same bytes."""
+    if advice == "refused":  # an advice value no kernel accepts: madvise fails with EINVAL
+        monkeypatch.setattr(reader_mod, "_MADV_POPULATE_READ", 0x7FFF)
+    payload = os.urandom(3 * 4096 + 17)
+    p = tmp_path / "f"
+    p.write_bytes(payload)
+    with RawReader(p, mapped=True) as rd:
+        buf = bytearray(len(payload) - 5)
+        rd.read_into(5, buf)
+        assert bytes(buf) == payload[5:]
+        with pytest.raises(ShortReadError):
+            rd.read_into(6, bytearray(len(payload)))
