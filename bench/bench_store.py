@@ -23,8 +23,8 @@ extents, sequential and random order, 1 and 4 threads):
   every warm case measures the same page cache. This matters: the kernel
   caches a file read in random order (as the cold random passes do) in
   4 KiB folios and one read in order in up to 2 MiB folios, and warm copies
-  out of 4 KiB folios measured 0.24-0.26 (buffered) and 0.54-0.60 (mapped)
-  of the copy, against 0.7-0.8 and 0.94-0.96 out of 2 MiB folios. The
+  out of 4 KiB folios measured 0.28-0.35 (buffered) and 0.64-0.76 (mapped)
+  of the copy, against 0.74-0.79 and 0.89-0.99 out of 2 MiB folios. The
   "page-cache fill" section measures that effect on purpose: one random
   1 MiB case after three different fills, with the size of the file's
   large folios (the change in ``FileHugePages``, system-wide).

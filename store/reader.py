@@ -316,10 +316,12 @@ def _map_whole_file(fd: int, size: int) -> mmap.mmap:
 
     Huge pages are advised *before* populating: the pages of a cold file are
     then read into the page cache as 2 MiB folios and mapped by PMD entries.
-    Measured here (bench/bench_store.py, "page-cache fill"): warm copies out of
-    a page cache held in 4 KiB folios (what random-order buffered reads
-    leave) ran at 0.5-0.6 of a RAM-to-RAM copy, out of 2 MiB folios at
-    0.9-1.0. Pages already cached keep their folio size. Falls back to
+    Measured here (bench/bench_store.py, "page-cache fill", 512 MiB file):
+    warm mapped copies out of a page cache held in 4 KiB folios (what
+    random-order buffered reads leave) ran at 0.64-0.76 of a RAM-to-RAM copy,
+    out of 2 MiB folios at 0.89-1.01; populating a cold file this way ran at
+    the device's rate. Pages already cached keep their folio size (the kernel
+    here cannot collapse file folios: ``MADV_COLLAPSE`` gives ``EINVAL``). Falls back to
     ``MAP_POPULATE`` where the advice is unsupported (old kernel, no THP).
     """
     if hasattr(mmap, "MADV_HUGEPAGE"):
