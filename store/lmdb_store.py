@@ -464,9 +464,10 @@ class Store(CatalogMixin, StoreInterface):
         """The 24-byte keys of classes ``lo_cls..hi_cls``, in order, without decoding values."""
         sel = check_selector(space)
         lo, hi = class_range_bounds(lo_cls, hi_cls)
-        end = sel + hi
-        for k, _ in self._scan_raw(self._records, sel + lo, end + b"\x00"):
-            yield k[SELECTOR_SIZE:]
+        chunks = self._scan_chunks(self._records, sel + lo, sel + hi + b"\x00")
+        # C-level maps over chained chunks: no Python frame runs per key.
+        strip = itemgetter(slice(SELECTOR_SIZE, None))
+        return map(strip, map(itemgetter(0), chain.from_iterable(chunks)))
 
     def aggregate(self, space: Selector, lo_cls: int = 0, hi_cls: int = 255) -> tuple[int, int]:
         """``(count, total bytes)`` of the records in a class range.
