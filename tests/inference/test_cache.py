@@ -112,7 +112,7 @@ def test_class_prefix_range():
 @given(
     n_slots=st.integers(2, 12),
     pinned=st.integers(0, 3),
-    policy=st.sampled_from(["lru", "lfu"]),
+    policy=st.sampled_from(["lru", "lfu", "decay", "slru"]),
     steps=st.lists(
         st.tuples(st.integers(0, 2), st.lists(st.integers(0, 7), min_size=1, max_size=2)),
         min_size=1,
