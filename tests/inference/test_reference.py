@@ -92,6 +92,8 @@ def test_tiered_runs_are_bit_identical_to_resident(ref, arch, policy):
         consumer = StateDictConsumer(model)
         logits, tokens, eng = _run(consumer, policy, **budget)
         assert eng.cache.policy.name == policy
+        # The token clock (decay's time) advanced once per token: two prefills, then decodes.
+        assert eng.cache.tokens == eng.position + len(PROMPT)
         assert np.array_equal(logits, base_logits), budget
         assert tokens == base_tokens, budget
         eng.cache.check()
