@@ -1,8 +1,8 @@
 """Eviction policies in the real engine against LRU, and against their replay simulation.
 
 Run from the repository root: ``python bench/bench_policies.py`` (under 2
-minutes on 2 cores) or ``python bench/bench_policies.py --full`` (more text,
-more repeats).
+minutes on 2 cores) or ``python bench/bench_policies.py --full`` (4 files x
+2048 bytes, about 11 minutes). Figures and their reading: ``bench/POLICIES.md``.
 
 The bundled trained model (``inference/assets/czyx-moe-stdlib``) is mounted
 into a temporary store and opened as ``czyx run`` opens it: through the
