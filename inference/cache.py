@@ -3,8 +3,11 @@
 Scope: one aligned arena of equal slots sized by a byte budget; a lookup
 table ``(layer, router byte) -> slot`` kept as a numpy int32 array; hits are
 zero-copy views of a slot; misses are one ``consumer.read_expert`` into a free
-or evicted slot; eviction behind :class:`EvictionPolicy` (LRU, and LFU for comparison); a hot
-list prewarmed at start; a pinned hot set selected by class range or prefix.
+or evicted slot; eviction behind :class:`EvictionPolicy` (LRU, LFU, and the
+decaying-frequency and segmented-LRU policies of :mod:`inference.eviction`,
+selected by name through :data:`POLICIES`); a token clock for policies that
+decay with time; a hot list prewarmed at start; a pinned hot set selected by
+class range or prefix.
 
 Invariants (tested):
 
@@ -33,6 +36,7 @@ from typing import Protocol
 import numpy as np
 
 from inference.errors import CacheBudgetError, SlotInUseError, UnsupportedModelError
+from inference.eviction import DecayPolicy, SLRUPolicy
 from inference.kernels.linear import packed_expert_from_views
 from store.consumer import ModelConsumer
 from store.quant.formats import is_quant_format
@@ -84,6 +88,10 @@ class EvictionPolicy(Protocol):
     use of a slot (including the use right after a fill); ``victim`` gets a
     boolean mask of slots that must not be chosen (pinned or busy) and
     returns a slot index, or -1 when every slot is blocked.
+
+    A policy that decays with time may also define ``set_token(token)``;
+    the cache calls it from :meth:`ExpertCache.advance` with the index of
+    the token (of the last token, for a batch) being computed.
     """
 
     name: str
@@ -168,7 +176,8 @@ class LFUPolicy:
         return -1 if blocked[s] else s
 
 
-POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy}
+#: Eviction policies by name (``czyx run --policy``): each is built as ``cls(n_slots, n_keys)``.
+POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "decay": DecayPolicy, "slru": SLRUPolicy}
 
 
 def class_prefix_range(prefix: int, bits: int) -> tuple[int, int]:
@@ -257,7 +266,8 @@ class ExpertCache:
         How many (layer, expert) pairs exist (for the cap); defaults to
         ``n_layers * n_experts``.
     policy
-        ``"lru"``, ``"lfu"`` or an :class:`EvictionPolicy` instance.
+        A name in :data:`POLICIES` (``"lru"``, ``"lfu"``, ``"decay"``,
+        ``"slru"``) or an :class:`EvictionPolicy` instance.
 
     ``bytes_read`` counts a whole slot per miss (what the arena receives; the
     store may read the padded stride in direct mode).
@@ -324,6 +334,8 @@ class ExpertCache:
                 raise ValueError(f"unknown eviction policy {policy!r}; known: {sorted(POLICIES)}")
             policy = POLICIES[policy](n_slots, self.n_layers * self.n_experts)
         self.policy = policy
+        self._set_token = getattr(policy, "set_token", None)
+        self.tokens = 0  # tokens computed so far (advance): the decay policies' clock
         self.hits = self.misses = self.evictions = self.bytes_read = 0
         self.read_seconds = 0.0
 
@@ -383,6 +395,17 @@ class ExpertCache:
         return self._slot_views[slot]
 
     # ------------------------------------------------------------------ the hot path
+
+    def advance(self, n_tokens: int) -> None:
+        """Start a forward step over ``n_tokens`` tokens (the policies' token clock).
+
+        The engine calls this before each prefill or decode step; uses during
+        the step happen at the index of its last token. A cache never advanced
+        stays at token 0 (a decaying policy then never decays: plain LFU).
+        """
+        self.tokens += int(n_tokens)
+        if self._set_token is not None:
+            self._set_token(self.tokens - 1)
 
     def acquire(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """Make ``experts`` of ``layer`` resident and hold them until :meth:`release`.

@@ -6,7 +6,9 @@
    accesses outside it are refused: a raw ``read``, and an expert outside an
    offline attenuation;
 3. generate a continuation of a Python prompt through the tenant's portal with
-   the expert cache at a quarter of the expert bytes, streaming the text;
+   the expert cache at a quarter of the expert bytes, streaming the text
+   (eviction: decaying frequency, :data:`DEMO_POLICY`, which beats LRU at this
+   budget in ``bench/bench_policies.py``);
 4. report tokens/s, hit rate, bytes read per token and exposed I/O wait, with
    the same run at a full cache for comparison;
 5. suggest the next commands.
@@ -31,6 +33,8 @@ from inference.errors import DemoCheckError
 DEFAULT_TAG = "czyx-moe-stdlib@v1"
 DEFAULT_TENANT = "demo-tenant"
 DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef "
+#: Eviction policy of both runs: decaying frequency (:class:`inference.eviction.DecayPolicy`).
+DEMO_POLICY = "decay"
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class DemoRun:
 
     label: str
     cache_fraction: float
+    policy: str
     n_slots: int
     text: str
     prefill_tokens_per_s: float
@@ -67,6 +72,7 @@ def run_demo(
     max_tokens: int = 120,
     cache_fraction: float = 0.25,
     seed: int = 7,
+    policy: str = DEMO_POLICY,
     out: TextIO | None = None,
     progress: bool = True,
 ) -> DemoResult:
@@ -84,6 +90,8 @@ def run_demo(
         The generation (temperature 0.6, top-p 0.9, seeded: reproducible).
     cache_fraction
         The tiered run's expert budget as a fraction of all expert bytes.
+    policy
+        Eviction policy of both runs (a name in :data:`inference.cache.POLICIES`).
     out
         Where the narration goes (default stdout).
 
@@ -157,14 +165,15 @@ def run_demo(
             f"3. generate through the tenant's portal, expert cache at "
             f"{cache_fraction:.0%} of the expert bytes"
         )
+        say(f"   eviction: {_policy_words(policy)}")
         say("   " + "-" * 60)
         out.write(prompt)
         tiered = _generate(
-            store, tag, g.token, prompt, max_tokens, cache_fraction, seed, stream=out
+            store, tag, g.token, prompt, max_tokens, cache_fraction, seed, policy, stream=out
         )
         say("")
         say("   " + "-" * 60)
-        full = _generate(store, tag, g.token, prompt, max_tokens, 1.0, seed, stream=None)
+        full = _generate(store, tag, g.token, prompt, max_tokens, 1.0, seed, policy, stream=None)
         if full.text != tiered.text:
             # Tiered and resident runs are bit-identical by design; say so loudly if not.
             raise DemoCheckError("tiered and fully resident runs generated different text")
@@ -213,6 +222,7 @@ def _generate(
     max_tokens: int,
     fraction: float,
     seed: int,
+    policy: str,
     stream: TextIO | None,
 ) -> DemoRun:
     import portals
@@ -224,7 +234,7 @@ def _generate(
 
     view = portals.open_model(store, token, tag, tenant=DEFAULT_TENANT)
     with open_model(store, tag, view=view, direct=True) as consumer:
-        engine = Engine(consumer, cache_fraction=fraction)
+        engine = Engine(consumer, cache_fraction=fraction, policy=policy)
         try:
             tok = tokenizer_for(consumer, engine.cfg.vocab_size)
             on_text = None
@@ -246,6 +256,7 @@ def _generate(
             return DemoRun(
                 label=f"{fraction:.0%}",
                 cache_fraction=fraction,
+                policy=policy,
                 n_slots=engine.cache.n_slots,
                 text=gen.text,
                 prefill_tokens_per_s=st.prefill_tokens_per_s,
@@ -256,6 +267,17 @@ def _generate(
             )
         finally:
             engine.close()
+
+
+def _policy_words(policy: str) -> str:
+    """The narration's name for an eviction policy."""
+    words = {
+        "decay": "decaying frequency (scores halve every 32 tokens; beats LRU at 25 %)",
+        "lru": "least recently used",
+        "lfu": "least frequently used",
+        "slru": "segmented LRU",
+    }
+    return words.get(policy, policy)
 
 
 def _size(n: float) -> str:

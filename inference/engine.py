@@ -141,10 +141,13 @@ class Engine:
 
     def prefill(self, tokens: Sequence[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Process prompt ``tokens`` in one batch; logits of the last (or every) token."""
-        return self.model.forward(np.asarray(tokens, np.int64), self.kv, all_logits)
+        ids = np.asarray(tokens, np.int64)
+        self.cache.advance(len(ids))
+        return self.model.forward(ids, self.kv, all_logits)
 
     def decode(self, token: int) -> np.ndarray:
         """Process one token; returns its ``[V]`` logits."""
+        self.cache.advance(1)
         return self.model.forward(np.array([token], np.int64), self.kv)
 
     def routing_profile(self) -> RoutingProfile:

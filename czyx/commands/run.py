@@ -46,7 +46,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1.0: off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--policy", choices=["lru", "lfu"], default="lru", help="expert eviction policy")
+    p.add_argument(
+        "--policy",
+        choices=["lru", "lfu", "decay", "slru"],
+        default="lru",
+        help="expert eviction policy (decay: decaying frequency, half-life 32 tokens; "
+        "slru: segmented LRU, 80%% protected)",
+    )
     p.add_argument(
         "--pin-classes",
         metavar="LO-HI",

@@ -112,7 +112,7 @@ def test_class_prefix_range():
 @given(
     n_slots=st.integers(2, 12),
     pinned=st.integers(0, 3),
-    policy=st.sampled_from(["lru", "lfu"]),
+    policy=st.sampled_from(["lru", "lfu", "decay", "slru"]),
     steps=st.lists(
         st.tuples(st.integers(0, 2), st.lists(st.integers(0, 7), min_size=1, max_size=2)),
         min_size=1,
@@ -181,23 +181,29 @@ def test_unknown_policy_is_refused():
         ExpertCache(FakeConsumer(), SLOT * 4, top_k=1, policy="belady")
 
 
-def test_fetch_path_allocates_no_buffers():
+@pytest.mark.parametrize("policy", ["lru", "lfu", "decay", "slru"])
+def test_fetch_path_allocates_no_buffers(policy):
     """Hits and misses reuse the arena: no per-fetch copy of a slot (tracemalloc peak)."""
     import tracemalloc
 
     cons = FakeConsumer(2, 8)
     cons.reads = _Counter()  # a growing list of reads would be the test's own allocation
-    c = ExpertCache(cons, SLOT * 4, top_k=2)
+    c = ExpertCache(cons, SLOT * 4, top_k=2, policy=policy)
     experts = [np.array([e, (e + 3) % 8]) for e in range(8)]
-    c.acquire(0, experts[0])
-    c.release()
+    for rnd in range(8):  # warm: numpy caches its ufunc dispatch on a loop's first call
+        c.advance(1)
+        for layer in (0, 1):
+            c.acquire(layer, experts[rnd] if layer == 0 else experts[0])
+            c.release()
     tracemalloc.start()
     try:
         base, _ = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
         for rnd in range(50):
+            c.advance(1)
             for layer in (0, 1):
-                c.acquire(layer, experts[rnd % 8])  # a mix of hits and evicting misses
+                # Layer 0 sweeps (evicting misses), layer 1 repeats (hits).
+                c.acquire(layer, experts[rnd % 8] if layer == 0 else experts[0])
                 c.release()
         current, peak = tracemalloc.get_traced_memory()
     finally:

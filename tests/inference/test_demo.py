@@ -22,6 +22,9 @@ def test_demo_end_to_end(tmp_path):
     # A quarter of the expert bytes holds a quarter of the slots of the full cache.
     assert tiered.n_slots * 4 == full.n_slots
     assert 0.0 <= tiered.hit_rate <= full.hit_rate <= 1.0
+    # Both runs evict by decaying frequency, and the narration says so.
+    assert tiered.policy == full.policy == "decay"
+    assert "eviction: decaying frequency" in text
     for needle in ("1. mount", "2. grant", "refused", "3. generate", "4. report", "5. next"):
         assert needle in text
 

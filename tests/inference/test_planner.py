@@ -244,12 +244,18 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
         runs = [(io, 2, True, budget, 1, None) for io in IO_PATHS]
         runs += [("pread", t, p, budget, 1, None) for t in (1, 8) for p in (False, True)]
         runs += [("pread", 2, True, tight, 2, None), ("pread", 8, True, budget, 2, 1)]
-        for io, threads, prefetch, nbytes, depth, width in runs:
+        runs = [(*r, "lru") for r in runs]
+        # The other eviction policies, with prefetch (whose reads also touch the policy).
+        runs += [
+            ("pread", 2, True, b, 1, None, p) for p in ("decay", "slru") for b in (budget, tight)
+        ]
+        for io, threads, prefetch, nbytes, depth, width, policy in runs:
             cache = StreamingExpertCache(
                 fc,
                 nbytes,
                 cfg.top_k,
                 cfg.n_sparse_experts,
+                policy,
                 io=io,
                 threads=threads,
                 prefetch=prefetch,
@@ -259,7 +265,7 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
             m = cls(fc, cache)
             attach(m, cache)
             got = _decode(m, m.new_kv(), tokens)
-            assert np.array_equal(got, want), (io, threads, prefetch, nbytes, depth, width)
+            assert np.array_equal(got, want), (io, threads, prefetch, nbytes, depth, width, policy)
             assert cache.misses > 0 and (cache.prefetches > 0) == prefetch
             cache.check()
             cache.close()

@@ -3,7 +3,8 @@
 fp32: logits within 1e-4 of the logit range, prefill and step-by-step decode;
 greedy tokens identical to ``generate`` for 32 steps; and for cache budgets of
 100 %, 50 % and one layer's top-k, logits and tokens bit-identical to the
-fully resident run (also when the store permutes classes).
+fully resident run under every eviction policy (also when the store permutes
+classes).
 """
 
 from __future__ import annotations
@@ -69,15 +70,18 @@ def test_greedy_tokens_match_generate(ref, arch):
     assert stats.generated_tokens == STEPS and stats.stop_reason == "max_tokens"
 
 
-def _run(consumer: StateDictConsumer, **budget) -> tuple[np.ndarray, list[int], Engine]:
-    eng = Engine(consumer, **budget)
+def _run(
+    consumer: StateDictConsumer, policy: str = "lru", **budget
+) -> tuple[np.ndarray, list[int], Engine]:
+    eng = Engine(consumer, policy=policy, **budget)
     logits = eng.prefill(PROMPT, all_logits=True)
     tokens, _ = generate_ids(eng, PROMPT.tolist(), STEPS)
     return logits, tokens, eng
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "decay", "slru"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tiered_runs_are_bit_identical_to_resident(ref, arch):
+def test_tiered_runs_are_bit_identical_to_resident(ref, arch, policy):
     model = ref[arch][0]
     base_logits, base_tokens, full = _run(StateDictConsumer(model))
     assert full.stats().evictions == 0
@@ -86,7 +90,10 @@ def test_tiered_runs_are_bit_identical_to_resident(ref, arch):
     budgets = [dict(cache_fraction=0.5), dict(cache_bytes=top_k * slot)]
     for budget in budgets:
         consumer = StateDictConsumer(model)
-        logits, tokens, eng = _run(consumer, **budget)
+        logits, tokens, eng = _run(consumer, policy, **budget)
+        assert eng.cache.policy.name == policy
+        # The token clock (decay's time) advanced once per token: two prefills, then decodes.
+        assert eng.cache.tokens == eng.position + len(PROMPT)
         assert np.array_equal(logits, base_logits), budget
         assert tokens == base_tokens, budget
         eng.cache.check()

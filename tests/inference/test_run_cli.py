@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def test_run_help_lists_the_issue_options():
     out = subprocess.run(
@@ -21,8 +23,10 @@ def test_run_help_lists_the_issue_options():
         "--top-p",
         "--seed",
         "--store",
+        "--policy",
     ):
         assert flag in out
+    assert "decay" in out and "slru" in out
 
 
 def test_cache_budget_flags_are_exclusive():
@@ -58,3 +62,24 @@ def test_pin_class_ranges_parse_inclusive_and_refuse_nonsense():
     for bad in ("a-b", "5-2", "0-256"):
         with pytest.raises(ValueError):
             parse_class_range(bad)
+
+
+def test_policy_choices_run_and_generate_the_same_text(tmp_path, capsys):
+    from czyx.cli import main
+    from store import Store
+    from store.mount import mount
+    from tests.store.tiny_models import make_tiny_checkpoint
+
+    cfg = dict(vocab_size=256, max_position_embeddings=512, eos_token_id=None, bos_token_id=None)
+    ckpt = make_tiny_checkpoint("qwen3_moe", tmp_path / "ckpt", seed=0, **cfg)
+    with Store.open(tmp_path / "st") as st:
+        mount(st, ckpt, "tiny@1")
+    texts = {}
+    for policy in ("lru", "lfu", "decay", "slru"):
+        argv = ["run", "tiny@1", "--store", str(tmp_path / "st"), "--prompt", "def f(x):"]
+        argv += ["--max-tokens", "8", "--cache-fraction", "0.25", "--policy", policy]
+        assert main(argv) == 0
+        texts[policy] = capsys.readouterr().out
+    assert len(set(texts.values())) == 1 and texts["lru"]
+    with pytest.raises(SystemExit):
+        main(["run", "tiny@1", "--store", str(tmp_path / "st"), "--policy", "belady"])

@@ -1,0 +1,173 @@
+"""Recency-and-frequency eviction policies for the expert slot cache.
+
+Scope: two :class:`~inference.cache.EvictionPolicy` implementations beyond
+LRU and LFU, defined exactly as the locality study's replay simulations
+(:mod:`inference.locality.replay`) so engine and simulation can be compared
+access for access:
+
+- :class:`DecayPolicy` (``"decay"``, the study's ``hotness``): every use adds
+  1 to the expert's score, scores halve every ``half_life`` tokens, the
+  lowest-scored unblocked slot is evicted (ties: the lowest expert id);
+- :class:`SLRUPolicy` (``"slru"``): segmented LRU, a probation segment and a
+  protected segment of ``protected_frac`` of the slots; a hit on a probation
+  slot promotes it, overflowing protected demotes its LRU slot to probation's
+  most recent end; victims come from probation first.
+
+Both keep their state in preallocated arrays: a use is O(1) scalar work, a
+victim query a few vector operations over the slots into scratch buffers,
+with no allocation and no dictionary. The only difference from the replay is
+the one the engine requires: a slot held by the layer being computed (or
+pinned) is never a victim, so when the replay would evict an expert the
+current layer just used, the engine takes the next candidate instead.
+
+Time for :class:`DecayPolicy` is the token index, set through
+:meth:`DecayPolicy.set_token` by :meth:`inference.cache.ExpertCache.advance`
+(which the engine calls once per forward step). Scores live in the log domain
+relative to time zero, ``lv = log(score) + t * ln2 / half_life``, so the
+eviction order never needs rescaling and no per-slot decay is ever applied.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+#: Tokens after which a decay score halves (the locality study's ``hotness`` default).
+HALF_LIFE_TOKENS = 32.0
+#: Share of the slots in SLRU's protected segment (the study's ``slru`` default).
+PROTECTED_FRAC = 0.8
+
+_NEVER = np.iinfo(np.int64).max
+_EPOCH = np.int64(1) << np.int64(40)  # above any clock value a run reaches
+
+
+class DecayPolicy:
+    """Decaying frequency ("hotness"): evict the expert with the lowest decayed use count.
+
+    Scores belong to the expert ``(layer, class)`` and survive its eviction,
+    like :class:`~inference.cache.LFUPolicy`'s counts, so a returning expert
+    keeps its history (decayed).
+
+    Parameters
+    ----------
+    n_slots
+        Cache slots.
+    n_keys
+        Experts (``n_layers * n_experts``).
+    half_life
+        Tokens after which a score halves.
+    """
+
+    name = "decay"
+
+    def __init__(self, n_slots: int, n_keys: int, half_life: float = HALF_LIFE_TOKENS) -> None:
+        if not half_life > 0:
+            raise ValueError(f"decay half_life {half_life} is not positive")
+        self.half_life = float(half_life)
+        self.rate = math.log(2.0) / self.half_life
+        self.lv = np.full(n_keys, -np.inf)  # log-domain score per (layer, expert)
+        self.key = np.zeros(n_slots, np.int64)  # whose expert each slot holds
+        self._now = 0.0
+        self._score = np.empty(n_slots)
+        self._tie = np.empty(n_slots, np.int64)
+        self._not_min = np.empty(n_slots, bool)
+
+    def set_token(self, token: int) -> None:
+        """Uses from now on happen at token index ``token``."""
+        # The same product as the replay (t * rate), so both compute identical floats.
+        self._now = token * self.rate
+
+    def filled(self, slot: int, key: int) -> None:
+        """``slot`` now holds expert ``key``."""
+        self.key[slot] = key
+
+    def touch(self, slot: int) -> None:
+        """One use of the slot's expert now: decay its score to now, add 1."""
+        k = self.key[slot]
+        old = self.lv[k]
+        now = self._now
+        s = math.exp(old - now) if old > -np.inf else 0.0
+        self.lv[k] = math.log(s + 1.0) + now
+
+    def victim(self, blocked: np.ndarray) -> int:
+        """The unblocked slot with the lowest score (then the lowest expert id), or -1."""
+        score = self._score
+        np.take(self.lv, self.key, out=score)
+        np.putmask(score, blocked, np.inf)
+        # Ties (e.g. experts used once in the same token) go to the lowest id, as in
+        # the replay's heap of (score, id): mask everything above the minimum, argmin ids.
+        np.not_equal(score, score.min(), out=self._not_min)
+        np.copyto(self._tie, self.key)
+        np.putmask(self._tie, self._not_min, _NEVER)
+        s = int(self._tie.argmin())
+        return -1 if blocked[s] else s
+
+
+class SLRUPolicy:
+    """Segmented LRU: new experts enter probation, a second use promotes to protected.
+
+    One use clock per slot orders both segments; a protected slot ranks after
+    every probation slot as a victim (its clock plus 2**40).
+
+    Parameters
+    ----------
+    n_slots
+        Cache slots.
+    n_keys
+        Unused (per-slot state only); accepted for the common constructor.
+    protected_frac
+        Share of the slots in the protected segment (at most ``n_slots - 1``).
+    """
+
+    name = "slru"
+
+    def __init__(self, n_slots: int, n_keys: int = 0, protected_frac: float = PROTECTED_FRAC):
+        if not 0.0 <= protected_frac <= 1.0:
+            raise ValueError(f"slru protected_frac {protected_frac} is not in [0, 1]")
+        self.cap = max(0, min(n_slots - 1, int(n_slots * protected_frac)))
+        self.last_use = np.zeros(n_slots, np.int64)
+        self.protected = np.zeros(n_slots, bool)
+        self.fresh = np.zeros(n_slots, bool)  # filled, not yet used: its first touch inserts
+        self.n_protected = 0
+        self._clock = 0
+        self._scratch = np.empty(n_slots, np.int64)
+        self._mask = np.empty(n_slots, bool)
+
+    def filled(self, slot: int, key: int) -> None:
+        """``slot`` now holds a new expert: its next touch puts it in probation."""
+        if self.protected[slot]:
+            self.protected[slot] = False
+            self.n_protected -= 1
+        self.fresh[slot] = True
+
+    def touch(self, slot: int) -> None:
+        """A use: insert (first use), refresh (protected) or promote (probation)."""
+        self._clock += 1
+        self.last_use[slot] = self._clock
+        if self.fresh[slot]:
+            self.fresh[slot] = False
+            return
+        if self.protected[slot]:
+            return
+        self.protected[slot] = True
+        self.n_protected += 1
+        if self.n_protected > self.cap:
+            # Demote protected's least recent slot to probation's most recent end.
+            np.copyto(self._scratch, self.last_use)
+            np.logical_not(self.protected, out=self._mask)
+            np.putmask(self._scratch, self._mask, _NEVER)
+            y = int(self._scratch.argmin())
+            self.protected[y] = False
+            self.n_protected -= 1
+            self._clock += 1
+            self.last_use[y] = self._clock
+
+    def victim(self, blocked: np.ndarray) -> int:
+        """Probation's least recent unblocked slot, else protected's, or -1."""
+        sc = self._scratch
+        np.copyto(sc, self.last_use)
+        np.add(sc, _EPOCH, out=sc, where=self.protected)
+        np.putmask(sc, blocked, _NEVER)
+        s = int(sc.argmin())
+        return -1 if blocked[s] else s

@@ -1,0 +1,194 @@
+"""Decay and SLRU eviction: invariants, and the engine's cache against the replay simulation.
+
+For every access sequence the slot cache with a policy must (a) never pick a
+blocked (held or pinned) slot, and (b) where the engine's constraint cannot
+bind (one expert per acquire) produce exactly the hit/miss sequence of
+:mod:`inference.locality.replay`'s simulation of the same policy; LRU must
+match the replay for any top-k.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inference.cache import POLICIES, ExpertCache
+from inference.eviction import HALF_LIFE_TOKENS, PROTECTED_FRAC, DecayPolicy, SLRUPolicy
+from inference.locality import replay
+from tests.inference.fakes import FakeConsumer
+
+SLOT = 4096
+L, E = 2, 6
+
+
+def _engine_hits(policy: str, experts: np.ndarray, n_slots: int) -> np.ndarray:
+    """Hits per layer group of an ExpertCache fed ``experts [T, L, k]`` token by token."""
+    t_, l_, k = experts.shape
+    c = ExpertCache(FakeConsumer(l_, E), SLOT * n_slots, top_k=k, policy=policy)
+    hits = np.zeros((t_, l_), np.int64)
+    for t in range(t_):
+        c.advance(1)
+        for layer in range(l_):
+            before = c.hits
+            c.acquire(layer, experts[t, layer])
+            c.release()
+            hits[t, layer] = c.hits - before
+    c.check()
+    return hits.reshape(-1)
+
+
+def _replay_hits(policy: str, experts: np.ndarray, n_slots: int) -> np.ndarray:
+    t_, l_, k = experts.shape
+    ids = (experts + (np.arange(l_) * E)[None, :, None]).reshape(-1).astype(np.int64)
+    tok = np.repeat(np.arange(t_, dtype=np.int64), l_ * k)
+    if policy == "lru":
+        return replay.lru(ids, n_slots)
+    if policy == "decay":
+        return replay.hotness(ids, tok, n_slots)
+    return replay.slru(ids, n_slots)
+
+
+def _distinct_rows(draw_rows: list[list[int]], k: int) -> np.ndarray:
+    """[T, L, k] experts, each layer's k distinct (top-k never repeats an expert)."""
+    out = []
+    for row in draw_rows:
+        layers = []
+        for layer in range(L):
+            start = row[layer]
+            layers.append([(start + 1 + j * row[L]) % E if j else start for j in range(k)])
+        out.append(layers)
+    return np.array(out, np.int64)
+
+
+@pytest.mark.parametrize("policy", ["lru", "decay", "slru"])
+@settings(max_examples=150, deadline=None)
+@given(
+    n_slots=st.integers(1, 12),
+    tokens=st.lists(st.lists(st.integers(0, E - 1), min_size=L, max_size=L), max_size=120),
+)
+def test_engine_cache_matches_the_replay_simulation_one_expert_at_a_time(policy, n_slots, tokens):
+    experts = np.array(tokens, np.int64).reshape(len(tokens), L, 1)
+    got = _engine_hits(policy, experts, n_slots).astype(bool)
+    want = _replay_hits(policy, experts, n_slots) if len(tokens) else np.zeros(0, bool)
+    assert np.array_equal(got, want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n_slots=st.integers(2, 12),
+    rows=st.lists(
+        st.tuples(st.integers(0, E - 1), st.integers(0, E - 1), st.integers(1, E - 2)).map(list),
+        min_size=1,
+        max_size=80,
+    ),
+)
+def test_engine_lru_matches_the_replay_for_top_2(n_slots, rows):
+    # Held slots are the current layer's, the most recent: LRU never wants them.
+    experts = _distinct_rows(rows, 2)
+    got = _engine_hits("lru", experts, n_slots)
+    want = _replay_hits("lru", experts, n_slots).reshape(-1, 2).sum(axis=1)
+    assert np.array_equal(got, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    cls=st.sampled_from([DecayPolicy, SLRUPolicy]),
+    n_slots=st.integers(1, 10),
+    ops=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 29), st.integers(0, 5)), max_size=60),
+    blocked_bits=st.lists(st.booleans(), min_size=10, max_size=10),
+)
+def test_victim_is_never_a_blocked_slot(cls, n_slots, ops, blocked_bits):
+    p = cls(n_slots, 30)
+    t = 0
+    for slot, key, dt in ops:
+        slot %= n_slots
+        if hasattr(p, "set_token"):
+            t += dt
+            p.set_token(t)
+        if dt == 0:
+            p.filled(slot, key)
+        p.touch(slot)
+    blocked = np.array(blocked_bits[:n_slots])
+    v = p.victim(blocked)
+    if blocked.all():
+        assert v == -1
+    else:
+        assert 0 <= v < n_slots and not blocked[v]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    policy=st.sampled_from(["decay", "slru"]),
+    n_slots=st.integers(3, 10),
+    pinned=st.integers(0, 3),
+    steps=st.lists(
+        st.tuples(st.integers(0, 2), st.lists(st.integers(0, 7), min_size=1, max_size=2)),
+        min_size=1,
+        max_size=60,
+    ),
+)
+def test_held_and_pinned_slots_survive_every_miss(policy, n_slots, pinned, steps):
+    c = ExpertCache(FakeConsumer(3, 8), SLOT * n_slots, top_k=2, policy=policy)
+    pinned = min(pinned, n_slots - 2)
+    c.pin([(0, e) for e in range(pinned)])
+    pins = {int(c.table[0, e]) for e in range(pinned)}
+    for layer, experts in steps:
+        c.advance(1)
+        experts = np.array(sorted(set(experts)))
+        slots = c.acquire(layer, experts).copy()
+        # A later miss in the same acquire never took an earlier expert's slot.
+        assert all(c.owner[s] == layer * 8 + e for s, e in zip(slots.tolist(), experts.tolist()))
+        c.release()
+        c.check()
+        assert all(c.owner[s] == e for s, e in zip(sorted(pins), range(pinned)))
+
+
+def test_defaults_are_the_locality_studys():
+    assert inspect.signature(replay.hotness).parameters["half_life"].default == HALF_LIFE_TOKENS
+    assert inspect.signature(replay.slru).parameters["protected_frac"].default == PROTECTED_FRAC
+    assert {"lru", "lfu", "decay", "slru"} <= set(POLICIES)
+
+
+def test_decay_forgets_a_stale_favourite_that_lfu_keeps():
+    # Expert 0 is used 20 times early; then 1 and 2 are used 10 times each over 500
+    # tokens; a new expert 3 arrives: LFU keeps the stale 0, decay drops it.
+    seq = [(1, 0)] * 20 + [(25, 1), (25, 2)] * 10 + [(1, 3)]
+    out = {}
+    for policy in ("lfu", "decay"):
+        c = ExpertCache(FakeConsumer(1, 8), SLOT * 3, top_k=1, policy=policy)
+        for dt, e in seq:
+            c.advance(dt)
+            c.acquire(0, np.array([e]))
+            c.release()
+        out[policy] = sorted(c.resident()[:, 1].tolist())
+    assert 0 in out["lfu"] and 3 in out["lfu"]
+    assert out["decay"] == [1, 2, 3]
+
+
+def test_slru_protects_reused_experts_from_a_scan():
+    # 0 and 1 are reused (protected); a scan of one-off experts only churns probation.
+    c = ExpertCache(FakeConsumer(1, 16), SLOT * 4, top_k=1, policy="slru")
+    for e in [0, 1, 0, 1, *range(2, 14)]:
+        c.acquire(0, np.array([e]))
+        c.release()
+    assert {0, 1} <= set(c.resident()[:, 1].tolist())
+    lru = ExpertCache(FakeConsumer(1, 16), SLOT * 4, top_k=1, policy="lru")
+    for e in [0, 1, 0, 1, *range(2, 14)]:
+        lru.acquire(0, np.array([e]))
+        lru.release()
+    assert not {0, 1} & set(lru.resident()[:, 1].tolist())
+
+
+@pytest.mark.parametrize("bad", [dict(half_life=0.0), dict(half_life=-1.0)])
+def test_decay_half_life_must_be_positive(bad):
+    with pytest.raises(ValueError, match="half_life"):
+        DecayPolicy(4, 8, **bad)
+
+
+def test_slru_protected_frac_is_validated():
+    with pytest.raises(ValueError, match="protected_frac"):
+        SLRUPolicy(4, 8, protected_frac=1.5)
