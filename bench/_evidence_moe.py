@@ -26,17 +26,26 @@ from store import iopaths as iop
 
 MiB = 1 << 20
 PROMPT = [1, 2, 3, 4]
-# (label, prefetch, look-ahead depth, prefetch width)
+# (label, eviction policy, prefetch, look-ahead depth, prefetch width). Each policy has
+# its own synchronous run: a prefetch configuration's exposed-wait cut is against the
+# synchronous run with the same policy, so a better policy cannot pass for hiding.
 CONFIGS = (
-    ("sync", False, 1, None),
-    ("prefetch", True, 1, None),
-    ("prefetch-2", True, 2, None),
-    ("prefetch-w1", True, 1, 1),
+    ("sync", "lru", False, 1, None),
+    ("prefetch", "lru", True, 1, None),
+    ("prefetch-2", "lru", True, 2, None),
+    ("prefetch-w1", "lru", True, 1, 1),
+    ("decay sync", "decay", False, 1, None),
+    ("decay prefetch", "decay", True, 1, None),
+    ("decay prefetch-w1", "decay", True, 1, 1),
 )
+SYNC = {c[1]: c[0] for c in CONFIGS if not c[2]}  # policy -> its synchronous label
+POLICY = {c[0]: c[1] for c in CONFIGS}
 DESCRIBE = {
-    "prefetch": "look-ahead 1 layer, top-k per token",
-    "prefetch-2": "look-ahead 2 layers, top-k per token",
-    "prefetch-w1": "look-ahead 1 layer, top-1 per token",
+    "prefetch": "lru, look-ahead 1 layer, top-k per token",
+    "prefetch-2": "lru, look-ahead 2 layers, top-k per token",
+    "prefetch-w1": "lru, look-ahead 1 layer, top-1 per token",
+    "decay prefetch": "decay eviction, look-ahead 1 layer, top-k per token",
+    "decay prefetch-w1": "decay eviction, look-ahead 1 layer, top-1 per token",
 }
 
 
@@ -89,7 +98,17 @@ def budget25(consumer) -> int:
 
 
 def streaming(
-    consumer, budget, *, io, threads=2, prefetch=True, xray=None, strict=False, depth=1, width=None
+    consumer,
+    budget,
+    *,
+    io,
+    threads=2,
+    prefetch=True,
+    xray=None,
+    strict=False,
+    depth=1,
+    width=None,
+    policy="lru",
 ):
     cfg = decoder_class(consumer.info.arch).parse_config(consumer.info)
     return StreamingExpertCache(
@@ -97,6 +116,7 @@ def streaming(
         budget,
         cfg.top_k,
         cfg.n_sparse_experts,
+        policy,
         io=io,
         threads=threads,
         prefetch=prefetch,
@@ -298,12 +318,19 @@ def certify(
     # per configuration: every token's time pooled (median), exposed wait = median round.
     runs: dict[str, list] = {}
     for _ in range(rounds):
-        for label, pf, depth, width in CONFIGS:
+        for label, policy, pf, depth, width in CONFIGS:
             for f in files:
                 iop.drop_file_cache(f)
             x = XRay(io_path=io, threads=2, device_baseline=baseline)
             c = streaming(
-                consumer, budget25(consumer), io=io, prefetch=pf, xray=x, depth=depth, width=width
+                consumer,
+                budget25(consumer),
+                io=io,
+                prefetch=pf,
+                xray=x,
+                depth=depth,
+                width=width,
+                policy=policy,
             )
             got, t = run_tokens(consumer, c, tokens, prompt)
             c.planner.drain()
@@ -316,18 +343,25 @@ def certify(
         rep = order[len(order) // 2][1]  # the median round's report
         out[label] = ([x for r in rs for x in r[0]], rep, all(r[2] for r in rs))
     med_res = float(np.median(t_res))
-    t_s, r_s, _ = out["sync"]
-    best = min((c[0] for c in CONFIGS if c[1]), key=lambda k: out[k][1]["exposed_seconds"])
+
+    def cut_of(label: str) -> float:
+        """Exposed-wait cut of a prefetch run against the synchronous run, same policy."""
+        sync = out[SYNC[POLICY[label]]][1]["exposed_seconds"]
+        return 1 - out[label][1]["exposed_seconds"] / sync if sync else 0.0
+
+    best = max((c[0] for c in CONFIGS if c[2]), key=cut_of)
+    sync_label = SYNC[POLICY[best]]
+    t_s, r_s, _ = out[sync_label]
     t_p, r_p, _ = out[best]
     same = all(v[2] for v in out.values())
     med_s, med_p = float(np.median(t_s)), float(np.median(t_p))
-    cut = 1 - r_p["exposed_seconds"] / r_s["exposed_seconds"] if r_s["exposed_seconds"] else 0.0
+    cut = cut_of(best)
     # Hiding cannot exceed the compute it hides behind: resident ms/token over the
     # synchronous run's exposed I/O per token.
     io_per_token = r_s["exposed_seconds"] * 1e3 / max(len(tokens), 1)
     ceiling = min(1.0, med_res / io_per_token) if io_per_token else 1.0
     text = (
-        f"resident {med_res:.1f} ms/token; 25% budget sync {med_s:.1f} ms/token "
+        f"resident {med_res:.1f} ms/token; 25% budget {sync_label} {med_s:.1f} ms/token "
         f"({med_s / med_res:.2f}x resident); best prefetch = {best} ({DESCRIBE[best]}): "
         f"{med_p:.1f} ms/token "
         f"({med_p / med_res:.2f}x resident); exposed I/O wait "
@@ -342,19 +376,22 @@ def certify(
     fastest = min(out, key=lambda k: float(np.median(out[k][0])))
     ratio = float(np.median(out[fastest][0])) / med_res
     status = (
-        f"exposed-wait goal (>= 50% lower, {best}) {'met' if cut >= 0.5 else 'NOT met'}; "
+        f"exposed-wait goal (>= 50% lower than {sync_label}, best of "
+        f"{len(DESCRIBE)} prefetch runs: {best}) {'met' if cut >= 0.5 else 'NOT met'}; "
         f"decode goal (<= 2x resident) {'met' if med_p <= 2 * med_res else 'NOT met'} with "
         f"{best} ({med_p / med_res:.2f}x); fastest 25% run: {fastest} ({ratio:.2f}x)"
     )
-    cols = ["run", "ms/token (median)", "vs resident", "exposed wait s", "hidden I/O s"]
+    cols = ["run", "ms/token (median)", "vs resident", "exposed wait s", "vs sync (same policy)"]
+    cols += ["hidden I/O s"]
     cols += ["hit rate", "bytes/token", "useful bandwidth", "vs device", "identical"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines.append(f"| resident | {med_res:.1f} | 1.00x | 0 | 0 | 100% | 0 | - | - | - |")
+    lines.append(f"| resident | {med_res:.1f} | 1.00x | 0 | - | 0 | 100% | 0 | - | - | - |")
     for label, (t, r, ok) in out.items():
         ub = r["useful_bandwidth_bytes_per_s"]
+        vs = "baseline" if label in SYNC.values() else f"{-100 * cut_of(label):+.0f}%"
         lines.append(
             f"| 25% {label} | {np.median(t):.1f} | {np.median(t) / med_res:.2f}x | "
-            f"{r['exposed_seconds']:.3f} | {r['hidden_seconds']:.3f} | "
+            f"{r['exposed_seconds']:.3f} | {vs} | {r['hidden_seconds']:.3f} | "
             f"{100 * (r['hit_rate'] or 0):.0f}% | "
             f"{(r['bytes_read_per_token'] or 0) / MiB:.2f} MiB | {(ub or 0) / 1e9:.2f} GB/s | "
             f"{100 * (r['useful_vs_device'] or 0):.0f}% | {ok} |"

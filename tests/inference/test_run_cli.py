@@ -29,6 +29,18 @@ def test_run_help_lists_the_issue_options():
     assert "decay" in out and "slru" in out
 
 
+def test_run_defaults_to_decay_eviction():
+    import argparse
+
+    from czyx.commands import run as run_cmd
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    run_cmd.register(sub)
+    parse = sub.choices["run"].parse_args
+    assert parse(["m@1", "--prompt", "x"]).policy == "decay"
+    assert parse(["m@1", "--prompt", "x", "--policy", "lru"]).policy == "lru"
+
+
 def test_cache_budget_flags_are_exclusive():
     proc = subprocess.run(
         [
