@@ -334,7 +334,13 @@ def certify(
             )
             got, t = run_tokens(consumer, c, tokens, prompt)
             c.planner.drain()
-            rep = x.report(c, tokens=len(tokens), trunk_bytes=trunk, since_mark=True)["run"]
+            full_rep = x.report(c, tokens=len(tokens), trunk_bytes=trunk, since_mark=True)
+            rep = full_rep["run"]
+            # Where the exposed wait comes from: demand reads (experts nobody predicted,
+            # or evicted) versus prefetches still in flight when their layer came.
+            demand = [r for r in full_rep["transfers"] if r["kind"] == "demand"]
+            rep["demand_reads"] = len(demand)
+            rep["demand_exposed_seconds"] = sum(r["exposed_wait_us"] for r in demand) / 1e6
             runs.setdefault(label, []).append((t, rep, bool(np.array_equal(got, want))))
             c.close()
     out = {}
@@ -373,25 +379,36 @@ def certify(
         f"recall {100 * (r_p['prefetch_recall'] or 0):.0f}%, wasted {r_p['prefetch_wasted']} of "
         f"{r_p['prefetch_issued']}; logits identical to resident: {same}"
     )
-    fastest = min(out, key=lambda k: float(np.median(out[k][0])))
-    ratio = float(np.median(out[fastest][0])) / med_res
+
+    def slow(label: str) -> float:
+        return float(np.median(out[label][0])) / med_res
+
+    fastest = min(out, key=slow)
+    fast_pf = min(DESCRIBE, key=slow)
+    # The goals hold for a configuration only when one prefetch run meets both.
+    both = [k for k in DESCRIBE if cut_of(k) >= 0.5 and slow(k) <= 2.0]
     status = (
         f"exposed-wait goal (>= 50% lower than {sync_label}, best of "
         f"{len(DESCRIBE)} prefetch runs: {best}) {'met' if cut >= 0.5 else 'NOT met'}; "
         f"decode goal (<= 2x resident) {'met' if med_p <= 2 * med_res else 'NOT met'} with "
-        f"{best} ({med_p / med_res:.2f}x); fastest 25% run: {fastest} ({ratio:.2f}x)"
+        f"{best} ({med_p / med_res:.2f}x), {'met' if slow(fast_pf) <= 2.0 else 'NOT met'} "
+        f"by the fastest prefetch run {fast_pf} ({slow(fast_pf):.2f}x); both goals in one "
+        f"prefetch run: {', '.join(both) or 'none'}; fastest 25% run: {fastest} "
+        f"({slow(fastest):.2f}x)"
     )
     cols = ["run", "ms/token (median)", "vs resident", "exposed wait s", "vs sync (same policy)"]
-    cols += ["hidden I/O s"]
+    cols += ["demand reads", "exposed from demand", "hidden I/O s"]
     cols += ["hit rate", "bytes/token", "useful bandwidth", "vs device", "identical"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines.append(f"| resident | {med_res:.1f} | 1.00x | 0 | - | 0 | 100% | 0 | - | - | - |")
+    lines.append(f"| resident | {med_res:.1f} | 1.00x | 0 | - | 0 | - | 0 | 100% | 0 | - | - | - |")
     for label, (t, r, ok) in out.items():
         ub = r["useful_bandwidth_bytes_per_s"]
         vs = "baseline" if label in SYNC.values() else f"{-100 * cut_of(label):+.0f}%"
         lines.append(
             f"| 25% {label} | {np.median(t):.1f} | {np.median(t) / med_res:.2f}x | "
-            f"{r['exposed_seconds']:.3f} | {vs} | {r['hidden_seconds']:.3f} | "
+            f"{r['exposed_seconds']:.3f} | {vs} | {r['demand_reads']} | "
+            f"{100 * r['demand_exposed_seconds'] / max(r['exposed_seconds'], 1e-12):.0f}% | "
+            f"{r['hidden_seconds']:.3f} | "
             f"{100 * (r['hit_rate'] or 0):.0f}% | "
             f"{(r['bytes_read_per_token'] or 0) / MiB:.2f} MiB | {(ub or 0) / 1e9:.2f} GB/s | "
             f"{100 * (r['useful_vs_device'] or 0):.0f}% | {ok} |"
@@ -411,7 +428,7 @@ def certification(scratch: Path, io: str, full: bool, tokens: int, baseline: flo
         res = resident_cache(big)
         toks = greedy(big, res, tokens)
         res.close()
-        text, status, table = certify(big, io, toks, PROMPT, baseline, [big.path])
+        text, status, table = certify(big, io, toks, PROMPT, baseline, [big.path], rounds=5)
     finally:
         big.close()
     conf = (

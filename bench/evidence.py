@@ -294,6 +294,14 @@ def render(rows, details, machine, io, args, elapsed) -> str:
         "mispredicted prefetches spend bandwidth the demand reads then lack. The goals "
         "(exposed wait >= 50% lower, decode <= 2x resident at a 25% budget) are reported "
         "as met or not met from the figures above, not assumed.",
+        "- The MoE tables split the exposed wait by cause: demand reads (experts the "
+        "prediction missed, or that a wasted prefetch evicted) versus prefetches still "
+        "in flight when their layer came. Where compute covers the reads (the shipped "
+        "model), the exposed wait left is demand reads: cutting it needs better recall "
+        "and fewer wasted prefetches, not more reader overlap. Where reads outweigh "
+        "compute (the synthetic model), prefetches in flight carry part of it too: the "
+        "disk bounds it. Eviction policy is measured separately (`decay` rows, each "
+        "against its own synchronous run), so a better policy is not counted as hiding.",
         "- Reader threads cost CPU (checksums, Python hand-offs) that, on 2 vCPUs, "
         "competes with the decode itself: a configuration can lower the exposed wait and "
         "still decode more slowly, which the MoE rows show separately.",
