@@ -11,9 +11,8 @@ import re
 from typing import Any
 
 from czyx.commands._storearg import add_store_arg, store_dir
-from czyx.space import Selector
 from portals.errors import CaveatError
-from portals.model import model_spaces  # re-exported for the grant command
+from portals.model import model_spaces, resolve_space  # re-exported for the commands
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -42,13 +41,6 @@ def parse_expiry(text: str, now: float) -> int:
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.UTC)
     return int(when.timestamp())
-
-
-def resolve_space(store: Any, name: str) -> Selector:
-    """A space from a tag ``NAME@VERSION`` or 64 hex digits."""
-    if "@" in name:
-        return store.resolve_tag(name)
-    return Selector.from_hex(name)
 
 
 def fmt_time(t: float | None) -> str:

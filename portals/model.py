@@ -123,7 +123,7 @@ def grant_model(
     from portals.authority import authority
     from portals.caveats import Expires, Spaces, parse_classes, parse_layers, parse_rights
 
-    sel = ref if isinstance(ref, Selector) else _resolve(store, ref)
+    sel = resolve_space(store, ref)
     scoped, whole = model_spaces(store, sel)
     cavs: list = [Spaces(frozenset(s.raw for s in (*scoped, *whole))), parse_rights(rights)]
     targets = [None] if not whole and len(scoped) == 1 else [s.raw for s in scoped]
@@ -137,7 +137,9 @@ def grant_model(
     return authority(store).grant(cavs, tenant=tenant, parent=parent, note=note)
 
 
-def _resolve(store: Any, name: str) -> Selector:
-    if "@" in name:
-        return store.resolve_tag(name)
-    return Selector.from_hex(name)
+def resolve_space(store: Any, name: str | Selector) -> Selector:
+    """A space from a tag ``NAME@VERSION``, 64 hex digits or a selector (one rule:
+    :func:`store.mount.resolve`)."""
+    from store.mount import resolve
+
+    return resolve(store, name)
