@@ -26,26 +26,30 @@ from store import iopaths as iop
 
 MiB = 1 << 20
 PROMPT = [1, 2, 3, 4]
-# (label, eviction policy, prefetch, look-ahead depth, prefetch width). Each policy has
-# its own synchronous run: a prefetch configuration's exposed-wait cut is against the
-# synchronous run with the same policy, so a better policy cannot pass for hiding.
+# (label, eviction policy, prefetch, look-ahead depth, prefetch width, early routing). Each
+# policy has its own synchronous run: a prefetch configuration's exposed-wait cut is against
+# the synchronous run with the same policy, so a better policy cannot pass for hiding.
 CONFIGS = (
-    ("sync", "lru", False, 1, None),
-    ("prefetch", "lru", True, 1, None),
-    ("prefetch-2", "lru", True, 2, None),
-    ("prefetch-w1", "lru", True, 1, 1),
-    ("decay sync", "decay", False, 1, None),
-    ("decay prefetch", "decay", True, 1, None),
-    ("decay prefetch-w1", "decay", True, 1, 1),
+    ("sync", "lru", False, 1, None, False),
+    ("look-ahead", "lru", True, 1, None, False),
+    ("prefetch", "lru", True, 1, None, True),
+    ("prefetch-2", "lru", True, 2, None, True),
+    ("prefetch-w1", "lru", True, 1, 1, True),
+    ("decay sync", "decay", False, 1, None, False),
+    ("decay look-ahead", "decay", True, 1, None, False),
+    ("decay prefetch", "decay", True, 1, None, True),
+    ("decay prefetch-w1", "decay", True, 1, 1, True),
 )
 SYNC = {c[1]: c[0] for c in CONFIGS if not c[2]}  # policy -> its synchronous label
 POLICY = {c[0]: c[1] for c in CONFIGS}
 DESCRIBE = {
-    "prefetch": "lru, look-ahead 1 layer, top-k per token",
-    "prefetch-2": "lru, look-ahead 2 layers, top-k per token",
-    "prefetch-w1": "lru, look-ahead 1 layer, top-1 per token",
-    "decay prefetch": "decay eviction, look-ahead 1 layer, top-k per token",
-    "decay prefetch-w1": "decay eviction, look-ahead 1 layer, top-1 per token",
+    "look-ahead": "lru, look-ahead 1 layer only, top-k per token",
+    "prefetch": "lru, look-ahead 1 layer + early routing, top-k per token",
+    "prefetch-2": "lru, look-ahead 2 layers + early routing, top-k per token",
+    "prefetch-w1": "lru, look-ahead 1 layer + early routing, top-1 per token",
+    "decay look-ahead": "decay eviction, look-ahead 1 layer only, top-k per token",
+    "decay prefetch": "decay eviction, look-ahead 1 layer + early routing, top-k per token",
+    "decay prefetch-w1": "decay eviction, look-ahead 1 layer + early routing, top-1 per token",
 }
 
 
@@ -109,6 +113,7 @@ def streaming(
     depth=1,
     width=None,
     policy="lru",
+    early=True,
 ):
     cfg = decoder_class(consumer.info.arch).parse_config(consumer.info)
     return StreamingExpertCache(
@@ -124,6 +129,7 @@ def streaming(
         strict_deadlines=strict,
         lookahead_depth=depth,
         prefetch_width=width,
+        early=early,
     )
 
 
@@ -318,7 +324,7 @@ def certify(
     # per configuration: every token's time pooled (median), exposed wait = median round.
     runs: dict[str, list] = {}
     for _ in range(rounds):
-        for label, policy, pf, depth, width in CONFIGS:
+        for label, policy, pf, depth, width, early in CONFIGS:
             for f in files:
                 iop.drop_file_cache(f)
             x = XRay(io_path=io, threads=2, device_baseline=baseline)
@@ -331,6 +337,7 @@ def certify(
                 depth=depth,
                 width=width,
                 policy=policy,
+                early=early,
             )
             got, t = run_tokens(consumer, c, tokens, prompt)
             c.planner.drain()

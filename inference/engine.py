@@ -116,6 +116,7 @@ class Engine:
                 prefetch=stream.prefetch,
                 lookahead_depth=stream.lookahead,
                 prefetch_width=stream.width,
+                early=stream.early,
                 strict_deadlines=stream.strict_deadlines,
                 xray=xray,
             )

@@ -16,14 +16,19 @@ Lifecycle of a transfer:
    :class:`SlotLiveError` / :class:`InvalidExtentError` and touches nothing.
 2. A reader thread reads the extent straight into the slot through a
    :class:`~store.iopaths.TransferSource` (no staging buffer of ours), checks
-   the source file's identity (:class:`~store.iopaths.StaleSourceError`) and
-   the extent's checksum (:class:`~store.errors.ChecksumError`), stamps the
-   times and sets the event. The C readers release the GIL.
+   the source file's identity (:class:`~store.iopaths.StaleSourceError`),
+   stamps the times and marks the transfer complete. By default the readers
+   are the native pool's C threads (:mod:`store.readpool`), which never take
+   the GIL: a completion costs the consumer nothing while it computes, and
+   the job's state in C is the completion event. Without the C build (or
+   for consumers without files) Python threads run the same reads and set a
+   ``threading.Event``.
 3. :meth:`TransferPlanner.wait` is the consumer's dependency: if no reader
    has started the transfer yet, the consumer runs it itself (a blocked
    consumer gains nothing from a thread hand-off); otherwise it blocks on
-   the event, then raises the transfer's error if it has one; only a
-   verified transfer returns. A completion after the deadline (a
+   the completion, then verifies the extent's checksum
+   (:class:`~store.errors.ChecksumError`) and raises the transfer's error if
+   it has one; only a verified transfer returns. A completion after the deadline (a
    prefetch's default deadline is its first use; a demand read has none
    unless given) is a counted stall, or :class:`DeadlineMissedError` in
    strict mode. Bytes are never substituted either way.
@@ -46,6 +51,7 @@ import numpy as np
 
 from czyx.errors import CzyxError
 from inference.errors import InferenceError, SlotInUseError
+from store import readpool
 from store.checksum import checksum
 from store.consumer import ModelConsumer
 from store.errors import ChecksumError
@@ -78,8 +84,9 @@ class Transfer:
     """One read of one expert into one slot, and everything X-Ray reports about it.
 
     Times are ``time.monotonic_ns`` values (``None`` until they happen).
-    Written by the reader thread before :attr:`event` is set, read by the
-    consumer after it: the event orders the two.
+    A Python reader writes them before :attr:`event` is set, and the consumer
+    reads them after it. A native read (:attr:`pool` set) writes nothing here:
+    the planner copies its results from the pool once it is done.
     """
 
     __slots__ = (
@@ -96,7 +103,9 @@ class Transfer:
         "id",
         "kind",
         "layer",
+        "pool",
         "requested_bytes",
+        "seq",
         "slot",
         "source",
         "staging_copy_bytes",
@@ -107,6 +116,7 @@ class Transfer:
         "t_request",
         "t_start",
         "used",
+        "verified",
     )
 
     def __init__(
@@ -136,10 +146,15 @@ class Transfer:
         self.used = False
         self.evicted: tuple[int, int] | None = None
         self.evict_reason = "empty"
+        self.pool: readpool.ReadPool | None = None  # set for a native read
+        self.seq = -1
+        self.verified = False
 
     @property
     def done(self) -> bool:
         """Whether the reader finished (successfully or not)."""
+        if self.pool is not None:
+            return self.t_complete is not None or self.pool.done(self.slot, self.seq)
         return self.event.is_set()
 
 
@@ -163,6 +178,9 @@ class TransferPlanner:
         (:func:`store.iopaths.default_io_path`).
     threads
         Reader threads (>= 1).
+    native
+        Run file reads on the native pool's C threads (:mod:`store.readpool`);
+        None: whenever it is built. False: Python reader threads.
     strict_deadlines
         Raise :class:`DeadlineMissedError` instead of counting a stall.
     xray
@@ -177,6 +195,7 @@ class TransferPlanner:
         *,
         io: str | None = None,
         threads: int = 2,
+        native: bool | None = None,
         strict_deadlines: bool = False,
         xray: XRay | None = None,
     ) -> None:
@@ -207,6 +226,18 @@ class TransferPlanner:
         self._demands = 0
         self._no_demand = threading.Event()
         self._no_demand.set()
+        self._threads: list[threading.Thread] = []  # Python readers, started when needed
+        self._closed = False
+        if native and not readpool.available():
+            raise readpool.ReadPoolUnavailableError(
+                "native=True, but store._iopaths is not built (python setup.py build_ext --inplace)"
+            )
+        self.pool: readpool.ReadPool | None = None
+        if native is not False and readpool.available() and self.slots:
+            self.pool = readpool.ReadPool(len(self.slots), self.n_threads)
+        self._pool_src: list[int] = []  # per source: its index in the native pool, or -1
+
+    def _start_python_readers(self) -> None:
         self._threads = [
             threading.Thread(target=self._worker, name=f"czyx-reader-{i}", daemon=True)
             for i in range(self.n_threads)
@@ -256,7 +287,10 @@ class TransferPlanner:
             # Reopen the consumer's descriptor (the same file, even if renamed since)
             # through the chosen path; the path is re-checked for replacement per read.
             src = len(self.sources)
-            self.sources.append(open_source(self.io, f"/proc/self/fd/{ext.fd}"))
+            source = open_source(self.io, f"/proc/self/fd/{ext.fd}")
+            self.sources.append(source)
+            pooled = self.pool is not None and readpool.supports(source)
+            self._pool_src.append(self.pool.add_source(source) if pooled else -1)
             self._by_fd[ext.fd] = src
         self.offset[layer, expert] = ext.offset
         self.sums[layer, expert] = ext.checksum
@@ -327,6 +361,25 @@ class TransferPlanner:
             self.xray.add(t)
         if priority is None:
             priority = 0 if kind == DEMAND else 1
+        psrc = self._pool_src[src] if src >= 0 else -1
+        if psrc >= 0:
+            try:
+                t.seq = self.pool.submit(
+                    slot,
+                    psrc,
+                    int(self.offset[layer, expert]),
+                    n,
+                    self.slots[slot],
+                    priority=priority,
+                    demand=kind == DEMAND,
+                )
+            except BaseException:
+                self.inflight[slot] = None
+                raise
+            t.pool = self.pool
+            return t
+        if not self._threads:
+            self._start_python_readers()
         if kind == DEMAND:
             with self._demand_lock:
                 self._demands += 1
@@ -345,7 +398,17 @@ class TransferPlanner:
         first = t.t_first_use is None
         if first:
             t.t_first_use = time.monotonic_ns()
-        if not t.event.is_set():
+        if t.pool is not None:
+            if t.t_complete is None:
+                if not t.pool.done(t.slot, t.seq):
+                    # Blocks without the GIL; a read no reader has started runs here.
+                    t.pool.wait(t.slot)
+                self._collect(t)
+            if first:  # the completion is stamped in C: exposed = how long after first use
+                t.exposed_ns = max(0, t.t_complete - t.t_first_use)
+            if t.error is None and not t.verified:
+                self._verify(t)
+        elif not t.event.is_set():
             t0 = time.monotonic_ns()
             if t.claim.acquire(False):
                 # No reader has started it: run it here rather than pay a thread
@@ -374,11 +437,54 @@ class TransferPlanner:
                     )
                     raise t.error
 
+    def _collect(self, t: Transfer) -> None:
+        """Copy a finished native read's results (times, bytes, read error) into ``t``."""
+        try:
+            timing = t.pool.result(t.slot)
+        except BaseException as exc:
+            job = t.pool._jobs[t.slot]
+            t.t_start = int(job.t_start_ns) or t.t_request
+            t.t_complete = int(job.t_done_ns) or time.monotonic_ns()
+            t.completed_bytes = int(job.done)
+            t.error = exc
+            return
+        t.t_start, t.t_first_byte, t.t_complete = timing.start_ns, timing.first_ns, timing.done_ns
+        t.completed_bytes = min(timing.nbytes, t.requested_bytes)
+        if self.sources[int(self.src[t.layer, t.expert])].staging_copy:
+            t.staging_copy_bytes = timing.nbytes
+
+    def _verify(self, t: Transfer) -> None:
+        """Check a native read's extent against its recorded checksum (before first use)."""
+        layer, e = t.layer, t.expert
+        got = checksum(self.slots[t.slot][: t.requested_bytes])
+        want = int(self.sums[layer, e])
+        t.verified = True
+        if got != want:
+            t.checksum_result = "mismatch"
+            path = self.sources[int(self.src[layer, e])].identity.path
+            t.error = ChecksumError(
+                f"{path}: expert (layer {layer}, {e}) at offset "
+                f"{int(self.offset[layer, e])}: checksum {got:016x} != recorded {want:016x}"
+            )
+        else:
+            t.checksum_result = "ok"
+
+    def _finished(self, t: Transfer) -> bool:
+        if t.pool is not None:
+            if t.t_complete is None and t.pool.done(t.slot, t.seq):
+                self._collect(t)
+            return t.t_complete is not None
+        return t.event.is_set()
+
     def reap(self) -> list[Transfer]:
-        """Retire every finished transfer; returns them (the owner updates its state)."""
+        """Retire every finished transfer; returns them (the owner updates its state).
+
+        A native read's read errors are known here; its checksum is verified
+        at first use (:meth:`wait`), so a prefetch nobody uses costs no hash.
+        """
         done = []
         for t in self.inflight:
-            if t is not None and t.event.is_set():
+            if t is not None and self._finished(t):
                 self._retire(t)
                 done.append(t)
         return done
@@ -391,9 +497,14 @@ class TransferPlanner:
         """Wait for every transfer in flight to finish (not a use: nothing is marked used)."""
         for t in list(self.inflight):
             if t is not None:
-                if t.claim.acquire(False):  # not started by a reader: run it here
-                    self._execute(t)
-                t.event.wait()
+                if t.pool is not None:
+                    if t.t_complete is None:
+                        t.pool.wait(t.slot)  # a read no reader has started runs here
+                        self._collect(t)
+                else:
+                    if t.claim.acquire(False):  # not started by a reader: run it here
+                        self._execute(t)
+                    t.event.wait()
                 self._retire(t)
 
     # ------------------------------------------------------------------ readers
@@ -458,14 +569,17 @@ class TransferPlanner:
 
     def close(self) -> None:
         """Finish in-flight reads, stop the threads and close the sources (idempotent)."""
-        if not self._threads:
+        if self._closed:
             return
+        self._closed = True
         self.drain()
         for i, _ in enumerate(self._threads):
             self._queue.put((1 << 30, -1 - i, None))
         for th in self._threads:
             th.join()
         self._threads = []
+        if self.pool is not None:
+            self.pool.close()
         for s in self.sources:
             with contextlib.suppress(OSError):
                 s.close()

@@ -3,9 +3,16 @@
 Scope: :class:`StreamingExpertCache`, an :class:`~inference.cache.ExpertCache`
 whose misses go through the :class:`~inference.planner.TransferPlanner`
 (reader threads, completion events, fail-closed slot lifetimes) and which
-prefetches the next sparse layer's experts by look-ahead: layer L+1's router
-applied to layer L's hidden state predicts L+1's top-k, and those experts
-are read into dead slots while layer L computes.
+prefetches experts by two predictions:
+
+- look-ahead: layer L+1's router applied to layer L's routed hidden state
+  predicts L+1's top-k, read into dead slots while layer L's experts and
+  L+1's attention compute;
+- early routing: when the residual stream ``h`` enters layer L (before its
+  attention), L's own router applied to ``norm(h)`` predicts L's top-k
+  (the attention's update is what it misses), read while the attention
+  computes. It is the only prediction for the first sparse layer of each
+  token, which no earlier layer of that token can make.
 
 Ordering inside :meth:`StreamingExpertCache.acquire` (why it is safe):
 
@@ -58,6 +65,9 @@ class StreamOptions:
         Sparse layers predicted ahead.
     width
         Predicted experts read per token and layer (None: top-k).
+    early
+        Also predict each sparse layer from the residual stream entering it
+        (before its attention); on by default with ``prefetch``.
     strict_deadlines
         A late transfer raises instead of counting a stall.
     """
@@ -67,6 +77,7 @@ class StreamOptions:
     prefetch: bool = False
     lookahead: int = 1
     width: int | None = None
+    early: bool = True
     strict_deadlines: bool = False
 
 
@@ -90,6 +101,9 @@ class StreamingExpertCache(ExpertCache):
         the recall.
     prefetch_width
         How many of each token's predicted experts to read (default: top-k).
+    early
+        Early routing: predict each sparse layer from the residual stream
+        entering it (:meth:`preroute`), as well as by look-ahead.
     strict_deadlines
         A late transfer raises instead of counting a stall.
     xray
@@ -109,6 +123,7 @@ class StreamingExpertCache(ExpertCache):
         prefetch: bool = True,
         lookahead_depth: int = 1,
         prefetch_width: int | None = None,
+        early: bool = True,
         strict_deadlines: bool = False,
         xray: XRay | None = None,
     ) -> None:
@@ -126,6 +141,7 @@ class StreamingExpertCache(ExpertCache):
         if not 1 <= width <= top_k:
             raise ValueError(f"prefetch_width: {width} is not in 1..{top_k}")
         self.prefetch_width = width
+        self.early = bool(early)
         self.xray = xray
         self.inflight = np.zeros(self.n_slots, bool)
         self._mask = np.zeros(self.n_slots, bool)
@@ -140,7 +156,9 @@ class StreamingExpertCache(ExpertCache):
             xray=xray,
         )
         self.routers: list[np.ndarray | None] = []
+        self._early_routers: list[np.ndarray | None] = []
         self._next_sparse: list[int] = []
+        self._held: list[int] = []
         self._pending: list[tuple[int, np.ndarray]] = []
         self._predicted: dict[int, np.ndarray] = {}
         self.prefetches = self.prefetch_hits = 0
@@ -148,9 +166,25 @@ class StreamingExpertCache(ExpertCache):
 
     # ------------------------------------------------------------------ look-ahead
 
-    def set_routers(self, routers: Sequence[np.ndarray | None]) -> None:
-        """Give the per-layer router matrices ``[E, H]`` (None for dense layers)."""
+    def set_routers(
+        self,
+        routers: Sequence[np.ndarray | None],
+        norms: Sequence[np.ndarray | None] | None = None,
+    ) -> None:
+        """Give the per-layer routers ``[E, H]`` (None for dense layers) and their norms.
+
+        ``norms`` are the weights ``[H]`` of the RMS norm each router's input
+        goes through (the pre-MLP norm); with them, early routing is possible.
+        """
         self.routers = list(routers)
+        # router @ rms_norm(h, w) = (router * w) @ h / rms(h): the 1/rms(h) factor is
+        # positive per token, so the top-k of (router * w) @ h is the router's on norm(h)
+        # and the early prediction is one product with the folded matrix.
+        self._early_routers = [None] * len(self.routers)
+        if norms is not None:
+            for i, (r, w) in enumerate(zip(self.routers, norms, strict=True)):
+                if r is not None and w is not None and isinstance(r, np.ndarray):
+                    self._early_routers[i] = np.ascontiguousarray(r * np.asarray(w, r.dtype))
         nxt, following = [-1] * len(self.routers), -1
         for i in range(len(self.routers) - 1, -1, -1):
             nxt[i] = following
@@ -172,26 +206,59 @@ class StreamingExpertCache(ExpertCache):
             nxt = self._next_sparse[nxt]
             if nxt < 0:
                 return
-            logits = x @ self.routers[nxt].T
-            k = min(self.prefetch_width, logits.shape[1])
-            top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
-            pred = np.unique(top)
-            self._pending.append((nxt, pred))
-            old = self._predicted.get(nxt)
-            self._predicted[nxt] = pred if old is None else np.union1d(old, pred)
+            self._pending.append((nxt, self._predict(nxt, x @ self.routers[nxt].T)))
 
-    def _issue_prefetch(self) -> None:
+    def preroute(self, layer: int, h: np.ndarray) -> None:
+        """The residual stream ``h`` ``[T, H]`` enters ``layer``: read its predicted experts now.
+
+        Early routing: the layer's router on the (unattended) residual stream.
+        The reads are issued at once, at a higher priority than look-ahead
+        reads for later layers, and overlap the layer's attention.
+        """
+        if not (self.prefetch_enabled and self.early) or layer >= len(self._early_routers):
+            return
+        folded = self._early_routers[layer]
+        if folded is None:
+            return
+        self._reap()
+        self._pending.append((layer, self._predict(layer, h @ folded.T)))
+        self._issue_prefetch(base_priority=1)
+
+    def _predict(self, layer: int, logits: np.ndarray) -> np.ndarray:
+        """The distinct top-``prefetch_width`` experts of ``logits`` ``[T, E]``, recorded."""
+        k = min(self.prefetch_width, logits.shape[1])
+        pred = np.unique(np.argpartition(-logits, k - 1, axis=1)[:, :k])
+        old = self._predicted.get(layer)
+        self._predicted[layer] = pred if old is None else np.union1d(old, pred)
+        return pred
+
+    def _issue_prefetch(self, base_priority: int = 2) -> None:
+        """Read the pending predictions into dead slots, nearest layer first.
+
+        Predicted experts already resident are held while the victims are
+        chosen, so one prediction never evicts another that is already in.
+        """
         pending, self._pending = self._pending, []
-        for depth, (layer, pred) in enumerate(pending):
-            row = self.table[layer]
-            for e in pred.tolist():
-                if row[e] >= 0:
-                    continue  # resident or already on its way
-                s = self._victim()
-                if s < 0:
-                    return  # no dead slot: prefetch is optional, demand will fetch it
-                self._claim(layer, e, s, PREFETCH, priority=1 + depth)
-                self.prefetches += 1
+        blocked, held = self.blocked, self._held
+        try:
+            for layer, pred in pending:
+                for s in self.table[layer, pred].tolist():
+                    if s >= 0 and not blocked[s]:
+                        blocked[s] = True
+                        held.append(s)
+            for depth, (layer, pred) in enumerate(pending):
+                row = self.table[layer]
+                for e in pred.tolist():
+                    if row[e] >= 0:
+                        continue  # resident or already on its way
+                    s = self._victim()
+                    if s < 0:
+                        return  # no dead slot: prefetch is optional, demand will fetch it
+                    self._claim(layer, e, s, PREFETCH, priority=base_priority + depth)
+                    self.prefetches += 1
+        finally:
+            blocked[held] = False
+            held.clear()
 
     # ------------------------------------------------------------------ the hot path
 
@@ -356,7 +423,11 @@ def attach(model, cache: StreamingExpertCache) -> None:
     next :meth:`StreamingExpertCache.acquire`, after L's own slots are held).
     The decoder's arithmetic is untouched: the wrapper only observes ``x``.
     """
-    cache.set_routers([getattr(lw, "router", None) for lw in model.layers])
+    cache.set_routers(
+        [getattr(lw, "router", None) for lw in model.layers],
+        [getattr(lw, "post_attn_norm", None) for lw in model.layers],
+    )
+    model.layer_hook = cache.preroute
     routed = model._routed
 
     def _routed(i: int, lw, x: np.ndarray) -> np.ndarray:

@@ -8,7 +8,11 @@ Built by ``setup.py`` (it discovers every ``_*_build.py``) or in place with
 - ``czyx_mmap_copy``: ``madvise(MADV_WILLNEED)`` over a mapped range, then
   ``memcpy`` into the destination in 1 MiB steps;
 - ``czyx_uring_*``: io_uring through the raw system calls (no liburing
-  needed), ``IORING_OP_READ`` at a chosen queue depth, short reads resubmitted.
+  needed), ``IORING_OP_READ`` at a chosen queue depth, short reads resubmitted;
+- ``czyx_pool_*``: the native read pool (``readpool.c``, next to this file):
+  POSIX reader threads that run those kernels without the GIL, a priority
+  heap of queued reads, per-read completion and source-identity checks
+  (:mod:`store.readpool`).
 
 Every transfer is a ``czyx_xfer``: the kernels fill ``done`` (bytes read),
 ``err`` (``0`` or ``-errno``) and two ``CLOCK_MONOTONIC`` stamps, the first
@@ -18,6 +22,8 @@ the GIL around every call, so reader threads overlap.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from cffi import FFI
 
@@ -38,6 +44,24 @@ void czyx_uring_close(czyx_ring *r);
 unsigned czyx_uring_entries(czyx_ring *r);
 int64_t czyx_uring_read(czyx_ring *r, int fd, int direct, int64_t align, czyx_xfer *xs,
                         int64_t n);
+
+typedef struct {
+    int64_t offset; int64_t length; char *buf;
+    int64_t done; int64_t err; int64_t t_start_ns; int64_t t_first_ns; int64_t t_done_ns;
+    int64_t seq; int32_t src; int32_t priority; int32_t state; int32_t demand;
+} czyx_job;
+typedef struct czyx_pool czyx_pool;
+czyx_pool *czyx_pool_new(int n_jobs, int n_threads, unsigned uring_entries, int *err);
+void czyx_pool_free(czyx_pool *p);
+int czyx_pool_add_source(czyx_pool *p, int kind, int fd, int direct, int64_t align, int id_fd,
+                         const char *map, int64_t map_size, uint64_t dev, uint64_t ino,
+                         int64_t size, int64_t mtime_ns, const char *path);
+int czyx_pool_submit(czyx_pool *p, int j, int src, int64_t offset, int64_t length, char *buf,
+                     int priority, int demand);
+int czyx_pool_wait(czyx_pool *p, int j);
+int czyx_pool_state(czyx_pool *p, int j);
+czyx_job *czyx_pool_job(czyx_pool *p, int j);
+void czyx_pool_pause(czyx_pool *p, int paused);
 """
 
 SOURCE = r"""
@@ -287,9 +311,17 @@ int64_t czyx_uring_read(czyx_ring *r, int fd, int direct, int64_t align, czyx_xf
 }
 """
 
+# The pool's C lives in its own file; cffi runs this builder with __file__ set.
+POOL_SOURCE = (Path(__file__).resolve().parent / "readpool.c").read_text()
+
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
-ffibuilder.set_source("store._iopaths", SOURCE, extra_compile_args=["-O2", "-std=gnu99"])
+ffibuilder.set_source(
+    "store._iopaths",
+    SOURCE + POOL_SOURCE,
+    extra_compile_args=["-O2", "-std=gnu99", "-pthread"],
+    extra_link_args=["-pthread"],
+)
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

@@ -77,6 +77,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--lookahead", type=int, default=1, help="sparse layers predicted ahead (default 1)"
     )
     p.add_argument(
+        "--no-early",
+        action="store_true",
+        help="no early routing: predict a layer's experts by look-ahead only, not also from "
+        "the residual stream entering it",
+    )
+    p.add_argument(
         "--prefetch-width",
         type=int,
         default=None,
@@ -165,6 +171,7 @@ def _stream_options(args: argparse.Namespace):
         prefetch=not args.no_prefetch,
         lookahead=args.lookahead,
         width=args.prefetch_width,
+        early=not args.no_early,
     )
     xray = None
     if args.xray:
@@ -197,6 +204,7 @@ def _write_xray(args: argparse.Namespace, engine, xray, stats) -> None:
             "expert_bytes": engine.expert_bytes,
             "prefetch": not args.no_prefetch,
             "lookahead": args.lookahead,
+            "early": not args.no_early,
         },
     )
     path = xray.write_json(args.xray, report)

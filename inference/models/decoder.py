@@ -209,6 +209,10 @@ class MoEDecoder:
         self.route_counts = np.zeros((cfg.n_layers, cfg.n_experts), np.int64)
         # Optional per-token recorder (czyx profile): None on the ordinary path.
         self.recorder: RouteRecorder | None = None
+        # Called as layer_hook(i, h) with the residual stream entering layer i, before
+        # its attention (the streaming cache predicts layer i's experts from it while
+        # the attention computes); None on the ordinary path.
+        self.layer_hook: Callable[[int, np.ndarray], None] | None = None
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
@@ -285,6 +289,8 @@ class MoEDecoder:
         positions = np.arange(start, start + t)
         h = take_rows(self.embed, tokens)
         for i, lw in enumerate(self.layers):
+            if self.layer_hook is not None:
+                self.layer_hook(i, h)
             x = rms_norm(h, lw.input_norm, cfg.rms_eps)
             h = h + self._attention(i, lw, x, kv, start, positions)
             x = rms_norm(h, lw.post_attn_norm, cfg.rms_eps)

@@ -20,7 +20,7 @@ from inference.planner import (
     TransferPlanner,
 )
 from inference.streaming import StreamingExpertCache, attach
-from store import iopaths
+from store import iopaths, readpool
 from store.errors import ChecksumError, ShortReadError
 from store.reader import aligned_empty
 from tests.inference.filemodel import FileConsumer, SyntheticExperts
@@ -45,36 +45,73 @@ def _planner(consumer, n=4, **kw):
     return TransferPlanner(consumer, slots, live, **kw), slots, live
 
 
+@pytest.fixture(autouse=True, params=["native", "python"])
+def readers(request, monkeypatch):
+    """Every test runs on both reader kinds: the native C pool and Python threads."""
+    if request.param == "python":
+        monkeypatch.setattr(readpool, "available", lambda: False)
+    elif not readpool.available():
+        pytest.fail("store._iopaths is not built: the native read pool cannot run")
+    return request.param
+
+
+class Gate:
+    """A slow device: reads wait until :meth:`set` (Python readers block in the
+    source, native pools are paused)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.pools: list[readpool.ReadPool] = []
+
+    def hook(self, pool: readpool.ReadPool) -> None:
+        self.pools.append(pool)
+        pool.pause(not self.event.is_set())
+
+    def set(self) -> None:
+        self.event.set()
+        for p in self.pools:
+            p.pause(False)
+
+    def clear(self) -> None:
+        self.event.clear()
+        for p in self.pools:
+            p.pause(True)
+
+
 @pytest.fixture
 def gate(monkeypatch):
-    """Every transfer source blocks until ``gate.set()`` (a slow device)."""
-    go = threading.Event()
+    """Every transfer blocks until ``gate.set()``."""
+    go = Gate()
     read = iopaths.TransferSource.read_into
 
     def slow(self, off, n, dest):
-        go.wait(10)
+        go.event.wait(10)
         return read(self, off, n, dest)
 
     monkeypatch.setattr(iopaths.TransferSource, "read_into", slow)
+    monkeypatch.setattr(readpool, "on_new_pool", [go.hook])
     yield go
     go.set()
 
 
 @pytest.mark.parametrize("io", IO_PATHS)
 @pytest.mark.parametrize("threads", [1, 2, 8])
-def test_transfers_land_verified_in_their_final_slot(synth, io, threads):
+def test_transfers_land_verified_in_their_final_slot(synth, io, threads, readers):
     p, slots, _ = _planner(synth, io=io, threads=threads)
     try:
+        assert (p.pool is not None) == (readers == "native")
         ts = [p.submit(1, e, e, kind=DEMAND) for e in range(4)]
         for e, t in enumerate(ts):
             p.wait(t)
             n = synth.info.expert_nbytes
             assert np.array_equal(slots[e][:n], synth.base.blobs[(1, e)])
             assert t.checksum_result == "ok" and t.used and t.source == io
+            assert (t.pool is not None) == (readers == "native")
             direct = io in ("direct", "io_uring")
             assert t.staging_copy_bytes == (0 if direct else t.completed_bytes)
             assert t.t_request <= t.t_start <= t.t_complete <= t.t_first_use + t.exposed_ns
         assert p.inflight == [None] * 4
+        assert not p._threads or readers == "python"  # native reads start no Python thread
     finally:
         p.close()
 
@@ -201,7 +238,9 @@ def test_in_flight_and_held_slots_are_never_victims(synth, gate):
         # Every unheld slot is in flight: a miss waits for them; it never overwrites one.
         threading.Timer(0.05, gate.set).start()
         s5 = int(cache.acquire(2, np.array([5]))[0])
-        assert all(t.done and t.checksum_result == "ok" for t in pre)
+        # Complete; a native read is verified at its first use, a Python one by its reader.
+        assert all(t.done and t.error is None for t in pre)
+        assert all(t.checksum_result in ("ok", "pending") for t in pre)
         assert s5 in [t.slot for t in pre] and s5 not in held
         # Three slots held now, one free: two more misses cannot both be placed.
         with pytest.raises(SlotInUseError, match="pinned or held"):
@@ -211,9 +250,44 @@ def test_in_flight_and_held_slots_are_never_victims(synth, gate):
         got = cache.acquire(1, np.array([3, 2]))
         for e, s in zip((3, 2), got.tolist()):
             assert np.array_equal(cache.slot_bytes(s)[:n], synth.base.blobs[(1, e)])
+            assert cache._xfer[s].checksum_result == "ok"  # verified before this use
         assert cache.predicted_correct == 2
         cache.release()
         cache.check()
+    finally:
+        cache.close()
+
+
+def test_early_routing_reads_the_layer_predicted_from_the_residual_stream(synth):
+    """preroute: the layer's own router, its norm folded in, on the stream entering it."""
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", threads=1)
+    router = np.eye(8, 5, dtype=np.float32)  # expert e < 5 responds to coordinate e
+    norm = np.array([0.1, 0.1, 1, 1, 1], np.float32)
+    cache.set_routers([router] * 3, [norm] * 3)
+    h = np.array([[3, 3, 1, 1, 0]], np.float32)  # raw top-2: {0, 1}; normed: {2, 3}
+    try:
+        for layer, experts in ((1, [2]), (0, [0, 1]), (2, [4])):  # (1, 2) used first
+            cache.acquire(layer, np.array(experts))
+            cache.release()
+        cache._reap()
+        cache.planner.drain()
+        victim = int(cache.table[0, 0])
+        cache.preroute(1, h)
+        # Expert 3 was read now; expert 2, resident and least recently used, was held
+        # while the victim was chosen: one prediction never evicts another.
+        assert cache.prefetches == 1 and cache.table[1, 2] >= 0
+        assert cache.table[1, 3] == victim and cache.table[0, 0] == -1
+        got = cache.acquire(1, np.array([3, 2]))
+        n = synth.info.expert_nbytes
+        for e, s in zip((3, 2), got.tolist()):
+            assert np.array_equal(cache.slot_bytes(s)[:n], synth.base.blobs[(1, e)])
+        assert cache.predicted_total == 2 and cache.predicted_correct == 2
+        cache.release()
+        off = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", early=False)
+        off.set_routers([router] * 3, [norm] * 3)
+        off.preroute(1, h)
+        assert off.prefetches == 0 and (off.table < 0).all()
+        off.close()
     finally:
         cache.close()
 
@@ -244,12 +318,16 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
         runs = [(io, 2, True, budget, 1, None) for io in IO_PATHS]
         runs += [("pread", t, p, budget, 1, None) for t in (1, 8) for p in (False, True)]
         runs += [("pread", 2, True, tight, 2, None), ("pread", 8, True, budget, 2, 1)]
-        runs = [(*r, "lru") for r in runs]
+        runs = [(*r, "lru", True) for r in runs] + [
+            ("pread", 2, True, budget, 1, None, "lru", False)
+        ]
         # The other eviction policies, with prefetch (whose reads also touch the policy).
         runs += [
-            ("pread", 2, True, b, 1, None, p) for p in ("decay", "slru") for b in (budget, tight)
+            ("pread", 2, True, b, 1, None, p, True)
+            for p in ("decay", "slru")
+            for b in (budget, tight)
         ]
-        for io, threads, prefetch, nbytes, depth, width, policy in runs:
+        for io, threads, prefetch, nbytes, depth, width, policy, early in runs:
             cache = StreamingExpertCache(
                 fc,
                 nbytes,
@@ -261,12 +339,23 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
                 prefetch=prefetch,
                 lookahead_depth=depth,
                 prefetch_width=width,
+                early=early,
             )
             m = cls(fc, cache)
             attach(m, cache)
-            got = _decode(m, m.new_kv(), tokens)
-            assert np.array_equal(got, want), (io, threads, prefetch, nbytes, depth, width, policy)
+            kv = m.new_kv()
+            got = [m.forward(np.array(tokens[:4]), kv)]
+            before = cache.predicted_total, cache.hits + cache.misses
+            got += [m.forward(np.array([tok]), kv) for tok in tokens[4:]]
+            run = (io, threads, prefetch, nbytes, depth, width, policy, early)
+            assert np.array_equal(np.stack(got), want), run
             assert cache.misses > 0 and (cache.prefetches > 0) == prefetch
+            # Decoding, early routing predicts every sparse layer, the first one of each
+            # token too; look-ahead alone never predicts the first.
+            predicted = cache.predicted_total - before[0]
+            lookups = cache.hits + cache.misses - before[1]
+            if prefetch:
+                assert (predicted == lookups) == early, (run, predicted, lookups)
             cache.check()
             cache.close()
     finally:

@@ -52,13 +52,19 @@ def test_xray_report_and_identical_text_on_every_path(store, capsys):
         run = report["run"]
         assert run["io_path"] == io and run["transfers"] > 0 and run["tokens"] > 0
         assert {t["source"] for t in report["transfers"]} == {io}
-        assert all(t["checksum"] == "ok" for t in report["transfers"])
+        # Every used read was verified; a wasted prefetch may never have been (native
+        # reads are verified at first use), but none failed.
+        used = [t for t in report["transfers"] if t["outcome"] != "wasted"]
+        assert used and all(t["checksum"] == "ok" for t in used)
+        assert all(t["checksum"] in ("ok", "pending") for t in report["transfers"])
         direct = io in ("direct", "io_uring")
         assert (run["staging_copy_bytes"] == 0) == direct
     for readers in ("1", "8"):
         out, _ = _run(capsys, "--cache-fraction", "0.3", "--readers", readers, "--lookahead", "2")
         assert out == want
     out, _ = _run(capsys, "--cache-fraction", "0.3", "--prefetch-width", "1")
+    assert out == want
+    out, _ = _run(capsys, "--cache-fraction", "0.3", "--no-early")
     assert out == want
 
 
