@@ -440,7 +440,7 @@ def certification(scratch: Path, io: str, full: bool, tokens: int, baseline: flo
         big.close()
     conf = (
         f"synthetic Mixtral {shape['layers']} layers x {shape['experts']} experts (top-2), "
-        f"{gib:.2f} GiB of experts, {tokens} decode tokens, 25% budget, `{io}`, 2 readers"
+        f"fp32, {gib:.2f} GiB of experts, {tokens} decode tokens, 25% budget, `{io}`, 2 readers"
     )
     return (conf, text, status), table
 

@@ -9,6 +9,9 @@ real descriptor, so the planner's I/O paths read a real file. The trunk stays
 in memory. Weights are scaled so the residual stream stays well conditioned
 (routing then depends on the token, as in a trained model, although its
 locality is whatever random weights give: say so when quoting results).
+Experts are float32 or float16 (``dtype``): real checkpoints ship 16-bit
+experts, which halve the bytes read per expert while the engine widens them
+to float32 per use.
 
 Making experts cheaply: a few random expert blobs are drawn once, and each
 expert is one of them times a distinct factor, so every extent (and
@@ -29,6 +32,7 @@ from store.consumer import ExpertExtent, ModelInfo
 from store.errors import ChecksumError, ShortReadError
 
 ALIGN = 4096
+_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
 
 
 def mixtral_config(
@@ -55,11 +59,14 @@ def mixtral_config(
 class SyntheticMoE:
     """The consumer over a block file written by :func:`create` (trunk in memory)."""
 
-    def __init__(self, path: Path, config: dict[str, Any], trunk: dict, off, sums) -> None:
+    def __init__(
+        self, path: Path, config: dict[str, Any], trunk: dict, off, sums, dtype: str = "f32"
+    ) -> None:
         self.path = Path(path)
         h, i = config["hidden_size"], config["intermediate_size"]
         self._h, self._i = h, i
-        nbytes = 3 * h * i * 4
+        self._dtype = _DTYPES[dtype]
+        nbytes = 3 * h * i * self._dtype.itemsize
         self.info = ModelInfo(
             arch="mixtral",
             config=config,
@@ -67,7 +74,7 @@ class SyntheticMoE:
             n_experts=config["num_local_experts"],
             expert_nbytes=nbytes,
             expert_slot_nbytes=-(-nbytes // ALIGN) * ALIGN,
-            expert_format="f32",
+            expert_format=dtype,
             selector=checksum(self.path.name.encode()).to_bytes(8, "little") * 4,
         )
         self._trunk = trunk
@@ -109,7 +116,7 @@ class SyntheticMoE:
 
     def expert_views(self, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         i, h = self._i, self._h
-        f = slot[: self.info.expert_nbytes].view(np.float32)
+        f = slot[: self.info.expert_nbytes].view(self._dtype)
         return (
             f[: i * h].reshape(i, h),
             f[i * h : 2 * i * h].reshape(i, h),
@@ -133,14 +140,19 @@ def create(
     vocab: int = 256,
     heads: int = 4,
     seed: int = 0,
+    dtype: str = "f32",
 ) -> SyntheticMoE:
     """Write a synthetic Mixtral MoE's experts to ``directory/experts.blk``; open it.
+
+    ``dtype`` is the experts' format, ``"f32"`` or ``"f16"``.
 
     Returns
     -------
     SyntheticMoE
         The consumer (close it when done; the file stays).
     """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
     cfg = mixtral_config(hidden, inter, layers, experts, top_k, vocab, heads)
     rng = np.random.default_rng(seed)
     f32 = np.float32
@@ -179,13 +191,16 @@ def create(
     off = np.zeros((layers, experts), np.int64)
     sums = np.zeros((layers, experts), np.uint64)
     buf = np.empty_like(pool[0])
+    out = buf if dtype == "f32" else np.empty(buf.shape, _DTYPES[dtype])
     try:
         for la in range(layers):
             for e in range(experts):
                 np.multiply(pool[(la * experts + e) % 3], f32(1.0 + 0.01 * e + 0.001 * la), out=buf)
-                ext = writer.write(buf)
+                if out is not buf:
+                    out[...] = buf
+                ext = writer.write(out)
                 off[la, e], sums[la, e] = ext.offset, ext.checksum
         writer.sync()
     finally:
         writer.close()
-    return SyntheticMoE(path, cfg, trunk, off, sums)
+    return SyntheticMoE(path, cfg, trunk, off, sums, dtype)

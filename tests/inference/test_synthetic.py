@@ -47,3 +47,21 @@ def test_streaming_cache_reads_the_block_file_directly(tmp_path):
     finally:
         cache.close()
         m.close()
+
+
+def test_float16_experts_stream_bit_identically_to_resident(tmp_path):
+    m = synthetic.create(tmp_path, hidden=32, inter=48, layers=2, experts=4, vocab=64, dtype="f16")
+    try:
+        assert m.info.expert_format == "f16" and m.expert_file_bytes == 2 * 4 * 3 * 32 * 48 * 2
+        gate, up, down = m.expert_views(np.zeros(m.info.expert_slot_nbytes, np.uint8))
+        assert gate.dtype == up.dtype == np.float16 and down.shape == (32, 48)
+        full = Engine(m)
+        want = full.prefill([1, 2, 3])
+        full.close()
+        tight = Engine(m, cache_bytes=2 * m.info.expert_slot_nbytes)
+        assert np.array_equal(tight.prefill([1, 2, 3]), want) and np.isfinite(want).all()
+        tight.close()
+        with pytest.raises(ValueError, match="dtype"):
+            synthetic.create(tmp_path / "x", dtype="f8")
+    finally:
+        m.close()
