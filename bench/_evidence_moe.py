@@ -445,6 +445,58 @@ def certification(scratch: Path, io: str, full: bool, tokens: int, baseline: flo
     return (conf, text, status), table
 
 
+def reader_kinds(consumer, io: str, tokens, prompt, files, rounds: int = 5):
+    """Native C readers vs Python reader threads, same runs otherwise: ``(text, table)``.
+
+    Decay eviction, 25% budget, synchronous and prefetch (look-ahead + early);
+    rounds alternate the four runs so other users' load hits them alike.
+    """
+    runs: dict[tuple[str, bool], list] = {}
+    for _ in range(rounds):
+        for native in (True, False):
+            for pf in (False, True):
+                for f in files:
+                    iop.drop_file_cache(f)
+                cfg = decoder_class(consumer.info.arch).parse_config(consumer.info)
+                c = StreamingExpertCache(
+                    consumer,
+                    budget25(consumer),
+                    cfg.top_k,
+                    cfg.n_sparse_experts,
+                    "decay",
+                    io=io,
+                    threads=2,
+                    prefetch=pf,
+                    native=native,
+                )
+                _, t = run_tokens(consumer, c, tokens, prompt)
+                c.planner.drain()
+                runs.setdefault(("C pool" if native else "Python threads", pf), []).append(
+                    (t, c.read_seconds)
+                )
+                c.close()
+    med = {
+        k: (float(np.median([x for r in v for x in r[0]])), float(np.median([r[1] for r in v])))
+        for k, v in runs.items()
+    }
+    lines = [
+        "| readers | run | ms/token (median) | exposed wait ms (median round) |",
+        "|---|---|---|---|",
+    ]
+    for (kind, pf), (ms, ex) in med.items():
+        lines.append(f"| {kind} | {'prefetch' if pf else 'sync'} | {ms:.2f} | {ex * 1e3:.1f} |")
+    parts = []
+    for pf in (False, True):
+        c_ms, c_ex = med[("C pool", pf)]
+        p_ms, p_ex = med[("Python threads", pf)]
+        parts.append(
+            f"{'prefetch' if pf else 'sync'}: {c_ms:.2f} vs {p_ms:.2f} ms/token "
+            f"({c_ms / p_ms:.2f}x), exposed {c_ex * 1e3:.0f} vs {p_ex * 1e3:.0f} ms "
+            f"({c_ex / p_ex if p_ex else 0:.2f}x)"
+        )
+    return "C pool vs Python threads, " + "; ".join(parts), "\n".join(lines)
+
+
 def shipped(scratch: Path, io: str, tokens: int, baseline: float):
     """The trained ``czyx-moe-stdlib``, mounted into a scratch store, on stdlib text."""
     try:
@@ -464,11 +516,12 @@ def shipped(scratch: Path, io: str, tokens: int, baseline: float):
         with open_model(st, "czyx-moe-stdlib@evidence", direct=True) as consumer:
             kib = consumer.info.expert_nbytes / 1024
             res = certify(consumer, io, toks, prompt, baseline, files, rounds=7)
+            readers = reader_kinds(consumer, io, toks, prompt, files)
     conf = (
         f"shipped czyx-moe-stdlib (trained, 4 layers x 16 experts, fp16, {kib:.0f} KiB "
         f"experts), 32-byte prompt + {tokens} teacher-forced bytes of `os.py`"
     )
-    return (conf, *res), None
+    return (conf, *res, readers), None
 
 
 def moe_rows(scratch: Path, *, io: str, full: bool, tokens: int | None, baseline: float):
@@ -484,8 +537,19 @@ def moe_rows(scratch: Path, *, io: str, full: bool, tokens: int | None, baseline
     got, why = shipped(scratch, io, 64, baseline)
     if got is None:
         s_text, s_status, s_conf, s_table = f"not run: {why}", "not run", "-", why
+        r_text, r_table = f"not run: {why}", why
     else:
-        s_conf, s_text, s_status, s_table = got
+        s_conf, s_text, s_status, s_table, (r_text, r_table) = got
+    rows.append(
+        (
+            "Reader threads",
+            "shipped model, 25% budget, decay eviction, sync and prefetch, 2 readers, "
+            f"`{io}`: native C pool vs Python threads, 5 alternating rounds",
+            r_text,
+            "measured",
+        )
+    )
+    details.append(("Reader threads: native C pool vs Python threads", r_table))
     rows.append(
         (
             "MoE certification",

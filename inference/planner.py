@@ -399,15 +399,23 @@ class TransferPlanner:
         if first:
             t.t_first_use = time.monotonic_ns()
         if t.pool is not None:
+            blocked = False
             if t.t_complete is None:
                 if not t.pool.done(t.slot, t.seq):
                     # Blocks without the GIL; a read no reader has started runs here.
                     t.pool.wait(t.slot)
+                    blocked = True
                 self._collect(t)
-            if first:  # the completion is stamped in C: exposed = how long after first use
-                t.exposed_ns = max(0, t.t_complete - t.t_first_use)
             if t.error is None and not t.verified:
                 self._verify(t)
+            if first:
+                # Blocked: the wait until the bytes were usable, verification included (as a
+                # Python reader's checksum is inside the event wait). Complete before first
+                # use: hidden, unless the C completion stamp is after the first use.
+                now = time.monotonic_ns()
+                t.exposed_ns = (
+                    now - t.t_first_use if blocked else max(0, t.t_complete - t.t_first_use)
+                )
         elif not t.event.is_set():
             t0 = time.monotonic_ns()
             if t.claim.acquire(False):

@@ -106,6 +106,9 @@ class StreamingExpertCache(ExpertCache):
         entering it (:meth:`preroute`), as well as by look-ahead.
     strict_deadlines
         A late transfer raises instead of counting a stall.
+    native
+        Reader kind (:class:`~inference.planner.TransferPlanner`): None, the
+        native C pool when built; False, Python threads.
     xray
         An :class:`inference.xray.XRay` to record into.
     """
@@ -125,6 +128,7 @@ class StreamingExpertCache(ExpertCache):
         prefetch_width: int | None = None,
         early: bool = True,
         strict_deadlines: bool = False,
+        native: bool | None = None,
         xray: XRay | None = None,
     ) -> None:
         super().__init__(consumer, budget_bytes, top_k, n_sparse_experts, policy)
@@ -152,6 +156,7 @@ class StreamingExpertCache(ExpertCache):
             self.blocked,
             io=io,
             threads=threads,
+            native=native,
             strict_deadlines=strict_deadlines,
             xray=xray,
         )

@@ -9,7 +9,9 @@ Per transfer: requested and completed bytes, source path and destination
 slot, request / start / first-byte / completion / first-use times (µs
 since the run began), prefetch lead, exposed wait, outcome (hidden,
 exposed, demand, wasted, failed), the evicted owner and the eviction
-reason, checksum result, deadline stall and error.
+reason, checksum result, deadline stall and error. The checksum result is
+``pending`` for a transfer read by the native pool and never used: its
+checksum is verified at first use, which a wasted prefetch never has.
 
 Per run: model bytes resident, bytes read per token, I/O time hidden versus
 exposed (the exposure equation, ``exposed = max(0, transfer - overlap)``:
