@@ -297,14 +297,19 @@ def render(rows, details, machine, io, args, elapsed) -> str:
         "- The MoE tables split the exposed wait by cause: demand reads (experts the "
         "prediction missed, or that a wasted prefetch evicted) versus prefetches still "
         "in flight when their layer came. Where compute covers the reads (the shipped "
-        "model), the exposed wait left is demand reads: cutting it needs better recall "
-        "and fewer wasted prefetches, not more reader overlap. Where reads outweigh "
-        "compute (the synthetic model), prefetches in flight carry part of it too: the "
-        "disk bounds it. Eviction policy is measured separately (`decay` rows, each "
-        "against its own synchronous run), so a better policy is not counted as hiding.",
-        "- Reader threads cost CPU (checksums, Python hand-offs) that, on 2 vCPUs, "
-        "competes with the decode itself: a configuration can lower the exposed wait and "
-        "still decode more slowly, which the MoE rows show separately.",
+        "model), what is left after look-ahead alone is mostly demand reads of experts "
+        "it did not predict, including every token's first layer, which no earlier layer "
+        "of the token predicts; early routing (each layer's router on the residual "
+        "stream entering it) predicts those too, and the look-ahead / prefetch rows "
+        "measure the difference. Where reads outweigh compute (the synthetic model), the "
+        "disk bounds the hiding, and a wasted prediction spends bandwidth a demand read "
+        "then lacks. Eviction policy is measured separately (`decay` rows, each against "
+        "its own synchronous run), so a better policy is not counted as hiding.",
+        "- Reader threads: with Python reader threads each completion needs the GIL, "
+        "which the decoding thread holds for most of its small numpy operations, so "
+        "prefetch slowed decode down; the native pool's C threads never take it (the "
+        "reader-threads row compares the two in the same run). On 2 vCPUs the readers' "
+        "system time still competes with the decode.",
         "- Timings on this machine move with other users' load (recorded above); rerun "
         "`python bench/evidence.py` for fresh figures and `--full` for the design's sizes "
         "(64 MiB-1 GiB layers, a 16-layer synthetic model of about 8 GiB).",
