@@ -54,9 +54,7 @@ def test_lazy_serves_what_eager_serves(mounted, tag):
         with pytest.raises(ValueError):
             lazy.trunk("nonsense", 0)
         for layer in range(lazy.info.n_layers):
-            want = sum(
-                r.record["len"] for (role, la), r in space.trunk.items() if la == layer
-            )
+            want = sum(r.record["len"] for (role, la), r in space.trunk.items() if la == layer)
             assert lazy.trunk_layer_nbytes(layer) == eager.trunk_layer_nbytes(layer) == want > 0
         with pytest.raises(ExpertIndexError):
             lazy.trunk_layer_nbytes(lazy.info.n_layers)
