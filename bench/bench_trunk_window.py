@@ -13,6 +13,7 @@ Usage::
     python bench/bench_trunk_window.py                # 32 tokens x 3 rounds, warm cache
     python bench/bench_trunk_window.py --full         # 128 tokens x 5 rounds
     python bench/bench_trunk_window.py --cold         # evict the trunk file before each token
+    python bench/bench_trunk_window.py --wide 1024    # a random Mixtral, 1024 wide (MiB layers)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._evidence_trunk import measure, table  # noqa: E402
+from bench._evidence_trunk import make_wide_checkpoint, measure, table  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--io", default="pread", help="expert I/O path (experts are prewarmed)")
     ap.add_argument("--windows", default="1,2", help="window sizes, comma-separated")
     ap.add_argument("--cold", action="store_true", help="drop the trunk file cache per token")
+    ap.add_argument(
+        "--wide", type=int, default=None, metavar="H", help="a random H-wide Mixtral instead"
+    )
+    ap.add_argument("--layers", type=int, default=4, help="layers of the --wide model")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     args = ap.parse_args(argv)
     tokens = args.tokens or (128 if args.full else 32)
@@ -48,11 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     windows = tuple(int(w) for w in args.windows.split(","))
     scratch = Path(tempfile.mkdtemp(prefix="trunkwin-", dir=args.dir))
     try:
-        runs, facts = measure(scratch, args.io, tokens, rounds, windows, args.cold)
+        model_dir = None
+        if args.wide:
+            model_dir = make_wide_checkpoint(scratch / "wide", args.wide, args.layers)
+        runs, facts = measure(scratch, args.io, tokens, rounds, windows, args.cold, model_dir)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    name = f"random Mixtral {args.wide} wide" if args.wide else "czyx-moe-stdlib"
     print(
-        f"czyx-moe-stdlib, {facts['n_layers']} layers; {tokens} tokens x {rounds} rounds; "
+        f"{name}, {facts['n_layers']} layers; {tokens} tokens x {rounds} rounds; "
         f"experts prewarmed (`{args.io}`); {'cold' if args.cold else 'warm'} trunk cache; "
         f"OPENBLAS_NUM_THREADS={facts['blas_threads']}; stored trunk bytes per layer "
         f"{facts['stored_layer_bytes']} (window-loaded {facts['window_layer_bytes']})"
