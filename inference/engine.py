@@ -61,7 +61,7 @@ def resolve_budget(
 
 
 class Engine:
-    """A model ready to run: trunk resident, routed experts behind a slot cache.
+    """A model ready to run: trunk resident (or windowed), routed experts behind a slot cache.
 
     Parameters
     ----------

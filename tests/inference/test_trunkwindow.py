@@ -223,3 +223,8 @@ def test_czyx_run_trunk_window_flag(mounted, tmp_path, capsys):
     assert window["peak_layers"] == 1 and window["loads"] > 3
     assert main([*base, "--trunk-window", "0"]) == 1
     assert "--trunk-window 0" in capsys.readouterr().err
+    # A saved session runs through the same windowed forward pass.
+    session = ["--session", "s", "--tenant", "alice", "--trunk-window", "2"]
+    assert main([*base, *session]) == 0
+    err = capsys.readouterr().err
+    assert "session s@1 (started)" in err and "trunk window: 2 of 3 layers" in err
