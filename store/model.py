@@ -38,6 +38,7 @@ from store.mount_errors import ExpertIndexError, MissingTrunkRoleError, ModelSpa
 from store.quant.codec import expert_parts, trunk_tensor
 from store.quant.errors import QuantError
 from store.quant.formats import get_format, is_quant_format
+from store.widen import widen
 
 _NO_BLOCK = -1
 
@@ -334,7 +335,9 @@ class StoreModel:
                 raw = self._read_lazy(ref)
                 if "qfmt" in ref.record:
                     return trunk_tensor(ref.record, raw)[0]
-                return to_float32(_as_dtype(raw, ref), ref.dtype)
+                if ref.dtype == "F32":  # the fresh read buffer is already the tensor
+                    return _as_dtype(raw, ref)
+                return widen(_as_dtype(raw, ref), ref.dtype)  # to_float32's bits, in C
             if role not in ALL_ROLES:
                 raise ValueError(f"trunk role {role!r} is not one of {ALL_ROLES}") from None
             where = "" if role in ALL_GLOBAL_ROLES else f" at layer {layer}"
