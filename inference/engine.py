@@ -17,6 +17,7 @@ from inference.errors import CacheBudgetError
 from inference.models import DecoderConfig, decoder_class
 from inference.profile import RoutingProfile
 from inference.streaming import StreamingExpertCache, StreamOptions, attach
+from inference.trunkwindow import TrunkWindowStats
 from inference.xray import XRay
 from store.consumer import ModelConsumer
 
@@ -60,7 +61,7 @@ def resolve_budget(
 
 
 class Engine:
-    """A model ready to run: trunk resident, routed experts behind a slot cache.
+    """A model ready to run: trunk resident (or windowed), routed experts behind a slot cache.
 
     Parameters
     ----------
@@ -81,6 +82,11 @@ class Engine:
         look-ahead prefetch); None: the synchronous :class:`ExpertCache`.
     xray
         An :class:`inference.xray.XRay` recording every transfer (with ``stream``).
+    trunk_window
+        Hold at most this many layers' big trunk matrices, reading the next
+        layer while one computes (:class:`~inference.trunkwindow.TrunkWindow`);
+        the consumer should then be opened with ``lazy_trunk=True``. None: the
+        whole trunk resident.
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class Engine:
         pin_classes: tuple[int, int] | None = None,
         stream: StreamOptions | None = StreamOptions(),  # noqa: B008 - frozen, shared safely
         xray: XRay | None = None,
+        trunk_window: int | None = None,
     ) -> None:
         cls = decoder_class(consumer.info.arch)
         cfg = cls.parse_config(consumer.info)
@@ -120,7 +127,11 @@ class Engine:
                 strict_deadlines=stream.strict_deadlines,
                 xray=xray,
             )
-        self.model = cls(consumer, self.cache)
+        try:
+            self.model = cls(consumer, self.cache, trunk_window=trunk_window)
+        except BaseException:
+            self.cache.close()  # the cache's reader threads must not outlive a failed open
+            raise
         if stream is not None:
             attach(self.model, self.cache)
         self.cfg = self.model.cfg
@@ -159,6 +170,11 @@ class Engine:
         """The expert cache's counters."""
         return self.cache.stats()
 
+    def trunk_window_stats(self) -> TrunkWindowStats | None:
+        """The trunk window's counters, or None when the whole trunk is resident."""
+        return self.model.window_stats()
+
     def close(self) -> None:
-        """Release the cache arena (the consumer is the caller's to close)."""
+        """Stop the trunk window, release the cache arena (the consumer is the caller's)."""
+        self.model.close()
         self.cache.close()

@@ -5,7 +5,10 @@ needs four things from the store, and nothing else:
 
 1. open a model version through a portal (``open_model``, implemented by the
    store; the portal must carry the ``infer`` right);
-2. get trunk tensors by role and layer (``trunk``), resident for the run;
+2. get trunk tensors by role and layer (``trunk``), resident for the run
+   (or, where the engine opened the model with the store's optional
+   ``lazy_trunk`` mode, per-layer tensors read and verified on each call, so
+   an engine can hold only a window of layers: ``inference.trunkwindow``);
 3. resolve an expert ``(layer, router_byte)`` to its extent and read it into
    a caller-owned slot (``expert_extent`` once per expert at plan time is
    arithmetic on the layout; ``read_expert`` does one raw read, verified);
@@ -89,7 +92,8 @@ class ModelConsumer(Protocol):
         ...
 
     def trunk(self, role: str, layer: int | None = None) -> np.ndarray:
-        """The tensor of ``role`` (at ``layer``), as float32, resident."""
+        """The tensor of ``role`` (at ``layer``), as float32: resident, or in a
+        lazy-trunk consumer a per-layer tensor read and verified by this call."""
         ...
 
     def expert_extent(self, layer: int, router_byte: int) -> ExpertExtent:
@@ -118,3 +122,6 @@ class ModelConsumer(Protocol):
 #   tokenizer_json() -> str | None
 #       the checkpoint's tokenizer.json as mounted (None: the model has none,
 #       use bytes). ``inference.tokenizer.tokenizer_for`` does this lookup.
+#   trunk_layer_nbytes(layer) -> int
+#       stored bytes of one layer's trunk tensors (what a trunk window reads
+#       per layer); reads nothing.

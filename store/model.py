@@ -2,7 +2,8 @@
 
 Scope: resolving a model version (a tag, hex selector or selector; adapters
 over their base) once at open into flat numpy tables, then serving trunk
-tensors (resident, float32) and expert extents (raw reads into caller slots,
+tensors (resident, float32; or, with ``lazy_trunk``, per-layer tensors read
+and verified on each call) and expert extents (raw reads into caller slots,
 checksum verified). Everything that needs a dict, an LMDB transaction or the
 manifest happens in :func:`open_model`; per fetch there is only arithmetic on
 ``int64`` tables indexed ``[layer, router byte]`` (the class permutation and
@@ -35,7 +36,9 @@ from store.expert_layout import layout_from_manifest
 from store.mount import ADAPTER_KIND, MODEL_KIND, TRUNK_KIND, resolve
 from store.mount_errors import ExpertIndexError, MissingTrunkRoleError, ModelSpaceError
 from store.quant.codec import expert_parts, trunk_tensor
-from store.quant.formats import is_quant_format
+from store.quant.errors import QuantError
+from store.quant.formats import get_format, is_quant_format
+from store.widen import widen
 
 _NO_BLOCK = -1
 
@@ -171,13 +174,21 @@ class ModelSpace:
                 f"model {self.selector.hex()}: no extent for layer {sparse[layer]} expert {byte}"
             )
 
-    def read_trunk_raw(self, ref: TrunkRef) -> np.ndarray:
-        """The verified bytes of one trunk tensor (``uint8``)."""
+    def read_trunk_raw(self, ref: TrunkRef, reader: Any = None) -> np.ndarray:
+        """The verified bytes of one trunk tensor (``uint8``).
+
+        ``reader``: an open reader on ``ref.space``'s block file (the lazy
+        trunk keeps one per space); ``None`` opens (and verifies) one for this
+        read. Either way the bytes are checked against the record's checksum.
+        """
         rec = ref.record
         buf = np.empty(rec["len"], np.uint8)
-        with self.store.open_reader(ref.space) as reader:
-            if rec["len"]:
-                reader.read_into(rec["off"], buf)
+        if reader is None:
+            with self.store.open_reader(ref.space) as opened:
+                if rec["len"]:
+                    opened.read_into(rec["off"], buf)
+        elif rec["len"]:
+            reader.read_into(rec["off"], buf)
         if checksum(buf) != rec["sum"]:
             raise ChecksumError(
                 f"trunk {rec['role']} layer {rec['layer']}: checksum mismatch "
@@ -192,10 +203,23 @@ class StoreModel:
     Obtain with :func:`open_model`. Trunk tensors are read, verified and
     widened to float32 at open; expert reads go straight from block files into
     the caller's slots.
+
+    With ``lazy_trunk`` the per-layer trunk tensors (roles with a layer index)
+    are not read at open: :meth:`trunk` and :meth:`trunk_quantized` read,
+    verify and convert them on every call, and the caller owns (and frees) the
+    result. That is for engines whose trunk does not fit their memory budget
+    (``inference.trunkwindow``); the global roles and the tokenizer stay as in
+    the eager mode.
     """
 
     def __init__(
-        self, store: Any, ref: str | Selector, *, view: Any = None, direct: bool = False
+        self,
+        store: Any,
+        ref: str | Selector,
+        *,
+        view: Any = None,
+        direct: bool = False,
+        lazy_trunk: bool = False,
     ) -> None:
         space = ModelSpace(store, ref)
         self._space = space
@@ -231,8 +255,23 @@ class StoreModel:
         # and their dequantized float32 for callers that know nothing of formats.
         self._packed: dict[tuple[str, int | None], tuple] = {}
         self._tokenizer_ref = space.trunk.get((TOKENIZER_ROLE, None))
+        # Lazy mode: per-layer refs, read on demand through one reader per trunk
+        # space (opened and identity-checked here, so a replaced block file is an
+        # error at open, and later reads need no LMDB transaction: they may run on
+        # a loader thread).
+        self._lazy: dict[tuple[str, int | None], TrunkRef] = {}
+        self._trunk_readers: dict[bytes, Any] = {}
+        self._layer_nbytes = np.zeros(space.n_layers, np.int64)
+        for k, r in space.trunk.items():
+            if k[0] != TOKENIZER_ROLE and k[1] is not None:
+                self._layer_nbytes[k[1]] += r.record["len"]
         for k, r in space.trunk.items():
             if k[0] == TOKENIZER_ROLE:
+                continue
+            if lazy_trunk and k[1] is not None:
+                self._lazy[k] = r
+                if r.space.raw not in self._trunk_readers:
+                    self._trunk_readers[r.space.raw] = store.open_reader(r.space)
                 continue
             raw = space.read_trunk_raw(r)
             if "qfmt" in r.record:
@@ -256,15 +295,49 @@ class StoreModel:
             return None
         return self._space.read_trunk_raw(self._tokenizer_ref).tobytes().decode("utf-8")
 
+    @property
+    def lazy_trunk(self) -> bool:
+        """Whether per-layer trunk tensors are read on each call (not resident)."""
+        return bool(self._lazy)
+
     def has_trunk(self, role: str, layer: int | None = None) -> bool:
-        """Whether the model has ``role`` (at ``layer``)."""
-        return (role, layer) in self._trunk
+        """Whether the model has ``role`` (at ``layer``); reads nothing."""
+        return (role, layer) in self._trunk or (role, layer) in self._lazy
+
+    def trunk_layer_nbytes(self, layer: int) -> int:
+        """Stored bytes of ``layer``'s trunk tensors (all its roles, as mounted).
+
+        What one layer's trunk costs to read; the float32 resident form of an
+        f16/bf16 checkpoint is twice that.
+        """
+        if not 0 <= layer < self.info.n_layers:
+            raise ExpertIndexError(f"layer {layer} outside {self.info.n_layers} layers")
+        return int(self._layer_nbytes[layer])
+
+    def _read_lazy(self, ref: TrunkRef) -> np.ndarray:
+        reader = self._trunk_readers.get(ref.space.raw)
+        if reader is None:
+            raise ModelSpaceError("the model is closed: its trunk cannot be read")
+        return self._space.read_trunk_raw(ref, reader)
 
     def trunk(self, role: str, layer: int | None = None) -> np.ndarray:
-        """The float32 tensor of ``role`` at ``layer`` (``None`` for global roles)."""
+        """The float32 tensor of ``role`` at ``layer`` (``None`` for global roles).
+
+        Eager mode: the resident, read-only array. Lazy mode, per-layer roles:
+        a new array read and verified now (``ChecksumError``,
+        ``ShortReadError``, ``ReadIOError`` on a bad read, never other bytes).
+        """
         try:
             return self._trunk[(role, layer)]
         except KeyError:
+            ref = self._lazy.get((role, layer))
+            if ref is not None:
+                raw = self._read_lazy(ref)
+                if "qfmt" in ref.record:
+                    return trunk_tensor(ref.record, raw)[0]
+                if ref.dtype == "F32":  # the fresh read buffer is already the tensor
+                    return _as_dtype(raw, ref)
+                return widen(_as_dtype(raw, ref), ref.dtype)  # to_float32's bits, in C
             if role not in ALL_ROLES:
                 raise ValueError(f"trunk role {role!r} is not one of {ALL_ROLES}") from None
             where = "" if role in ALL_GLOBAL_ROLES else f" at layer {layer}"
@@ -274,9 +347,16 @@ class StoreModel:
         """``(packed uint8 buffer, QuantFormat, shape)`` of a quantized trunk tensor, else None.
 
         The optional consumer extension the engine uses to run its kernels on
-        the packed bytes (``store/quant/README.md``).
+        the packed bytes (``store/quant/README.md``). In lazy mode a per-layer
+        quantized tensor is read and verified on each call (not dequantized).
         """
-        return self._packed.get((role, layer))
+        ref = self._lazy.get((role, layer))
+        if ref is None or "qfmt" not in ref.record:
+            return self._packed.get((role, layer))
+        shape = ref.shape
+        if len(shape) != 2:
+            raise QuantError(f"quantized trunk tensor of shape {shape}: only matrices are")
+        return self._read_lazy(ref), get_format(str(ref.record["qfmt"])), (shape[0], shape[1])
 
     # -- experts -----------------------------------------------------------------------
     def _check(self, layer: int, router_byte: int) -> int:
@@ -347,10 +427,13 @@ class StoreModel:
         )
 
     def close(self) -> None:
-        """Close the block file readers."""
+        """Close the block file readers (the lazy trunk's too)."""
         for r in self._readers:
             r.close()
         self._readers = []
+        for r in self._trunk_readers.values():
+            r.close()
+        self._trunk_readers = {}
 
     def __enter__(self) -> StoreModel:
         return self
@@ -364,7 +447,12 @@ def _as_dtype(buf: np.ndarray, ref: TrunkRef) -> np.ndarray:
 
 
 def open_model(
-    store: Any, tag_or_selector: str | Selector, *, view: Any = None, direct: bool = False
+    store: Any,
+    tag_or_selector: str | Selector,
+    *,
+    view: Any = None,
+    direct: bool = False,
+    lazy_trunk: bool = False,
 ) -> StoreModel:
     """Open a mounted model version for inference.
 
@@ -382,12 +470,16 @@ def open_model(
         there is no path to a model's experts that bypasses the portals.
     direct
         Read experts with ``O_DIRECT`` (slots must then be 4096-aligned).
+    lazy_trunk
+        Do not read per-layer trunk tensors at open: each ``trunk`` /
+        ``trunk_quantized`` call reads and verifies one (for a trunk that does
+        not fit the memory budget, see ``inference.trunkwindow``).
     """
     if view is None:
         import portals
 
         view = portals.open_model(store, portals.root_token(store), tag_or_selector)
-    model = StoreModel(store, tag_or_selector, view=view, direct=direct)
+    model = StoreModel(store, tag_or_selector, view=view, direct=direct, lazy_trunk=lazy_trunk)
     if view is not None and getattr(view, "space", model._space.selector) != model._space.selector:
         model.close()
         raise ModelSpaceError("the portal's view is onto another space than this model")

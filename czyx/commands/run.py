@@ -3,7 +3,8 @@
 The model is opened only through a portal carrying the ``infer`` right
 (``portals.open_model`` gives the checked view, ``store.model.open_model`` the
 consumer, with O_DIRECT expert reads; no ``--portal`` means the store owner's
-root portal); the trunk is loaded resident and routed experts
+root portal); the trunk is loaded resident (or, with ``--trunk-window K``,
+only K layers' big matrices at a time, the next read while one computes) and routed experts
 stream through the slot cache sized by ``--cache-mb`` or ``--cache-fraction``
 (default: every expert resident), read by the transfer planner
 (``--io`` path, ``--readers`` threads, look-ahead prefetch unless
@@ -16,6 +17,7 @@ wait) follow on stderr so the text stays clean for pipes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -91,6 +93,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--xray", metavar="FILE", help="write the X-Ray transfer report (JSON) and print a summary"
     )
+    p.add_argument(
+        "--trunk-window",
+        type=int,
+        metavar="K",
+        default=None,
+        help="hold at most K layers' trunk matrices, reading the next layer while one "
+        "computes (for a trunk that does not fit memory; default: whole trunk resident)",
+    )
     add_store_arg(p)
     p.add_argument(
         "--session",
@@ -111,7 +121,9 @@ class OpenedModel:
     and the store.
     """
 
-    def __init__(self, store_dir: str, ref: str, token: str | None) -> None:
+    def __init__(
+        self, store_dir: str, ref: str, token: str | None, *, lazy_trunk: bool = False
+    ) -> None:
         from inference.errors import InferenceError
 
         try:
@@ -127,7 +139,9 @@ class OpenedModel:
             # No token: the owner's root portal (local use); a tenant passes theirs.
             token = token or portals.root_token(self.store)
             view = portals.open_model(self.store, token, ref)
-            self.consumer = open_model(self.store, ref, view=view, direct=True)
+            self.consumer = open_model(
+                self.store, ref, view=view, direct=True, lazy_trunk=lazy_trunk
+            )
         except BaseException:
             self.store.close()
             raise
@@ -187,25 +201,23 @@ def _write_xray(args: argparse.Namespace, engine, xray, stats) -> None:
     from inference.xray import table
 
     engine.cache.planner.drain()
-    model = engine.model
-    arrays = {id(a): a for a in (model.embed, model.final_norm, model.lm_head)}
-    for lw in model.layers:
-        for name in lw.__slots__:
-            a = getattr(lw, name)
-            if a is not None:
-                arrays[id(a)] = a
+    extra = {
+        "model": args.ref,
+        "budget_bytes": engine.budget_bytes,
+        "expert_bytes": engine.expert_bytes,
+        "prefetch": not args.no_prefetch,
+        "lookahead": args.lookahead,
+        "early": not args.no_early,
+    }
+    window = engine.trunk_window_stats()
+    if window is not None:
+        extra["trunk_window"] = dataclasses.asdict(window)
     report = xray.report(
         engine.cache,
         tokens=stats.prompt_tokens + stats.decode_steps,
-        trunk_bytes=sum(a.nbytes for a in arrays.values()),
-        extra={
-            "model": args.ref,
-            "budget_bytes": engine.budget_bytes,
-            "expert_bytes": engine.expert_bytes,
-            "prefetch": not args.no_prefetch,
-            "lookahead": args.lookahead,
-            "early": not args.no_early,
-        },
+        # With a trunk window: the small per-layer tensors plus the window's peak.
+        trunk_bytes=engine.model.trunk_nbytes(),
+        extra=extra,
     )
     path = xray.write_json(args.xray, report)
     print(table(report), file=sys.stderr)
@@ -224,7 +236,10 @@ def run(args: argparse.Namespace) -> int:
     pin = parse_class_range(args.pin_classes)
     if args.max_tokens < 0:
         raise ValueError(f"--max-tokens {args.max_tokens} is negative")
-    opened = OpenedModel(store_dir(args), args.ref, args.portal)
+    if args.trunk_window is not None and args.trunk_window < 1:
+        raise ValueError(f"--trunk-window {args.trunk_window} must be at least 1")
+    windowed = args.trunk_window is not None
+    opened = OpenedModel(store_dir(args), args.ref, args.portal, lazy_trunk=windowed)
     consumer = opened.consumer
     try:
         cache_bytes = None if args.cache_mb is None else int(args.cache_mb * 2**20)
@@ -242,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
             pin_classes=pin,
             stream=stream,
             xray=xray,
+            trunk_window=args.trunk_window,
         )
         tokenizer = tokenizer_for(consumer, engine.cfg.vocab_size)
 
@@ -251,6 +267,8 @@ def run(args: argparse.Namespace) -> int:
 
         if args.session:
             _run_session(args, opened.store, engine, tokenizer, sampling, emit)
+            if engine.trunk_window_stats() is not None:
+                print(engine.trunk_window_stats().summary(), file=sys.stderr)
             engine.close()
             return 0
         out = generate(engine, tokenizer, args.prompt, args.max_tokens, sampling, on_text=emit)
@@ -263,6 +281,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         print(out.stats.summary(), file=sys.stderr)
+        window = engine.trunk_window_stats()
+        if window is not None:
+            print(window.summary(), file=sys.stderr)
         if xray is not None:
             _write_xray(args, engine, xray, out.stats)
         engine.close()

@@ -1,7 +1,9 @@
 """The generic MoE decoder: the forward pass every supported architecture shares.
 
 Scope: reading a config into a :class:`DecoderConfig`, loading the resident
-trunk through the consumer by role, and the pre-norm decoder loop
+trunk through the consumer by role (or, with ``trunk_window``, its small
+tensors resident and its big matrices through a
+:class:`~inference.trunkwindow.TrunkWindow`), and the pre-norm decoder loop
 (attention with a KV cache, then a routed-expert MLP) with hooks an
 architecture overrides: :meth:`MoEDecoder.post_qkv` (q/k norms, clipping),
 :meth:`MoEDecoder.routed_extra` (a shared expert) and
@@ -45,6 +47,7 @@ from inference.models.base import (
     swiglu_fused,
 )
 from inference.profile import RouteRecorder
+from inference.trunkwindow import TrunkWindow, TrunkWindowStats
 from store.consumer import ModelConsumer, ModelInfo
 
 
@@ -138,9 +141,10 @@ def common_config(
 
 
 class Layer:
-    """The resident trunk tensors of one decoder layer, by role (None when absent)."""
+    """The trunk tensors of one decoder layer, by role (None when absent), and its index."""
 
     __slots__ = (
+        "index",
         "input_norm",
         "k_bias",
         "k_norm",
@@ -162,9 +166,17 @@ class Layer:
         "v_proj",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = -1) -> None:
         for name in self.__slots__:
             setattr(self, name, None)
+        self.index = index
+
+    def arrays(self) -> list[Weight]:
+        """The tensors it holds (every role that is not None)."""
+        return [w for name in ROLE_SLOTS if (w := getattr(self, name)) is not None]
+
+
+ROLE_SLOTS = Layer.__slots__[1:]  # every slot but "index"
 
 
 class MoEDecoder:
@@ -173,6 +185,16 @@ class MoEDecoder:
     Subclasses set :attr:`arch`, implement :meth:`parse_config`, and list in
     :attr:`required_roles` / :attr:`optional_roles` the per-layer trunk roles
     they use.
+
+    With ``trunk_window=K`` the per-layer roles in :attr:`window_roles` (the
+    big matrices: attention projections, dense and shared-expert MLPs) are
+    not held: at most K layers of them are, in a
+    :class:`~inference.trunkwindow.TrunkWindow` that reads layer ``i + 1``
+    while layer ``i`` computes (give it a consumer opened with
+    ``lazy_trunk=True``, or nothing is saved). :attr:`layers` then holds
+    each layer's small tensors only (norms, routers, biases, gates): the
+    streaming cache's look-ahead needs every layer's router and norm at any
+    time, and they are ``E x H`` and ``H`` floats.
     """
 
     arch: ClassVar[str] = ""
@@ -187,8 +209,24 @@ class MoEDecoder:
     optional_roles: ClassVar[tuple[str, ...]] = ("q_bias", "k_bias", "v_bias")
     sparse_roles: ClassVar[tuple[str, ...]] = ("router",)
     dense_roles: ClassVar[tuple[str, ...]] = ("mlp_gate_proj", "mlp_up_proj", "mlp_down_proj")
+    window_roles: ClassVar[frozenset[str]] = frozenset(
+        (
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "mlp_gate_proj",
+            "mlp_up_proj",
+            "mlp_down_proj",
+            "shared_gate_proj",
+            "shared_up_proj",
+            "shared_down_proj",
+        )
+    )
 
-    def __init__(self, consumer: ModelConsumer, experts: ExpertCache) -> None:
+    def __init__(
+        self, consumer: ModelConsumer, experts: ExpertCache, trunk_window: int | None = None
+    ) -> None:
         self.consumer = consumer
         self.cfg = self.parse_config(consumer.info)
         self.experts = experts
@@ -199,7 +237,15 @@ class MoEDecoder:
             self.lm_head = self._trunk("lm_head", None, (cfg.vocab_size, cfg.hidden_size))
         else:  # tied embeddings
             self.lm_head = self.embed
-        self.layers = [self._load_layer(i) for i in range(cfg.n_layers)]
+        # None on the resident path: forward then pays one local test per layer.
+        self.trunk_window: TrunkWindow[Layer] | None = None
+        if trunk_window is None:
+            self.layers = [self._load_layer(i) for i in range(cfg.n_layers)]
+        else:
+            self.layers = [self._load_layer(i, self.window_roles) for i in range(cfg.n_layers)]
+            self.trunk_window = TrunkWindow(
+                cfg.n_layers, trunk_window, self._window_layer, self._window_nbytes
+            )
         self.rotary = Rotary(cfg.rope)
         # Calibration hook: called as observer(input name, rows) with the input of
         # every matrix product (names of store.quant.names.input_key); None in
@@ -235,15 +281,21 @@ class MoEDecoder:
             raise MissingTensorError(f"{where} has shape {t.shape}, expected {shape}")
         return t
 
-    def _load_layer(self, i: int) -> Layer:
-        lw = Layer()
-        roles = self.required_roles + (
+    def _roles(self, i: int) -> tuple[str, ...]:
+        return self.required_roles + (
             self.sparse_roles if self.cfg.sparse_layers[i] else self.dense_roles
         )
-        for role in roles:
-            setattr(lw, role, self._trunk(role, i, None))
+
+    def _load_layer(self, i: int, skip: frozenset[str] = frozenset()) -> Layer:
+        """Layer ``i``'s tensors but those in ``skip`` (checked present, not read)."""
+        lw = Layer(i)
+        for role in self._roles(i):
+            if role not in skip:
+                setattr(lw, role, self._trunk(role, i, None))
+            elif not self.consumer.has_trunk(role, i):
+                raise MissingTensorError(f"the {self.arch} trunk has no role {role!r} of layer {i}")
         for role in self.optional_roles:
-            if self.consumer.has_trunk(role, i):
+            if role not in skip and self.consumer.has_trunk(role, i):
                 setattr(lw, role, self._trunk(role, i, None))
         if self.cfg.sparse_layers[i]:
             want = (self.cfg.n_experts, self.cfg.hidden_size)
@@ -252,6 +304,44 @@ class MoEDecoder:
                     f"router of layer {i} has shape {lw.router.shape}, expected {want}"
                 )
         return lw
+
+    def _window_layer(self, i: int) -> Layer:
+        """Layer ``i`` whole: its resident small tensors plus its big matrices, read now."""
+        base = self.layers[i]
+        lw = Layer(i)
+        for name in ROLE_SLOTS:
+            setattr(lw, name, getattr(base, name))
+        for role in self._roles(i) + self.optional_roles:
+            if role in self.window_roles and self.consumer.has_trunk(role, i):
+                setattr(lw, role, self._trunk(role, i, None))
+        return lw
+
+    def _window_nbytes(self, lw: Layer) -> int:
+        """Bytes of a window layer's own matrices (its small tensors are shared)."""
+        return sum(int(w.nbytes) for r in self.window_roles if (w := getattr(lw, r)) is not None)
+
+    def trunk_nbytes(self) -> int:
+        """Bytes of trunk tensors this decoder holds resident (each array once).
+
+        With a trunk window: the global tensors, every layer's small tensors,
+        plus the window's peak (the most its layers held at once).
+        """
+        arrays = {id(a): a for a in (self.embed, self.final_norm, self.lm_head)}
+        for lw in self.layers:
+            arrays.update((id(a), a) for a in lw.arrays())
+        total = sum(int(a.nbytes) for a in arrays.values())
+        if self.trunk_window is not None:
+            total += self.trunk_window.stats().peak_bytes
+        return total
+
+    def window_stats(self) -> TrunkWindowStats | None:
+        """The trunk window's counters, or None on the resident path."""
+        return None if self.trunk_window is None else self.trunk_window.stats()
+
+    def close(self) -> None:
+        """Stop the trunk window's loader and drop its layers (nothing on the resident path)."""
+        if self.trunk_window is not None:
+            self.trunk_window.close()
 
     # ------------------------------------------------------------------ hooks
 
@@ -288,7 +378,10 @@ class MoEDecoder:
         kv.reserve(start + t)
         positions = np.arange(start, start + t)
         h = take_rows(self.embed, tokens)
+        window = self.trunk_window
         for i, lw in enumerate(self.layers):
+            if window is not None:
+                lw = window.layer(i)  # waits for its read; starts the next one's
             if self.layer_hook is not None:
                 self.layer_hook(i, h)
             x = rms_norm(h, lw.input_norm, cfg.rms_eps)

@@ -61,6 +61,5 @@ class Qwen2MoeDecoder(MoEDecoder):
         """Add the gated shared expert."""
         observe = None
         if self.observer is not None:  # calibrating: name the shared expert's down input
-            i = next(k for k, layer in enumerate(self.layers) if layer is lw)
-            observe = self._observe(f"L{i}.shared.down_in")
+            observe = self._observe(f"L{lw.index}.shared.down_in")
         return routed + shared_expert(lw, x, observe)
