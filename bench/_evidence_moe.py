@@ -310,6 +310,7 @@ def certify(
     res = resident_cache(consumer)
     want, t_res = run_tokens(consumer, res, tokens, prompt)
     res.close()
+    del res  # the arena goes with the last reference (a --full model is ~8 GiB of it)
     trunk = sum(
         consumer.trunk(r, la).nbytes
         for r, la in [(r, None) for r in ("embed", "final_norm", "lm_head")]
@@ -435,6 +436,7 @@ def certification(scratch: Path, io: str, full: bool, tokens: int, baseline: flo
         res = resident_cache(big)
         toks = greedy(big, res, tokens)
         res.close()
+        del res  # free the resident arena before certify makes its own
         text, status, table = certify(big, io, toks, PROMPT, baseline, [big.path], rounds=5)
     finally:
         big.close()

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._evidence_dense import dense_rows  # noqa: E402
 from bench._evidence_moe import moe_rows  # noqa: E402
+from bench._evidence_trunk import trunk_rows  # noqa: E402
 from store import iobench  # noqa: E402
 from store import iopaths as iop  # noqa: E402
 
@@ -218,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows.extend(m_rows)
         details.extend(m_details)
+        print("trunk window ...", flush=True)
+        rows.append(trunk_rows(scratch, io, dev["best_direct"].bandwidth))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - t_start
@@ -243,7 +246,9 @@ ORDER = [
     "Numerical parity",
     "Failure injection",
     "Thread-count checks",
+    "Reader threads",
     "MoE certification",
+    "Trunk window",
 ]
 
 

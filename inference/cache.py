@@ -40,6 +40,7 @@ from inference.eviction import DecayPolicy, SLRUPolicy
 from inference.kernels.linear import packed_expert_from_views
 from store.consumer import ModelConsumer
 from store.quant.formats import is_quant_format
+from store.widen import widen_into
 
 ALIGN = 4096
 HUGE_PAGE = 2 * 1024 * 1024
@@ -234,13 +235,15 @@ def _float32_weights(
 
 
 def _convert_into(dst: np.ndarray, src: np.ndarray, fmt: str) -> None:
-    """Widen a slot view into a preallocated float32 array (exact for f16 and bf16)."""
-    if src.dtype in (np.float16, np.float32, np.float64):
+    """Widen a slot view into a preallocated float32 array (exact for f16 and bf16).
+
+    f16/bf16 go through the C kernel (:func:`store.widen.widen_into`, numpy's
+    bits for every input, several times faster than numpy's cast).
+    """
+    if src.dtype == np.float16 or (fmt == "bf16" and src.dtype == np.uint16):
+        widen_into(dst, src, "F16" if src.dtype == np.float16 else "BF16")
+    elif src.dtype in (np.float32, np.float64):
         np.copyto(dst, src, casting="same_kind")
-    elif fmt == "bf16" and src.dtype == np.uint16:
-        bits = dst.view(np.uint32)
-        np.copyto(bits, src)  # zero-extend, then the bf16 bits become the high half
-        bits <<= 16
     else:
         raise UnsupportedModelError(
             f"expert format {fmt!r} (view dtype {src.dtype}) has no float32 path "

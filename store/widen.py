@@ -67,6 +67,36 @@ def widen(array: np.ndarray, dtype: str) -> np.ndarray:
     return out
 
 
+def widen_into(out: np.ndarray, array: np.ndarray, dtype: str) -> None:
+    """Widen ``array`` (``F16`` or ``BF16``, as :func:`widen`) into float32 ``out``, exactly.
+
+    The expert cache's per-use path: ``out`` is preallocated, C-contiguous
+    float32 with as many elements as ``array``. Falls back to numpy without
+    the C kernel.
+
+    Raises
+    ------
+    ValueError
+        ``dtype`` is not F16/BF16, or the arrays do not match.
+    """
+    kernel = _KERNELS.get(dtype)
+    if kernel is None:
+        raise ValueError(f"widen_into: dtype {dtype!r} is not one of {sorted(_KERNELS)}")
+    if out.dtype != np.float32 or out.size != array.size or not out.flags.c_contiguous:
+        raise ValueError("widen_into: out must be C-contiguous float32 of the same size")
+    if _c is None:
+        _warn_fallback()
+        np.copyto(out, to_float32(array, dtype).reshape(out.shape))
+        return
+    src = np.ascontiguousarray(array).view(np.uint16)
+    ffi = _c.ffi
+    getattr(_c.lib, kernel)(
+        ffi.cast("const uint16_t *", ffi.from_buffer(src)),
+        ffi.cast("uint32_t *", ffi.from_buffer(out, require_writable=True)),
+        src.size,
+    )
+
+
 def _warn_fallback() -> None:
     global _warned
     if not _warned:

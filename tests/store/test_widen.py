@@ -48,3 +48,20 @@ def test_other_dtypes_and_the_fallback_are_numpys(monkeypatch):
     half = ALL16[:4096].view(np.float16)
     with pytest.warns(RuntimeWarning, match="widening kernel unavailable"):
         assert _same(widen(half, "F16"), to_float32(half, "F16"))
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_widen_into_a_preallocated_array(dtype, kernel, monkeypatch):
+    src = ALL16.reshape(256, 256)
+    arr = src.view(np.float16) if dtype == "F16" else src
+    if not kernel:
+        monkeypatch.setattr(widen_mod, "_c", None)
+        monkeypatch.setattr(widen_mod, "_warned", True)
+    out = np.full((256, 256), np.nan, np.float32)
+    widen_mod.widen_into(out, arr, dtype)
+    assert _same(out, to_float32(arr, dtype))
+    with pytest.raises(ValueError, match="same size"):
+        widen_mod.widen_into(out[:3], arr, dtype)
+    with pytest.raises(ValueError, match="dtype"):
+        widen_mod.widen_into(out, arr, "F32")
