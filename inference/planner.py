@@ -235,6 +235,7 @@ class TransferPlanner:
         self.pool: readpool.ReadPool | None = None
         if native is not False and readpool.available() and self.slots:
             self.pool = readpool.ReadPool(len(self.slots), self.n_threads)
+            self.pool.set_buffers(self.slots)
         self._pool_src: list[int] = []  # per source: its index in the native pool, or -1
 
     def _start_python_readers(self) -> None:
@@ -369,7 +370,6 @@ class TransferPlanner:
                     psrc,
                     int(self.offset[layer, expert]),
                     n,
-                    self.slots[slot],
                     priority=priority,
                     demand=kind == DEMAND,
                 )

@@ -165,7 +165,10 @@ class StreamingExpertCache(ExpertCache):
         self._next_sparse: list[int] = []
         self._held: list[int] = []
         self._pending: list[tuple[int, np.ndarray]] = []
-        self._predicted: dict[int, np.ndarray] = {}
+        # Predicted experts per layer since its last acquire (recall accounting and the
+        # distinct set to read): a mask, so neither needs a sort or a set operation.
+        self._predicted = np.zeros(self.table.shape, bool)
+        self._has_prediction = np.zeros(self.table.shape[0], bool)
         self.prefetches = self.prefetch_hits = 0
         self.predicted_total = self.predicted_correct = 0
 
@@ -230,12 +233,19 @@ class StreamingExpertCache(ExpertCache):
         self._issue_prefetch(base_priority=1)
 
     def _predict(self, layer: int, logits: np.ndarray) -> np.ndarray:
-        """The distinct top-``prefetch_width`` experts of ``logits`` ``[T, E]``, recorded."""
+        """The distinct top-``prefetch_width`` experts of ``logits`` ``[T, E]``, recorded.
+
+        Returns every expert predicted for ``layer`` since its last acquire
+        (those already read are resident or in flight, and skipped).
+        """
         k = min(self.prefetch_width, logits.shape[1])
-        pred = np.unique(np.argpartition(-logits, k - 1, axis=1)[:, :k])
-        old = self._predicted.get(layer)
-        self._predicted[layer] = pred if old is None else np.union1d(old, pred)
-        return pred
+        mask = self._predicted[layer]
+        if k == 1:
+            mask[logits.argmax(axis=1)] = True
+        else:
+            mask[np.argpartition(-logits, k - 1, axis=1)[:, :k]] = True
+        self._has_prediction[layer] = True
+        return np.flatnonzero(mask)
 
     def _issue_prefetch(self, base_priority: int = 2) -> None:
         """Read the pending predictions into dead slots, nearest layer first.
@@ -281,10 +291,12 @@ class StreamingExpertCache(ExpertCache):
             A transfer this layer depends on failed (its slot is unmapped first).
         """
         self._reap()
-        pred = self._predicted.pop(layer, None)
-        if pred is not None:
+        if self._has_prediction[layer]:
+            mask = self._predicted[layer]
             self.predicted_total += len(experts)
-            self.predicted_correct += int(np.isin(experts, pred).sum())
+            self.predicted_correct += int(mask[experts].sum())
+            mask[:] = False
+            self._has_prediction[layer] = False
         row = self.table[layer]
         out = self._out
         blocked = self.blocked

@@ -24,6 +24,7 @@ import numpy as np
 
 from store.errors import ReadIOError, ShortReadError, StoreError
 from store.iopaths import (
+    AlignmentError,
     DirectSource,
     IoUringSource,
     MmapSource,
@@ -95,6 +96,10 @@ class ReadPool:
         self._bufs: list[object] = [None] * self.n_jobs  # keeps each destination alive
         self._jobs = [_c.lib.czyx_pool_job(pool, j) for j in range(self.n_jobs)]
         self._wanted = np.zeros(self.n_jobs, np.int64)
+        # Registered destinations (set_buffers): pointer, address and size per job.
+        self._ptr: list[object] | None = None
+        self._addr: list[int] = []
+        self._size: list[int] = []
         for hook in on_new_pool:
             hook(self)
 
@@ -126,19 +131,41 @@ class ReadPool:
         self.sources.append(source)
         return int(idx)
 
+    def set_buffers(self, buffers: list[np.ndarray]) -> None:
+        """Register each job's destination once (the planner's slots): ``submit`` then
+        needs no buffer and does its alignment checks by arithmetic.
+
+        Raises
+        ------
+        ValueError
+            Not one writable, contiguous 1-D uint8 array per job.
+        """
+        if len(buffers) != self.n_jobs:
+            raise ValueError(f"{len(buffers)} buffers for {self.n_jobs} jobs")
+        for b in buffers:
+            if not isinstance(b, np.ndarray) or b.dtype != np.uint8 or b.ndim != 1:
+                raise ValueError("buffers: each must be a 1-D uint8 numpy array")
+            if not b.flags.writeable or not b.flags.c_contiguous:
+                raise ValueError("buffers: each must be writable and contiguous")
+        self._bufs = list(buffers)  # kept alive while the pool may write into them
+        self._ptr = [_c.ffi.from_buffer(b) for b in buffers]
+        self._addr = [b.__array_interface__["data"][0] for b in buffers]
+        self._size = [b.size for b in buffers]
+
     def submit(
         self,
         job: int,
         src: int,
         offset: int,
         length: int,
-        dest: np.ndarray,
+        dest: np.ndarray | None = None,
         *,
         priority: int = 0,
         demand: bool = True,
     ) -> int:
         """Queue a read of ``length`` bytes at ``offset`` of source ``src`` into ``dest``.
 
+        ``dest`` None: the job's registered buffer (:meth:`set_buffers`).
         Direct paths read ``length`` rounded up to the alignment, as
         :meth:`TransferSource.read_into` does. Returns the job's sequence number.
 
@@ -149,12 +176,34 @@ class ReadPool:
         StoreError
             The job is still queued or running.
         """
-        n = self.sources[src]._check_request(offset, length, dest)
-        buf = _c.ffi.from_buffer(dest)
+        source = self.sources[src]
+        if dest is not None or self._ptr is None:
+            if dest is None:
+                raise ValueError(f"job {job}: no destination given and none registered")
+            n = source._check_request(offset, length, dest)
+            buf = _c.ffi.from_buffer(dest)
+        else:
+            n, buf = length, self._ptr[job]
+            if offset < 0 or length < 0:
+                raise ValueError(f"{source.path}: negative offset {offset} or length {length}")
+            if source.direct:
+                align = source.align
+                if offset % align or self._addr[job] % align:
+                    raise AlignmentError(
+                        f"{source.path}: {source.name} transfer at offset {offset} into "
+                        f"address {self._addr[job]:#x}: both must be multiples of {align}"
+                    )
+                n = -(-length // align) * align  # block files are padded
+            if n > self._size[job]:
+                raise AlignmentError(
+                    f"{source.path}: {source.name} transfer of {n} bytes does not fit its "
+                    f"{self._size[job]}-byte destination"
+                )
         rc = _c.lib.czyx_pool_submit(self._pool, job, src, offset, n, buf, priority, demand)
         if rc:
             raise StoreError(f"native read pool: job {job} cannot be submitted (rc {rc})")
-        self._bufs[job] = buf
+        if dest is not None:
+            self._bufs[job] = buf
         self._wanted[job] = length
         return int(self._jobs[job].seq)
 
@@ -204,6 +253,7 @@ class ReadPool:
         if pool is not None:
             _c.lib.czyx_pool_free(pool)
             self._bufs = [None] * self.n_jobs
+            self._ptr = None
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

@@ -183,3 +183,11 @@ def test_run_xray_and_bench_io(store, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "direct" in proc.stdout + proc.stderr
+
+
+def test_trunk_window_run_generates_the_same_text(store):
+    args = ("run", "stdlib@v1", "--prompt", "def ", "--max-tokens", "6", "--cache-fraction", "0.25")
+    plain = czyx(*args, store=store)
+    windowed = czyx(*args, "--trunk-window", "2", store=store)
+    assert windowed.stdout == plain.stdout and plain.stdout
+    assert "trunk window" in windowed.stderr.lower()

@@ -128,12 +128,26 @@ def test_short_stale_and_rewritten_sources_fail_typed(datafile, kind, tmp_path):
 
 
 def test_a_direct_destination_must_be_aligned(datafile):
-    path, _ = datafile
-    pool, src, i = _pool(path, "direct")
+    path, data = datafile
+    pool, src, i = _pool(path, "direct", jobs=3)
     try:
-        buf = aligned_empty(2 * 4096)
+        buf = aligned_empty(4 * 4096)
         with pytest.raises(iopaths.AlignmentError):
             pool.submit(0, i, 0, 4096, buf[1:4097])
+        # Registered destinations: the same checks, by arithmetic, at each submit.
+        pool.set_buffers([buf[:8192], buf[8193 : 8193 + 4096], buf[12288 : 12288 + 100]])
+        pool.submit(0, i, 4096, 5000)  # rounded up to 8192: fits
+        pool.wait(0)
+        pool.result(0)
+        assert np.array_equal(buf[:5000], data[4096:9096])
+        with pytest.raises(iopaths.AlignmentError, match="multiples"):
+            pool.submit(1, i, 0, 4096)  # misaligned address
+        with pytest.raises(iopaths.AlignmentError, match="multiples"):
+            pool.submit(0, i, 100, 4096)  # misaligned offset
+        with pytest.raises(iopaths.AlignmentError, match="does not fit"):
+            pool.submit(2, i, 0, 100)  # 4096 after rounding, in 100 bytes
+        with pytest.raises(ValueError, match="3 jobs"):
+            pool.set_buffers([buf])
     finally:
         pool.close()
         src.close()
