@@ -308,9 +308,10 @@ def certify(
 ):
     """Resident vs 25% sync vs 25% prefetch (look-ahead 1 and 2): ``(text, status, table)``."""
     res = resident_cache(consumer)
-    want, t_res = run_tokens(consumer, res, tokens, prompt)
+    want, _ = run_tokens(consumer, res, tokens, prompt)  # the reference logits (and warm-up)
     res.close()
     del res  # the arena goes with the last reference (a --full model is ~8 GiB of it)
+    t_res: list[float] = []
     trunk = sum(
         consumer.trunk(r, la).nbytes
         for r, la in [(r, None) for r in ("embed", "final_norm", "lm_head")]
@@ -325,6 +326,15 @@ def certify(
     # per configuration: every token's time pooled (median), exposed wait = median round.
     runs: dict[str, list] = {}
     for _ in range(rounds):
+        # The resident baseline runs in every round too, beside the runs it is the
+        # baseline of (one resident run before them all would carry one moment's load).
+        res = resident_cache(consumer)
+        got, t = run_tokens(consumer, res, tokens, prompt)
+        res.close()
+        del res
+        t_res += t
+        if not np.array_equal(got, want):
+            raise AssertionError("the resident run is not deterministic")
         for label, policy, pf, depth, width, early in CONFIGS:
             for f in files:
                 iop.drop_file_cache(f)

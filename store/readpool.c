@@ -244,8 +244,9 @@ int czyx_pool_submit(czyx_pool *p, int j, int src, int64_t offset, int64_t lengt
     if (job->demand) p->demands++;
     p->heap[p->heap_n++] = j;
     heap_up(p, p->heap_n - 1);
+    /* One worker is enough: any woken worker takes the new top (a parked prefetch
+       holder re-evaluates too). Waking them all costs context switches on few CPUs. */
     pthread_cond_signal(&p->work);
-    if (job->demand) pthread_cond_broadcast(&p->work);
     pthread_mutex_unlock(&p->mu);
     return 0;
 }
