@@ -214,6 +214,7 @@ class TransferPlanner:
         self.xray = xray
         self.n_experts = int(info.n_experts)
         self.inflight: list[Transfer | None] = [None] * len(self.slots)
+        self._n_inflight = 0  # entries of inflight that are not None (reap skips when 0)
         self.stalls = 0
         self._tid = 0
         self._resolve_extents(consumer)
@@ -358,6 +359,7 @@ class TransferPlanner:
         t.evicted = evicted
         t.evict_reason = evict_reason
         self.inflight[slot] = t
+        self._n_inflight += 1
         if self.xray is not None:
             self.xray.add(t)
         if priority is None:
@@ -375,6 +377,7 @@ class TransferPlanner:
                 )
             except BaseException:
                 self.inflight[slot] = None
+                self._n_inflight -= 1
                 raise
             t.pool = self.pool
             return t
@@ -490,7 +493,9 @@ class TransferPlanner:
         A native read's read errors are known here; its checksum is verified
         at first use (:meth:`wait`), so a prefetch nobody uses costs no hash.
         """
-        done = []
+        done: list[Transfer] = []
+        if not self._n_inflight:
+            return done
         for t in self.inflight:
             if t is not None and self._finished(t):
                 self._retire(t)
@@ -500,6 +505,7 @@ class TransferPlanner:
     def _retire(self, t: Transfer) -> None:
         if self.inflight[t.slot] is t:
             self.inflight[t.slot] = None
+            self._n_inflight -= 1
 
     def drain(self) -> None:
         """Wait for every transfer in flight to finish (not a use: nothing is marked used)."""

@@ -254,18 +254,22 @@ class StreamingExpertCache(ExpertCache):
         chosen, so one prediction never evicts another that is already in.
         """
         pending, self._pending = self._pending, []
+        table = self.table
+        missing = [pred[table[layer, pred] < 0] for layer, pred in pending]
+        if not any(len(m) for m in missing):
+            return  # every prediction is resident or on its way: the common case
         blocked, held = self.blocked, self._held
         try:
             for layer, pred in pending:
-                for s in self.table[layer, pred].tolist():
+                for s in table[layer, pred].tolist():
                     if s >= 0 and not blocked[s]:
                         blocked[s] = True
                         held.append(s)
-            for depth, (layer, pred) in enumerate(pending):
-                row = self.table[layer]
-                for e in pred.tolist():
+            for depth, ((layer, _), miss) in enumerate(zip(pending, missing)):
+                row = table[layer]
+                for e in miss.tolist():
                     if row[e] >= 0:
-                        continue  # resident or already on its way
+                        continue  # claimed above for an earlier entry of the same layer
                     s = self._victim()
                     if s < 0:
                         return  # no dead slot: prefetch is optional, demand will fetch it
