@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(args.dir)
     scratch.mkdir(parents=True, exist_ok=True)
     machine = iobench.machine_description(scratch)
+    machine["commit"] = _commit()
     load0 = os.getloadavg()
     file_mib = 1024 if args.full else 128
     sustained_mib = 4096 if args.full else 512
@@ -233,6 +234,28 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(render(rows, details, machine, io, args, elapsed))
     print(f"wrote {out} in {elapsed:.0f} s")
     return 0
+
+
+def _commit() -> str:
+    """The checked-out commit (and whether the tree has changes), so figures name their code."""
+    import subprocess
+
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "not a git checkout"
+    return head + (" with uncommitted changes" if dirty else "")
 
 
 ORDER = [
