@@ -37,6 +37,7 @@ CONFIGS = (
     ("prefetch-w1", "lru", True, 1, 1, True),
     ("decay sync", "decay", False, 1, None, False),
     ("decay look-ahead", "decay", True, 1, None, False),
+    ("decay early", "decay", True, 0, None, True),
     ("decay prefetch", "decay", True, 1, None, True),
     ("decay prefetch-w1", "decay", True, 1, 1, True),
 )
@@ -48,6 +49,7 @@ DESCRIBE = {
     "prefetch-2": "lru, look-ahead 2 layers + early routing, top-k per token",
     "prefetch-w1": "lru, look-ahead 1 layer + early routing, top-1 per token",
     "decay look-ahead": "decay eviction, look-ahead 1 layer only, top-k per token",
+    "decay early": "decay eviction, early routing only, top-k per token",
     "decay prefetch": "decay eviction, look-ahead 1 layer + early routing, top-k per token",
     "decay prefetch-w1": "decay eviction, look-ahead 1 layer + early routing, top-1 per token",
 }

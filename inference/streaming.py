@@ -98,7 +98,7 @@ class StreamingExpertCache(ExpertCache):
     lookahead_depth
         How many sparse layers ahead to predict (each with its own router on
         the current hidden state): deeper grows the overlap window and lowers
-        the recall.
+        the recall. 0: no look-ahead (early routing alone, when ``early``).
     prefetch_width
         How many of each token's predicted experts to read (default: top-k).
     early
@@ -136,8 +136,10 @@ class StreamingExpertCache(ExpertCache):
         # time is I/O, not first-touch faults (zeroing huge pages) of the arena.
         self.arena[:, ::4096] = 0
         self.prefetch_enabled = prefetch
-        if lookahead_depth < 1:
-            raise ValueError(f"lookahead_depth: {lookahead_depth} < 1")
+        if lookahead_depth < 0 or (lookahead_depth == 0 and not early):
+            raise ValueError(
+                f"lookahead_depth: {lookahead_depth} (0 only with early routing, else >= 1)"
+            )
         self.lookahead_depth = int(lookahead_depth)
         # Predicted experts read per token and layer: fewer than top-k trades recall
         # for precision, which pays when reads, not compute, bound the step.

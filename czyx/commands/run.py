@@ -76,7 +76,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-prefetch", action="store_true", help="no look-ahead: read experts on demand only"
     )
     p.add_argument(
-        "--lookahead", type=int, default=1, help="sparse layers predicted ahead (default 1)"
+        "--lookahead",
+        type=int,
+        default=1,
+        help="sparse layers predicted ahead (default 1; 0: early routing alone)",
     )
     p.add_argument(
         "--no-early",
@@ -176,8 +179,10 @@ def _stream_options(args: argparse.Namespace):
 
     if args.readers < 1:
         raise ValueError(f"--readers {args.readers} must be at least 1")
-    if args.lookahead < 1:
-        raise ValueError(f"--lookahead {args.lookahead} must be at least 1")
+    if args.lookahead < 0 or (args.lookahead == 0 and args.no_early):
+        raise ValueError(
+            f"--lookahead {args.lookahead}: at least 1, or 0 with early routing (no --no-early)"
+        )
     io = default_io_path() if args.io == "auto" else args.io
     stream = StreamOptions(
         io=io,

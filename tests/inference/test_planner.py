@@ -319,7 +319,8 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
         runs += [("pread", t, p, budget, 1, None) for t in (1, 8) for p in (False, True)]
         runs += [("pread", 2, True, tight, 2, None), ("pread", 8, True, budget, 2, 1)]
         runs = [(*r, "lru", True) for r in runs] + [
-            ("pread", 2, True, budget, 1, None, "lru", False)
+            ("pread", 2, True, budget, 1, None, "lru", False),  # look-ahead alone
+            ("pread", 2, True, budget, 0, None, "lru", True),  # early routing alone
         ]
         # The other eviction policies, with prefetch (whose reads also touch the policy).
         runs += [
@@ -382,3 +383,16 @@ def test_a_demand_read_is_exposed_but_not_a_deadline_stall(synth, gate):
 def test_prefetch_width_is_validated(synth):
     with pytest.raises(ValueError, match="prefetch_width"):
         StreamingExpertCache(synth, 4 * 4096 * 3, 2, prefetch_width=3)
+
+
+def test_lookahead_depth_zero_needs_early_routing(synth):
+    for depth, early in ((-1, True), (0, False)):
+        with pytest.raises(ValueError, match="lookahead_depth"):
+            StreamingExpertCache(synth, 4 * 4096 * 3, 2, lookahead_depth=depth, early=early)
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, lookahead_depth=0)
+    try:
+        cache.set_routers([np.eye(8, 5, dtype=np.float32)] * 3, [np.ones(5, np.float32)] * 3)
+        cache.lookahead(0, np.ones((1, 5), np.float32))
+        assert not cache._pending and cache.prefetches == 0  # no look-ahead at depth 0
+    finally:
+        cache.close()

@@ -66,10 +66,14 @@ def test_xray_report_and_identical_text_on_every_path(store, capsys):
     assert out == want
     out, _ = _run(capsys, "--cache-fraction", "0.3", "--no-early")
     assert out == want
+    out, _ = _run(capsys, "--cache-fraction", "0.3", "--lookahead", "0")  # early routing alone
+    assert out == want
 
 
 def test_bad_stream_flags_are_one_line_errors(store, capsys):
     assert main(["run", "q@1", "--prompt", "a", "--readers", "0"]) == 1
     assert "--readers" in capsys.readouterr().err
+    assert main(["run", "q@1", "--prompt", "a", "--lookahead", "0", "--no-early"]) == 1
+    assert "--lookahead 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["run", "q@1", "--prompt", "a", "--io", "warp"])
