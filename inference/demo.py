@@ -51,6 +51,8 @@ class DemoRun:
     hit_rate: float
     bytes_per_token: float
     io_wait_seconds: float
+    prefetch_reads: int = 0
+    prefetch_recall: float | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,10 @@ def run_demo(
             f"{cache_fraction:.0%} of the expert bytes"
         )
         say(f"   eviction: {_policy_words(policy)}")
+        say(
+            "   prefetch: each layer's experts predicted from the residual stream entering "
+            "it and by look-ahead, read by C threads while the layer computes"
+        )
         say("   " + "-" * 60)
         out.write(prompt)
         tiered = _generate(
@@ -195,6 +201,7 @@ def run_demo(
             ),
             ("cache hit rate", f"{tiered.hit_rate:.3f}", f"{full.hit_rate:.3f}"),
             ("bytes read / token", _size(tiered.bytes_per_token), _size(full.bytes_per_token)),
+            ("prefetch reads (recall)", _prefetch(tiered), _prefetch(full)),
             (
                 "exposed I/O wait",
                 f"{tiered.io_wait_seconds * 1e3:.1f} ms",
@@ -229,12 +236,15 @@ def _generate(
     from inference.engine import Engine
     from inference.generate import generate
     from inference.sampling import SamplingParams
+    from inference.streaming import StreamOptions
     from inference.tokenizer import tokenizer_for
     from store.model import open_model
 
     view = portals.open_model(store, token, tag, tenant=DEFAULT_TENANT)
     with open_model(store, tag, view=view, direct=True) as consumer:
-        engine = Engine(consumer, cache_fraction=fraction, policy=policy)
+        # As czyx run: O_DIRECT reads on the planner's C threads, prefetch on.
+        stream_opts = StreamOptions(io="direct", prefetch=True)
+        engine = Engine(consumer, cache_fraction=fraction, policy=policy, stream=stream_opts)
         try:
             tok = tokenizer_for(consumer, engine.cfg.vocab_size)
             on_text = None
@@ -253,6 +263,8 @@ def _generate(
                 on_text=on_text,
             )
             st = gen.stats
+            cache = engine.cache
+            total = getattr(cache, "predicted_total", 0)
             return DemoRun(
                 label=f"{fraction:.0%}",
                 cache_fraction=fraction,
@@ -264,9 +276,16 @@ def _generate(
                 hit_rate=st.hit_rate,
                 bytes_per_token=st.bytes_per_token,
                 io_wait_seconds=st.io_wait_seconds,
+                prefetch_reads=int(getattr(cache, "prefetches", 0)),
+                prefetch_recall=cache.predicted_correct / total if total else None,
             )
         finally:
             engine.close()
+
+
+def _prefetch(run: DemoRun) -> str:
+    recall = "-" if run.prefetch_recall is None else f"{run.prefetch_recall:.0%}"
+    return f"{run.prefetch_reads} ({recall})"
 
 
 def _policy_words(policy: str) -> str:

@@ -396,3 +396,18 @@ def test_lookahead_depth_zero_needs_early_routing(synth):
         assert not cache._pending and cache.prefetches == 0  # no look-ahead at depth 0
     finally:
         cache.close()
+
+
+def test_a_prefill_batch_too_wide_for_the_budget_does_not_prefetch(synth):
+    """Its predictions would evict one another and the layer's own experts before use."""
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread")
+    cache.set_routers([np.eye(8, 5, dtype=np.float32)] * 3, [np.ones(5, np.float32)] * 3)
+    try:
+        batch = np.eye(3, 5, dtype=np.float32)  # three tokens: up to 6 predictions, 4 slots
+        cache.preroute(1, batch)
+        cache.lookahead(0, batch)
+        assert cache.prefetches == 0 and not cache._pending
+        cache.preroute(1, batch[:1])  # one token: its top-2 are read
+        assert cache.prefetches == 2
+    finally:
+        cache.close()
