@@ -418,9 +418,12 @@ def certify(
     )
     cols = ["run", "ms/token (median)", "vs resident", "exposed wait s", "vs sync (same policy)"]
     cols += ["demand reads", "exposed from demand", "hidden I/O s"]
-    cols += ["hit rate", "bytes/token", "useful bandwidth", "vs device", "identical"]
+    cols += ["hit rate", "recall / wasted", "bytes/token", "useful bandwidth", "vs device"]
+    cols += ["identical"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines.append(f"| resident | {med_res:.1f} | 1.00x | 0 | - | 0 | - | 0 | 100% | 0 | - | - | - |")
+    lines.append(
+        f"| resident | {med_res:.1f} | 1.00x | 0 | - | 0 | - | 0 | 100% | - | 0 | - | - | - |"
+    )
     for label, (t, r, ok) in out.items():
         ub = r["useful_bandwidth_bytes_per_s"]
         vs = "baseline" if label in SYNC.values() else f"{-100 * cut_of(label):+.0f}%"
@@ -429,11 +432,20 @@ def certify(
             f"{r['exposed_seconds']:.3f} | {vs} | {r['demand_reads']} | "
             f"{100 * r['demand_exposed_seconds'] / max(r['exposed_seconds'], 1e-12):.0f}% | "
             f"{r['hidden_seconds']:.3f} | "
-            f"{100 * (r['hit_rate'] or 0):.0f}% | "
+            f"{100 * (r['hit_rate'] or 0):.0f}% | {_recall(r)} | "
             f"{(r['bytes_read_per_token'] or 0) / MiB:.2f} MiB | {(ub or 0) / 1e9:.2f} GB/s | "
             f"{100 * (r['useful_vs_device'] or 0):.0f}% | {ok} |"
         )
     return text, status, "\n".join(lines)
+
+
+def _recall(r: dict) -> str:
+    """X-Ray's prefetch recall and wasted prefetches of a run ("-" without prefetch)."""
+    if not r["prefetch_issued"]:
+        return "-"
+    recall = r["prefetch_recall"]
+    got = "-" if recall is None else f"{100 * recall:.0f}%"
+    return f"{got} / {r['prefetch_wasted']} of {r['prefetch_issued']}"
 
 
 def certification(scratch: Path, io: str, full: bool, tokens: int, baseline: float):
