@@ -23,6 +23,7 @@ from inference.planner import DeadlineMissedError, SlotLiveError, TransferPlanne
 from inference.streaming import StreamingExpertCache, attach
 from inference.xray import XRay
 from store import iopaths as iop
+from store import readpool
 
 MiB = 1 << 20
 PROMPT = [1, 2, 3, 4]
@@ -182,6 +183,51 @@ def parity_rows(scratch: Path, io: str):
     return rows, [("Numerical parity and thread counts", "\n".join(lines))]
 
 
+class _SlowDevice:
+    """A slowed device for fault injection, on both reader kinds.
+
+    Python readers block in ``TransferSource.read_into`` (until :meth:`release`,
+    or ``delay`` seconds per read); native pools made inside the context start
+    paused and resume at :meth:`release` (or ``delay`` seconds after they start).
+    """
+
+    def __init__(self, delay: float | None = None) -> None:
+        self.delay = delay
+        self.gate = threading.Event()
+        self.pools: list = []
+
+    def __enter__(self) -> _SlowDevice:
+        self._read = read = iop.TransferSource.read_into
+        gate, delay = self.gate, self.delay
+
+        def slow(src, off, n, dst):
+            if delay is None:
+                gate.wait(5)
+            else:
+                time.sleep(delay)
+            return read(src, off, n, dst)
+
+        iop.TransferSource.read_into = slow
+        readpool.on_new_pool.append(self._hook)
+        return self
+
+    def _hook(self, pool) -> None:
+        self.pools.append(pool)
+        pool.pause(True)
+        if self.delay is not None:
+            threading.Timer(self.delay, pool.pause, (False,)).start()
+
+    def release(self) -> None:
+        self.gate.set()
+        for pool in self.pools:
+            pool.pause(False)
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+        iop.TransferSource.read_into = self._read
+        readpool.on_new_pool.remove(self._hook)
+
+
 def _fault(scratch: Path, name: str, io: str) -> str:
     """Inject one fault into a fresh small model; returns what happened."""
     d = scratch / f"fault-{name}"
@@ -193,54 +239,49 @@ def _fault(scratch: Path, name: str, io: str) -> str:
 
             arena = aligned_empty(2 * slot).reshape(2, slot)
             live = np.zeros(2, bool)
-            p = TransferPlanner(m, [arena[0], arena[1]], live, io=io, threads=1)
-            gate = threading.Event()
-            read = iop.TransferSource.read_into
-            iop.TransferSource.read_into = lambda s, o, n, dst: (gate.wait(5), read(s, o, n, dst))[
-                1
-            ]
-            try:
-                if name == "slot reuse while live":
-                    live[0] = True
+            with _SlowDevice() as device:
+                p = TransferPlanner(m, [arena[0], arena[1]], live, io=io, threads=1)
+                try:
+                    if name == "slot reuse while live":
+                        live[0] = True
+                        try:
+                            p.submit(0, 0, 0)
+                        except SlotLiveError as exc:
+                            return f"`{type(exc).__name__}`: {exc}"
+                        return "NOT REFUSED"
+                    t = p.submit(0, 0, 1)
                     try:
-                        p.submit(0, 0, 0)
+                        p.submit(0, 1, 1)
                     except SlotLiveError as exc:
                         return f"`{type(exc).__name__}`: {exc}"
+                    finally:
+                        device.release()
+                        p.wait(t)
                     return "NOT REFUSED"
-                t = p.submit(0, 0, 1)
-                try:
-                    p.submit(0, 1, 1)
-                except SlotLiveError as exc:
-                    return f"`{type(exc).__name__}`: {exc}"
                 finally:
-                    gate.set()
-                    p.wait(t)
-                return "NOT REFUSED"
-            finally:
-                gate.set()
-                iop.TransferSource.read_into = read
-                p.close()
+                    device.release()
+                    p.close()
         if name.startswith("late transfer"):
             # A prefetch due 1 ms after submission, from a device slowed to 20 ms a read.
             from store.reader import aligned_empty
 
             arena = aligned_empty(slot)
-            p = TransferPlanner(
-                m, [arena], np.zeros(1, bool), io=io, threads=1, strict_deadlines="strict" in name
-            )
-            read = iop.TransferSource.read_into
-            iop.TransferSource.read_into = lambda s, o, n, dst: (
-                time.sleep(0.02),
-                read(s, o, n, dst),
-            )[1]
-            try:
-                t = p.submit(0, 0, 0, kind="prefetch", deadline_ns=time.monotonic_ns() + 10**6)
-                p.wait(t)
-            except DeadlineMissedError as exc:
-                return f"`{type(exc).__name__}`: {exc}"
-            finally:
-                iop.TransferSource.read_into = read
-                p.close()
+            with _SlowDevice(delay=0.02):
+                p = TransferPlanner(
+                    m,
+                    [arena],
+                    np.zeros(1, bool),
+                    io=io,
+                    threads=1,
+                    strict_deadlines="strict" in name,
+                )
+                try:
+                    t = p.submit(0, 0, 0, kind="prefetch", deadline_ns=time.monotonic_ns() + 10**6)
+                    p.wait(t)
+                except DeadlineMissedError as exc:
+                    return f"`{type(exc).__name__}`: {exc}"
+                finally:
+                    p.close()
             return (
                 f"counted stall: {p.stalls} stall(s), bytes verified ({t.checksum_result}) and used"
             )
