@@ -117,6 +117,7 @@ def streaming(
     width=None,
     policy="lru",
     early=True,
+    native=None,
 ):
     cfg = decoder_class(consumer.info.arch).parse_config(consumer.info)
     return StreamingExpertCache(
@@ -133,6 +134,7 @@ def streaming(
         lookahead_depth=depth,
         prefetch_width=width,
         early=early,
+        native=native,
     )
 
 
@@ -524,17 +526,8 @@ def reader_kinds(consumer, io: str, tokens, prompt, files, rounds: int = 5):
             for pf in (False, True):
                 for f in files:
                     iop.drop_file_cache(f)
-                cfg = decoder_class(consumer.info.arch).parse_config(consumer.info)
-                c = StreamingExpertCache(
-                    consumer,
-                    budget25(consumer),
-                    cfg.top_k,
-                    cfg.n_sparse_experts,
-                    "decay",
-                    io=io,
-                    threads=2,
-                    prefetch=pf,
-                    native=native,
+                c = streaming(
+                    consumer, budget25(consumer), io=io, prefetch=pf, policy="decay", native=native
                 )
                 _, t = run_tokens(consumer, c, tokens, prompt)
                 c.planner.drain()

@@ -240,19 +240,13 @@ def _commit() -> str:
     """The checked-out commit (and whether the tree has changes), so figures name their code."""
     import subprocess
 
+    def git(*args: str) -> str:
+        cmd = ["git", "-C", str(ROOT), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        head = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
         return "not a git checkout"
     return head + (" with uncommitted changes" if dirty else "")

@@ -450,35 +450,37 @@ class TransferPlanner:
 
     def _collect(self, t: Transfer) -> None:
         """Copy a finished native read's results (times, bytes, read error) into ``t``."""
-        try:
-            timing = t.pool.result(t.slot)
-        except BaseException as exc:
-            job = t.pool._jobs[t.slot]
-            t.t_start = int(job.t_start_ns) or t.t_request
-            t.t_complete = int(job.t_done_ns) or time.monotonic_ns()
-            t.completed_bytes = int(job.done)
-            t.error = exc
-            return
-        t.t_start, t.t_first_byte, t.t_complete = timing.start_ns, timing.first_ns, timing.done_ns
+        timing = t.pool.timing(t.slot)
+        t.t_start = timing.start_ns or t.t_request
+        t.t_first_byte = timing.first_ns
+        t.t_complete = timing.done_ns or time.monotonic_ns()
         t.completed_bytes = min(timing.nbytes, t.requested_bytes)
         if self.sources[int(self.src[t.layer, t.expert])].staging_copy:
             t.staging_copy_bytes = timing.nbytes
+        try:
+            t.pool.check(t.slot)
+        except BaseException as exc:
+            t.error = exc
 
-    def _verify(self, t: Transfer) -> None:
-        """Check a native read's extent against its recorded checksum (before first use)."""
+    def _check_sum(self, t: Transfer) -> ChecksumError | None:
+        """Compare ``t``'s slot bytes with the extent's recorded checksum; record the result."""
         layer, e = t.layer, t.expert
         got = checksum(self.slots[t.slot][: t.requested_bytes])
         want = int(self.sums[layer, e])
-        t.verified = True
-        if got != want:
-            t.checksum_result = "mismatch"
-            path = self.sources[int(self.src[layer, e])].identity.path
-            t.error = ChecksumError(
-                f"{path}: expert (layer {layer}, {e}) at offset "
-                f"{int(self.offset[layer, e])}: checksum {got:016x} != recorded {want:016x}"
-            )
-        else:
+        if got == want:
             t.checksum_result = "ok"
+            return None
+        t.checksum_result = "mismatch"
+        path = self.sources[int(self.src[layer, e])].identity.path
+        return ChecksumError(
+            f"{path}: expert (layer {layer}, {e}) at offset "
+            f"{int(self.offset[layer, e])}: checksum {got:016x} != recorded {want:016x}"
+        )
+
+    def _verify(self, t: Transfer) -> None:
+        """Verify a native read before its first use (the C readers do not hash)."""
+        t.verified = True
+        t.error = self._check_sum(t)
 
     def _finished(self, t: Transfer) -> bool:
         if t.pool is not None:
@@ -570,16 +572,10 @@ class TransferPlanner:
         if source.staging_copy:
             t.staging_copy_bytes = timing.nbytes
         source.check_identity()
-        got = checksum(dest[:n])
-        want = int(self.sums[layer, e])
+        error = self._check_sum(t)
         t.t_complete = time.monotonic_ns()
-        if got != want:
-            t.checksum_result = "mismatch"
-            raise ChecksumError(
-                f"{source.identity.path}: expert (layer {layer}, {e}) at offset "
-                f"{int(self.offset[layer, e])}: checksum {got:016x} != recorded {want:016x}"
-            )
-        t.checksum_result = "ok"
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         """Finish in-flight reads, stop the threads and close the sources (idempotent)."""

@@ -165,7 +165,6 @@ class StreamingExpertCache(ExpertCache):
         self.routers: list[np.ndarray | None] = []
         self._early_routers: list[np.ndarray | None] = []
         self._next_sparse: list[int] = []
-        self._held: list[int] = []
         self._pending: list[tuple[int, np.ndarray]] = []
         # Predicted experts per layer since its last acquire (recall accounting and the
         # distinct set to read): a mask, so neither needs a sort or a set operation.
@@ -241,8 +240,10 @@ class StreamingExpertCache(ExpertCache):
 
         A prefill batch predicts nearly every expert of a layer; read into a
         small budget, those reads evict one another and the layer's own
-        experts before use (measured: the demo's 25 % run read 452 instead of
-        299 kB per token with prefill prefetch), so a batch prefetches only
+        experts before use (`czyx demo`, 25 %, three runs each: with prefill
+        prefetch 27-31 ms exposed and 292-398 decode tokens/s, without it
+        19-22 ms and 431-483; bytes read per token barely moved, 452 vs 448
+        kB), so a batch prefetches only
         when its predictions fit the unpinned slots beside one token's top-k
         (a single token always may: its reads stop at the first slot that is
         not dead).
@@ -276,7 +277,7 @@ class StreamingExpertCache(ExpertCache):
         missing = [pred[table[layer, pred] < 0] for layer, pred in pending]
         if not any(len(m) for m in missing):
             return  # every prediction is resident or on its way: the common case
-        blocked, held = self.blocked, self._held
+        blocked, held = self.blocked, []
         try:
             for layer, pred in pending:
                 for s in table[layer, pred].tolist():
@@ -295,7 +296,6 @@ class StreamingExpertCache(ExpertCache):
                     self.prefetches += 1
         finally:
             blocked[held] = False
-            held.clear()
 
     # ------------------------------------------------------------------ the hot path
 

@@ -254,21 +254,33 @@ class TransferSource:
             raise ValueError("dest: must be a 1-D uint8 numpy array (a slot view)")
         if not dest.flags.writeable or not dest.flags.c_contiguous:
             raise ValueError("dest: must be writable and contiguous")
+        return self.check_extent(offset, length, dest.__array_interface__["data"][0], dest.size)
+
+    def check_extent(self, offset: int, length: int, addr: int, size: int) -> int:
+        """Bytes to read for ``length`` at ``offset`` into ``size`` bytes at ``addr``.
+
+        Direct paths round ``length`` up to the alignment (block files are
+        padded) and need ``offset`` and ``addr`` aligned. Arithmetic only: the
+        native pool checks registered destinations with it on every submit.
+
+        Raises
+        ------
+        AlignmentError, ValueError
+        """
         if offset < 0 or length < 0:
             raise ValueError(f"{self.path}: negative offset {offset} or length {length}")
         n = length
         if self.direct:
-            addr = dest.__array_interface__["data"][0]
             if offset % self.align or addr % self.align:
                 raise AlignmentError(
                     f"{self.path}: {self.name} transfer at offset {offset} into address "
                     f"{addr:#x}: both must be multiples of {self.align}"
                 )
-            n = -(-length // self.align) * self.align  # block files are padded
-        if n > dest.size:
+            n = -(-length // self.align) * self.align
+        if n > size:
             raise AlignmentError(
                 f"{self.path}: {self.name} transfer of {n} bytes does not fit its "
-                f"{dest.size}-byte destination"
+                f"{size}-byte destination"
             )
         return n
 

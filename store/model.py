@@ -28,7 +28,7 @@ import numpy as np
 from czyx.key import Key
 from czyx.space import Selector
 from store.archs import ALL_GLOBAL_ROLES, ALL_ROLES, TOKENIZER_ROLE
-from store.checkpoint import DTYPES, to_float32
+from store.checkpoint import DTYPES
 from store.checksum import checksum
 from store.consumer import ExpertExtent, ModelInfo
 from store.errors import ChecksumError
@@ -181,13 +181,12 @@ class ModelSpace:
         trunk keeps one per space); ``None`` opens (and verifies) one for this
         read. Either way the bytes are checked against the record's checksum.
         """
-        rec = ref.record
-        buf = np.empty(rec["len"], np.uint8)
         if reader is None:
             with self.store.open_reader(ref.space) as opened:
-                if rec["len"]:
-                    opened.read_into(rec["off"], buf)
-        elif rec["len"]:
+                return self.read_trunk_raw(ref, opened)
+        rec = ref.record
+        buf = np.empty(rec["len"], np.uint8)
+        if rec["len"]:
             reader.read_into(rec["off"], buf)
         if checksum(buf) != rec["sum"]:
             raise ChecksumError(
@@ -277,7 +276,7 @@ class StoreModel:
             if "qfmt" in r.record:
                 self._trunk[k], self._packed[k] = trunk_tensor(r.record, raw)
             else:
-                self._trunk[k] = to_float32(_as_dtype(raw, r), r.dtype)
+                self._trunk[k] = _float32(raw, r)
         for arr in self._trunk.values():
             arr.setflags(write=False)  # shared by every caller: nobody may edit weights
         self._qfmt = ex["format"] if is_quant_format(ex["format"]) else None
@@ -335,9 +334,7 @@ class StoreModel:
                 raw = self._read_lazy(ref)
                 if "qfmt" in ref.record:
                     return trunk_tensor(ref.record, raw)[0]
-                if ref.dtype == "F32":  # the fresh read buffer is already the tensor
-                    return _as_dtype(raw, ref)
-                return widen(_as_dtype(raw, ref), ref.dtype)  # to_float32's bits, in C
+                return _float32(raw, ref)
             if role not in ALL_ROLES:
                 raise ValueError(f"trunk role {role!r} is not one of {ALL_ROLES}") from None
             where = "" if role in ALL_GLOBAL_ROLES else f" at layer {layer}"
@@ -440,6 +437,17 @@ class StoreModel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _float32(raw: np.ndarray, ref: TrunkRef) -> np.ndarray:
+    """A float32 tensor from its freshly read bytes (eager and lazy trunk alike).
+
+    F32 is the read buffer itself (no copy); other dtypes are widened by
+    :func:`store.widen.widen` (``to_float32``'s bits, in C for f16/bf16).
+    """
+    if ref.dtype == "F32":
+        return _as_dtype(raw, ref)
+    return widen(_as_dtype(raw, ref), ref.dtype)
 
 
 def _as_dtype(buf: np.ndarray, ref: TrunkRef) -> np.ndarray:

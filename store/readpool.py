@@ -24,7 +24,6 @@ import numpy as np
 
 from store.errors import ReadIOError, ShortReadError, StoreError
 from store.iopaths import (
-    AlignmentError,
     DirectSource,
     IoUringSource,
     MmapSource,
@@ -177,28 +176,14 @@ class ReadPool:
             The job is still queued or running.
         """
         source = self.sources[src]
-        if dest is not None or self._ptr is None:
-            if dest is None:
-                raise ValueError(f"job {job}: no destination given and none registered")
+        if dest is not None:
             n = source._check_request(offset, length, dest)
             buf = _c.ffi.from_buffer(dest)
+        elif self._ptr is not None:
+            n = source.check_extent(offset, length, self._addr[job], self._size[job])
+            buf = self._ptr[job]
         else:
-            n, buf = length, self._ptr[job]
-            if offset < 0 or length < 0:
-                raise ValueError(f"{source.path}: negative offset {offset} or length {length}")
-            if source.direct:
-                align = source.align
-                if offset % align or self._addr[job] % align:
-                    raise AlignmentError(
-                        f"{source.path}: {source.name} transfer at offset {offset} into "
-                        f"address {self._addr[job]:#x}: both must be multiples of {align}"
-                    )
-                n = -(-length // align) * align  # block files are padded
-            if n > self._size[job]:
-                raise AlignmentError(
-                    f"{source.path}: {source.name} transfer of {n} bytes does not fit its "
-                    f"{self._size[job]}-byte destination"
-                )
+            raise ValueError(f"job {job}: no destination given and none registered")
         rc = _c.lib.czyx_pool_submit(self._pool, job, src, offset, n, buf, priority, demand)
         if rc:
             raise StoreError(f"native read pool: job {job} cannot be submitted (rc {rc})")
@@ -219,8 +204,15 @@ class ReadPool:
             raise StoreError(f"native read pool: job {job} was never submitted")
         return rc == 1
 
-    def result(self, job: int) -> ReadTiming:
-        """The finished ``job``'s timing, or its typed error.
+    def timing(self, job: int) -> ReadTiming:
+        """The finished ``job``'s times and bytes read, whatever its outcome (0: never)."""
+        j = self._jobs[job]
+        return ReadTiming(
+            int(j.t_start_ns), int(j.t_first_ns) or None, int(j.t_done_ns), int(j.done)
+        )
+
+    def check(self, job: int) -> None:
+        """Raise the finished ``job``'s typed error, if it has one.
 
         Raises
         ------
@@ -237,7 +229,11 @@ class ReadPool:
         if err:
             src.check_identity()  # raises with the facts (sizes, inodes) in its message
             raise StaleSourceError(f"{src.path}: stale: the file changed during the read")
-        return ReadTiming(int(j.t_start_ns), int(j.t_first_ns) or None, int(j.t_done_ns), done)
+
+    def result(self, job: int) -> ReadTiming:
+        """The finished ``job``'s timing, or its typed error (:meth:`check`)."""
+        self.check(job)
+        return self.timing(job)
 
     def pause(self, paused: bool) -> None:
         """Hold queued reads (True) or release them (False); a waiter on a held read blocks."""

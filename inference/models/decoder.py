@@ -176,7 +176,7 @@ class Layer:
         return [w for name in ROLE_SLOTS if (w := getattr(self, name)) is not None]
 
 
-ROLE_SLOTS = Layer.__slots__[1:]  # every slot but "index"
+ROLE_SLOTS = tuple(name for name in Layer.__slots__ if name != "index")
 
 
 class MoEDecoder:
