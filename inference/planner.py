@@ -131,8 +131,9 @@ class Transfer:
         self.completed_bytes = 0
         self.source = source
         self.staging_copy_bytes = 0
-        self.event = threading.Event()
-        self.claim = threading.Lock()  # taken by whoever runs the read: a reader or wait()
+        # Python readers only (a native read completes in C): set by the planner.
+        self.event: threading.Event | None = None
+        self.claim: threading.Lock | None = None  # taken by whoever runs the read
         self.error: BaseException | None = None
         self.checksum_result = "pending"
         self.t_request = time.monotonic_ns()
@@ -381,6 +382,8 @@ class TransferPlanner:
                 raise
             t.pool = self.pool
             return t
+        t.event = threading.Event()
+        t.claim = threading.Lock()
         if not self._threads:
             self._start_python_readers()
         if kind == DEMAND:
