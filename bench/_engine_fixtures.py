@@ -19,8 +19,8 @@ import numpy as np
 
 def mount_checkpoint(ckpt_dir: str, store_dir: str, tag: str) -> None:
     """Mount the checkpoint directory ``ckpt_dir`` into ``store_dir`` as ``tag``."""
-    from store import Store
-    from store.mount import mount
+    from czyx.store import Store
+    from czyx.store.models.mount import mount
 
     store = Store.open(store_dir)
     try:

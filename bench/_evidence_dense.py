@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from inference.planner import PREFETCH, TransferPlanner
-from store.blockfile import BlockWriter
-from store.consumer import ExpertExtent, ModelInfo
-from store.iopaths import drop_file_cache
-from store.reader import aligned_empty
+from czyx.inference.planner import PREFETCH, TransferPlanner
+from czyx.store.consumer import ExpertExtent, ModelInfo
+from czyx.store.core.blockfile import BlockWriter
+from czyx.store.io.iopaths import drop_file_cache
+from czyx.store.io.reader import aligned_empty
 
 MiB = 1 << 20
 COLS = 1024

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from inference import synthetic
-from inference.cache import ExpertCache
-from inference.models import decoder_class
-from inference.planner import DeadlineMissedError, SlotLiveError, TransferPlanner
-from inference.streaming import StreamingExpertCache, attach
-from inference.xray import XRay
-from store import iopaths as iop
-from store import readpool
+from czyx.inference import synthetic
+from czyx.inference.cache import ExpertCache
+from czyx.inference.models import decoder_class
+from czyx.inference.planner import DeadlineMissedError, SlotLiveError, TransferPlanner
+from czyx.inference.streaming import StreamingExpertCache, attach
+from czyx.inference.xray import XRay
+from czyx.store.io import iopaths as iop
+from czyx.store.io import readpool
 
 MiB = 1 << 20
 PROMPT = [1, 2, 3, 4]
@@ -237,7 +237,7 @@ def _fault(scratch: Path, name: str, io: str) -> str:
     slot = m.info.expert_slot_nbytes
     try:
         if name in ("slot reuse while live", "transfer in flight"):
-            from store.reader import aligned_empty
+            from czyx.store.io.reader import aligned_empty
 
             arena = aligned_empty(2 * slot).reshape(2, slot)
             live = np.zeros(2, bool)
@@ -265,7 +265,7 @@ def _fault(scratch: Path, name: str, io: str) -> str:
                     p.close()
         if name.startswith("late transfer"):
             # A prefetch due 1 ms after submission, from a device slowed to 20 ms a read.
-            from store.reader import aligned_empty
+            from czyx.store.io.reader import aligned_empty
 
             arena = aligned_empty(slot)
             with _SlowDevice(delay=0.02):
@@ -560,9 +560,9 @@ def reader_kinds(consumer, io: str, tokens, prompt, files, rounds: int = 5):
 def shipped(scratch: Path, io: str, tokens: int, baseline: float):
     """The trained ``czyx-moe-stdlib``, mounted into a scratch store, on stdlib text."""
     try:
-        from store import Store
-        from store.model import open_model
-        from store.mount import mount
+        from czyx.store import Store
+        from czyx.store.models.model import open_model
+        from czyx.store.models.mount import mount
     except ImportError as exc:
         return None, f"no mount in this tree ({exc})"
     if not ROOT_ASSET.exists():

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from inference.engine import Engine
-from inference.models.decoder import MoEDecoder
-from inference.streaming import StreamOptions
+from czyx.inference.engine import Engine
+from czyx.inference.models.decoder import MoEDecoder
+from czyx.inference.streaming import StreamOptions
 
 ROOT_ASSET = Path(__file__).resolve().parent.parent / "inference" / "assets" / "czyx-moe-stdlib"
 KiB = 1 << 10
@@ -97,10 +97,10 @@ def measure(
     decoded token (the windowed runs then read from the device).
     ``model_dir``: another checkpoint (e.g. :func:`make_wide_checkpoint`).
     """
-    from store import Store
-    from store.iopaths import drop_file_cache
-    from store.model import ModelSpace, open_model
-    from store.mount import mount
+    from czyx.store import Store
+    from czyx.store.io.iopaths import drop_file_cache
+    from czyx.store.models.model import ModelSpace, open_model
+    from czyx.store.models.mount import mount
 
     text = Path(os.__file__).read_bytes()
     prompt, toks = list(text[:32]), list(text[32 : 32 + tokens])

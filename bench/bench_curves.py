@@ -42,10 +42,10 @@ import pymorton
 import zCurve
 from hilbertcurve.hilbertcurve import HilbertCurve as RefHilbert
 
-from curves import HilbertCurve, MortonCurve, _native
-from curves.hilbert import hilbert_decode_np, hilbert_encode_np
-from curves.morton import deinterleave_np, interleave_np
-from curves.words import words_to_ints
+from czyx.curves import HilbertCurve, MortonCurve, _native
+from czyx.curves.hilbert import hilbert_decode_np, hilbert_encode_np
+from czyx.curves.morton import deinterleave_np, interleave_np
+from czyx.curves.words import words_to_ints
 from czyx.key import Key, pack_keys, unpack_keys
 
 

@@ -82,10 +82,10 @@ def speed_and_dial(args: argparse.Namespace, sizes: dict, workdir: str) -> None:
 
     sys.path.insert(0, ROOT)
     from bench._engine_fixtures import mount_transformers
-    from czyx.commands.run import OpenedModel
-    from inference.engine import Engine
-    from inference.generate import generate_ids
-    from tests.inference.refmodels import tiny_model
+    from czyx.cli.commands.run import OpenedModel
+    from czyx.inference.engine import Engine
+    from czyx.inference.generate import generate_ids
+    from czyx.testing.refmodels import tiny_model
 
     s = sizes["speed"]
     model = tiny_model(
@@ -200,10 +200,10 @@ def memory_child(spec: str) -> None:
     import numpy as np
 
     sys.path.insert(0, ROOT)
-    from czyx.commands.run import OpenedModel
-    from inference.engine import Engine
-    from inference.generate import generate_ids
-    from store.consumer import GLOBAL_ROLES, LAYER_ROLES
+    from czyx.cli.commands.run import OpenedModel
+    from czyx.inference.engine import Engine
+    from czyx.inference.generate import generate_ids
+    from czyx.store.consumer import GLOBAL_ROLES, LAYER_ROLES
 
     try:  # reset the high-water mark so imports do not count
         with open("/proc/self/clear_refs", "w") as f:

@@ -39,9 +39,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from store import Store
-from store.checkpoint import write_safetensors
-from store.mount import mount
+from czyx.store import Store
+from czyx.store.models.checkpoint import write_safetensors
+from czyx.store.models.mount import mount
 
 HIDDEN, INTER, EXPERTS, HEADS, KV, HEAD_DIM, VOCAB = 1024, 512, 16, 8, 2, 128, 4096
 

@@ -101,13 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[var] = str(args.threads)
     import numpy as np
 
-    from czyx.commands.run import OpenedModel
-    from inference.engine import Engine
-    from inference.locality import replay
-    from inference.profile import RouteRecorder
-    from inference.trace import text_sha256
-    from store import Store
-    from store.mount import mount
+    from czyx.cli.commands.run import OpenedModel
+    from czyx.inference.engine import Engine
+    from czyx.inference.locality import replay
+    from czyx.inference.profile import RouteRecorder
+    from czyx.inference.trace import text_sha256
+    from czyx.store import Store
+    from czyx.store.models.mount import mount
 
     budgets = [float(b) for b in args.budgets.split(",")]
     files = held_out_texts(args.files, args.bytes)

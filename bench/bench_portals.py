@@ -32,18 +32,18 @@ import numpy as np
 from pymacaroons import Macaroon, Verifier
 
 from czyx.key import Key
-from czyx.space import Selector
-from portals.authority import PortalAuthority
-from portals.caveats import (
+from czyx.portals.authority import PortalAuthority
+from czyx.portals.caveats import (
     ClassRange,
     Expires,
     LayerRange,
     Rights,
     Spaces,
 )
-from portals.chain import verify_signature
-from portals.token import Token
-from store import Store
+from czyx.portals.chain import verify_signature
+from czyx.portals.token import Token
+from czyx.space import Selector
+from czyx.store import Store
 
 
 def _median_per_call(fn, number: int, repeat: int) -> float:

@@ -30,13 +30,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from inference.cache import ExpertCache  # noqa: E402
-from inference.kernels.linear import mm_t, take_rows  # noqa: E402
-from inference.models import decoder_class  # noqa: E402
-from inference.models.base import rms_norm, route_topk  # noqa: E402
-from store import Store  # noqa: E402
-from store.model import open_model  # noqa: E402
-from store.mount import mount  # noqa: E402
+from czyx.inference.cache import ExpertCache  # noqa: E402
+from czyx.inference.kernels.linear import mm_t, take_rows  # noqa: E402
+from czyx.inference.models import decoder_class  # noqa: E402
+from czyx.inference.models.base import rms_norm, route_topk  # noqa: E402
+from czyx.store import Store  # noqa: E402
+from czyx.store.models.model import open_model  # noqa: E402
+from czyx.store.models.mount import mount  # noqa: E402
 
 MODEL = ROOT / "inference" / "assets" / "czyx-moe-stdlib"
 

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from inference.kernels import prepare, simd_level
-from inference.kernels.ops import SIMD_LEVELS, set_simd_cap
-from store.quant.formats import FORMATS, quantize
+from czyx.inference.kernels import prepare, simd_level
+from czyx.inference.kernels.ops import SIMD_LEVELS, set_simd_cap
+from czyx.store.quant.formats import FORMATS, quantize
 
 FORMAT_ORDER = ("q2", "q3", "q4", "q8")
 

@@ -40,13 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from inference.calibration import collect, input_key
-from inference.engine import Engine
-from inference.kernels import simd_level
-from inference.quant_eval import evaluate, stdlib_split, text_windows, window_logits
-from inference.tokenizer import load_tokenizer
-from store.quant.memory import QuantizedConsumer
-from store.quant.policy import POLICIES, parse_policy
+from czyx.inference.calibration import collect, input_key
+from czyx.inference.engine import Engine
+from czyx.inference.kernels import simd_level
+from czyx.inference.quant_eval import evaluate, stdlib_split, text_windows, window_logits
+from czyx.inference.tokenizer import load_tokenizer
+from czyx.store.quant.memory import QuantizedConsumer
+from czyx.store.quant.policy import POLICIES, parse_policy
 
 ROWS = [
     ("q2-all", False),
@@ -62,7 +62,7 @@ def load(model: str):
     """``(transformers model, float consumer, tokenizer)``."""
     import torch
 
-    from tests.inference.refmodels import StateDictConsumer, tiny_model
+    from czyx.testing.refmodels import StateDictConsumer, tiny_model
 
     torch.set_num_threads(1)
     if model.startswith("tiny:"):

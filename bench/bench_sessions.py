@@ -46,12 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 from bench.bench_store import evict
-from inference.engine import Engine
-from inference.sampling import SamplingParams
-from inference.sessions.live import LiveSession
-from inference.sessions.store import SessionStore
-from portals.authority import authority
-from store import Store
+from czyx.inference.engine import Engine
+from czyx.inference.sampling import SamplingParams
+from czyx.inference.sessions.live import LiveSession
+from czyx.inference.sessions.store import SessionStore
+from czyx.portals.authority import authority
+from czyx.store import Store
 
 
 def mount_model(st: Store, root: Path, tiny: bool):
@@ -60,10 +60,10 @@ def mount_model(st: Store, root: Path, tiny: bool):
     Returns the store's ``ModelConsumer`` for ``bench@1`` (O_DIRECT expert reads,
     as ``czyx run``).
     """
-    from portals import open_model
-    from store.model import open_model as open_consumer
-    from store.mount import mount
-    from tests.store.tiny_models import make_tiny_checkpoint
+    from czyx.portals import open_model
+    from czyx.store.models.model import open_model as open_consumer
+    from czyx.store.models.mount import mount
+    from czyx.testing.tiny_models import make_tiny_checkpoint
 
     shape = {} if tiny else SMALL
     ckpt = make_tiny_checkpoint(

@@ -61,7 +61,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from czyx.space import Selector
-from store import RawReader, Store, aligned_empty, c_available
+from czyx.store import RawReader, Store, aligned_empty, c_available
 
 MiB = 1 << 20
 

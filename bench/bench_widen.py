@@ -26,8 +26,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from store import widen as widen_mod  # noqa: E402
-from store.checkpoint import to_float32  # noqa: E402
+from czyx.store.io import widen as widen_mod  # noqa: E402
+from czyx.store.models.checkpoint import to_float32  # noqa: E402
 
 
 def _numpy_into(out: np.ndarray, arr: np.ndarray, dtype: str) -> None:
@@ -63,9 +63,9 @@ def decode_rows(reps: int, tokens: int) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import _evidence_moe as em
 
-    from store import Store
-    from store.model import open_model
-    from store.mount import mount
+    from czyx.store import Store
+    from czyx.store.models.model import open_model
+    from czyx.store.models.mount import mount
 
     text = list(Path(os.__file__).read_bytes()[: 32 + tokens])
     with tempfile.TemporaryDirectory() as d, Store.open(Path(d) / "store") as st:

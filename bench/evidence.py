@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 from bench._evidence_dense import dense_rows  # noqa: E402
 from bench._evidence_moe import moe_rows  # noqa: E402
 from bench._evidence_trunk import trunk_rows  # noqa: E402
-from store import iobench  # noqa: E402
-from store import iopaths as iop  # noqa: E402
+from czyx.store.io import iobench  # noqa: E402
+from czyx.store.io import iopaths as iop  # noqa: E402
 
 MiB = 1 << 20
 
@@ -128,7 +128,7 @@ def row_device(scratch: Path, file_mib: int, repeats: int) -> tuple[dict, str, s
 
 def row_sustained(scratch: Path, mib: int, io: str) -> tuple[str, str]:
     """Sustained direct reads: throughput per 64 MiB window and the latency distribution."""
-    from store.reader import aligned_empty
+    from czyx.store.io.reader import aligned_empty
 
     f = iobench.make_file(scratch / "sustained.bin", mib * MiB, seed=3)
     iop.drop_file_cache(f)

@@ -38,7 +38,7 @@ def build_traces(model_dir: Path, n_bytes: int, window: int, seed_frac: float = 
     from train_moe import load_corpus
     from transformers import MixtralForCausalLM
 
-    from inference.trace import text_sha256, trace_hf_model
+    from czyx.inference.trace import text_sha256, trace_hf_model
 
     corpus = load_corpus(seed_frac)
     text = corpus.val[: 2 * n_bytes].tobytes()
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
     threads = int(os.environ.get("CZYX_BENCH_THREADS", "2"))
     torch.set_num_threads(threads)
-    from inference.locality.report import analyze, to_markdown
+    from czyx.inference.locality.report import analyze, to_markdown
 
     n_bytes = 131072 if args.full else args.bytes
     t0 = time.time()

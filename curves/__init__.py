@@ -9,14 +9,14 @@ Conventions (bit order, multi-word ordinals) are in :mod:`curves.base` and
 
 from __future__ import annotations
 
-from curves.base import Curve
-from curves.errors import CurveError
-from curves.hilbert import HilbertCurve
-from curves.layout import ExpertLayout
-from curves.morton import MortonCurve
-from curves.permuted import PermutedCurve
-from curves.registry import CURVES, curve_from_dict, make_curve
-from curves.rowmajor import RowMajorCurve
+from czyx.curves.base import Curve
+from czyx.curves.errors import CurveError
+from czyx.curves.hilbert import HilbertCurve
+from czyx.curves.layout import ExpertLayout
+from czyx.curves.morton import MortonCurve
+from czyx.curves.permuted import PermutedCurve
+from czyx.curves.registry import CURVES, curve_from_dict, make_curve
+from czyx.curves.rowmajor import RowMajorCurve
 
 __all__ = [
     "CURVES",

@@ -347,7 +347,7 @@ int czyx_key_unpack(int hilbert, const uint8_t *keys, size_t n, uint8_t *cls,
 
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
-ffibuilder.set_source("curves._curves", SOURCE, extra_compile_args=["-O3", "-std=c99"])
+ffibuilder.set_source("czyx.curves._curves", SOURCE, extra_compile_args=["-O3", "-std=c99"])
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

@@ -13,13 +13,13 @@ import warnings
 
 import numpy as np
 
-from curves.errors import CurveError
+from czyx.curves.errors import CurveError
 
 try:
     if os.environ.get("CZYX_CURVES_PURE") == "1":
         raise ImportError("CZYX_CURVES_PURE=1")
-    from curves._curves import ffi as FFI
-    from curves._curves import lib as LIB
+    from czyx.curves._curves import ffi as FFI
+    from czyx.curves._curves import lib as LIB
 except ImportError as _exc:  # pragma: no cover - depends on the build
     FFI = None
     LIB = None

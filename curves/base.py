@@ -20,8 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from curves.errors import CurveError
-from curves.words import check_coords, check_words, n_words
+from czyx.curves.errors import CurveError
+from czyx.curves.words import check_coords, check_words, n_words
 
 # Scalar Morton decoding keeps a 2**ndim-entry table per dimension count.
 MAX_NDIM = 16

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from curves import _native
-from curves.base import CurveBase
-from curves.morton import deinterleave, deinterleave_np, interleave, interleave_np
+from czyx.curves import _native
+from czyx.curves.base import CurveBase
+from czyx.curves.morton import deinterleave, deinterleave_np, interleave, interleave_np
 
 _U = np.uint64
 

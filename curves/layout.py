@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from curves.errors import CurveError
-from curves.registry import make_curve
+from czyx.curves.errors import CurveError
+from czyx.curves.registry import make_curve
 
 LAYOUT_VERSION = 1
 OUTER_CURVES = ("morton", "hilbert", "rowmajor")

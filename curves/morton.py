@@ -19,9 +19,9 @@ from functools import cache
 
 import numpy as np
 
-from curves import _native
-from curves.base import CurveBase
-from curves.words import n_words
+from czyx.curves import _native
+from czyx.curves.base import CurveBase
+from czyx.curves.words import n_words
 
 _U = np.uint64
 

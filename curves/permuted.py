@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from curves.base import Curve, CurveBase
-from curves.errors import CurveError
+from czyx.curves.base import Curve, CurveBase
+from czyx.curves.errors import CurveError
 
 
 def _as_perm(axis: int, perm: Sequence[int] | np.ndarray, bits: int) -> tuple[int, ...]:

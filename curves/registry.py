@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from curves.base import Curve
-from curves.errors import CurveError
-from curves.hilbert import HilbertCurve
-from curves.morton import MortonCurve
-from curves.permuted import PermutedCurve
-from curves.rowmajor import RowMajorCurve
+from czyx.curves.base import Curve
+from czyx.curves.errors import CurveError
+from czyx.curves.hilbert import HilbertCurve
+from czyx.curves.morton import MortonCurve
+from czyx.curves.permuted import PermutedCurve
+from czyx.curves.rowmajor import RowMajorCurve
 
 CURVES: dict[str, type] = {
     "morton": MortonCurve,

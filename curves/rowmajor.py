@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from curves.base import CurveBase
+from czyx.curves.base import CurveBase
 
 _U = np.uint64
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from curves.errors import CurveError
+from czyx.curves.errors import CurveError
 
 WORD_BITS = 64
 _MASK64 = (1 << 64) - 1

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:  # curves imports czyx.errors, so czyx imports curves lazily
-    from curves.base import Curve
+    from czyx.curves.base import Curve
 
 KEY_SIZE = 24
 CODE_SIZE = KEY_SIZE - 1
@@ -43,7 +43,7 @@ _DEFAULT: list[Curve] = []
 def default_curve() -> Curve:
     """The default key curve: 3-D Morton, 61 bits an axis."""
     if not _DEFAULT:
-        from curves.morton import MortonCurve
+        from czyx.curves.morton import MortonCurve
 
         _DEFAULT.append(MortonCurve(ndim=3, bits=COORD_BITS))
     return _DEFAULT[0]
@@ -150,9 +150,9 @@ def class_prefix(cls: int) -> bytes:
 
 def _kernel_kind(curve: Curve) -> int | None:
     """0/1 when the C key kernel serves ``curve`` (plain Morton/Hilbert), else ``None``."""
-    from curves import _native
-    from curves.hilbert import HilbertCurve
-    from curves.morton import MortonCurve
+    from czyx.curves import _native
+    from czyx.curves.hilbert import HilbertCurve
+    from czyx.curves.morton import MortonCurve
 
     if _native.LIB is None:
         return None
@@ -218,7 +218,7 @@ def pack_keys(classes: Any, coords: Any, curve: Curve | None = None) -> np.ndarr
     curve = _key_curve(curve)
     kernel = _kernel_kind(curve)
     if kernel is not None:  # one C pass: encode and write the bytes
-        from curves import _native
+        from czyx.curves import _native
 
         out = np.empty((src.shape[0], KEY_SIZE), dtype=np.uint8)
         cls8 = np.ascontiguousarray(cls, dtype=np.uint8)
@@ -281,7 +281,7 @@ def unpack_keys(keys: Any, curve: Curve | None = None) -> tuple[np.ndarray, np.n
     curve = _key_curve(curve)
     kernel = _kernel_kind(curve)
     if kernel is not None:  # one C pass: read the bytes and decode
-        from curves import _native
+        from czyx.curves import _native
 
         src = np.ascontiguousarray(arr)
         coords = np.empty((src.shape[0], 3), dtype=np.uint64)

@@ -30,7 +30,7 @@ ffibuilder.cdef(CDEF)
 with open(_SRC, encoding="utf-8") as fh:
     _source = fh.read()
 ffibuilder.set_source(
-    "inference._qkernels",
+    "czyx.inference._qkernels",
     _source,
     extra_compile_args=["-O3", "-std=c99", "-fno-strict-aliasing"],
 )

@@ -35,12 +35,12 @@ from typing import Protocol
 
 import numpy as np
 
-from inference.errors import CacheBudgetError, SlotInUseError, UnsupportedModelError
-from inference.eviction import DecayPolicy, SLRUPolicy
-from inference.kernels.linear import packed_expert_from_views
-from store.consumer import ModelConsumer
-from store.quant.formats import is_quant_format
-from store.widen import widen_into
+from czyx.inference.errors import CacheBudgetError, SlotInUseError, UnsupportedModelError
+from czyx.inference.eviction import DecayPolicy, SLRUPolicy
+from czyx.inference.kernels.linear import packed_expert_from_views
+from czyx.store.consumer import ModelConsumer
+from czyx.store.io.widen import widen_into
+from czyx.store.quant.formats import is_quant_format
 
 ALIGN = 4096
 HUGE_PAGE = 2 * 1024 * 1024

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from store.quant.errors import CalibrationError
-from store.quant.names import input_key
+from czyx.store.quant.errors import CalibrationError
+from czyx.store.quant.names import input_key
 
 __all__ = ["FORMAT_TAG", "ImportanceCollector", "Provenance", "collect", "input_key"]
 

@@ -28,7 +28,7 @@ from typing import TextIO
 
 import numpy as np
 
-from inference.errors import DemoCheckError
+from czyx.inference.errors import DemoCheckError
 
 DEFAULT_TAG = "czyx-moe-stdlib@v1"
 DEFAULT_TENANT = "demo-tenant"
@@ -103,14 +103,14 @@ def run_demo(
         A refusal the demo shows was allowed, or the tiered and fully
         resident runs generated different text.
     """
-    import portals
-    from inference.assets import bundled_model_dir
-    from portals.caveats import ClassRange
-    from portals.errors import PortalDenied
-    from portals.model import grant_model
-    from store import Store
-    from store.model import open_model
-    from store.mount import mount
+    from czyx import portals
+    from czyx.inference.assets import bundled_model_dir
+    from czyx.portals.caveats import ClassRange
+    from czyx.portals.errors import PortalDenied
+    from czyx.portals.model import grant_model
+    from czyx.store import Store
+    from czyx.store.models.model import open_model
+    from czyx.store.models.mount import mount
 
     out = out or sys.stdout
     if not 0.0 < cache_fraction <= 1.0:
@@ -232,13 +232,13 @@ def _generate(
     policy: str,
     stream: TextIO | None,
 ) -> DemoRun:
-    import portals
-    from inference.engine import Engine
-    from inference.generate import generate
-    from inference.sampling import SamplingParams
-    from inference.streaming import StreamOptions
-    from inference.tokenizer import tokenizer_for
-    from store.model import open_model
+    from czyx import portals
+    from czyx.inference.engine import Engine
+    from czyx.inference.generate import generate
+    from czyx.inference.sampling import SamplingParams
+    from czyx.inference.streaming import StreamOptions
+    from czyx.inference.tokenizer import tokenizer_for
+    from czyx.store.models.model import open_model
 
     view = portals.open_model(store, token, tag, tenant=DEFAULT_TENANT)
     with open_model(store, tag, view=view, direct=True) as consumer:

@@ -12,14 +12,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from inference.cache import CacheStats, EvictionPolicy, ExpertCache
-from inference.errors import CacheBudgetError
-from inference.models import DecoderConfig, decoder_class
-from inference.profile import RoutingProfile
-from inference.streaming import StreamingExpertCache, StreamOptions, attach
-from inference.trunkwindow import TrunkWindowStats
-from inference.xray import XRay
-from store.consumer import ModelConsumer
+from czyx.inference.cache import CacheStats, EvictionPolicy, ExpertCache
+from czyx.inference.errors import CacheBudgetError
+from czyx.inference.models import DecoderConfig, decoder_class
+from czyx.inference.profile import RoutingProfile
+from czyx.inference.streaming import StreamingExpertCache, StreamOptions, attach
+from czyx.inference.trunkwindow import TrunkWindowStats
+from czyx.inference.xray import XRay
+from czyx.store.consumer import ModelConsumer
 
 
 def expert_bytes(consumer: ModelConsumer, cfg: DecoderConfig) -> int:

@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from inference.cache import CacheStats
-from inference.engine import Engine
-from inference.sampling import Sampler, SamplingParams
-from inference.tokenizer import StreamDecoder, Tokenizer
+from czyx.inference.cache import CacheStats
+from czyx.inference.engine import Engine
+from czyx.inference.sampling import Sampler, SamplingParams
+from czyx.inference.tokenizer import StreamDecoder, Tokenizer
 
 GREEDY = SamplingParams()
 

@@ -50,15 +50,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from czyx.errors import CzyxError
-from inference.errors import InferenceError, SlotInUseError
-from store import readpool
-from store.checksum import checksum
-from store.consumer import ModelConsumer
-from store.errors import ChecksumError
-from store.iopaths import TransferSource, default_io_path, open_source
+from czyx.inference.errors import InferenceError, SlotInUseError
+from czyx.store.consumer import ModelConsumer
+from czyx.store.core.checksum import checksum
+from czyx.store.errors import ChecksumError
+from czyx.store.io import readpool
+from czyx.store.io.iopaths import TransferSource, default_io_path, open_source
 
 if TYPE_CHECKING:
-    from inference.xray import XRay
+    from czyx.inference.xray import XRay
 
 DEMAND = "demand"
 PREFETCH = "prefetch"

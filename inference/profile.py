@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from inference.errors import InferenceError
+from czyx.inference.errors import InferenceError
 
 
 class ProfileError(InferenceError):
@@ -73,7 +73,7 @@ class RoutingProfile:
         """Read a profile (counts JSON, or a routing trace ``.npz``), checking it
         matches the model's ``n_layers x n_experts``."""
         if os.fspath(path).endswith(".npz"):
-            from inference.trace import RoutingTrace
+            from czyx.inference.trace import RoutingTrace
 
             return cls.from_trace(RoutingTrace.load(path), n_layers, n_experts)
         try:
@@ -124,7 +124,7 @@ class RouteRecorder:
 
     def trace(self, model_id: str, text_sha256: str, weights_kind: str) -> Any:
         """The :class:`inference.trace.RoutingTrace` of everything recorded."""
-        from inference.trace import RoutingTrace
+        from czyx.inference.trace import RoutingTrace
 
         if not self._segments or not self._idx or not self._idx[0]:
             raise ProfileError("nothing was recorded: run at least one forward pass")

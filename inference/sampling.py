@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inference.errors import SamplingError
+from czyx.inference.errors import SamplingError
 
 
 @dataclass(frozen=True)

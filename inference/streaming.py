@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from inference.cache import EvictionPolicy, ExpertCache
-from inference.errors import SlotInUseError
-from inference.planner import DEMAND, PREFETCH, Transfer, TransferPlanner
-from store.consumer import ModelConsumer
+from czyx.inference.cache import EvictionPolicy, ExpertCache
+from czyx.inference.errors import SlotInUseError
+from czyx.inference.planner import DEMAND, PREFETCH, Transfer, TransferPlanner
+from czyx.store.consumer import ModelConsumer
 
 if TYPE_CHECKING:
-    from inference.xray import XRay
+    from czyx.inference.xray import XRay
 
 
 @dataclass(frozen=True)

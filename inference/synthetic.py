@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from store.blockfile import BlockWriter
-from store.checksum import checksum
-from store.consumer import ExpertExtent, ModelInfo
-from store.errors import ChecksumError, ShortReadError
+from czyx.store.consumer import ExpertExtent, ModelInfo
+from czyx.store.core.blockfile import BlockWriter
+from czyx.store.core.checksum import checksum
+from czyx.store.errors import ChecksumError, ShortReadError
 
 ALIGN = 4096
 _DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
-from inference.errors import TokenizerError
+from czyx.inference.errors import TokenizerError
 
 
 class Tokenizer(Protocol):

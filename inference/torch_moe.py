@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from store.consumer import ModelConsumer
+from czyx.store.consumer import ModelConsumer
 
 
 class TorchMoELayer(torch.nn.Module):

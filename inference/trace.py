@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from inference.locality.errors import TraceError
+from czyx.inference.locality.errors import TraceError
 
 FORMAT = "czyx-routing-trace"
 VERSION = 1

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from czyx.errors import CzyxError
-from inference.errors import InferenceError
+from czyx.inference.errors import InferenceError
 
 T = TypeVar("T")
 

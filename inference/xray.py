@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: the planner imports nothing from here
-    from inference.planner import Transfer
-    from inference.streaming import StreamingExpertCache
+    from czyx.inference.planner import Transfer
+    from czyx.inference.streaming import StreamingExpertCache
 
 SCHEMA_PATH = Path(__file__).with_name("xray.schema.json")
 SCHEMA_VERSION = 1

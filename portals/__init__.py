@@ -21,39 +21,39 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Grant": "portals.authority",
-    "PortalAuthority": "portals.authority",
-    "grant": "portals.authority",
-    "open_space": "portals.authority",
-    "root_token": "portals.authority",
-    "model_spaces": "portals.model",
-    "open_model": "portals.model",
-    "GRANT": "portals.caveats",
-    "INFER": "portals.caveats",
-    "READ": "portals.caveats",
-    "ClassRange": "portals.caveats",
-    "ClassSet": "portals.caveats",
-    "Expires": "portals.caveats",
-    "LayerRange": "portals.caveats",
-    "Rights": "portals.caveats",
-    "Spaces": "portals.caveats",
-    "Tenant": "portals.caveats",
-    "parse_classes": "portals.caveats",
-    "parse_layers": "portals.caveats",
-    "parse_rights": "portals.caveats",
-    "PortalDenied": "portals.errors",
-    "PortalError": "portals.errors",
-    "Permission": "portals.permission",
-    "Scope": "portals.permission",
-    "Token": "portals.token",
-    "SpaceView": "portals.view",
+    "Grant": "czyx.portals.authority",
+    "PortalAuthority": "czyx.portals.authority",
+    "grant": "czyx.portals.authority",
+    "open_space": "czyx.portals.authority",
+    "root_token": "czyx.portals.authority",
+    "model_spaces": "czyx.portals.model",
+    "open_model": "czyx.portals.model",
+    "GRANT": "czyx.portals.caveats",
+    "INFER": "czyx.portals.caveats",
+    "READ": "czyx.portals.caveats",
+    "ClassRange": "czyx.portals.caveats",
+    "ClassSet": "czyx.portals.caveats",
+    "Expires": "czyx.portals.caveats",
+    "LayerRange": "czyx.portals.caveats",
+    "Rights": "czyx.portals.caveats",
+    "Spaces": "czyx.portals.caveats",
+    "Tenant": "czyx.portals.caveats",
+    "parse_classes": "czyx.portals.caveats",
+    "parse_layers": "czyx.portals.caveats",
+    "parse_rights": "czyx.portals.caveats",
+    "PortalDenied": "czyx.portals.errors",
+    "PortalError": "czyx.portals.errors",
+    "Permission": "czyx.portals.permission",
+    "Scope": "czyx.portals.permission",
+    "Token": "czyx.portals.token",
+    "SpaceView": "czyx.portals.view",
 }
 
 
 def attenuate(token: str, caveats: list, *, strict: bool = True) -> str:
     """Offline attenuation of a printable token; see :func:`portals.chain.attenuate`."""
-    from portals.chain import attenuate as _attenuate
-    from portals.token import Token
+    from czyx.portals.chain import attenuate as _attenuate
+    from czyx.portals.token import Token
 
     return _attenuate(Token.from_text(token), caveats, strict=strict).to_text()
 
@@ -61,7 +61,7 @@ def attenuate(token: str, caveats: list, *, strict: bool = True) -> str:
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'portals' has no attribute {name!r}")
+        raise AttributeError(f"module 'czyx.portals' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -3,7 +3,7 @@ and a bounds-checked reader that fails with :class:`TokenFormatError`."""
 
 from __future__ import annotations
 
-from portals.errors import TokenFormatError
+from czyx.portals.errors import TokenFormatError
 
 # A varint never needs more than 10 bytes for the values we encode (< 2**64);
 # refusing longer ones bounds the work done on garbage input.

@@ -26,10 +26,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from czyx.space import Selector
-from portals.caveats import GRANT, INFER, READ, Caveat, Rights, Tenant, check_tenant, describe
-from portals.chain import ChainKeys, extend_registered, mint, verify_signature
-from portals.errors import (
+from czyx.portals.caveats import GRANT, INFER, READ, Caveat, Rights, Tenant, check_tenant, describe
+from czyx.portals.chain import ChainKeys, extend_registered, mint, verify_signature
+from czyx.portals.errors import (
     OutOfScope,
     PortalDenied,
     PortalError,
@@ -39,10 +38,11 @@ from portals.errors import (
     UnknownPortal,
     WideningError,
 )
-from portals.permission import Permission
-from portals.secret import load_or_create_secret
-from portals.token import Token
-from portals.view import SpaceView
+from czyx.portals.permission import Permission
+from czyx.portals.secret import load_or_create_secret
+from czyx.portals.token import Token
+from czyx.portals.view import SpaceView
+from czyx.space import Selector
 
 OWNER = "owner"
 # Rights a grant gets when it names none: never "grant" (re-delegation is opt-in).

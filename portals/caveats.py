@@ -21,8 +21,8 @@ import string
 from dataclasses import dataclass
 from typing import ClassVar
 
-from portals._wire import Reader, encode_varint
-from portals.errors import CaveatError, TokenFormatError
+from czyx.portals._wire import Reader, encode_varint
+from czyx.portals.errors import CaveatError, TokenFormatError
 
 READ = "read"
 INFER = "infer"

@@ -20,8 +20,8 @@ import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from portals.caveats import Caveat as _Caveat
-from portals.caveats import (
+from czyx.portals.caveats import Caveat as _Caveat
+from czyx.portals.caveats import (
     ClassRange,
     ClassSet,
     Expires,
@@ -32,9 +32,9 @@ from portals.caveats import (
     Tenant,
     format_mask,
 )
-from portals.errors import CaveatError, ForeignPortal, InvalidSignature, WideningError
-from portals.permission import Permission
-from portals.token import SIGNATURE_SIZE, STORE_ID_SIZE, Token, header_bytes
+from czyx.portals.errors import CaveatError, ForeignPortal, InvalidSignature, WideningError
+from czyx.portals.permission import Permission
+from czyx.portals.token import SIGNATURE_SIZE, STORE_ID_SIZE, Token, header_bytes
 
 _SALT = b"czyx-portals-v1"
 

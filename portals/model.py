@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from czyx.portals.caveats import INFER
+from czyx.portals.view import SpaceView
 from czyx.space import SELECTOR_SIZE, Selector
-from portals.caveats import INFER
-from portals.view import SpaceView
 
 MAX_CHAIN = 64
 
@@ -91,7 +91,7 @@ def open_model(
     PortalDenied
         Any refusal (audited).
     """
-    from portals.authority import authority
+    from czyx.portals.authority import authority
 
     auth = authority(store)
     sel = auth.resolve_space(token, ref)
@@ -120,8 +120,8 @@ def grant_model(
     readable so the tenant can still run the model. Returns the
     :class:`portals.authority.Grant` (its ``token`` is what the tenant holds).
     """
-    from portals.authority import authority
-    from portals.caveats import Expires, Spaces, parse_classes, parse_layers, parse_rights
+    from czyx.portals.authority import authority
+    from czyx.portals.caveats import Expires, Spaces, parse_classes, parse_layers, parse_rights
 
     sel = resolve_space(store, ref)
     scoped, whole = model_spaces(store, sel)
@@ -140,6 +140,6 @@ def grant_model(
 def resolve_space(store: Any, name: str | Selector) -> Selector:
     """A space from a tag ``NAME@VERSION``, 64 hex digits or a selector (one rule:
     :func:`store.mount.resolve`)."""
-    from store.mount import resolve
+    from czyx.store.models.mount import resolve
 
     return resolve(store, name)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from portals.caveats import (
+from czyx.portals.caveats import (
     ALL_RIGHTS,
     FULL_CLASS_MASK,
     MAX_LAYER,
@@ -27,7 +27,7 @@ from portals.caveats import (
     Spaces,
     Tenant,
 )
-from portals.errors import CaveatError
+from czyx.portals.errors import CaveatError
 
 
 @dataclass(frozen=True)

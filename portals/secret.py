@@ -15,7 +15,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from portals.errors import SecretError
+from czyx.portals.errors import SecretError
 
 SECRET_FILE = "portal.secret"
 SECRET_SIZE = 32

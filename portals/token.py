@@ -20,10 +20,10 @@ import base64
 import binascii
 from dataclasses import dataclass, field
 
-from portals._wire import Reader, encode_varint
-from portals.caveats import PORTAL_ID_SIZE, Caveat, decode_caveat
-from portals.errors import TokenFormatError
-from portals.permission import Permission
+from czyx.portals._wire import Reader, encode_varint
+from czyx.portals.caveats import PORTAL_ID_SIZE, Caveat, decode_caveat
+from czyx.portals.errors import TokenFormatError
+from czyx.portals.permission import Permission
 
 VERSION = 1
 PREFIX = "czp1_"

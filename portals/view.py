@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from curves.base import Curve
+from czyx.curves.base import Curve
 from czyx.key import DEFAULT_CURVE, Key
+from czyx.portals.caveats import N_CLASSES
+from czyx.portals.errors import OutOfScope, PortalError, RecordNotFoundError
 from czyx.space import Selector
-from portals.caveats import N_CLASSES
-from portals.errors import OutOfScope, PortalError, RecordNotFoundError
 
 if TYPE_CHECKING:
-    from portals.authority import PortalAuthority
-    from portals.permission import Permission, Scope
+    from czyx.portals.authority import PortalAuthority
+    from czyx.portals.permission import Permission, Scope
 
 
 def curve_of(manifest: dict) -> Curve:
@@ -197,7 +197,7 @@ class SpaceView:
         if self._reader is None:
             # open_reader checks the block file is the published one first.
             self._reader = self._store.open_reader(self.space)
-        from store.reader import read_extent_verified
+        from czyx.store.io.reader import read_extent_verified
 
         read_extent_verified(self._reader, rec, buf)
         return rec

@@ -9,8 +9,12 @@ errors of :mod:`store.errors`.
 
 from __future__ import annotations
 
-from store.checksum import CHECKSUM_NAME, checksum
-from store.errors import (
+from czyx.store.core.checksum import CHECKSUM_NAME, checksum
+from czyx.store.core.lmdb_store import Store
+from czyx.store.core.records import Extent
+from czyx.store.core.snapshot import Snapshot
+from czyx.store.core.writer import SpaceWriter, collect_garbage
+from czyx.store.errors import (
     BlockFileError,
     ChecksumError,
     KeyLengthError,
@@ -28,12 +32,8 @@ from store.errors import (
     TagConflictError,
     TagNotFoundError,
 )
-from store.interfaces import SpaceWriterInterface, StoreInterface
-from store.lmdb_store import Store
-from store.reader import RawReader, aligned_empty, c_available, read_extent_verified
-from store.records import Extent
-from store.snapshot import Snapshot
-from store.writer import SpaceWriter, collect_garbage
+from czyx.store.interfaces import SpaceWriterInterface, StoreInterface
+from czyx.store.io.reader import RawReader, aligned_empty, c_available, read_extent_verified
 
 __all__ = [
     "CHECKSUM_NAME",

@@ -19,8 +19,8 @@ from czyx.space import Selector
 if TYPE_CHECKING:
     import numpy as np
 
-    from store.reader import RawReader
-    from store.records import Extent
+    from czyx.store.core.records import Extent
+    from czyx.store.io.reader import RawReader
 
 
 class SpaceWriterInterface(abc.ABC):

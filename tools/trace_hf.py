@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from inference.trace import text_sha256, trace_hf_model
+    from czyx.inference.trace import text_sha256, trace_hf_model
 
     torch.set_num_threads(args.threads)
     data = Path(args.text).read_bytes()

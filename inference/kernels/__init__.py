@@ -6,7 +6,7 @@ reference (``reference``); see :func:`inference.kernels.ops.prepare`.
 
 from __future__ import annotations
 
-from inference.kernels.ops import (
+from czyx.inference.kernels.ops import (
     PackedMatrix,
     force_portable,
     have_c,

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inference.kernels.ops import PackedMatrix, prepare
-from store.quant.errors import QuantError
-from store.quant.extent import ExpertLayout
-from store.quant.formats import dequantize, get_format
+from czyx.inference.kernels.ops import PackedMatrix, prepare
+from czyx.store.quant.errors import QuantError
+from czyx.store.quant.extent import ExpertLayout
+from czyx.store.quant.formats import dequantize, get_format
 
 #: A weight as the engine holds it.
 Weight = np.ndarray | PackedMatrix

@@ -21,13 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from inference.kernels.reference import ref_matmul
-from store.quant.errors import QuantError, ShapeError
-from store.quant.formats import QuantFormat, get_format, views
+from czyx.inference.kernels.reference import ref_matmul
+from czyx.store.quant.errors import QuantError, ShapeError
+from czyx.store.quant.formats import QuantFormat, get_format, views
 
 try:  # the compiled kernel; absent until build_ext has run
-    from inference._qkernels import ffi as _ffi
-    from inference._qkernels import lib as _lib
+    from czyx.inference._qkernels import ffi as _ffi
+    from czyx.inference._qkernels import lib as _lib
 except ImportError:  # pragma: no cover - exercised where the extension is not built
     _ffi = None
     _lib = None

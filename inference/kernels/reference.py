@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from store.quant.formats import QuantFormat, unpack_codes
+from czyx.store.quant.formats import QuantFormat, unpack_codes
 
 #: Rows unpacked per step (bounds the temporary to ROW_BLOCK * cols floats).
 ROW_BLOCK = 256

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inference.trace import RoutingTrace
+from czyx.inference.trace import RoutingTrace
 
 
 def within_layer(trace: RoutingTrace) -> np.ndarray:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from inference.locality.errors import LocalityError
+from czyx.inference.locality.errors import LocalityError
 
 CURVES = ("layer-major", "morton", "hilbert")
 _OUTER = {"layer-major": "rowmajor", "morton": "morton", "hilbert": "hilbert"}
@@ -37,8 +37,8 @@ def expert_slots(
     np.ndarray
         int64 ``[L, E]``, a permutation of ``range(L*E)``.
     """
-    from curves.errors import CurveError
-    from curves.layout import ExpertLayout
+    from czyx.curves.errors import CurveError
+    from czyx.curves.layout import ExpertLayout
 
     if curve not in _OUTER:
         raise LocalityError(f"unknown curve {curve!r}; expected one of {', '.join(CURVES)}")

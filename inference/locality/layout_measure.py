@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inference.locality.errors import LocalityError
-from inference.trace import RoutingTrace
+from czyx.inference.locality.errors import LocalityError
+from czyx.inference.trace import RoutingTrace
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from inference.locality.cooccur import adjacent_layers, within_layer
-from inference.locality.errors import LocalityError
-from inference.trace import RoutingTrace
+from czyx.inference.locality.cooccur import adjacent_layers, within_layer
+from czyx.inference.locality.errors import LocalityError
+from czyx.inference.trace import RoutingTrace
 
 
 def path_weight(w: np.ndarray, order: np.ndarray) -> float:

@@ -31,8 +31,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from inference.locality.errors import LocalityError
-from inference.trace import RoutingTrace
+from czyx.inference.locality.errors import LocalityError
+from czyx.inference.trace import RoutingTrace
 
 POLICIES = ("lru", "hotness", "slru", "pinned", "belady")
 

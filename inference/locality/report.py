@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from inference.locality import cooccur, ordering, replay, temporal, usage
-from inference.locality.curves_shim import expert_slots
-from inference.locality.layout_measure import measure_layout
-from inference.trace import RoutingTrace
+from czyx.inference.locality import cooccur, ordering, replay, temporal, usage
+from czyx.inference.locality.curves_shim import expert_slots
+from czyx.inference.locality.layout_measure import measure_layout
+from czyx.inference.trace import RoutingTrace
 
 
 def default_budgets(trace: RoutingTrace) -> list[int]:

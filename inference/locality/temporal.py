@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inference.trace import RoutingTrace
+from czyx.inference.trace import RoutingTrace
 
 
 def overlap_at_lag(experts: np.ndarray, segments: np.ndarray, lag: int) -> np.ndarray:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inference.trace import RoutingTrace
+from czyx.inference.trace import RoutingTrace
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ anything else.
 
 from __future__ import annotations
 
-from inference.errors import UnsupportedModelError
-from inference.models.decoder import DecoderConfig, MoEDecoder
-from inference.models.mixtral import MixtralDecoder
-from inference.models.olmoe import OlmoeDecoder
-from inference.models.qwen2_moe import Qwen2MoeDecoder
-from inference.models.qwen3_moe import Qwen3MoeDecoder
+from czyx.inference.errors import UnsupportedModelError
+from czyx.inference.models.decoder import DecoderConfig, MoEDecoder
+from czyx.inference.models.mixtral import MixtralDecoder
+from czyx.inference.models.olmoe import OlmoeDecoder
+from czyx.inference.models.qwen2_moe import Qwen2MoeDecoder
+from czyx.inference.models.qwen3_moe import Qwen3MoeDecoder
 
 DECODERS: dict[str, type[MoEDecoder]] = {
     cls.arch: cls for cls in (MixtralDecoder, Qwen2MoeDecoder, Qwen3MoeDecoder, OlmoeDecoder)

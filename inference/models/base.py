@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from inference.errors import UnsupportedModelError
-from inference.kernels.linear import GateUp, Weight, mm_t
+from czyx.inference.errors import UnsupportedModelError
+from czyx.inference.kernels.linear import GateUp, Weight, mm_t
 
 F32 = np.float32
 #: A calibration hook: called with a matrix's input rows (see inference.calibration).

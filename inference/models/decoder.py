@@ -26,11 +26,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from inference.cache import ExpertCache
-from inference.errors import MissingTensorError, UnsupportedModelError
-from inference.kernels.linear import Weight, mm_t, take_rows
-from inference.kernels.ops import prepare
-from inference.models.base import (
+from czyx.inference.cache import ExpertCache
+from czyx.inference.errors import MissingTensorError, UnsupportedModelError
+from czyx.inference.kernels.linear import Weight, mm_t, take_rows
+from czyx.inference.kernels.ops import prepare
+from czyx.inference.models.base import (
     F32,
     KVCache,
     Observe,
@@ -46,9 +46,9 @@ from inference.models.base import (
     swiglu_columns,
     swiglu_fused,
 )
-from inference.profile import RouteRecorder
-from inference.trunkwindow import TrunkWindow, TrunkWindowStats
-from store.consumer import ModelConsumer, ModelInfo
+from czyx.inference.profile import RouteRecorder
+from czyx.inference.trunkwindow import TrunkWindow, TrunkWindowStats
+from czyx.store.consumer import ModelConsumer, ModelInfo
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ in training in transformers 5.x, so inference ignores them.
 
 from __future__ import annotations
 
-from inference.models.decoder import DecoderConfig, MoEDecoder, common_config
-from store.consumer import ModelInfo
+from czyx.inference.models.decoder import DecoderConfig, MoEDecoder, common_config
+from czyx.store.consumer import ModelInfo
 
 
 class MixtralDecoder(MoEDecoder):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from inference.models.decoder import DecoderConfig, Layer, common_config
-from inference.models.qknorm import QKNormDecoder
-from store.consumer import ModelInfo
+from czyx.inference.models.decoder import DecoderConfig, Layer, common_config
+from czyx.inference.models.qknorm import QKNormDecoder
+from czyx.store.consumer import ModelInfo
 
 
 class OlmoeDecoder(QKNormDecoder):

@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from inference.errors import UnsupportedModelError
-from inference.models.base import rms_norm
-from inference.models.decoder import Layer, MoEDecoder
+from czyx.inference.errors import UnsupportedModelError
+from czyx.inference.models.base import rms_norm
+from czyx.inference.models.decoder import Layer, MoEDecoder
 
 
 class QKNormDecoder(MoEDecoder):

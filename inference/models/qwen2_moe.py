@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from inference.models.decoder import (
+from czyx.inference.models.decoder import (
     DecoderConfig,
     Layer,
     MoEDecoder,
     common_config,
     shared_expert,
 )
-from store.consumer import ModelInfo
+from czyx.store.consumer import ModelInfo
 
 
 def layer_windows(config: dict, n_layers: int) -> list[int | None]:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from inference.models.decoder import DecoderConfig, Layer, common_config
-from inference.models.qknorm import QKNormDecoder
-from inference.models.qwen2_moe import layer_windows
-from store.consumer import ModelInfo
+from czyx.inference.models.decoder import DecoderConfig, Layer, common_config
+from czyx.inference.models.qknorm import QKNormDecoder
+from czyx.inference.models.qwen2_moe import layer_windows
+from czyx.store.consumer import ModelInfo
 
 
 class Qwen3MoeDecoder(QKNormDecoder):

@@ -10,7 +10,7 @@ continue, and ``run_with_session`` for ``czyx run --session``).
 
 from __future__ import annotations
 
-from inference.sessions.errors import (
+from czyx.inference.sessions.errors import (
     ModelVersionMismatchError,
     SessionConflictError,
     SessionError,
@@ -19,9 +19,9 @@ from inference.sessions.errors import (
     SessionNotFoundError,
     WrongTenantError,
 )
-from inference.sessions.format import BLOCK, SessionState
-from inference.sessions.live import LiveSession, SessionRun, run_with_session
-from inference.sessions.store import SessionDiff, SessionInfo, SessionStore, list_sessions
+from czyx.inference.sessions.format import BLOCK, SessionState
+from czyx.inference.sessions.live import LiveSession, SessionRun, run_with_session
+from czyx.inference.sessions.store import SessionDiff, SessionInfo, SessionStore, list_sessions
 
 __all__ = [
     "BLOCK",

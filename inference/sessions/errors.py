@@ -8,7 +8,7 @@ corrupt SES extent, a concurrent save) derives from :class:`SessionError`, an
 
 from __future__ import annotations
 
-from inference.errors import InferenceError
+from czyx.inference.errors import InferenceError
 
 
 class SessionError(InferenceError):

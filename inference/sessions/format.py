@@ -41,8 +41,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from inference.sessions.errors import SessionFormatError
-from store.checksum import checksum
+from czyx.inference.sessions.errors import SessionFormatError
+from czyx.store.core.checksum import checksum
 
 MAGIC = b"CZYXSES\x00"
 FORMAT_VERSION = 1

@@ -23,12 +23,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from inference.engine import Engine
-from inference.sampling import Sampler, SamplingParams
-from inference.sessions.errors import ModelVersionMismatchError, SessionError
-from inference.sessions.format import ParsedExtent, SessionState
-from inference.sessions.store import RECORD_KEY, SessionInfo, SessionStore
-from inference.tokenizer import StreamDecoder, Tokenizer
+from czyx.inference.engine import Engine
+from czyx.inference.sampling import Sampler, SamplingParams
+from czyx.inference.sessions.errors import ModelVersionMismatchError, SessionError
+from czyx.inference.sessions.format import ParsedExtent, SessionState
+from czyx.inference.sessions.store import RECORD_KEY, SessionInfo, SessionStore
+from czyx.inference.tokenizer import StreamDecoder, Tokenizer
 
 
 class LiveSession:

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from czyx.inference.sessions.format import BLOCK
 from czyx.key import EDG
 from czyx.space import Selector
-from inference.sessions.format import BLOCK
-from store.interfaces import StoreInterface
+from czyx.store.interfaces import StoreInterface
 
 HASH_SIZE = 16
 PREFIX_EDGE = bytes((EDG,)) + b"ses.prefix\x00"

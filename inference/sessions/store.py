@@ -55,9 +55,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from czyx.key import EDG, SES, Key
-from czyx.space import Selector
-from inference.sessions.errors import (
+from czyx.inference.sessions.errors import (
     ModelVersionMismatchError,
     SessionConflictError,
     SessionExistsError,
@@ -65,7 +63,7 @@ from inference.sessions.errors import (
     SessionNotFoundError,
     WrongTenantError,
 )
-from inference.sessions.format import (
+from czyx.inference.sessions.format import (
     BLOCK,
     FORMAT_VERSION,
     Layout,
@@ -73,10 +71,12 @@ from inference.sessions.format import (
     SessionState,
     encode,
 )
-from inference.sessions.prefix import PrefixHit, PrefixIndex
-from store.errors import SealedSpaceError, StoreError, TagConflictError
-from store.interfaces import StoreInterface
-from store.reader import aligned_empty
+from czyx.inference.sessions.prefix import PrefixHit, PrefixIndex
+from czyx.key import EDG, SES, Key
+from czyx.space import Selector
+from czyx.store.errors import SealedSpaceError, StoreError, TagConflictError
+from czyx.store.interfaces import StoreInterface
+from czyx.store.io.reader import aligned_empty
 
 TAG_PREFIX = "session:"
 RECORD_KEY = Key(SES).pack()
@@ -213,8 +213,8 @@ class SessionStore:
         tenant: str | None = None,
         direct: bool = False,
     ) -> None:
-        from portals import READ
-        from portals.authority import OWNER, authority
+        from czyx.portals import READ
+        from czyx.portals.authority import OWNER, authority
 
         self.store = store
         self.portal = portal
@@ -234,7 +234,7 @@ class SessionStore:
         """A handle through ``portal``, or, when ``None``, the store owner's root portal
         (for a process that owns the store directory and its portal secret)."""
         if not portal:
-            from portals import root_token
+            from czyx.portals import root_token
 
             portal = root_token(store)
         return cls(store, portal, tenant=tenant)

@@ -7,8 +7,14 @@
 
 from __future__ import annotations
 
-from store.quant.errors import FormatError, PackedBufferError, PolicyError, QuantError, ShapeError
-from store.quant.formats import (
+from czyx.store.quant.errors import (
+    FormatError,
+    PackedBufferError,
+    PolicyError,
+    QuantError,
+    ShapeError,
+)
+from czyx.store.quant.formats import (
     FORMATS,
     QuantFormat,
     dequantize,
@@ -17,7 +23,7 @@ from store.quant.formats import (
     quantize,
     views,
 )
-from store.quant.policy import POLICIES, Decision, Policy, parse_policy, role_class
+from czyx.store.quant.policy import POLICIES, Decision, Policy, parse_policy, role_class
 
 __all__ = [
     "FORMATS",

@@ -21,11 +21,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from store.quant.errors import QuantError
-from store.quant.extent import ExpertLayout, expert_format, pack_expert
-from store.quant.formats import QuantFormat, dequantize, get_format, quantize
-from store.quant.names import input_key
-from store.quant.policy import Policy
+from czyx.store.quant.errors import QuantError
+from czyx.store.quant.extent import ExpertLayout, expert_format, pack_expert
+from czyx.store.quant.formats import QuantFormat, dequantize, get_format, quantize
+from czyx.store.quant.names import input_key
+from czyx.store.quant.policy import Policy
 
 
 class QuantCodec:
@@ -84,7 +84,7 @@ class QuantCodec:
     ) -> np.ndarray:
         """:meth:`encode_expert` from the source extent's bytes (gate | up | down in ``dtype``,
         a safetensors dtype name such as ``"F16"``)."""
-        from store.checkpoint import DTYPES, to_float32
+        from czyx.store.models.checkpoint import DTYPES, to_float32
 
         f = to_float32(np.asarray(raw).view(DTYPES[dtype][0]), dtype)
         n = layout.inter * layout.hidden
@@ -96,7 +96,7 @@ class QuantCodec:
         self, role: str, layer: int | None, raw: np.ndarray, dtype: str, shape: tuple[int, ...]
     ) -> tuple[np.ndarray, str | None]:
         """:meth:`encode_trunk` from a source tensor's bytes; float tensors come back as given."""
-        from store.checkpoint import DTYPES, to_float32
+        from czyx.store.models.checkpoint import DTYPES, to_float32
 
         arr = to_float32(np.asarray(raw).view(DTYPES[dtype][0]).reshape(shape), dtype)
         buf, qfmt = self.encode_trunk(role, layer, arr)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from store.quant.errors import FormatError, PackedBufferError, ShapeError
-from store.quant.formats import GROUP_QUANTUM, QuantFormat, get_format, quantize
-from store.quant.policy import Policy
+from czyx.store.quant.errors import FormatError, PackedBufferError, ShapeError
+from czyx.store.quant.formats import GROUP_QUANTUM, QuantFormat, get_format, quantize
+from czyx.store.quant.policy import Policy
 
 #: Version tag of :func:`format_record`.
 RECORD_TAG = "czyx-qformat/1"

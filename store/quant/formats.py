@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from store.quant.errors import FormatError, PackedBufferError, ShapeError
+from czyx.store.quant.errors import FormatError, PackedBufferError, ShapeError
 
 #: Bit widths the formats (and the C kernels) support.
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -305,7 +305,7 @@ def quantize(
     numpy.ndarray
         ``uint8 [fmt.nbytes(R, C)]``.
     """
-    from store.quant.quantizer import fit_groups
+    from czyx.store.quant.quantizer import fit_groups
 
     fmt = get_format(fmt)
     w = np.asarray(w)

@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 
 from czyx.key import Key
-from store.quant.errors import CalibrationError
+from czyx.store.quant.errors import CalibrationError
 
 #: Tag of the serialised map (the same as ``inference.calibration.FORMAT_TAG``).
 FORMAT_TAG = "czyx-importance/1"

@@ -19,12 +19,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from store.archs import ARCHS
-from store.consumer import GLOBAL_ROLES, LAYER_ROLES, ExpertExtent, ModelConsumer
-from store.quant.errors import QuantError
-from store.quant.extent import ExpertLayout, expert_format, pack_expert
-from store.quant.formats import QuantFormat, dequantize, quantize
-from store.quant.policy import Policy
+from czyx.store.consumer import GLOBAL_ROLES, LAYER_ROLES, ExpertExtent, ModelConsumer
+from czyx.store.models.archs import ARCHS
+from czyx.store.quant.errors import QuantError
+from czyx.store.quant.extent import ExpertLayout, expert_format, pack_expert
+from czyx.store.quant.formats import QuantFormat, dequantize, quantize
+from czyx.store.quant.policy import Policy
 
 #: Maps ``(layer, role, expert)`` to the name of that matrix's input in an
 #: importance map (``inference.calibration.input_key`` has this signature).

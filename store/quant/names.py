@@ -14,7 +14,7 @@ gate/up read ``L{l}.E{e}.in`` (only its tokens) and its down reads
 
 from __future__ import annotations
 
-from store.quant.errors import CalibrationError
+from czyx.store.quant.errors import CalibrationError
 
 _LAYER_INPUT = {
     "q_proj": "attn_in",

@@ -51,8 +51,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from store.quant.errors import FormatError, PolicyError
-from store.quant.formats import GROUP_QUANTUM, QuantFormat, get_format
+from czyx.store.quant.errors import FormatError, PolicyError
+from czyx.store.quant.formats import GROUP_QUANTUM, QuantFormat, get_format
 
 ROLE_CLASSES = (
     "expert",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from store.quant.errors import FormatError, ShapeError
+from czyx.store.quant.errors import FormatError, ShapeError
 
 #: Largest magnitude accepted: comfortably inside fp16's 65504 so that an
 #: offset snapped downwards and a scale snapped upwards stay finite.

@@ -9,10 +9,10 @@ from hilbertcurve.hilbertcurve import HilbertCurve as RefHilbert
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from curves import HilbertCurve
-from curves.errors import CurveError
-from curves.hilbert import hilbert_decode_np, hilbert_encode_np
-from curves.words import ints_to_words, words_to_ints
+from czyx.curves import HilbertCurve
+from czyx.curves.errors import CurveError
+from czyx.curves.hilbert import hilbert_decode_np, hilbert_encode_np
+from czyx.curves.words import ints_to_words, words_to_ints
 from tests.curves.strategies import shape_and_points
 
 # The 4x4 Hilbert curve, ordinal -> (axis0, axis1): the sequence printed in the

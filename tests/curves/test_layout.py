@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from curves import make_curve
-from curves.errors import CurveError
-from curves.layout import ExpertLayout
+from czyx.curves import make_curve
+from czyx.curves.errors import CurveError
+from czyx.curves.layout import ExpertLayout
 
 
 @st.composite

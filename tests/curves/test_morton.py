@@ -9,10 +9,10 @@ import zCurve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from curves import MortonCurve, _native
-from curves.errors import CurveError
-from curves.morton import deinterleave_np, interleave_np
-from curves.words import words_to_ints
+from czyx.curves import MortonCurve, _native
+from czyx.curves.errors import CurveError
+from czyx.curves.morton import deinterleave_np, interleave_np
+from czyx.curves.words import words_to_ints
 from tests.curves.strategies import shape_and_points
 
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
-from curves import HilbertCurve, MortonCurve
+from czyx.curves import HilbertCurve, MortonCurve
 
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import numpy as np
-from curves import HilbertCurve, MortonCurve
+from czyx.curves import HilbertCurve, MortonCurve
 pts = np.arange(30, dtype=np.uint64).reshape(10, 3) * np.uint64(76543210987)
 print(MortonCurve().encode_array(pts).tolist())
 print(HilbertCurve().encode_array(pts).tolist())

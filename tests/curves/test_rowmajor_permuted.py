@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from curves import (
+from czyx.curves import (
     Curve,
     HilbertCurve,
     MortonCurve,
@@ -16,8 +16,8 @@ from curves import (
     curve_from_dict,
     make_curve,
 )
-from curves.errors import CurveError
-from curves.words import words_to_ints
+from czyx.curves.errors import CurveError
+from czyx.curves.words import words_to_ints
 from tests.curves.strategies import shape_and_points
 
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from curves.errors import CurveError
-from curves.words import check_coords, check_words, ints_to_words, n_words, words_to_ints
+from czyx.curves.errors import CurveError
+from czyx.curves.words import check_coords, check_words, ints_to_words, n_words, words_to_ints
 
 
 @given(

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from inference.assets import bundled_model_dir
+from czyx.inference.assets import bundled_model_dir
 
 
 def czyx(*args: str, store: str, ok: bool = True) -> subprocess.CompletedProcess:
@@ -146,7 +146,7 @@ def test_run_xray_and_bench_io(store, tmp_path):
 
     import jsonschema
 
-    from inference.xray import SCHEMA_PATH
+    from czyx.inference.xray import SCHEMA_PATH
 
     out = tmp_path / "xray.json"
     czyx(

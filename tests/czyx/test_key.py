@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from curves import HilbertCurve, MortonCurve, PermutedCurve, RowMajorCurve
+from czyx.curves import HilbertCurve, MortonCurve, PermutedCurve, RowMajorCurve
 from czyx.key import (
     COORD_BITS,
     EDG,

@@ -7,7 +7,7 @@ import json
 
 from safetensors import safe_open
 
-from inference.assets import bundled_model_dir
+from czyx.inference.assets import bundled_model_dir
 
 
 def test_bundled_checkpoint_matches_its_training_log() -> None:
@@ -37,12 +37,12 @@ def test_bundled_model_predicts_held_out_text(tmp_path) -> None:
 
     import numpy as np
 
-    from inference.engine import Engine
-    from inference.quant_eval import stdlib_split, text_windows, window_logits
-    from inference.tokenizer import ByteTokenizer
-    from store import Store
-    from store.model import open_model
-    from store.mount import mount
+    from czyx.inference.engine import Engine
+    from czyx.inference.quant_eval import stdlib_split, text_windows, window_logits
+    from czyx.inference.tokenizer import ByteTokenizer
+    from czyx.store import Store
+    from czyx.store.models.model import open_model
+    from czyx.store.models.mount import mount
 
     _, val = stdlib_split()
     # Windows of the training context (256 bytes; the model degrades past it),

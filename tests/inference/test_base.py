@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from inference.errors import UnsupportedModelError
-from inference.models import decoder_class
-from inference.models.base import (
+from czyx.inference.errors import UnsupportedModelError
+from czyx.inference.models import decoder_class
+from czyx.inference.models.base import (
     KVCache,
     RopeConfig,
     Rotary,

@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference.models import base
-from inference.models.base import matmul_small, silu, silu_mul_, swiglu_columns, swiglu_fused
+from czyx.inference.models import base
+from czyx.inference.models.base import matmul_small, silu, silu_mul_, swiglu_columns, swiglu_fused
 
 
 def _rand(rng: np.random.Generator, *shape: int) -> np.ndarray:

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference.cache import ExpertCache, LRUPolicy, class_prefix_range
-from inference.errors import CacheBudgetError
-from tests.inference.fakes import FakeConsumer, owner_value
+from czyx.inference.cache import ExpertCache, LRUPolicy, class_prefix_range
+from czyx.inference.errors import CacheBudgetError
+from czyx.testing.fakes import FakeConsumer, owner_value
 
 SLOT = 4096
 
@@ -263,7 +263,7 @@ def test_half_formats_widen_exactly_into_a_reused_scratch(fmt):
 
 
 def test_a_format_without_a_float32_path_is_refused_at_start():
-    from inference.errors import UnsupportedModelError
+    from czyx.inference.errors import UnsupportedModelError
 
     cons = _HalfConsumer("f16")
     cons.expert_views = (

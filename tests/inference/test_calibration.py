@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference.calibration import ImportanceCollector, Provenance, input_key
-from store.quant.errors import CalibrationError
-from store.quant.formats import dequantize, quantize
+from czyx.inference.calibration import ImportanceCollector, Provenance, input_key
+from czyx.store.quant.errors import CalibrationError
+from czyx.store.quant.formats import dequantize, quantize
 
 
 def test_mean_squared_activation_per_column():

@@ -6,7 +6,7 @@ import io
 import subprocess
 import sys
 
-from inference.demo import run_demo
+from czyx.inference.demo import run_demo
 
 
 def test_demo_end_to_end(tmp_path):

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-import portals
+from czyx import portals
 from czyx.cli import main
-from czyx.commands.run import OpenedModel
-from inference.engine import Engine
-from inference.generate import generate_ids
-from store import Store
-from store.mount import mount
-from tests.inference.refmodels import ARCHS, tiny_model
+from czyx.cli.commands.run import OpenedModel
+from czyx.inference.engine import Engine
+from czyx.inference.generate import generate_ids
+from czyx.store import Store
+from czyx.store.models.mount import mount
+from czyx.testing.refmodels import ARCHS, tiny_model
 
 PROMPT = np.random.default_rng(11).integers(0, 256, 10)
 
@@ -86,7 +86,7 @@ def test_czyx_run_streams_text_and_figures(mounted, capsys):
 
 
 def test_torch_consumer_on_the_mounted_store_agrees_with_the_engine(mounted):
-    from inference.torch_moe import TorchMoELayer
+    from czyx.inference.torch_moe import TorchMoELayer
 
     store_dir, _, token = mounted
     opened = OpenedModel(str(store_dir), "qwen3_moe@1", token)
@@ -111,7 +111,7 @@ def test_czyx_profile_then_run_with_the_hot_list(mounted, tmp_path, capsys):
     assert main([*argv, *common]) == 0
     assert "hottest: L" in capsys.readouterr().err
     # The trace is the documented format, one row per token, chunked into segments.
-    from inference.trace import RoutingTrace
+    from czyx.inference.trace import RoutingTrace
 
     trace = RoutingTrace.load(prof)
     n_tokens = len(text.read_bytes())

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference.cache import POLICIES, ExpertCache
-from inference.eviction import HALF_LIFE_TOKENS, PROTECTED_FRAC, DecayPolicy, SLRUPolicy
-from inference.locality import replay
-from tests.inference.fakes import FakeConsumer
+from czyx.inference.cache import POLICIES, ExpertCache
+from czyx.inference.eviction import HALF_LIFE_TOKENS, PROTECTED_FRAC, DecayPolicy, SLRUPolicy
+from czyx.inference.locality import replay
+from czyx.testing.fakes import FakeConsumer
 
 SLOT = 4096
 L, E = 2, 6

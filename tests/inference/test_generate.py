@@ -7,12 +7,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference.engine import Engine, resolve_budget
-from inference.errors import CacheBudgetError
-from inference.generate import generate, generate_ids
-from inference.sampling import SamplingParams
-from inference.tokenizer import ByteTokenizer
-from tests.inference.refmodels import StateDictConsumer, tiny_model
+from czyx.inference.engine import Engine, resolve_budget
+from czyx.inference.errors import CacheBudgetError
+from czyx.inference.generate import generate, generate_ids
+from czyx.inference.sampling import SamplingParams
+from czyx.inference.tokenizer import ByteTokenizer
+from czyx.testing.refmodels import StateDictConsumer, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_bad_tokens_are_refused(model):
 
 
 def test_routing_profile_counts_every_choice_and_orders_the_hot_list(model, tmp_path):
-    from inference.profile import ProfileError, RoutingProfile
+    from czyx.inference.profile import ProfileError, RoutingProfile
 
     eng = Engine(StateDictConsumer(model))
     eng.prefill([9, 8, 7, 6, 5, 4])

@@ -8,10 +8,10 @@ import threading
 import numpy as np
 import pytest
 
-from inference.cache import ExpertCache
-from inference.errors import SlotInUseError
-from inference.models import decoder_class
-from inference.planner import (
+from czyx.inference.cache import ExpertCache
+from czyx.inference.errors import SlotInUseError
+from czyx.inference.models import decoder_class
+from czyx.inference.planner import (
     DEMAND,
     PREFETCH,
     DeadlineMissedError,
@@ -19,11 +19,11 @@ from inference.planner import (
     SlotLiveError,
     TransferPlanner,
 )
-from inference.streaming import StreamingExpertCache, attach
-from store import iopaths, readpool
-from store.errors import ChecksumError, ShortReadError
-from store.reader import aligned_empty
-from tests.inference.filemodel import FileConsumer, SyntheticExperts
+from czyx.inference.streaming import StreamingExpertCache, attach
+from czyx.store.errors import ChecksumError, ShortReadError
+from czyx.store.io import iopaths, readpool
+from czyx.store.io.reader import aligned_empty
+from czyx.testing.filemodel import FileConsumer, SyntheticExperts
 
 IO_PATHS = [p for p, why in iopaths.available_paths().items() if why == "available"]
 
@@ -301,7 +301,7 @@ def _decode(model, kv, tokens):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, tmp_path):
-    from tests.inference.refmodels import StateDictConsumer, tiny_model
+    from czyx.testing.refmodels import StateDictConsumer, tiny_model
 
     base = StateDictConsumer(tiny_model(arch))
     fc = FileConsumer(base, tmp_path)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from inference.engine import Engine
-from inference.generate import generate_ids
-from tests.inference.refmodels import ARCHS, StateDictConsumer, tiny_model
+from czyx.inference.engine import Engine
+from czyx.inference.generate import generate_ids
+from czyx.testing.refmodels import ARCHS, StateDictConsumer, tiny_model
 
 PROMPT = np.random.default_rng(7).integers(0, 256, 14)
 STEPS = 32

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inference.engine import Engine
-from inference.profile import ProfileError, RouteRecorder, RoutingProfile
-from inference.trace import trace_from_router_logits
-from tests.inference.refmodels import StateDictConsumer, tiny_model
+from czyx.inference.engine import Engine
+from czyx.inference.profile import ProfileError, RouteRecorder, RoutingProfile
+from czyx.inference.trace import trace_from_router_logits
+from czyx.testing.refmodels import StateDictConsumer, tiny_model
 
 
 def test_recorded_trace_matches_transformers_router():

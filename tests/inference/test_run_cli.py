@@ -32,7 +32,7 @@ def test_run_help_lists_the_issue_options():
 def test_run_defaults_to_decay_eviction():
     import argparse
 
-    from czyx.commands import run as run_cmd
+    from czyx.cli.commands import run as run_cmd
 
     sub = argparse.ArgumentParser().add_subparsers()
     run_cmd.register(sub)
@@ -65,7 +65,7 @@ def test_cache_budget_flags_are_exclusive():
 def test_pin_class_ranges_parse_inclusive_and_refuse_nonsense():
     import pytest
 
-    from czyx.commands.run import parse_class_range
+    from czyx.cli.commands.run import parse_class_range
 
     assert parse_class_range("0-15") == (0, 16)
     assert parse_class_range("0x20-0x2f") == (0x20, 0x30)
@@ -78,9 +78,9 @@ def test_pin_class_ranges_parse_inclusive_and_refuse_nonsense():
 
 def test_policy_choices_run_and_generate_the_same_text(tmp_path, capsys):
     from czyx.cli import main
-    from store import Store
-    from store.mount import mount
-    from tests.store.tiny_models import make_tiny_checkpoint
+    from czyx.store import Store
+    from czyx.store.models.mount import mount
+    from czyx.testing.tiny_models import make_tiny_checkpoint
 
     cfg = dict(vocab_size=256, max_position_embeddings=512, eos_token_id=None, bos_token_id=None)
     ckpt = make_tiny_checkpoint("qwen3_moe", tmp_path / "ckpt", seed=0, **cfg)

@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 
 from czyx.cli import main
-from inference.xray import load_schema
-from store import iopaths
-from tests.store.tiny_models import make_tiny_checkpoint
+from czyx.inference.xray import load_schema
+from czyx.store.io import iopaths
+from czyx.testing.tiny_models import make_tiny_checkpoint
 
 IO = [p for p, why in iopaths.available_paths().items() if why == "available"]
 

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from inference.errors import SamplingError
-from inference.sampling import Sampler, SamplingParams
+from czyx.inference.errors import SamplingError
+from czyx.inference.sampling import Sampler, SamplingParams
 
 logits_st = hnp.arrays(np.float32, st.integers(2, 40), elements=st.floats(-10, 10, width=32))
 

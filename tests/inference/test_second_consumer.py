@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from inference.engine import Engine
-from inference.torch_moe import TorchMoELayer
-from tests.inference.refmodels import StateDictConsumer, tiny_model
+from czyx.inference.engine import Engine
+from czyx.inference.torch_moe import TorchMoELayer
+from czyx.testing.refmodels import StateDictConsumer, tiny_model
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "olmoe", "qwen3_moe"])

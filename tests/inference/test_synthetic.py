@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inference import synthetic
-from inference.engine import Engine
-from inference.streaming import StreamingExpertCache
-from store.errors import ChecksumError
+from czyx.inference import synthetic
+from czyx.inference.engine import Engine
+from czyx.inference.streaming import StreamingExpertCache
+from czyx.store.errors import ChecksumError
 
 
 def test_synthetic_model_runs_and_verifies(tmp_path):

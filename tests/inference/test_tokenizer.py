@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inference.errors import TokenizerError
-from inference.tokenizer import (
+from czyx.inference.errors import TokenizerError
+from czyx.inference.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     StreamDecoder,

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference.locality.errors import TraceError
-from inference.trace import RoutingTrace, trace_from_router_logits, trace_hf_model
+from czyx.inference.locality.errors import TraceError
+from czyx.inference.trace import RoutingTrace, trace_from_router_logits, trace_hf_model
 
 
 @st.composite

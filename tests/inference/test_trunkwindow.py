@@ -21,14 +21,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from czyx.cli import main
-from inference.engine import Engine
-from inference.trunkwindow import TrunkLoadError, TrunkWindow, TrunkWindowError
-from store import ChecksumError, Store
-from store.model import ModelSpace, open_model
-from store.mount import mount
-from store.quant.codec import QuantCodec
-from store.quant.policy import POLICIES
-from tests.inference.refmodels import tiny_model
+from czyx.inference.engine import Engine
+from czyx.inference.trunkwindow import TrunkLoadError, TrunkWindow, TrunkWindowError
+from czyx.store import ChecksumError, Store
+from czyx.store.models.model import ModelSpace, open_model
+from czyx.store.models.mount import mount
+from czyx.store.quant.codec import QuantCodec
+from czyx.store.quant.policy import POLICIES
+from czyx.testing.refmodels import tiny_model
 
 PROMPT = np.random.default_rng(5).integers(0, 256, 9)
 STEPS = [7, 200, 31, 64, 5]

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inference import xray as xr
-from inference.streaming import StreamingExpertCache
-from tests.inference.filemodel import FileConsumer, SyntheticExperts
+from czyx.inference import xray as xr
+from czyx.inference.streaming import StreamingExpertCache
+from czyx.testing.filemodel import FileConsumer, SyntheticExperts
 
 
 @pytest.fixture

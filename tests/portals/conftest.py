@@ -7,7 +7,7 @@ import pytest
 
 from czyx.key import Key
 from czyx.space import Selector
-from store import Store
+from czyx.store import Store
 
 N_CLASSES_A = 8
 N_LAYERS_A = 4
@@ -39,7 +39,7 @@ def _publish(store, sel: Selector, cells: list[tuple[int, int]]) -> None:
 @pytest.fixture
 def world(tmp_path):
     """An open store with spaces A (8 classes x 4 layers, tag a@1) and B (tag b@1)."""
-    from portals.authority import PortalAuthority
+    from czyx.portals.authority import PortalAuthority
 
     st = Store.open(tmp_path / "store")
     a = Selector.from_name("space-a")

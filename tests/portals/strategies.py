@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from portals.caveats import (
+from czyx.portals.caveats import (
     ALL_RIGHTS,
     MAX_LAYER,
     ClassRange,

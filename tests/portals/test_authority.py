@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from czyx.key import Key
-from portals import attenuate
-from portals.authority import PortalAuthority, open_space, root_token
-from portals.caveats import (
+from czyx.portals import attenuate
+from czyx.portals.authority import PortalAuthority, open_space, root_token
+from czyx.portals.caveats import (
     ClassRange,
     Expires,
     LayerRange,
@@ -23,7 +23,7 @@ from portals.caveats import (
     Spaces,
     parse_classes,
 )
-from portals.errors import (
+from czyx.portals.errors import (
     ForeignPortal,
     InvalidSignature,
     OutOfScope,
@@ -37,8 +37,8 @@ from portals.errors import (
     UnknownPortal,
     WideningError,
 )
-from portals.secret import SECRET_FILE
-from portals.token import Token
+from czyx.portals.secret import SECRET_FILE
+from czyx.portals.token import Token
 from tests.portals.conftest import EXTENT, audit_events, payload
 
 SENTINEL = 0xEE
@@ -235,7 +235,7 @@ def test_read_outside_class_or_layer_range_is_refused(world, cls, layer):
 
 def test_token_from_another_store_is_refused(world, tmp_path):
     auth, a, _, _ = world
-    from store import Store
+    from czyx.store import Store
 
     with Store.open(tmp_path / "other") as other:
         foreign = PortalAuthority(other).root_token()
@@ -245,7 +245,7 @@ def test_token_from_another_store_is_refused(world, tmp_path):
 def test_descriptor_must_exist_in_this_store(world, tmp_path):
     """Same secret, different descriptors (a copied secret): unregistered ids are refused."""
     auth, a, _, _ = world
-    from store import Store
+    from czyx.store import Store
 
     g = _tenant_grant(auth, a)
     (tmp_path / "clone").mkdir()
@@ -295,8 +295,8 @@ def test_secret_file_is_private_and_never_leaks(world):
 
 
 def test_permissive_secret_file_is_refused(tmp_path):
-    from portals.errors import SecretError
-    from portals.secret import load_or_create_secret
+    from czyx.portals.errors import SecretError
+    from czyx.portals.secret import load_or_create_secret
 
     load_or_create_secret(tmp_path)
     os.chmod(tmp_path / SECRET_FILE, 0o644)
@@ -324,7 +324,7 @@ def test_class_set_grant(world):
 
 def test_read_only_store_fails_closed(world):
     auth, a, _, _ = world
-    from store import Store
+    from czyx.store import Store
 
     g = _tenant_grant(auth, a)
     path = auth.store.path

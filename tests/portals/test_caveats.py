@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from portals.caveats import (
+from czyx.portals.caveats import (
     ClassRange,
     ClassSet,
     LayerRange,
@@ -19,8 +19,8 @@ from portals.caveats import (
     parse_layers,
     parse_rights,
 )
-from portals.errors import CaveatError
-from portals.permission import Permission, Scope
+from czyx.portals.errors import CaveatError
+from czyx.portals.permission import Permission, Scope
 from tests.portals.strategies import SPACE_POOL
 
 A, B = SPACE_POOL[0], SPACE_POOL[1]
@@ -91,7 +91,7 @@ def test_tenant_and_expiry_semantics():
     assert perm.tenant == "acme"
     assert perm.allows_open(A, "read") and perm.allows_open(A, "read", tenant="acme")
     assert not perm.allows_open(A, "read", tenant="globex")
-    from portals.caveats import Expires
+    from czyx.portals.caveats import Expires
 
     late = perm.with_caveat(Expires(100)).with_caveat(Expires(200))
     assert late.expires == 100

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from portals.caveats import (
+from czyx.portals.caveats import (
     ClassRange,
     Expires,
     LayerRange,
@@ -23,15 +23,15 @@ from portals.caveats import (
     Spaces,
     Tenant,
 )
-from portals.chain import ChainKeys, attenuate, extend_registered, hkdf, mint, verify_signature
-from portals.errors import (
+from czyx.portals.chain import ChainKeys, attenuate, extend_registered, hkdf, mint, verify_signature
+from czyx.portals.errors import (
     CaveatError,
     ForeignPortal,
     InvalidSignature,
     TokenFormatError,
     WideningError,
 )
-from portals.token import Token
+from czyx.portals.token import Token
 from tests.portals.strategies import SPACE_POOL, TENANT_POOL, restricting_caveats
 
 KEYS = ChainKeys.from_secret(b"k" * 32)

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from czyx.cli import main
+from czyx.cli.commands._portalargs import parse_expiry
 from czyx.key import Key
+from czyx.portals.caveats import Rights
+from czyx.portals.errors import CaveatError
+from czyx.portals.model import model_spaces
+from czyx.portals.token import Token
 from czyx.space import Selector
-from portals._cli import parse_expiry
-from portals.caveats import Rights
-from portals.errors import CaveatError
-from portals.model import model_spaces
-from portals.token import Token
-from store import Store
+from czyx.store import Store
 
 
 @pytest.fixture
@@ -131,9 +131,9 @@ def test_grant_on_adapter_narrows_every_expert_space(store_dir, capsys):
 
 def test_open_model_covers_the_whole_version(store_dir, capsys):
     path, experts, trunk = store_dir
-    from portals import attenuate, open_model
-    from portals.caveats import Spaces
-    from portals.errors import OutOfScope
+    from czyx.portals import attenuate, open_model
+    from czyx.portals.caveats import Spaces
+    from czyx.portals.errors import OutOfScope
 
     _, out, _ = _run(capsys, "grant", "m@1", "--tenant", "acme", "--classes", "1-2")
     token = out.strip()
@@ -153,9 +153,9 @@ def test_open_model_covers_the_whole_version(store_dir, capsys):
 
 def test_open_model_intersects_the_chain_scopes(store_dir):
     path, experts, trunk = store_dir
-    from portals import open_model
-    from portals.authority import PortalAuthority
-    from portals.caveats import ClassRange, Spaces
+    from czyx.portals import open_model
+    from czyx.portals.authority import PortalAuthority
+    from czyx.portals.caveats import ClassRange, Spaces
 
     adapter = Selector.from_name("cli-adapter3")
     with Store.open(path) as st:

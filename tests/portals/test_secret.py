@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from portals.errors import SecretError
-from portals.secret import SECRET_FILE, StoreSecret, load_or_create_secret
+from czyx.portals.errors import SecretError
+from czyx.portals.secret import SECRET_FILE, StoreSecret, load_or_create_secret
 
 
 def test_created_once_with_mode_0600_even_when_racing(tmp_path):

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-import portals
+from czyx import portals
 from czyx.key import Key
 from czyx.space import Selector
-from store import Store
+from czyx.store import Store
 
 
 def test_store_open_space_delegates_to_portals(tmp_path):
@@ -27,8 +27,8 @@ def test_sessions_open_after_portals_authority_module_is_imported(tmp_path):
     (same name as the function) when ``portals.authority`` was imported first."""
     import importlib
 
-    import portals.authority as mod
-    from inference.sessions.store import SessionStore
+    import czyx.portals.authority as mod
+    from czyx.inference.sessions.store import SessionStore
 
     importlib.reload(mod)
     store = Store.open(tmp_path / "s")

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from portals._wire import Reader, encode_varint
-from portals.caveats import ClassRange, Tenant, decode_caveat
-from portals.errors import PortalDenied, TokenFormatError
-from portals.token import PREFIX, Token
+from czyx.portals._wire import Reader, encode_varint
+from czyx.portals.caveats import ClassRange, Tenant, decode_caveat
+from czyx.portals.errors import PortalDenied, TokenFormatError
+from czyx.portals.token import PREFIX, Token
 from tests.portals.strategies import any_caveat
 
 tokens = st.builds(

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from czyx.key import Key
-from portals import attenuate
-from portals.caveats import ClassRange, ClassSet, Expires, LayerRange, Rights, Spaces, Tenant
-from portals.errors import OutOfScope, PortalDenied, PortalError
+from czyx.portals import attenuate
+from czyx.portals.caveats import ClassRange, ClassSet, Expires, LayerRange, Rights, Spaces, Tenant
+from czyx.portals.errors import OutOfScope, PortalDenied, PortalError
 from tests.portals.conftest import EXTENT, N_CLASSES_A, N_LAYERS_A, payload
 
 GRID = [(c, z) for c in range(N_CLASSES_A) for z in range(N_LAYERS_A)]
@@ -102,7 +102,7 @@ def test_view_has_no_write_path(world):
 
 
 def test_unknown_key_curve_fails_closed():
-    from portals.view import curve_of
+    from czyx.portals.view import curve_of
 
     assert curve_of({}).name == curve_of({"key_curve": "morton"}).name
     assert curve_of({"curve": "hilbert", "layout": {"outer": "hilbert"}}).name == "morton"

@@ -9,16 +9,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from store.archs import ALL_ROLES, ARCHS, arch_for_config, role_key_class
-from store.checkpoint import Checkpoint
-from store.mount_errors import (
+from czyx.store.models.archs import ALL_ROLES, ARCHS, arch_for_config, role_key_class
+from czyx.store.models.checkpoint import Checkpoint
+from czyx.store.models.mount_errors import (
     MissingTensorError,
     ShapeMismatchError,
     UnexpectedTensorError,
     UnknownArchitectureError,
 )
-from store.mount_plan import plan_checkpoint
-from tests.store.tiny_models import ARCHES, build_tiny_model, make_tiny_checkpoint
+from czyx.store.models.mount_plan import plan_checkpoint
+from czyx.testing.tiny_models import ARCHES, build_tiny_model, make_tiny_checkpoint
 
 CASES = [(a, f) for a in ARCHES for f in (False, True)]
 

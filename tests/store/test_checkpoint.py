@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from store.checkpoint import Checkpoint, SafetensorsFile, to_float32, write_safetensors
-from store.mount_errors import (
+from czyx.store.models.checkpoint import Checkpoint, SafetensorsFile, to_float32, write_safetensors
+from czyx.store.models.mount_errors import (
     CheckpointError,
     HeaderError,
     MissingTensorError,

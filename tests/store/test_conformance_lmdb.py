@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pathlib
 
-from store import Store
-from tests.store.conformance import StoreConformance
+from czyx.store import Store
+from czyx.testing.store_conformance import StoreConformance
 
 
 class TestLMDBStore(StoreConformance):

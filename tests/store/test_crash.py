@@ -29,10 +29,10 @@ import time
 import numpy as np
 import pytest
 
-import store.writer as writer_mod
+import czyx.store.core.writer as writer_mod
 from czyx.key import Key
 from czyx.space import Selector
-from store import Store, aligned_empty, collect_garbage, read_extent_verified
+from czyx.store import Store, aligned_empty, collect_garbage, read_extent_verified
 
 N_SPACES = 5
 EXTENTS = 24

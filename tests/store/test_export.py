@@ -9,10 +9,10 @@ import shutil
 import numpy as np
 import pytest
 
-from store import Store
-from store.export import export
-from store.mount import mount
-from tests.store.tiny_models import make_tiny_checkpoint, reference_logits
+from czyx.store import Store
+from czyx.store.models.export import export
+from czyx.store.models.mount import mount
+from czyx.testing.tiny_models import make_tiny_checkpoint, reference_logits
 
 TOKENS = [3, 17, 5, 60, 1, 88, 42, 9]
 

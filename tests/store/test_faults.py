@@ -11,7 +11,7 @@ import pytest
 
 from czyx.key import Key
 from czyx.space import Selector
-from store import (
+from czyx.store import (
     BlockFileError,
     ChecksumError,
     KeyLengthError,

@@ -10,8 +10,8 @@ import pytest
 from czyx.cli import main
 from czyx.key import Key
 from czyx.space import Selector
-from store import Store
-from store.fsck import fsck
+from czyx.store import Store
+from czyx.store.core.fsck import fsck
 
 
 @pytest.fixture

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from czyx.cli import main
-from store import iobench
-from store import iopaths as iop
+from czyx.store.io import iobench
+from czyx.store.io import iopaths as iop
 
 
 def test_bench_io_records_the_fastest_measured_path(tmp_path, monkeypatch, capsys):

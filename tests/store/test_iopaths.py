@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from store import iopaths as io
-from store.errors import ShortReadError, StoreError
-from store.reader import aligned_empty
+from czyx.store.errors import ShortReadError, StoreError
+from czyx.store.io import iopaths as io
+from czyx.store.io.reader import aligned_empty
 
 SIZE = 64 * 4096
 PATHS = [p for p, why in io.available_paths().items() if why == "available"]

@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from store import ChecksumError, Store
-from store.model import ModelSpace, open_model
-from store.mount import mount
-from store.mount_errors import ExpertIndexError, MissingTrunkRoleError, ModelSpaceError
-from store.quant.codec import QuantCodec
-from store.quant.policy import POLICIES
-from tests.store.tiny_models import make_tiny_checkpoint
+from czyx.store import ChecksumError, Store
+from czyx.store.models.model import ModelSpace, open_model
+from czyx.store.models.mount import mount
+from czyx.store.models.mount_errors import ExpertIndexError, MissingTrunkRoleError, ModelSpaceError
+from czyx.store.quant.codec import QuantCodec
+from czyx.store.quant.policy import POLICIES
+from czyx.testing.tiny_models import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

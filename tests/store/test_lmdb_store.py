@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-import store.lmdb_store as lmdb_store_mod
-import store.snapshot as snapshot_mod
+import czyx.store.core.lmdb_store as lmdb_store_mod
+import czyx.store.core.snapshot as snapshot_mod
 from czyx.key import Key
 from czyx.space import Selector
-from store import (
+from czyx.store import (
     ReservedSpaceError,
     SealedSpaceError,
     SpaceNotEmptyError,

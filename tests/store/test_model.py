@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store import ChecksumError, Store
-from store.consumer import ModelConsumer
-from store.model import open_model
-from store.mount import mount
-from store.mount_errors import ExpertIndexError, MissingTrunkRoleError, ModelSpaceError
-from tests.store.tiny_models import build_tiny_model, make_tiny_checkpoint
+from czyx.store import ChecksumError, Store
+from czyx.store.consumer import ModelConsumer
+from czyx.store.models.model import open_model
+from czyx.store.models.mount import mount
+from czyx.store.models.mount_errors import ExpertIndexError, MissingTrunkRoleError, ModelSpaceError
+from czyx.testing.tiny_models import build_tiny_model, make_tiny_checkpoint
 
 CASES = [
     ("mixtral", True),
@@ -182,8 +182,8 @@ def test_open_refuses_non_model_spaces(mounted):
 
 
 def test_portal_restricts_by_class_after_permutation(mounted):
-    import portals
-    from portals.caveats import ClassRange, LayerRange
+    from czyx import portals
+    from czyx.portals.caveats import ClassRange, LayerRange
 
     sel = mounted.resolve_tag("qwen3_moe@perm")
     perm = mounted.manifest(sel)["layout"]["class_perm"]
@@ -215,7 +215,7 @@ def test_engine_on_a_mounted_model_matches_transformers(tmp_path, arch):
     engine with half the experts resident, compare with transformers' logits."""
     import torch
 
-    from inference.engine import Engine
+    from czyx.inference.engine import Engine
 
     tokens = [3, 17, 5, 60, 1, 88, 42, 9]
     path = make_tiny_checkpoint(arch, tmp_path / "ck", seed=3)
@@ -244,8 +244,8 @@ def test_for_all_layouts_and_permutations_reads_return_the_router_bytes_expert(
     bytes, every own extent sits at data_start + ordinal * stride, none overlap."""
     import tempfile
 
-    from store.checkpoint import Checkpoint
-    from store.mount_plan import plan_checkpoint
+    from czyx.store.models.checkpoint import Checkpoint
+    from czyx.store.models.mount_plan import plan_checkpoint
 
     with Checkpoint(mixtral_ckpt) as ck:
         plan = plan_checkpoint(ck)
@@ -267,7 +267,7 @@ def test_for_all_layouts_and_permutations_reads_return_the_router_bytes_expert(
 
 
 def test_direct_io_reads_the_padded_stride(mounted):
-    from store import aligned_empty
+    from czyx.store import aligned_empty
 
     with open_model(mounted, "olmoe@1") as plain, open_model(mounted, "olmoe@1", direct=True) as m:
         a = aligned_empty(m.info.expert_slot_nbytes)

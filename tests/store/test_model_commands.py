@@ -7,7 +7,7 @@ import hashlib
 import pytest
 
 from czyx.cli import main
-from tests.store.tiny_models import make_tiny_checkpoint
+from czyx.testing.tiny_models import make_tiny_checkpoint
 
 
 @pytest.fixture
@@ -74,9 +74,9 @@ def test_mount_class_order_from_saved_order(tmp_path):
     import numpy as np
 
     from czyx.cli import main
-    from store import Store
-    from store.model import open_model
-    from tests.store.tiny_models import make_tiny_checkpoint
+    from czyx.store import Store
+    from czyx.store.models.model import open_model
+    from czyx.testing.tiny_models import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint("mixtral", tmp_path / "ckpt")
     store_dir = tmp_path / "store"

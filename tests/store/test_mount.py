@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from czyx.key import Key
-from store import Store, TagConflictError
-from store.expert_layout import layout_from_manifest
-from store.mount import ADAPTER_KIND, mount, parse_tag, summarize
-from store.mount_errors import (
+from czyx.store import Store, TagConflictError
+from czyx.store.models.expert_layout import layout_from_manifest
+from czyx.store.models.mount import ADAPTER_KIND, mount, parse_tag, summarize
+from czyx.store.models.mount_errors import (
     HeaderError,
     MissingTensorError,
     MountError,
@@ -20,7 +20,7 @@ from store.mount_errors import (
     UnexpectedTensorError,
     UnknownArchitectureError,
 )
-from tests.store.tiny_models import make_tiny_checkpoint
+from czyx.testing.tiny_models import make_tiny_checkpoint
 
 EXPERT = "model.layers.{l}.mlp.experts.{e}.{p}_proj.weight"
 
@@ -225,7 +225,8 @@ def test_bad_input_leaves_nothing_visible(store, base_ckpt, tmp_path, spoil, err
 
 
 def test_failure_while_writing_leaves_no_version(store, base_ckpt, monkeypatch):
-    import store.mount as mount_mod
+    import czyx.store.models.mount as mount_mod
+
 
     calls = []
 
@@ -257,7 +258,7 @@ def test_class_permutation(store, base_ckpt):
     "perm", [[[0] * 8, list(range(8))], [list(range(8))], [list(range(9))] * 2]
 )
 def test_bad_class_permutation_is_refused_before_writing(store, base_ckpt, perm):
-    from curves.errors import CurveError
+    from czyx.curves.errors import CurveError
 
     before = _state(store)
     with pytest.raises(CurveError):
@@ -326,7 +327,7 @@ def test_adapter_must_fit_its_base(store, base_ckpt, tmp_path):
 def test_trunk_only_adapter_of_a_bf16_model(store, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from store.model import open_model
+    from czyx.store.models.model import open_model
 
     src = make_tiny_checkpoint("olmoe", tmp_path / "bf", dtype="bfloat16")
     base = mount(store, src, "o@1")

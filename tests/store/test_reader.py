@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import store.reader as reader_mod
-from store.checksum import checksum
-from store.errors import ChecksumError, ReadIOError, ShortReadError, StoreError
-from store.reader import RawReader, aligned_empty, c_available, read_extent_verified
-from store.records import Extent
+import czyx.store.io.reader as reader_mod
+from czyx.store.core.checksum import checksum
+from czyx.store.core.records import Extent
+from czyx.store.errors import ChecksumError, ReadIOError, ShortReadError, StoreError
+from czyx.store.io.reader import RawReader, aligned_empty, c_available, read_extent_verified
 
 BACKENDS = [
     "python",

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store import iopaths, readpool
-from store.errors import ShortReadError
-from store.iopaths import StaleSourceError, open_source
-from store.reader import aligned_empty
+from czyx.store.errors import ShortReadError
+from czyx.store.io import iopaths, readpool
+from czyx.store.io.iopaths import StaleSourceError, open_source
+from czyx.store.io.reader import aligned_empty
 
 pytestmark = pytest.mark.skipif(
     not readpool.available(), reason="tests/test_native_built.py fails when the C build is missing"

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from czyx.space import Selector
-from store.blockfile import (
+from czyx.store.core.blockfile import (
     DEFAULT_ALIGN,
     BlockIdentity,
     BlockWriter,
@@ -19,10 +19,10 @@ from store.blockfile import (
     encode_header,
     read_header,
 )
-from store.catalog import prefix_end
-from store.checksum import checksum
-from store.errors import BlockFileError, KeyLengthError, RecordDecodeError
-from store.records import Extent, check_key, check_selector, decode, encode
+from czyx.store.core.catalog import prefix_end
+from czyx.store.core.checksum import checksum
+from czyx.store.core.records import Extent, check_key, check_selector, decode, encode
+from czyx.store.errors import BlockFileError, KeyLengthError, RecordDecodeError
 
 values = st.recursive(
     st.none()

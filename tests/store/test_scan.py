@@ -13,11 +13,11 @@ import tempfile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import store.lmdb_store as lmdb_store_mod
-import store.snapshot as snapshot_mod
+import czyx.store.core.lmdb_store as lmdb_store_mod
+import czyx.store.core.snapshot as snapshot_mod
 from czyx.key import KEY_SIZE
 from czyx.space import Selector
-from store import Store
+from czyx.store import Store
 
 # The space under test and its two nearest neighbours in selector order.
 SPACE, BEFORE, AFTER = (Selector(b"\x10" * 31 + bytes([x])) for x in (0x80, 0x7F, 0x81))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from store import Store
-from store.export import export
-from store.model import open_model
-from store.mount import mount
-from tests.store.tiny_models import make_tiny_checkpoint
+from czyx.store import Store
+from czyx.store.models.export import export
+from czyx.store.models.model import open_model
+from czyx.store.models.mount import mount
+from czyx.testing.tiny_models import make_tiny_checkpoint
 
 
 def _tokenizer_json(vocab_size: int) -> str:

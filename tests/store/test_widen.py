@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from store import widen as widen_mod
-from store.checkpoint import to_float32
-from store.widen import c_available, widen
+from czyx.store.io import widen as widen_mod
+from czyx.store.io.widen import c_available, widen
+from czyx.store.models.checkpoint import to_float32
 
 ALL16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 

@@ -14,17 +14,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inference.calibration import collect, input_key
-from inference.engine import Engine
-from inference.kernels.linear import GateUp
-from inference.kernels.ops import PackedMatrix
-from inference.quant_eval import compare_logits, evaluate, window_logits
-from store.consumer import ModelInfo
-from store.quant.extent import ExpertLayout
-from store.quant.formats import dequantize
-from store.quant.memory import QuantizedConsumer
-from store.quant.policy import POLICIES, parse_policy
-from tests.inference.refmodels import ARCHS, StateDictConsumer, tiny_model
+from czyx.inference.calibration import collect, input_key
+from czyx.inference.engine import Engine
+from czyx.inference.kernels.linear import GateUp
+from czyx.inference.kernels.ops import PackedMatrix
+from czyx.inference.quant_eval import compare_logits, evaluate, window_logits
+from czyx.store.consumer import ModelInfo
+from czyx.store.quant.extent import ExpertLayout
+from czyx.store.quant.formats import dequantize
+from czyx.store.quant.memory import QuantizedConsumer
+from czyx.store.quant.policy import POLICIES, parse_policy
+from czyx.testing.refmodels import ARCHS, StateDictConsumer, tiny_model
 
 SIZES = {
     "mixtral": dict(hidden_size=64, intermediate_size=64),

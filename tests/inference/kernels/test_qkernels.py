@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference.kernels import ops, prepare, qmatmul, qmatvec
-from store.quant.errors import PackedBufferError, ShapeError
-from store.quant.formats import dequantize, get_format, quantize
+from czyx.inference.kernels import ops, prepare, qmatmul, qmatvec
+from czyx.store.quant.errors import PackedBufferError, ShapeError
+from czyx.store.quant.formats import dequantize, get_format, quantize
 
 FORMAT_NAMES = ("q2", "q3", "q4", "q8", "q2g32", "q3g32", "q4g64", "q8g64")
 needs_c = pytest.mark.skipif(

@@ -19,14 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import inference
-from inference.calibration import collect
-from inference.engine import Engine
-from inference.quant_eval import evaluate, stdlib_split, text_windows, window_logits
-from inference.tokenizer import ByteTokenizer
-from store.quant.memory import QuantizedConsumer
-from store.quant.names import input_key
-from store.quant.policy import POLICIES
+from czyx import inference
+from czyx.inference.calibration import collect
+from czyx.inference.engine import Engine
+from czyx.inference.quant_eval import evaluate, stdlib_split, text_windows, window_logits
+from czyx.inference.tokenizer import ByteTokenizer
+from czyx.store.quant.memory import QuantizedConsumer
+from czyx.store.quant.names import input_key
+from czyx.store.quant.policy import POLICIES
 
 MODEL = Path(
     os.environ.get("CZYX_MOE_STDLIB")
@@ -41,7 +41,7 @@ def measured() -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.inference.refmodels import StateDictConsumer
+    from czyx.testing.refmodels import StateDictConsumer
 
     torch.set_num_threads(1)
     base = StateDictConsumer(

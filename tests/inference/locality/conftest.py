@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from inference.trace import RoutingTrace
+from czyx.inference.trace import RoutingTrace
 
 
 def make_trace(experts: list, n_experts: int, segments: list | None = None) -> RoutingTrace:

@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from czyx.cli import main
-from inference.locality.ordering import check_class_order, class_order_from_trace
+from czyx.inference.locality.ordering import check_class_order, class_order_from_trace
 
 from .conftest import random_trace
 

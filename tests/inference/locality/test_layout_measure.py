@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference.locality.curves_shim import CURVES, expert_slots
-from inference.locality.errors import LocalityError
-from inference.locality.layout_measure import measure_layout
+from czyx.inference.locality.curves_shim import CURVES, expert_slots
+from czyx.inference.locality.errors import LocalityError
+from czyx.inference.locality.layout_measure import measure_layout
 
 from .conftest import make_trace
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference.locality import ordering
-from inference.locality.errors import LocalityError
+from czyx.inference.locality import ordering
+from czyx.inference.locality.errors import LocalityError
 
 from .conftest import make_trace, random_trace
 

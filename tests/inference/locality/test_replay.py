@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference.locality import replay
-from inference.locality.errors import LocalityError
+from czyx.inference.locality import replay
+from czyx.inference.locality.errors import LocalityError
 
 from .conftest import make_trace, random_trace
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inference.locality import cooccur, temporal, usage
+from czyx.inference.locality import cooccur, temporal, usage
 
 from .conftest import make_trace, random_trace
 

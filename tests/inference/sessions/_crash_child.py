@@ -17,8 +17,8 @@ import sys
 
 import numpy as np
 
-from store import Store
-from store.blockfile import BlockWriter
+from czyx.store import Store
+from czyx.store.core.blockfile import BlockWriter
 from tests.inference.sessions.helpers import random_state, sessions_for
 
 

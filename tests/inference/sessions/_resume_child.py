@@ -12,10 +12,10 @@ import sys
 
 import numpy as np
 
-from inference.engine import Engine
-from inference.sessions.live import LiveSession
-from inference.sessions.store import SessionStore
-from store import Store
+from czyx.inference.engine import Engine
+from czyx.inference.sessions.live import LiveSession
+from czyx.inference.sessions.store import SessionStore
+from czyx.store import Store
 from tests.inference.sessions.helpers import MODEL_A
 
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from inference.sessions.format import SessionState
+from czyx.inference.sessions.format import SessionState
 
 MODEL_A = b"\x07" * 32
 MODEL_B = b"\x08" * 32
@@ -45,8 +45,8 @@ def random_state(
 
 def sessions_for(store, tenant: str = "alice", **kw):
     """A :class:`SessionStore` through a fresh portal granted to ``tenant``."""
-    from inference.sessions.store import SessionStore
-    from portals.authority import authority
+    from czyx.inference.sessions.store import SessionStore
+    from czyx.portals.authority import authority
 
     return SessionStore(store, authority(store).grant([], tenant=tenant).token, **kw)
 
@@ -72,8 +72,8 @@ def states_equal(a: SessionState, b: SessionState) -> bool:
 
 def engine_factory(model, selector: bytes = MODEL_A):
     """A function returning fresh engines on the torch ``model`` under ``selector``."""
-    from inference.engine import Engine
-    from tests.inference.refmodels import StateDictConsumer
+    from czyx.inference.engine import Engine
+    from czyx.testing.refmodels import StateDictConsumer
 
     def make():
         c = StateDictConsumer(model)
@@ -103,7 +103,7 @@ class NumpyConsumer:
         return self._trunks[(role, layer)]
 
     def expert_extent(self, layer: int, router_byte: int):
-        from store.consumer import ExpertExtent
+        from czyx.store.consumer import ExpertExtent
 
         return ExpertExtent(fd=-1, offset=0, length=self.info.expert_nbytes, checksum=0)
 
@@ -126,7 +126,7 @@ class NumpyConsumer:
 
 def freeze_consumer(c, selector: bytes = MODEL_A) -> NumpyConsumer:
     """A :class:`NumpyConsumer` holding the same bytes as the consumer ``c``."""
-    from store.consumer import GLOBAL_ROLES, LAYER_ROLES
+    from czyx.store.consumer import GLOBAL_ROLES, LAYER_ROLES
 
     trunks = {(r, None): c.trunk(r) for r in GLOBAL_ROLES if c.has_trunk(r)}
     for layer in range(c.info.n_layers):

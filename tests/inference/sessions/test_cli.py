@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from czyx.cli import main
-from inference.sessions.format import BLOCK
-from portals.authority import authority
-from store import Store
+from czyx.inference.sessions.format import BLOCK
+from czyx.portals.authority import authority
+from czyx.store import Store
 from tests.inference.sessions.helpers import random_state, sessions_for
 
 

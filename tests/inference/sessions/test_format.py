@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference.sessions.errors import SessionFormatError
-from inference.sessions.format import BLOCK, HEADER, KV_ALIGN, Layout, ParsedExtent, encode
+from czyx.inference.sessions.errors import SessionFormatError
+from czyx.inference.sessions.format import BLOCK, HEADER, KV_ALIGN, Layout, ParsedExtent, encode
 from tests.inference.sessions.helpers import random_state, states_equal
 
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inference.engine import Engine
-from inference.sampling import SamplingParams
-from inference.sessions.errors import ModelVersionMismatchError
-from inference.sessions.live import LiveSession, run_with_session
-from inference.tokenizer import ByteTokenizer
-from store import Store
-from tests.inference.refmodels import tiny_model
+from czyx.inference.engine import Engine
+from czyx.inference.sampling import SamplingParams
+from czyx.inference.sessions.errors import ModelVersionMismatchError
+from czyx.inference.sessions.live import LiveSession, run_with_session
+from czyx.inference.tokenizer import ByteTokenizer
+from czyx.store import Store
+from czyx.testing.refmodels import tiny_model
 from tests.inference.sessions.helpers import (
     MODEL_A,
     MODEL_B,

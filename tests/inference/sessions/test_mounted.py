@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 
 from czyx.cli import main
-from inference.engine import Engine
-from inference.sampling import SamplingParams
-from inference.sessions.errors import ModelVersionMismatchError
-from inference.sessions.live import LiveSession
-from inference.sessions.store import SessionStore
-from inference.tokenizer import ByteTokenizer
-from portals import open_model
-from portals.authority import authority
-from store import Store
-from store.model import open_model as open_consumer
-from store.mount import mount
-from tests.store.tiny_models import make_tiny_checkpoint
+from czyx.inference.engine import Engine
+from czyx.inference.sampling import SamplingParams
+from czyx.inference.sessions.errors import ModelVersionMismatchError
+from czyx.inference.sessions.live import LiveSession
+from czyx.inference.sessions.store import SessionStore
+from czyx.inference.tokenizer import ByteTokenizer
+from czyx.portals import open_model
+from czyx.portals.authority import authority
+from czyx.store import Store
+from czyx.store.models.model import open_model as open_consumer
+from czyx.store.models.mount import mount
+from czyx.testing.tiny_models import make_tiny_checkpoint
 
 CFG = dict(vocab_size=256, max_position_embeddings=512, eos_token_id=None, bos_token_id=None)
 

@@ -6,10 +6,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from czyx.inference.sessions.format import BLOCK
+from czyx.inference.sessions.prefix import PREFIX_EDGE, PrefixIndex, indexed_blocks, prefix_hashes
 from czyx.space import Selector
-from inference.sessions.format import BLOCK
-from inference.sessions.prefix import PREFIX_EDGE, PrefixIndex, indexed_blocks, prefix_hashes
-from store import Store
+from czyx.store import Store
 from tests.inference.sessions.helpers import MODEL_A, MODEL_B
 
 tokens_st = st.lists(st.integers(0, 2**31 - 1), max_size=5 * BLOCK)

@@ -14,8 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
-from czyx.space import Selector
-from inference.sessions.errors import (
+from czyx.inference.sessions.errors import (
     ModelVersionMismatchError,
     SessionConflictError,
     SessionExistsError,
@@ -23,12 +22,13 @@ from inference.sessions.errors import (
     SessionNotFoundError,
     WrongTenantError,
 )
-from inference.sessions.format import BLOCK
-from inference.sessions.store import FORK_EDGE, RECORD_KEY, SessionStore, list_sessions
-from portals import PortalDenied, Spaces
-from portals.authority import authority
-from store import ChecksumError, Store
-from store.writer import SpaceWriter
+from czyx.inference.sessions.format import BLOCK
+from czyx.inference.sessions.store import FORK_EDGE, RECORD_KEY, SessionStore, list_sessions
+from czyx.portals import PortalDenied, Spaces
+from czyx.portals.authority import authority
+from czyx.space import Selector
+from czyx.store import ChecksumError, Store
+from czyx.store.core.writer import SpaceWriter
 from tests.inference.sessions._crash_child import state_for
 from tests.inference.sessions.helpers import (
     MODEL_A,
@@ -56,7 +56,7 @@ def test_save_load_versions_and_one_read(store, monkeypatch):
     assert (i1.version, i2.version) == (1, 2) and i2.length == s2.length
     assert [v for v, _ in ss.versions("chat")] == [1, 2]
     reads = []
-    from store.reader import RawReader
+    from czyx.store.io.reader import RawReader
 
     orig = RawReader.read_into
     monkeypatch.setattr(

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from store.quant.codec import QuantCodec, expert_parts, trunk_tensor
-from store.quant.errors import QuantError
-from store.quant.formats import dequantize, quantize
-from store.quant.policy import POLICIES
+from czyx.store.quant.codec import QuantCodec, expert_parts, trunk_tensor
+from czyx.store.quant.errors import QuantError
+from czyx.store.quant.formats import dequantize, quantize
+from czyx.store.quant.policy import POLICIES
 
 
 def test_trunk_round_trip_and_policy():
@@ -50,7 +50,7 @@ def test_experts_use_their_own_importance():
 
 @pytest.mark.parametrize("dtype", ["F16", "BF16", "F32"])
 def test_raw_source_bytes_decode_like_the_float_tensors(dtype):
-    from store.checkpoint import to_float32
+    from czyx.store.models.checkpoint import to_float32
 
     rng = np.random.default_rng(2)
     f = rng.standard_normal(3 * 32 * 64).astype(np.float32)

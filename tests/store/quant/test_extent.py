@@ -6,16 +6,16 @@ import msgpack
 import numpy as np
 import pytest
 
-from store.quant.errors import FormatError, PackedBufferError, ShapeError
-from store.quant.extent import (
+from czyx.store.quant.errors import FormatError, PackedBufferError, ShapeError
+from czyx.store.quant.extent import (
     ExpertLayout,
     expert_format,
     format_record,
     pack_expert,
     parse_format_record,
 )
-from store.quant.formats import dequantize, get_format, quantize
-from store.quant.policy import POLICIES
+from czyx.store.quant.formats import dequantize, get_format, quantize
+from czyx.store.quant.policy import POLICIES
 
 
 def test_pack_expert_parts_are_the_quantized_matrices():

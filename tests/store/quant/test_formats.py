@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store.quant.errors import FormatError, PackedBufferError, ShapeError
-from store.quant.formats import (
+from czyx.store.quant.errors import FormatError, PackedBufferError, ShapeError
+from czyx.store.quant.formats import (
     FORMATS,
     SUPPORTED_BITS,
     QuantFormat,

@@ -6,10 +6,10 @@ import msgpack
 import numpy as np
 import pytest
 
+from czyx.inference.calibration import ImportanceCollector, Provenance
 from czyx.key import Key
-from inference.calibration import ImportanceCollector, Provenance
-from store.quant.errors import CalibrationError
-from store.quant.importance import importance_from_records, importance_records
+from czyx.store.quant.errors import CalibrationError
+from czyx.store.quant.importance import importance_from_records, importance_records
 
 ROLES = {"q_proj": 3, "o_proj": 6, "router": 11, "lm_head": 2, "shared_down_proj": 14}
 
@@ -66,8 +66,8 @@ def test_bad_names_and_records_fail_closed():
 
 def test_publish_and_load_through_a_store(tmp_path):
     from czyx.space import Selector
-    from store.lmdb_store import Store
-    from store.quant.importance import load_importance, publish_importance
+    from czyx.store.core.lmdb_store import Store
+    from czyx.store.quant.importance import load_importance, publish_importance
 
     col = _collector()
     data = col.to_dict(Provenance.for_text("text", 24))

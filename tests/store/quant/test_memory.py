@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from store.consumer import GLOBAL_ROLES, LAYER_ROLES
-from store.quant.errors import QuantError
-from store.quant.extent import ExpertLayout
-from store.quant.formats import dequantize, quantize
-from store.quant.memory import QuantizedConsumer
-from store.quant.names import input_key
-from store.quant.policy import POLICIES
-from tests.inference.refmodels import StateDictConsumer, tiny_model
+from czyx.store.consumer import GLOBAL_ROLES, LAYER_ROLES
+from czyx.store.quant.errors import QuantError
+from czyx.store.quant.extent import ExpertLayout
+from czyx.store.quant.formats import dequantize, quantize
+from czyx.store.quant.memory import QuantizedConsumer
+from czyx.store.quant.names import input_key
+from czyx.store.quant.policy import POLICIES
+from czyx.testing.refmodels import StateDictConsumer, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +109,10 @@ def test_a_missing_expert_is_an_error_not_a_hole(base):
 
 
 def test_a_mounted_model_with_a_dense_layer(tmp_path):
-    from store import Store
-    from store.model import open_model
-    from store.mount import mount
-    from tests.store.tiny_models import make_tiny_checkpoint
+    from czyx.store import Store
+    from czyx.store.models.model import open_model
+    from czyx.store.models.mount import mount
+    from czyx.testing.tiny_models import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(
         "qwen2_moe",

@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 
 from czyx.cli import main
-from inference.engine import Engine
-from store import Store
-from store.export import export
-from store.model import open_model
-from store.mount import mount
-from store.mount_errors import MountError
-from store.quant.codec import QuantCodec
-from store.quant.memory import QuantizedConsumer
-from store.quant.policy import POLICIES
-from tests.inference.refmodels import StateDictConsumer
-from tests.store.tiny_models import make_tiny_checkpoint, model_class
+from czyx.inference.engine import Engine
+from czyx.store import Store
+from czyx.store.models.export import export
+from czyx.store.models.model import open_model
+from czyx.store.models.mount import mount
+from czyx.store.models.mount_errors import MountError
+from czyx.store.quant.codec import QuantCodec
+from czyx.store.quant.memory import QuantizedConsumer
+from czyx.store.quant.policy import POLICIES
+from czyx.testing.refmodels import StateDictConsumer
+from czyx.testing.tiny_models import make_tiny_checkpoint, model_class
 
 SIZES = dict(hidden_size=64, intermediate_size=64, vocab_size=256)
 TOKENS = np.random.default_rng(2).integers(0, 256, 10)

@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from store.consumer import TRUNK_ROLES
-from store.quant.errors import PolicyError
-from store.quant.policy import (
+from czyx.store.consumer import TRUNK_ROLES
+from czyx.store.quant.errors import PolicyError
+from czyx.store.quant.policy import (
     POLICIES,
     ROLE_CLASSES,
     add_quant_argument,

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store.quant.errors import FormatError, ShapeError
-from store.quant.formats import SUPPORTED_BITS
-from store.quant.quantizer import fit_groups, weighted_error
+from czyx.store.quant.errors import FormatError, ShapeError
+from czyx.store.quant.formats import SUPPORTED_BITS
+from czyx.store.quant.quantizer import fit_groups, weighted_error
 
 
 def _groups(seed: int, n: int, g: int, heavy: bool) -> np.ndarray:

@@ -1,0 +1,29 @@
+"""``czyx export NAME@VERSION DIR``: write the version as a Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from czyx.cli.commands._storearg import add_store_arg, store_dir
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``export`` subcommand."""
+    p = subparsers.add_parser("export", help="export a model version as safetensors")
+    p.add_argument("ref", metavar="NAME@VERSION", help="tag or 64-hex selector")
+    p.add_argument("out", metavar="DIR", help="output directory")
+    add_store_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export and list the files written."""
+    from czyx.store import Store
+    from czyx.store.models.export import export
+
+    with Store.open(store_dir(args), create=False, readonly=True) as store:
+        files = export(store, args.ref, args.out)
+    total = sum(f.stat().st_size for f in files)
+    print(f"exported {args.ref} to {args.out}: {len(files)} files, {total / 1e6:.1f} MB")
+    return 0

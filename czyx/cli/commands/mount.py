@@ -1,0 +1,98 @@
+"""``czyx mount PATH --as NAME@VERSION``: publish a Hugging Face MoE checkpoint as a version."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from czyx.cli.commands._storearg import add_store_arg, store_dir
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``mount`` subcommand."""
+    p = subparsers.add_parser("mount", help="mount a checkpoint directory as NAME@VERSION")
+    p.add_argument("path", help="checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--as", dest="tag", required=True, metavar="NAME@VERSION")
+    add_store_arg(p)
+    p.add_argument(
+        "--layout",
+        default=None,
+        choices=("morton", "hilbert", "rowmajor"),
+        help="outer curve of the expert layout over (layer, class) (default morton)",
+    )
+    p.add_argument(
+        "--adapter-of",
+        metavar="BASE",
+        help="mount as an adapter of BASE (NAME@VERSION): only the tensors it replaces",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--class-order",
+        metavar="TRACE",
+        help=(
+            "per-layer class permutation learned from a routing trace (.npz from czyx "
+            "profile) or a saved order (.npy [L, E] from czyx locality --out)"
+        ),
+    )
+    p.add_argument(
+        "--quant",
+        metavar="POLICY",
+        default=None,
+        help=(
+            "store quantized: none, q2-all, q4-all, selective (routed experts q2, trunk q4, "
+            "embed/head q8, routers and norms float), optionally with CLASS=FMT overrides "
+            "(e.g. selective,embed=q4); see store/quant/README.md"
+        ),
+    )
+    p.add_argument(
+        "--importance",
+        metavar="REF",
+        default=None,
+        help="calibration importance map (a tag or selector from `czyx calibrate`) for --quant",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Mount and print the one-line summary."""
+    from czyx.store import Store
+    from czyx.store.models.mount import DEFAULT_OUTER, mount, resolve
+
+    if args.importance is not None and args.quant is None:
+        raise ValueError("--importance needs --quant POLICY")
+    class_perm = None
+    if args.class_order:
+        from czyx.inference.locality.ordering import class_order_from_trace
+
+        class_perm = class_order_from_trace(args.class_order).tolist()
+    with Store.open(store_dir(args)) as store:
+        codec = None
+        if args.quant is not None:
+            from czyx.store.quant.codec import QuantCodec
+            from czyx.store.quant.policy import parse_policy
+
+            policy = parse_policy(args.quant)
+            imp, prov = None, None
+            if args.importance is not None:
+                from czyx.inference.calibration import ImportanceCollector
+                from czyx.store.quant.importance import load_importance
+
+                sel = resolve(store, args.importance)
+                data, _model = load_importance(store, sel)
+                col, provenance = ImportanceCollector.from_dict(data)
+                imp = col.importance_map()
+                prov = {**provenance.__dict__, "space": sel.hex()}
+            codec = QuantCodec(policy, imp, prov) if policy.quantizes else None
+        result = mount(
+            store,
+            args.path,
+            args.tag,
+            outer=args.layout or DEFAULT_OUTER,
+            adapter_of=args.adapter_of,
+            class_perm=class_perm,
+            progress=not args.no_progress and sys.stderr.isatty(),
+            quant=codec,
+        )
+    print(result.summary())
+    return 0

@@ -1,0 +1,328 @@
+"""``czyx run NAME@VERSION --prompt TEXT``: generate text with a mounted model version.
+
+The model is opened only through a portal carrying the ``infer`` right
+(``portals.open_model`` gives the checked view, ``store.model.open_model`` the
+consumer, with O_DIRECT expert reads; no ``--portal`` means the store owner's
+root portal); the trunk is loaded resident (or, with ``--trunk-window K``,
+only K layers' big matrices at a time, the next read while one computes) and routed experts
+stream through the slot cache sized by ``--cache-mb`` or ``--cache-fraction``
+(default: every expert resident), read by the transfer planner
+(``--io`` path, ``--readers`` threads, look-ahead prefetch unless
+``--no-prefetch``; ``--xray FILE`` writes every transfer's X-Ray report). The
+text streams to stdout; the figures
+(tokens/s of prefill and decode, hit rate, bytes read per token, exposed I/O
+wait) follow on stderr so the text stays clean for pipes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from czyx.cli.commands._storearg import add_store_arg, store_dir
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``run`` subcommand."""
+    p = subparsers.add_parser(
+        "run",
+        help="generate text with a mounted MoE model",
+        description="Generate text with a mounted model version, opened through a portal.",
+    )
+    p.add_argument("ref", metavar="NAME@VERSION", help="the model version's tag")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument(
+        "--portal",
+        default=os.environ.get("CZYX_PORTAL"),
+        help="portal token with the infer right (default: $CZYX_PORTAL, else the owner's)",
+    )
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--cache-mb", type=float, help="expert slot budget in MiB")
+    budget.add_argument(
+        "--cache-fraction", type=float, help="expert slot budget as a fraction of expert bytes"
+    )
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1.0: off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument(
+        "--policy",
+        choices=["lru", "lfu", "decay", "slru"],
+        # decay, not lru: at a 25% budget it misses less and decodes faster, synchronous
+        # and with look-ahead, on the shipped and the synthetic model (bench/EVIDENCE.md).
+        default="decay",
+        help="expert eviction policy (default decay: decaying frequency, half-life 32 "
+        "tokens; slru: segmented LRU, 80%% protected)",
+    )
+    p.add_argument(
+        "--pin-classes",
+        metavar="LO-HI",
+        help="pin the experts with router bytes LO..HI (inclusive) in every layer",
+    )
+    p.add_argument(
+        "--hot", metavar="PROFILE", help="routing profile (czyx profile) whose hot list to prewarm"
+    )
+    p.add_argument(
+        "--io",
+        default="auto",
+        choices=["auto", "pread", "mmap", "direct", "io_uring"],
+        help="expert I/O path (auto: the one `czyx bench io` measured fastest, else pread)",
+    )
+    p.add_argument("--readers", type=int, default=2, help="expert reader threads (default 2)")
+    p.add_argument(
+        "--no-prefetch", action="store_true", help="no look-ahead: read experts on demand only"
+    )
+    p.add_argument(
+        "--lookahead",
+        type=int,
+        default=1,
+        help="sparse layers predicted ahead (default 1; 0: early routing alone)",
+    )
+    p.add_argument(
+        "--no-early",
+        action="store_true",
+        help="no early routing: predict a layer's experts by look-ahead only, not also from "
+        "the residual stream entering it",
+    )
+    p.add_argument(
+        "--prefetch-width",
+        type=int,
+        default=None,
+        help="predicted experts read per token and layer (default: top-k)",
+    )
+    p.add_argument(
+        "--xray", metavar="FILE", help="write the X-Ray transfer report (JSON) and print a summary"
+    )
+    p.add_argument(
+        "--trunk-window",
+        type=int,
+        metavar="K",
+        default=None,
+        help="hold at most K layers' trunk matrices, reading the next layer while one "
+        "computes (for a trunk that does not fit memory; default: whole trunk resident)",
+    )
+    add_store_arg(p)
+    p.add_argument(
+        "--session",
+        metavar="NAME",
+        help="continue (or start) saved session NAME: its KV cache is loaded, not recomputed; "
+        "the prompt is appended and the new state saved (inference.sessions)",
+    )
+    p.add_argument(
+        "--tenant", help="tenant the session belongs to (default: the portal's, or 'owner')"
+    )
+    p.set_defaults(func=run)
+
+
+class OpenedModel:
+    """A model version opened through a portal, with the store it came from.
+
+    ``consumer`` is the store's ``ModelConsumer``; :meth:`close` releases it
+    and the store.
+    """
+
+    def __init__(
+        self, store_dir: str, ref: str, token: str | None, *, lazy_trunk: bool = False
+    ) -> None:
+        from czyx.inference.errors import InferenceError
+
+        try:
+            from czyx import portals
+            from czyx.store import Store
+            from czyx.store.models.model import open_model
+        except ImportError as exc:
+            raise InferenceError(f"this build lacks the store or portals: {exc}") from exc
+        if not os.path.isdir(store_dir):
+            raise InferenceError(f"no store at {store_dir!r} (set --store or $CZYX_STORE)")
+        self.store = Store.open(store_dir, create=False)
+        try:
+            # No token: the owner's root portal (local use); a tenant passes theirs.
+            token = token or portals.root_token(self.store)
+            view = portals.open_model(self.store, token, ref)
+            self.consumer = open_model(
+                self.store, ref, view=view, direct=True, lazy_trunk=lazy_trunk
+            )
+        except BaseException:
+            self.store.close()
+            raise
+
+    def close(self) -> None:
+        """Close the consumer, then the store."""
+        try:
+            self.consumer.close()
+        finally:
+            self.store.close()
+
+
+def parse_class_range(text: str | None) -> tuple[int, int] | None:
+    """``"LO-HI"`` (inclusive, decimal or 0x hex) as a half-open ``(lo, hi + 1)``."""
+    if text is None:
+        return None
+    try:
+        lo_s, _, hi_s = text.partition("-")
+        lo, hi = int(lo_s, 0), int(hi_s or lo_s, 0)
+    except ValueError:
+        raise ValueError(f"--pin-classes {text!r} is not LO-HI (e.g. 0-15 or 0x20-0x2f)") from None
+    if not 0 <= lo <= hi <= 255:
+        raise ValueError(f"--pin-classes {text!r} must satisfy 0 <= LO <= HI <= 255")
+    return lo, hi + 1
+
+
+def _stream_options(args: argparse.Namespace):
+    """The planner options and X-Ray collector the flags ask for."""
+    from czyx.inference.streaming import StreamOptions
+    from czyx.inference.xray import XRay
+    from czyx.store.io.iopaths import default_io_path, load_io_config
+
+    if args.readers < 1:
+        raise ValueError(f"--readers {args.readers} must be at least 1")
+    if args.lookahead < 0 or (args.lookahead == 0 and args.no_early):
+        raise ValueError(
+            f"--lookahead {args.lookahead}: at least 1, or 0 with early routing (no --no-early)"
+        )
+    io = default_io_path() if args.io == "auto" else args.io
+    stream = StreamOptions(
+        io=io,
+        readers=args.readers,
+        prefetch=not args.no_prefetch,
+        lookahead=args.lookahead,
+        width=args.prefetch_width,
+        early=not args.no_early,
+    )
+    xray = None
+    if args.xray:
+        cfg = load_io_config()
+        xray = XRay(
+            io_path=io, threads=args.readers, device_baseline=cfg.bandwidth if cfg else None
+        )
+    return stream, xray
+
+
+def _write_xray(args: argparse.Namespace, engine, xray, stats) -> None:
+    """Finish the reads in flight, write the X-Ray JSON and print its table on stderr."""
+    from czyx.inference.xray import table
+
+    engine.cache.planner.drain()
+    extra = {
+        "model": args.ref,
+        "budget_bytes": engine.budget_bytes,
+        "expert_bytes": engine.expert_bytes,
+        "prefetch": not args.no_prefetch,
+        "lookahead": args.lookahead,
+        "early": not args.no_early,
+    }
+    window = engine.trunk_window_stats()
+    if window is not None:
+        extra["trunk_window"] = dataclasses.asdict(window)
+    report = xray.report(
+        engine.cache,
+        tokens=stats.prompt_tokens + stats.decode_steps,
+        # With a trunk window: the small per-layer tensors plus the window's peak.
+        trunk_bytes=engine.model.trunk_nbytes(),
+        extra=extra,
+    )
+    path = xray.write_json(args.xray, report)
+    print(table(report), file=sys.stderr)
+    print(f"x-ray: {path}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Open, generate, stream, report."""
+    from czyx.inference.engine import Engine
+    from czyx.inference.generate import generate
+    from czyx.inference.profile import RoutingProfile
+    from czyx.inference.sampling import SamplingParams
+    from czyx.inference.tokenizer import tokenizer_for
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    pin = parse_class_range(args.pin_classes)
+    if args.max_tokens < 0:
+        raise ValueError(f"--max-tokens {args.max_tokens} is negative")
+    if args.trunk_window is not None and args.trunk_window < 1:
+        raise ValueError(f"--trunk-window {args.trunk_window} must be at least 1")
+    windowed = args.trunk_window is not None
+    opened = OpenedModel(store_dir(args), args.ref, args.portal, lazy_trunk=windowed)
+    consumer = opened.consumer
+    try:
+        cache_bytes = None if args.cache_mb is None else int(args.cache_mb * 2**20)
+        hot = None
+        if args.hot:
+            info = consumer.info
+            hot = RoutingProfile.load(args.hot, info.n_layers, info.n_experts).hot_list()
+        stream, xray = _stream_options(args)
+        engine = Engine(
+            consumer,
+            cache_bytes=cache_bytes,
+            cache_fraction=args.cache_fraction,
+            policy=args.policy,
+            hot=hot,
+            pin_classes=pin,
+            stream=stream,
+            xray=xray,
+            trunk_window=args.trunk_window,
+        )
+        tokenizer = tokenizer_for(consumer, engine.cfg.vocab_size)
+
+        def emit(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        if args.session:
+            _run_session(args, opened.store, engine, tokenizer, sampling, emit)
+            if engine.trunk_window_stats() is not None:
+                print(engine.trunk_window_stats().summary(), file=sys.stderr)
+            engine.close()
+            return 0
+        out = generate(engine, tokenizer, args.prompt, args.max_tokens, sampling, on_text=emit)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        budget_mb = engine.cache.n_slots * engine.cache.slot_nbytes / 2**20
+        print(
+            f"cache: {budget_mb:.1f} MiB of {engine.expert_bytes / 2**20:.1f} MiB experts "
+            f"({engine.cache.n_slots} slots), tokenizer: {tokenizer.name}",
+            file=sys.stderr,
+        )
+        print(out.stats.summary(), file=sys.stderr)
+        window = engine.trunk_window_stats()
+        if window is not None:
+            print(window.summary(), file=sys.stderr)
+        if xray is not None:
+            _write_xray(args, engine, xray, out.stats)
+        engine.close()
+    finally:
+        opened.close()
+    return 0
+
+
+def _run_session(
+    args: argparse.Namespace,
+    store: object,
+    engine: object,
+    tokenizer: object,
+    sampling: object,
+    emit: object,
+) -> None:
+    """``--session NAME``: :func:`inference.sessions.run_with_session`, then its figures."""
+    from czyx.inference.sampling import SamplingParams
+    from czyx.inference.sessions import SessionStore, run_with_session
+
+    sessions = SessionStore.open(store, args.portal, tenant=args.tenant)
+    # Sampling flags left at their defaults keep a resumed session's own sampler
+    # (parameters and RNG state), so the continuation is exact.
+    chosen = None if sampling == SamplingParams() else sampling
+    r = run_with_session(
+        engine, tokenizer, sessions, args.session, args.prompt, args.max_tokens, chosen, emit
+    )
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    how = "resumed" if r.resumed else "started"
+    print(
+        f"session {r.info.name}@{r.info.version} ({how}): {r.reused} tokens restored in "
+        f"{r.restore_seconds * 1e3:.1f} ms, {r.prefilled} prefilled in "
+        f"{r.prefill_seconds * 1e3:.1f} ms, {len(r.tokens)} generated in "
+        f"{r.decode_seconds * 1e3:.1f} ms; {r.info.length} tokens saved",
+        file=sys.stderr,
+    )

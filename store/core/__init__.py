@@ -1,0 +1,1 @@
+"""The storage core: LMDB index, records, aligned block files, snapshots, publishing, fsck."""

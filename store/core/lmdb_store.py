@@ -1,0 +1,588 @@
+"""The LMDB backend of the store: one environment per store directory.
+
+Directory layout::
+
+    <store>/index/      the LMDB environment (data.mdb, lock.mdb)
+    <store>/blocks/     one block file per published space (store.blockfile)
+
+Named databases: ``records`` (``selector || key -> msgpack``), ``spaces``
+(selector -> manifest entry with the seal and block-file identity), ``tags``
+(``name@version`` -> selector), ``portals`` (portal id -> descriptor),
+``edges`` (edge key -> record) and ``audit`` (8-byte big-endian sequence
+number -> event).
+
+Concurrency rules, and why:
+
+- One writer at a time (LMDB's write lock, shared between processes); any
+  number of readers in any threads or processes. py-lmdb opens every
+  environment with ``MDB_NOTLS``, so this module begins a fresh read
+  transaction per call (or per scan chunk) and never hands one to another
+  thread.
+- The map starts at ``map_size`` and doubles when a write hits
+  ``MDB_MAP_FULL``: the write transaction is aborted, the map grown and the
+  whole transaction retried (every write is a re-runnable function of its
+  transaction). Growing remaps the file, so it waits until no read
+  transaction of this process is open; scans therefore read in chunks and
+  never hold a transaction while the caller runs. Readers announce
+  themselves by appending to a list and re-check a ``resizing`` flag (both
+  atomic under the GIL), which costs ~50 ns instead of a lock per read.
+- An environment must not be used across ``fork()``: in a fork child every
+  inherited store refuses use with ``StoreForkError``. Right after the fork
+  the child closes its copies of the environments that were idle, so it can
+  ``Store.open`` them afresh; one that had a transaction in flight is pinned
+  open instead, because closing it would release the parent's reader slot
+  (see :func:`store.lifecycle.close_inherited`).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import threading
+import time
+import weakref
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator
+from itertools import chain, islice
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import lmdb
+
+from czyx.key import KEY_SIZE, class_range_bounds
+from czyx.space import SELECTOR_SIZE, Selector
+from czyx.store.core.blockfile import BlockIdentity, verify_block_file
+from czyx.store.core.catalog import CatalogMixin
+from czyx.store.core.lifecycle import OPEN_STORES, Unusable
+from czyx.store.core.records import check_key, check_selector, decode, encode, unpackb
+from czyx.store.core.snapshot import SCAN_CHUNK as _SCAN_CHUNK
+from czyx.store.core.snapshot import Snapshot, decode_rows
+from czyx.store.core.writer import SpaceWriter
+from czyx.store.errors import (
+    ReservedSpaceError,
+    SealedSpaceError,
+    SpaceNotFoundError,
+    StoreError,
+    StoreMapFullError,
+)
+from czyx.store.interfaces import StoreInterface
+from czyx.store.io.reader import RawReader
+
+if TYPE_CHECKING:  # portals imports store; only the annotation needs it
+    from czyx.portals.view import SpaceView
+
+T = TypeVar("T")
+
+DEFAULT_MAP_SIZE = 1 << 30  # virtual reservation only; the file grows as written
+MAX_MAP_SIZE = 1 << 40
+_DBS = ("records", "spaces", "tags", "portals", "edges", "audit")
+
+
+class _Retry(Exception):
+    """Internal: a read met a map resize and takes the slow path."""
+
+
+class Store(CatalogMixin, StoreInterface):
+    """A store directory: records, sealed spaces, tags, portals, edges and audit log.
+
+    Use :meth:`open`; the constructor is internal.
+    """
+
+    def __init__(
+        self, path: pathlib.Path, env: lmdb.Environment, readonly: bool, max_map_size: int
+    ) -> None:
+        self.path = path
+        self.readonly = readonly
+        self._env = env
+        self._pid = os.getpid()
+        self._max_map = max_map_size
+        self._db = {name: env.open_db(name.encode(), create=False) for name in _DBS}
+        self._records = self._db["records"]
+        self._spaces = self._db["spaces"]
+        # Active read transactions of this process: the map is only remapped at zero,
+        # while holding the lock, so no reader can begin during the remap.
+        self._lock = threading.Lock()  # held while remapping: readers wait on it
+        # Serialises this process's write transactions and resizes: LMDB refuses to
+        # resize while a write transaction of the process is open (EINVAL).
+        self._wlock = threading.RLock()
+        self._writing = 0  # write transactions in flight (see store.lifecycle)
+        self._readers: list[None] = []
+        self._resizing = False
+        # Snapshots open in the current thread: such a thread must not wait for a
+        # resize (the resize waits for its snapshot: a deadlock), and need not (its
+        # snapshot is in _readers, so the resize cannot start before it closes).
+        self._local = threading.local()
+        self._snapshots: weakref.WeakSet[Snapshot] = weakref.WeakSet()
+        OPEN_STORES.add(self)
+
+    # -- lifecycle ---------------------------------------------------------------------
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike,
+        *,
+        create: bool = True,
+        readonly: bool = False,
+        map_size: int = DEFAULT_MAP_SIZE,
+        max_map_size: int = MAX_MAP_SIZE,
+    ) -> Store:
+        """Create or open the store at ``path``.
+
+        Parameters
+        ----------
+        path
+            The store directory.
+        create
+            Create the directory and databases if missing (ignored when ``readonly``).
+        readonly
+            Open without write access; every write raises.
+        map_size
+            Initial LMDB map size in bytes; it grows by doubling on demand.
+        max_map_size
+            Growth stops here (``StoreMapFullError``).
+
+        Raises
+        ------
+        StoreError
+            The store does not exist (and ``create`` is false or ``readonly``),
+            or LMDB refused to open it.
+        """
+        root = pathlib.Path(path)
+        index = root / "index"
+        if not (index / "data.mdb").exists():
+            if readonly or not create:
+                raise StoreError(f"{root}: no store here (missing {index / 'data.mdb'})")
+            (root / "blocks").mkdir(parents=True, exist_ok=True)
+            index.mkdir(exist_ok=True)
+        try:
+            env = lmdb.open(
+                str(index),
+                map_size=max(map_size, 1 << 16),
+                max_dbs=len(_DBS) + 2,
+                max_readers=1024,
+                readonly=readonly,
+                lock=True,
+                subdir=True,
+                readahead=False,  # point reads into a large index: no wasted readahead
+            )
+        except lmdb.Error as exc:
+            hint = ""
+            if "already open" in str(exc):
+                hint = (
+                    "; if this process was forked while the parent used this store, open it"
+                    " in a spawned process instead"
+                )
+            raise StoreError(f"{index}: cannot open LMDB environment ({exc}){hint}") from exc
+        if not readonly:
+            with env.begin(write=True) as txn:
+                for name in _DBS:
+                    env.open_db(name.encode(), txn=txn, create=True)
+        try:
+            return cls(root, env, readonly, max_map_size)
+        except lmdb.Error as exc:
+            env.close()
+            raise StoreError(f"{index}: store databases missing ({exc})") from exc
+
+    def close(self) -> None:
+        """Close the environment (idempotent; in a fork child it was closed at fork)."""
+        env = self._env
+        if isinstance(env, Unusable):
+            return
+        self._env = Unusable(StoreError, f"{self.path}: store is closed")
+        OPEN_STORES.discard(self)
+        env.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether this handle can no longer be used (closed, or inherited across fork)."""
+        return isinstance(self._env, Unusable)
+
+    # -- transactions ------------------------------------------------------------------
+    def _begin_read(self, db: Any = None) -> lmdb.Transaction:
+        """Begin a read transaction registered in ``_readers`` (end it with ``_end_read``)."""
+        readers = self._readers
+        while True:
+            readers.append(None)
+            if self._resizing and not getattr(self._local, "snapshots", 0):
+                # A resize is in progress: step back and wait for it.
+                readers.pop()
+                with self._lock:
+                    pass
+                continue
+            try:
+                return self._env.begin(db=db)
+            except lmdb.MapResizedError:
+                # Another process grew the map past ours: adopt its size and retry.
+                readers.pop()
+                self._remap(0)
+            except BaseException:
+                readers.pop()
+                raise
+
+    def _end_read(self, txn: lmdb.Transaction) -> None:
+        txn.abort()
+        self._readers.pop()
+
+    def _remap(self, new_size: int) -> None:
+        """Resize the map once no read transaction of this process is open.
+
+        The flag is set before the reader count is checked and readers check
+        the flag after registering, so (under the GIL's sequential
+        consistency) a reader either is counted here or sees the flag.
+        """
+        if getattr(self._local, "snapshots", 0):
+            raise StoreMapFullError(
+                f"{self.path}: the LMDB map must grow, but this thread holds an open "
+                "snapshot; close it and retry"
+            )
+        with self._wlock, self._lock:
+            self._resizing = True
+            try:
+                deadline = time.monotonic() + 30.0
+                while self._readers:
+                    if time.monotonic() > deadline:
+                        raise StoreMapFullError(
+                            f"{self.path}: cannot resize the LMDB map while read "
+                            "transactions stay open"
+                        )
+                    time.sleep(0.001)
+                self._env.set_mapsize(new_size)
+            finally:
+                self._resizing = False
+
+    def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in one write transaction, growing the map and retrying on MapFull."""
+        if self.readonly:
+            raise StoreError(f"{self.path}: store is open read-only")
+        with self._wlock:
+            self._writing += 1
+            try:
+                return self._write_locked(fn)
+            finally:
+                self._writing -= 1
+
+    def _write_locked(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                size = self._env.info()["map_size"]
+                if size >= self._max_map:
+                    raise StoreMapFullError(
+                        f"{self.path}: LMDB map full at {size} bytes (limit {self._max_map})"
+                    ) from None
+                self._remap(min(size * 2, self._max_map))
+            except lmdb.MapResizedError:
+                self._remap(0)
+
+    def map_size(self) -> int:
+        """The current LMDB map size in bytes."""
+        return self._env.info()["map_size"]
+
+    # -- records -----------------------------------------------------------------------
+    def _sealed_in(self, txn: lmdb.Transaction, sel: bytes) -> bool:
+        return txn.get(sel, db=self._spaces) is not None
+
+    def _writable_space(self, space: Selector) -> bytes:
+        sel = check_selector(space)
+        if sel[0] in (0xFE, 0xFF):
+            raise ReservedSpaceError(
+                f"space {sel.hex()}: reserved prefix 0x{sel[0]:02X}; use put_portal_descriptor"
+                " / put_edge"
+            )
+        return sel
+
+    def _refuse_sealed(self, txn: lmdb.Transaction, sel: bytes) -> None:
+        if self._sealed_in(txn, sel):
+            raise SealedSpaceError(f"space {sel.hex()} is published (sealed); it is immutable")
+
+    def put(self, space: Selector, key: bytes, record: dict) -> None:
+        """Store ``record`` at ``(space, key)``.
+
+        Raises
+        ------
+        KeyLengthError
+            ``key`` is not 24 bytes (or ``space`` not a selector).
+        SealedSpaceError
+            ``space`` is published.
+        """
+        k = self._writable_space(space) + check_key(key)
+        v = encode(record)
+
+        def fn(txn: lmdb.Transaction) -> None:
+            self._refuse_sealed(txn, k[:SELECTOR_SIZE])
+            txn.put(k, v, db=self._records)
+
+        self._write(fn)
+
+    def put_many(self, space: Selector, items: Iterable[tuple[bytes, dict]]) -> int:
+        """Store many records in one transaction; returns how many were written."""
+        sel = self._writable_space(space)
+        rows = [(sel + check_key(k), encode(r)) for k, r in items]
+
+        def fn(txn: lmdb.Transaction) -> int:
+            self._refuse_sealed(txn, sel)
+            with txn.cursor(db=self._records) as cur:
+                cur.putmulti(rows)
+            return len(rows)
+
+        return self._write(fn)
+
+    def get(self, space: Selector, key: bytes) -> dict | None:
+        """The record at ``(space, key)``, or ``None`` if there is none.
+
+        Raises
+        ------
+        KeyLengthError
+            Bad key or selector.
+        RecordDecodeError
+            The stored value is not a msgpack map.
+        """
+        # The common case (a Selector and a 24-byte bytes key) is checked inline:
+        # this is the store's point-read hot path.
+        sel = space.raw if type(space) is Selector else check_selector(space)
+        k = sel + (key if type(key) is bytes and len(key) == KEY_SIZE else check_key(key))
+        readers = self._readers  # _begin_read, inlined
+        readers.append(None)
+        try:
+            if self._resizing:
+                raise _Retry
+            txn = self._env.begin(db=self._records)
+        except (_Retry, lmdb.MapResizedError):
+            readers.pop()
+            return self._get_slow(k)
+        except BaseException:
+            readers.pop()
+            raise
+        try:
+            v = txn.get(k)
+        finally:
+            txn.abort()
+            readers.pop()
+        if v is None:
+            return None
+        try:
+            obj = unpackb(v, raw=False, strict_map_key=False)
+        except Exception:
+            obj = None
+        return obj if type(obj) is dict else decode(v, "record", k)  # decode raises
+
+    def _get_slow(self, k: bytes) -> dict | None:
+        txn = self._begin_read(self._records)  # waits out a resize, adopts a new map size
+        try:
+            v = txn.get(k)
+        finally:
+            self._end_read(txn)
+        return None if v is None else decode(v, "record", k)
+
+    def get_many(self, space: Selector, keys: Iterable[bytes]) -> list[dict | None]:
+        """The records at many keys of one space, read in one transaction."""
+        sel = check_selector(space)
+        full = [sel + check_key(k) for k in keys]
+        txn = self._begin_read(self._records)
+        try:
+            vals = [txn.get(k) for k in full]
+        finally:
+            self._end_read(txn)
+        return [None if v is None else decode(v, "record", k) for k, v in zip(full, vals)]
+
+    def snapshot(self) -> Snapshot:
+        """A consistent read view in one read transaction, for many lookups in one thread.
+
+        Use it as a context manager and keep it short: while it is open the
+        LMDB map of this process cannot grow.
+        """
+        return Snapshot(self)
+
+    def delete(self, space: Selector, key: bytes) -> bool:
+        """Delete the record at ``(space, key)``; ``True`` if it existed."""
+        k = self._writable_space(space) + check_key(key)
+
+        def fn(txn: lmdb.Transaction) -> bool:
+            self._refuse_sealed(txn, k[:SELECTOR_SIZE])
+            return txn.delete(k, db=self._records)
+
+        return self._write(fn)
+
+    def _scan_chunks(
+        self, db: Any, start: bytes, end: bytes | None
+    ) -> Iterator[list[tuple[bytes, bytes]]]:
+        """Lists of raw ``(key, value)`` pairs with ``start <= key < end`` (``None``: no end).
+
+        Each chunk is read in its own short read transaction, so no transaction
+        is held while the caller consumes the rows; a chunk is sliced off the
+        cursor in C (``islice``) and cut at ``end`` by bisection, so the bound
+        costs nothing per key.
+        """
+        cursor_key, skip = start, False
+        while True:
+            txn = self._begin_read(db)
+            try:
+                cur = txn.cursor()
+                rows: list[tuple[bytes, bytes]] = []
+                if cur.set_range(cursor_key):
+                    it = cur.iternext()
+                    if skip:
+                        next(it, None)
+                    rows = list(islice(it, _SCAN_CHUNK))
+            finally:
+                self._end_read(txn)
+            full = len(rows) == _SCAN_CHUNK
+            if end is not None and rows and rows[-1][0] >= end:
+                rows = rows[: bisect_left(rows, end, key=itemgetter(0))]
+                full = False
+            if rows:
+                yield rows
+            if not full:
+                return
+            cursor_key, skip = rows[-1][0], True
+
+    def _scan_raw(self, db: Any, start: bytes, end: bytes | None) -> Iterator[tuple[bytes, bytes]]:
+        """Raw ``(key, value)`` pairs, chunk by chunk (see :meth:`_scan_chunks`)."""
+        for rows in self._scan_chunks(db, start, end):
+            yield from rows
+
+    def scan(
+        self, space: Selector, lo_cls: int = 0, hi_cls: int = 255
+    ) -> Iterator[tuple[bytes, dict]]:
+        """Records of classes ``lo_cls..hi_cls`` inclusive, in packed-key (curve) order.
+
+        Yields
+        ------
+        (key, record)
+            ``key`` is the 24-byte packed key.
+        """
+        sel = check_selector(space)
+        lo, hi = class_range_bounds(lo_cls, hi_cls)
+        # A C-level chain over decoded chunks (see ``decode_rows``): no Python frame
+        # runs per record. Arguments are checked here, rows read as consumed.
+        chunks = self._scan_chunks(self._records, sel + lo, sel + hi + b"\x00")
+        return chain.from_iterable(map(decode_rows, chunks))
+
+    def keys(self, space: Selector, lo_cls: int = 0, hi_cls: int = 255) -> Iterator[bytes]:
+        """The 24-byte keys of classes ``lo_cls..hi_cls``, in order, without decoding values."""
+        sel = check_selector(space)
+        lo, hi = class_range_bounds(lo_cls, hi_cls)
+        chunks = self._scan_chunks(self._records, sel + lo, sel + hi + b"\x00")
+        # C-level maps over chained chunks: no Python frame runs per key.
+        strip = itemgetter(slice(SELECTOR_SIZE, None))
+        return map(strip, map(itemgetter(0), chain.from_iterable(chunks)))
+
+    def aggregate(self, space: Selector, lo_cls: int = 0, hi_cls: int = 255) -> tuple[int, int]:
+        """``(count, total bytes)`` of the records in a class range.
+
+        Computed by a scan (never stored twice); records without an extent
+        count with 0 bytes.
+        """
+        count = total = 0
+        for _, rec in self.scan(space, lo_cls, hi_cls):
+            count += 1
+            n = rec.get("len", 0)
+            total += n if isinstance(n, int) else 0
+        return count, total
+
+    # -- spaces ------------------------------------------------------------------------
+    def begin_space(self, space: Selector, manifest: dict) -> SpaceWriter:
+        """Start publishing ``space`` with ``manifest``; see :class:`SpaceWriter`.
+
+        Raises
+        ------
+        SealedSpaceError
+            The space is already published.
+        """
+        sel = self._writable_space(space)
+        if self.has_space(space):
+            raise SealedSpaceError(f"space {sel.hex()} is already published")
+        return SpaceWriter(self, sel, manifest)
+
+    def _space_entry(self, space: Selector) -> dict:
+        sel = check_selector(space)
+        txn = self._begin_read()
+        try:
+            v = txn.get(sel, db=self._spaces)
+        finally:
+            self._end_read(txn)
+        if v is None:
+            raise SpaceNotFoundError(f"space {sel.hex()} is not published")
+        return decode(v, "space entry", sel)
+
+    def has_space(self, space: Selector) -> bool:
+        """Whether ``space`` is published (and therefore sealed)."""
+        sel = check_selector(space)
+        txn = self._begin_read()
+        try:
+            return txn.get(sel, db=self._spaces) is not None
+        finally:
+            self._end_read(txn)
+
+    def manifest(self, space: Selector) -> dict:
+        """The manifest ``space`` was published with (``SpaceNotFoundError`` otherwise)."""
+        return self._space_entry(space)["manifest"]
+
+    def space_info(self, space: Selector) -> dict:
+        """The full index entry: ``manifest``, ``block`` identity, ``checksum``, ``count``,
+        ``time``."""
+        return self._space_entry(space)
+
+    def spaces(self) -> list[Selector]:
+        """Every published space, in selector order."""
+        return [Selector(k) for k, _ in self._scan_raw(self._spaces, b"", None)]
+
+    def block_identity(self, space: Selector) -> BlockIdentity:
+        """The identity recorded for the space's block file at publication."""
+        return BlockIdentity.from_record(self._space_entry(space)["block"])
+
+    def block_path(self, space: Selector) -> pathlib.Path:
+        """The published space's block file (``SpaceNotFoundError`` if unpublished)."""
+        return self.path / "blocks" / self.block_identity(space).name
+
+    def verify_space(self, space: Selector) -> BlockIdentity:
+        """Check the block file is exactly the published one (``BlockFileError`` if not)."""
+        ident = self.block_identity(space)
+        verify_block_file(self.path / "blocks" / ident.name, ident, check_selector(space))
+        return ident
+
+    def open_reader(
+        self,
+        space: Selector,
+        *,
+        direct: bool = False,
+        mapped: bool = False,
+        backend: str = "auto",
+    ) -> RawReader:
+        """A :class:`RawReader` on the space's block file, after :meth:`verify_space`.
+
+        Raises
+        ------
+        SpaceNotFoundError, BlockFileError
+            Unpublished space; missing, truncated or replaced block file.
+        """
+        ident = self.verify_space(space)
+        return RawReader(
+            self.path / "blocks" / ident.name,
+            direct=direct,
+            mapped=mapped,
+            align=ident.align,
+            backend=backend,
+        )
+
+    def open_space(
+        self,
+        portal: str,
+        space: Selector | None = None,
+        *,
+        right: str = "read",
+        tenant: str | None = None,
+    ) -> SpaceView:
+        """Open a space through a portal token: the public path to a space's data.
+
+        Returns the read-only :class:`portals.view.SpaceView` whose reads are
+        checked against the portal's caveats (computed once, here).
+        """
+        from czyx.portals import open_space
+
+        return open_space(self, portal, space, right=right, tenant=tenant)
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.path)!r})"

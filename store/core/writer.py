@@ -1,0 +1,250 @@
+"""Publishing a space: stage extents and records, then make them visible at once.
+
+Protocol (why each step is where it is):
+
+1. Extents are appended to a *new* block file under a private name
+   (``<selector>-<generation>.blk.<pid>.part``), created exclusively, so no
+   published file is ever touched.
+2. On commit the file is ``fsync``-ed, renamed to its final, unique name
+   (``<selector>-<generation>.blk``) and the directory is ``fsync``-ed: the
+   bytes are durable before anything refers to them.
+3. One LMDB write transaction then checks the space is still unpublished,
+   inserts every staged record, the manifest entry (with the block file's
+   identity: name, generation, size, alignment) and an audit event, and
+   commits. That commit is the single instant of publication.
+
+A crash before step 3 commits leaves an unreferenced file (removed by
+:func:`collect_garbage`) and the old index; after it, the new state. Readers
+never see a half-published space because nothing in the index points at the
+new file until the one transaction that publishes all of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import lmdb
+import numpy as np
+
+from czyx.space import Selector
+from czyx.store.core.blockfile import BlockIdentity, BlockWriter, dio_alignment, fsync_dir
+from czyx.store.core.checksum import CHECKSUM_NAME
+from czyx.store.core.records import Extent, check_key, encode
+from czyx.store.errors import SealedSpaceError, SpaceNotEmptyError, SpaceNotFoundError, StoreError
+from czyx.store.interfaces import SpaceWriterInterface
+
+if TYPE_CHECKING:
+    from czyx.store.core.lmdb_store import Store
+
+
+class SpaceWriter(SpaceWriterInterface):
+    """Stages one space's block file and records; see the module docstring.
+
+    Obtain one from :meth:`store.lmdb_store.Store.begin_space`. Use it as a
+    context manager: a clean exit commits, an exception aborts.
+
+    Attributes
+    ----------
+    space
+        The selector being published.
+    alignment
+        Every extent offset is a multiple of this (>= 4096).
+    data_start
+        Offset of the first extent (the header occupies one alignment unit).
+    """
+
+    def __init__(self, store: Store, sel: bytes, manifest: dict) -> None:
+        self._store = store
+        self.space = Selector(sel)
+        self._manifest = manifest
+        encode(manifest)  # refuse an unencodable manifest now, not at commit
+        blocks = store.path / "blocks"
+        blocks.mkdir(parents=True, exist_ok=True)
+        self._blocks = blocks
+        self.alignment = dio_alignment(blocks)
+        self._gen = os.urandom(16)
+        name = f"{sel.hex()}-{self._gen.hex()}.blk"
+        self._final = blocks / name
+        self._part = blocks / f"{name}.{os.getpid()}.part"
+        self._block = BlockWriter(self._part, sel, self._gen, self.alignment)
+        self.data_start = self._block.size
+        self._staged: dict[bytes, bytes] = {}
+        self._state = "open"
+
+    @property
+    def size(self) -> int:
+        """Bytes in the block file so far."""
+        return self._block.size
+
+    @property
+    def block_path(self) -> os.PathLike:
+        """Where the block file will live once published."""
+        return self._final
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise StoreError(f"space writer for {self.space.hex()} is {self._state}")
+
+    def write_extent(self, data: bytes | bytearray | memoryview | np.ndarray) -> Extent:
+        """Append ``data`` at the next aligned offset and return its :class:`Extent`."""
+        self._check_open()
+        return self._block.write(data)
+
+    def skip_to(self, offset: int) -> None:
+        """Continue writing at ``offset`` (aligned, not behind the end), leaving a hole."""
+        self._check_open()
+        self._block.skip_to(offset)
+
+    def put(self, key: bytes, record: dict) -> None:
+        """Stage ``record`` at ``key``; a later put of the same key replaces it.
+
+        Raises
+        ------
+        KeyLengthError
+            ``key`` is not 24 bytes.
+        ValueError
+            The record's ``off``/``len`` reach past what has been written.
+        """
+        self._check_open()
+        k = check_key(key)
+        if not isinstance(record, dict):
+            raise TypeError(f"record: expected a dict, got {type(record).__name__}")
+        off, n = record.get("off"), record.get("len")
+        if isinstance(off, int) and isinstance(n, int) and off + n > self._block.size:
+            raise ValueError(
+                f"record {k.hex()}: extent [{off}, {off + n}) past the {self._block.size} "
+                "bytes written so far"
+            )
+        self._staged[k] = encode(record)
+
+    def put_many(self, items: Iterable[tuple[bytes, dict]]) -> None:
+        """Stage several records."""
+        for k, r in items:
+            self.put(k, r)
+
+    def commit(self) -> None:
+        """Make the block file durable, then publish everything in one transaction.
+
+        Raises
+        ------
+        SealedSpaceError
+            Another writer published the same space first; nothing of ours is visible.
+        SpaceNotEmptyError
+            Records were put into the space outside this writer.
+        """
+        self._check_open()
+        store, sel = self._store, self.space.raw
+        try:
+            self._block.sync()
+            self._block.close()
+            os.rename(self._part, self._final)
+            fsync_dir(self._blocks)
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "committing"
+        ident = BlockIdentity(self._final.name, self._gen, self._block.size, self.alignment)
+        entry = encode(
+            {
+                "manifest": self._manifest,
+                "block": ident.to_record(),
+                "checksum": CHECKSUM_NAME,
+                "count": len(self._staged),
+                "time": time.time(),
+            }
+        )
+        rows = [(sel + k, v) for k, v in sorted(self._staged.items())]
+        records_db, spaces_db = store._records, store._spaces
+
+        def publish(txn: lmdb.Transaction) -> None:
+            if txn.get(sel, db=spaces_db) is not None:
+                raise SealedSpaceError(f"space {sel.hex()} was published by another writer")
+            with txn.cursor(db=records_db) as cur:
+                if cur.set_range(sel) and cur.key()[: len(sel)] == sel:
+                    raise SpaceNotEmptyError(
+                        f"space {sel.hex()} already holds records written with Store.put; "
+                        "publish into an empty space"
+                    )
+                cur.putmulti(rows)
+            txn.put(sel, entry, db=spaces_db)
+            store._audit_in(
+                txn,
+                "space.publish",
+                {"space": sel.hex(), "records": len(rows), "bytes": ident.size},
+            )
+
+        try:
+            store._write(publish)
+        except BaseException:
+            self._state = "aborted"
+            self._unlink_unless_published()
+            raise
+        self._state = "committed"
+        self._staged.clear()
+
+    def _unlink_unless_published(self) -> None:
+        # Only a definite "not published" deletes the block file. If the store
+        # cannot say (closed, unreadable entry), the file is kept: an orphan is
+        # reclaimed by collect_garbage, a deleted published block is data loss.
+        try:
+            published = self._store.block_identity(self.space).generation == self._gen
+        except SpaceNotFoundError:
+            published = False
+        except Exception:
+            return
+        if not published:
+            self._final.unlink(missing_ok=True)
+
+    def abort(self) -> None:
+        """Discard the staged records and the unpublished block file (idempotent)."""
+        if self._state in ("committed", "aborted"):
+            return
+        self._state = "aborted"
+        self._block.close()
+        self._part.unlink(missing_ok=True)
+        self._staged.clear()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if self._state == "open" and os.getpid() == self._store._pid:
+                self.abort()
+
+
+def collect_garbage(store: Store, *, grace_s: float = 3600.0) -> list[str]:
+    """Remove block files no published space refers to; return their names.
+
+    A ``.part`` file is removed when the process that was writing it is gone;
+    an unreferenced ``.blk`` file (left by a crash between rename and commit)
+    when it is older than ``grace_s`` seconds, so a publication in flight in
+    another process is never disturbed.
+    """
+    live = {store.block_identity(s).name for s in store.spaces()}
+    removed = []
+    now = time.time()
+    for p in sorted((store.path / "blocks").iterdir()):
+        if p.name in live:
+            continue
+        if p.suffix == ".part":
+            pid_text = p.name.rsplit(".", 2)[-2] if p.name.count(".") >= 2 else ""
+            pid = int(pid_text) if pid_text.isdigit() else -1
+            if pid > 0 and _pid_alive(pid):
+                continue
+        elif p.suffix != ".blk" or now - p.stat().st_mtime < grace_s:
+            continue
+        p.unlink(missing_ok=True)
+        removed.append(p.name)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

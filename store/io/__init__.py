@@ -1,0 +1,2 @@
+"""Reading extents: the raw reader, transfer sources over the Linux I/O paths,
+the native read pool."""

@@ -1,0 +1,2 @@
+"""Model knowledge: checkpoint parsing, per-architecture naming, and mount, open and
+export of model versions."""

@@ -1,0 +1,314 @@
+"""Per-architecture tables: Hugging Face tensor names -> trunk roles and expert parts.
+
+Scope: naming only. Each supported architecture (Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE, DeepSeek-V2/V3) gets an :class:`ArchSpec` that
+
+* classifies every tensor name of its checkpoints as a trunk tensor
+  ``(role, layer)`` (roles are the architecture-neutral names of
+  :mod:`store.consumer`, plus the MLA roles below), a per-expert tensor
+  ``(layer, expert, gate|up|down)``, or a fused stacked expert tensor
+  ``(layer, gate_up|down)``;
+* reads the numbers mount needs from ``config.json`` (layers, routed
+  experts, hidden and expert intermediate size, which layers are sparse).
+
+Both expert layouts are recognised. Per-expert: Mixtral's
+``block_sparse_moe.experts.N.w1/w3/w2`` and the ``mlp.experts.N.gate_proj /
+up_proj / down_proj`` of the others. Fused: ``experts.gate_up_proj [E, 2I, H]``
+(gate rows first, then up rows) and ``experts.down_proj [E, H, I]``, the
+in-memory layout of transformers 5.x (its ``save_pretrained`` converts back to
+per-expert tensors, but fused files load in transformers as they are).
+A name no table knows is not guessed at: :func:`classify` returns ``None`` and
+the caller fails closed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from czyx.store.consumer import GLOBAL_ROLES, LAYER_ROLES
+from czyx.store.models.mount_errors import UnknownArchitectureError
+
+# Roles of DeepSeek's multi-head latent attention and its routing bias. They are
+# not in the consumer contract yet (MLA is engine work for later); mount stores
+# them in the trunk under these names so nothing is dropped.
+MLA_ROLES = (
+    "q_a_proj",  # [q_lora_rank, H]
+    "q_a_norm",  # [q_lora_rank]
+    "q_b_proj",  # [n_heads * qk_head_dim, q_lora_rank]
+    "kv_a_proj",  # [kv_lora_rank + qk_rope_head_dim, H]
+    "kv_a_norm",  # [kv_lora_rank]
+    "kv_b_proj",  # [n_heads * (qk_nope + v_head_dim), kv_lora_rank]
+    "router_bias",  # [E] DeepSeek-V3 e_score_correction_bias
+)
+ALL_GLOBAL_ROLES = GLOBAL_ROLES
+ALL_LAYER_ROLES = LAYER_ROLES + MLA_ROLES
+ALL_ROLES = ALL_GLOBAL_ROLES + ALL_LAYER_ROLES
+# A role's index is its class byte in the trunk space (see store.mount).
+ROLE_INDEX = {role: i for i, role in enumerate(ALL_ROLES)}
+# The checkpoint's tokenizer.json, when it has one, is a trunk record too, at a
+# class no tensor role uses.
+TOKENIZER_ROLE = "tokenizer"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CLASS = 0xF0
+assert len(ALL_ROLES) <= TOKENIZER_CLASS
+
+EXPERT_PARTS = ("gate", "up", "down")
+FUSED_PARTS = ("gate_up", "down")
+
+
+@dataclass(frozen=True)
+class TensorKind:
+    """What one checkpoint tensor is.
+
+    ``kind`` is ``"trunk"`` (``role``, ``layer``; layer is None for global
+    roles), ``"expert"`` (``layer``, ``expert``, ``part`` in gate/up/down) or
+    ``"fused"`` (``layer``, ``part`` in gate_up/down; all experts of a layer).
+    """
+
+    kind: str
+    layer: int | None = None
+    role: str | None = None
+    expert: int | None = None
+    part: str | None = None
+
+
+_L = r"model\.layers\.(\d+)\."
+
+# Trunk fragments shared by the tables: (regex after the layer prefix, role).
+_GLOBAL = (
+    (r"model\.embed_tokens\.weight", "embed"),
+    (r"model\.norm\.weight", "final_norm"),
+    (r"lm_head\.weight", "lm_head"),
+)
+_NORMS = (
+    (r"input_layernorm\.weight", "input_norm"),
+    (r"post_attention_layernorm\.weight", "post_attn_norm"),
+)
+_ATTN = (
+    (r"self_attn\.q_proj\.weight", "q_proj"),
+    (r"self_attn\.k_proj\.weight", "k_proj"),
+    (r"self_attn\.v_proj\.weight", "v_proj"),
+    (r"self_attn\.o_proj\.weight", "o_proj"),
+)
+_QKV_BIAS = (
+    (r"self_attn\.q_proj\.bias", "q_bias"),
+    (r"self_attn\.k_proj\.bias", "k_bias"),
+    (r"self_attn\.v_proj\.bias", "v_bias"),
+)
+_QK_NORM = (
+    (r"self_attn\.q_norm\.weight", "q_norm"),
+    (r"self_attn\.k_norm\.weight", "k_norm"),
+)
+_MLA = (
+    (r"self_attn\.q_proj\.weight", "q_proj"),  # DeepSeek-V2-Lite: no q LoRA
+    (r"self_attn\.q_a_proj\.weight", "q_a_proj"),
+    (r"self_attn\.q_a_layernorm\.weight", "q_a_norm"),
+    (r"self_attn\.q_b_proj\.weight", "q_b_proj"),
+    (r"self_attn\.kv_a_proj_with_mqa\.weight", "kv_a_proj"),
+    (r"self_attn\.kv_a_layernorm\.weight", "kv_a_norm"),
+    (r"self_attn\.kv_b_proj\.weight", "kv_b_proj"),
+    (r"self_attn\.o_proj\.weight", "o_proj"),
+)
+_ROUTER = ((r"mlp\.gate\.weight", "router"),)
+_MIXTRAL_ROUTER = ((r"(?:block_sparse_moe|mlp)\.gate\.weight", "router"),)
+_QWEN2_SHARED = (
+    (r"mlp\.shared_expert\.gate_proj\.weight", "shared_gate_proj"),
+    (r"mlp\.shared_expert\.up_proj\.weight", "shared_up_proj"),
+    (r"mlp\.shared_expert\.down_proj\.weight", "shared_down_proj"),
+    (r"mlp\.shared_expert_gate\.weight", "shared_expert_gate"),
+)
+_DEEPSEEK_SHARED = (
+    (r"mlp\.shared_experts\.gate_proj\.weight", "shared_gate_proj"),
+    (r"mlp\.shared_experts\.up_proj\.weight", "shared_up_proj"),
+    (r"mlp\.shared_experts\.down_proj\.weight", "shared_down_proj"),
+    (r"mlp\.gate\.e_score_correction_bias", "router_bias"),
+)
+_DENSE_MLP = (
+    (r"mlp\.gate_proj\.weight", "mlp_gate_proj"),
+    (r"mlp\.up_proj\.weight", "mlp_up_proj"),
+    (r"mlp\.down_proj\.weight", "mlp_down_proj"),
+)
+
+# Expert name patterns: groups (layer, expert, part-token).
+_EXPERT_MIXTRAL = re.compile(_L + r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2)\.weight")
+_EXPERT_PROJ = re.compile(_L + r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_FUSED = re.compile(
+    _L + r"(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?"
+)
+_PART = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up"}
+_PART["down_proj"] = "down"
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """The naming table and config accessors of one architecture family.
+
+    Parameters
+    ----------
+    name
+        The czyx architecture name (``ModelInfo.arch``).
+    model_types
+        ``config.json`` ``model_type`` values that select this spec.
+    layer_trunk
+        ``(regex, role)`` pairs matched after ``model.layers.N.``.
+    expert_pattern
+        Regex of per-expert tensor names (groups: layer, expert, part token).
+    n_experts_keys, expert_inter_keys
+        ``config.json`` keys tried in order for the routed expert count and
+        the expert intermediate size.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    layer_trunk: tuple[tuple[str, str], ...]
+    expert_pattern: re.Pattern[str]
+    n_experts_keys: tuple[str, ...]
+    expert_inter_keys: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        # One compiled alternation per table: classification is a single match
+        # instead of a loop over patterns (mount classifies every tensor once).
+        globals_ = "|".join(f"(?P<g{i}>{rx})" for i, (rx, _) in enumerate(_GLOBAL))
+        layers = "|".join(f"(?P<l{i}>{rx})" for i, (rx, _) in enumerate(self.layer_trunk))
+        object.__setattr__(self, "_global_rx", re.compile(globals_))
+        object.__setattr__(self, "_layer_rx", re.compile(_L + f"(?:{layers})"))
+
+    def classify(self, name: str) -> TensorKind | None:
+        """Classify one tensor name; ``None`` if this table does not know it."""
+        m = self._global_rx.fullmatch(name)  # type: ignore[attr-defined]
+        if m:
+            return TensorKind("trunk", None, _GLOBAL[int(m.lastgroup[1:])][1])
+        m = self._layer_rx.fullmatch(name)  # type: ignore[attr-defined]
+        if m:
+            return TensorKind("trunk", int(m.group(1)), self.layer_trunk[int(m.lastgroup[1:])][1])
+        m = self.expert_pattern.fullmatch(name)
+        if m:
+            return TensorKind("expert", int(m.group(1)), expert=int(m.group(2)), part=_PART[m[3]])
+        m = _FUSED.fullmatch(name)
+        if m:
+            return TensorKind("fused", int(m.group(1)), part=m.group(2).removesuffix("_proj"))
+        return None
+
+    def n_layers(self, config: Mapping[str, Any]) -> int:
+        """Number of decoder layers."""
+        return int(_require(config, ("num_hidden_layers",), self.name))
+
+    def n_experts(self, config: Mapping[str, Any]) -> int:
+        """Number of routed experts per sparse layer."""
+        return int(_require(config, self.n_experts_keys, self.name))
+
+    def hidden_size(self, config: Mapping[str, Any]) -> int:
+        """Model width H."""
+        return int(_require(config, ("hidden_size",), self.name))
+
+    def expert_intermediate(self, config: Mapping[str, Any]) -> int:
+        """Intermediate size I of one routed expert."""
+        return int(_require(config, self.expert_inter_keys, self.name))
+
+    def sparse_layers(self, config: Mapping[str, Any]) -> tuple[int, ...]:
+        """Layers whose MLP is a routed mixture (the others are dense)."""
+        n = self.n_layers(config)
+        if self.name in ("qwen2_moe", "qwen3_moe"):
+            step = int(config.get("decoder_sparse_step") or 1)
+            dense = set(config.get("mlp_only_layers") or ())
+            return tuple(l for l in range(n) if l not in dense and (l + 1) % step == 0)
+        if self.name in ("deepseek_v2", "deepseek_v3"):
+            first = int(config.get("first_k_dense_replace") or 0)
+            freq = int(config.get("moe_layer_freq") or 1)
+            return tuple(l for l in range(n) if l >= first and l % freq == 0)
+        return tuple(range(n))
+
+
+def _require(config: Mapping[str, Any], keys: tuple[str, ...], arch: str) -> Any:
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    raise UnknownArchitectureError(f"config.json of {arch}: missing {' or '.join(keys)}")
+
+
+_QWEN_EXPERT_KEYS = ("num_experts", "num_local_experts")
+
+ARCHS: dict[str, ArchSpec] = {
+    spec.name: spec
+    for spec in (
+        ArchSpec(
+            "mixtral",
+            ("mixtral",),
+            _NORMS + _ATTN + _MIXTRAL_ROUTER,
+            _EXPERT_MIXTRAL,
+            ("num_local_experts",),
+            ("intermediate_size",),
+        ),
+        ArchSpec(
+            "qwen2_moe",
+            ("qwen2_moe",),
+            _NORMS + _ATTN + _QKV_BIAS + _ROUTER + _QWEN2_SHARED + _DENSE_MLP,
+            _EXPERT_PROJ,
+            _QWEN_EXPERT_KEYS,
+            ("moe_intermediate_size",),
+        ),
+        ArchSpec(
+            "qwen3_moe",
+            ("qwen3_moe",),
+            _NORMS + _ATTN + _QK_NORM + _ROUTER + _DENSE_MLP,
+            _EXPERT_PROJ,
+            _QWEN_EXPERT_KEYS,
+            ("moe_intermediate_size",),
+        ),
+        ArchSpec(
+            "olmoe",
+            ("olmoe",),
+            _NORMS + _ATTN + _QK_NORM + _ROUTER,
+            _EXPERT_PROJ,
+            ("num_experts", "num_local_experts"),
+            ("intermediate_size",),
+        ),
+        ArchSpec(
+            "deepseek_v2",
+            ("deepseek_v2",),
+            _NORMS + _MLA + _ROUTER + _DEEPSEEK_SHARED + _DENSE_MLP,
+            _EXPERT_PROJ,
+            ("n_routed_experts",),
+            ("moe_intermediate_size",),
+        ),
+        ArchSpec(
+            "deepseek_v3",
+            ("deepseek_v3",),
+            _NORMS + _MLA + _ROUTER + _DEEPSEEK_SHARED + _DENSE_MLP,
+            _EXPERT_PROJ,
+            ("n_routed_experts",),
+            ("moe_intermediate_size",),
+        ),
+    )
+}
+_BY_MODEL_TYPE = {mt: spec for spec in ARCHS.values() for mt in spec.model_types}
+
+
+def arch_for_config(config: Mapping[str, Any]) -> ArchSpec:
+    """The :class:`ArchSpec` selected by ``config["model_type"]``.
+
+    Raises
+    ------
+    UnknownArchitectureError
+        If ``model_type`` is absent or not one of the supported families.
+    """
+    model_type = config.get("model_type")
+    spec = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    if spec is None:
+        known = ", ".join(sorted(_BY_MODEL_TYPE))
+        raise UnknownArchitectureError(
+            f"config.json: model_type {model_type!r} is not a supported MoE architecture "
+            f"(known: {known})"
+        )
+    return spec
+
+
+def role_key_class(role: str) -> int:
+    """The trunk-space class byte of ``role``; ``ValueError`` for an unknown role."""
+    try:
+        return ROLE_INDEX[role]
+    except KeyError:
+        raise ValueError(f"trunk role {role!r} is not one of {', '.join(ALL_ROLES)}") from None

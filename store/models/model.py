@@ -1,0 +1,495 @@
+"""The store-backed :class:`store.consumer.ModelConsumer`: a mounted model version, opened.
+
+Scope: resolving a model version (a tag, hex selector or selector; adapters
+over their base) once at open into flat numpy tables, then serving trunk
+tensors (resident, float32; or, with ``lazy_trunk``, per-layer tensors read
+and verified on each call) and expert extents (raw reads into caller slots,
+checksum verified). Everything that needs a dict, an LMDB transaction or the
+manifest happens in :func:`open_model`; per fetch there is only arithmetic on
+``int64`` tables indexed ``[layer, router byte]`` (the class permutation and
+the layout's curve ordinal are already folded in), one ``pread`` and one
+checksum.
+
+``open_model`` also checks that every extent a space owns sits at
+``data_start + ordinal * stride`` of its block file (the layout's contract),
+that each record's class is the layout's class of its router byte, and that
+every block file is the one its space published (``Store.open_reader``
+verifies identity and size), so a drifted manifest or a stale block file is
+an error at open, not a wrong expert at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from czyx.key import Key
+from czyx.space import Selector
+from czyx.store.consumer import ExpertExtent, ModelInfo
+from czyx.store.core.checksum import checksum
+from czyx.store.errors import ChecksumError
+from czyx.store.io.widen import widen
+from czyx.store.models.archs import ALL_GLOBAL_ROLES, ALL_ROLES, TOKENIZER_ROLE
+from czyx.store.models.checkpoint import DTYPES
+from czyx.store.models.expert_layout import layout_from_manifest
+from czyx.store.models.mount import ADAPTER_KIND, MODEL_KIND, TRUNK_KIND, resolve
+from czyx.store.models.mount_errors import ExpertIndexError, MissingTrunkRoleError, ModelSpaceError
+from czyx.store.quant.codec import expert_parts, trunk_tensor
+from czyx.store.quant.errors import QuantError
+from czyx.store.quant.formats import get_format, is_quant_format
+
+_NO_BLOCK = -1
+
+
+@dataclass(frozen=True)
+class TrunkRef:
+    """Where a trunk tensor's bytes are (its space's block file, extent, format)."""
+
+    space: Selector
+    record: dict
+
+    @property
+    def dtype(self) -> str:
+        """The source dtype name (``F32``, ``F16``, ``BF16``...)."""
+        return self.record["dtype"]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's shape in the checkpoint."""
+        return tuple(self.record["shape"])
+
+
+class ModelSpace:
+    """A model version resolved to tables: the part of opening shared by the
+    consumer and by export.
+
+    Attributes
+    ----------
+    selector, manifest
+        The opened version (``manifest`` is its own; ``root`` the full model's).
+    chain
+        ``[(selector, manifest), ...]`` from the full model to the opened version.
+    blocks
+        Selectors of the block files the expert tables point into.
+    blk, off, sums
+        ``int64 [n_layers, 256]`` tables by router byte (``blk == -1``: no
+        expert), ``uint64`` checksums.
+    records
+        ``{(layer, router byte): record}`` of the most derived version (for export).
+    trunk
+        ``{(role, layer): TrunkRef}``, adapters overlaid on the base.
+    """
+
+    def __init__(self, store: Any, ref: str | Selector) -> None:
+        self.store = store
+        self.selector = resolve(store, ref)
+        self.chain = self._chain(self.selector)
+        self.root = self.chain[0][1]
+        self.manifest = self.chain[-1][1]
+        ex = self.root["expert"]
+        self.n_layers, self.n_experts = int(ex["n_layers"]), int(ex["n_experts"])
+        self.nbytes, self.stride = int(ex["nbytes"]), int(ex["stride"])
+        self.layout = layout_from_manifest(self.root)
+        shape = (self.n_layers, 256)
+        self.blk = np.full(shape, _NO_BLOCK, np.int64)
+        self.off = np.zeros(shape, np.int64)
+        self.sums = np.zeros(shape, np.uint64)
+        self.blocks: list[Selector] = []
+        self.records: dict[tuple[int, int], dict] = {}
+        self.trunk: dict[tuple[str, int | None], TrunkRef] = {}
+        for sel, manifest in self.chain:
+            self._load_experts(sel)
+            if manifest.get("trunk"):
+                self._load_trunk(Selector.from_hex(manifest["trunk"]))
+        self._check_complete()
+
+    def _chain(self, sel: Selector) -> list[tuple[Selector, dict]]:
+        chain: list[tuple[Selector, dict]] = []
+        while True:
+            manifest = self.store.manifest(sel)
+            kind = manifest.get("kind")
+            if kind not in (MODEL_KIND, ADAPTER_KIND):
+                raise ModelSpaceError(f"space {sel.hex()} is not a mounted model (kind {kind!r})")
+            chain.append((sel, manifest))
+            if kind == MODEL_KIND:
+                return chain[::-1]
+            if len(chain) > 64:
+                raise ModelSpaceError(f"adapter chain of {self.selector.hex()} is too deep")
+            sel = Selector.from_hex(manifest["base"])
+
+    def _block_index(self, sel: Selector) -> int:
+        if sel not in self.blocks:
+            self.blocks.append(sel)
+        return self.blocks.index(sel)
+
+    def _load_experts(self, sel: Selector) -> None:
+        data_start: dict[int, int] = {}
+        for key, rec in self.store.scan(sel):
+            k = Key.unpack(key)
+            layer, byte = k.z, int(rec.get("expert", -1))
+            if not (0 <= layer < self.n_layers and 0 <= byte < self.n_experts):
+                raise ModelSpaceError(
+                    f"space {sel.hex()}: record {key.hex()} is outside "
+                    f"{self.n_layers} layers x {self.n_experts} experts"
+                )
+            if self.layout.class_of(layer, byte) != k.cls or rec.get("layer") != layer:
+                raise ModelSpaceError(
+                    f"space {sel.hex()}: record of layer {layer} expert "
+                    f"{byte} sits at class {k.cls}, layout says "
+                    f"{self.layout.class_of(layer, byte)}"
+                )
+            if rec["len"] != self.nbytes:
+                raise ModelSpaceError(
+                    f"space {sel.hex()}: expert ({layer}, {byte}) has "
+                    f"{rec['len']} bytes, manifest says {self.nbytes}"
+                )
+            own = "blk" not in rec
+            blk = self._block_index(sel if own else Selector.from_hex(rec["blk"]))
+            if own:
+                start = rec["off"] - self.layout.ordinal(layer, byte) * self.stride
+                if data_start.setdefault(blk, start) != start:
+                    raise ModelSpaceError(
+                        f"space {sel.hex()}: expert ({layer}, {byte}) at "
+                        f"offset {rec['off']} breaks the layout arithmetic"
+                    )
+            self.blk[layer, byte] = blk
+            self.off[layer, byte] = rec["off"] if own else rec["blk_off"]
+            self.sums[layer, byte] = rec["sum"]
+            self.records[(layer, byte)] = rec
+
+    def _load_trunk(self, sel: Selector) -> None:
+        if self.store.manifest(sel).get("kind") != TRUNK_KIND:
+            raise ModelSpaceError(f"space {sel.hex()} is not a trunk")
+        for _, rec in self.store.scan(sel):
+            self.trunk[(rec["role"], rec["layer"])] = TrunkRef(sel, rec)
+
+    def _check_complete(self) -> None:
+        sparse = self.root["expert"]["sparse_layers"]
+        have = self.blk[sparse, : self.n_experts] != _NO_BLOCK
+        if not have.all():
+            layer, byte = np.argwhere(~have)[0]
+            raise ModelSpaceError(
+                f"model {self.selector.hex()}: no extent for layer {sparse[layer]} expert {byte}"
+            )
+
+    def read_trunk_raw(self, ref: TrunkRef, reader: Any = None) -> np.ndarray:
+        """The verified bytes of one trunk tensor (``uint8``).
+
+        ``reader``: an open reader on ``ref.space``'s block file (the lazy
+        trunk keeps one per space); ``None`` opens (and verifies) one for this
+        read. Either way the bytes are checked against the record's checksum.
+        """
+        if reader is None:
+            with self.store.open_reader(ref.space) as opened:
+                return self.read_trunk_raw(ref, opened)
+        rec = ref.record
+        buf = np.empty(rec["len"], np.uint8)
+        if rec["len"]:
+            reader.read_into(rec["off"], buf)
+        if checksum(buf) != rec["sum"]:
+            raise ChecksumError(
+                f"trunk {rec['role']} layer {rec['layer']}: checksum mismatch "
+                f"in space {ref.space.hex()}"
+            )
+        return buf
+
+
+class StoreModel:
+    """A mounted model version as an engine sees it (implements ``ModelConsumer``).
+
+    Obtain with :func:`open_model`. Trunk tensors are read, verified and
+    widened to float32 at open; expert reads go straight from block files into
+    the caller's slots.
+
+    With ``lazy_trunk`` the per-layer trunk tensors (roles with a layer index)
+    are not read at open: :meth:`trunk` and :meth:`trunk_quantized` read,
+    verify and convert them on every call, and the caller owns (and frees) the
+    result. That is for engines whose trunk does not fit their memory budget
+    (``inference.trunkwindow``); the global roles and the tokenizer stay as in
+    the eager mode.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        ref: str | Selector,
+        *,
+        view: Any = None,
+        direct: bool = False,
+        lazy_trunk: bool = False,
+    ) -> None:
+        space = ModelSpace(store, ref)
+        self._space = space
+        ex = space.root["expert"]
+        self.info = ModelInfo(
+            arch=space.root["arch"],
+            config=space.root["config"],
+            n_layers=space.n_layers,
+            n_experts=space.n_experts,
+            expert_nbytes=space.nbytes,
+            expert_slot_nbytes=space.stride,
+            expert_format=ex["format"],
+            selector=space.selector.raw,
+        )
+        self._readers = [store.open_reader(sel, direct=direct) for sel in space.blocks]
+        self._fds = np.array([r.fd for r in self._readers] + [-1], np.int64)
+        self._blk, self._off, self._sums = space.blk, space.off, space.sums
+        self._direct = direct
+        # Class byte of every (layer, router byte): the portal checks classes.
+        n = space.n_experts
+        self._cls = np.zeros((space.n_layers, 256), np.int64)
+        self._cls[:, :n] = space.layout.class_array(
+            np.arange(space.n_layers)[:, None], np.arange(n)[None, :]
+        )
+        self._view = view
+        self._allowed = np.ones((space.n_layers, 256), bool)
+        if view is not None:
+            layers = np.arange(space.n_layers)
+            in_range = (layers >= view.layer_lo) & (layers <= view.layer_hi)
+            self._allowed = np.asarray(view.allowed_classes)[self._cls] & in_range[:, None]
+        self._trunk = {}
+        # Quantized trunk tensors (record "qfmt"): packed bytes for the kernels,
+        # and their dequantized float32 for callers that know nothing of formats.
+        self._packed: dict[tuple[str, int | None], tuple] = {}
+        self._tokenizer_ref = space.trunk.get((TOKENIZER_ROLE, None))
+        # Lazy mode: per-layer refs, read on demand through one reader per trunk
+        # space (opened and identity-checked here, so a replaced block file is an
+        # error at open, and later reads need no LMDB transaction: they may run on
+        # a loader thread).
+        self._lazy: dict[tuple[str, int | None], TrunkRef] = {}
+        self._trunk_readers: dict[bytes, Any] = {}
+        self._layer_nbytes = np.zeros(space.n_layers, np.int64)
+        for k, r in space.trunk.items():
+            if k[0] != TOKENIZER_ROLE and k[1] is not None:
+                self._layer_nbytes[k[1]] += r.record["len"]
+        for k, r in space.trunk.items():
+            if k[0] == TOKENIZER_ROLE:
+                continue
+            if lazy_trunk and k[1] is not None:
+                self._lazy[k] = r
+                if r.space.raw not in self._trunk_readers:
+                    self._trunk_readers[r.space.raw] = store.open_reader(r.space)
+                continue
+            raw = space.read_trunk_raw(r)
+            if "qfmt" in r.record:
+                self._trunk[k], self._packed[k] = trunk_tensor(r.record, raw)
+            else:
+                self._trunk[k] = _float32(raw, r)
+        for arr in self._trunk.values():
+            arr.setflags(write=False)  # shared by every caller: nobody may edit weights
+        self._qfmt = ex["format"] if is_quant_format(ex["format"]) else None
+        self._inter, self._hidden = int(ex["inter"]), int(ex["hidden"])
+        gate = (ex["inter"], ex["hidden"])
+        item = DTYPES[ex["dtype"]][1]
+        self._view_dtype = DTYPES[ex["dtype"]][0]
+        self._shapes = (gate, gate, gate[::-1])
+        self._matrix_bytes = ex["inter"] * ex["hidden"] * item
+
+    # -- trunk -------------------------------------------------------------------------
+    def tokenizer_json(self) -> str | None:
+        """The checkpoint's ``tokenizer.json`` text as mounted (verified), or ``None``."""
+        if self._tokenizer_ref is None:
+            return None
+        return self._space.read_trunk_raw(self._tokenizer_ref).tobytes().decode("utf-8")
+
+    @property
+    def lazy_trunk(self) -> bool:
+        """Whether per-layer trunk tensors are read on each call (not resident)."""
+        return bool(self._lazy)
+
+    def has_trunk(self, role: str, layer: int | None = None) -> bool:
+        """Whether the model has ``role`` (at ``layer``); reads nothing."""
+        return (role, layer) in self._trunk or (role, layer) in self._lazy
+
+    def trunk_layer_nbytes(self, layer: int) -> int:
+        """Stored bytes of ``layer``'s trunk tensors (all its roles, as mounted).
+
+        What one layer's trunk costs to read; the float32 resident form of an
+        f16/bf16 checkpoint is twice that.
+        """
+        if not 0 <= layer < self.info.n_layers:
+            raise ExpertIndexError(f"layer {layer} outside {self.info.n_layers} layers")
+        return int(self._layer_nbytes[layer])
+
+    def _read_lazy(self, ref: TrunkRef) -> np.ndarray:
+        reader = self._trunk_readers.get(ref.space.raw)
+        if reader is None:
+            raise ModelSpaceError("the model is closed: its trunk cannot be read")
+        return self._space.read_trunk_raw(ref, reader)
+
+    def trunk(self, role: str, layer: int | None = None) -> np.ndarray:
+        """The float32 tensor of ``role`` at ``layer`` (``None`` for global roles).
+
+        Eager mode: the resident, read-only array. Lazy mode, per-layer roles:
+        a new array read and verified now (``ChecksumError``,
+        ``ShortReadError``, ``ReadIOError`` on a bad read, never other bytes).
+        """
+        try:
+            return self._trunk[(role, layer)]
+        except KeyError:
+            ref = self._lazy.get((role, layer))
+            if ref is not None:
+                raw = self._read_lazy(ref)
+                if "qfmt" in ref.record:
+                    return trunk_tensor(ref.record, raw)[0]
+                return _float32(raw, ref)
+            if role not in ALL_ROLES:
+                raise ValueError(f"trunk role {role!r} is not one of {ALL_ROLES}") from None
+            where = "" if role in ALL_GLOBAL_ROLES else f" at layer {layer}"
+            raise MissingTrunkRoleError(f"{self.info.arch} model has no {role}{where}") from None
+
+    def trunk_quantized(self, role: str, layer: int | None = None) -> tuple | None:
+        """``(packed uint8 buffer, QuantFormat, shape)`` of a quantized trunk tensor, else None.
+
+        The optional consumer extension the engine uses to run its kernels on
+        the packed bytes (``store/quant/README.md``). In lazy mode a per-layer
+        quantized tensor is read and verified on each call (not dequantized).
+        """
+        ref = self._lazy.get((role, layer))
+        if ref is None or "qfmt" not in ref.record:
+            return self._packed.get((role, layer))
+        shape = ref.shape
+        if len(shape) != 2:
+            raise QuantError(f"quantized trunk tensor of shape {shape}: only matrices are")
+        return self._read_lazy(ref), get_format(str(ref.record["qfmt"])), (shape[0], shape[1])
+
+    # -- experts -----------------------------------------------------------------------
+    def _check(self, layer: int, router_byte: int) -> int:
+        if not (0 <= layer < self.info.n_layers and 0 <= router_byte < 256):
+            raise ExpertIndexError(
+                f"expert (layer {layer}, byte {router_byte}) outside "
+                f"{self.info.n_layers} layers x 256 bytes"
+            )
+        if not self._allowed[layer, router_byte]:
+            cls = int(self._cls[layer, router_byte])
+            self._view.check(cls, layer)  # raises the portal's error and audits it
+            # Fail closed even if a view's check disagrees with its own mask.
+            raise ModelSpaceError(f"the portal does not cover class {cls} at layer {layer}")
+        blk = int(self._blk[layer, router_byte])
+        if blk == _NO_BLOCK:
+            raise ModelSpaceError(f"layer {layer} has no routed expert {router_byte}")
+        return blk
+
+    def expert_extent(self, layer: int, router_byte: int) -> ExpertExtent:
+        """Resolve ``(layer, router byte)`` to ``ExpertExtent`` (fd, offset, length, sum)."""
+        blk = self._check(layer, router_byte)
+        return ExpertExtent(
+            int(self._fds[blk]),
+            int(self._off[layer, router_byte]),
+            self.info.expert_nbytes,
+            int(self._sums[layer, router_byte]),
+        )
+
+    def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
+        """Read one expert into ``slot`` (uint8, >= ``expert_nbytes``), verified.
+
+        Raises ``ShortReadError``/``ReadIOError`` on I/O failure and
+        ``ChecksumError`` on a mismatch; the slot's content is then undefined
+        and must not be used.
+        """
+        blk = self._check(layer, router_byte)
+        n = self.info.expert_nbytes
+        if slot.nbytes < n:
+            raise ValueError(f"slot of {slot.nbytes} bytes; an expert needs {n}")
+        # In direct mode read the padded stride when the slot has room: block
+        # files are padded, so the request stays aligned end to end.
+        m = (
+            self.info.expert_slot_nbytes
+            if self._direct and slot.nbytes >= self.info.expert_slot_nbytes
+            else n
+        )
+        off = int(self._off[layer, router_byte])
+        self._readers[blk].read_into(off, slot[:m])
+        if checksum(slot[:n]) != int(self._sums[layer, router_byte]):
+            raise ChecksumError(
+                f"expert (layer {layer}, byte {router_byte}) at offset {off} "
+                f"of {self._readers[blk].path}: checksum mismatch"
+            )
+
+    def expert_views(self, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Zero-copy ``(gate [I,H], up [I,H], down [H,I])`` of a filled slot.
+
+        f32/f16 views have their numpy dtype; bf16 views are ``uint16`` bit
+        patterns (numpy has no bfloat16; widen with ``store.checkpoint.to_float32``).
+        A quantized version returns the three packed ``uint8`` parts.
+        """
+        if self._qfmt is not None:
+            return expert_parts(self._qfmt, self._inter, self._hidden, slot)
+        m, dt = self._matrix_bytes, self._view_dtype
+        return tuple(  # type: ignore[return-value]
+            np.frombuffer(slot, dt, m // dt.itemsize, i * m).reshape(s)
+            for i, s in enumerate(self._shapes)
+        )
+
+    def close(self) -> None:
+        """Close the block file readers (the lazy trunk's too)."""
+        for r in self._readers:
+            r.close()
+        self._readers = []
+        for r in self._trunk_readers.values():
+            r.close()
+        self._trunk_readers = {}
+
+    def __enter__(self) -> StoreModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _float32(raw: np.ndarray, ref: TrunkRef) -> np.ndarray:
+    """A float32 tensor from its freshly read bytes (eager and lazy trunk alike).
+
+    F32 is the read buffer itself (no copy); other dtypes are widened by
+    :func:`store.widen.widen` (``to_float32``'s bits, in C for f16/bf16).
+    """
+    if ref.dtype == "F32":
+        return _as_dtype(raw, ref)
+    return widen(_as_dtype(raw, ref), ref.dtype)
+
+
+def _as_dtype(buf: np.ndarray, ref: TrunkRef) -> np.ndarray:
+    return buf.view(DTYPES[ref.dtype][0]).reshape(ref.shape)
+
+
+def open_model(
+    store: Any,
+    tag_or_selector: str | Selector,
+    *,
+    view: Any = None,
+    direct: bool = False,
+    lazy_trunk: bool = False,
+) -> StoreModel:
+    """Open a mounted model version for inference.
+
+    Parameters
+    ----------
+    store
+        An open :class:`store.Store`.
+    tag_or_selector
+        ``NAME@VERSION``, a 64-hex selector, or a :class:`Selector`.
+    view
+        A portal's ``SpaceView`` onto the version's expert space (from
+        ``portals``); expert reads outside its classes or layers are refused
+        (and audited) by the view. ``None``: the store owner's root portal is
+        used, so even local use goes through a portal open (checked, audited):
+        there is no path to a model's experts that bypasses the portals.
+    direct
+        Read experts with ``O_DIRECT`` (slots must then be 4096-aligned).
+    lazy_trunk
+        Do not read per-layer trunk tensors at open: each ``trunk`` /
+        ``trunk_quantized`` call reads and verifies one (for a trunk that does
+        not fit the memory budget, see ``inference.trunkwindow``).
+    """
+    if view is None:
+        from czyx import portals
+
+
+        view = portals.open_model(store, portals.root_token(store), tag_or_selector)
+    model = StoreModel(store, tag_or_selector, view=view, direct=direct, lazy_trunk=lazy_trunk)
+    if view is not None and getattr(view, "space", model._space.selector) != model._space.selector:
+        model.close()
+        raise ModelSpaceError("the portal's view is onto another space than this model")
+    return model

@@ -1,0 +1,304 @@
+"""Plan a mount: which checkpoint bytes become which trunk tensor or expert extent.
+
+Scope: pure validation and bookkeeping over a :class:`store.checkpoint.Checkpoint`
+and its :class:`store.archs.ArchSpec`; no store I/O. The plan says, for every
+routed expert ``(layer, expert)``, the three contiguous byte ranges of its
+gate ``[I, H]``, up ``[I, H]`` and down ``[H, I]`` matrices (a per-expert
+tensor, or a row block of a fused ``[E, 2I, H]`` / ``[E, H, I]`` tensor: both
+are contiguous because the expert index is the outermost axis), and for every
+other tensor its trunk ``(role, layer)``. A tensor the table does not know, an
+expert index beyond the config, a missing or duplicated expert part, a wrong
+shape or a mixed dtype is refused here, before anything is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from czyx.store.models.archs import ArchSpec, TensorKind, arch_for_config
+from czyx.store.models.checkpoint import DTYPES, FORMAT_OF_DTYPE, Checkpoint
+from czyx.store.models.mount_errors import (
+    MissingTensorError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+)
+
+
+@dataclass(frozen=True)
+class PartSource:
+    """One expert matrix: ``nbytes`` bytes at ``start`` inside tensor ``tensor``."""
+
+    tensor: str
+    start: int
+    nbytes: int
+    shape: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class TrunkEntry:
+    """A load-bearing tensor: its checkpoint name, role and layer (None: global)."""
+
+    tensor: str
+    role: str
+    layer: int | None
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """Everything mount needs to know before writing, validated.
+
+    ``experts`` maps ``(layer, expert)`` to ``(gate, up, down)`` sources;
+    ``expert_layout`` is ``"per_expert"`` or ``"fused"`` (as the source had it,
+    so export can write it back the same way).
+    """
+
+    arch: str
+    config: dict[str, Any]
+    n_layers: int
+    n_experts: int
+    hidden: int
+    inter: int
+    sparse_layers: tuple[int, ...]
+    dtype: str
+    expert_layout: str
+    trunk: tuple[TrunkEntry, ...]
+    experts: dict[tuple[int, int], tuple[PartSource, PartSource, PartSource]]
+
+    @property
+    def expert_format(self) -> str:
+        """Short format name of the expert bytes (``f32``/``f16``/``bf16``)."""
+        return FORMAT_OF_DTYPE[self.dtype]
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert extent: gate, up and down back to back."""
+        return 3 * self.inter * self.hidden * DTYPES[self.dtype][1]
+
+
+def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
+    """Classify and validate every tensor of ``ckpt``.
+
+    Parameters
+    ----------
+    ckpt
+        The opened checkpoint.
+    partial
+        An adapter checkpoint: only the tensors it replaces are present, so
+        completeness across layers/experts is not required (each expert it
+        does carry must still be whole).
+
+    Raises
+    ------
+    UnknownArchitectureError, UnexpectedTensorError, MissingTensorError,
+    ShapeMismatchError
+    """
+    spec = arch_for_config(ckpt.config)
+    cfg = ckpt.config
+    n_layers, n_experts = spec.n_layers(cfg), spec.n_experts(cfg)
+    hidden, inter = spec.hidden_size(cfg), spec.expert_intermediate(cfg)
+    sparse = spec.sparse_layers(cfg)
+    if n_experts > 256:
+        raise UnexpectedTensorError(
+            f"{n_experts} routed experts; a class byte holds 256", file=str(ckpt.path)
+        )
+    trunk: list[TrunkEntry] = []
+    seen_roles: dict[tuple[str, int | None], str] = {}
+    per_expert: dict[tuple[int, int], dict[str, str]] = {}
+    fused: dict[int, dict[str, str]] = {}
+    for name in ckpt.names():
+        kind = spec.classify(name)
+        file = str(ckpt.info(name).file)
+        if kind is None:
+            raise UnexpectedTensorError(
+                f"not a tensor of a {spec.name} checkpoint", file=file, tensor=name
+            )
+        if kind.layer is not None and kind.layer >= n_layers:
+            raise UnexpectedTensorError(
+                f"layer {kind.layer} >= num_hidden_layers {n_layers}"
+                + (
+                    " (multi-token-prediction layers are not supported)"
+                    if cfg.get("num_nextn_predict_layers")
+                    else ""
+                ),
+                file=file,
+                tensor=name,
+            )
+        if kind.kind == "trunk":
+            _add_trunk(kind, name, file, seen_roles, trunk)
+            continue
+        if kind.layer not in sparse:
+            raise UnexpectedTensorError(
+                f"routed expert tensor in dense layer {kind.layer}", file=file, tensor=name
+            )
+        if kind.kind == "expert":
+            if kind.expert >= n_experts:
+                raise UnexpectedTensorError(
+                    f"expert {kind.expert} >= configured {n_experts}", file=file, tensor=name
+                )
+            parts = per_expert.setdefault((kind.layer, kind.expert), {})
+        else:
+            parts = fused.setdefault(kind.layer, {})
+        if kind.part in parts:
+            raise UnexpectedTensorError(f"duplicates {parts[kind.part]!r}", file=file, tensor=name)
+        parts[kind.part] = name
+
+    experts: dict[tuple[int, int], tuple[PartSource, PartSource, PartSource]] = {}
+    dtypes: set[str] = set()
+    layers_per = {layer for layer, _ in per_expert}
+    if layers_per & set(fused):
+        layer = min(layers_per & set(fused))
+        raise UnexpectedTensorError(
+            f"layer {layer} has both per-expert and fused experts", file=str(ckpt.path)
+        )
+    for (layer, e), parts in sorted(per_expert.items()):
+        experts[(layer, e)] = _per_expert_sources(ckpt, layer, e, parts, hidden, inter, dtypes)
+    for layer, parts in sorted(fused.items()):
+        for e, src in enumerate(
+            _fused_sources(ckpt, layer, parts, n_experts, hidden, inter, dtypes)
+        ):
+            experts[(layer, e)] = src
+    if len(dtypes) > 1:
+        raise ShapeMismatchError(f"routed experts mix dtypes {sorted(dtypes)}", file=str(ckpt.path))
+    dtype = dtypes.pop() if dtypes else "F32"
+    if dtype not in FORMAT_OF_DTYPE:
+        raise ShapeMismatchError(f"expert dtype {dtype} is not a float format", file=str(ckpt.path))
+    if not partial:
+        _check_complete(ckpt, spec, experts, seen_roles, sparse, n_layers, n_experts)
+    layout = "fused" if fused else "per_expert"
+    return ModelPlan(
+        spec.name,
+        dict(cfg),
+        n_layers,
+        n_experts,
+        hidden,
+        inter,
+        sparse,
+        dtype,
+        layout,
+        tuple(trunk),
+        experts,
+    )
+
+
+def _add_trunk(
+    kind: TensorKind,
+    name: str,
+    file: str,
+    seen: dict[tuple[str, int | None], str],
+    trunk: list[TrunkEntry],
+) -> None:
+    key = (kind.role, kind.layer)
+    if key in seen:
+        raise UnexpectedTensorError(
+            f"role {kind.role} of layer {kind.layer} is already {seen[key]!r}",
+            file=file,
+            tensor=name,
+        )
+    seen[key] = name
+    trunk.append(TrunkEntry(name, kind.role, kind.layer))
+
+
+def _check_shape(ckpt: Checkpoint, name: str, want: tuple[int, ...], dtypes: set[str]) -> int:
+    info = ckpt.info(name)
+    if info.shape != want:
+        raise ShapeMismatchError(
+            f"shape {list(info.shape)}, config implies {list(want)}",
+            file=str(info.file),
+            tensor=name,
+        )
+    dtypes.add(info.dtype)
+    return DTYPES[info.dtype][1]
+
+
+def _per_expert_sources(
+    ckpt: Checkpoint,
+    layer: int,
+    e: int,
+    parts: dict[str, str],
+    hidden: int,
+    inter: int,
+    dtypes: set[str],
+) -> tuple[PartSource, PartSource, PartSource]:
+    out = []
+    for part in ("gate", "up", "down"):
+        if part not in parts:
+            other = next(iter(parts.values()))
+            raise MissingTensorError(
+                f"expert {e} of layer {layer} has no {part} matrix",
+                file=str(ckpt.info(other).file),
+                tensor=other,
+            )
+        shape = (hidden, inter) if part == "down" else (inter, hidden)
+        size = _check_shape(ckpt, parts[part], shape, dtypes)
+        out.append(PartSource(parts[part], 0, inter * hidden * size, shape))
+    return out[0], out[1], out[2]
+
+
+def _fused_sources(
+    ckpt: Checkpoint,
+    layer: int,
+    parts: dict[str, str],
+    n_experts: int,
+    hidden: int,
+    inter: int,
+    dtypes: set[str],
+) -> list[tuple[PartSource, PartSource, PartSource]]:
+    for part in ("gate_up", "down"):
+        if part not in parts:
+            other = next(iter(parts.values()))
+            raise MissingTensorError(
+                f"fused experts of layer {layer} lack {part}_proj",
+                file=str(ckpt.info(other).file),
+                tensor=other,
+            )
+    gu, dn = parts["gate_up"], parts["down"]
+    size = _check_shape(ckpt, gu, (n_experts, 2 * inter, hidden), dtypes)
+    _check_shape(ckpt, dn, (n_experts, hidden, inter), dtypes)
+    m = inter * hidden * size  # bytes of one [I, H] matrix
+    return [
+        (
+            PartSource(gu, e * 2 * m, m, (inter, hidden)),
+            PartSource(gu, e * 2 * m + m, m, (inter, hidden)),
+            PartSource(dn, e * m, m, (hidden, inter)),
+        )
+        for e in range(n_experts)
+    ]
+
+
+def _check_complete(
+    ckpt: Checkpoint,
+    spec: ArchSpec,
+    experts: dict,
+    roles: dict,
+    sparse: tuple[int, ...],
+    n_layers: int,
+    n_experts: int,
+) -> None:
+    have = np.zeros((n_layers, n_experts), bool)
+    for layer, e in experts:
+        have[layer, e] = True
+    for layer in sparse:
+        missing = np.flatnonzero(~have[layer])
+        if missing.size:
+            raise MissingTensorError(
+                f"layer {layer} lacks routed experts {missing.tolist()[:8]} "
+                f"(config: {n_experts} experts)",
+                file=str(ckpt.path),
+            )
+    required = [("embed", None), ("final_norm", None)]
+    if not ckpt.config.get("tie_word_embeddings"):
+        required.append(("lm_head", None))
+    for layer in range(n_layers):
+        required += [("input_norm", layer), ("post_attn_norm", layer), ("o_proj", layer)]
+        if layer in sparse:
+            required.append(("router", layer))
+    for role, layer in required:
+        if (role, layer) not in roles:
+            raise MissingTensorError(
+                f"{spec.name} checkpoint lacks trunk role {role}"
+                + ("" if layer is None else f" of layer {layer}"),
+                file=str(ckpt.path),
+            )

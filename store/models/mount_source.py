@@ -1,0 +1,108 @@
+"""Read side of a mount: the checkpoint bytes to hash and store, and the content hash.
+
+Scope: byte access to a validated plan's tensors (experts assembled gate | up
+| down, optionally through a quantizing codec), the content hash that makes
+selectors, and the source facts recorded in a manifest (file headers,
+tokenizer). Publishing those bytes as spaces is :mod:`store.mount`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import blake3
+import numpy as np
+
+from czyx.store.models.archs import TOKENIZER_FILE
+from czyx.store.models.checkpoint import Checkpoint
+from czyx.store.models.mount_plan import ModelPlan
+
+CONTENT_HASH = "blake3"
+
+
+def content_hash(data: Any) -> str:
+    """The content identity of a tensor or extent: BLAKE3-256, hex.
+
+    Cryptographic (a selector must not be forgeable by a colliding checkpoint)
+    and, unlike SHA-256, fast enough not to bound mount throughput (measured
+    here under load: ~1.1 GB/s against SHA-256's ~0.4 GB/s). Recorded in
+    every manifest as ``content_hash``.
+    """
+    return blake3.blake3(data).hexdigest()
+
+
+def round_up(n: int, a: int) -> int:
+    """``n`` rounded up to a multiple of ``a``."""
+    return -(-n // a) * a
+
+
+class MountSource:
+    """Byte access to the plan's tensors for hashing and writing, through one reused buffer.
+
+    With a quantizing ``codec`` (``store.quant.codec.QuantCodec``) the bytes are
+    the stored ones: experts packed in the codec's extent layout, trunk tensors
+    packed where the policy says so (``stored_tensor``).
+    """
+
+    def __init__(self, ckpt: Checkpoint, plan: ModelPlan, codec: Any = None) -> None:
+        self.ckpt, self.plan, self.codec = ckpt, plan, codec
+        self.qlayout = None if codec is None else codec.expert_layout(plan.inter, plan.hidden)
+        self.expert_nbytes = plan.expert_nbytes if self.qlayout is None else self.qlayout.nbytes
+        self.buf = np.empty(self.expert_nbytes, np.uint8)
+        self._float = np.empty(plan.expert_nbytes if self.qlayout else 0, np.uint8)
+        self._scratch = np.empty(0, np.uint8)
+        # Read once: the manifest's hash and the stored extent are of the same bytes.
+        self.tokenizer = tokenizer_bytes(ckpt)
+
+    def assemble(self, key: tuple[int, int], out: np.ndarray) -> None:
+        """Read expert ``key``'s gate, up and down back to back into ``out`` (as stored)."""
+        raw = out if self.qlayout is None else self._float
+        pos = 0
+        for p in self.plan.experts[key]:
+            self.ckpt.read_into(p.tensor, p.start, raw[pos : pos + p.nbytes])
+            pos += p.nbytes
+        if self.qlayout is not None:
+            out[:] = self.codec.encode_expert_raw(self.qlayout, *key, raw, self.plan.dtype)
+
+    def stored_tensor(self, t: Any) -> tuple[np.ndarray, str | None]:
+        """``(bytes to store, quantized format or None)`` of trunk entry ``t``."""
+        raw = self.tensor(t.tensor)
+        if self.codec is None:
+            return raw, None
+        info = self.ckpt.info(t.tensor)
+        return self.codec.encode_trunk_raw(t.role, t.layer, raw, info.dtype, info.shape)
+
+    def expert_hash(self, key: tuple[int, int]) -> str:
+        """The content hash of expert ``key``'s stored bytes (assembled into :attr:`buf`)."""
+        self.assemble(key, self.buf)
+        return content_hash(self.buf)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The whole tensor ``name``'s bytes, in a scratch buffer valid until the next call."""
+        n = self.ckpt.info(name).nbytes
+        if self._scratch.nbytes < n:
+            self._scratch = np.empty(n, np.uint8)
+        out = self._scratch[:n]
+        self.ckpt.read_into(name, 0, out)
+        return out
+
+
+def tokenizer_bytes(ckpt: Checkpoint) -> bytes | None:
+    """The checkpoint directory's ``tokenizer.json``, if it has one."""
+    path = ckpt.path / TOKENIZER_FILE
+    return path.read_bytes() if path.is_file() else None
+
+
+def source_manifest(ckpt: Checkpoint) -> dict[str, Any]:
+    """File names and their exact header text, so export can rebuild the files byte for byte."""
+    files = {}
+    for fname, st in sorted(ckpt.files.items()):
+        with open(st.path, "rb") as fh:
+            fh.seek(8)
+            files[fname] = fh.read(st.header_len).decode("utf-8")
+    index = None
+    if ckpt.index_name is not None:
+        raw = json.loads((ckpt.path / ckpt.index_name).read_text())
+        index = {"name": ckpt.index_name, "metadata": raw.get("metadata", {})}
+    return {"files": files, "index": index}
