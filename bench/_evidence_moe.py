@@ -560,8 +560,8 @@ def reader_kinds(consumer, io: str, tokens, prompt, files, rounds: int = 5):
 def shipped(scratch: Path, io: str, tokens: int, baseline: float):
     """The trained ``czyx-moe-stdlib``, mounted into a scratch store, on stdlib text."""
     try:
+        from czyx.portals import open_consumer
         from czyx.store import Store
-        from czyx.store.models.model import open_model
         from czyx.store.models.mount import mount
     except ImportError as exc:
         return None, f"no mount in this tree ({exc})"
@@ -573,7 +573,7 @@ def shipped(scratch: Path, io: str, tokens: int, baseline: float):
         mount(st, ROOT_ASSET, "czyx-moe-stdlib@evidence")
         files = list((scratch / "store").rglob("*.blk")) or list((scratch / "store").rglob("*"))
         files = [f for f in files if f.is_file()]
-        with open_model(st, "czyx-moe-stdlib@evidence", direct=True) as consumer:
+        with open_consumer(st, None, "czyx-moe-stdlib@evidence", direct=True) as consumer:
             kib = consumer.info.expert_nbytes / 1024
             res = certify(consumer, io, toks, prompt, baseline, files, rounds=7)
             readers = reader_kinds(consumer, io, toks, prompt, files)

@@ -97,9 +97,10 @@ def measure(
     decoded token (the windowed runs then read from the device).
     ``model_dir``: another checkpoint (e.g. :func:`make_wide_checkpoint`).
     """
+    from czyx.portals import open_consumer
     from czyx.store import Store
     from czyx.store.io.iopaths import drop_file_cache
-    from czyx.store.models.model import ModelSpace, open_model
+    from czyx.store.models.model import ModelSpace
     from czyx.store.models.mount import mount
 
     text = Path(os.__file__).read_bytes()
@@ -118,7 +119,7 @@ def measure(
         engines, consumers = {}, []
         try:
             for label, k in configs:
-                consumer = open_model(st, TAG, lazy_trunk=k is not None)
+                consumer = open_consumer(st, None, TAG, lazy_trunk=k is not None)
                 consumers.append(consumer)
                 info = consumer.info
                 hot = [(la, e) for la in range(info.n_layers) for e in range(info.n_experts)]

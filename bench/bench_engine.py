@@ -82,9 +82,9 @@ def speed_and_dial(args: argparse.Namespace, sizes: dict, workdir: str) -> None:
 
     sys.path.insert(0, ROOT)
     from bench._engine_fixtures import mount_transformers
-    from czyx.cli.commands.run import OpenedModel
     from czyx.inference.engine import Engine
     from czyx.inference.generate import generate_ids
+    from czyx.inference.opened import OpenedModel
     from czyx.testing.refmodels import tiny_model
 
     s = sizes["speed"]
@@ -200,9 +200,9 @@ def memory_child(spec: str) -> None:
     import numpy as np
 
     sys.path.insert(0, ROOT)
-    from czyx.cli.commands.run import OpenedModel
     from czyx.inference.engine import Engine
     from czyx.inference.generate import generate_ids
+    from czyx.inference.opened import OpenedModel
     from czyx.store.consumer import GLOBAL_ROLES, LAYER_ROLES
 
     try:  # reset the high-water mark so imports do not count

@@ -101,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[var] = str(args.threads)
     import numpy as np
 
-    from czyx.cli.commands.run import OpenedModel
     from czyx.inference.engine import Engine
     from czyx.inference.locality import replay
+    from czyx.inference.opened import OpenedModel
     from czyx.inference.profile import RouteRecorder
     from czyx.inference.trace import text_sha256
     from czyx.store import Store

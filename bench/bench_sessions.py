@@ -61,7 +61,7 @@ def mount_model(st: Store, root: Path, tiny: bool):
     as ``czyx run``).
     """
     from czyx.portals import open_model
-    from czyx.store.models.model import open_model as open_consumer
+    from czyx.store.models.model import open_version as open_consumer
     from czyx.store.models.mount import mount
     from czyx.testing.tiny_models import make_tiny_checkpoint
 

@@ -63,14 +63,14 @@ def decode_rows(reps: int, tokens: int) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import _evidence_moe as em
 
+    from czyx.portals import open_consumer
     from czyx.store import Store
-    from czyx.store.models.model import open_model
     from czyx.store.models.mount import mount
 
     text = list(Path(os.__file__).read_bytes()[: 32 + tokens])
     with tempfile.TemporaryDirectory() as d, Store.open(Path(d) / "store") as st:
         mount(st, em.ROOT_ASSET, "stdlib@widen")
-        with open_model(st, "stdlib@widen") as consumer:
+        with open_consumer(st, None, "stdlib@widen") as consumer:
             times: dict[str, list[float]] = {"C kernel": [], "numpy cast": []}
             outs = {}
             kernel = widen_mod._c

@@ -109,7 +109,7 @@ def run_demo(
     from czyx.portals.errors import PortalDenied
     from czyx.portals.model import grant_model
     from czyx.store import Store
-    from czyx.store.models.model import open_model
+    from czyx.store.models.model import open_version
     from czyx.store.models.mount import mount
 
     out = out or sys.stdout
@@ -148,7 +148,7 @@ def run_demo(
             say(f"   raw read of the weights        -> refused ({type(exc).__name__}: {exc})")
         narrow = portals.attenuate(g.token, [ClassRange(0, 7)])
         view = portals.open_model(store, narrow, tag, tenant=DEFAULT_TENANT)
-        with open_model(store, tag, view=view) as consumer:
+        with open_version(store, tag, view=view) as consumer:
             slot = np.empty(consumer.info.expert_slot_nbytes, np.uint8)
             consumer.read_expert(0, 3, slot)  # inside the attenuation: fine
             byte = min(12, consumer.info.n_experts - 1)
@@ -238,10 +238,10 @@ def _generate(
     from czyx.inference.sampling import SamplingParams
     from czyx.inference.streaming import StreamOptions
     from czyx.inference.tokenizer import tokenizer_for
-    from czyx.store.models.model import open_model
+    from czyx.store.models.model import open_version
 
     view = portals.open_model(store, token, tag, tenant=DEFAULT_TENANT)
-    with open_model(store, tag, view=view, direct=True) as consumer:
+    with open_version(store, tag, view=view, direct=True) as consumer:
         # As czyx run: O_DIRECT reads on the planner's C threads, prefetch on.
         stream_opts = StreamOptions(io="direct", prefetch=True)
         engine = Engine(consumer, cache_fraction=fraction, policy=policy, stream=stream_opts)

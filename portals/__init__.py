@@ -28,6 +28,7 @@ _EXPORTS = {
     "root_token": "czyx.portals.authority",
     "model_spaces": "czyx.portals.model",
     "open_model": "czyx.portals.model",
+    "open_consumer": "czyx.portals.model",
     "GRANT": "czyx.portals.caveats",
     "INFER": "czyx.portals.caveats",
     "READ": "czyx.portals.caveats",

@@ -101,6 +101,45 @@ def open_model(
     )
 
 
+
+def open_consumer(
+    store: Any,
+    token: str | None,
+    ref: Selector | str,
+    *,
+    direct: bool = False,
+    lazy_trunk: bool = False,
+    tenant: str | None = None,
+) -> Any:
+    """Open model version ``ref`` for inference through ``token``: view and consumer.
+
+    Parameters
+    ----------
+    store:
+        The open store.
+    token:
+        A portal with the ``infer`` right; ``None`` is the store owner's root portal
+        (local use still goes through a checked, audited portal open).
+    ref:
+        ``NAME@VERSION``, a :class:`Selector` or 64 hex digits.
+    direct, lazy_trunk:
+        As :func:`czyx.store.models.model.open_version`.
+    tenant:
+        The tenant the caller acts for.
+
+    Returns
+    -------
+    StoreModel
+        The store's model consumer, its expert reads checked by the portal's view.
+    """
+    from czyx.portals.authority import authority
+    from czyx.store.models.model import open_version
+
+    if token is None:
+        token = authority(store).root_token()
+    view = open_model(store, token, ref, tenant=tenant)
+    return open_version(store, ref, view=view, direct=direct, lazy_trunk=lazy_trunk)
+
 def grant_model(
     store: Any,
     ref: Selector | str,

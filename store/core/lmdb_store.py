@@ -45,7 +45,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from itertools import chain, islice
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import lmdb
 
@@ -67,9 +67,6 @@ from czyx.store.errors import (
 )
 from czyx.store.interfaces import StoreInterface
 from czyx.store.io.reader import RawReader
-
-if TYPE_CHECKING:  # portals imports store; only the annotation needs it
-    from czyx.portals.view import SpaceView
 
 T = TypeVar("T")
 
@@ -566,23 +563,6 @@ class Store(CatalogMixin, StoreInterface):
             align=ident.align,
             backend=backend,
         )
-
-    def open_space(
-        self,
-        portal: str,
-        space: Selector | None = None,
-        *,
-        right: str = "read",
-        tenant: str | None = None,
-    ) -> SpaceView:
-        """Open a space through a portal token: the public path to a space's data.
-
-        Returns the read-only :class:`portals.view.SpaceView` whose reads are
-        checked against the portal's caveats (computed once, here).
-        """
-        from czyx.portals import open_space
-
-        return open_space(self, portal, space, right=right, tenant=tenant)
 
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r})"

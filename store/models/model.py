@@ -5,12 +5,12 @@ over their base) once at open into flat numpy tables, then serving trunk
 tensors (resident, float32; or, with ``lazy_trunk``, per-layer tensors read
 and verified on each call) and expert extents (raw reads into caller slots,
 checksum verified). Everything that needs a dict, an LMDB transaction or the
-manifest happens in :func:`open_model`; per fetch there is only arithmetic on
+manifest happens in :func:`open_version`; per fetch there is only arithmetic on
 ``int64`` tables indexed ``[layer, router byte]`` (the class permutation and
 the layout's curve ordinal are already folded in), one ``pread`` and one
 checksum.
 
-``open_model`` also checks that every extent a space owns sits at
+``open_version`` also checks that every extent a space owns sits at
 ``data_start + ordinal * stride`` of its block file (the layout's contract),
 that each record's class is the layout's class of its router byte, and that
 every block file is the one its space published (``Store.open_reader``
@@ -199,7 +199,7 @@ class ModelSpace:
 class StoreModel:
     """A mounted model version as an engine sees it (implements ``ModelConsumer``).
 
-    Obtain with :func:`open_model`. Trunk tensors are read, verified and
+    Obtain with :func:`open_version`. Trunk tensors are read, verified and
     widened to float32 at open; expert reads go straight from block files into
     the caller's slots.
 
@@ -454,11 +454,11 @@ def _as_dtype(buf: np.ndarray, ref: TrunkRef) -> np.ndarray:
     return buf.view(DTYPES[ref.dtype][0]).reshape(ref.shape)
 
 
-def open_model(
+def open_version(
     store: Any,
     tag_or_selector: str | Selector,
     *,
-    view: Any = None,
+    view: Any,
     direct: bool = False,
     lazy_trunk: bool = False,
 ) -> StoreModel:
@@ -472,10 +472,10 @@ def open_model(
         ``NAME@VERSION``, a 64-hex selector, or a :class:`Selector`.
     view
         A portal's ``SpaceView`` onto the version's expert space (from
-        ``portals``); expert reads outside its classes or layers are refused
-        (and audited) by the view. ``None``: the store owner's root portal is
-        used, so even local use goes through a portal open (checked, audited):
-        there is no path to a model's experts that bypasses the portals.
+        :func:`czyx.portals.open_model`); expert reads outside its classes or
+        layers are refused (and audited) by the view. It is required: there is
+        no path to a model's experts that bypasses the portals
+        (:func:`czyx.portals.open_consumer` opens both in one call).
     direct
         Read experts with ``O_DIRECT`` (slots must then be 4096-aligned).
     lazy_trunk
@@ -484,10 +484,7 @@ def open_model(
         not fit the memory budget, see ``inference.trunkwindow``).
     """
     if view is None:
-        from czyx import portals
-
-
-        view = portals.open_model(store, portals.root_token(store), tag_or_selector)
+        raise ModelSpaceError("a model version opens only through a portal's view")
     model = StoreModel(store, tag_or_selector, view=view, direct=direct, lazy_trunk=lazy_trunk)
     if view is not None and getattr(view, "space", model._space.selector) != model._space.selector:
         model.close()

@@ -40,8 +40,8 @@ def test_bundled_model_predicts_held_out_text(tmp_path) -> None:
     from czyx.inference.engine import Engine
     from czyx.inference.quant_eval import stdlib_split, text_windows, window_logits
     from czyx.inference.tokenizer import ByteTokenizer
+    from czyx.portals import open_consumer
     from czyx.store import Store
-    from czyx.store.models.model import open_model
     from czyx.store.models.mount import mount
 
     _, val = stdlib_split()
@@ -51,7 +51,7 @@ def test_bundled_model_predicts_held_out_text(tmp_path) -> None:
     assert len(windows) == 8
     with Store.open(tmp_path / "store") as st:
         mount(st, bundled_model_dir(), "stdlib@1")
-        with open_model(st, "stdlib@1") as consumer:
+        with open_consumer(st, None, "stdlib@1") as consumer:
             logits = window_logits(Engine(consumer), windows)
     nll = []
     for z, w in zip(logits, windows):

@@ -14,9 +14,9 @@ import torch
 
 from czyx import portals
 from czyx.cli import main
-from czyx.cli.commands.run import OpenedModel
 from czyx.inference.engine import Engine
 from czyx.inference.generate import generate_ids
+from czyx.inference.opened import OpenedModel
 from czyx.store import Store
 from czyx.store.models.mount import mount
 from czyx.testing.refmodels import ARCHS, tiny_model

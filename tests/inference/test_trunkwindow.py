@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 from czyx.cli import main
 from czyx.inference.engine import Engine
 from czyx.inference.trunkwindow import TrunkLoadError, TrunkWindow, TrunkWindowError
+from czyx.portals import open_consumer
 from czyx.store import ChecksumError, Store
-from czyx.store.models.model import ModelSpace, open_model
+from czyx.store.models.model import ModelSpace
 from czyx.store.models.mount import mount
 from czyx.store.quant.codec import QuantCodec
 from czyx.store.quant.policy import POLICIES
@@ -69,11 +70,11 @@ def _window_bytes(consumer, eng: Engine) -> list[int]:
 
 @pytest.mark.parametrize("tag", ["q@1", "q@sel"])
 def test_windowed_logits_are_bit_identical_to_the_resident_trunk(store, tag):
-    with open_model(store, tag) as eager:
+    with open_consumer(store, None, tag) as eager:
         want, res = _run(eager, cache_fraction=0.5)
     n = res.cfg.n_layers
     assert n == 3 and res.trunk_window_stats() is None
-    with open_model(store, tag, lazy_trunk=True) as lazy:
+    with open_consumer(store, None, tag, lazy_trunk=True) as lazy:
         for k, stream in ((1, True), (2, True), (n, True), (2, False)):
             kw = {} if stream else {"stream": None}
             got, eng = _run(lazy, cache_fraction=0.5, trunk_window=k, **kw)
@@ -97,7 +98,7 @@ def test_window_mode_keeps_routers_and_names_inputs_like_resident(store):
     """Routers and norms stay resident (the streaming look-ahead reads them); the
     calibration observer sees the same inputs, shared expert included."""
     names = {}
-    with open_model(store, "q@1", lazy_trunk=True) as m:
+    with open_consumer(store, None, "q@1", lazy_trunk=True) as m:
         for k in (None, 2):
             eng = Engine(m, trunk_window=k)
             seen = []
@@ -123,7 +124,7 @@ def test_a_corrupt_trunk_matrix_is_a_checksum_error_at_use(tmp_path):
             b = fh.read(1)
             fh.seek(ref.record["off"] + 3)
             fh.write(bytes([b[0] ^ 0x04]))
-        with open_model(store, "q@1", lazy_trunk=True) as m:
+        with open_consumer(store, None, "q@1", lazy_trunk=True) as m:
             for k in (1, 2):
                 eng = Engine(m, trunk_window=k)  # layer 1's matrices are not read yet
                 for _ in range(2):  # and never served later from a stale copy

@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from czyx.portals import open_consumer
 from czyx.store import ChecksumError, Store
-from czyx.store.models.model import ModelSpace, open_model
+from czyx.store.models.model import ModelSpace
 from czyx.store.models.mount import mount
 from czyx.store.models.mount_errors import ExpertIndexError, MissingTrunkRoleError, ModelSpaceError
 from czyx.store.quant.codec import QuantCodec
@@ -34,7 +35,10 @@ def mounted(tmp_path_factory):
 @pytest.mark.parametrize("tag", ["q@f32", "q@sel"])
 def test_lazy_serves_what_eager_serves(mounted, tag):
     space = ModelSpace(mounted, tag)
-    with open_model(mounted, tag) as eager, open_model(mounted, tag, lazy_trunk=True) as lazy:
+    with (
+        open_consumer(mounted, None, tag) as eager,
+        open_consumer(mounted, None, tag, lazy_trunk=True) as lazy,
+    ):
         assert lazy.lazy_trunk and not eager.lazy_trunk
         assert lazy.tokenizer_json() == eager.tokenizer_json()
         for role, layer in space.trunk:
@@ -77,8 +81,8 @@ def test_a_corrupt_layer_tensor_fails_at_use_lazily_and_at_open_eagerly(tmp_path
         mount(s, ckpt, "m@1")
         _corrupt(s, "m@1", "o_proj", 1)
         with pytest.raises(ChecksumError, match="o_proj layer 1"):
-            open_model(s, "m@1")
-        with open_model(s, "m@1", lazy_trunk=True) as m:
+            open_consumer(s, None, "m@1")
+        with open_consumer(s, None, "m@1", lazy_trunk=True) as m:
             assert m.has_trunk("o_proj", 1)  # answered without reading
             assert m.trunk("o_proj", 0).shape == m.trunk("q_proj", 1).shape[::-1]
             for _ in range(2):  # every call verifies: no bad bytes are ever cached

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from czyx.portals import open_consumer
 from czyx.store import ChecksumError, Store
 from czyx.store.consumer import ModelConsumer
-from czyx.store.models.model import open_model
+from czyx.store.models.model import open_version
 from czyx.store.models.mount import mount
 from czyx.store.models.mount_errors import ExpertIndexError, MissingTrunkRoleError, ModelSpaceError
 from czyx.testing.tiny_models import build_tiny_model, make_tiny_checkpoint
@@ -72,7 +73,7 @@ def _torch_trunk(model, role, layer):
 @pytest.mark.parametrize(("arch", "tag"), [(a, "1") for a, _ in CASES] + [("qwen3_moe", "perm")])
 def test_experts_and_trunk_match_transformers(mounted, arch, tag):
     model = build_tiny_model(arch)
-    with open_model(mounted, f"{arch}@{tag}") as m:
+    with open_consumer(mounted, None, f"{arch}@{tag}") as m:
         assert isinstance(m, ModelConsumer)
         info = m.info
         assert info.arch == arch and info.expert_format == "f32"
@@ -126,7 +127,7 @@ def test_bf16_trunk_is_widened_exactly_and_views_are_bits(tmp_path):
     model = build_tiny_model("olmoe", dtype="bfloat16")
     with Store.open(tmp_path / "s") as s:
         mount(s, path, "o@bf")
-        with open_model(s, "o@bf") as m:
+        with open_consumer(s, None, "o@bf") as m:
             assert m.info.expert_format == "bf16"
             assert np.array_equal(
                 m.trunk("q_norm", 1),
@@ -144,7 +145,7 @@ def test_corrupt_block_file_is_a_checksum_error(tmp_path):
     path = make_tiny_checkpoint("mixtral", tmp_path / "ck")
     with Store.open(tmp_path / "s") as s:
         res = mount(s, path, "x@1")
-        with open_model(s, "x@1") as m:
+        with open_consumer(s, None, "x@1") as m:
             ext = m.expert_extent(1, 2)
             with open(s.block_path(res.selector), "r+b") as fh:
                 fh.seek(ext.offset + 17)
@@ -158,7 +159,7 @@ def test_corrupt_block_file_is_a_checksum_error(tmp_path):
 
 
 def test_bad_fetches(mounted):
-    with open_model(mounted, "deepseek_v3@1") as m:
+    with open_consumer(mounted, None, "deepseek_v3@1") as m:
         slot = np.empty(m.info.expert_slot_nbytes, np.uint8)
         with pytest.raises(ModelSpaceError, match="no routed expert"):
             m.read_expert(0, 1, slot)  # layer 0 is dense
@@ -178,7 +179,7 @@ def test_bad_fetches(mounted):
 def test_open_refuses_non_model_spaces(mounted):
     trunk = mounted.manifest(mounted.resolve_tag("olmoe@1"))["trunk"]
     with pytest.raises(ModelSpaceError, match="not a mounted model"):
-        open_model(mounted, trunk)
+        open_consumer(mounted, None, trunk)
 
 
 def test_portal_restricts_by_class_after_permutation(mounted):
@@ -194,7 +195,7 @@ def test_portal_restricts_by_class_after_permutation(mounted):
         parent=portals.root_token(mounted),
     )
     view = portals.open_model(mounted, grant.token, "qwen3_moe@perm")
-    with open_model(mounted, sel, view=view) as m:
+    with open_version(mounted, sel, view=view) as m:
         slot = np.empty(m.info.expert_slot_nbytes, np.uint8)
         for byte in range(8):
             if perm[1][byte] < 4:  # the portal speaks classes, the engine router bytes
@@ -206,7 +207,7 @@ def test_portal_restricts_by_class_after_permutation(mounted):
             m.expert_extent(0, 0)
         assert m.trunk("embed").shape == (96, 32)  # the trunk is read whole
     with pytest.raises(ModelSpaceError, match="another space"):
-        open_model(mounted, "qwen3_moe@1", view=view)
+        open_version(mounted, "qwen3_moe@1", view=view)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
@@ -223,7 +224,7 @@ def test_engine_on_a_mounted_model_matches_transformers(tmp_path, arch):
     perm = [np.random.default_rng(l).permutation(n).tolist() for l in range(2)]
     with Store.open(tmp_path / "s") as s:
         mount(s, path, "e@1", class_perm=perm)
-        with open_model(s, "e@1") as m:
+        with open_consumer(s, None, "e@1") as m:
             engine = Engine(m, cache_fraction=0.5)
             got = engine.prefill(tokens, all_logits=True)
             engine.close()
@@ -255,7 +256,7 @@ def test_for_all_layouts_and_permutations_reads_return_the_router_bytes_expert(
         }
     with tempfile.TemporaryDirectory() as d, Store.open(d) as s:
         mount(s, mixtral_ckpt, "m@1", outer=outer, class_perm=perm)
-        with open_model(s, "m@1") as m:
+        with open_consumer(s, None, "m@1") as m:
             slot = np.empty(m.info.expert_slot_nbytes, np.uint8)
             offsets = set()
             for (layer, byte), data in want.items():
@@ -269,7 +270,10 @@ def test_for_all_layouts_and_permutations_reads_return_the_router_bytes_expert(
 def test_direct_io_reads_the_padded_stride(mounted):
     from czyx.store import aligned_empty
 
-    with open_model(mounted, "olmoe@1") as plain, open_model(mounted, "olmoe@1", direct=True) as m:
+    with (
+        open_consumer(mounted, None, "olmoe@1") as plain,
+        open_consumer(mounted, None, "olmoe@1", direct=True) as m,
+    ):
         a = aligned_empty(m.info.expert_slot_nbytes)
         b = np.empty(plain.info.expert_slot_nbytes, np.uint8)
         for layer, byte in [(0, 0), (1, 7), (0, 5)]:

@@ -74,14 +74,14 @@ def test_mount_class_order_from_saved_order(tmp_path):
     import numpy as np
 
     from czyx.cli import main
+    from czyx.portals import open_consumer
     from czyx.store import Store
-    from czyx.store.models.model import open_model
     from czyx.testing.tiny_models import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint("mixtral", tmp_path / "ckpt")
     store_dir = tmp_path / "store"
     assert main(["mount", str(ckpt), "--as", "plain@v1", "--store", str(store_dir)]) == 0
-    with Store.open(store_dir) as st, open_model(st, "plain@v1") as m:
+    with Store.open(store_dir) as st, open_consumer(st, None, "plain@v1") as m:
         n_layers, n_exp = m.info.n_layers, m.info.n_experts
     rng = np.random.default_rng(0)
     order = np.stack([rng.permutation(n_exp) for _ in range(n_layers)])
@@ -90,7 +90,7 @@ def test_mount_class_order_from_saved_order(tmp_path):
     assert main([*argv, "--class-order", str(tmp_path / "order.npy")]) == 0
     with Store.open(store_dir) as st:
         assert st.resolve_tag("perm@v1") != st.resolve_tag("plain@v1")
-        with open_model(st, "plain@v1") as a, open_model(st, "perm@v1") as b:
+        with open_consumer(st, None, "plain@v1") as a, open_consumer(st, None, "perm@v1") as b:
             sa = np.empty(a.info.expert_slot_nbytes, np.uint8)
             sb = np.empty(b.info.expert_slot_nbytes, np.uint8)
             for layer in range(n_layers):

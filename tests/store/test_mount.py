@@ -327,7 +327,7 @@ def test_adapter_must_fit_its_base(store, base_ckpt, tmp_path):
 def test_trunk_only_adapter_of_a_bf16_model(store, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from czyx.store.models.model import open_model
+    from czyx.portals import open_consumer
 
     src = make_tiny_checkpoint("olmoe", tmp_path / "bf", dtype="bfloat16")
     base = mount(store, src, "o@1")
@@ -339,6 +339,6 @@ def test_trunk_only_adapter_of_a_bf16_model(store, tmp_path):
     res = mount(store, ad, "o@1-norm", adapter_of="o@1")
     m = store.manifest(res.selector)
     assert m["expert"] == store.manifest(base.selector)["expert"] and m["experts"] == []
-    with open_model(store, "o@1-norm") as model, open_model(store, "o@1") as orig:
+    with open_consumer(store, None, "o@1-norm") as model, open_consumer(store, None, "o@1") as orig:
         assert np.array_equal(model.trunk("final_norm"), 2 * orig.trunk("final_norm"))
         assert model.info.expert_format == "bf16"

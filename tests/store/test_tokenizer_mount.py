@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from czyx.portals import open_consumer
 from czyx.store import Store
 from czyx.store.models.export import export
-from czyx.store.models.model import open_model
 from czyx.store.models.mount import mount
 from czyx.testing.tiny_models import make_tiny_checkpoint
 
@@ -28,7 +28,7 @@ def test_tokenizer_is_mounted_and_exported(tmp_path):
     (ckpt / "tokenizer.json").write_text(text)
     with Store.open(tmp_path / "s") as st:
         mount(st, ckpt, "tok@v1")
-        with open_model(st, "tok@v1") as m:
+        with open_consumer(st, None, "tok@v1") as m:
             assert m.tokenizer_json() == text
             # The tokenizer is not a tensor: the engine's trunk roles never see it.
             assert not m.has_trunk("tokenizer")
@@ -43,7 +43,7 @@ def test_tokenizer_changes_the_content_selector(tmp_path):
         plain = mount(st, ckpt, "a@v1").selector
         (ckpt / "tokenizer.json").write_text(_tokenizer_json(8))
         with_tok = mount(st, ckpt, "b@v1").selector
-        with open_model(st, "a@v1") as m:
+        with open_consumer(st, None, "a@v1") as m:
             assert m.tokenizer_json() is None
     assert plain != with_tok
 

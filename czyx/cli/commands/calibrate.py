@@ -41,10 +41,11 @@ def run(args: argparse.Namespace) -> int:
     from czyx.inference.calibration import Provenance, collect
     from czyx.inference.engine import Engine
     from czyx.inference.tokenizer import tokenizer_for
+    from czyx.portals import open_consumer
     from czyx.store import Store
     from czyx.store.models.archs import ROLE_INDEX
     from czyx.store.models.expert_layout import layout_from_manifest
-    from czyx.store.models.model import ModelSpace, open_model
+    from czyx.store.models.model import ModelSpace
     from czyx.store.models.mount import parse_tag, resolve
     from czyx.store.quant.importance import publish_importance
 
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         sel = resolve(store, args.ref)
         space = ModelSpace(store, sel)
         layout = layout_from_manifest(space.root)
-        with open_model(store, sel) as model:
+        with open_consumer(store, None, sel) as model:
             engine = Engine(model)
             tok = tokenizer_for(model, engine.cfg.vocab_size)
             ids = np.asarray(tok.encode(text), np.int64)[: args.max_tokens]

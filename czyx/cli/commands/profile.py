@@ -37,8 +37,8 @@ def profile(args: argparse.Namespace) -> int:
     """Run the text, save the counts, print the top of the hot list."""
     import hashlib
 
-    from czyx.cli.commands.run import OpenedModel
     from czyx.inference.engine import Engine
+    from czyx.inference.opened import OpenedModel
     from czyx.inference.profile import RouteRecorder, RoutingProfile
     from czyx.inference.tokenizer import tokenizer_for
 

@@ -1,7 +1,7 @@
 """``czyx run NAME@VERSION --prompt TEXT``: generate text with a mounted model version.
 
 The model is opened only through a portal carrying the ``infer`` right
-(``portals.open_model`` gives the checked view, ``store.model.open_model`` the
+(:class:`czyx.inference.OpenedModel`: the portal's checked view and the store's
 consumer, with O_DIRECT expert reads; no ``--portal`` means the store owner's
 root portal); the trunk is loaded resident (or, with ``--trunk-window K``,
 only K layers' big matrices at a time, the next read while one computes) and routed experts
@@ -22,6 +22,7 @@ import os
 import sys
 
 from czyx.cli.commands._storearg import add_store_arg, store_dir
+from czyx.inference.opened import OpenedModel
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -115,46 +116,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--tenant", help="tenant the session belongs to (default: the portal's, or 'owner')"
     )
     p.set_defaults(func=run)
-
-
-class OpenedModel:
-    """A model version opened through a portal, with the store it came from.
-
-    ``consumer`` is the store's ``ModelConsumer``; :meth:`close` releases it
-    and the store.
-    """
-
-    def __init__(
-        self, store_dir: str, ref: str, token: str | None, *, lazy_trunk: bool = False
-    ) -> None:
-        from czyx.inference.errors import InferenceError
-
-        try:
-            from czyx import portals
-            from czyx.store import Store
-            from czyx.store.models.model import open_model
-        except ImportError as exc:
-            raise InferenceError(f"this build lacks the store or portals: {exc}") from exc
-        if not os.path.isdir(store_dir):
-            raise InferenceError(f"no store at {store_dir!r} (set --store or $CZYX_STORE)")
-        self.store = Store.open(store_dir, create=False)
-        try:
-            # No token: the owner's root portal (local use); a tenant passes theirs.
-            token = token or portals.root_token(self.store)
-            view = portals.open_model(self.store, token, ref)
-            self.consumer = open_model(
-                self.store, ref, view=view, direct=True, lazy_trunk=lazy_trunk
-            )
-        except BaseException:
-            self.store.close()
-            raise
-
-    def close(self) -> None:
-        """Close the consumer, then the store."""
-        try:
-            self.consumer.close()
-        finally:
-            self.store.close()
 
 
 def parse_class_range(text: str | None) -> tuple[int, int] | None:

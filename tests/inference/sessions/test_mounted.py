@@ -14,7 +14,7 @@ from czyx.inference.tokenizer import ByteTokenizer
 from czyx.portals import open_model
 from czyx.portals.authority import authority
 from czyx.store import Store
-from czyx.store.models.model import open_model as open_consumer
+from czyx.store.models.model import open_version as open_consumer
 from czyx.store.models.mount import mount
 from czyx.testing.tiny_models import make_tiny_checkpoint
 

@@ -109,8 +109,8 @@ def test_a_missing_expert_is_an_error_not_a_hole(base):
 
 
 def test_a_mounted_model_with_a_dense_layer(tmp_path):
+    from czyx.portals import open_consumer
     from czyx.store import Store
-    from czyx.store.models.model import open_model
     from czyx.store.models.mount import mount
     from czyx.testing.tiny_models import make_tiny_checkpoint
 
@@ -124,7 +124,7 @@ def test_a_mounted_model_with_a_dense_layer(tmp_path):
     )
     with Store.open(tmp_path / "store") as st:
         mount(st, ckpt, "q@1")
-        with open_model(st, "q@1") as m:
+        with open_consumer(st, None, "q@1") as m:
             q = QuantizedConsumer(m, POLICIES["q4-all"])
             assert q.info.expert_format == "q4"
             assert sorted({layer for layer, _ in q._extents}) == [0, 2]  # layer 1 is dense

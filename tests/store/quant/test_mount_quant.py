@@ -14,9 +14,9 @@ import pytest
 
 from czyx.cli import main
 from czyx.inference.engine import Engine
+from czyx.portals import open_consumer
 from czyx.store import Store
 from czyx.store.models.export import export
-from czyx.store.models.model import open_model
 from czyx.store.models.mount import mount
 from czyx.store.models.mount_errors import MountError
 from czyx.store.quant.codec import QuantCodec
@@ -42,7 +42,7 @@ def test_quantized_mount_matches_in_memory_quantization(ckpt, tmp_path):
         assert q.selector != flt.selector and q.trunk_selector != flt.trunk_selector
         assert q.bytes_total < flt.bytes_total / 4
         assert not mount(store, ckpt, "m@sel", quant=codec).created  # same content
-        with open_model(store, "m@sel") as model:
+        with open_consumer(store, None, "m@sel") as model:
             assert model.info.expert_format == "q2"
             buf, fmt, shape = model.trunk_quantized("q_proj", 0)
             assert fmt.name == "q4" and shape == model.trunk("q_proj", 0).shape
@@ -104,7 +104,7 @@ def test_cli_calibrate_then_mount_with_importance(ckpt, tmp_path, capsys):
     assert main(["mount", str(ckpt), "--as", "m@y", "--store", store_dir, "--quant", "fancy"]) == 1
     with Store.open(store_dir) as store:
         assert store.manifest(store.resolve_tag("m@qcal"))["quant"]["importance"]["n_tokens"] == 256
-        with open_model(store, "m@q") as a, open_model(store, "m@qcal") as b:
+        with open_consumer(store, None, "m@q") as a, open_consumer(store, None, "m@qcal") as b:
             qa, qb = a.trunk_quantized("q_proj", 1)[0], b.trunk_quantized("q_proj", 1)[0]
             assert not np.array_equal(qa, qb)  # the map changed the scales
             la = Engine(a).prefill(TOKENS)

@@ -8,17 +8,17 @@ from czyx.space import Selector
 from czyx.store import Store
 
 
-def test_store_open_space_delegates_to_portals(tmp_path):
+def test_open_space_checks_the_portal(tmp_path):
     store = Store.open(tmp_path / "s")
     sel = Selector.from_name("open-space-test")
     key = Key(3, 1)
     with store.begin_space(sel, {"kind": "test"}) as w:
         w.put(key.pack(), {"v": 1})
     root = portals.root_token(store)
-    view = store.open_space(root, sel)
+    view = portals.open_space(store, root, sel)
     assert view.get(key) == {"v": 1}
     with pytest.raises(portals.PortalDenied):
-        store.open_space(root[:-4] + "AAAA", sel)
+        portals.open_space(store, root[:-4] + "AAAA", sel)
     store.close()
 
 
