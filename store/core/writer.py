@@ -33,7 +33,7 @@ import numpy as np
 from czyx.space import Selector
 from czyx.store.core.blockfile import BlockIdentity, BlockWriter, dio_alignment, fsync_dir
 from czyx.store.core.checksum import CHECKSUM_NAME
-from czyx.store.core.records import Extent, check_key, encode
+from czyx.store.core.records import SEEDS, Extent, check_key, encode, seal
 from czyx.store.errors import SealedSpaceError, SpaceNotEmptyError, SpaceNotFoundError, StoreError
 from czyx.store.interfaces import SpaceWriterInterface
 
@@ -148,7 +148,7 @@ class SpaceWriter(SpaceWriterInterface):
             raise
         self._state = "committing"
         ident = BlockIdentity(self._final.name, self._gen, self._block.size, self.alignment)
-        entry = encode(
+        entry = seal(SEEDS["spaces"], sel, encode(
             {
                 "manifest": self._manifest,
                 "block": ident.to_record(),
@@ -156,8 +156,9 @@ class SpaceWriter(SpaceWriterInterface):
                 "count": len(self._staged),
                 "time": time.time(),
             }
-        )
-        rows = [(sel + k, v) for k, v in sorted(self._staged.items())]
+        ))
+        rec_seed = SEEDS["records"]
+        rows = [(sel + k, seal(rec_seed, sel + k, v)) for k, v in sorted(self._staged.items())]
         records_db, spaces_db = store._records, store._spaces
 
         def publish(txn: lmdb.Transaction) -> None:
