@@ -34,18 +34,16 @@ from czyx.inference.models.base import (
     F32,
     KVCache,
     Observe,
-    RopeConfig,
-    Rotary,
     attention,
     matmul_small,
     rms_norm,
-    rope_config,
     route_topk,
     sigmoid,
     swiglu,
     swiglu_columns,
     swiglu_fused,
 )
+from czyx.inference.models.rope import RopeConfig, Rotary, rope_config
 from czyx.inference.profile import RouteRecorder
 from czyx.inference.trunkwindow import TrunkWindow, TrunkWindowStats
 from czyx.store.consumer import ModelConsumer, ModelInfo

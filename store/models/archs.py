@@ -208,6 +208,18 @@ class ArchSpec:
         """Intermediate size I of one routed expert."""
         return int(_require(config, self.expert_inter_keys, self.name))
 
+    def rope_head_dim(self, config: Mapping[str, Any]) -> int:
+        """Width of the head part that carries the rotary channels.
+
+        DeepSeek's multi-head latent attention rotates only ``qk_rope_head_dim``
+        channels per head; every other family rotates (a fraction of) ``head_dim``.
+        """
+        if self.name in ("deepseek_v2", "deepseek_v3"):
+            return int(_require(config, ("qk_rope_head_dim",), self.name))
+        hidden = self.hidden_size(config)
+        heads = int(_require(config, ("num_attention_heads",), self.name))
+        return int(config.get("head_dim") or hidden // heads)
+
     def sparse_layers(self, config: Mapping[str, Any]) -> tuple[int, ...]:
         """Layers whose MLP is a routed mixture (the others are dense)."""
         n = self.n_layers(config)

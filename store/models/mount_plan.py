@@ -25,6 +25,7 @@ from czyx.store.models.mount_errors import (
     ShapeMismatchError,
     UnexpectedTensorError,
 )
+from czyx.store.models.rope import rope_params
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
     n_layers, n_experts = spec.n_layers(cfg), spec.n_experts(cfg)
     hidden, inter = spec.hidden_size(cfg), spec.expert_intermediate(cfg)
     sparse = spec.sparse_layers(cfg)
+    rope_params(cfg, spec.rope_head_dim(cfg))  # an unsupported rope is refused here, not at run
     if n_experts > 256:
         raise UnexpectedTensorError(
             f"{n_experts} routed experts; a class byte holds 256", file=str(ckpt.path)
