@@ -424,7 +424,7 @@ class Scheduler:
     def __init__(
         self,
         model,
-        options: BatchOptions = BatchOptions(),  # noqa: B008 - frozen
+        options: BatchOptions = BatchOptions(),
         on_step: Callable[[int, int, float], None] | None = None,
     ) -> None:
         self.model = model
