@@ -1,0 +1,1 @@
+"""The HTTP side of czyx: endpoints served by ``czyx serve`` (Starlette on uvicorn)."""
