@@ -120,7 +120,7 @@ class _Source:
         space: str,
         start: int,
         end: int,
-    ) -> bytes:
+    ) -> memoryview:
         from czyx.portals.authority import authority
         from czyx.store.models.mount import resolve
 
@@ -148,7 +148,7 @@ class _Source:
             os.close(fd)
         if n != len(buf):
             raise StoreError(f"{path}: short read at {start} ({n} of {len(buf)} bytes)")
-        return bytes(buf)
+        return memoryview(buf)
 
     def close(self) -> None:
         self.store.close()

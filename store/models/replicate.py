@@ -52,6 +52,10 @@ from czyx.store.models.mount import ADAPTER_KIND, MODEL_KIND, resolve
 
 OFFER_VERSION = 1
 MAX_RANGE = 16 << 20  # bytes of one coalesced range read
+# Received bytes (or seconds) between two fdatasync + journal appends: what a crash
+# may make the next pull fetch again.
+SYNC_BYTES = 64 << 20
+SYNC_S = 0.5
 _ALIGN = 4096
 
 
@@ -541,6 +545,7 @@ def _move(
         return run, data
 
     pending = _coalesce(todo, max_range)
+    last_sync = time.monotonic()
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         while pending:
             again: list[Fetch] = []
@@ -551,7 +556,11 @@ def _move(
                 items = [
                     (f.dest_off, mv[f.src_off - base : f.src_off - base + f.length]) for f in run
                 ]
-                bad = {e.offset for e in staged.receive(items)}
+                bad = {e.offset for e in staged.receive(items, durable=False)}
+                now = time.monotonic()
+                if staged.pending_bytes >= SYNC_BYTES or now - last_sync >= SYNC_S:
+                    staged.flush()
+                    last_sync = now
                 res.bytes_fetched += sum(f.length for f in run if f.dest_off not in bad)
                 for f in run:
                     if f.dest_off in bad:
@@ -564,5 +573,6 @@ def _move(
                         res.refetched += 1
                         again.append(f)
             pending = [[f] for f in again]
+    staged.flush()
     if staged.missing:
         raise StagingError(f"{len(staged.missing)} extents still missing after the transfer")
