@@ -168,6 +168,16 @@ class ModelSpace:
     def _check_complete(self) -> None:
         sparse = self.root["expert"]["sparse_layers"]
         have = self.blk[sparse, : self.n_experts] != _NO_BLOCK
+        subset = self.root.get("subset")  # a replicated subset (store.models.replicate)
+        if subset:
+            want = np.zeros_like(have)
+            lo, hi = subset["classes"]
+            layers = subset.get("layers") or [0, self.n_layers - 1]
+            for row, layer in enumerate(sparse):
+                if layers[0] <= layer <= layers[1]:
+                    for e in range(self.n_experts):
+                        want[row, e] = lo <= self.layout.class_of(layer, e) <= hi
+            have |= ~want
         if not have.all():
             layer, byte = np.argwhere(~have)[0]
             raise ModelSpaceError(

@@ -1,0 +1,138 @@
+"""``czyx pull URL NAME@VERSION``: copy a model version from a remote store into this one.
+
+Only the extents this store lacks move (content-addressed: a version that
+shares experts with one already here fetches only the others); every extent
+is verified by its checksum on arrival (a corrupted one is refused and
+fetched again); an interrupted pull resumes without fetching again what
+arrived; the version is published atomically once complete, then tagged.
+``--classes`` / ``--layers`` pull a subset of the experts (with the whole
+trunk), published as its own content-derived space.
+
+The source is a ``czyx serve`` (or :func:`czyx.server.replication.create_replication_app`)
+and the portal must grant ``read`` on the version. The planning, staging
+and publishing are :mod:`czyx.store.models.replicate`; this module is the
+HTTP client (httpx) and the argparse layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from czyx.cli.commands._storearg import add_store_arg, store_dir
+from czyx.errors import CzyxError
+
+TIMEOUT_S = 60.0
+
+
+class PullError(CzyxError):
+    """The source refused or failed a request (HTTP status and its message)."""
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``pull`` subcommand."""
+    p = subparsers.add_parser("pull", help="copy a model version from a remote store")
+    p.add_argument("url", help="the source server, e.g. http://127.0.0.1:8000")
+    p.add_argument("ref", metavar="NAME@VERSION", help="tag (or 64-hex selector) at the source")
+    p.add_argument("--classes", metavar="LO-HI", help="only experts of these classes")
+    p.add_argument("--layers", metavar="LO-HI", help="only experts of these layers")
+    p.add_argument("--portal", required=True, metavar="TOKEN", help="portal with the read right")
+    p.add_argument("--tag", help="tag to set here (default: NAME@VERSION for a tag ref)")
+    p.add_argument("--workers", type=int, default=4, help="parallel range requests (default 4)")
+    p.add_argument(
+        "--max-range",
+        type=int,
+        default=16 << 20,
+        metavar="BYTES",
+        help="largest coalesced range read (default 16 MiB)",
+    )
+    add_store_arg(p)
+    p.set_defaults(func=run)
+
+
+def _raise_for(resp: Any, what: str) -> None:
+    if resp.status_code in (200, 206):
+        return
+    try:
+        msg = resp.json().get("error", resp.text)
+    except ValueError:
+        msg = resp.text[:200]
+    raise PullError(f"{what}: HTTP {resp.status_code}: {msg}")
+
+
+def pull(
+    url: str,
+    ref: str,
+    token: str,
+    dest_dir: str,
+    *,
+    classes: str | None = None,
+    layers: str | None = None,
+    tag: str | None = None,
+    workers: int = 4,
+    max_range: int = 16 << 20,
+) -> Any:
+    """Pull ``ref`` from the server at ``url`` into the store at ``dest_dir``.
+
+    Returns the :class:`czyx.store.models.replicate.PullResult`.
+
+    Raises
+    ------
+    PullError
+        The server refused (401/403) or failed a request.
+    ReplicationError, StagingError
+        The offer does not verify, or an extent stays bad after retries.
+    """
+    import httpx
+    import msgpack
+
+    from czyx.store import Store
+    from czyx.store.models.replicate import Range, plan_pull, run_pull
+
+    Range.parse(classes, 256, "class")  # fail on malformed input before any request
+    Range.parse(layers, 1 << 16, "layer")
+    params = {"ref": ref}
+    if classes:
+        params["classes"] = classes
+    if layers:
+        params["layers"] = layers
+    if tag is None and "@" in ref:
+        tag = ref
+    headers = {"Authorization": f"Bearer {token}"}
+    limits = httpx.Limits(max_connections=max(1, workers))
+    with (
+        httpx.Client(base_url=url, headers=headers, timeout=TIMEOUT_S, limits=limits) as http,
+        Store.open(dest_dir) as dest,
+    ):
+        resp = http.get("/v1/replicate/offer", params=params)
+        _raise_for(resp, f"offer of {ref}")
+        offer = msgpack.unpackb(resp.content, raw=False, strict_map_key=False)
+        plan = plan_pull(dest, offer)
+
+        def fetch_range(space: str, start: int, end: int) -> bytes:
+            r = http.get(
+                f"/v1/replicate/block/{space}",
+                params=params,
+                headers={"Range": f"bytes={start}-{end - 1}"},
+            )
+            _raise_for(r, f"bytes {start}-{end - 1} of {space[:16]}")
+            return r.content
+
+        return run_pull(dest, plan, fetch_range, tag=tag, workers=workers, max_range=max_range)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Pull and print the one-line summary."""
+    res = pull(
+        args.url,
+        args.ref,
+        args.portal,
+        store_dir(args),
+        classes=args.classes,
+        layers=args.layers,
+        tag=args.tag,
+        workers=args.workers,
+        max_range=args.max_range,
+    )
+    print(res.summary())
+    return 0
