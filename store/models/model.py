@@ -20,6 +20,7 @@ an error at open, not a wrong expert at run time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from czyx.space import Selector
 from czyx.store.consumer import ExpertExtent, ModelInfo
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
+from czyx.store.io.experts import ExpertReads
 from czyx.store.io.widen import widen
 from czyx.store.models.archs import ALL_GLOBAL_ROLES, ALL_ROLES, TOKENIZER_ROLE
 from czyx.store.models.checkpoint import DTYPES
@@ -234,7 +236,6 @@ class StoreModel:
             selector=space.selector.raw,
         )
         self._readers = [store.open_reader(sel, direct=direct) for sel in space.blocks]
-        self._fds = np.array([r.fd for r in self._readers] + [-1], np.int64)
         self._blk, self._off, self._sums = space.blk, space.off, space.sums
         self._direct = direct
         # Class byte of every (layer, router byte): the portal checks classes.
@@ -373,13 +374,48 @@ class StoreModel:
         return blk
 
     def expert_extent(self, layer: int, router_byte: int) -> ExpertExtent:
-        """Resolve ``(layer, router byte)`` to ``ExpertExtent`` (fd, offset, length, sum)."""
+        """Resolve ``(layer, router byte)`` to ``ExpertExtent`` (block, offset, length, sum).
+
+        ``block`` indexes :meth:`expert_block_paths`; the portal's view checks
+        the class and layer first (a denial raises, audited).
+        """
         blk = self._check(layer, router_byte)
         return ExpertExtent(
-            int(self._fds[blk]),
+            blk,
             int(self._off[layer, router_byte]),
             self.info.expert_nbytes,
             int(self._sums[layer, router_byte]),
+        )
+
+    def expert_block_paths(self) -> list[str]:
+        """The block files behind the expert extents, indexed by ``ExpertExtent.block``."""
+        return [str(r.path) for r in self._readers]
+
+    def open_expert_reads(
+        self,
+        slots: Sequence[np.ndarray],
+        *,
+        readers: int = 2,
+        native: bool | None = None,
+        io: str | None = None,
+    ) -> ExpertReads:
+        """The expert-read interface onto this version's block files (see ``ExpertReads``).
+
+        The reads go through the descriptors this model verified at open (the
+        published block files, even if a path is replaced later: that is
+        refused per read as stale), and through :meth:`expert_extent`, so the
+        portal's view checks every expert they touch.
+        """
+        if not self._readers and self._space.blocks:
+            raise ModelSpaceError("the model is closed: its experts cannot be read")
+        return ExpertReads(
+            slots,
+            self.expert_extent,
+            files=[r.fd for r in self._readers],
+            read_expert=self.read_expert,
+            readers=readers,
+            native=native,
+            io=io,
         )
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
