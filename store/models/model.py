@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -31,7 +30,9 @@ from czyx.space import Selector
 from czyx.store.consumer import ExpertExtent, ModelInfo
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
+from czyx.store.interfaces import ClassView, StoreInterface
 from czyx.store.io.experts import ExpertReads
+from czyx.store.io.reader import RawReader
 from czyx.store.io.widen import widen
 from czyx.store.models.archs import ALL_GLOBAL_ROLES, ALL_ROLES, TOKENIZER_ROLE
 from czyx.store.models.checkpoint import DTYPES
@@ -84,7 +85,7 @@ class ModelSpace:
         ``{(role, layer): TrunkRef}``, adapters overlaid on the base.
     """
 
-    def __init__(self, store: Any, ref: str | Selector) -> None:
+    def __init__(self, store: StoreInterface, ref: str | Selector) -> None:
         self.store = store
         self.selector = resolve(store, ref)
         self.chain = self._chain(self.selector)
@@ -176,7 +177,7 @@ class ModelSpace:
                 f"model {self.selector.hex()}: no extent for layer {sparse[layer]} expert {byte}"
             )
 
-    def read_trunk_raw(self, ref: TrunkRef, reader: Any = None) -> np.ndarray:
+    def read_trunk_raw(self, ref: TrunkRef, reader: RawReader | None = None) -> np.ndarray:
         """The verified bytes of one trunk tensor (``uint8``).
 
         ``reader``: an open reader on ``ref.space``'s block file (the lazy
@@ -215,10 +216,10 @@ class StoreModel:
 
     def __init__(
         self,
-        store: Any,
+        store: StoreInterface,
         ref: str | Selector,
         *,
-        view: Any = None,
+        view: ClassView | None = None,
         direct: bool = False,
         lazy_trunk: bool = False,
     ) -> None:
@@ -260,7 +261,7 @@ class StoreModel:
         # error at open, and later reads need no LMDB transaction: they may run on
         # a loader thread).
         self._lazy: dict[tuple[str, int | None], TrunkRef] = {}
-        self._trunk_readers: dict[bytes, Any] = {}
+        self._trunk_readers: dict[bytes, RawReader] = {}
         self._layer_nbytes = np.zeros(space.n_layers, np.int64)
         for k, r in space.trunk.items():
             if k[0] != TOKENIZER_ROLE and k[1] is not None:
@@ -491,10 +492,10 @@ def _as_dtype(buf: np.ndarray, ref: TrunkRef) -> np.ndarray:
 
 
 def open_version(
-    store: Any,
+    store: StoreInterface,
     tag_or_selector: str | Selector,
     *,
-    view: Any,
+    view: ClassView,
     direct: bool = False,
     lazy_trunk: bool = False,
 ) -> StoreModel:

@@ -23,6 +23,7 @@ import sys
 
 from czyx.cli.commands._storearg import add_store_arg, store_dir
 from czyx.inference.opened import OpenedModel
+from czyx.store.interfaces import StoreInterface
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -260,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_session(
     args: argparse.Namespace,
-    store: object,
+    store: StoreInterface,
     engine: object,
     tokenizer: object,
     sampling: object,
