@@ -24,7 +24,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from czyx.portals.caveats import GRANT, INFER, READ, Caveat, Rights, Tenant, check_tenant, describe
 from czyx.portals.chain import ChainKeys, extend_registered, mint, verify_signature
@@ -43,6 +42,7 @@ from czyx.portals.secret import load_or_create_secret
 from czyx.portals.token import Token
 from czyx.portals.view import SpaceView
 from czyx.space import Selector
+from czyx.store.interfaces import StoreInterface
 
 OWNER = "owner"
 # Rights a grant gets when it names none: never "grant" (re-delegation is opt-in).
@@ -78,7 +78,7 @@ class PortalAuthority:
         Seconds since the epoch; injectable for tests of expiry.
     """
 
-    def __init__(self, store: Any, *, clock: Callable[[], float] = _now_default) -> None:
+    def __init__(self, store: StoreInterface, *, clock: Callable[[], float] = _now_default) -> None:
         self.store = store
         self._clock = clock
         self._keys = ChainKeys.from_secret(load_or_create_secret(store.path).reveal())
@@ -468,7 +468,7 @@ def _check_open(perm: Permission, space: bytes | None, right: str, tenant: str |
 _AUTHORITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def authority(store: Any) -> PortalAuthority:
+def authority(store: StoreInterface) -> PortalAuthority:
     """The (cached) :class:`PortalAuthority` of ``store``."""
     try:
         auth = _AUTHORITIES.get(store)
@@ -481,7 +481,7 @@ def authority(store: Any) -> PortalAuthority:
 
 
 def open_space(
-    store: Any,
+    store: StoreInterface,
     token: str,
     space: Selector | bytes | str | None = None,
     *,
@@ -492,13 +492,13 @@ def open_space(
     return authority(store).open_space(token, space, right=right, tenant=tenant)
 
 
-def root_token(store: Any) -> str:
+def root_token(store: StoreInterface) -> str:
     """The owner's root portal of ``store`` (created with the store's secret)."""
     return authority(store).root_token()
 
 
 def grant(
-    store: Any, caveats: Iterable[Caveat], *, tenant: str, parent: str | None = None
+    store: StoreInterface, caveats: Iterable[Caveat], *, tenant: str, parent: str | None = None
 ) -> Grant:
     """Issue a portal; see :meth:`PortalAuthority.grant`."""
     return authority(store).grant(list(caveats), tenant=tenant, parent=parent)

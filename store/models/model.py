@@ -20,8 +20,8 @@ an error at open, not a wrong expert at run time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from czyx.space import Selector
 from czyx.store.consumer import ExpertExtent, ModelInfo
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
+from czyx.store.interfaces import ClassView, StoreInterface
+from czyx.store.io.experts import ExpertReads
+from czyx.store.io.reader import RawReader
 from czyx.store.io.widen import widen
 from czyx.store.models.archs import ALL_GLOBAL_ROLES, ALL_ROLES, TOKENIZER_ROLE
 from czyx.store.models.checkpoint import DTYPES
@@ -82,7 +85,7 @@ class ModelSpace:
         ``{(role, layer): TrunkRef}``, adapters overlaid on the base.
     """
 
-    def __init__(self, store: Any, ref: str | Selector) -> None:
+    def __init__(self, store: StoreInterface, ref: str | Selector) -> None:
         self.store = store
         self.selector = resolve(store, ref)
         self.chain = self._chain(self.selector)
@@ -184,7 +187,7 @@ class ModelSpace:
                 f"model {self.selector.hex()}: no extent for layer {sparse[layer]} expert {byte}"
             )
 
-    def read_trunk_raw(self, ref: TrunkRef, reader: Any = None) -> np.ndarray:
+    def read_trunk_raw(self, ref: TrunkRef, reader: RawReader | None = None) -> np.ndarray:
         """The verified bytes of one trunk tensor (``uint8``).
 
         ``reader``: an open reader on ``ref.space``'s block file (the lazy
@@ -223,10 +226,10 @@ class StoreModel:
 
     def __init__(
         self,
-        store: Any,
+        store: StoreInterface,
         ref: str | Selector,
         *,
-        view: Any = None,
+        view: ClassView | None = None,
         direct: bool = False,
         lazy_trunk: bool = False,
     ) -> None:
@@ -244,7 +247,6 @@ class StoreModel:
             selector=space.selector.raw,
         )
         self._readers = [store.open_reader(sel, direct=direct) for sel in space.blocks]
-        self._fds = np.array([r.fd for r in self._readers] + [-1], np.int64)
         self._blk, self._off, self._sums = space.blk, space.off, space.sums
         self._direct = direct
         # Class byte of every (layer, router byte): the portal checks classes.
@@ -269,7 +271,7 @@ class StoreModel:
         # error at open, and later reads need no LMDB transaction: they may run on
         # a loader thread).
         self._lazy: dict[tuple[str, int | None], TrunkRef] = {}
-        self._trunk_readers: dict[bytes, Any] = {}
+        self._trunk_readers: dict[bytes, RawReader] = {}
         self._layer_nbytes = np.zeros(space.n_layers, np.int64)
         for k, r in space.trunk.items():
             if k[0] != TOKENIZER_ROLE and k[1] is not None:
@@ -383,13 +385,48 @@ class StoreModel:
         return blk
 
     def expert_extent(self, layer: int, router_byte: int) -> ExpertExtent:
-        """Resolve ``(layer, router byte)`` to ``ExpertExtent`` (fd, offset, length, sum)."""
+        """Resolve ``(layer, router byte)`` to ``ExpertExtent`` (block, offset, length, sum).
+
+        ``block`` indexes :meth:`expert_block_paths`; the portal's view checks
+        the class and layer first (a denial raises, audited).
+        """
         blk = self._check(layer, router_byte)
         return ExpertExtent(
-            int(self._fds[blk]),
+            blk,
             int(self._off[layer, router_byte]),
             self.info.expert_nbytes,
             int(self._sums[layer, router_byte]),
+        )
+
+    def expert_block_paths(self) -> list[str]:
+        """The block files behind the expert extents, indexed by ``ExpertExtent.block``."""
+        return [str(r.path) for r in self._readers]
+
+    def open_expert_reads(
+        self,
+        slots: Sequence[np.ndarray],
+        *,
+        readers: int = 2,
+        native: bool | None = None,
+        io: str | None = None,
+    ) -> ExpertReads:
+        """The expert-read interface onto this version's block files (see ``ExpertReads``).
+
+        The reads go through the descriptors this model verified at open (the
+        published block files, even if a path is replaced later: that is
+        refused per read as stale), and through :meth:`expert_extent`, so the
+        portal's view checks every expert they touch.
+        """
+        if not self._readers and self._space.blocks:
+            raise ModelSpaceError("the model is closed: its experts cannot be read")
+        return ExpertReads(
+            slots,
+            self.expert_extent,
+            files=[r.fd for r in self._readers],
+            read_expert=self.read_expert,
+            readers=readers,
+            native=native,
+            io=io,
         )
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
@@ -465,10 +502,10 @@ def _as_dtype(buf: np.ndarray, ref: TrunkRef) -> np.ndarray:
 
 
 def open_version(
-    store: Any,
+    store: StoreInterface,
     tag_or_selector: str | Selector,
     *,
-    view: Any,
+    view: ClassView,
     direct: bool = False,
     lazy_trunk: bool = False,
 ) -> StoreModel:

@@ -58,6 +58,7 @@ import numpy as np
 from czyx.key import Key
 from czyx.space import Selector, canonical_manifest
 from czyx.store.errors import TagConflictError, TagNotFoundError
+from czyx.store.interfaces import StoreInterface
 from czyx.store.models.archs import ROLE_INDEX, TOKENIZER_CLASS, TOKENIZER_FILE, TOKENIZER_ROLE
 from czyx.store.models.checkpoint import DTYPES, Checkpoint
 from czyx.store.models.expert_layout import DEFAULT_OUTER, layout_from_manifest, make_layout
@@ -122,7 +123,7 @@ def parse_tag(tag: str) -> tuple[str, str]:
     return name, version
 
 
-def resolve(store: Any, ref: str | Selector) -> Selector:
+def resolve(store: StoreInterface, ref: str | Selector) -> Selector:
     """A ``NAME@VERSION`` tag, a 64-hex selector or a :class:`Selector` -> selector."""
     if isinstance(ref, Selector):
         return ref
@@ -132,7 +133,7 @@ def resolve(store: Any, ref: str | Selector) -> Selector:
 
 
 def mount(
-    store: Any,
+    store: StoreInterface,
     path: str | os.PathLike[str],
     tag: str,
     *,
@@ -270,7 +271,7 @@ def _bar(enabled: bool, total: int, desc: str) -> Any:
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled, leave=False)
 
 
-def _check_tag_free(store: Any, tag: str, sel: Selector) -> None:
+def _check_tag_free(store: StoreInterface, tag: str, sel: Selector) -> None:
     try:
         old = store.resolve_tag(tag)
     except TagNotFoundError:
@@ -282,7 +283,7 @@ def _check_tag_free(store: Any, tag: str, sel: Selector) -> None:
         )
 
 
-def _model_manifest(store: Any, sel: Selector) -> dict[str, Any]:
+def _model_manifest(store: StoreInterface, sel: Selector) -> dict[str, Any]:
     manifest = store.manifest(sel)
     if manifest.get("kind") not in (MODEL_KIND, ADAPTER_KIND):
         raise ModelSpaceError(
@@ -292,7 +293,11 @@ def _model_manifest(store: Any, sel: Selector) -> dict[str, Any]:
 
 
 def _check_adapter_fits(
-    store: Any, base_sel: Selector, ckpt: Checkpoint, plan: ModelPlan, base: dict[str, Any]
+    store: StoreInterface,
+    base_sel: Selector,
+    ckpt: Checkpoint,
+    plan: ModelPlan,
+    base: dict[str, Any],
 ) -> None:
     """An adapter may only replace tensors the base has, with the same shape and dtype
     (so the merged model, and its export into the base's file headers, stay valid)."""
@@ -415,7 +420,7 @@ def _model_manifest_for(
 
 
 def _write_trunk(
-    store: Any,
+    store: StoreInterface,
     sel: Selector,
     manifest: dict[str, Any],
     src: MountSource,
@@ -461,7 +466,7 @@ def _write_trunk(
     return written
 
 
-def _shared_index(store: Any, name: str, base_sel: Selector | None) -> dict[str, dict]:
+def _shared_index(store: StoreInterface, name: str, base_sel: Selector | None) -> dict[str, dict]:
     """Content hash -> extent location, over the experts of earlier versions of ``name``
     (and the explicit base of an adapter): what a new version may share."""
     candidates = {sel for tag, sel in store.tags().items() if tag.split("@", 1)[0] == name}
@@ -486,7 +491,7 @@ def _shared_index(store: Any, name: str, base_sel: Selector | None) -> dict[str,
 
 
 def _write_experts(
-    store: Any,
+    store: StoreInterface,
     sel: Selector,
     manifest: dict[str, Any],
     src: MountSource,
@@ -531,7 +536,7 @@ def _write_experts(
     return new, shared
 
 
-def summarize(store: Any, ref: str | Selector) -> dict[str, Any]:
+def summarize(store: StoreInterface, ref: str | Selector) -> dict[str, Any]:
     """What ``czyx show`` prints: layers, experts, bytes per class, formats, shared bytes."""
     sel = resolve(store, ref)
     m = _model_manifest(store, sel)

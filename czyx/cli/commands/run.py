@@ -25,6 +25,7 @@ from czyx.cli.commands._engineargs import add_engine_args, parse_class_range
 from czyx.cli.commands._engineargs import stream_options as _stream_options
 from czyx.cli.commands._storearg import add_store_arg, store_dir
 from czyx.inference.opened import OpenedModel
+from czyx.store.interfaces import StoreInterface
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_session(
     args: argparse.Namespace,
-    store: object,
+    store: StoreInterface,
     engine: object,
     tokenizer: object,
     sampling: object,
