@@ -88,6 +88,7 @@ class ModelSpace:
         self.chain = self._chain(self.selector)
         self.root = self.chain[0][1]
         self.manifest = self.chain[-1][1]
+        self._check_manifest()
         ex = self.root["expert"]
         self.n_layers, self.n_experts = int(ex["n_layers"]), int(ex["n_experts"])
         self.nbytes, self.stride = int(ex["nbytes"]), int(ex["stride"])
@@ -104,6 +105,29 @@ class ModelSpace:
             if manifest.get("trunk"):
                 self._load_trunk(Selector.from_hex(manifest["trunk"]))
         self._check_complete()
+
+    def _check_manifest(self) -> None:
+        """Types and bounds of the manifest fields sized from, before any allocation.
+
+        The index is checksummed, so this guards against a writer's bug or a
+        crafted store rather than bit rot: a missing field or a value no model has
+        is a :class:`ModelSpaceError`, never a ``KeyError`` or a petabyte array.
+        """
+        from czyx.store.models.mount_plan import validate_config
+
+        where = f"space {self.selector.hex()}"
+        ex = self.root.get("expert")
+        if not isinstance(ex, dict):
+            raise ModelSpaceError(f"{where}: manifest has no expert table")
+        bounds = {"n_layers": (1, 1024), "n_experts": (1, 256), "nbytes": (1, 1 << 36)}
+        bounds["stride"] = (1, 1 << 36)
+        for key, (lo, hi) in bounds.items():
+            v = ex.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ModelSpaceError(f"{where}: manifest expert.{key}={v!r:.40} invalid")
+        if ex["stride"] < ex["nbytes"]:
+            raise ModelSpaceError(f"{where}: manifest expert stride below its size")
+        validate_config(self.root.get("config"), ex["n_experts"])
 
     def _chain(self, sel: Selector) -> list[tuple[Selector, dict]]:
         chain: list[tuple[Selector, dict]] = []
