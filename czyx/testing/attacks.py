@@ -430,3 +430,67 @@ def _mount_refused(ckpt: pathlib.Path, store_path: pathlib.Path) -> Outcome:
     if out.kind == "refused" and (left or blocks):
         return Outcome("silent", f"refused but left {left or blocks}")
     return out
+
+
+# -- portals ----------------------------------------------------------------------------
+
+
+def portal_attacks(root: pathlib.Path) -> tuple[str, list[Attack]]:
+    """Hand-built tokens that reuse a registered portal id outside the caveats it was
+    issued with; each must fail verification (a typed ``PortalDenied``)."""
+    from czyx.portals import ClassRange, LayerRange, Rights
+    from czyx.portals.authority import PortalAuthority
+    from czyx.portals.caveats import PortalId
+    from czyx.portals.chain import _extend
+    from czyx.portals.token import Token
+    from czyx.space import Selector
+    from czyx.store import Store
+
+    path = root / "store"
+    sp = Selector.from_name("m")
+    with Store.open(path) as st:
+        with st.begin_space(sp, {"x": 1}):
+            pass
+        a = PortalAuthority(st)
+        holder = a.grant([Rights({"read", "grant"})], tenant="alice")
+        child = a.grant(
+            [ClassRange(0, 7), Rights({"read", "grant"})], tenant="alice", parent=holder.token
+        )
+        sibling = a.grant([LayerRange(0, 1), Rights({"read"})], tenant="alice", parent=holder.token)
+        grand = a.grant([Rights({"read"})], tenant="alice", parent=child.token)
+
+    def forge(base: str, *cavs: object) -> str:
+        out = Token.from_text(base)
+        sig, chain = out.signature, list(out.caveats)
+        for c in cavs:
+            sig = _extend(sig, c.encode())
+            chain.append(c)
+        return Token(out.store_id, out.root_id, tuple(chain), sig).to_text()
+
+    cases = {
+        "child id appended to the holder's token": forge(holder.token, PortalId(child.portal_id)),
+        "child id + wider classes": forge(
+            holder.token, PortalId(child.portal_id), ClassRange(0, 255)
+        ),
+        "child id + its rights only (classes dropped)": forge(
+            holder.token, PortalId(child.portal_id), Rights({"read"})
+        ),
+        "sibling id appended": forge(holder.token, PortalId(sibling.portal_id)),
+        "child then sibling id": forge(
+            holder.token, PortalId(child.portal_id), PortalId(sibling.portal_id)
+        ),
+        "grandchild id under a forged child": forge(
+            holder.token, PortalId(child.portal_id), PortalId(grand.portal_id)
+        ),
+        "holder id appended twice": forge(holder.token, PortalId(holder.portal_id)),
+        "random unregistered id": forge(holder.token, PortalId(os.urandom(16))),
+    }
+
+    def run_one(token: str) -> Outcome:
+        with Store.open(path) as st:
+            return classify(lambda: PortalAuthority(st).verify(token, space=sp))
+
+    return (
+        "portals: a registered portal id appended by hand",
+        [Attack(f"portal {n}", lambda t=t: run_one(t)) for n, t in cases.items()],
+    )
