@@ -379,6 +379,17 @@ class StoreModel:
             raise QuantError(f"quantized trunk tensor of shape {shape}: only matrices are")
         return self._read_lazy(ref), get_format(str(ref.record["qfmt"])), (shape[0], shape[1])
 
+    @property
+    def allowed_experts(self) -> np.ndarray:
+        """``bool [n_layers, n_experts]``: the experts (by router byte) the portal permits.
+
+        All true without a portal. The engine masks routing with it, so a scoped
+        portal constrains which experts are chosen, not only which may be read.
+        """
+        out = self._allowed[:, : self.info.n_experts].copy()
+        out.flags.writeable = False
+        return out
+
     # -- experts -----------------------------------------------------------------------
     def _check(self, layer: int, router_byte: int) -> int:
         if not (0 <= layer < self.info.n_layers and 0 <= router_byte < 256):
