@@ -15,6 +15,7 @@ import numpy as np
 from czyx.inference.cache import CacheStats, EvictionPolicy, ExpertCache
 from czyx.inference.errors import CacheBudgetError
 from czyx.inference.models import DecoderConfig, decoder_class
+from czyx.inference.models.decoder import describe_restriction
 from czyx.inference.profile import RoutingProfile
 from czyx.inference.streaming import StreamingExpertCache, StreamOptions, attach
 from czyx.inference.trunkwindow import TrunkWindowStats
@@ -58,6 +59,24 @@ def resolve_budget(
             )
         return want
     return max(total, floor)
+
+
+def _mask_predictions(cache: StreamingExpertCache, mask: np.ndarray) -> None:
+    """Keep a streaming cache's prefetch inside a scoped portal's experts.
+
+    The routing mask already keeps demand reads inside the grant; predictions
+    (look-ahead, early routing) come from the unmasked routers, so they are
+    filtered here, leaving the streaming module untouched: a prefetch outside the
+    grant would be a read the portal refuses.
+    """
+    predict = cache._predict
+    neg = np.float32(-np.inf)
+
+    def _predict(layer: int, logits: np.ndarray) -> np.ndarray:
+        out = predict(layer, np.where(mask[layer], logits, neg))
+        return out[mask[layer][out]]
+
+    cache._predict = _predict
 
 
 class Engine:
@@ -135,6 +154,14 @@ class Engine:
         if stream is not None:
             attach(self.model, self.cache)
         self.cfg = self.model.cfg
+        mask = self.model.route_mask
+        # One line for the run's figures when a scoped portal restricted routing.
+        self.route_restriction = describe_restriction(mask, self.cfg)
+        if mask is not None:
+            if stream is not None:
+                _mask_predictions(self.cache, mask)
+            if hot:
+                hot = [(layer, e) for layer, e in hot if mask[layer, e]]
         if pin_classes is not None:
             sparse = [i for i, s in enumerate(self.cfg.sparse_layers) if s]
             self.cache.pin_classes(pin_classes[0], pin_classes[1], sparse)

@@ -19,6 +19,8 @@ first time an authority is created for the store.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 import time
 import weakref
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from czyx.portals.caveats import GRANT, INFER, READ, Caveat, Rights, Tenant, check_tenant, describe
 from czyx.portals.chain import ChainKeys, extend_registered, mint, verify_signature
 from czyx.portals.errors import (
+    InvalidSignature,
     OutOfScope,
     PortalDenied,
     PortalError,
@@ -158,8 +161,9 @@ class PortalAuthority:
 
     # --- verification ----------------------------------------------------------------
 
-    def _check_lineage(self, perm: Permission) -> None:
+    def _check_lineage(self, perm: Permission, tok: Token) -> None:
         parent: str | None = None
+        encoded = tok.encoded_caveats()
         for i, pid in enumerate(perm.ids):
             d = self.store.get_portal_descriptor(pid)
             if d is None:
@@ -170,6 +174,8 @@ class PortalAuthority:
             expected_kind = "root" if i == 0 else "grant"
             if d.get("kind") != expected_kind or d.get("parent") != parent:
                 raise UnknownPortal(f"portal {pid.hex()}: lineage does not match its descriptor")
+            if i > 0:
+                _check_bound(pid, d, encoded)
             parent = pid.hex()
 
     def verify(
@@ -199,7 +205,7 @@ class PortalAuthority:
             now = self._clock()
             if perm.expires is not None and now >= perm.expires:
                 raise PortalExpired(f"portal {perm.portal_id.hex()} expired at {perm.expires}")
-            self._check_lineage(perm)
+            self._check_lineage(perm, tok)
             _check_open(perm, sel, right, tenant)
         except PortalDenied as exc:
             self.deny(exc, perm=perm, space=sel, right=right)
@@ -266,6 +272,10 @@ class PortalAuthority:
                 "issuer": pperm.tenant or OWNER,
                 "tenant": tenant,
                 "caveats": [describe(c) for c in tok.caveats if c.TAG != 0x01],
+                # The id is bound to the exact caveats it was issued with (see
+                # _check_bound): a holder cannot append it by hand to a wider token.
+                "bound": bind_digest(tok.encoded_caveats()),
+                "bound_n": len(tok.caveats),
                 "created": created,
                 "expires": perm.expires,
                 "revoked": None,
@@ -444,6 +454,38 @@ class PortalAuthority:
                 f"{'every' if spaces is None else len(spaces)} space(s); say which one to open"
             )
         return Selector(next(iter(spaces)))
+
+
+def bind_digest(encoded: Sequence[bytes]) -> str:
+    """SHA-256 (hex) over length-prefixed encoded caveats: what a portal id is bound to."""
+    h = hashlib.sha256()
+    for c in encoded:
+        h.update(len(c).to_bytes(4, "big"))
+        h.update(c)
+    return h.hexdigest()
+
+
+def _check_bound(pid: bytes, d: dict, encoded: Sequence[bytes]) -> None:
+    """The token's caveats up to the end of portal ``pid``'s own must be exactly those
+    it was issued with.
+
+    Why: a chain can be extended by anyone holding it, so without this a holder of a
+    wider portal could append a child's :class:`PortalId` by hand and be audited
+    (and revoked, or not) as that child. The descriptor records a digest of the
+    issued token's caveats (parent's, the id, the grant's own); a token naming the
+    id must begin with exactly those.
+    """
+    n, want = d.get("bound_n"), d.get("bound")
+    if not isinstance(n, int) or not isinstance(want, str):
+        raise UnknownPortal(
+            f"portal {pid.hex()} was issued before portal ids were bound to their caveats; "
+            "grant it again"
+        )
+    if len(encoded) < n or not hmac.compare_digest(bind_digest(encoded[:n]), want):
+        raise InvalidSignature(
+            f"portal id {pid.hex()} is not followed by the caveats it was issued with "
+            "(appended by hand?)"
+        )
 
 
 def _check_open(perm: Permission, space: bytes | None, right: str, tenant: str | None) -> None:

@@ -204,3 +204,293 @@ def remove_tree(path: pathlib.Path) -> None:
 
     shutil.rmtree(path, ignore_errors=True)
     os.sync()
+
+
+# -- malformed checkpoints ------------------------------------------------------------
+
+
+def _header_of(path: pathlib.Path) -> tuple[int, bytes, bytes]:
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return n, raw[8 : 8 + n], raw[8 + n :]
+
+
+def _with_header(path: pathlib.Path, n: int, header: bytes, data: bytes) -> None:
+    import struct
+
+    path.write_bytes(struct.pack("<Q", n) + header + data)
+
+
+def checkpoint_attacks(root: pathlib.Path) -> Iterator[Attack]:
+    """A folder of malformed checkpoints (generated from one valid tiny checkpoint), in
+    the spirit of safetensors' ``attacks/``: each must be refused by mount with a typed
+    error, leave no space, tag or block file behind, and never hang."""
+    import json
+    import shutil
+    import stat
+
+    from czyx.testing.tiny_models import make_tiny_checkpoint
+
+    base = make_tiny_checkpoint("mixtral", root / "valid", num_hidden_layers=1)
+    st_name = "model.safetensors"
+    cfg = json.loads((base / "config.json").read_text())
+    cases: dict[str, Callable[[pathlib.Path], None]] = {}
+
+    def header_case(name: str, fn: Callable[[int, bytes, bytes], tuple[int, bytes, bytes]]):
+        def make(d: pathlib.Path) -> None:
+            _with_header(d / st_name, *fn(*_header_of(d / st_name)))
+
+        cases[f"safetensors {name}"] = make
+
+    header_case("header length one short", lambda n, h, d: (n - 1, h[:-1], h[-1:] + d))
+    header_case("header length one long", lambda n, h, d: (n + 1, h + d[:1], d[1:]))
+    header_case("header length 2**63", lambda n, h, d: (1 << 63, h, d))
+    header_case("header length past EOF", lambda n, h, d: (n + len(d) + 1, h, d))
+    header_case("header not JSON", lambda n, h, d: (n, b"{" + b"x" * (n - 1), d))
+    header_case("header JSON array", lambda n, h, d: (n, b"[" + b" " * (n - 2) + b"]", d))
+    header_case("header leading space", lambda n, h, d: (n, b" " + h[:-1], d))
+    header_case("trailing bytes after data", lambda n, h, d: (n, h, d + b"\0" * 8))
+    header_case("data one byte short", lambda n, h, d: (n, h, d[:-1]))
+
+    def edit_entry(name: str, fn: Callable[[dict], None]) -> None:
+        def make(d: pathlib.Path) -> None:
+            _n, h, data = _header_of(d / st_name)
+            header = json.loads(h)
+            first = sorted(k for k in header if k != "__metadata__")[0]
+            fn(header[first])
+            blob = json.dumps(header, separators=(",", ":")).encode()
+            blob += b" " * (-len(blob) % 8)
+            _with_header(d / st_name, len(blob), blob, data)
+
+        cases[f"safetensors {name}"] = make
+
+    edit_entry("unknown dtype", lambda e: e.update(dtype="F8_E9"))
+    edit_entry("negative shape", lambda e: e.update(shape=[-1, 4]))
+    edit_entry("shape overflow", lambda e: e.update(shape=[1 << 40, 1 << 40, 1 << 40]))
+    edit_entry("shape float", lambda e: e.update(shape=[2.5]))
+    edit_entry("offsets reversed", lambda e: e.update(data_offsets=e["data_offsets"][::-1]))
+    edit_entry("offsets shifted by one", lambda e: e.update(
+        data_offsets=[e["data_offsets"][0] + 1, e["data_offsets"][1] + 1]))
+    edit_entry("offsets as strings", lambda e: e.update(data_offsets=["0", "4"]))
+
+    def deep_header(d: pathlib.Path) -> None:
+        blob = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        blob += b" " * (-len(blob) % 8)
+        _with_header(d / st_name, len(blob), blob, b"")
+
+    cases["safetensors header nested 100000 deep"] = deep_header
+
+    def dup_key(d: pathlib.Path) -> None:
+        _n, h, data = _header_of(d / st_name)
+        text = h.decode().rstrip()
+        first = json.loads(text)
+        name = sorted(k for k in first if k != "__metadata__")[0]
+        entry = json.dumps(first[name], separators=(",", ":"))
+        blob = (text[:-1] + f',"{name}":{entry}' + "}").encode()
+        blob += b" " * (-len(blob) % 8)
+        _with_header(d / st_name, len(blob), blob, data)
+
+    cases["safetensors duplicate tensor name"] = dup_key
+
+    def bad_config(**kv: object) -> Callable[[pathlib.Path], None]:
+        def make(d: pathlib.Path) -> None:
+            (d / "config.json").write_text(json.dumps({**cfg, **kv}))
+
+        return make
+
+    n_exp = cfg["num_local_experts"]
+    for key, value in [
+        ("num_experts_per_tok", n_exp + 1),
+        ("num_experts_per_tok", 0),
+        ("rms_norm_eps", -1e-5),
+        ("rms_norm_eps", 0.0),
+        ("rms_norm_eps", float("nan")),
+        ("rope_theta", 0.0),
+        ("rope_theta", float("inf")),
+        ("rope_parameters", {"rope_theta": 0, "rope_type": "default"}),
+        ("rope_parameters", {"rope_theta": -10000.0, "rope_type": "default"}),
+        ("num_hidden_layers", 10**9),
+        ("num_hidden_layers", [4]),
+        ("num_hidden_layers", "1"),
+        ("num_hidden_layers", 1.0),
+        ("num_hidden_layers", True),
+        ("num_hidden_layers", 0),
+        ("hidden_size", 0),
+        ("hidden_size", -32),
+        ("vocab_size", 1 << 40),
+        ("num_attention_heads", 3),
+        ("num_local_experts", 10**6),
+        ("intermediate_size", None),
+        ("max_position_embeddings", -1),
+        ("model_type", ["mixtral"]),
+        ("head_dim", 0),
+    ]:
+        cases[f"config {key}={value!r}"] = bad_config(**{key: value})
+
+    def deep_config(d: pathlib.Path) -> None:
+        (d / "config.json").write_text('{"a":' + "[" * 100_000 + "]" * 100_000 + "}")
+
+    cases["config nested 100000 deep"] = deep_config
+    cases["config not an object"] = lambda d: (d / "config.json").write_text("[1, 2]")
+    cases["config duplicate key"] = lambda d: (d / "config.json").write_text(
+        json.dumps(cfg)[:-1] + ', "num_hidden_layers": 1}'
+    )
+    cases["config invalid UTF-8"] = lambda d: (d / "config.json").write_bytes(b'{"a": "\xff"}')
+
+    def link(name: str, target: str) -> Callable[[pathlib.Path], None]:
+        def make(d: pathlib.Path) -> None:
+            (d / name).unlink()
+            (d / name).symlink_to(target)
+
+        return make
+
+    def fifo(name: str) -> Callable[[pathlib.Path], None]:
+        def make(d: pathlib.Path) -> None:
+            (d / name).unlink()
+            os.mkfifo(d / name)
+
+        return make
+
+    def directory(name: str) -> Callable[[pathlib.Path], None]:
+        def make(d: pathlib.Path) -> None:
+            (d / name).unlink()
+            (d / name).mkdir()
+
+        return make
+
+    cases["config.json -> /dev/urandom"] = link("config.json", "/dev/urandom")
+    cases["config.json -> /dev/zero"] = link("config.json", "/dev/zero")
+    cases["config.json is a FIFO"] = fifo("config.json")
+    cases["config.json is a directory"] = directory("config.json")
+    cases["model.safetensors is a FIFO"] = fifo(st_name)
+    cases["model.safetensors -> /dev/zero"] = link(st_name, "/dev/zero")
+    cases["model.safetensors -> /dev/urandom"] = link(st_name, "/dev/urandom")
+    cases["model.safetensors is a directory"] = directory(st_name)
+    cases["model.safetensors empty"] = lambda d: (d / st_name).write_bytes(b"")
+    cases["model.safetensors 7 bytes"] = lambda d: (d / st_name).write_bytes(b"\x08" * 7)
+
+    def index_escape(d: pathlib.Path) -> None:
+        _n, h, _ = _header_of(d / st_name)
+        names = [k for k in json.loads(h) if k != "__metadata__"]
+        wm = dict.fromkeys(names, "../model.safetensors")
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+
+    cases["index names ../ path"] = index_escape
+
+    for i, (name, make) in enumerate(sorted(cases.items())):
+
+        def run(i=i, make=make) -> Outcome:
+            d = root / f"attack-{i}"
+            shutil.rmtree(d, ignore_errors=True)
+            shutil.copytree(base, d, symlinks=True)
+            make(d)
+            try:
+                return _mount_refused(d, root / f"store-{i}")
+            finally:
+                for p in d.iterdir():  # a FIFO left behind must not trip rmtree
+                    if stat.S_ISFIFO(p.lstat().st_mode):
+                        p.unlink()
+                shutil.rmtree(d, ignore_errors=True)
+                shutil.rmtree(root / f"store-{i}", ignore_errors=True)
+
+        yield Attack(f"checkpoint {name}", run)
+
+
+def _mount_refused(ckpt: pathlib.Path, store_path: pathlib.Path) -> Outcome:
+    """Mount ``ckpt`` (bounded to 20 s), then check nothing of it is left in the store."""
+    import signal
+    import threading
+
+    from czyx.store import Store
+    from czyx.store.models.mount import mount
+
+    class _Hung(Exception):
+        pass
+
+    def alarm(*_: object) -> None:
+        raise _Hung("mount did not return within 20 s")
+
+    main = threading.current_thread() is threading.main_thread()
+    with Store.open(store_path) as st:
+        old = signal.signal(signal.SIGALRM, alarm) if main else None
+        if main:
+            signal.alarm(20)
+        try:
+            out = classify(lambda: mount(st, ckpt, "attack@1"))
+        except _Hung as exc:  # raised outside classify's frame is impossible; kept safe
+            out = Outcome("crashed", str(exc))
+        finally:
+            if main:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, old)
+        left = list(st.spaces()) or list(st.tags())
+        blocks = [p.name for p in (store_path / "blocks").iterdir()]
+    if out.kind == "refused" and (left or blocks):
+        return Outcome("silent", f"refused but left {left or blocks}")
+    return out
+
+
+# -- portals ----------------------------------------------------------------------------
+
+
+def portal_attacks(root: pathlib.Path) -> tuple[str, list[Attack]]:
+    """Hand-built tokens that reuse a registered portal id outside the caveats it was
+    issued with; each must fail verification (a typed ``PortalDenied``)."""
+    from czyx.portals import ClassRange, LayerRange, Rights
+    from czyx.portals.authority import PortalAuthority
+    from czyx.portals.caveats import PortalId
+    from czyx.portals.chain import _extend
+    from czyx.portals.token import Token
+    from czyx.space import Selector
+    from czyx.store import Store
+
+    path = root / "store"
+    sp = Selector.from_name("m")
+    with Store.open(path) as st:
+        with st.begin_space(sp, {"x": 1}):
+            pass
+        a = PortalAuthority(st)
+        holder = a.grant([Rights({"read", "grant"})], tenant="alice")
+        child = a.grant(
+            [ClassRange(0, 7), Rights({"read", "grant"})], tenant="alice", parent=holder.token
+        )
+        sibling = a.grant([LayerRange(0, 1), Rights({"read"})], tenant="alice", parent=holder.token)
+        grand = a.grant([Rights({"read"})], tenant="alice", parent=child.token)
+
+    def forge(base: str, *cavs: object) -> str:
+        out = Token.from_text(base)
+        sig, chain = out.signature, list(out.caveats)
+        for c in cavs:
+            sig = _extend(sig, c.encode())
+            chain.append(c)
+        return Token(out.store_id, out.root_id, tuple(chain), sig).to_text()
+
+    cases = {
+        "child id appended to the holder's token": forge(holder.token, PortalId(child.portal_id)),
+        "child id + wider classes": forge(
+            holder.token, PortalId(child.portal_id), ClassRange(0, 255)
+        ),
+        "child id + its rights only (classes dropped)": forge(
+            holder.token, PortalId(child.portal_id), Rights({"read"})
+        ),
+        "sibling id appended": forge(holder.token, PortalId(sibling.portal_id)),
+        "child then sibling id": forge(
+            holder.token, PortalId(child.portal_id), PortalId(sibling.portal_id)
+        ),
+        "grandchild id under a forged child": forge(
+            holder.token, PortalId(child.portal_id), PortalId(grand.portal_id)
+        ),
+        "holder id appended twice": forge(holder.token, PortalId(holder.portal_id)),
+        "random unregistered id": forge(holder.token, PortalId(os.urandom(16))),
+    }
+
+    def run_one(token: str) -> Outcome:
+        with Store.open(path) as st:
+            return classify(lambda: PortalAuthority(st).verify(token, space=sp))
+
+    return (
+        "portals: a registered portal id appended by hand",
+        [Attack(f"portal {n}", lambda t=t: run_one(t)) for n, t in cases.items()],
+    )

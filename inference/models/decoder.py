@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from czyx.inference.cache import ExpertCache
-from czyx.inference.errors import MissingTensorError, UnsupportedModelError
+from czyx.inference.errors import MissingTensorError, ScopeRoutingError, UnsupportedModelError
 from czyx.inference.kernels.linear import Weight, mm_t, take_rows
 from czyx.inference.kernels.ops import prepare
 from czyx.inference.models.base import (
@@ -257,6 +257,9 @@ class MoEDecoder:
         # its attention (the streaming cache predicts layer i's experts from it while
         # the attention computes); None on the ordinary path.
         self.layer_hook: Callable[[int, np.ndarray], None] | None = None
+        # bool [n_layers, n_experts] of the experts a scoped portal permits, or None
+        # (everything): routing then picks its top-k among the permitted only.
+        self.route_mask: np.ndarray | None = routing_mask(consumer, cfg)
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
@@ -457,7 +460,8 @@ class MoEDecoder:
 
     def _routed(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
         cfg = self.cfg
-        idx, w = route_topk(mm_t(x, lw.router), cfg.top_k, cfg.renormalize)
+        mask = None if self.route_mask is None else self.route_mask[i]
+        idx, w = route_topk(mm_t(x, lw.router), cfg.top_k, cfg.renormalize, mask)
         self.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
         if self.recorder is not None:
             self.recorder.record(i, idx, w)
@@ -512,6 +516,46 @@ class MoEDecoder:
                 cache.release()
         # Fixed top-k order: independent of which experts hit or missed.
         return contrib.sum(axis=1)
+
+
+def routing_mask(consumer: ModelConsumer, cfg: DecoderConfig) -> np.ndarray | None:
+    """The experts the consumer's portal permits, as the router's mask (None: all).
+
+    Why here: a class or layer caveat must constrain *routing*, not only reads,
+    or the router picks an expert the portal forbids and the run fails at its
+    read. A sparse layer with fewer permitted experts than ``top_k`` cannot be
+    run faithfully and is refused.
+
+    Raises
+    ------
+    ScopeRoutingError
+    """
+    allowed = getattr(consumer, "allowed_experts", None)
+    if allowed is None:
+        return None
+    allowed = np.asarray(allowed, bool)[:, : cfg.n_experts]
+    if allowed.all():
+        return None
+    for i in range(cfg.n_layers):
+        if cfg.sparse_layers[i] and int(allowed[i].sum()) < cfg.top_k:
+            raise ScopeRoutingError(
+                f"the portal permits {int(allowed[i].sum())} of {cfg.n_experts} experts at "
+                f"layer {i}, but the model routes each token to {cfg.top_k}; grant more classes"
+            )
+    return np.ascontiguousarray(allowed)
+
+
+def describe_restriction(mask: np.ndarray | None, cfg: DecoderConfig) -> str | None:
+    """One line for the run's figures: how a portal restricted routing (None: it did not)."""
+    if mask is None:
+        return None
+    sparse = [i for i in range(cfg.n_layers) if cfg.sparse_layers[i]]
+    counts = sorted({int(mask[i].sum()) for i in sparse})
+    span = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return (
+        f"routing restricted by the portal: top-{cfg.top_k} over {span} of {cfg.n_experts} "
+        f"experts in {len(sparse)} sparse layers (weights renormalised over them)"
+    )
 
 
 def shared_expert(lw: Layer, x: np.ndarray, observe: Observe = None) -> np.ndarray:

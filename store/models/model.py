@@ -91,6 +91,7 @@ class ModelSpace:
         self.chain = self._chain(self.selector)
         self.root = self.chain[0][1]
         self.manifest = self.chain[-1][1]
+        self._check_manifest()
         ex = self.root["expert"]
         self.n_layers, self.n_experts = int(ex["n_layers"]), int(ex["n_experts"])
         self.nbytes, self.stride = int(ex["nbytes"]), int(ex["stride"])
@@ -107,6 +108,29 @@ class ModelSpace:
             if manifest.get("trunk"):
                 self._load_trunk(Selector.from_hex(manifest["trunk"]))
         self._check_complete()
+
+    def _check_manifest(self) -> None:
+        """Types and bounds of the manifest fields sized from, before any allocation.
+
+        The index is checksummed, so this guards against a writer's bug or a
+        crafted store rather than bit rot: a missing field or a value no model has
+        is a :class:`ModelSpaceError`, never a ``KeyError`` or a petabyte array.
+        """
+        from czyx.store.models.mount_plan import validate_config
+
+        where = f"space {self.selector.hex()}"
+        ex = self.root.get("expert")
+        if not isinstance(ex, dict):
+            raise ModelSpaceError(f"{where}: manifest has no expert table")
+        bounds = {"n_layers": (1, 1024), "n_experts": (1, 256), "nbytes": (1, 1 << 36)}
+        bounds["stride"] = (1, 1 << 36)
+        for key, (lo, hi) in bounds.items():
+            v = ex.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ModelSpaceError(f"{where}: manifest expert.{key}={v!r:.40} invalid")
+        if ex["stride"] < ex["nbytes"]:
+            raise ModelSpaceError(f"{where}: manifest expert stride below its size")
+        validate_config(self.root.get("config"), ex["n_experts"])
 
     def _chain(self, sel: Selector) -> list[tuple[Selector, dict]]:
         chain: list[tuple[Selector, dict]] = []
@@ -366,6 +390,17 @@ class StoreModel:
         if len(shape) != 2:
             raise QuantError(f"quantized trunk tensor of shape {shape}: only matrices are")
         return self._read_lazy(ref), get_format(str(ref.record["qfmt"])), (shape[0], shape[1])
+
+    @property
+    def allowed_experts(self) -> np.ndarray:
+        """``bool [n_layers, n_experts]``: the experts (by router byte) the portal permits.
+
+        All true without a portal. The engine masks routing with it, so a scoped
+        portal constrains which experts are chosen, not only which may be read.
+        """
+        out = self._allowed[:, : self.info.n_experts].copy()
+        out.flags.writeable = False
+        return out
 
     # -- experts -----------------------------------------------------------------------
     def _check(self, layer: int, router_byte: int) -> int:

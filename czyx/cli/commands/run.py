@@ -135,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
 
         if args.session:
             _run_session(args, opened.store, engine, tokenizer, sampling, emit)
+            if engine.route_restriction:
+                print(engine.route_restriction, file=sys.stderr)
             if engine.trunk_window_stats() is not None:
                 print(engine.trunk_window_stats().summary(), file=sys.stderr)
             engine.close()
@@ -149,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         print(out.stats.summary(), file=sys.stderr)
+        if engine.route_restriction:
+            print(engine.route_restriction, file=sys.stderr)
         window = engine.trunk_window_stats()
         if window is not None:
             print(window.summary(), file=sys.stderr)
