@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 ARCHES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
-# The architectures the numpy engine targets first (DeepSeek is naming-only for now).
-ENGINE_ARCHES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# The architectures the numpy engine runs.
+ENGINE_ARCHES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 32,
