@@ -124,7 +124,7 @@ def test_unknown_architecture_is_refused():
         decoder_class("llama4_text")
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["olmoe"])
 def test_attention_bias_is_refused(arch):
     with pytest.raises(UnsupportedModelError, match="attention_bias"):
         decoder_class(arch).reject_attention_bias({"attention_bias": True})
