@@ -47,6 +47,7 @@ from czyx.inference.models.rope import RopeConfig, Rotary, rope_config
 from czyx.inference.profile import RouteRecorder
 from czyx.inference.trunkwindow import TrunkWindow, TrunkWindowStats
 from czyx.store.consumer import ModelConsumer, ModelInfo
+from czyx.store.models.archs import EXTRA_ROLES
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,8 @@ class Layer:
         "shared_up_proj",
         "v_bias",
         "v_proj",
+        # Roles only some architectures have (store.models.archs.EXTRA_ROLES).
+        *EXTRA_ROLES,
     )
 
     def __init__(self, index: int = -1) -> None:
@@ -356,6 +359,17 @@ class MoEDecoder:
         """Combine the routed-expert output with anything else the MLP adds (shared expert)."""
         return routed
 
+    def route(
+        self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k expert indices ``[T, k]`` and weights of tokens ``x``: softmax routing.
+
+        ``mask`` (``bool [E]``, a scoped portal's permitted experts) restricts the
+        choice to permitted experts. Architectures with another scoring (DeepSeek's
+        sigmoid and group-limited selection, GPT-OSS's router bias) override this.
+        """
+        return route_topk(mm_t(x, lw.router), self.cfg.top_k, self.cfg.renormalize, mask)
+
     # ------------------------------------------------------------------ forward
 
     def new_kv(self, capacity: int = 64) -> KVCache:
@@ -461,7 +475,7 @@ class MoEDecoder:
     def _routed(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
         cfg = self.cfg
         mask = None if self.route_mask is None else self.route_mask[i]
-        idx, w = route_topk(mm_t(x, lw.router), cfg.top_k, cfg.renormalize, mask)
+        idx, w = self.route(lw, x, mask)
         self.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
         if self.recorder is not None:
             self.recorder.record(i, idx, w)

@@ -34,7 +34,7 @@ from czyx.store.interfaces import ClassView, StoreInterface
 from czyx.store.io.experts import ExpertReads
 from czyx.store.io.reader import RawReader
 from czyx.store.io.widen import widen
-from czyx.store.models.archs import ALL_GLOBAL_ROLES, ALL_ROLES, TOKENIZER_ROLE
+from czyx.store.models.archs import ALL_GLOBAL_ROLES, ALL_ROLES, MTP_ROLE, TOKENIZER_ROLE
 from czyx.store.models.checkpoint import DTYPES
 from czyx.store.models.expert_layout import layout_from_manifest
 from czyx.store.models.mount import ADAPTER_KIND, MODEL_KIND, TRUNK_KIND, resolve
@@ -298,10 +298,10 @@ class StoreModel:
         self._trunk_readers: dict[bytes, RawReader] = {}
         self._layer_nbytes = np.zeros(space.n_layers, np.int64)
         for k, r in space.trunk.items():
-            if k[0] != TOKENIZER_ROLE and k[1] is not None:
+            if k[0] not in (TOKENIZER_ROLE, MTP_ROLE) and k[1] is not None:
                 self._layer_nbytes[k[1]] += r.record["len"]
         for k, r in space.trunk.items():
-            if k[0] == TOKENIZER_ROLE:
+            if k[0] in (TOKENIZER_ROLE, MTP_ROLE):  # not run: kept for export only
                 continue
             if lazy_trunk and k[1] is not None:
                 self._lazy[k] = r

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from czyx.store.models.archs import ArchSpec, TensorKind, arch_for_config
+from czyx.store.models.archs import MTP_ROLE, ArchSpec, TensorKind, arch_for_config
 from czyx.store.models.checkpoint import DTYPES, FORMAT_OF_DTYPE, Checkpoint
 from czyx.store.models.mount_errors import (
     ConfigError,
@@ -215,7 +215,11 @@ def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
     seen_roles: dict[tuple[str, int | None], str] = {}
     per_expert: dict[tuple[int, int], dict[str, str]] = {}
     fused: dict[int, dict[str, str]] = {}
+    kept: list[str] = []  # multi-token-prediction layers: kept verbatim, never run
     for name in ckpt.names():
+        if spec.mtp_layer(name, cfg) is not None:
+            kept.append(name)
+            continue
         kind = spec.classify(name)
         file = str(ckpt.info(name).file)
         if kind is None:
@@ -226,7 +230,7 @@ def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
             raise UnexpectedTensorError(
                 f"layer {kind.layer} >= num_hidden_layers {n_layers}"
                 + (
-                    " (multi-token-prediction layers are not supported)"
+                    " (beyond its num_nextn_predict_layers multi-token-prediction layers)"
                     if cfg.get("num_nextn_predict_layers")
                     else ""
                 ),
@@ -252,6 +256,8 @@ def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
             raise UnexpectedTensorError(f"duplicates {parts[kind.part]!r}", file=file, tensor=name)
         parts[kind.part] = name
 
+    # Each kept tensor is a trunk record of role "mtp" at its index in name order.
+    trunk += [TrunkEntry(name, MTP_ROLE, i) for i, name in enumerate(sorted(kept))]
     experts: dict[tuple[int, int], tuple[PartSource, PartSource, PartSource]] = {}
     dtypes: set[str] = set()
     layers_per = {layer for layer, _ in per_expert}

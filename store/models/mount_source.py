@@ -14,7 +14,7 @@ from typing import Any
 import blake3
 import numpy as np
 
-from czyx.store.models.archs import TOKENIZER_FILE
+from czyx.store.models.archs import MTP_ROLE, TOKENIZER_FILE
 from czyx.store.models.checkpoint import Checkpoint
 from czyx.store.models.mount_plan import ModelPlan
 
@@ -68,7 +68,7 @@ class MountSource:
     def stored_tensor(self, t: Any) -> tuple[np.ndarray, str | None]:
         """``(bytes to store, quantized format or None)`` of trunk entry ``t``."""
         raw = self.tensor(t.tensor)
-        if self.codec is None:
+        if self.codec is None or t.role == MTP_ROLE:  # kept tensors are stored as they are
             return raw, None
         info = self.ckpt.info(t.tensor)
         return self.codec.encode_trunk_raw(t.role, t.layer, raw, info.dtype, info.shape)
