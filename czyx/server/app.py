@@ -401,14 +401,20 @@ class _Outcome:
 class _TextStream:
     """Token ids -> text pieces, ending before the first stop string.
 
-    Text that could be the start of a stop string is held back until it
-    cannot be (or the generation ends).
+    Incremental detokenization over a short window (the last emitted token
+    as context, then the new ones): each piece is the text the new tokens
+    add to that context, so a tokenizer's leading-space and byte-fallback
+    rules apply as in a full decode, at a cost per token that does not grow
+    with the output. A piece ending in an incomplete UTF-8 sequence waits
+    for its next token. Text that could be the start of a stop string is
+    held back until it cannot be (or the generation ends).
     """
 
     def __init__(self, tokenizer, stops: tuple[str, ...], eos: frozenset[int]) -> None:
-        from czyx.inference.tokenizer import StreamDecoder
-
-        self.decoder = StreamDecoder(tokenizer)
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the context window
+        self.read = 0  # tokens already turned into text
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.eos = eos
@@ -416,15 +422,24 @@ class _TextStream:
         self.sent = 0
         self.stopped = False
 
+    def _decode_new(self, final: bool) -> str:
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        after = self.tok.decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before) :]
+
     def push(self, tok: int) -> str:
         if tok in self.eos:
             return ""
-        self.text += self.decoder.push(tok)
+        self.ids.append(tok)
+        self.text += self._decode_new(final=False)
         return self._release(final=False)
 
     def finish(self) -> str:
         if not self.stopped:
-            self.text += self.decoder.flush()
+            self.text += self._decode_new(final=True)
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
