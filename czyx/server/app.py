@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -458,6 +459,47 @@ class _TextStream:
         return piece
 
 
+class _Dispatcher:
+    """Hands scheduler events to the event loop: one loop wake-up per burst, not per event.
+
+    The scheduler's thread emits one event per sequence per step; waking the
+    loop for each would hand the GIL back and forth that many times a step.
+    Events queue here and a single drain callback delivers all that arrived
+    before it ran.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._pending: list[tuple[asyncio.Queue, Any]] = []
+        self._scheduled = False
+        self._lock = threading.Lock()
+
+    def post(self, q: asyncio.Queue, ev: Any) -> None:
+        with self._lock:
+            self._pending.append((q, ev))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, []
+            self._scheduled = False
+        for q, ev in items:
+            q.put_nowait(ev)
+
+
+_DISPATCHERS: dict[int, _Dispatcher] = {}
+
+
+def _dispatcher(loop: asyncio.AbstractEventLoop) -> _Dispatcher:
+    d = _DISPATCHERS.get(id(loop))
+    if d is None or d.loop is not loop:
+        d = _DISPATCHERS[id(loop)] = _Dispatcher(loop)
+    return d
+
+
 async def _events(
     served: ServedModel,
     ids: list[int],
@@ -472,11 +514,11 @@ async def _events(
     Raises :class:`ApiError` 429 when the queue is full, 400 when the context
     exceeds the KV budget. Leaving the iterator early cancels the sequence.
     """
-    loop = asyncio.get_running_loop()
+    dispatch = _dispatcher(asyncio.get_running_loop())
     q: asyncio.Queue = asyncio.Queue()
 
     def on_event(ev) -> None:
-        loop.call_soon_threadsafe(q.put_nowait, ev)
+        dispatch.post(q, ev)
 
     try:
         handle = served.scheduler.submit(ids, req.max_tokens, req.sampling, eos, on_event)
