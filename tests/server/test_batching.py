@@ -86,8 +86,26 @@ def test_eight_concurrent_clients_equal_solo(wide):
     _wait_idle(app)
 
 
+def _next_request_audit(store, since: int, timeout: float = 30.0) -> dict:
+    """The first serve.request audit entry after ``since`` (the audit is written after the
+    response ends, so poll, bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in store.audit_log(since):
+            if e["event"] == "serve.request":
+                return e
+        time.sleep(0.02)
+    raise AssertionError(f"no serve.request audit entry within {timeout} s")
+
+
+def _last_seq(store) -> int:
+    return max((e["seq"] for e in store.audit_log()), default=0)
+
+
 def test_disconnect_frees_the_sequence(wide):
     url, token, app = wide
+    store = app.state.czyx.store
+    since = _last_seq(store)
     headers = {"Authorization": f"Bearer {token}"}
     body = {"model": "stdlib@1", "prompt": "x", "max_tokens": 900, "stream": True, "temperature": 0}
     with (
@@ -99,10 +117,10 @@ def test_disconnect_frees_the_sequence(wide):
         for _ in range(4):
             next(lines)
     _wait_idle(app)
-    store = app.state.czyx.store
-    last = [e for e in store.audit_log() if e["event"] == "serve.request"][-1]
+    last = _next_request_audit(store, since)
     assert last["status"] == 499 and last["completion_tokens"] < 900
     # A non-streaming client that gives up is freed too.
+    since = _last_seq(store)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(
             url + "/v1/completions",
@@ -111,7 +129,7 @@ def test_disconnect_frees_the_sequence(wide):
             json={"model": "stdlib@1", "prompt": "x", "max_tokens": 900},
         )
     _wait_idle(app)
-    last = [e for e in store.audit_log() if e["event"] == "serve.request"][-1]
+    last = _next_request_audit(store, since)
     assert last["status"] == 499 and last["completion_tokens"] < 900
 
 
