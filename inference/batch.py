@@ -315,14 +315,29 @@ class Token:
 
 
 @dataclass(frozen=True)
+class FinalState:
+    """A finished sequence kept for saving (``keep_state``): every token of its history
+    (restored, prompt, generated) is in ``kv``, and ``logits`` are the next position's."""
+
+    tokens: list[int]
+    kv: KVCache
+    logits: np.ndarray
+    sampler: Sampler
+
+
+@dataclass(frozen=True)
 class Done:
     """Event: a sequence ended. ``reason``: "stop" (end-of-sequence id), "length",
-    "cancelled" or "error" (then ``error`` says why)."""
+    "cancelled" or "error" (then ``error`` says why). ``restored``: positions it
+    resumed from a saved state instead of computing; ``final``: its state when
+    submitted with ``keep_state`` (and it ended by "stop" or "length")."""
 
     reason: str
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    restored: int = 0
+    final: FinalState | None = None
 
 
 Event = Token | Done
@@ -390,6 +405,9 @@ class _Seq:
     kv: KVCache | None = None
     fed: int = 0  # prompt tokens already processed
     generated: list[int] = field(default_factory=list)
+    history: tuple[np.ndarray, KVCache] | None = None  # restored (tokens, KV)
+    keep_state: bool = False
+    closing: str | None = None  # keep_state: the end reason, once the last token is fed
 
 
 @dataclass(frozen=True)
@@ -453,8 +471,15 @@ class Scheduler:
         sampling: SamplingParams = SamplingParams(),  # noqa: B008 - frozen
         eos_ids: Sequence[int] = (),
         on_event: Callable[[Event], None] | None = None,
+        history: tuple[Sequence[int], KVCache] | None = None,
+        keep_state: bool = False,
     ) -> Handle:
         """Queue a request; its events follow on the returned :class:`Handle`.
+
+        ``history`` resumes a saved sequence: its tokens and a KV cache holding
+        exactly them; the prompt continues after them (nothing recomputed).
+        ``keep_state``: once the sequence ends, its last token is fed too (one
+        more step), so :class:`Done` carries a complete :class:`FinalState` to save.
 
         Raises
         ------
@@ -473,12 +498,21 @@ class Scheduler:
             raise ValueError(f"prompt token id out of range 0..{vocab - 1}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens {max_tokens} must be at least 1")
-        need = (int(ids.size) + int(max_tokens)) * self.kv_bytes_per_token
+        hist = None
+        if history is not None:
+            h_ids = np.asarray(list(history[0]), np.int64)
+            if history[1].length != h_ids.size:
+                raise ValueError(
+                    f"history of {h_ids.size} tokens with a KV cache of {history[1].length}"
+                )
+            hist = (h_ids, history[1])
+        restored = 0 if hist is None else int(hist[0].size)
+        need = (restored + int(ids.size) + int(max_tokens) + 1) * self.kv_bytes_per_token
         budget = self.options.kv_bytes
         if budget is not None and need > budget:
             raise RequestTooLarge(
-                f"context of {ids.size} + {max_tokens} tokens needs {need} B of KV, over the "
-                f"budget of {budget} B"
+                f"context of {restored} + {ids.size} + {max_tokens} tokens needs {need} B of KV, "
+                f"over the budget of {budget} B"
             )
         with self._lock:
             if self._closed:
@@ -489,6 +523,8 @@ class Scheduler:
                 )
             h = Handle(next(self._ids), self, on_event)
             seq = _Seq(h, ids, int(max_tokens), Sampler(sampling), frozenset(eos_ids), need)
+            seq.history = hist
+            seq.keep_state = bool(keep_state)
             self._waiting.append(seq)
             self._lock.notify_all()
         return h
@@ -538,14 +574,36 @@ class Scheduler:
                 break
             self._waiting.popleft()
             self._kv_used += seq.kv_need
-            seq.kv = self.model.new_kv(capacity=int(seq.prompt.size + seq.max_tokens))
+            restored = 0 if seq.history is None else int(seq.history[0].size)
+            cap = restored + int(seq.prompt.size + seq.max_tokens) + 1
+            seq.kv = self.model.new_kv(capacity=cap)
+            if seq.history is not None:
+                old = seq.history[1]
+                for i in range(len(old.k)):
+                    seq.kv.k[i][:, :restored] = old.k[i][:, :restored]
+                    seq.kv.v[i][:, :restored] = old.v[i][:, :restored]
+                seq.kv.length = restored
             self._active.append(seq)
 
-    def _finish(self, seq: _Seq, reason: str, error: str | None = None) -> None:
+    def _finish(
+        self, seq: _Seq, reason: str, error: str | None = None, final: FinalState | None = None
+    ) -> None:
         if seq.kv is not None:
             self._kv_used -= seq.kv_need
             seq.kv = None
-        seq.handle._emit(Done(reason, int(seq.prompt.size), len(seq.generated), error))
+        restored = 0 if seq.history is None else int(seq.history[0].size)
+        seq.history = None
+        seq.handle._emit(
+            Done(reason, int(seq.prompt.size), len(seq.generated), error, restored, final)
+        )
+
+    def _end(self, seq: _Seq, reason: str) -> None:
+        """End by "stop"/"length": at once, or (``keep_state``) after feeding the last token."""
+        if seq.keep_state:
+            seq.closing = reason  # the next step feeds the last token, then finishes
+            return
+        self._active.remove(seq)
+        self._finish(seq, reason)
 
     def _reap_cancelled(self) -> None:
         for seq in [s for s in self._waiting if s.handle.cancelled]:
@@ -608,6 +666,14 @@ class Scheduler:
             self._last_batch = len(work)
             self._busy += now - t0
             for (seq, chunk), lg in zip(work, logits, strict=True):
+                if seq.closing is not None:  # its last token is now in the KV: keep the state
+                    hist = [] if seq.history is None else seq.history[0].tolist()
+                    final = FinalState(
+                        [*hist, *seq.prompt.tolist(), *seq.generated], seq.kv, lg, seq.sampler
+                    )
+                    self._active.remove(seq)
+                    self._finish(seq, seq.closing, final=final)
+                    continue
                 decoding = seq.fed == seq.prompt.size
                 if decoding:
                     self._decode_tokens += 1
@@ -622,10 +688,8 @@ class Scheduler:
                 self._generated += 1
                 seq.handle._emit(Token(tok, len(seq.generated) - 1, now))
                 if tok in seq.eos:
-                    self._active.remove(seq)
-                    self._finish(seq, "stop")
+                    self._end(seq, "stop")
                 elif len(seq.generated) >= seq.max_tokens:
-                    self._active.remove(seq)
-                    self._finish(seq, "length")
+                    self._end(seq, "length")
         if self.on_step is not None:
             self.on_step(len(work), n_tokens, now - t0)

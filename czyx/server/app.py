@@ -21,13 +21,16 @@ ignored. Errors use the OpenAI error object.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -49,6 +52,10 @@ from czyx.server.metrics import Metrics
 from czyx.server.template import ChatTemplate, TemplateError, load_template
 
 MAX_STOPS = 4
+#: Request header naming the caller's session (resumed from the store, saved back).
+SESSION_HEADER = "x-czyx-session"
+#: Response header: the session version a non-streamed request saved.
+SESSION_VERSION_HEADER = "X-Czyx-Session-Version"
 
 
 class ServerError(CzyxError):
@@ -396,19 +403,39 @@ class _Outcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    error_status: int = 500
+    cached_tokens: int = 0  # positions restored from a saved session
+    session_version: int | None = None  # the version this request saved
+
+
+@dataclass
+class _Session:
+    """A request's ``X-Czyx-Session``: the handle, the head it read, and what it restores."""
+
+    name: str
+    sessions: Any  # inference.sessions.SessionStore
+    head: int
+    model: bytes
+    history: tuple[list[int], Any] | None  # (tokens, KVCache) of the head, or None (new)
 
 
 class _TextStream:
     """Token ids -> text pieces, ending before the first stop string.
 
-    Text that could be the start of a stop string is held back until it
-    cannot be (or the generation ends).
+    Incremental detokenization over a short window (the last emitted token
+    as context, then the new ones): each piece is the text the new tokens
+    add to that context, so a tokenizer's leading-space and byte-fallback
+    rules apply as in a full decode, at a cost per token that does not grow
+    with the output. A piece ending in an incomplete UTF-8 sequence waits
+    for its next token. Text that could be the start of a stop string is
+    held back until it cannot be (or the generation ends).
     """
 
     def __init__(self, tokenizer, stops: tuple[str, ...], eos: frozenset[int]) -> None:
-        from czyx.inference.tokenizer import StreamDecoder
-
-        self.decoder = StreamDecoder(tokenizer)
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the context window
+        self.read = 0  # tokens already turned into text
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.eos = eos
@@ -416,15 +443,24 @@ class _TextStream:
         self.sent = 0
         self.stopped = False
 
+    def _decode_new(self, final: bool) -> str:
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        after = self.tok.decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before) :]
+
     def push(self, tok: int) -> str:
         if tok in self.eos:
             return ""
-        self.text += self.decoder.push(tok)
+        self.ids.append(tok)
+        self.text += self._decode_new(final=False)
         return self._release(final=False)
 
     def finish(self) -> str:
         if not self.stopped:
-            self.text += self.decoder.flush()
+            self.text += self._decode_new(final=True)
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
@@ -443,6 +479,47 @@ class _TextStream:
         return piece
 
 
+class _Dispatcher:
+    """Hands scheduler events to the event loop: one loop wake-up per burst, not per event.
+
+    The scheduler's thread emits one event per sequence per step; waking the
+    loop for each would hand the GIL back and forth that many times a step.
+    Events queue here and a single drain callback delivers all that arrived
+    before it ran.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._pending: list[tuple[asyncio.Queue, Any]] = []
+        self._scheduled = False
+        self._lock = threading.Lock()
+
+    def post(self, q: asyncio.Queue, ev: Any) -> None:
+        with self._lock:
+            self._pending.append((q, ev))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, []
+            self._scheduled = False
+        for q, ev in items:
+            q.put_nowait(ev)
+
+
+_DISPATCHERS: dict[int, _Dispatcher] = {}
+
+
+def _dispatcher(loop: asyncio.AbstractEventLoop) -> _Dispatcher:
+    d = _DISPATCHERS.get(id(loop))
+    if d is None or d.loop is not loop:
+        d = _DISPATCHERS[id(loop)] = _Dispatcher(loop)
+    return d
+
+
 async def _events(
     served: ServedModel,
     ids: list[int],
@@ -450,6 +527,7 @@ async def _events(
     eos: tuple[int, ...],
     timeout: float,
     retry_after: int,
+    session: _Session | None = None,
 ) -> AsyncIterator[Token | Done | None]:
     """None once the request is queued, then the scheduler's events, awaited without
     blocking the loop.
@@ -457,14 +535,22 @@ async def _events(
     Raises :class:`ApiError` 429 when the queue is full, 400 when the context
     exceeds the KV budget. Leaving the iterator early cancels the sequence.
     """
-    loop = asyncio.get_running_loop()
+    dispatch = _dispatcher(asyncio.get_running_loop())
     q: asyncio.Queue = asyncio.Queue()
 
     def on_event(ev) -> None:
-        loop.call_soon_threadsafe(q.put_nowait, ev)
+        dispatch.post(q, ev)
 
     try:
-        handle = served.scheduler.submit(ids, req.max_tokens, req.sampling, eos, on_event)
+        handle = served.scheduler.submit(
+            ids,
+            req.max_tokens,
+            req.sampling,
+            eos,
+            on_event,
+            history=None if session is None else session.history,
+            keep_state=session is not None,
+        )
     except QueueFull as exc:
         raise ApiError(
             429,
@@ -491,12 +577,84 @@ async def _events(
         handle.cancel()  # a no-op once done; frees the sequence when the client left early
 
 
-def _usage(out: _Outcome) -> dict[str, int]:
-    return {
+def _usage(out: _Outcome) -> dict[str, Any]:
+    usage: dict[str, Any] = {
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
         "total_tokens": out.prompt_tokens + out.completion_tokens,
     }
+    if out.cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": out.cached_tokens}
+    return usage
+
+
+def _open_session(store, tenant: str, name: str, served: ServedModel) -> _Session:
+    """The caller's session ``name`` (its head restored as a KV cache), or a new one.
+
+    The server acts for the caller's tenant through the store owner's portal
+    (a tenant's grant names the model's spaces, not the session spaces its
+    saves create); tenant isolation is the session store's own check.
+
+    Raises :class:`ApiError`: 400 for a bad name or a state of another model
+    version, 403 for another tenant's session.
+    """
+    from czyx.inference.sessions import errors as serr
+    from czyx.inference.sessions.store import SessionStore, check_name
+    from czyx.portals.errors import PortalDenied
+
+    try:
+        check_name(name)
+        from czyx.portals import root_token
+
+        sessions = SessionStore(store, root_token(store), tenant=tenant)
+        model = bytes(served.consumer.info.selector)
+        versions = sessions.versions(name)
+        if not versions:
+            return _Session(name, sessions, 0, model, None)
+        head = versions[-1][0]
+        parsed = sessions.read(name, head, model=model)
+        cfg = served.engine.cfg
+        lay = parsed.layout
+        if (lay.n_layers, lay.n_kv_heads, lay.head_dim) != (
+            cfg.n_layers,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+        ):
+            raise serr.ModelVersionMismatchError(f"session {name!r}: KV shape differs")
+        rows = parsed.rows
+        kv = served.engine.model.new_kv(max(rows, 1))
+        parsed.copy_kv_into(kv.k, kv.v, rows)
+        kv.length = rows
+        return _Session(name, sessions, head, model, ([int(t) for t in parsed.tokens[:rows]], kv))
+    except (serr.WrongTenantError, PortalDenied) as exc:
+        raise ApiError(
+            403, f"session {name!r}: {exc}", "permission_error", "session_denied", "X-Czyx-Session"
+        ) from None
+    except (serr.SessionError, ValueError) as exc:
+        raise _bad(f"session {name!r}: {exc}", "X-Czyx-Session") from None
+
+
+def _save_session(session: _Session, final) -> int:
+    """Save a finished sequence as the session's next version; returns the version."""
+    from dataclasses import asdict
+
+    from czyx.inference.sessions.format import SessionState
+
+    kv = final.kv
+    n = kv.length
+    state = SessionState(
+        model=session.model,
+        tenant=session.sessions.tenant,
+        tokens=np.asarray(final.tokens, np.int32),
+        k=tuple(a[:, :n] for a in kv.k),
+        v=tuple(a[:, :n] for a in kv.v),
+        logits=np.asarray(final.logits, np.float32),
+        sampling=asdict(final.sampler.params),
+        rng_state=final.sampler.rng.bit_generator.state,
+        capacity=kv.capacity,
+    )
+    info = session.sessions.save(session.name, state, expect_version=session.head)
+    return int(info.version)
 
 
 class _Api:
@@ -617,12 +775,19 @@ class _Api:
             model = req.model
             served = self._served(caller, req.model)
             ids = _chat_prompt(body, served) if chat else _completion_prompt(body, served)
+            session = None
+            name = request.headers.get(SESSION_HEADER)
+            if name:
+                session = await run_in_threadpool(
+                    _open_session, self.state.store, caller.tenant, name, served
+                )
         except ApiError as exc:
             await self._audit(caller, endpoint, model, exc.status, None)
             return exc.response()
         eos = served.chat_eos_ids if chat else served.eos_ids
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        gen = self._run(served, ids, req, eos, time.perf_counter())
+        out = _Outcome(prompt_tokens=len(ids))  # filled as the generation runs
+        gen = self._run(served, ids, req, eos, time.perf_counter(), session, out)
         if req.stream:
             # The first event decides between an error answer (429, 400) and a stream.
             try:
@@ -631,21 +796,19 @@ class _Api:
                 await self._audit(caller, endpoint, model, exc.status, None)
                 return exc.response()
             return StreamingResponse(
-                self._sse(gen, first, rid, req, chat, caller, endpoint),
+                self._sse(gen, first, rid, req, chat, caller, endpoint, out),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        out = _Outcome()
         try:
-            async for kind, value in _with_disconnect(request, gen):
-                if kind == "done":
-                    out = value
+            async for _ in _with_disconnect(request, gen):
+                pass
         except ApiError as exc:
-            await self._audit(caller, endpoint, model, exc.status, None)
+            await self._audit(caller, endpoint, model, exc.status, out)
             return exc.response()
         if out.error is not None:
-            err = ApiError(500, f"generation failed: {out.error}", "server_error")
-            await self._audit(caller, endpoint, model, 500, out)
+            err = ApiError(out.error_status, f"generation failed: {out.error}", "server_error")
+            await self._audit(caller, endpoint, model, out.error_status, out)
             return err.response()
         await self._audit(caller, endpoint, model, 200, out)
         created = int(time.time())
@@ -660,6 +823,9 @@ class _Api:
         else:
             choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish}
             obj = "text_completion"
+        headers = {}
+        if out.session_version is not None:
+            headers[SESSION_VERSION_HEADER] = str(out.session_version)
         return JSONResponse(
             {
                 "id": rid,
@@ -668,7 +834,8 @@ class _Api:
                 "model": req.model,
                 "choices": [choice],
                 "usage": _usage(out),
-            }
+            },
+            headers=headers,
         )
 
     async def _run(
@@ -678,14 +845,20 @@ class _Api:
         req: GenRequest,
         eos: tuple[int, ...],
         t0: float,
+        session: _Session | None = None,
+        out: _Outcome | None = None,
     ) -> AsyncIterator[tuple[str, Any]]:
-        """Yield ``("start", None)``, then ``("text", piece)``... and ``("done", _Outcome)``."""
+        """Yield ``("start", None)``, then ``("text", piece)``... and ``("done", _Outcome)``.
+
+        With a session, the finished state is saved as its next version before "done".
+        """
         stream = _TextStream(served.tokenizer, req.stop, frozenset(eos))
-        out = _Outcome(prompt_tokens=len(ids))
+        out = out if out is not None else _Outcome(prompt_tokens=len(ids))
         metrics = self.state.metrics
         last = None
         opts = self.state.options
-        events = _events(served, ids, req, eos, opts.event_timeout, opts.retry_after)
+        events = _events(served, ids, req, eos, opts.event_timeout, opts.retry_after, session)
+        final = None
         try:
             async for ev in events:
                 if ev is None:
@@ -710,6 +883,8 @@ class _Api:
                     if ev.reason == "error":
                         out.error = ev.error
                     out.finish = "stop" if ev.reason in ("stop", "cancelled") else "length"
+                    out.cached_tokens = ev.restored
+                    final = ev.final
                     break
         finally:
             await events.aclose()  # cancels the sequence if it is still running
@@ -717,10 +892,24 @@ class _Api:
         if rest:
             out.text += rest
             yield "text", rest
+        if session is not None and final is not None and out.error is None:
+            try:
+                out.session_version = await run_in_threadpool(_save_session, session, final)
+            except CzyxError as exc:
+                out.error = f"session {session.name!r} not saved: {exc}"
+                out.error_status = 409 if "Conflict" in type(exc).__name__ else 500
         yield "done", out
 
     async def _sse(
-        self, gen, first, rid: str, req: GenRequest, chat: bool, caller: Caller, endpoint: str
+        self,
+        gen,
+        first,
+        rid: str,
+        req: GenRequest,
+        chat: bool,
+        caller: Caller,
+        endpoint: str,
+        out: _Outcome,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -749,7 +938,6 @@ class _Api:
             }
             return f"data: {json.dumps(payload)}\n\n".encode()
 
-        out = _Outcome()
         status = 200
         try:
             if chat:
@@ -757,14 +945,17 @@ class _Api:
             async for kind, value in gen:
                 if kind == "text":
                     yield chunk(value, None)
-                elif kind == "done":
-                    out = value
             if out.error is not None:
-                status = 500
-                err = ApiError(500, f"generation failed: {out.error}", "server_error")
+                status = out.error_status
+                err = ApiError(status, f"generation failed: {out.error}", "server_error")
                 yield f"data: {json.dumps(err.body())}\n\n".encode()
             else:
-                yield chunk(None if chat else "", out.finish)
+                last = chunk(None if chat else "", out.finish)
+                if out.session_version is not None:  # the version this stream saved
+                    obj_last = json.loads(last[6:])
+                    obj_last["czyx_session_version"] = out.session_version
+                    last = f"data: {json.dumps(obj_last)}\n\n".encode()
+                yield last
                 if req.include_usage:
                     payload = {
                         "id": rid,
@@ -812,6 +1003,9 @@ async def _with_disconnect(request: Request, gen) -> AsyncIterator[tuple[str, An
                     yield kind, value
                 continue
             nxt.cancel()
+            # The generator must stop running before it can be closed.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await nxt
             raise ApiError(499, "client disconnected", "invalid_request_error")
     finally:
         watcher.cancel()
@@ -849,7 +1043,6 @@ def create_app(
         (lifespan) or by ``app.state.czyx.close()``. Serve it on 127.0.0.1
         with uvicorn.
     """
-    import contextlib
 
     state = ServerState(store_dir, list(refs), options or ServeOptions())
     api = _Api(state)

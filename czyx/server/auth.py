@@ -24,7 +24,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from czyx.errors import CzyxError
 from czyx.portals.caveats import INFER
@@ -70,6 +70,7 @@ class Caller:
     tenant: str
     portal_id: str
     permission: Permission
+    token: str = field(default="", repr=False, compare=False)  # the bearer token itself
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ class TokenGate:
                     self._cache.popitem(last=False)
         else:
             self._recheck(token, caller.permission)
-        return caller
+        return replace(caller, token=token)
 
     def _recheck(self, token: str, perm: Permission) -> None:
         """Expiry and revocation of a cached permission (audited on refusal)."""

@@ -128,13 +128,14 @@ def check_engine_args(args: argparse.Namespace) -> None:
 def engine_kwargs(args: argparse.Namespace, consumer: Any) -> dict[str, Any]:
     """:class:`~czyx.inference.engine.Engine` keyword arguments from the flags.
 
-    ``consumer`` is the opened version (its shape reads the ``--hot`` profile).
+    ``consumer`` is the opened version (its shape reads the ``--hot`` profile); None
+    leaves ``hot`` unset (``czyx serve`` loads the profile per version).
     """
     from czyx.inference.profile import RoutingProfile
 
     check_engine_args(args)
     hot = None
-    if args.hot:
+    if args.hot and consumer is not None:
         info = consumer.info
         hot = RoutingProfile.load(args.hot, info.n_layers, info.n_experts).hot_list()
     stream, xray = stream_options(args)
