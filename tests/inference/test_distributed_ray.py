@@ -103,3 +103,19 @@ def test_expert_parallel_on_ray(setup, fraction):
         for a, b in zip(logits, refs[2][1]):
             np.testing.assert_array_equal(a, b)
         assert all(c["remote_calls"] > 0 for c in ep.counters())
+
+
+def test_cli_run_ray_prints_the_single_process_text(setup, capsys):
+    from czyx.cli import main
+
+    root, tok, _, _ = setup
+    base = ["run", "m@1", "--prompt", "def main(", "--max-tokens", "6", "--store"]
+    assert main([*base, str(root / "src")]) == 0
+    want = capsys.readouterr().out
+    extra = ["--node-store", str(root / "sub0"), "--node-store", str(root / "sub1")]
+    extra += ["--node-portal", tok["sub0"], "--node-portal", tok["sub1"]]
+    extra += ["--node-classes", "0-5", "--node-classes", "6-255"]
+    # --ray local reuses the module's Ray instance (a connected driver is reused)
+    assert main([*base, str(root / "src"), "--ray", "local", "--shape", "experts", *extra]) == 0
+    got = capsys.readouterr()
+    assert got.out == want and "experts over 2 Ray actors" in got.err
