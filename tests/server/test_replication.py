@@ -248,7 +248,9 @@ def test_resume_after_sigkill_does_not_resend(source, server, tmp_path):
         deadline = time.monotonic() + 60
         journals: list[Path] = []
         while time.monotonic() < deadline and proc.poll() is None:
-            journals = [p for p in (dest / "staging").glob("*/arrived") if p.stat().st_size >= 32]
+            # the version's own staging (the trunk space is staged and published first)
+            journal = dest / "staging" / source["sel1"].hex() / "arrived"
+            journals = [journal] if journal.exists() and journal.stat().st_size >= 32 else []
             if journals:
                 break
             time.sleep(0.02)
