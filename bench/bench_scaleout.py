@@ -286,7 +286,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, default=3, help="Ray nodes: head + workers (1: one)")
+    ap.add_argument(
+        "--nodes", type=int, default=1, help="Ray nodes (1: one on 127.0.0.1; N: head + N-1)"
+    )
     ap.add_argument("--tokens", type=int, default=16, help="generated tokens per request")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--model-only", action="store_true")
