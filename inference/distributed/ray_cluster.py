@@ -90,6 +90,7 @@ def local_ray(num_cpus: int = 2, nodes: int = 1) -> Iterator[str]:
             )
         else:
             ray.init(
+                address="local",  # always a new instance, never a stale one found on disk
                 num_cpus=num_cpus,
                 include_dashboard=False,
                 runtime_env=env,
