@@ -218,6 +218,38 @@ def test_portal_without_read_is_403_and_no_token_401(source, server, tmp_path):
         timeout=10,
     )
     assert r.status_code == 403
+    r = httpx.get(
+        f"{url}/v1/replicate/offer",
+        params={"ref": "nope@1"},
+        headers={"Authorization": f"Bearer {source['read1']}"},
+        timeout=10,
+    )
+    assert r.status_code in (403, 404)  # an unknown tag is never served
+    r = httpx.get(
+        f"{url}/v1/replicate/block/{source['trunk']}",
+        params={"ref": "m@1"},
+        headers={"Authorization": f"Bearer {source['read1']}", "Range": "bytes=0-99"},
+        timeout=10,
+    )
+    assert r.status_code == 403  # the header is no extent of the offer
+    from czyx.cli import main
+
+    assert (
+        main(
+            [
+                "pull",
+                url,
+                "m@1",
+                "--portal",
+                "t",
+                "--store",
+                str(tmp_path / "d4"),
+                "--classes",
+                "9-3",
+            ]
+        )
+        == 1
+    )  # malformed range: one-line error, no request
     # the scoped portal may pull what it covers
     res = pull(url, "m@1", source["scoped"], str(tmp_path / "d3"), classes="0-7")
     assert res.spaces_published == 2
