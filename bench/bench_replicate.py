@@ -10,7 +10,9 @@ alternating, a fresh destination each time, ``os.sync()`` before each):
 
 * ``plain``: httpx streams every block file the version spans (trunk and
   experts) to local files, then ``fsync`` (the pull makes its bytes durable
-  too): the bytes a ``curl`` of the store would move;
+  too), served as static files (Starlette ``FileResponse``): the bytes a
+  ``curl`` of the store would move; ``whole``: the same, each file served as
+  one in-memory body (fewer, larger writes on the server: a stronger baseline);
 * ``pull``: ``czyx pull`` of ``m@1`` into an empty store (offer, plan, range
   reads with 4 workers, checksum per extent, staging + journal, fsync,
   publish, tag); ``pull-1w``: the same with one worker.
@@ -70,7 +72,7 @@ def changed_copy(src: Path, dst: Path, fraction: float, seed: int = 1) -> int:
     return len(pick)
 
 
-def plain_download(url: str, names: list[str], out: Path) -> int:
+def plain_download(url: str, names: list[str], out: Path, route: str = "plain") -> int:
     """Stream each named block file to ``out`` and fsync; returns bytes."""
     import httpx
 
@@ -78,7 +80,7 @@ def plain_download(url: str, names: list[str], out: Path) -> int:
     total = 0
     with httpx.Client(base_url=url, timeout=120) as http:
         for name in names:
-            with http.stream("GET", f"/plain/{name}") as r, open(out / name, "wb") as f:
+            with http.stream("GET", f"/{route}/{name}") as r, open(out / name, "wb") as f:
                 r.raise_for_status()
                 for chunk in r.iter_bytes(1 << 20):
                     f.write(chunk)
@@ -103,7 +105,8 @@ def main() -> None:
 
 def run(work: Path, args: argparse.Namespace) -> None:
     from starlette.applications import Starlette
-    from starlette.responses import FileResponse
+    from starlette.concurrency import run_in_threadpool
+    from starlette.responses import FileResponse, Response
     from starlette.routing import Route
 
     from czyx.server.replication import routes
@@ -124,20 +127,26 @@ def run(work: Path, args: argparse.Namespace) -> None:
     async def plain(request):  # the baseline: a static file, no portal, no checks
         return FileResponse(blocks_dir / request.path_params["name"])
 
-    app = Starlette(routes=[*routes(src_dir), Route("/plain/{name}", plain)])
-    rows: dict[str, list[float]] = {"plain": [], "pull": [], "pull-1w": []}
+    async def whole(request):  # a stronger baseline: the whole file in one body
+        path = blocks_dir / request.path_params["name"]
+        return Response(await run_in_threadpool(path.read_bytes))
+
+    app = Starlette(
+        routes=[*routes(src_dir), Route("/plain/{name}", plain), Route("/whole/{name}", whole)]
+    )
+    rows: dict[str, list[float]] = {"plain": [], "whole": [], "pull": [], "pull-1w": []}
     payload = 0
     with serve_in_thread(app) as url:
         for rep in range(args.reps):
-            order = ["plain", "pull", "pull-1w"]
+            order = ["plain", "whole", "pull", "pull-1w"]
             if rep % 2:
                 order.reverse()
             for kind in order:
                 dest = work / f"dest-{kind}-{rep}"
                 os.sync()
                 t0 = time.perf_counter()
-                if kind == "plain":
-                    nbytes = plain_download(url, blocks, dest)
+                if kind in ("plain", "whole"):
+                    nbytes = plain_download(url, blocks, dest, kind)
                 else:
                     res = pull(url, "m@1", token1, str(dest), workers=1 if kind == "pull-1w" else 4)
                     nbytes = res.bytes_fetched
@@ -164,6 +173,9 @@ def run(work: Path, args: argparse.Namespace) -> None:
         "payload_bytes": payload,
         "mb_per_s": med,
         "ratio_pull_vs_plain": med["pull"] / med["plain"],
+        "ratio_pull_vs_whole": med["pull"] / med["whole"],
+        "ratio_pull1w_vs_whole": med["pull-1w"] / med["whole"],
+        "all_mb_per_s": rows,
         "ratio_pull1w_vs_plain": med["pull-1w"] / med["plain"],
         "shared_version": {
             "experts": n_experts,

@@ -56,17 +56,20 @@ def _ray() -> Any:
 
 @contextmanager
 def local_ray(num_cpus: int = 2, nodes: int = 1) -> Iterator[str]:
-    """Start a Ray cluster on this machine (127.0.0.1), yield its address, tear it down.
+    """Start a Ray cluster on this machine, yield its address, tear it down.
 
-    ``nodes > 1`` starts a head and ``nodes - 1`` worker nodes
-    (``ray.cluster_utils.Cluster``; each node ``num_cpus`` CPUs, and a custom
-    resource ``node<i>`` to place actors); ``nodes == 1`` one node.
+    ``nodes == 1``: one node bound to 127.0.0.1. ``nodes > 1``: a head and
+    ``nodes - 1`` worker nodes (``ray.cluster_utils.Cluster``, on the host's
+    own address: it does not start pinned to 127.0.0.1), each with
+    ``num_cpus`` CPUs and a custom resource ``node<i>`` to place actors.
     """
     ray = _ray()
     env = {"env_vars": {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}}
     cluster = None
     try:
         if nodes > 1:
+            # Several raylets on this machine. ray.cluster_utils picks the host's own
+            # address for them (it does not come up when pinned to 127.0.0.1).
             from ray.cluster_utils import Cluster
 
             cluster = Cluster(
@@ -75,13 +78,10 @@ def local_ray(num_cpus: int = 2, nodes: int = 1) -> Iterator[str]:
                     "num_cpus": num_cpus,
                     "resources": {"node0": 1},
                     "include_dashboard": False,
-                    "node_ip_address": "127.0.0.1",
                 },
             )
             for i in range(1, nodes):
-                cluster.add_node(
-                    num_cpus=num_cpus, resources={f"node{i}": 1}, node_ip_address="127.0.0.1"
-                )
+                cluster.add_node(num_cpus=num_cpus, resources={f"node{i}": 1})
             ray.init(
                 address=cluster.address,
                 runtime_env=env,
@@ -90,6 +90,7 @@ def local_ray(num_cpus: int = 2, nodes: int = 1) -> Iterator[str]:
             )
         else:
             ray.init(
+                address="local",  # always a new instance, never a stale one found on disk
                 num_cpus=num_cpus,
                 include_dashboard=False,
                 runtime_env=env,

@@ -46,7 +46,7 @@ from typing import Any
 from czyx.key import Key
 from czyx.space import Selector, canonical_manifest
 from czyx.store.core.staging import PlannedExtent, StagedSpace, StagingError
-from czyx.store.errors import StoreError
+from czyx.store.errors import StoreError, TagConflictError, TagNotFoundError
 from czyx.store.models.expert_layout import layout_from_manifest
 from czyx.store.models.mount import ADAPTER_KIND, MODEL_KIND, resolve
 
@@ -494,6 +494,16 @@ def run_pull(
     """
     t0 = time.perf_counter()
     res = PullResult(plan.version, tag)
+    if tag is not None:  # refuse a taken tag before moving a byte
+        try:
+            old = dest.resolve_tag(tag)
+        except TagNotFoundError:
+            old = None
+        if old is not None and old != plan.version:
+            raise TagConflictError(
+                f"tag {tag!r} here points at {old.hex()[:16]}, not at the pulled "
+                f"{plan.version.hex()[:16]}; remove it or pull with another tag"
+            )
     for sp in plan.spaces:
         res.bytes_total += sp.bytes_total
         if sp.present:

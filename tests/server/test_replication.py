@@ -21,7 +21,7 @@ from czyx.cli.commands.pull import PullError, pull
 from czyx.portals import open_consumer
 from czyx.portals.model import grant_model
 from czyx.server.replication import create_replication_app
-from czyx.store import Store
+from czyx.store import Store, TagConflictError
 from czyx.store.models.mount import mount
 from czyx.store.models.mount_errors import ModelSpaceError
 from czyx.testing.loopback import serve_in_thread
@@ -151,6 +151,24 @@ def test_second_version_moves_only_missing_experts(source, server, tmp_path):
     np.testing.assert_array_equal(_logits(dest, "m@2"), source["logits2"])
 
 
+def test_shared_extents_come_from_the_earlier_versions_block(source, server, tmp_path):
+    url, _ = server
+    dest = str(tmp_path / "dest")
+    res = pull(url, "m@2", source["read2"], dest)  # m@2 shares most experts with m@1
+    assert res.bytes_fetched == res.bytes_total and res.spaces_published == 2
+    np.testing.assert_array_equal(_logits(dest, "m@2"), source["logits2"])
+
+
+def test_taken_tag_is_refused_before_moving_bytes(source, server, tmp_path):
+    url, tap = server
+    dest = str(tmp_path / "dest")
+    pull(url, "m@1", source["read1"], dest, tag="x@1")
+    before = tap.served
+    with pytest.raises(TagConflictError):
+        pull(url, "m@2", source["read2"], dest, tag="x@1")
+    assert tap.served == before
+
+
 def test_subset_holds_only_its_experts(source, server, tmp_path):
     url, _ = server
     dest = str(tmp_path / "dest")
@@ -200,6 +218,38 @@ def test_portal_without_read_is_403_and_no_token_401(source, server, tmp_path):
         timeout=10,
     )
     assert r.status_code == 403
+    r = httpx.get(
+        f"{url}/v1/replicate/offer",
+        params={"ref": "nope@1"},
+        headers={"Authorization": f"Bearer {source['read1']}"},
+        timeout=10,
+    )
+    assert r.status_code in (403, 404)  # an unknown tag is never served
+    r = httpx.get(
+        f"{url}/v1/replicate/block/{source['trunk']}",
+        params={"ref": "m@1"},
+        headers={"Authorization": f"Bearer {source['read1']}", "Range": "bytes=0-99"},
+        timeout=10,
+    )
+    assert r.status_code == 403  # the header is no extent of the offer
+    from czyx.cli import main
+
+    assert (
+        main(
+            [
+                "pull",
+                url,
+                "m@1",
+                "--portal",
+                "t",
+                "--store",
+                str(tmp_path / "d4"),
+                "--classes",
+                "9-3",
+            ]
+        )
+        == 1
+    )  # malformed range: one-line error, no request
     # the scoped portal may pull what it covers
     res = pull(url, "m@1", source["scoped"], str(tmp_path / "d3"), classes="0-7")
     assert res.spaces_published == 2
@@ -230,7 +280,9 @@ def test_resume_after_sigkill_does_not_resend(source, server, tmp_path):
         deadline = time.monotonic() + 60
         journals: list[Path] = []
         while time.monotonic() < deadline and proc.poll() is None:
-            journals = [p for p in (dest / "staging").glob("*/arrived") if p.stat().st_size >= 32]
+            # the version's own staging (the trunk space is staged and published first)
+            journal = dest / "staging" / source["sel1"].hex() / "arrived"
+            journals = [journal] if journal.exists() and journal.stat().st_size >= 32 else []
             if journals:
                 break
             time.sleep(0.02)
@@ -244,7 +296,9 @@ def test_resume_after_sigkill_does_not_resend(source, server, tmp_path):
     before = tap.served
     res = pull(url, "m@1", source["read1"], str(dest), max_range=200000)
     assert res.bytes_resumed > 0
-    assert res.bytes_fetched + res.bytes_resumed == res.bytes_total  # nothing sent twice
+    # nothing sent twice: what the killed pull staged (or already published, e.g. the
+    # trunk space) is resumed or reused, the rest fetched
+    assert res.bytes_fetched + res.bytes_resumed + res.bytes_reused == res.bytes_total
     # what the server sent on resume is what the client fetched: no journaled extent twice
     # (a coalesced range carries the padding between its extents, hence >=)
     assert tap.served - before >= res.bytes_fetched

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from czyx.space import Selector
 from czyx.store import Store
@@ -117,3 +120,29 @@ def test_staging_resumes_refuses_other_plan_and_incomplete(tmp_path):
             buf = np.empty(100, np.uint8)
             r.read_into(ext[2].offset, buf)
             assert buf.tobytes() == data[2]
+
+
+@settings(max_examples=60)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["a" * 64, "b" * 64]), st.integers(0, 40), st.integers(1, 9000)),
+        min_size=1,
+        max_size=30,
+        unique_by=lambda t: (t[0], t[1]),
+    ),
+    st.integers(4096, 40000),
+)
+def test_coalesced_runs_cover_each_fetch_once_within_bounds(items, max_range):
+    from czyx.store.models.replicate import Fetch, _coalesce
+
+    # extents at 16 KiB slots: lengths up to 9000 leave padding, gaps of slots skip
+    fetches = [Fetch(b, s * 16384, n, 0, i * 16384) for i, (b, s, n) in enumerate(items)]
+    runs = _coalesce(fetches, max_range)
+    flat = [f for r in runs for f in r]
+    assert sorted(flat, key=id) == sorted(fetches, key=id)
+    for r in runs:
+        assert len({f.src_block for f in r}) == 1
+        span = r[-1].src_off + r[-1].length - r[0].src_off
+        assert len(r) == 1 or span <= max_range
+        for p, q in itertools.pairwise(r):  # only alignment padding between neighbours
+            assert p.src_off + p.length <= q.src_off < p.src_off + p.length + 4096

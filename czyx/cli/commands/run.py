@@ -61,6 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tenant", help="tenant the session belongs to (default: the portal's, or 'owner')"
     )
+    from czyx.cli.commands._ray_run import add_args as _add_ray_args
+
+    _add_ray_args(p)
     p.set_defaults(func=run)
 
 
@@ -100,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
     from czyx.inference.sampling import SamplingParams
     from czyx.inference.tokenizer import tokenizer_for
 
+    if getattr(args, "ray", None):
+        from czyx.cli.commands._ray_run import run_ray
+
+        return run_ray(args)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     pin = parse_class_range(args.pin_classes)
     if args.max_tokens < 0:
