@@ -252,3 +252,21 @@ def write_gguf(
     if split_max_tensors:
         return sorted(path.parent.glob(path.stem + "-*-of-*.gguf"))
     return [path]
+
+
+def tiny_bpe_tokenizer_json(vocab: int) -> str:
+    """A byte-level BPE ``tokenizer.json`` of at most ``vocab`` tokens (llama.cpp needs one)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab - 8,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = ["the quick brown fox jumps over the lazy dog. " * 3, "mixture of experts, 42 tokens!"]
+    tok.train_from_iterator(text * 20, trainer)
+    return tok.to_str()

@@ -457,8 +457,11 @@ def gguf_tokenizer_fields(tokenizer_json: str, n_vocab: int) -> dict[str, Any]:
     """
     data = json.loads(tokenizer_json)
     model = data.get("model") or {}
-    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(data.get("pre_tokenizer")):
-        raise UnsupportedGGUFError("only byte-level BPE tokenizers are written to GGUF")
+    pre = _pre_name(data.get("pre_tokenizer") or {})
+    if model.get("type") != "BPE" or pre is None:
+        raise UnsupportedGGUFError(
+            "only byte-level BPE tokenizers with a llama.cpp pre-tokenizer are written to GGUF"
+        )
     vocab: dict[str, int] = dict(model["vocab"])
     added = {a["content"]: a for a in data.get("added_tokens") or []}
     for a in added.values():
@@ -481,8 +484,24 @@ def gguf_tokenizer_fields(tokenizer_json: str, n_vocab: int) -> dict[str, Any]:
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
     return {
         "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.pre": pre,
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types,
         "tokenizer.ggml.merges": merges,
     }
+
+
+def _pre_name(pre: Mapping[str, Any]) -> str | None:
+    """llama.cpp's name of a ``tokenizer.json`` byte-level pre-tokenizer, if it has one."""
+    if pre.get("type") == "ByteLevel":
+        return "gpt-2" if pre.get("use_regex", True) else None
+    if pre.get("type") != "Sequence":
+        return None
+    steps = pre.get("pretokenizers") or []
+    if len(steps) != 2 or steps[1].get("type") != "ByteLevel" or steps[1].get("use_regex"):
+        return None
+    split = steps[0]
+    rx = (split.get("pattern") or {}).get("Regex")
+    if split.get("type") != "Split" or split.get("behavior") != "Isolated":
+        return None
+    return next((name for name, known in PRE_REGEX.items() if known == rx), None)

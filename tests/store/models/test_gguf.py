@@ -27,7 +27,7 @@ from czyx.store.models.gguf import ConversionPolicyError, UnsupportedGGUFError, 
 from czyx.store.models.gguf_source import native_pack
 from czyx.store.models.mount import mount
 from czyx.store.quant.formats import dequantize
-from czyx.testing.gguf_writer import reference_model, write_gguf
+from czyx.testing.gguf_writer import reference_model, tiny_bpe_tokenizer_json, write_gguf
 from czyx.testing.refmodels import ARCHS, tiny_model
 
 PROMPT = np.random.default_rng(5).integers(0, 256, 12)
@@ -37,7 +37,7 @@ _OVER = {
     "mixtral": {"sliding_window": None},  # llama.cpp runs Mixtral without a window
     "qwen2_moe": {"mlp_only_layers": [], "num_hidden_layers": 2, "moe_intermediate_size": 32},
     "qwen3_moe": {"moe_intermediate_size": 32},
-    "olmoe": {},
+    "olmoe": {"num_key_value_heads": 4},  # llama.cpp's olmoe has no GQA (as OLMoE itself)
 }
 
 
@@ -148,28 +148,11 @@ def test_split_files_mount_as_one_model(tmp_path):
         mount(store, files[0], "m@1")
 
 
-def _bpe_tokenizer_json(vocab: int) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab - 8,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    text = ["the quick brown fox jumps over the lazy dog. " * 3, "mixture of experts, 42 tokens!"]
-    tok.train_from_iterator(text * 20, trainer)
-    return tok.to_str()
-
-
 def test_tokenizer_travels_from_gguf_metadata(tmp_path):
     from tokenizers import Tokenizer
 
     model = gguf_model("qwen3_moe", vocab_size=320)
-    tj = _bpe_tokenizer_json(320)
+    tj = tiny_bpe_tokenizer_json(320)
     write_gguf(model, tmp_path / "m.gguf", "f32", tokenizer_json=tj)
     with Store.open(tmp_path / "s") as store:
         mount(store, tmp_path / "m.gguf", "m@1")
