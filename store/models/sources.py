@@ -39,8 +39,17 @@ def open_checkpoint(path: str | os.PathLike[str], convert: str | None = None) ->
 
 def make_source(ckpt: Any, plan: Any, quant: Any = None) -> MountSource:
     """The :class:`MountSource` of an opened checkpoint (``quant``: a ``QuantCodec``)."""
+    from czyx.store.models.fp8 import FP8Checkpoint, FP8MountSource
     from czyx.store.models.gguf_source import GGUFCheckpoint, GGUFMountSource
 
+    if isinstance(ckpt, FP8Checkpoint):
+        if quant is not None:
+            from czyx.store.models.gguf import ConversionPolicyError
+
+            raise ConversionPolicyError(
+                "--quant on an FP8 checkpoint: use --convert q8|q4 (the drift is then reported)"
+            )
+        return FP8MountSource(ckpt, plan)
     if isinstance(ckpt, GGUFCheckpoint):
         if quant is None:
             return GGUFMountSource(ckpt, plan)
