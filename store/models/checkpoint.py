@@ -58,6 +58,7 @@ DTYPES: dict[str, tuple[np.dtype, int]] = {
     "I16": (np.dtype("<i2"), 2),
     "I8": (np.dtype("i1"), 1),
     "U8": (np.dtype("u1"), 1),
+    "F8_E4M3": (np.dtype("u1"), 1),  # raw fp8 bits; converted at mount (store.models.fp8)
     "BOOL": (np.dtype("?"), 1),
 }
 # Short format names recorded in manifests (``ModelInfo.expert_format``).

@@ -76,6 +76,7 @@ from czyx.store.models.mount_source import (
     round_up,
     source_manifest,
 )
+from czyx.store.models.sources import conversion_report, make_source, open_checkpoint
 
 MODEL_KIND = "czyx.model"
 ADAPTER_KIND = "czyx.adapter"
@@ -103,6 +104,7 @@ class MountResult:
     bytes_written: int
     bytes_shared: int
     seconds: float
+    conversions: tuple[str, ...] = ()
 
     def summary(self) -> str:
         """The one-line summary the CLI prints."""
@@ -112,7 +114,7 @@ class MountResult:
             f"{state}: {self.tag} -> {self.selector.hex()[:16]}  {self.tensors} tensors, "
             f"{self.bytes_total / 1e6:.1f} MB ({self.bytes_written / 1e6:.1f} MB written, "
             f"{self.bytes_shared / 1e6:.1f} MB shared) in {self.seconds:.2f} s, {rate:.2f} GB/s"
-        )
+        ) + "".join("\n  " + line for line in self.conversions)
 
 
 def parse_tag(tag: str) -> tuple[str, str]:
@@ -142,6 +144,7 @@ def mount(
     adapter_of: str | Selector | None = None,
     progress: bool = False,
     quant: Any = None,
+    convert: str | None = None,
 ) -> MountResult:
     """Publish the checkpoint at ``path`` as ``tag`` (``NAME@VERSION``).
 
@@ -168,6 +171,10 @@ def mount(
         importance map): routed experts and trunk tensors are stored in the
         formats it chooses (``store/quant/README.md``). The version is then a
         different content, so a different selector, from the float mount.
+    convert
+        Conversion policy for source formats the store has no native format
+        for (GGUF quant types, FP8 weights): see :mod:`store.models.sources`.
+        ``path`` may also be a ``.gguf`` file or a directory of split GGUF files.
 
     Returns
     -------
@@ -180,11 +187,11 @@ def mount(
     """
     t0 = time.perf_counter()
     name, _ = parse_tag(tag)
-    with Checkpoint(path) as ckpt:
+    with open_checkpoint(path, convert) as ckpt:
         plan = plan_checkpoint(ckpt, partial=adapter_of is not None)
         if quant is not None and adapter_of is not None:
             raise MountError("a quantized adapter is not supported: quantize the base instead")
-        src = MountSource(ckpt, plan, quant)
+        src = make_source(ckpt, plan, quant)
         base_sel, base_manifest = None, None
         if adapter_of is not None:
             base_sel = resolve(store, adapter_of)
@@ -226,7 +233,8 @@ def mount(
         if store.has_space(sel):
             store.set_tag(tag, sel)
             return MountResult(
-                tag, sel, trunk_sel, False, n_tensors, total, 0, 0, time.perf_counter() - t0
+                tag, sel, trunk_sel, False, n_tensors, total, 0, 0, time.perf_counter() - t0,
+                tuple(conversion_report(src)),
             )
 
         bar = _bar(progress, total, "write")
@@ -252,6 +260,7 @@ def mount(
             written + new,
             shared,
             time.perf_counter() - t0,
+            tuple(conversion_report(src)),
         )
 
 
@@ -412,7 +421,8 @@ def _model_manifest_for(
         "experts": [[l, e, expert_hash[(l, e)]] for l, e in sorted(expert_hash)],
         "trunk": None if trunk_sel is None else trunk_sel.hex(),
         "base": None if base_sel is None else base_sel.hex(),
-        "source": source_manifest(ckpt),
+        "source": ckpt.source_manifest() if hasattr(ckpt, "source_manifest")
+        else source_manifest(ckpt),
     }
     if src is not None and src.codec is not None:
         manifest["quant"] = src.codec.manifest()
