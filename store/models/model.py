@@ -39,9 +39,9 @@ from czyx.store.models.checkpoint import DTYPES
 from czyx.store.models.expert_layout import layout_from_manifest
 from czyx.store.models.mount import ADAPTER_KIND, MODEL_KIND, TRUNK_KIND, resolve
 from czyx.store.models.mount_errors import ExpertIndexError, MissingTrunkRoleError, ModelSpaceError
-from czyx.store.quant.codec import expert_parts, trunk_tensor
+from czyx.store.quant.codec import expert_parts, packed_trunk, trunk_tensor
 from czyx.store.quant.errors import QuantError
-from czyx.store.quant.formats import get_format, is_quant_format
+from czyx.store.quant.formats import dequantize, get_format, is_quant_format
 
 _NO_BLOCK = -1
 
@@ -286,8 +286,10 @@ class StoreModel:
             in_range = (layers >= view.layer_lo) & (layers <= view.layer_hi)
             self._allowed = np.asarray(view.allowed_classes)[self._cls] & in_range[:, None]
         self._trunk = {}
-        # Quantized trunk tensors (record "qfmt"): packed bytes for the kernels,
-        # and their dequantized float32 for callers that know nothing of formats.
+        # Quantized trunk tensors (record "qfmt"): only their packed bytes stay
+        # resident (what the kernels use); trunk() dequantizes a fresh float32
+        # copy for callers that know nothing of formats, so a quantized version
+        # holds its stored bytes, not a float32 trunk beside them.
         self._packed: dict[tuple[str, int | None], tuple] = {}
         self._tokenizer_ref = space.trunk.get((TOKENIZER_ROLE, None))
         # Lazy mode: per-layer refs, read on demand through one reader per trunk
@@ -310,11 +312,13 @@ class StoreModel:
                 continue
             raw = space.read_trunk_raw(r)
             if "qfmt" in r.record:
-                self._trunk[k], self._packed[k] = trunk_tensor(r.record, raw)
+                self._packed[k] = packed_trunk(r.record, raw)
             else:
                 self._trunk[k] = _float32(raw, r)
         for arr in self._trunk.values():
             arr.setflags(write=False)  # shared by every caller: nobody may edit weights
+        for packed in self._packed.values():
+            packed[0].setflags(write=False)
         self._qfmt = ex["format"] if is_quant_format(ex["format"]) else None
         self._inter, self._hidden = int(ex["inter"]), int(ex["hidden"])
         gate = (ex["inter"], ex["hidden"])
@@ -337,7 +341,8 @@ class StoreModel:
 
     def has_trunk(self, role: str, layer: int | None = None) -> bool:
         """Whether the model has ``role`` (at ``layer``); reads nothing."""
-        return (role, layer) in self._trunk or (role, layer) in self._lazy
+        k = (role, layer)
+        return k in self._trunk or k in self._packed or k in self._lazy
 
     def trunk_layer_nbytes(self, layer: int) -> int:
         """Stored bytes of ``layer``'s trunk tensors (all its roles, as mounted).
@@ -358,13 +363,17 @@ class StoreModel:
     def trunk(self, role: str, layer: int | None = None) -> np.ndarray:
         """The float32 tensor of ``role`` at ``layer`` (``None`` for global roles).
 
-        Eager mode: the resident, read-only array. Lazy mode, per-layer roles:
+        Eager mode: the resident, read-only array (a quantized tensor: a new
+        float32 array dequantized from its resident packed bytes). Lazy mode, per-layer roles:
         a new array read and verified now (``ChecksumError``,
         ``ShortReadError``, ``ReadIOError`` on a bad read, never other bytes).
         """
         try:
             return self._trunk[(role, layer)]
         except KeyError:
+            packed = self._packed.get((role, layer))
+            if packed is not None:
+                return dequantize(*packed)
             ref = self._lazy.get((role, layer))
             if ref is not None:
                 raw = self._read_lazy(ref)

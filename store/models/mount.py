@@ -191,77 +191,106 @@ def mount(
         plan = plan_checkpoint(ckpt, partial=adapter_of is not None)
         if quant is not None and adapter_of is not None:
             raise MountError("a quantized adapter is not supported: quantize the base instead")
-        src = make_source(ckpt, plan, quant)
-        base_sel, base_manifest = None, None
-        if adapter_of is not None:
-            base_sel = resolve(store, adapter_of)
-            base_manifest = _model_manifest(store, base_sel)
-            _check_adapter_fits(store, base_sel, ckpt, plan, base_manifest)
-            layout = layout_from_manifest(base_manifest)
-        else:
-            layout = make_layout(plan.n_layers, plan.n_experts, outer, class_perm)
-
-        keys = sorted(plan.experts, key=lambda k: layout.ordinal(*k))
-        source_total = sum(ckpt.info(t.tensor).nbytes for t in plan.trunk)
-        source_total += len(keys) * plan.expert_nbytes
-        bar = _bar(progress, source_total, "hash")
-        expert_hash = {}
-        for k in keys:
-            expert_hash[k] = src.expert_hash(k)
-            bar.update(plan.expert_nbytes)
-        trunk_hash: dict[str, str] = {}
-        trunk_qfmt: dict[str, str | None] = {}
-        trunk_total = 0
-        for t in plan.trunk:
-            data, qfmt = src.stored_tensor(t)
-            trunk_hash[t.tensor], trunk_qfmt[t.tensor] = content_hash(data), qfmt
-            trunk_total += data.nbytes
-            bar.update(ckpt.info(t.tensor).nbytes)
-        bar.close()
-        total = trunk_total + len(keys) * src.expert_nbytes
-
-        trunk_manifest = _trunk_manifest(ckpt, plan, trunk_hash, src.tokenizer, trunk_qfmt, quant)
-        trunk_sel = (
-            Selector.from_content(canonical_manifest(trunk_manifest)) if plan.trunk else None
-        )
-        manifest = _model_manifest_for(
-            ckpt, plan, layout, expert_hash, trunk_sel, base_sel, base_manifest, src
-        )
-        sel = Selector.from_content(canonical_manifest(manifest))
-        _check_tag_free(store, tag, sel)
-        n_tensors = len(ckpt)
-        if store.has_space(sel):
-            store.set_tag(tag, sel)
-            return MountResult(
-                tag, sel, trunk_sel, False, n_tensors, total, 0, 0, time.perf_counter() - t0,
-                tuple(conversion_report(src)),
+        src = make_source(ckpt, plan, quant, spool_dir=getattr(store, "path", None))
+        with src:
+            return _mount(
+                store,
+                ckpt,
+                plan,
+                src,
+                tag,
+                name,
+                outer,
+                class_perm,
+                adapter_of,
+                progress,
+                quant,
+                t0,
             )
 
-        bar = _bar(progress, total, "write")
-        written = 0
-        if trunk_sel is not None and not store.has_space(trunk_sel):
-            written += _write_trunk(store, trunk_sel, trunk_manifest, src, trunk_hash, bar)
-        else:
-            bar.update(total - len(keys) * src.expert_nbytes)
-        shared_index = _shared_index(store, name, base_sel)
-        new, shared = _write_experts(
-            store, sel, manifest, src, layout, keys, expert_hash, shared_index, bar
-        )
-        bar.close()
+
+def _mount(
+    store: Any,
+    ckpt: Checkpoint,
+    plan: ModelPlan,
+    src: MountSource,
+    tag: str,
+    name: str,
+    outer: str,
+    class_perm: Sequence[Sequence[int]] | None,
+    adapter_of: str | Selector | None,
+    progress: bool,
+    quant: Any,
+    t0: float,
+) -> MountResult:
+    base_sel, base_manifest = None, None
+    if adapter_of is not None:
+        base_sel = resolve(store, adapter_of)
+        base_manifest = _model_manifest(store, base_sel)
+        _check_adapter_fits(store, base_sel, ckpt, plan, base_manifest)
+        layout = layout_from_manifest(base_manifest)
+    else:
+        layout = make_layout(plan.n_layers, plan.n_experts, outer, class_perm)
+
+    keys = sorted(plan.experts, key=lambda k: layout.ordinal(*k))
+    source_total = sum(ckpt.info(t.tensor).nbytes for t in plan.trunk)
+    source_total += len(keys) * plan.expert_nbytes
+    bar = _bar(progress, source_total, "hash")
+    expert_hash = {}
+    for k in keys:
+        expert_hash[k] = src.expert_hash(k)
+        bar.update(plan.expert_nbytes)
+    trunk_hash: dict[str, str] = {}
+    trunk_qfmt: dict[str, str | None] = {}
+    trunk_total = 0
+    for t in plan.trunk:
+        data, qfmt = src.stored_tensor(t)
+        trunk_hash[t.tensor], trunk_qfmt[t.tensor] = content_hash(data), qfmt
+        trunk_total += data.nbytes
+        bar.update(ckpt.info(t.tensor).nbytes)
+    bar.close()
+    total = trunk_total + len(keys) * src.expert_nbytes
+
+    trunk_manifest = _trunk_manifest(ckpt, plan, trunk_hash, src.tokenizer, trunk_qfmt, quant)
+    trunk_sel = Selector.from_content(canonical_manifest(trunk_manifest)) if plan.trunk else None
+    manifest = _model_manifest_for(
+        ckpt, plan, layout, expert_hash, trunk_sel, base_sel, base_manifest, src
+    )
+    sel = Selector.from_content(canonical_manifest(manifest))
+    _check_tag_free(store, tag, sel)
+    n_tensors = len(ckpt)
+    if store.has_space(sel):
         store.set_tag(tag, sel)
-        store.audit("model.mount", tag=tag, space=sel.hex(), written=written + new, shared=shared)
         return MountResult(
-            tag,
-            sel,
-            trunk_sel,
-            True,
-            n_tensors,
-            total,
-            written + new,
-            shared,
-            time.perf_counter() - t0,
+            tag, sel, trunk_sel, False, n_tensors, total, 0, 0, time.perf_counter() - t0,
             tuple(conversion_report(src)),
         )
+
+    bar = _bar(progress, total, "write")
+    written = 0
+    if trunk_sel is not None and not store.has_space(trunk_sel):
+        written += _write_trunk(store, trunk_sel, trunk_manifest, src, trunk_hash, bar)
+    else:
+        bar.update(total - len(keys) * src.expert_nbytes)
+    shared_index = _shared_index(store, name, base_sel)
+    new, shared = _write_experts(
+        store, sel, manifest, src, layout, keys, expert_hash, shared_index, bar
+    )
+    bar.close()
+    store.set_tag(tag, sel)
+    store.audit("model.mount", tag=tag, space=sel.hex(), written=written + new, shared=shared)
+    return MountResult(
+        tag,
+        sel,
+        trunk_sel,
+        True,
+        n_tensors,
+        total,
+        written + new,
+        shared,
+        time.perf_counter() - t0,
+        tuple(conversion_report(src)),
+    )
 
 
 class _NoBar:

@@ -37,8 +37,9 @@ def open_checkpoint(path: str | os.PathLike[str], convert: str | None = None) ->
     return Checkpoint(path)
 
 
-def make_source(ckpt: Any, plan: Any, quant: Any = None) -> MountSource:
-    """The :class:`MountSource` of an opened checkpoint (``quant``: a ``QuantCodec``)."""
+def make_source(ckpt: Any, plan: Any, quant: Any = None, spool_dir: Any = None) -> MountSource:
+    """The :class:`MountSource` of an opened checkpoint (``quant``: a ``QuantCodec``;
+    ``spool_dir``: where a quantizing source keeps its spool file)."""
     from czyx.store.models.fp8 import FP8Checkpoint, FP8MountSource
     from czyx.store.models.gguf_source import GGUFCheckpoint, GGUFMountSource
 
@@ -62,7 +63,7 @@ def make_source(ckpt: Any, plan: Any, quant: Any = None) -> MountSource:
                 "--quant on a quantized GGUF would requantize its quantized tensors; "
                 "use --convert q8|q4 (or mount the float GGUF)"
             )
-    return MountSource(ckpt, plan, quant)
+    return MountSource(ckpt, plan, quant, spool_dir=spool_dir)
 
 
 def conversion_report(src: MountSource) -> list[str]:
