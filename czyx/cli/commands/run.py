@@ -105,6 +105,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="hold at most K layers' trunk matrices, reading the next layer while one "
         "computes (for a trunk that does not fit memory; default: whole trunk resident)",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="threads of the engine's kernels (default: the cores this process may use); "
+        "the output does not depend on N",
+    )
     add_store_arg(p)
     p.add_argument(
         "--session",
@@ -204,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens {args.max_tokens} is negative")
     if args.trunk_window is not None and args.trunk_window < 1:
         raise ValueError(f"--trunk-window {args.trunk_window} must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads} must be at least 1")
     windowed = args.trunk_window is not None
     opened = OpenedModel(store_dir(args), args.ref, args.portal, lazy_trunk=windowed)
     consumer = opened.consumer
@@ -224,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
             stream=stream,
             xray=xray,
             trunk_window=args.trunk_window,
+            threads=args.threads,
         )
         tokenizer = tokenizer_for(consumer, engine.cfg.vocab_size)
 
