@@ -57,6 +57,8 @@
 #define CZK_F16 1
 #define CZK_BF16 2
 #define CZK_Q 3
+/* Most weight groups per row the SIMD row kernels take (cols <= 32 * CZK_GMAX). */
+#define CZK_GMAX 2048
 
 typedef struct {
     int kind;
@@ -277,17 +279,33 @@ typedef struct {
     int8_t *q4p;
     float *sx;
     float *bsum;
+    float *gsum;   /* per weight group of `ggroup` columns: sum of its block sums, in order */
+    int64_t ggroup;
 } czk_xq;
 
-static size_t czk_xq_bytes(int64_t n) { return (size_t)(2 * n + 8 * (n / 32)) + 64; }
+static size_t czk_xq_bytes(int64_t n) { return (size_t)(2 * n + 12 * (n / 32)) + 64; }
 
 static void czk_xq_bind(czk_xq *a, void *mem, int64_t n) {
     uint8_t *m = (uint8_t *)mem;
     a->n = n;
     a->sx = (float *)m;
     a->bsum = a->sx + n / 32;
-    a->q = (int8_t *)(a->bsum + n / 32);
+    a->gsum = a->bsum + n / 32;
+    a->ggroup = 0;
+    a->q = (int8_t *)(a->gsum + n / 32);
     a->q4p = a->q + n;
+}
+
+/* The group sums for weight groups of `group` columns (before a parallel loop). */
+static void czk_xq_groups(czk_xq *a, int64_t group) {
+    if (a->ggroup == group) return;
+    const int64_t bpg = group / 32, G = a->n / group;
+    for (int64_t g = 0; g < G; g++) {
+        float gs = 0.0f;
+        for (int64_t b = 0; b < bpg; b++) gs += a->bsum[g * bpg + b];
+        a->gsum[g] = gs;
+    }
+    a->ggroup = group;
 }
 
 static void czk_quantize(const float *x, czk_xq *a) {
@@ -315,6 +333,7 @@ static void czk_quantize(const float *x, czk_xq *a) {
         a->sx[b] = d;
         a->bsum[b] = s;
     }
+    a->ggroup = 0;
 }
 
 /* Exported for the tests: the quantized input exactly as the kernels use it. */
@@ -344,16 +363,12 @@ static inline void czk_unpack32(const uint8_t *c, int bits, uint8_t *out) {
     }
 }
 
-/* The m-term of a row: sum_g m_g * (sum of the group's block sums), in order. */
+/* The m-term of a row: sum_g m_g * gsum_g, in order (gsum: czk_xq_groups). */
 static inline float czk_mterm(const czk_mat *m, int64_t r, const czk_xq *a) {
-    const int64_t G = m->cols / m->group, bpg = m->group / 32;
+    const int64_t G = m->cols / m->group;
     const uint16_t *mn = m->mins + r * G;
     float t = 0.0f;
-    for (int64_t g = 0; g < G; g++) {
-        float gs = 0.0f;
-        for (int64_t b = 0; b < bpg; b++) gs += a->bsum[g * bpg + b];
-        t += czk_h2f(mn[g]) * gs;
-    }
+    for (int64_t g = 0; g < G; g++) t += czk_h2f(mn[g]) * a->gsum[g];
     return t;
 }
 
@@ -455,6 +470,14 @@ CZK_AVX2 static void czk_rows_f_avx2(const czk_mat *m, const float *x, float *y,
     }
 }
 
+/* n halves to floats with F16C (bit-exact, as czk_h2f). */
+CZK_AVX2 static inline void czk_h2f_row(const uint16_t *h, int64_t n, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) out[i] = _cvtsh_ss(h[i]);
+}
+
 /* The 32 code bytes of block b in the order of its xq (4-bit: low nibbles then high). */
 CZK_AVX2 static inline __m256i czk_codes32(const uint8_t *c, int bits, int64_t b) {
     if (bits == 4) {
@@ -483,42 +506,53 @@ CZK_AVX2 static inline __m256i czk_dot_avx2(__m256i c, __m256i xq, int bits) {
 
 CZK_AVX2 static void czk_rows_q_avx2(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
                                      int64_t r1) {
-    const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
+    const int64_t bpg = m->group / 32, G = m->cols / m->group;
     const int64_t rb = m->cols * m->bits / 8;
     const int bits = m->bits;
     const int8_t *xqb = bits == 4 ? a->q4p : a->q;
+    float ds[CZK_GMAX], mn[CZK_GMAX];
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *c = (const uint8_t *)m->data + r * rb;
-        const uint16_t *sc = m->scales + r * G;
+        czk_h2f_row(m->scales + r * G, G, ds);
+        czk_h2f_row(m->mins + r * G, G, mn);
         __m256 acc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
-            const __m256i d = czk_dot_avx2(czk_codes32(c, bits, b), xq, bits);
-            const float s = czk_h2f(sc[b / bpg]) * a->sx[b];
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
+        for (int64_t g = 0, b = 0; g < G; g++) {
+            for (int64_t e = b + bpg; b < e; b++) {
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
+                const __m256i d = czk_dot_avx2(czk_codes32(c, bits, b), xq, bits);
+                const float s = ds[g] * a->sx[b];
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
+            }
         }
-        y[r] = czk_hsum8(acc) + czk_mterm(m, r, a);
+        float t = 0.0f;
+        for (int64_t g = 0; g < G; g++) t += mn[g] * a->gsum[g];
+        y[r] = czk_hsum8(acc) + t;
     }
 }
 
 CZK_VNNI static void czk_rows_q_vnni(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
                                      int64_t r1) {
-    const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
+    const int64_t bpg = m->group / 32, G = m->cols / m->group;
     const int64_t rb = m->cols * m->bits / 8;
     const int bits = m->bits;
     const int8_t *xqb = bits == 4 ? a->q4p : a->q;
+    float ds[CZK_GMAX], mn[CZK_GMAX];
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *c = (const uint8_t *)m->data + r * rb;
-        const uint16_t *sc = m->scales + r * G;
+        czk_h2f_row(m->scales + r * G, G, ds);
+        czk_h2f_row(m->mins + r * G, G, mn);
         __m256 acc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
-            const __m256i d =
-                _mm256_dpbusd_epi32(_mm256_setzero_si256(), czk_codes32(c, bits, b), xq);
-            const float s = czk_h2f(sc[b / bpg]) * a->sx[b];
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
+        for (int64_t g = 0, b = 0; g < G; g++) {
+            for (int64_t e = b + bpg; b < e; b++) {
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
+                const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), czk_codes32(c, bits, b), xq);
+                const float s = ds[g] * a->sx[b];
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
+            }
         }
-        y[r] = czk_hsum8(acc) + czk_mterm(m, r, a);
+        float t = 0.0f;
+        for (int64_t g = 0; g < G; g++) t += mn[g] * a->gsum[g];
+        y[r] = czk_hsum8(acc) + t;
     }
 }
 #endif
@@ -529,6 +563,7 @@ static void czk_rows(const czk_mat *m, const float *x, const czk_xq *a, float *y
     const int lvl = czk_level();
     if (m->kind == CZK_Q) {
 #if CZK_X86
+        if (m->cols / m->group > CZK_GMAX) return czk_rows_q_portable(m, a, y, r0, r1);
         if (lvl == 2) return czk_rows_q_vnni(m, a, y, r0, r1);
         if (lvl == 1) return czk_rows_q_avx2(m, a, y, r0, r1);
 #endif
@@ -577,6 +612,7 @@ int czk_matvec(czk_pool *p, const czk_mat *m, const float *x, float *y, void *wo
     if (m->kind == CZK_Q) {
         czk_xq_bind(&a, czk_align(work), m->cols);
         czk_quantize(x, &a);
+        czk_xq_groups(&a, m->group);
     }
     czk_mv_ctx c = {m, x, &a, y};
     czk_run(p, czk_mv_task, &c, m->rows, m->rows * m->cols);
@@ -632,6 +668,8 @@ static void czk_moe_down_task(void *ctx_, int64_t t0, int64_t t1) {
                 sub.q4p = c->aact->q4p + j * c->I;
                 sub.sx = c->aact->sx + j * (c->I / 32);
                 sub.bsum = c->aact->bsum + j * (c->I / 32);
+                sub.ggroup = c->aact->ggroup;
+                sub.gsum = c->aact->gsum + j * (c->I / c->aact->ggroup);
                 aj = &sub;
             }
             czk_rows(&c->mats[3 * c->slots[j] + 2], c->act + j * c->I, aj, d - r, r, e);
@@ -668,6 +706,9 @@ int czk_moe(czk_pool *p, int n, const czk_mat *table, const int64_t *slots, cons
             return -1;
         if ((g->kind == CZK_Q) != (kind0 == CZK_Q) || u->kind != g->kind || d->kind != g->kind)
             return -1;
+        if (kind0 == CZK_Q && (g->group != table[3 * slots[0]].group || u->group != g->group ||
+                               d->group != table[3 * slots[0] + 2].group))
+            return -1;
     }
     if (kind0 == CZK_Q && I % 32) return -1;
     const int quant = kind0 == CZK_Q;
@@ -680,11 +721,13 @@ int czk_moe(czk_pool *p, int n, const czk_mat *table, const int64_t *slots, cons
         m = (uint8_t *)czk_align(m + czk_xq_bytes(H));
         czk_xq_bind(&aact, m, (int64_t)n * I);
         czk_quantize(x, &ax);
+        czk_xq_groups(&ax, table[3 * slots[0]].group);
     }
     czk_moe_ctx c = {n, H, I, mats, slots, w, x, quant ? &ax : NULL, act, NULL, y};
     czk_run(p, czk_moe_gu_task, &c, (int64_t)n * I, 2 * (int64_t)n * I * H);
     if (quant) {
         czk_quantize(act, &aact);
+        czk_xq_groups(&aact, table[3 * slots[0] + 2].group);
         c.aact = &aact;
     }
     czk_run(p, czk_moe_down_task, &c, H, (int64_t)n * I * H);
@@ -870,6 +913,7 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
         return -1;
     if ((a->q.kind == CZK_Q) != (a->k.kind == CZK_Q) || (a->q.kind == CZK_Q) != (a->v.kind == CZK_Q))
         return -1;
+    if (a->q.kind == CZK_Q && (a->k.group != a->q.group || a->v.group != a->q.group)) return -1;
     const int64_t end = pos + 1;
     float *xn = (float *)czk_align(work);
     float *qkv = (float *)czk_align(xn + H);
@@ -882,6 +926,7 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
     if (a->q.kind == CZK_Q) {
         czk_xq_bind(&ax, xqmem, H);
         czk_quantize(xn, &ax);
+        czk_xq_groups(&ax, a->q.group);
     }
     czk_qkv_ctx qc = {a, {&a->q, &a->k, &a->v}, {0, nq, nq + nkv, nq + 2 * nkv}, xn, &ax, qkv};
     czk_run(p, czk_qkv_task, &qc, nq + 2 * nkv, (nq + 2 * nkv) * H);
@@ -905,6 +950,7 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
     if (a->o.kind == CZK_Q) {
         czk_xq_bind(&ax, xqmem, nq);
         czk_quantize(att, &ax);
+        czk_xq_groups(&ax, a->o.group);
     }
     czk_res_ctx rc = {&a->o, att, &ax, tmp, h};
     czk_run(p, czk_res_task, &rc, H, H * nq);
