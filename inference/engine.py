@@ -14,6 +14,7 @@ import numpy as np
 
 from czyx.inference.cache import CacheStats, EvictionPolicy, ExpertCache
 from czyx.inference.errors import CacheBudgetError
+from czyx.inference.kernels.fused import default_threads
 from czyx.inference.models import DecoderConfig, decoder_class
 from czyx.inference.models.decoder import describe_restriction
 from czyx.inference.profile import RoutingProfile
@@ -79,6 +80,36 @@ def _mask_predictions(cache: StreamingExpertCache, mask: np.ndarray) -> None:
     cache._predict = _predict
 
 
+class BlasLimit:
+    """A reentrant context that holds every BLAS library to ``n`` threads (threadpoolctl).
+
+    The libraries are found once; entering costs one ``set_num_threads`` call
+    per library whose count differs (none when the process already runs BLAS
+    at ``n``), leaving restores the previous counts.
+    """
+
+    def __init__(self, n: int) -> None:
+        from threadpoolctl import ThreadpoolController
+
+        self.n = n
+        self._libs = list(ThreadpoolController().select(user_api="blas").lib_controllers)
+        self._saved: list[list[tuple[object, int]]] = []
+
+    def __enter__(self) -> BlasLimit:
+        saved = []
+        for lib in self._libs:
+            cur = lib.get_num_threads()
+            if cur != self.n:
+                lib.set_num_threads(self.n)
+                saved.append((lib, cur))
+        self._saved.append(saved)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for lib, cur in reversed(self._saved.pop()):
+            lib.set_num_threads(cur)
+
+
 class Engine:
     """A model ready to run: trunk resident (or windowed), routed experts behind a slot cache.
 
@@ -106,6 +137,13 @@ class Engine:
         layer while one computes (:class:`~inference.trunkwindow.TrunkWindow`);
         the consumer should then be opened with ``lazy_trunk=True``. None: the
         whole trunk resident.
+    threads
+        Threads of the engine's own kernels (the decode step's C kernels);
+        default: the cores this process may run on (its CPU affinity). BLAS
+        (numpy's products in prefill) is held to one thread inside the
+        engine's calls, so the two never oversubscribe the cores and no BLAS
+        thread split can change a result: outputs are bit-identical for every
+        ``threads``.
     """
 
     def __init__(
@@ -119,7 +157,12 @@ class Engine:
         stream: StreamOptions | None = StreamOptions(),  # noqa: B008 - frozen, shared safely
         xray: XRay | None = None,
         trunk_window: int | None = None,
+        threads: int | None = None,
     ) -> None:
+        self.threads = default_threads() if threads is None else int(threads)
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        self._blas = BlasLimit(1)
         cls = decoder_class(consumer.info.arch)
         cfg = cls.parse_config(consumer.info)
         self.consumer = consumer
@@ -151,6 +194,7 @@ class Engine:
         except BaseException:
             self.cache.close()  # the cache's reader threads must not outlive a failed open
             raise
+        self.model.set_threads(self.threads)
         if stream is not None:
             attach(self.model, self.cache)
         self.cfg = self.model.cfg
@@ -182,12 +226,16 @@ class Engine:
         """Process prompt ``tokens`` in one batch; logits of the last (or every) token."""
         ids = np.asarray(tokens, np.int64)
         self.cache.advance(len(ids))
-        return self.model.forward(ids, self.kv, all_logits)
+        with self._blas:
+            return self.model.forward(ids, self.kv, all_logits)
 
     def decode(self, token: int) -> np.ndarray:
         """Process one token; returns its ``[V]`` logits."""
         self.cache.advance(1)
-        return self.model.forward(np.array([token], np.int64), self.kv)
+        if self.model.decode_in_c():  # no BLAS call to limit (and limiting costs a few us)
+            return self.model.forward(np.array([token], np.int64), self.kv)
+        with self._blas:
+            return self.model.forward(np.array([token], np.int64), self.kv)
 
     def routing_profile(self) -> RoutingProfile:
         """The routing counts of everything this engine has run."""

@@ -72,6 +72,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="hold at most K layers' trunk matrices, reading the next layer while one "
         "computes (for a trunk that does not fit memory; default: whole trunk resident)",
     )
+    p.add_argument(
+        "--threads",
+        "-t",
+        type=int,
+        default=None,
+        metavar="N",
+        help="threads of the engine's kernels (default: the cores this process may use); "
+        "the output does not depend on N",
+    )
 
 
 def parse_class_range(text: str | None) -> tuple[int, int] | None:
@@ -122,6 +131,8 @@ def check_engine_args(args: argparse.Namespace) -> None:
     """Fail closed on engine flags out of range (before any store is opened)."""
     if args.trunk_window is not None and args.trunk_window < 1:
         raise ValueError(f"--trunk-window {args.trunk_window} must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads} must be at least 1")
     parse_class_range(args.pin_classes)
 
 
@@ -148,4 +159,5 @@ def engine_kwargs(args: argparse.Namespace, consumer: Any) -> dict[str, Any]:
         "stream": stream,
         "xray": xray,
         "trunk_window": args.trunk_window,
+        "threads": args.threads,
     }

@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens {args.max_tokens} is negative")
     if args.trunk_window is not None and args.trunk_window < 1:
         raise ValueError(f"--trunk-window {args.trunk_window} must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads} must be at least 1")
     windowed = args.trunk_window is not None
     opened = OpenedModel(store_dir(args), args.ref, args.portal, lazy_trunk=windowed)
     consumer = opened.consumer
@@ -133,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
             stream=stream,
             xray=xray,
             trunk_window=args.trunk_window,
+            threads=args.threads,
         )
         tokenizer = tokenizer_for(consumer, engine.cfg.vocab_size)
 
