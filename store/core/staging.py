@@ -32,6 +32,7 @@ space or none of it.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import struct
@@ -371,6 +372,9 @@ class _AdoptedWriter(SpaceWriter):
         self._final = self._blocks / f"{sel.hex()}-{generation.hex()}.blk"
         self._part = part
         self._block = _AdoptedBlock(part, size)
+        # As SpaceWriter: a shared flock held until publication ends, so gc skips it.
+        self._lockfd: int | None = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(self._lockfd, fcntl.LOCK_SH)
         self.data_start = align
         self._staged = {}
         self._state = "open"
