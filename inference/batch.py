@@ -129,7 +129,12 @@ def _blockwise(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], x: np.ndarray
 # --------------------------------------------------------------------------- the step
 
 
-def forward_batch(model, chunks: Sequence[np.ndarray], kvs: Sequence[KVCache]) -> list[np.ndarray]:
+def forward_batch(
+    model,
+    chunks: Sequence[np.ndarray],
+    kvs: Sequence[KVCache],
+    allowed: Sequence[np.ndarray | None] | None = None,
+) -> list[np.ndarray]:
     """One forward step over several sequences together.
 
     Parameters
@@ -141,6 +146,11 @@ def forward_batch(model, chunks: Sequence[np.ndarray], kvs: Sequence[KVCache]) -
         token or a prompt chunk), after its ``kvs[s].length`` cached positions.
     kvs
         Per sequence, its KV cache; each grows by its chunk's length.
+    allowed
+        Per sequence, None or ``bool [n_layers, n_experts]``: the experts its
+        portal permits. Routing then picks the top-k among them only, the
+        softmax (and so the weights) taken over the permitted experts alone
+        (a portal's class/layer scope narrows routing, never reads outside it).
 
     Returns
     -------
@@ -181,7 +191,14 @@ def forward_batch(model, chunks: Sequence[np.ndarray], kvs: Sequence[KVCache]) -
             continue
         if lookahead is not None:
             lookahead(i, x)
-        routed = _routed(model, i, lw, x)
+        masks = None
+        if allowed is not None and any(a is not None for a in allowed):
+            masks = [
+                (int(offs[j]), int(offs[j + 1]), a[i])
+                for j, a in enumerate(allowed)
+                if a is not None
+            ]
+        routed = _routed(model, i, lw, x, masks)
         if type(model).routed_extra is not _base_routed_extra():
             routed = _blockwise(lambda a, b, lw=lw: model.routed_extra(lw, a, b), x, routed)
         h = h + routed
@@ -229,11 +246,18 @@ def _attention(model, i, lw, x, kvs, starts, positions, offs) -> np.ndarray:
     return linear_rows(out, lw.o_proj)
 
 
-def _routed(model, i: int, lw, x: np.ndarray) -> np.ndarray:
-    """The routed experts of every token of the step: each distinct expert acquired once."""
+def _routed(model, i: int, lw, x: np.ndarray, masks=None) -> np.ndarray:
+    """The routed experts of every token of the step: each distinct expert acquired once.
+
+    ``masks``: ``(row_lo, row_hi, allowed [n_experts])`` of the sequences whose
+    routing a portal narrows; their other experts' logits are -inf.
+    """
     cfg = model.cfg
     cache = model.experts
-    idx, w = route_topk(linear_rows(x, lw.router), cfg.top_k, cfg.renormalize)
+    logits = linear_rows(x, lw.router)
+    for lo, hi, ok in masks or ():
+        logits[lo:hi, ~ok] = -np.inf
+    idx, w = route_topk(logits, cfg.top_k, cfg.renormalize)
     model.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
     t = x.shape[0]
     contrib = np.zeros((t, cfg.top_k, cfg.hidden_size), F32)
@@ -408,6 +432,7 @@ class _Seq:
     history: tuple[np.ndarray, KVCache] | None = None  # restored (tokens, KV)
     keep_state: bool = False
     closing: str | None = None  # keep_state: the end reason, once the last token is fed
+    allowed: np.ndarray | None = None  # bool [n_layers, n_experts] a scoped portal permits
 
 
 @dataclass(frozen=True)
@@ -473,6 +498,7 @@ class Scheduler:
         on_event: Callable[[Event], None] | None = None,
         history: tuple[Sequence[int], KVCache] | None = None,
         keep_state: bool = False,
+        allowed: np.ndarray | None = None,
     ) -> Handle:
         """Queue a request; its events follow on the returned :class:`Handle`.
 
@@ -480,6 +506,8 @@ class Scheduler:
         exactly them; the prompt continues after them (nothing recomputed).
         ``keep_state``: once the sequence ends, its last token is fed too (one
         more step), so :class:`Done` carries a complete :class:`FinalState` to save.
+        ``allowed``: ``bool [n_layers, n_experts]``, the experts this request may
+        route to (a scoped portal); each sparse layer must keep at least top-k.
 
         Raises
         ------
@@ -498,6 +526,21 @@ class Scheduler:
             raise ValueError(f"prompt token id out of range 0..{vocab - 1}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens {max_tokens} must be at least 1")
+        if allowed is not None:
+            cfg = self.model.cfg
+            allowed = np.asarray(allowed, bool)
+            if allowed.shape != (cfg.n_layers, cfg.n_experts):
+                raise ValueError(
+                    f"allowed experts of shape {allowed.shape}, the model has "
+                    f"{(cfg.n_layers, cfg.n_experts)}"
+                )
+            counts = allowed.sum(axis=1)
+            short = [i for i, s in enumerate(cfg.sparse_layers) if s and counts[i] < cfg.top_k]
+            if short:
+                raise ValueError(
+                    f"the permitted experts leave layer {short[0]} with {int(counts[short[0]])}, "
+                    f"fewer than top-{cfg.top_k}"
+                )
         hist = None
         if history is not None:
             h_ids = np.asarray(list(history[0]), np.int64)
@@ -525,6 +568,7 @@ class Scheduler:
             seq = _Seq(h, ids, int(max_tokens), Sampler(sampling), frozenset(eos_ids), need)
             seq.history = hist
             seq.keep_state = bool(keep_state)
+            seq.allowed = allowed
             self._waiting.append(seq)
             self._lock.notify_all()
         return h
@@ -650,7 +694,13 @@ class Scheduler:
     def _step(self, work: list[tuple[_Seq, np.ndarray]]) -> None:
         t0 = time.perf_counter()
         try:
-            logits = forward_batch(self.model, [c for _, c in work], [s.kv for s, _ in work])
+            allowed = [s.allowed for s, _ in work]
+            logits = forward_batch(
+                self.model,
+                [c for _, c in work],
+                [s.kv for s, _ in work],
+                allowed if any(a is not None for a in allowed) else None,
+            )
         except Exception as exc:  # fail closed: every sequence of the step ends with the error
             with self._lock:
                 for seq, _ in work:

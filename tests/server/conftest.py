@@ -50,7 +50,6 @@ def make_store(root):
             "bob": grant_model(store, "tiny@1", tenant="bob").token,
             "reader": grant_model(store, "stdlib@1", tenant="carol", rights="read").token,
             "expired": grant_model(store, "stdlib@1", tenant="dave", expires_at=1).token,
-            "scoped": grant_model(store, "stdlib@1", tenant="erin", classes="0-7").token,
         }
         ids = {"alice": authority(store).verify(tokens["alice"]).portal_id.hex()}
     return store_dir, cfg, tokens, ids

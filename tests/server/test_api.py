@@ -145,12 +145,7 @@ def test_401_and_403(served):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     with pytest.raises(openai.AuthenticationError):
         client(url, tokens["alice"][:-4] + "AAAA").models.list()
-    for who, model in (
-        ("bob", "stdlib@1"),
-        ("reader", "stdlib@1"),
-        ("expired", "stdlib@1"),
-        ("scoped", "stdlib@1"),
-    ):
+    for who, model in (("bob", "stdlib@1"), ("reader", "stdlib@1"), ("expired", "stdlib@1")):
         with pytest.raises(openai.PermissionDeniedError):
             client(url, tokens[who]).completions.create(model=model, prompt="x", max_tokens=2)
 
