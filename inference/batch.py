@@ -289,6 +289,14 @@ def _routed(model, i: int, lw, x: np.ndarray, masks=None) -> np.ndarray:
 # --------------------------------------------------------------------------- scheduler
 
 
+def _copy_kv(dst: KVCache, src: KVCache, n: int) -> None:
+    """The first ``n`` positions of ``src`` into ``dst`` (which then holds exactly them)."""
+    for i in range(len(src.k)):
+        dst.k[i][:, :n] = src.k[i][:, :n]
+        dst.v[i][:, :n] = src.v[i][:, :n]
+    dst.length = n
+
+
 @dataclass(frozen=True)
 class BatchOptions:
     """How a :class:`Scheduler` admits and steps sequences.
@@ -308,6 +316,13 @@ class BatchOptions:
     kv_bytes
         KV memory budget over the active sequences; a sequence reserves its
         whole context (prompt + max_tokens) at admission. None: unbounded.
+    prefix_cache_bytes
+        Memory for the KV of finished prompts kept for reuse: a new prompt
+        sharing a prefix with one of them starts from its KV instead of
+        recomputing it. Only whole prefill chunks from position 0 are reused,
+        so the reused positions are exactly those the new sequence would have
+        computed (same tokens, same chunk boundaries): results do not change.
+        0: no reuse.
     """
 
     max_batch: int = 16
@@ -315,6 +330,7 @@ class BatchOptions:
     prefill_chunk: int = 32
     step_tokens: int = 256
     kv_bytes: int | None = None
+    prefix_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -327,6 +343,8 @@ class BatchOptions:
             raise ValueError(f"step_tokens {self.step_tokens} must be at least 1")
         if self.kv_bytes is not None and self.kv_bytes <= 0:
             raise ValueError(f"kv budget {self.kv_bytes} B must be positive")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix cache {self.prefix_cache_bytes} B is negative")
 
 
 @dataclass(frozen=True)
@@ -362,6 +380,7 @@ class Done:
     error: str | None = None
     restored: int = 0
     final: FinalState | None = None
+    reused: int = 0  # prompt positions taken from the prefix cache
 
 
 Event = Token | Done
@@ -432,6 +451,7 @@ class _Seq:
     history: tuple[np.ndarray, KVCache] | None = None  # restored (tokens, KV)
     keep_state: bool = False
     closing: str | None = None  # keep_state: the end reason, once the last token is fed
+    reused: int = 0  # prompt positions taken from the prefix cache
     allowed: np.ndarray | None = None  # bool [n_layers, n_experts] a scoped portal permits
 
 
@@ -449,6 +469,10 @@ class SchedulerStats:
     kv_used: int
     kv_budget: int | None
     busy_seconds: float  # time spent in forward steps
+    prefix_hits: int = 0  # sequences that started from a cached prefix
+    prefix_tokens: int = 0  # prompt positions reused instead of computed
+    prefix_entries: int = 0
+    prefix_bytes: int = 0
 
 
 class Scheduler:
@@ -484,6 +508,12 @@ class Scheduler:
         self._steps = self._step_tokens = self._decode_tokens = self._generated = 0
         self._last_batch = 0
         self._busy = 0.0
+        # Finished prompts' KV, oldest first: (prompt ids, KV cache, reusable positions).
+        self._prefixes: collections.OrderedDict[int, tuple[np.ndarray, KVCache, int]] = (
+            collections.OrderedDict()
+        )
+        self._prefix_bytes = 0
+        self._prefix_hits = self._prefix_tokens = 0
         self._thread = threading.Thread(target=self._run, name="czyx-batch", daemon=True)
         self._thread.start()
 
@@ -587,6 +617,10 @@ class Scheduler:
                 kv_used=self._kv_used,
                 kv_budget=self.options.kv_bytes,
                 busy_seconds=self._busy,
+                prefix_hits=self._prefix_hits,
+                prefix_tokens=self._prefix_tokens,
+                prefix_entries=len(self._prefixes),
+                prefix_bytes=self._prefix_bytes,
             )
 
     def close(self, timeout: float = 30.0) -> None:
@@ -622,23 +656,75 @@ class Scheduler:
             cap = restored + int(seq.prompt.size + seq.max_tokens) + 1
             seq.kv = self.model.new_kv(capacity=cap)
             if seq.history is not None:
-                old = seq.history[1]
-                for i in range(len(old.k)):
-                    seq.kv.k[i][:, :restored] = old.k[i][:, :restored]
-                    seq.kv.v[i][:, :restored] = old.v[i][:, :restored]
-                seq.kv.length = restored
+                _copy_kv(seq.kv, seq.history[1], restored)
+            else:
+                self._reuse_prefix(seq)
             self._active.append(seq)
+
+    # -- prefix reuse (under the lock) ---------------------------------------------------
+
+    def _reusable(self, n_prompt: int) -> int:
+        """Positions of a prompt of ``n_prompt`` tokens that whole chunks cover, leaving
+        at least its last token to compute (its logits are the first sample's)."""
+        c = self.options.prefill_chunk
+        return (max(n_prompt - 1, 0) // c) * c
+
+    def _reuse_prefix(self, seq: _Seq) -> None:
+        """Start ``seq`` from the longest cached prefix of its prompt (whole chunks only)."""
+        if not self._prefixes:
+            return
+        limit = self._reusable(int(seq.prompt.size))
+        best, best_key = 0, None
+        for key, (ids, _, valid) in self._prefixes.items():
+            m = min(limit, valid, int(ids.size))
+            if m <= best:
+                continue
+            neq = np.flatnonzero(ids[:m] != seq.prompt[:m])
+            common = int(neq[0]) if neq.size else m
+            common -= common % self.options.prefill_chunk
+            if common > best:
+                best, best_key = common, key
+        if best_key is None:
+            return
+        _, kv, _ = self._prefixes[best_key]
+        self._prefixes.move_to_end(best_key)
+        _copy_kv(seq.kv, kv, best)
+        seq.fed = best
+        seq.reused = best
+        self._prefix_hits += 1
+        self._prefix_tokens += best
+
+    def _keep_prefix(self, seq: _Seq) -> None:
+        """Keep a finished sequence's KV for reuse (its chunk-aligned prompt part)."""
+        budget = self.options.prefix_cache_bytes
+        c = self.options.prefill_chunk
+        valid = min(int(seq.prompt.size) // c * c, int(seq.fed))  # whole chunks only
+        if budget <= 0 or seq.kv is None or seq.history is not None or valid <= 0:
+            return
+        kv = seq.kv
+        nbytes = sum(int(a.nbytes) for a in (*kv.k, *kv.v))
+        if nbytes > budget:
+            return
+        self._prefixes[seq.handle.id] = (seq.prompt.copy(), kv, valid)
+        self._prefix_bytes += nbytes
+        while self._prefix_bytes > budget and self._prefixes:
+            _, (_, old, _) = self._prefixes.popitem(last=False)
+            self._prefix_bytes -= sum(int(a.nbytes) for a in (*old.k, *old.v))
 
     def _finish(
         self, seq: _Seq, reason: str, error: str | None = None, final: FinalState | None = None
     ) -> None:
         if seq.kv is not None:
             self._kv_used -= seq.kv_need
+            if reason in ("stop", "length") and final is None:
+                self._keep_prefix(seq)  # (a saved state's KV belongs to its FinalState)
             seq.kv = None
         restored = 0 if seq.history is None else int(seq.history[0].size)
         seq.history = None
         seq.handle._emit(
-            Done(reason, int(seq.prompt.size), len(seq.generated), error, restored, final)
+            Done(
+                reason, int(seq.prompt.size), len(seq.generated), error, restored, final, seq.reused
+            )
         )
 
     def _end(self, seq: _Seq, reason: str) -> None:

@@ -425,7 +425,7 @@ class _Outcome:
     completion_tokens: int = 0
     error: str | None = None
     error_status: int = 500
-    cached_tokens: int = 0  # positions restored from a saved session
+    cached_tokens: int = 0  # positions restored from a session or reused from the prefix cache
     session_version: int | None = None  # the version this request saved
 
 
@@ -925,7 +925,7 @@ class _Api:
                     if ev.reason == "error":
                         out.error = ev.error
                     out.finish = "stop" if ev.reason in ("stop", "cancelled") else "length"
-                    out.cached_tokens = ev.restored
+                    out.cached_tokens = ev.restored + ev.reused
                     final = ev.final
                     break
         finally:

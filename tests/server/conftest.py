@@ -66,7 +66,9 @@ def served(tmp_path_factory):
     store_dir, cfg, tokens, ids = make_store(root)
     opts = ServeOptions(
         engine={"stream": None},
-        batch=BatchOptions(max_batch=8, max_queue=32, prefill_chunk=16, step_tokens=64),
+        batch=BatchOptions(
+            max_batch=8, max_queue=32, prefill_chunk=16, step_tokens=64, prefix_cache_bytes=2**24
+        ),
         chat_templates=(("stdlib@1", str(cfg)),),
         event_timeout=60.0,
     )

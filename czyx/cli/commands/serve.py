@@ -46,6 +46,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--step-tokens", type=int, default=256, help="tokens per step at most")
     p.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=32.0,
+        help="memory for finished prompts' KV reused by later prompts sharing a prefix "
+        "(MiB; 0: off)",
+    )
+    p.add_argument(
         "--chat-template",
         metavar="PATH",
         help="tokenizer_config.json (or its checkpoint directory, or a .jinja file) whose "
@@ -74,6 +81,7 @@ def serve_options(args: argparse.Namespace):
         prefill_chunk=args.prefill_chunk,
         step_tokens=args.step_tokens,
         kv_bytes=None if args.kv_mb is None else int(args.kv_mb * 2**20),
+        prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
     )
     return ServeOptions(
         engine=kwargs,
