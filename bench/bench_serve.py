@@ -191,6 +191,8 @@ def start_server(store_dir, ref, port, args) -> subprocess.Popen:
         "64",
         "--prefill-chunk",
         "32",
+        "--prefix-cache-mb",
+        "0",  # the engine-alone baseline reuses no prefix either
         "--no-audit",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
