@@ -195,6 +195,8 @@ def start_server(store_dir, ref, port, args) -> subprocess.Popen:
         "0",  # the engine-alone baseline reuses no prefix either
         "--no-audit",
     ]
+    if args.prefetch == "off":
+        cmd.append("--no-prefetch")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     import httpx
 
@@ -228,11 +230,12 @@ class EngineAlone:
 
         self.store = Store.open(store_dir, create=False)
         self.consumer = open_consumer(self.store, None, ref, direct=True)
+        # The options czyx serve derives from its flags (those of czyx run).
         self.engine = Engine(
             self.consumer,
             cache_fraction=args.cache_fraction,
             policy="decay",
-            stream=StreamOptions(io=default_io_path()),
+            stream=StreamOptions(io=default_io_path(), prefetch=args.prefetch == "on"),
         )
         self.sched = Scheduler(
             self.engine.model, BatchOptions(max_batch=16, max_queue=64, prefill_chunk=32)
@@ -416,6 +419,12 @@ def main() -> int:
     ap.add_argument("--levels", default="1,2,4,8,16")
     ap.add_argument("--cache-fraction", type=float, default=0.25)
     ap.add_argument("--synthetic", action="store_true", help="also a random MoE over the cache")
+    ap.add_argument(
+        "--prefetch",
+        choices=["on", "off"],
+        default="off",
+        help="look-ahead expert prefetch in both the server and the engine alone",
+    )
     ap.add_argument("--level-budget", type=float, default=120.0, help="seconds per level at most")
     ap.add_argument("--out", default=os.path.join(HERE, "SERVE.md"))
     args = ap.parse_args()
@@ -455,7 +464,7 @@ def main() -> int:
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}",
         f"- Each level: N clients, each one streamed greedy request of {args.tokens} tokens; "
         f"expert cache at {args.cache_fraction:.0%} of the expert bytes (policy decay, "
-        "streaming reads with prefetch); medians over "
+        f"streaming reads, look-ahead prefetch {args.prefetch}, the same in both); medians over "
         f"{args.rounds} interleaved rounds. Server: `czyx serve` in a subprocess, clients are "
         "httpx threads in the bench process (they share the same CPUs). Engine alone: the "
         "same Scheduler and engine options in-process, no HTTP.",

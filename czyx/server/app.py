@@ -1108,6 +1108,15 @@ def create_app(
     async def not_found(request: Request, exc: Exception) -> Response:
         return ApiError(404, f"no route {request.url.path}", code="not_found").response()
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+    async def internal(request: Request, exc: Exception) -> Response:
+        # Still the OpenAI shape; the exception's type and text, never a traceback.
+        msg = f"internal error: {type(exc).__name__}: {exc}"
+        return ApiError(500, msg, "server_error").response()
+
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={404: not_found, Exception: internal},
+    )
     app.state.czyx = state
     return app
