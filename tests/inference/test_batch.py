@@ -171,3 +171,28 @@ def test_prefix_reuse_starts_from_cached_chunks_and_changes_nothing(engine):
     # the one holding its last token (whose logits give the first sample).
     assert reused == [0, 40, (len(a) - 1) // 8 * 8]
     assert st.prefix_hits == 2 and st.prefix_tokens == sum(reused)
+
+
+def test_tiered_streaming_batch_equals_resident(engine):
+    """At a quarter of the expert bytes, streamed with look-ahead prefetch, a batch of
+    sequences generates what the fully resident batch generates (the slot a weight comes
+    from never changes a product)."""
+    from czyx.inference.streaming import StreamOptions
+
+    opts = BatchOptions(max_batch=4, prefill_chunk=8)
+    resident = Scheduler(engine.model, opts)
+    try:
+        want = [
+            h.result(timeout=120)[0] for h in [resident.submit(list(p), 12) for p in PROMPTS[:4]]
+        ]
+    finally:
+        resident.close()
+    small = Engine(engine.consumer, cache_fraction=0.25, stream=StreamOptions(prefetch=True))
+    sched = Scheduler(small.model, opts)
+    try:
+        got = [h.result(timeout=120)[0] for h in [sched.submit(list(p), 12) for p in PROMPTS[:4]]]
+        misses = small.stats().misses
+    finally:
+        sched.close()
+        small.close()
+    assert got == want and misses > 0
