@@ -195,8 +195,7 @@ def start_server(store_dir, ref, port, args) -> subprocess.Popen:
         "0",  # the engine-alone baseline reuses no prefix either
         "--no-audit",
     ]
-    if args.prefetch == "off":
-        cmd.append("--no-prefetch")
+    cmd.append("--no-prefetch" if args.prefetch == "off" else "--prefetch")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     import httpx
 

@@ -34,6 +34,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free)")
     add_store_arg(p)
     add_engine_args(p)
+    # Serving defaults to no look-ahead prefetch: a batched step's predictions evict the
+    # experts the batch needs, and it read more bytes per token with it than without
+    # (bench/SERVE-prefetch.md against bench/SERVE.md, same run settings).
+    p.set_defaults(no_prefetch=True)
+    p.add_argument(
+        "--prefetch",
+        dest="no_prefetch",
+        action="store_false",
+        help="look-ahead expert prefetch (default off when serving: batched steps read more "
+        "with it, bench/SERVE-prefetch.md)",
+    )
     p.add_argument(
         "--kv-mb", type=float, default=None, help="KV memory budget over active sequences (MiB)"
     )
