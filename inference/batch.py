@@ -129,7 +129,12 @@ def _blockwise(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], x: np.ndarray
 # --------------------------------------------------------------------------- the step
 
 
-def forward_batch(model, chunks: Sequence[np.ndarray], kvs: Sequence[KVCache]) -> list[np.ndarray]:
+def forward_batch(
+    model,
+    chunks: Sequence[np.ndarray],
+    kvs: Sequence[KVCache],
+    allowed: Sequence[np.ndarray | None] | None = None,
+) -> list[np.ndarray]:
     """One forward step over several sequences together.
 
     Parameters
@@ -141,6 +146,11 @@ def forward_batch(model, chunks: Sequence[np.ndarray], kvs: Sequence[KVCache]) -
         token or a prompt chunk), after its ``kvs[s].length`` cached positions.
     kvs
         Per sequence, its KV cache; each grows by its chunk's length.
+    allowed
+        Per sequence, None or ``bool [n_layers, n_experts]``: the experts its
+        portal permits. Routing then picks the top-k among them only, the
+        softmax (and so the weights) taken over the permitted experts alone
+        (a portal's class/layer scope narrows routing, never reads outside it).
 
     Returns
     -------
@@ -181,7 +191,14 @@ def forward_batch(model, chunks: Sequence[np.ndarray], kvs: Sequence[KVCache]) -
             continue
         if lookahead is not None:
             lookahead(i, x)
-        routed = _routed(model, i, lw, x)
+        masks = None
+        if allowed is not None and any(a is not None for a in allowed):
+            masks = [
+                (int(offs[j]), int(offs[j + 1]), a[i])
+                for j, a in enumerate(allowed)
+                if a is not None
+            ]
+        routed = _routed(model, i, lw, x, masks)
         if type(model).routed_extra is not _base_routed_extra():
             routed = _blockwise(lambda a, b, lw=lw: model.routed_extra(lw, a, b), x, routed)
         h = h + routed
@@ -229,11 +246,18 @@ def _attention(model, i, lw, x, kvs, starts, positions, offs) -> np.ndarray:
     return linear_rows(out, lw.o_proj)
 
 
-def _routed(model, i: int, lw, x: np.ndarray) -> np.ndarray:
-    """The routed experts of every token of the step: each distinct expert acquired once."""
+def _routed(model, i: int, lw, x: np.ndarray, masks=None) -> np.ndarray:
+    """The routed experts of every token of the step: each distinct expert acquired once.
+
+    ``masks``: ``(row_lo, row_hi, allowed [n_experts])`` of the sequences whose
+    routing a portal narrows; their other experts' logits are -inf.
+    """
     cfg = model.cfg
     cache = model.experts
-    idx, w = route_topk(linear_rows(x, lw.router), cfg.top_k, cfg.renormalize)
+    logits = linear_rows(x, lw.router)
+    for lo, hi, ok in masks or ():
+        logits[lo:hi, ~ok] = -np.inf
+    idx, w = route_topk(logits, cfg.top_k, cfg.renormalize)
     model.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
     t = x.shape[0]
     contrib = np.zeros((t, cfg.top_k, cfg.hidden_size), F32)
@@ -265,6 +289,14 @@ def _routed(model, i: int, lw, x: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- scheduler
 
 
+def _copy_kv(dst: KVCache, src: KVCache, n: int) -> None:
+    """The first ``n`` positions of ``src`` into ``dst`` (which then holds exactly them)."""
+    for i in range(len(src.k)):
+        dst.k[i][:, :n] = src.k[i][:, :n]
+        dst.v[i][:, :n] = src.v[i][:, :n]
+    dst.length = n
+
+
 @dataclass(frozen=True)
 class BatchOptions:
     """How a :class:`Scheduler` admits and steps sequences.
@@ -284,6 +316,13 @@ class BatchOptions:
     kv_bytes
         KV memory budget over the active sequences; a sequence reserves its
         whole context (prompt + max_tokens) at admission. None: unbounded.
+    prefix_cache_bytes
+        Memory for the KV of finished prompts kept for reuse: a new prompt
+        sharing a prefix with one of them starts from its KV instead of
+        recomputing it. Only whole prefill chunks from position 0 are reused,
+        so the reused positions are exactly those the new sequence would have
+        computed (same tokens, same chunk boundaries): results do not change.
+        0: no reuse.
     """
 
     max_batch: int = 16
@@ -291,6 +330,7 @@ class BatchOptions:
     prefill_chunk: int = 32
     step_tokens: int = 256
     kv_bytes: int | None = None
+    prefix_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -303,6 +343,8 @@ class BatchOptions:
             raise ValueError(f"step_tokens {self.step_tokens} must be at least 1")
         if self.kv_bytes is not None and self.kv_bytes <= 0:
             raise ValueError(f"kv budget {self.kv_bytes} B must be positive")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix cache {self.prefix_cache_bytes} B is negative")
 
 
 @dataclass(frozen=True)
@@ -338,6 +380,7 @@ class Done:
     error: str | None = None
     restored: int = 0
     final: FinalState | None = None
+    reused: int = 0  # prompt positions taken from the prefix cache
 
 
 Event = Token | Done
@@ -408,6 +451,8 @@ class _Seq:
     history: tuple[np.ndarray, KVCache] | None = None  # restored (tokens, KV)
     keep_state: bool = False
     closing: str | None = None  # keep_state: the end reason, once the last token is fed
+    reused: int = 0  # prompt positions taken from the prefix cache
+    allowed: np.ndarray | None = None  # bool [n_layers, n_experts] a scoped portal permits
 
 
 @dataclass(frozen=True)
@@ -424,6 +469,10 @@ class SchedulerStats:
     kv_used: int
     kv_budget: int | None
     busy_seconds: float  # time spent in forward steps
+    prefix_hits: int = 0  # sequences that started from a cached prefix
+    prefix_tokens: int = 0  # prompt positions reused instead of computed
+    prefix_entries: int = 0
+    prefix_bytes: int = 0
 
 
 class Scheduler:
@@ -459,6 +508,12 @@ class Scheduler:
         self._steps = self._step_tokens = self._decode_tokens = self._generated = 0
         self._last_batch = 0
         self._busy = 0.0
+        # Finished prompts' KV, oldest first: (prompt ids, KV cache, reusable positions).
+        self._prefixes: collections.OrderedDict[int, tuple[np.ndarray, KVCache, int]] = (
+            collections.OrderedDict()
+        )
+        self._prefix_bytes = 0
+        self._prefix_hits = self._prefix_tokens = 0
         self._thread = threading.Thread(target=self._run, name="czyx-batch", daemon=True)
         self._thread.start()
 
@@ -473,6 +528,7 @@ class Scheduler:
         on_event: Callable[[Event], None] | None = None,
         history: tuple[Sequence[int], KVCache] | None = None,
         keep_state: bool = False,
+        allowed: np.ndarray | None = None,
     ) -> Handle:
         """Queue a request; its events follow on the returned :class:`Handle`.
 
@@ -480,6 +536,8 @@ class Scheduler:
         exactly them; the prompt continues after them (nothing recomputed).
         ``keep_state``: once the sequence ends, its last token is fed too (one
         more step), so :class:`Done` carries a complete :class:`FinalState` to save.
+        ``allowed``: ``bool [n_layers, n_experts]``, the experts this request may
+        route to (a scoped portal); each sparse layer must keep at least top-k.
 
         Raises
         ------
@@ -498,6 +556,21 @@ class Scheduler:
             raise ValueError(f"prompt token id out of range 0..{vocab - 1}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens {max_tokens} must be at least 1")
+        if allowed is not None:
+            cfg = self.model.cfg
+            allowed = np.asarray(allowed, bool)
+            if allowed.shape != (cfg.n_layers, cfg.n_experts):
+                raise ValueError(
+                    f"allowed experts of shape {allowed.shape}, the model has "
+                    f"{(cfg.n_layers, cfg.n_experts)}"
+                )
+            counts = allowed.sum(axis=1)
+            short = [i for i, s in enumerate(cfg.sparse_layers) if s and counts[i] < cfg.top_k]
+            if short:
+                raise ValueError(
+                    f"the permitted experts leave layer {short[0]} with {int(counts[short[0]])}, "
+                    f"fewer than top-{cfg.top_k}"
+                )
         hist = None
         if history is not None:
             h_ids = np.asarray(list(history[0]), np.int64)
@@ -525,6 +598,7 @@ class Scheduler:
             seq = _Seq(h, ids, int(max_tokens), Sampler(sampling), frozenset(eos_ids), need)
             seq.history = hist
             seq.keep_state = bool(keep_state)
+            seq.allowed = allowed
             self._waiting.append(seq)
             self._lock.notify_all()
         return h
@@ -543,6 +617,10 @@ class Scheduler:
                 kv_used=self._kv_used,
                 kv_budget=self.options.kv_bytes,
                 busy_seconds=self._busy,
+                prefix_hits=self._prefix_hits,
+                prefix_tokens=self._prefix_tokens,
+                prefix_entries=len(self._prefixes),
+                prefix_bytes=self._prefix_bytes,
             )
 
     def close(self, timeout: float = 30.0) -> None:
@@ -578,23 +656,75 @@ class Scheduler:
             cap = restored + int(seq.prompt.size + seq.max_tokens) + 1
             seq.kv = self.model.new_kv(capacity=cap)
             if seq.history is not None:
-                old = seq.history[1]
-                for i in range(len(old.k)):
-                    seq.kv.k[i][:, :restored] = old.k[i][:, :restored]
-                    seq.kv.v[i][:, :restored] = old.v[i][:, :restored]
-                seq.kv.length = restored
+                _copy_kv(seq.kv, seq.history[1], restored)
+            else:
+                self._reuse_prefix(seq)
             self._active.append(seq)
+
+    # -- prefix reuse (under the lock) ---------------------------------------------------
+
+    def _reusable(self, n_prompt: int) -> int:
+        """Positions of a prompt of ``n_prompt`` tokens that whole chunks cover, leaving
+        at least its last token to compute (its logits are the first sample's)."""
+        c = self.options.prefill_chunk
+        return (max(n_prompt - 1, 0) // c) * c
+
+    def _reuse_prefix(self, seq: _Seq) -> None:
+        """Start ``seq`` from the longest cached prefix of its prompt (whole chunks only)."""
+        if not self._prefixes:
+            return
+        limit = self._reusable(int(seq.prompt.size))
+        best, best_key = 0, None
+        for key, (ids, _, valid) in self._prefixes.items():
+            m = min(limit, valid, int(ids.size))
+            if m <= best:
+                continue
+            neq = np.flatnonzero(ids[:m] != seq.prompt[:m])
+            common = int(neq[0]) if neq.size else m
+            common -= common % self.options.prefill_chunk
+            if common > best:
+                best, best_key = common, key
+        if best_key is None:
+            return
+        _, kv, _ = self._prefixes[best_key]
+        self._prefixes.move_to_end(best_key)
+        _copy_kv(seq.kv, kv, best)
+        seq.fed = best
+        seq.reused = best
+        self._prefix_hits += 1
+        self._prefix_tokens += best
+
+    def _keep_prefix(self, seq: _Seq) -> None:
+        """Keep a finished sequence's KV for reuse (its chunk-aligned prompt part)."""
+        budget = self.options.prefix_cache_bytes
+        c = self.options.prefill_chunk
+        valid = min(int(seq.prompt.size) // c * c, int(seq.fed))  # whole chunks only
+        if budget <= 0 or seq.kv is None or seq.history is not None or valid <= 0:
+            return
+        kv = seq.kv
+        nbytes = sum(int(a.nbytes) for a in (*kv.k, *kv.v))
+        if nbytes > budget:
+            return
+        self._prefixes[seq.handle.id] = (seq.prompt.copy(), kv, valid)
+        self._prefix_bytes += nbytes
+        while self._prefix_bytes > budget and self._prefixes:
+            _, (_, old, _) = self._prefixes.popitem(last=False)
+            self._prefix_bytes -= sum(int(a.nbytes) for a in (*old.k, *old.v))
 
     def _finish(
         self, seq: _Seq, reason: str, error: str | None = None, final: FinalState | None = None
     ) -> None:
         if seq.kv is not None:
             self._kv_used -= seq.kv_need
+            if reason in ("stop", "length") and final is None:
+                self._keep_prefix(seq)  # (a saved state's KV belongs to its FinalState)
             seq.kv = None
         restored = 0 if seq.history is None else int(seq.history[0].size)
         seq.history = None
         seq.handle._emit(
-            Done(reason, int(seq.prompt.size), len(seq.generated), error, restored, final)
+            Done(
+                reason, int(seq.prompt.size), len(seq.generated), error, restored, final, seq.reused
+            )
         )
 
     def _end(self, seq: _Seq, reason: str) -> None:
@@ -650,7 +780,13 @@ class Scheduler:
     def _step(self, work: list[tuple[_Seq, np.ndarray]]) -> None:
         t0 = time.perf_counter()
         try:
-            logits = forward_batch(self.model, [c for _, c in work], [s.kv for s, _ in work])
+            allowed = [s.allowed for s, _ in work]
+            logits = forward_batch(
+                self.model,
+                [c for _, c in work],
+                [s.kv for s, _ in work],
+                allowed if any(a is not None for a in allowed) else None,
+            )
         except Exception as exc:  # fail closed: every sequence of the step ends with the error
             with self._lock:
                 for seq, _ in work:

@@ -161,7 +161,12 @@ class ServedModel:
         self.ref = ref
         sel = store.resolve_tag(ref)
         scoped, whole = model_spaces(store, sel)
-        self.spaces = ServedVersion(ref, tuple(s.raw for s in scoped), tuple(s.raw for s in whole))
+        self.spaces = ServedVersion(
+            ref,
+            tuple(s.raw for s in scoped),
+            tuple(s.raw for s in whole),
+            _expert_classes(store, scoped),
+        )
         kwargs = dict(options.engine)
         windowed = kwargs.get("trunk_window") is not None
         self.consumer = open_consumer(store, None, ref, direct=True, lazy_trunk=windowed)
@@ -197,6 +202,22 @@ class ServedModel:
                 self.engine.close()
             finally:
                 self.consumer.close()
+
+
+def _expert_classes(store, scoped) -> np.ndarray | None:
+    """The class value of every (layer, expert) from the first manifest in the version's
+    chain that records a layout (an adapter's is its base's)."""
+    from czyx.store.models.expert_layout import layout_from_manifest
+
+    for sel in scoped:
+        manifest = store.manifest(sel)
+        if isinstance(manifest.get("layout"), dict):
+            lay = layout_from_manifest(manifest)
+            n_layers, n_experts = int(lay.n_layers), int(lay.n_classes)
+            return lay.class_array(
+                np.arange(n_layers)[:, None], np.arange(n_experts)[None, :]
+            ).astype(np.int64)
+    return None
 
 
 class ServerState:
@@ -404,7 +425,7 @@ class _Outcome:
     completion_tokens: int = 0
     error: str | None = None
     error_status: int = 500
-    cached_tokens: int = 0  # positions restored from a saved session
+    cached_tokens: int = 0  # positions restored from a session or reused from the prefix cache
     session_version: int | None = None  # the version this request saved
 
 
@@ -528,6 +549,7 @@ async def _events(
     timeout: float,
     retry_after: int,
     session: _Session | None = None,
+    allowed: np.ndarray | None = None,
 ) -> AsyncIterator[Token | Done | None]:
     """None once the request is queued, then the scheduler's events, awaited without
     blocking the loop.
@@ -550,6 +572,7 @@ async def _events(
             on_event,
             history=None if session is None else session.history,
             keep_state=session is not None,
+            allowed=allowed,
         )
     except QueueFull as exc:
         raise ApiError(
@@ -672,7 +695,8 @@ class _Api:
             typ = "authentication_error" if exc.status == 401 else "permission_error"
             raise ApiError(exc.status, str(exc), typ, exc.code) from None
 
-    def _served(self, caller: Caller, model: str) -> ServedModel:
+    def _served(self, caller: Caller, model: str) -> tuple[ServedModel, np.ndarray | None]:
+        """The served version and the experts the caller may route to (None: all)."""
         served = self.state.models.get(model)
         if served is None:
             raise ApiError(
@@ -684,9 +708,24 @@ class _Api:
             )
         try:
             self.state.gate.authorize(caller, model)
+            mask = self.state.gate.routing_mask(caller, model)
         except AuthError as exc:
             raise ApiError(exc.status, str(exc), "permission_error", exc.code, "model") from None
-        return served
+        if mask is not None:
+            cfg = served.engine.cfg
+            counts = mask[: cfg.n_layers, : cfg.n_experts].sum(axis=1)
+            for i, sparse in enumerate(cfg.sparse_layers):
+                if sparse and counts[i] < cfg.top_k:
+                    raise ApiError(
+                        403,
+                        f"portal leaves layer {i} of {model} with {int(counts[i])} expert(s), "
+                        f"fewer than the top-{cfg.top_k} routing needs",
+                        "permission_error",
+                        "permission_denied",
+                        "model",
+                    )
+            mask = np.ascontiguousarray(mask[: cfg.n_layers, : cfg.n_experts])
+        return served, mask
 
     async def _audit(
         self,
@@ -773,7 +812,7 @@ class _Api:
             keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
             req = _parse_common(body, default_max, keys)
             model = req.model
-            served = self._served(caller, req.model)
+            served, allowed = self._served(caller, req.model)
             ids = _chat_prompt(body, served) if chat else _completion_prompt(body, served)
             session = None
             name = request.headers.get(SESSION_HEADER)
@@ -787,7 +826,7 @@ class _Api:
         eos = served.chat_eos_ids if chat else served.eos_ids
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         out = _Outcome(prompt_tokens=len(ids))  # filled as the generation runs
-        gen = self._run(served, ids, req, eos, time.perf_counter(), session, out)
+        gen = self._run(served, ids, req, eos, time.perf_counter(), session, out, allowed)
         if req.stream:
             # The first event decides between an error answer (429, 400) and a stream.
             try:
@@ -847,6 +886,7 @@ class _Api:
         t0: float,
         session: _Session | None = None,
         out: _Outcome | None = None,
+        allowed: np.ndarray | None = None,
     ) -> AsyncIterator[tuple[str, Any]]:
         """Yield ``("start", None)``, then ``("text", piece)``... and ``("done", _Outcome)``.
 
@@ -857,7 +897,9 @@ class _Api:
         metrics = self.state.metrics
         last = None
         opts = self.state.options
-        events = _events(served, ids, req, eos, opts.event_timeout, opts.retry_after, session)
+        events = _events(
+            served, ids, req, eos, opts.event_timeout, opts.retry_after, session, allowed
+        )
         final = None
         try:
             async for ev in events:
@@ -883,7 +925,7 @@ class _Api:
                     if ev.reason == "error":
                         out.error = ev.error
                     out.finish = "stop" if ev.reason in ("stop", "cancelled") else "length"
-                    out.cached_tokens = ev.restored
+                    out.cached_tokens = ev.restored + ev.reused
                     final = ev.final
                     break
         finally:
@@ -1066,6 +1108,15 @@ def create_app(
     async def not_found(request: Request, exc: Exception) -> Response:
         return ApiError(404, f"no route {request.url.path}", code="not_found").response()
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+    async def internal(request: Request, exc: Exception) -> Response:
+        # Still the OpenAI shape; the exception's type and text, never a traceback.
+        msg = f"internal error: {type(exc).__name__}: {exc}"
+        return ApiError(500, msg, "server_error").response()
+
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={404: not_found, Exception: internal},
+    )
     app.state.czyx = state
     return app

@@ -14,8 +14,9 @@ portal -> :class:`Unauthenticated` (HTTP 401); a valid portal that is
 expired, revoked, lacks the ``infer`` right or does not cover the requested
 version -> :class:`Forbidden` (HTTP 403). Every refusal is audited through the
 authority (``portal.deny``). A portal narrowed to some expert classes or
-layers is refused too (403): the batch shares one engine whose routing is not
-narrowed per sequence, and serving such a tenant unrestricted would widen it.
+layers is served with its routing narrowed (:meth:`TokenGate.routing_mask`:
+the experts whose class and layer the scope permits; the batch routes that
+sequence among them only), never with the engine's whole expert set.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from czyx.errors import CzyxError
 from czyx.portals.caveats import INFER
@@ -80,6 +83,9 @@ class ServedVersion:
     ref: str
     scoped: tuple[bytes, ...]
     whole: tuple[bytes, ...]
+    #: ``int [n_layers, n_experts]``: the class value of each routed expert (the router
+    #: byte, or its mount-time permutation): what a class caveat names.
+    classes: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 def _error_for(exc: PortalDenied) -> AuthError:
@@ -175,13 +181,25 @@ class TokenGate:
         for space in (*v.scoped, *v.whole):
             if not perm.allows_open(space, INFER, now=self.clock()):
                 return f"portal does not cover {ref} (space {space.hex()[:16]}..) for infer"
-        for space in v.scoped:
-            if perm.scope_for(space) != Scope():
-                return (
-                    f"portal is narrowed to some expert classes or layers of {ref}; the shared "
-                    "batch does not narrow routing per sequence, so it is not served"
-                )
         return None
+
+    def routing_mask(self, caller: Caller, ref: str) -> np.ndarray | None:
+        """``bool [n_layers, n_experts]``: the experts of ``ref`` the caller's scope permits
+        (None: every one). The scopes of every expert space in the version's chain
+        are intersected, as the portal's view does for a consumer."""
+        v = self.versions[ref]
+        scope = Scope()
+        for space in v.scoped:
+            scope = scope.narrow(caller.permission.scope_for(space))
+        if scope == Scope():
+            return None
+        if v.classes is None:
+            raise Forbidden(f"portal is narrowed but {ref} records no expert classes")
+        raw = scope.classes.to_bytes(32, "little")
+        bits = np.unpackbits(np.frombuffer(raw, np.uint8), bitorder="little").astype(bool)
+        layers = np.arange(v.classes.shape[0])
+        in_range = (layers >= scope.layer_lo) & (layers <= scope.layer_hi)
+        return bits[v.classes] & in_range[:, None]
 
     def authorize(self, caller: Caller, ref: str) -> None:
         """Refuse (403, audited) unless ``caller`` may run version ``ref``."""

@@ -95,6 +95,11 @@ class _Live:
             "czyx_io_wait_seconds", "exposed expert read wait", labels=["version"]
         )
         steps = CounterMetricFamily("czyx_steps", "batched forward steps", labels=["version"])
+        reused = CounterMetricFamily(
+            "czyx_prefix_reused_tokens",
+            "prompt positions reused from the prefix cache",
+            labels=["version"],
+        )
         for ref, s, c in self.source():
             queue.add_metric([ref], s.waiting)
             active.add_metric([ref], s.active)
@@ -105,4 +110,5 @@ class _Live:
             read.add_metric([ref], c.bytes_read)
             wait.add_metric([ref], c.read_seconds)
             steps.add_metric([ref], s.steps)
-        yield from (queue, active, kv, hit, bpt, read, wait, steps)
+            reused.add_metric([ref], s.prefix_tokens)
+        yield from (queue, active, kv, hit, bpt, read, wait, steps, reused)

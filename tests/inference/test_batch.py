@@ -146,3 +146,53 @@ def test_queue_full_kv_budget_and_cancel_free_their_sequences(engine):
         assert st.active == 0 and st.waiting == 0 and st.kv_used == 0
     finally:
         sched.close()
+
+
+def test_prefix_reuse_starts_from_cached_chunks_and_changes_nothing(engine):
+    base = b"import os\nimport sys\nimport json\nimport time\n"  # 44 tokens
+    a, b = base + b"def f(x):\n", base + b"class A:\n"
+    plain = Scheduler(engine.model, BatchOptions(prefill_chunk=8))
+    try:
+        want = [plain.submit(list(p), 10).result(timeout=60)[0] for p in (a, b, a)]
+    finally:
+        plain.close()
+    sched = Scheduler(engine.model, BatchOptions(prefill_chunk=8, prefix_cache_bytes=2**24))
+    try:
+        got, reused = [], []
+        for p in (a, b, a):
+            toks, done = sched.submit(list(p), 10).result(timeout=60)
+            got.append(toks)
+            reused.append(done.reused)
+        st = sched.stats()
+    finally:
+        sched.close()
+    assert got == want
+    # b shares 44 tokens with a: five whole chunks; a again: all its whole chunks but
+    # the one holding its last token (whose logits give the first sample).
+    assert reused == [0, 40, (len(a) - 1) // 8 * 8]
+    assert st.prefix_hits == 2 and st.prefix_tokens == sum(reused)
+
+
+def test_tiered_streaming_batch_equals_resident(engine):
+    """At a quarter of the expert bytes, streamed with look-ahead prefetch, a batch of
+    sequences generates what the fully resident batch generates (the slot a weight comes
+    from never changes a product)."""
+    from czyx.inference.streaming import StreamOptions
+
+    opts = BatchOptions(max_batch=4, prefill_chunk=8)
+    resident = Scheduler(engine.model, opts)
+    try:
+        want = [
+            h.result(timeout=120)[0] for h in [resident.submit(list(p), 12) for p in PROMPTS[:4]]
+        ]
+    finally:
+        resident.close()
+    small = Engine(engine.consumer, cache_fraction=0.25, stream=StreamOptions(prefetch=True))
+    sched = Scheduler(small.model, opts)
+    try:
+        got = [h.result(timeout=120)[0] for h in [sched.submit(list(p), 12) for p in PROMPTS[:4]]]
+        misses = small.stats().misses
+    finally:
+        sched.close()
+        small.close()
+    assert got == want and misses > 0

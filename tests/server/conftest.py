@@ -50,7 +50,6 @@ def make_store(root):
             "bob": grant_model(store, "tiny@1", tenant="bob").token,
             "reader": grant_model(store, "stdlib@1", tenant="carol", rights="read").token,
             "expired": grant_model(store, "stdlib@1", tenant="dave", expires_at=1).token,
-            "scoped": grant_model(store, "stdlib@1", tenant="erin", classes="0-7").token,
         }
         ids = {"alice": authority(store).verify(tokens["alice"]).portal_id.hex()}
     return store_dir, cfg, tokens, ids
@@ -67,7 +66,9 @@ def served(tmp_path_factory):
     store_dir, cfg, tokens, ids = make_store(root)
     opts = ServeOptions(
         engine={"stream": None},
-        batch=BatchOptions(max_batch=8, max_queue=32, prefill_chunk=16, step_tokens=64),
+        batch=BatchOptions(
+            max_batch=8, max_queue=32, prefill_chunk=16, step_tokens=64, prefix_cache_bytes=2**24
+        ),
         chat_templates=(("stdlib@1", str(cfg)),),
         event_timeout=60.0,
     )

@@ -145,12 +145,7 @@ def test_401_and_403(served):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     with pytest.raises(openai.AuthenticationError):
         client(url, tokens["alice"][:-4] + "AAAA").models.list()
-    for who, model in (
-        ("bob", "stdlib@1"),
-        ("reader", "stdlib@1"),
-        ("expired", "stdlib@1"),
-        ("scoped", "stdlib@1"),
-    ):
+    for who, model in (("bob", "stdlib@1"), ("reader", "stdlib@1"), ("expired", "stdlib@1")):
         with pytest.raises(openai.PermissionDeniedError):
             client(url, tokens[who]).completions.create(model=model, prompt="x", max_tokens=2)
 
@@ -225,3 +220,17 @@ def test_cli_revoke_in_another_process_is_seen(served):
     assert out.returncode == 0, out.stderr
     with pytest.raises(openai.PermissionDeniedError):
         c.completions.create(model="stdlib@1", prompt="x", max_tokens=1)
+
+
+def test_a_shared_prompt_prefix_is_reused_not_recomputed(served):
+    url, tokens, *_ = served
+    c = client(url, tokens["alice"])
+    prompt = "import os\nimport sys\nimport json\nimport time\nimport re\n"
+    first = c.completions.create(model="stdlib@1", prompt=prompt + "x", max_tokens=6, temperature=0)
+    second = c.completions.create(
+        model="stdlib@1", prompt=prompt + "x", max_tokens=6, temperature=0
+    )
+    assert second.choices[0].text == first.choices[0].text
+    assert second.usage.prompt_tokens == len(prompt) + 1
+    # Whole 16-token chunks of the prompt, short of the chunk holding its last token.
+    assert second.usage.prompt_tokens_details.cached_tokens == (len(prompt) + 1 - 1) // 16 * 16

@@ -171,6 +171,7 @@ def _local_server(args: argparse.Namespace):
         "max_queue": 4,
         "prefill_chunk": 32,
         "step_tokens": 256,
+        "prefix_cache_mb": 32.0,
         "default_max_tokens": args.max_tokens,
         "no_audit": False,
     }.items():

@@ -34,6 +34,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free)")
     add_store_arg(p)
     add_engine_args(p)
+    # Serving defaults to no look-ahead prefetch: a batched step's predictions evict the
+    # experts the batch needs, and it read more bytes per token with it than without
+    # (bench/SERVE-prefetch.md against bench/SERVE.md, same run settings).
+    p.set_defaults(no_prefetch=True)
+    p.add_argument(
+        "--prefetch",
+        dest="no_prefetch",
+        action="store_false",
+        help="look-ahead expert prefetch (default off when serving: batched steps read more "
+        "with it, bench/SERVE-prefetch.md)",
+    )
     p.add_argument(
         "--kv-mb", type=float, default=None, help="KV memory budget over active sequences (MiB)"
     )
@@ -45,6 +56,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prefill-chunk", type=int, default=32, help="prompt tokens per sequence per step"
     )
     p.add_argument("--step-tokens", type=int, default=256, help="tokens per step at most")
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=32.0,
+        help="memory for finished prompts' KV reused by later prompts sharing a prefix "
+        "(MiB; 0: off)",
+    )
     p.add_argument(
         "--chat-template",
         metavar="PATH",
@@ -74,6 +92,7 @@ def serve_options(args: argparse.Namespace):
         prefill_chunk=args.prefill_chunk,
         step_tokens=args.step_tokens,
         kv_bytes=None if args.kv_mb is None else int(args.kv_mb * 2**20),
+        prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
     )
     return ServeOptions(
         engine=kwargs,
