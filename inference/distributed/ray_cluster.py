@@ -307,7 +307,7 @@ class RayPipeline(_Driver):
     layers
         ``[lo, hi)`` per stage (see :func:`split_layers`), covering every layer.
     cache_fraction
-        Each stage's expert slot budget (fraction of the model's expert bytes).
+        Each stage's expert slot budget (fraction of the experts of its layers).
     """
 
     def __init__(
@@ -361,7 +361,7 @@ class RayExpertParallel(_Driver):
         Inclusive class range per shard (see :func:`split_classes`), disjoint,
         covering every class the model uses.
     cache_fraction
-        Each shard's expert slot budget (fraction of the model's expert bytes).
+        Each shard's expert slot budget (fraction of the experts of its classes).
     """
 
     def __init__(

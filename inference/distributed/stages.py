@@ -51,15 +51,45 @@ Dispatch = Callable[
 
 
 def _open_engine(
-    store_dir: str, ref: str, token: str | None, cache_fraction: float | None, lazy: bool
+    store_dir: str,
+    ref: str,
+    token: str | None,
+    cache_fraction: float | None,
+    lazy: bool,
+    own: Callable[[OpenedModel, Any], int],
 ) -> tuple[OpenedModel, Engine]:
+    """Open this node's store through its portal and an engine whose slot budget is
+    ``cache_fraction`` (None: all) of the experts this node uses, ``own(opened, cfg)``
+    of them (never below one token's top-k)."""
+    from czyx.inference.models import decoder_class
+
+    if cache_fraction is not None and not 0.0 < cache_fraction <= 1.0:
+        raise ValueError(f"cache fraction {cache_fraction} is not in (0, 1]")
     opened = OpenedModel(store_dir, ref, token, lazy_trunk=lazy)
     try:
-        engine = Engine(opened.consumer, cache_fraction=cache_fraction, stream=None)
+        info = opened.consumer.info
+        cfg = decoder_class(info.arch).parse_config(info)
+        frac = 1.0 if cache_fraction is None else cache_fraction
+        slots = max(cfg.top_k, int(own(opened, cfg) * frac))
+        engine = Engine(
+            opened.consumer, cache_bytes=slots * int(info.expert_slot_nbytes), stream=None
+        )
     except BaseException:
         opened.close()
         raise
     return opened, engine
+
+
+def _class_map(opened: OpenedModel, n_layers: int, n_experts: int) -> np.ndarray:
+    """``[layer, router byte] -> key class`` of the opened version (its layout)."""
+    from czyx.space import Selector
+    from czyx.store.models.expert_layout import layout_from_manifest
+
+    manifest = opened.store.manifest(Selector(opened.consumer.info.selector))
+    layout = layout_from_manifest(manifest)
+    return np.asarray(
+        layout.class_array(np.arange(n_layers)[:, None], np.arange(n_experts)[None, :])
+    )
 
 
 class LayerStage:
@@ -73,8 +103,8 @@ class LayerStage:
         The layer range ``[lo, hi)``; the first stage embeds, the last one
         applies the final norm and the LM head.
     cache_fraction
-        This stage's expert slot budget as a fraction of the model's expert bytes
-        (None: every expert fits).
+        This stage's expert slot budget as a fraction of the routed experts of its
+        layers (None: all of them fit; never below one token's top-k).
     """
 
     def __init__(
@@ -87,7 +117,12 @@ class LayerStage:
         *,
         cache_fraction: float | None = None,
     ) -> None:
-        self.opened, self.engine = _open_engine(store_dir, ref, token, cache_fraction, lazy=True)
+        def own(_: OpenedModel, cfg: Any) -> int:  # the routed experts of this stage's layers
+            return sum(cfg.sparse_layers[lo:hi]) * cfg.n_experts
+
+        self.opened, self.engine = _open_engine(
+            store_dir, ref, token, cache_fraction, lazy=True, own=own
+        )
         model = self.engine.model
         n = model.cfg.n_layers
         if not 0 <= lo < hi <= n:
@@ -194,7 +229,8 @@ class ExpertShard:
     ranges
         Every shard's inclusive class range, in shard order.
     cache_fraction
-        The expert slot budget (fraction of the model's expert bytes).
+        The expert slot budget as a fraction of the routed experts of this
+        shard's classes (None: all of them fit; never below one token's top-k).
     """
 
     def __init__(
@@ -207,20 +243,19 @@ class ExpertShard:
         *,
         cache_fraction: float | None = None,
     ) -> None:
-        from czyx.store.models.expert_layout import layout_from_manifest
+        ranges = [(int(a), int(b)) for a, b in ranges]
+        owner: dict[str, np.ndarray] = {}
 
-        self.opened, self.engine = _open_engine(store_dir, ref, token, cache_fraction, lazy=False)
-        model = self.engine.model
-        store = self.opened.store
-        from czyx.space import Selector
+        def own(opened: OpenedModel, cfg: Any) -> int:  # the experts of this shard's classes
+            owner["map"] = class_owners(_class_map(opened, cfg.n_layers, cfg.n_experts), ranges)
+            sparse = np.asarray(cfg.sparse_layers, bool)
+            return int((owner["map"][sparse] == index).sum())
 
-        manifest = store.manifest(Selector(self.opened.consumer.info.selector))
-        cfg = model.cfg
-        layout = layout_from_manifest(manifest)
-        class_map = layout.class_array(
-            np.arange(cfg.n_layers)[:, None], np.arange(cfg.n_experts)[None, :]
+        self.opened, self.engine = _open_engine(
+            store_dir, ref, token, cache_fraction, lazy=False, own=own
         )
-        self.owner = class_owners(np.asarray(class_map), [tuple(r) for r in ranges])
+        model = self.engine.model
+        self.owner = owner["map"]
         self.index = index
         self.dispatch: Dispatch | None = None
         self.kv: dict[Any, Any] = {}
