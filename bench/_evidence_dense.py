@@ -19,6 +19,7 @@ import numpy as np
 from czyx.inference.planner import PREFETCH, TransferPlanner
 from czyx.store.consumer import ExpertExtent, ModelInfo
 from czyx.store.core.blockfile import BlockWriter
+from czyx.store.io.experts import ExpertReads
 from czyx.store.io.iopaths import drop_file_cache
 from czyx.store.io.reader import aligned_empty
 
@@ -51,7 +52,12 @@ class DenseLayers:
     def expert_extent(self, layer: int, e: int) -> ExpertExtent:
         if e != 0:
             raise LookupError(e)
-        return ExpertExtent(self.fd, self.off[layer], self.info.expert_nbytes, self.sums[layer])
+        return ExpertExtent(0, self.off[layer], self.info.expert_nbytes, self.sums[layer])
+
+    def open_expert_reads(self, slots, *, readers=2, native=None, io=None) -> ExpertReads:
+        return ExpertReads(
+            slots, self.expert_extent, files=[self.fd], readers=readers, native=native, io=io
+        )
 
     def close(self) -> None:
         os.close(self.fd)
@@ -75,7 +81,7 @@ def stream(layers: DenseLayers, io: str, depth: int, k: int, x: np.ndarray) -> d
     slots = [arena[i] for i in range(depth)]
     live = np.zeros(depth, bool)
     drop_file_cache(layers.path)
-    planner = TransferPlanner(layers, slots, live, io=io, threads=1)
+    planner = TransferPlanner(layers, slots, live, io=io, readers=1)
     ts = []
     try:
         t0 = time.perf_counter()

@@ -242,7 +242,7 @@ def _fault(scratch: Path, name: str, io: str) -> str:
             arena = aligned_empty(2 * slot).reshape(2, slot)
             live = np.zeros(2, bool)
             with _SlowDevice() as device:
-                p = TransferPlanner(m, [arena[0], arena[1]], live, io=io, threads=1)
+                p = TransferPlanner(m, [arena[0], arena[1]], live, io=io, readers=1)
                 try:
                     if name == "slot reuse while live":
                         live[0] = True
@@ -274,7 +274,7 @@ def _fault(scratch: Path, name: str, io: str) -> str:
                     [arena],
                     np.zeros(1, bool),
                     io=io,
-                    threads=1,
+                    readers=1,
                     strict_deadlines="strict" in name,
                 )
                 try:

@@ -425,9 +425,26 @@ class ExpertCache:
         row = self.table[layer]
         out = self._out
         blocked = self.blocked
-        for j, e in enumerate(experts.tolist()):
+        ex = experts.tolist()
+        misses = []
+        # Hits first, all held before any miss is filled: a miss must never evict an
+        # expert this same call still needs (it would be read back at once).
+        for j, e in enumerate(ex):
             s = int(row[e])
-            if s >= 0:
+            if s < 0:
+                misses.append(j)
+                continue
+            self.hits += 1
+            if not blocked[s]:
+                blocked[s] = True
+                self._busy[self._n_busy] = s
+                self._n_busy += 1
+            self.policy.touch(s)
+            out[j] = s
+        for j in misses:
+            e = ex[j]
+            s = int(row[e])
+            if s >= 0:  # the same expert twice in one call: filled just before
                 self.hits += 1
             else:
                 s = self._fill(layer, e)
@@ -437,7 +454,7 @@ class ExpertCache:
                 self._n_busy += 1
             self.policy.touch(s)
             out[j] = s
-        return out[: len(experts)]
+        return out[: len(ex)]
 
     def release(self) -> None:
         """End the current layer's hold: its slots become evictable (unless pinned)."""

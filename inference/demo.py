@@ -29,6 +29,7 @@ from typing import TextIO
 import numpy as np
 
 from czyx.inference.errors import DemoCheckError
+from czyx.store.interfaces import StoreInterface
 
 DEFAULT_TAG = "czyx-moe-stdlib@v1"
 DEFAULT_TENANT = "demo-tenant"
@@ -222,7 +223,7 @@ def run_demo(
 
 
 def _generate(
-    store: object,
+    store: StoreInterface,
     tag: str,
     token: str,
     prompt: str,

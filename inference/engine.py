@@ -14,7 +14,9 @@ import numpy as np
 
 from czyx.inference.cache import CacheStats, EvictionPolicy, ExpertCache
 from czyx.inference.errors import CacheBudgetError
+from czyx.inference.kernels.fused import default_threads
 from czyx.inference.models import DecoderConfig, decoder_class
+from czyx.inference.models.decoder import describe_restriction
 from czyx.inference.profile import RoutingProfile
 from czyx.inference.streaming import StreamingExpertCache, StreamOptions, attach
 from czyx.inference.trunkwindow import TrunkWindowStats
@@ -60,6 +62,54 @@ def resolve_budget(
     return max(total, floor)
 
 
+def _mask_predictions(cache: StreamingExpertCache, mask: np.ndarray) -> None:
+    """Keep a streaming cache's prefetch inside a scoped portal's experts.
+
+    The routing mask already keeps demand reads inside the grant; predictions
+    (look-ahead, early routing) come from the unmasked routers, so they are
+    filtered here, leaving the streaming module untouched: a prefetch outside the
+    grant would be a read the portal refuses.
+    """
+    predict = cache._predict
+    neg = np.float32(-np.inf)
+
+    def _predict(layer: int, logits: np.ndarray) -> np.ndarray:
+        out = predict(layer, np.where(mask[layer], logits, neg))
+        return out[mask[layer][out]]
+
+    cache._predict = _predict
+
+
+class BlasLimit:
+    """A reentrant context that holds every BLAS library to ``n`` threads (threadpoolctl).
+
+    The libraries are found once; entering costs one ``set_num_threads`` call
+    per library whose count differs (none when the process already runs BLAS
+    at ``n``), leaving restores the previous counts.
+    """
+
+    def __init__(self, n: int) -> None:
+        from threadpoolctl import ThreadpoolController
+
+        self.n = n
+        self._libs = list(ThreadpoolController().select(user_api="blas").lib_controllers)
+        self._saved: list[list[tuple[object, int]]] = []
+
+    def __enter__(self) -> BlasLimit:
+        saved = []
+        for lib in self._libs:
+            cur = lib.get_num_threads()
+            if cur != self.n:
+                lib.set_num_threads(self.n)
+                saved.append((lib, cur))
+        self._saved.append(saved)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for lib, cur in reversed(self._saved.pop()):
+            lib.set_num_threads(cur)
+
+
 class Engine:
     """A model ready to run: trunk resident (or windowed), routed experts behind a slot cache.
 
@@ -87,6 +137,13 @@ class Engine:
         layer while one computes (:class:`~inference.trunkwindow.TrunkWindow`);
         the consumer should then be opened with ``lazy_trunk=True``. None: the
         whole trunk resident.
+    threads
+        Threads of the engine's own kernels (the decode step's C kernels);
+        default: the cores this process may run on (its CPU affinity). BLAS
+        (numpy's products in prefill) is held to one thread inside the
+        engine's calls, so the two never oversubscribe the cores and no BLAS
+        thread split can change a result: outputs are bit-identical for every
+        ``threads``.
     """
 
     def __init__(
@@ -100,7 +157,12 @@ class Engine:
         stream: StreamOptions | None = StreamOptions(),  # noqa: B008 - frozen, shared safely
         xray: XRay | None = None,
         trunk_window: int | None = None,
+        threads: int | None = None,
     ) -> None:
+        self.threads = default_threads() if threads is None else int(threads)
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        self._blas = BlasLimit(1)
         cls = decoder_class(consumer.info.arch)
         cfg = cls.parse_config(consumer.info)
         self.consumer = consumer
@@ -132,9 +194,18 @@ class Engine:
         except BaseException:
             self.cache.close()  # the cache's reader threads must not outlive a failed open
             raise
+        self.model.set_threads(self.threads)
         if stream is not None:
             attach(self.model, self.cache)
         self.cfg = self.model.cfg
+        mask = self.model.route_mask
+        # One line for the run's figures when a scoped portal restricted routing.
+        self.route_restriction = describe_restriction(mask, self.cfg)
+        if mask is not None:
+            if stream is not None:
+                _mask_predictions(self.cache, mask)
+            if hot:
+                hot = [(layer, e) for layer, e in hot if mask[layer, e]]
         if pin_classes is not None:
             sparse = [i for i, s in enumerate(self.cfg.sparse_layers) if s]
             self.cache.pin_classes(pin_classes[0], pin_classes[1], sparse)
@@ -155,12 +226,16 @@ class Engine:
         """Process prompt ``tokens`` in one batch; logits of the last (or every) token."""
         ids = np.asarray(tokens, np.int64)
         self.cache.advance(len(ids))
-        return self.model.forward(ids, self.kv, all_logits)
+        with self._blas:
+            return self.model.forward(ids, self.kv, all_logits)
 
     def decode(self, token: int) -> np.ndarray:
         """Process one token; returns its ``[V]`` logits."""
         self.cache.advance(1)
-        return self.model.forward(np.array([token], np.int64), self.kv)
+        if self.model.decode_in_c():  # no BLAS call to limit (and limiting costs a few us)
+            return self.model.forward(np.array([token], np.int64), self.kv)
+        with self._blas:
+            return self.model.forward(np.array([token], np.int64), self.kv)
 
     def routing_profile(self) -> RoutingProfile:
         """The routing counts of everything this engine has run."""

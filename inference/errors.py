@@ -40,3 +40,7 @@ class TokenizerError(InferenceError):
 
 class DemoCheckError(InferenceError):
     """A guarantee the demo shows did not hold (a refusal allowed, runs that differ)."""
+
+
+class ScopeRoutingError(InferenceError):
+    """A scoped portal permits fewer experts at a layer than the model routes per token."""

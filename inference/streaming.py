@@ -157,7 +157,7 @@ class StreamingExpertCache(ExpertCache):
             self._slot_views,
             self.blocked,
             io=io,
-            threads=threads,
+            readers=threads,
             native=native,
             strict_deadlines=strict_deadlines,
             xray=xray,

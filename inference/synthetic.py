@@ -30,6 +30,7 @@ from czyx.store.consumer import ExpertExtent, ModelInfo
 from czyx.store.core.blockfile import BlockWriter
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError, ShortReadError
+from czyx.store.io.experts import ExpertReads
 
 ALIGN = 4096
 _DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
@@ -99,10 +100,24 @@ class SyntheticMoE:
 
     def expert_extent(self, layer: int, router_byte: int) -> ExpertExtent:
         return ExpertExtent(
-            self.fd,
+            0,
             int(self.off[layer, router_byte]),
             self.info.expert_nbytes,
             int(self.sums[layer, router_byte]),
+        )
+
+    def open_expert_reads(
+        self, slots, *, readers: int = 2, native: bool | None = None, io: str | None = None
+    ) -> ExpertReads:
+        """The store's expert-read interface onto this block file (its one descriptor)."""
+        return ExpertReads(
+            slots,
+            self.expert_extent,
+            files=[self.fd],
+            read_expert=self.read_expert,
+            readers=readers,
+            native=native,
+            io=io,
         )
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:

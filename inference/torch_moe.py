@@ -1,10 +1,13 @@
 """A second, minimal consumer of the store's interface: one MoE layer as a torch module.
 
 Scope: proof that another engine plugs into the same store. It uses only
-:class:`store.consumer.ModelConsumer` (``trunk`` for the router,
-``read_expert`` + ``expert_views`` for each routed expert it needs), keeps no
-cache, and computes the routed-expert output of one layer with torch ops.
-torch is imported here only; the numpy engine never needs it.
+:class:`czyx.store.consumer.ModelConsumer` (``trunk`` for the router,
+``expert_views`` for a filled slot) and the store's one expert-read
+interface (:func:`czyx.store.io.experts.open_expert_reads`: ``submit`` /
+``wait`` / ``check``, the same reads the numpy engine's planner makes), keeps
+no cache, and computes the routed-expert output of one layer with torch ops:
+while one expert computes, the next one's read is in flight. torch is
+imported here only; the numpy engine never needs it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import numpy as np
 import torch
 
 from czyx.store.consumer import ModelConsumer
+from czyx.store.io.experts import ExpertReads, open_expert_reads
 
 
 class TorchMoELayer(torch.nn.Module):
@@ -26,17 +30,34 @@ class TorchMoELayer(torch.nn.Module):
         The sparse layer to compute.
     top_k, renormalize
         Routing parameters (from the model config).
+    readers, native
+        The store's reader threads and kind (see ``ExpertReads``).
     """
 
-    def __init__(self, consumer: ModelConsumer, layer: int, top_k: int, renormalize: bool) -> None:
+    def __init__(
+        self,
+        consumer: ModelConsumer,
+        layer: int,
+        top_k: int,
+        renormalize: bool,
+        *,
+        readers: int = 1,
+        native: bool | None = None,
+    ) -> None:
         super().__init__()
         self.consumer = consumer
         self.layer = layer
         self.top_k = top_k
         self.renormalize = renormalize
         self.router = torch.from_numpy(np.array(consumer.trunk("router", layer), np.float32))
-        # One slot is enough: this consumer reads each expert it needs, uses it, moves on.
-        self.slot = np.zeros(consumer.info.expert_slot_nbytes, np.uint8)
+        # Two slots: one expert computes while the next one is read.
+        n = consumer.info.expert_slot_nbytes
+        arena = np.zeros(2 * n + 4096, np.uint8)
+        start = (-arena.ctypes.data) % 4096  # aligned, for the direct I/O paths
+        self.slots = [arena[start + i * n : start + (i + 1) * n] for i in range(2)]
+        self.expert_reads: ExpertReads = open_expert_reads(
+            consumer, self.slots, readers=readers, native=native
+        )
         self.reads = 0
 
     @torch.no_grad()
@@ -47,12 +68,24 @@ class TorchMoELayer(torch.nn.Module):
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
         out = torch.zeros_like(x)
-        for e in torch.unique(idx).tolist():
-            self.consumer.read_expert(self.layer, e, self.slot)
+        experts = torch.unique(idx).tolist()
+        er = self.expert_reads
+        pending = er.submit(self.layer, experts[0], 0) if experts else None
+        for i, e in enumerate(experts):
+            read = pending
+            er.wait(read)
+            er.check(read)  # verified bytes or a typed error, never other bytes
             self.reads += 1
-            gate, up, down = (torch.from_numpy(v) for v in self.consumer.expert_views(self.slot))
+            if i + 1 < len(experts):  # the next read overlaps this expert's compute
+                pending = er.submit(self.layer, experts[i + 1], (i + 1) % 2)
+            slot = self.slots[read.slot]
+            gate, up, down = (torch.from_numpy(v) for v in self.consumer.expert_views(slot))
             rows, kpos = torch.where(idx == e)
             xs = x[rows]
             y = (torch.nn.functional.silu(xs @ gate.T) * (xs @ up.T)) @ down.T
             out.index_add_(0, rows, y * weights[rows, kpos, None])
         return out
+
+    def close(self) -> None:
+        """Stop the store's readers for this layer (idempotent)."""
+        self.expert_reads.close()

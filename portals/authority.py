@@ -19,16 +19,18 @@ first time an authority is created for the store.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from czyx.portals.caveats import GRANT, INFER, READ, Caveat, Rights, Tenant, check_tenant, describe
 from czyx.portals.chain import ChainKeys, extend_registered, mint, verify_signature
 from czyx.portals.errors import (
+    InvalidSignature,
     OutOfScope,
     PortalDenied,
     PortalError,
@@ -43,6 +45,7 @@ from czyx.portals.secret import load_or_create_secret
 from czyx.portals.token import Token
 from czyx.portals.view import SpaceView
 from czyx.space import Selector
+from czyx.store.interfaces import StoreInterface
 
 OWNER = "owner"
 # Rights a grant gets when it names none: never "grant" (re-delegation is opt-in).
@@ -78,7 +81,7 @@ class PortalAuthority:
         Seconds since the epoch; injectable for tests of expiry.
     """
 
-    def __init__(self, store: Any, *, clock: Callable[[], float] = _now_default) -> None:
+    def __init__(self, store: StoreInterface, *, clock: Callable[[], float] = _now_default) -> None:
         self.store = store
         self._clock = clock
         self._keys = ChainKeys.from_secret(load_or_create_secret(store.path).reveal())
@@ -158,8 +161,9 @@ class PortalAuthority:
 
     # --- verification ----------------------------------------------------------------
 
-    def _check_lineage(self, perm: Permission) -> None:
+    def _check_lineage(self, perm: Permission, tok: Token) -> None:
         parent: str | None = None
+        encoded = tok.encoded_caveats()
         for i, pid in enumerate(perm.ids):
             d = self.store.get_portal_descriptor(pid)
             if d is None:
@@ -170,6 +174,8 @@ class PortalAuthority:
             expected_kind = "root" if i == 0 else "grant"
             if d.get("kind") != expected_kind or d.get("parent") != parent:
                 raise UnknownPortal(f"portal {pid.hex()}: lineage does not match its descriptor")
+            if i > 0:
+                _check_bound(pid, d, encoded)
             parent = pid.hex()
 
     def verify(
@@ -199,7 +205,7 @@ class PortalAuthority:
             now = self._clock()
             if perm.expires is not None and now >= perm.expires:
                 raise PortalExpired(f"portal {perm.portal_id.hex()} expired at {perm.expires}")
-            self._check_lineage(perm)
+            self._check_lineage(perm, tok)
             _check_open(perm, sel, right, tenant)
         except PortalDenied as exc:
             self.deny(exc, perm=perm, space=sel, right=right)
@@ -266,6 +272,10 @@ class PortalAuthority:
                 "issuer": pperm.tenant or OWNER,
                 "tenant": tenant,
                 "caveats": [describe(c) for c in tok.caveats if c.TAG != 0x01],
+                # The id is bound to the exact caveats it was issued with (see
+                # _check_bound): a holder cannot append it by hand to a wider token.
+                "bound": bind_digest(tok.encoded_caveats()),
+                "bound_n": len(tok.caveats),
                 "created": created,
                 "expires": perm.expires,
                 "revoked": None,
@@ -446,6 +456,38 @@ class PortalAuthority:
         return Selector(next(iter(spaces)))
 
 
+def bind_digest(encoded: Sequence[bytes]) -> str:
+    """SHA-256 (hex) over length-prefixed encoded caveats: what a portal id is bound to."""
+    h = hashlib.sha256()
+    for c in encoded:
+        h.update(len(c).to_bytes(4, "big"))
+        h.update(c)
+    return h.hexdigest()
+
+
+def _check_bound(pid: bytes, d: dict, encoded: Sequence[bytes]) -> None:
+    """The token's caveats up to the end of portal ``pid``'s own must be exactly those
+    it was issued with.
+
+    Why: a chain can be extended by anyone holding it, so without this a holder of a
+    wider portal could append a child's :class:`PortalId` by hand and be audited
+    (and revoked, or not) as that child. The descriptor records a digest of the
+    issued token's caveats (parent's, the id, the grant's own); a token naming the
+    id must begin with exactly those.
+    """
+    n, want = d.get("bound_n"), d.get("bound")
+    if not isinstance(n, int) or not isinstance(want, str):
+        raise UnknownPortal(
+            f"portal {pid.hex()} was issued before portal ids were bound to their caveats; "
+            "grant it again"
+        )
+    if len(encoded) < n or not hmac.compare_digest(bind_digest(encoded[:n]), want):
+        raise InvalidSignature(
+            f"portal id {pid.hex()} is not followed by the caveats it was issued with "
+            "(appended by hand?)"
+        )
+
+
 def _check_open(perm: Permission, space: bytes | None, right: str, tenant: str | None) -> None:
     if right not in perm.rights:
         raise OutOfScope(f"portal lacks the {right!r} right (has {sorted(perm.rights)})")
@@ -468,7 +510,7 @@ def _check_open(perm: Permission, space: bytes | None, right: str, tenant: str |
 _AUTHORITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def authority(store: Any) -> PortalAuthority:
+def authority(store: StoreInterface) -> PortalAuthority:
     """The (cached) :class:`PortalAuthority` of ``store``."""
     try:
         auth = _AUTHORITIES.get(store)
@@ -481,7 +523,7 @@ def authority(store: Any) -> PortalAuthority:
 
 
 def open_space(
-    store: Any,
+    store: StoreInterface,
     token: str,
     space: Selector | bytes | str | None = None,
     *,
@@ -492,13 +534,13 @@ def open_space(
     return authority(store).open_space(token, space, right=right, tenant=tenant)
 
 
-def root_token(store: Any) -> str:
+def root_token(store: StoreInterface) -> str:
     """The owner's root portal of ``store`` (created with the store's secret)."""
     return authority(store).root_token()
 
 
 def grant(
-    store: Any, caveats: Iterable[Caveat], *, tenant: str, parent: str | None = None
+    store: StoreInterface, caveats: Iterable[Caveat], *, tenant: str, parent: str | None = None
 ) -> Grant:
     """Issue a portal; see :meth:`PortalAuthority.grant`."""
     return authority(store).grant(list(caveats), tenant=tenant, parent=parent)

@@ -4,7 +4,7 @@ A mounted model version is several spaces: its expert space (class = expert,
 z = layer), its trunk, and, for an adapter or derived version, the chain of
 bases it names. A grant on the version names them all; its class and layer
 caveats narrow the expert spaces only. :func:`open_model` is what a model
-consumer (``store.open_model`` / the engine) calls: it refuses unless the
+consumer (:func:`open_consumer`, the engine) calls: it refuses unless the
 portal covers every space of the version for ``infer`` and returns one
 :class:`~portals.view.SpaceView` whose O(1) ``check(cls, layer)`` is valid
 for every expert space in the chain.
@@ -12,11 +12,16 @@ for every expert space in the chain.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from czyx.portals.caveats import INFER
 from czyx.portals.view import SpaceView
 from czyx.space import SELECTOR_SIZE, Selector
+from czyx.store.interfaces import StoreInterface
+
+if TYPE_CHECKING:
+    from czyx.portals.authority import Grant
+    from czyx.store.models.model import StoreModel
 
 MAX_CHAIN = 64
 
@@ -28,7 +33,7 @@ def _as_selector(v: Any) -> Selector | None:
     return None
 
 
-def model_spaces(store: Any, sel: Selector) -> tuple[list[Selector], list[Selector]]:
+def model_spaces(store: StoreInterface, sel: Selector) -> tuple[list[Selector], list[Selector]]:
     """The spaces a grant on ``sel`` must name: ``(scoped, whole)``.
 
     ``scoped`` is ``sel`` and, for an adapter or derived version, every base
@@ -56,7 +61,7 @@ def model_spaces(store: Any, sel: Selector) -> tuple[list[Selector], list[Select
 
 
 def open_model(
-    store: Any,
+    store: StoreInterface,
     token: str,
     ref: Selector | bytes | str,
     *,
@@ -101,16 +106,15 @@ def open_model(
     )
 
 
-
 def open_consumer(
-    store: Any,
+    store: StoreInterface,
     token: str | None,
     ref: Selector | str,
     *,
     direct: bool = False,
     lazy_trunk: bool = False,
     tenant: str | None = None,
-) -> Any:
+) -> StoreModel:
     """Open model version ``ref`` for inference through ``token``: view and consumer.
 
     Parameters
@@ -140,8 +144,9 @@ def open_consumer(
     view = open_model(store, token, ref, tenant=tenant)
     return open_version(store, ref, view=view, direct=direct, lazy_trunk=lazy_trunk)
 
+
 def grant_model(
-    store: Any,
+    store: StoreInterface,
     ref: Selector | str,
     *,
     tenant: str,
@@ -151,7 +156,7 @@ def grant_model(
     rights: str = "read,infer",
     parent: str | None = None,
     note: str = "",
-) -> Any:
+) -> Grant:
     """Issue a portal on model version ``ref`` (and the spaces it spans) to ``tenant``.
 
     Class and layer caveats (``"0-63"``, ``"1,5,7-9"``) narrow the routed
@@ -176,7 +181,7 @@ def grant_model(
     return authority(store).grant(cavs, tenant=tenant, parent=parent, note=note)
 
 
-def resolve_space(store: Any, name: str | Selector) -> Selector:
+def resolve_space(store: StoreInterface, name: str | Selector) -> Selector:
     """A space from a tag ``NAME@VERSION``, 64 hex digits or a selector (one rule:
     :func:`store.mount.resolve`)."""
     from czyx.store.models.mount import resolve

@@ -9,13 +9,16 @@ needs four things from the store, and nothing else:
    (or, where the engine opened the model with the store's optional
    ``lazy_trunk`` mode, per-layer tensors read and verified on each call, so
    an engine can hold only a window of layers: ``inference.trunkwindow``);
-3. resolve an expert ``(layer, router_byte)`` to its extent and read it into
-   a caller-owned slot (``expert_extent`` once per expert at plan time is
-   arithmetic on the layout; ``read_expert`` does one raw read, verified);
+3. read experts ``(layer, router_byte)`` into caller-owned slots, verified:
+   one at a time (``read_expert``), or asynchronously into an arena of slots
+   through the store's one expert-read interface
+   (:func:`czyx.store.io.experts.open_expert_reads`: ``submit`` / ``wait`` /
+   ``check``, with the reader kinds behind it). ``expert_extent`` is the
+   resolution both use (arithmetic on the layout; the portal's check);
 4. release (``close``).
 
 Role names are architecture-neutral (see ``TRUNK_ROLES``); the mapping from a
-checkpoint's tensor names lives in ``store.archs``.
+checkpoint's tensor names lives in ``czyx.store.models.archs``.
 
 The expert extent format: the gate ``[I, H]``, up ``[I, H]`` and down ``[H, I]``
 matrices, contiguous and row-major in that order, each in the format recorded
@@ -59,9 +62,15 @@ TRUNK_ROLES = GLOBAL_ROLES + LAYER_ROLES
 
 @dataclass(frozen=True)
 class ExpertExtent:
-    """Where one expert's bytes are: resolved once, then read many times."""
+    """Where one expert's bytes are, as the store's expert reader needs them.
 
-    fd: int
+    ``block`` indexes the consumer's own block files (the descriptors it hands
+    :class:`czyx.store.io.experts.ExpertReads`); ``-1``: no file behind the
+    extent, it is read through the consumer's ``read_expert``. No OS resource
+    travels in an extent.
+    """
+
+    block: int
     offset: int
     length: int
     checksum: int
@@ -118,7 +127,11 @@ class ModelConsumer(Protocol):
         ...
 
 
-# Optional extension an engine may look for with ``getattr``:
+# Optional extensions an engine may look for with ``getattr``:
+#   open_expert_reads(slots, *, readers, native, io) -> store.io.experts.ExpertReads
+#       the expert-read interface onto this consumer's block files (consumers
+#       without files are read through ``read_expert`` behind the same calls:
+#       ``czyx.store.io.experts.open_expert_reads`` does this lookup).
 #   tokenizer_json() -> str | None
 #       the checkpoint's tokenizer.json as mounted (None: the model has none,
 #       use bytes). ``inference.tokenizer.tokenizer_for`` does this lookup.

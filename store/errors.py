@@ -49,6 +49,14 @@ class RecordDecodeError(StoreError):
     """A stored value is not a msgpack map (corrupt or foreign bytes)."""
 
 
+class IndexChecksumError(RecordDecodeError):
+    """An index (LMDB) value fails its checksum: its bytes or its key changed since written."""
+
+
+class IndexCorruptError(StoreError):
+    """The LMDB index file itself is damaged (truncated, or refused by LMDB as corrupt)."""
+
+
 class KeyLengthError(StoreError, ValueError):
     """A key (or selector) has the wrong length or type."""
 
@@ -113,6 +121,8 @@ MapFullError = StoreMapFullError
 __all__ = [
     "BlockFileError",
     "ChecksumError",
+    "IndexChecksumError",
+    "IndexCorruptError",
     "KeyLengthError",
     "MapFullError",
     "ReadIOError",

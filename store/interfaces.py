@@ -1,10 +1,18 @@
 """The abstract store interface that every backend implements.
 
 :class:`StoreInterface` is what ``mount``, ``portals`` and the engine code
-against, and what the conformance suite (``tests/store/conformance.py``)
-checks; :class:`store.lmdb_store.Store` is the LMDB backend. A second backend
-(an object store, an in-memory one for tests) subclasses this and passes the
-same suite.
+against (every signature that takes a store takes this type), and what the
+conformance suite (:mod:`czyx.testing.store_conformance`) checks;
+:class:`czyx.store.core.lmdb_store.Store` is the LMDB backend. A second
+backend (an object store, an in-memory one for tests) subclasses this and
+passes the same suite. The shape follows zarr-python v3's ``abc/store.py``:
+one small abstract class, typed, with the lifecycle, the reads, the writes
+and the listing separated.
+
+:class:`ClassView` is the other side of the store/portal boundary: what a
+portal's view onto one space must offer for the store to check expert reads
+(the store never imports ``portals``; ``czyx.portals.view.SpaceView``
+satisfies this protocol).
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from __future__ import annotations
 import abc
 import pathlib
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from czyx.space import Selector
 
@@ -21,6 +29,20 @@ if TYPE_CHECKING:
 
     from czyx.store.core.records import Extent
     from czyx.store.io.reader import RawReader
+
+
+@runtime_checkable
+class ClassView(Protocol):
+    """A portal's read-only view onto one space: which classes and layers it covers."""
+
+    space: Selector
+    allowed_classes: np.ndarray  # bool[256], read-only
+    layer_lo: int
+    layer_hi: int
+
+    def check(self, cls: int, layer: int | None = None) -> None:
+        """Raise the portal's (audited) denial unless ``(cls, layer)`` is covered."""
+        ...
 
 
 class SpaceWriterInterface(abc.ABC):
@@ -128,7 +150,7 @@ class StoreInterface(abc.ABC):
     def open_reader(
         self, space: Selector, *, direct: bool = False, mapped: bool = False, backend: str = "auto"
     ) -> RawReader:
-        """A verified :class:`~store.reader.RawReader` on the space's block file."""
+        """A verified :class:`~czyx.store.io.reader.RawReader` on the space's block file."""
 
     # -- tags --------------------------------------------------------------------------
     @abc.abstractmethod

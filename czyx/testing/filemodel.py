@@ -19,6 +19,7 @@ from czyx.store.consumer import ExpertExtent, ModelInfo
 from czyx.store.core.blockfile import BlockWriter
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError, ShortReadError
+from czyx.store.io.experts import ExpertReads
 
 ALIGN = 4096
 
@@ -95,8 +96,20 @@ class FileConsumer:
         off = int(self.off[layer, router_byte])
         if off < 0:
             raise LookupError(f"layer {layer} has no routed expert {router_byte}")
-        return ExpertExtent(
-            self.fd, off, self.info.expert_nbytes, int(self.sums[layer, router_byte])
+        return ExpertExtent(0, off, self.info.expert_nbytes, int(self.sums[layer, router_byte]))
+
+    def open_expert_reads(
+        self, slots, *, readers: int = 2, native: bool | None = None, io: str | None = None
+    ) -> ExpertReads:
+        """The store's expert-read interface onto this block file (its one descriptor)."""
+        return ExpertReads(
+            slots,
+            self.expert_extent,
+            files=[self.fd],
+            read_expert=self.read_expert,
+            readers=readers,
+            native=native,
+            io=io,
         )
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:

@@ -145,7 +145,7 @@ class StateDictConsumer:
         return int(self.permutation[layer][router_byte])
 
     def expert_extent(self, layer: int, router_byte: int) -> ExpertExtent:
-        return ExpertExtent(fd=-1, offset=0, length=self.info.expert_nbytes, checksum=0)
+        return ExpertExtent(block=-1, offset=0, length=self.info.expert_nbytes, checksum=0)
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
         if slot.dtype != np.uint8 or slot.size != self.info.expert_slot_nbytes:

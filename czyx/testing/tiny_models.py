@@ -18,9 +18,25 @@ import os
 from pathlib import Path
 from typing import Any
 
-ARCHES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
-# The architectures the numpy engine targets first (DeepSeek is naming-only for now).
-ENGINE_ARCHES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ARCHES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+)
+# The architectures the numpy engine runs.
+ENGINE_ARCHES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+)
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 32,
@@ -64,6 +80,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "olmoe": {"intermediate_size": 16, "num_experts": 8, "eos_token_id": 1, "pad_token_id": 0},
     "deepseek_v2": _DEEPSEEK,
     "deepseek_v3": _DEEPSEEK,
+    "glm4_moe": {
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "head_dim": 16,
+        "use_qk_norm": True,
+        "attention_bias": True,
+    },
 }
 _CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
@@ -72,6 +100,7 @@ _CLASSES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
 }
 
 

@@ -9,13 +9,25 @@ from __future__ import annotations
 
 from czyx.inference.errors import UnsupportedModelError
 from czyx.inference.models.decoder import DecoderConfig, MoEDecoder
+from czyx.inference.models.deepseek_v2 import DeepseekV2Decoder
+from czyx.inference.models.deepseek_v3 import DeepseekV3Decoder
+from czyx.inference.models.glm4_moe import Glm4MoeDecoder
 from czyx.inference.models.mixtral import MixtralDecoder
 from czyx.inference.models.olmoe import OlmoeDecoder
 from czyx.inference.models.qwen2_moe import Qwen2MoeDecoder
 from czyx.inference.models.qwen3_moe import Qwen3MoeDecoder
 
 DECODERS: dict[str, type[MoEDecoder]] = {
-    cls.arch: cls for cls in (MixtralDecoder, Qwen2MoeDecoder, Qwen3MoeDecoder, OlmoeDecoder)
+    cls.arch: cls
+    for cls in (
+        MixtralDecoder,
+        Qwen2MoeDecoder,
+        Qwen3MoeDecoder,
+        OlmoeDecoder,
+        DeepseekV3Decoder,
+        DeepseekV2Decoder,
+        Glm4MoeDecoder,
+    )
 }
 
 

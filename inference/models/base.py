@@ -169,7 +169,7 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 def route_topk(
-    router_logits: np.ndarray, top_k: int, renormalize: bool
+    router_logits: np.ndarray, top_k: int, renormalize: bool, mask: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Softmax over the experts, then the ``top_k`` largest probabilities per token.
 
@@ -182,6 +182,11 @@ def route_topk(
     renormalize
         Divide the chosen probabilities by their sum (Mixtral always;
         Qwen-MoE and OLMoE when ``norm_topk_prob``).
+    mask
+        Optional ``bool [E]``: the experts a scoped portal permits. Forbidden
+        experts' logits become ``-inf`` before the softmax, so the top-k is taken
+        over the permitted experts only and the probabilities are renormalised
+        over them; the caller guarantees at least ``top_k`` are permitted.
 
     Returns
     -------
@@ -189,7 +194,10 @@ def route_topk(
         ``[T, top_k]`` int64 expert indices in descending probability order
         (as ``torch.topk``) and their float32 weights.
     """
-    probs = softmax(router_logits.astype(F32, copy=False), axis=-1)
+    logits = router_logits.astype(F32, copy=False)
+    if mask is not None:
+        logits = np.where(mask, logits, np.float32(-np.inf))
+    probs = softmax(logits, axis=-1)
     n = probs.shape[-1]
     if top_k < n:
         part = np.argpartition(-probs, top_k - 1, axis=-1)[:, :top_k]

@@ -27,28 +27,28 @@ from typing import Any, ClassVar
 import numpy as np
 
 from czyx.inference.cache import ExpertCache
-from czyx.inference.errors import MissingTensorError, UnsupportedModelError
+from czyx.inference.errors import MissingTensorError, ScopeRoutingError, UnsupportedModelError
+from czyx.inference.kernels import fused
 from czyx.inference.kernels.linear import Weight, mm_t, take_rows
 from czyx.inference.kernels.ops import prepare
 from czyx.inference.models.base import (
     F32,
     KVCache,
     Observe,
-    RopeConfig,
-    Rotary,
     attention,
     matmul_small,
     rms_norm,
-    rope_config,
     route_topk,
     sigmoid,
     swiglu,
     swiglu_columns,
     swiglu_fused,
 )
+from czyx.inference.models.rope import RopeConfig, Rotary, rope_config
 from czyx.inference.profile import RouteRecorder
 from czyx.inference.trunkwindow import TrunkWindow, TrunkWindowStats
 from czyx.store.consumer import ModelConsumer, ModelInfo
+from czyx.store.models.archs import EXTRA_ROLES
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,8 @@ class Layer:
         "shared_up_proj",
         "v_bias",
         "v_proj",
+        # Roles only some architectures have (store.models.archs.EXTRA_ROLES).
+        *EXTRA_ROLES,
     )
 
     def __init__(self, index: int = -1) -> None:
@@ -259,6 +261,14 @@ class MoEDecoder:
         # its attention (the streaming cache predicts layer i's experts from it while
         # the attention computes); None on the ordinary path.
         self.layer_hook: Callable[[int, np.ndarray], None] | None = None
+        # bool [n_layers, n_experts] of the experts a scoped portal permits, or None
+        # (everything): routing then picks its top-k among the permitted only.
+        self.route_mask: np.ndarray | None = routing_mask(consumer, cfg)
+        # The decode step's C kernels (inference.kernels.fused), made on first use with
+        # `threads` threads; None where the extension is not compiled (numpy path).
+        self.threads = fused.default_threads()
+        self._kernels: fused.DecodeKernels | None = None
+        self._plain_routing = type(self).route is MoEDecoder.route
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
@@ -338,10 +348,22 @@ class MoEDecoder:
         """The trunk window's counters, or None on the resident path."""
         return None if self.trunk_window is None else self.trunk_window.stats()
 
+    def set_threads(self, threads: int) -> None:
+        """Run the decode kernels on ``threads`` threads (results do not depend on it)."""
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = int(threads)
+        if self._kernels is not None:
+            self._kernels.close()
+            self._kernels = None
+
     def close(self) -> None:
-        """Stop the trunk window's loader and drop its layers (nothing on the resident path)."""
+        """Stop the trunk window's loader and the kernels' threads; drop the window's layers."""
         if self.trunk_window is not None:
             self.trunk_window.close()
+        if self._kernels is not None:
+            self._kernels.close()
+            self._kernels = None
 
     # ------------------------------------------------------------------ hooks
 
@@ -354,6 +376,17 @@ class MoEDecoder:
     def routed_extra(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
         """Combine the routed-expert output with anything else the MLP adds (shared expert)."""
         return routed
+
+    def route(
+        self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k expert indices ``[T, k]`` and weights of tokens ``x``: softmax routing.
+
+        ``mask`` (``bool [E]``, a scoped portal's permitted experts) restricts the
+        choice to permitted experts. Architectures with another scoring (DeepSeek's
+        sigmoid and group-limited selection, GPT-OSS's router bias) override this.
+        """
+        return route_topk(mm_t(x, lw.router), self.cfg.top_k, self.cfg.renormalize, mask)
 
     # ------------------------------------------------------------------ forward
 
@@ -376,6 +409,8 @@ class MoEDecoder:
         start = kv.length
         t = tokens.size
         kv.reserve(start + t)
+        if t == 1 and self.observer is None and fused.have_czk():
+            return self._forward_one(int(tokens[0]), kv, all_logits)
         positions = np.arange(start, start + t)
         h = take_rows(self.embed, tokens)
         window = self.trunk_window
@@ -396,6 +431,72 @@ class MoEDecoder:
             self.observer("lm_head_in", hn)
         out = mm_t(hn, self.lm_head)
         return out if all_logits else out[0]
+
+    def decode_in_c(self) -> bool:
+        """Whether a one-token step runs in the C kernels only (no numpy product, no BLAS).
+
+        False when calibrating (observer set), without the compiled kernels, for
+        architectures that transform q/k (:meth:`post_qkv`) or add to the routed
+        output (:meth:`routed_extra`), and with dense MLP layers.
+        """
+        cls = type(self)
+        return (
+            self.observer is None
+            and fused.have_czk()
+            and cls.post_qkv is MoEDecoder.post_qkv
+            and cls.routed_extra is MoEDecoder.routed_extra
+            and all(self.cfg.sparse_layers)
+        )
+
+    def kernels(self) -> fused.DecodeKernels:
+        """The decode step's kernels and buffers (made on first use)."""
+        k = self._kernels
+        if k is None:
+            cfg = self.cfg
+            k = self._kernels = fused.DecodeKernels(
+                cfg.hidden_size, cfg.vocab_size, cfg.top_k, self.threads
+            )
+        return k
+
+    def _forward_one(self, token: int, kv: KVCache, all_logits: bool) -> np.ndarray:
+        """One token through the C decode kernels: a few calls per layer.
+
+        The residual stream lives in the kernels' preallocated ``h``; each layer
+        is one attention-block call (numpy instead where the architecture
+        transforms q/k, :meth:`post_qkv`), then :meth:`_mlp`, whose routed
+        part is one routing call, the cache's acquire and one MoE call.
+        """
+        cfg = self.cfg
+        kern = self.kernels()
+        start = kv.length
+        h, h2, x2 = kern.h, kern.h2, kern.x2
+        if isinstance(self.embed, np.ndarray):
+            np.copyto(h, self.embed[token])
+        else:
+            np.copyto(h, take_rows(self.embed, np.array([token]))[0])
+        fast_attn = type(self).post_qkv is MoEDecoder.post_qkv
+        window = self.trunk_window
+        positions = None
+        for i in range(cfg.n_layers):
+            lw = window.layer(i) if window is not None else self.layers[i]
+            if self.layer_hook is not None:
+                self.layer_hook(i, h2)
+            if fast_attn:
+                kern.attention(
+                    lw, kv.k[i], kv.v[i], start, cfg.sliding_windows[i], self.rotary,
+                    cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                )  # fmt: skip
+            else:
+                if positions is None:
+                    positions = np.arange(start, start + 1)
+                x = rms_norm(h2, lw.input_norm, cfg.rms_eps)
+                h += self._attention(i, lw, x, kv, start, positions)[0]
+                np.copyto(kern.x, rms_norm(h2, lw.post_attn_norm, cfg.rms_eps)[0])
+            h += self._mlp(i, lw, x2)[0]
+        kv.length = start + 1
+        kern.head(self.final_norm, self.lm_head, cfg.rms_eps)
+        out = kern.logits.copy()
+        return out[None] if all_logits else out
 
     def _attention(
         self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
@@ -459,7 +560,13 @@ class MoEDecoder:
 
     def _routed(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
         cfg = self.cfg
-        idx, w = route_topk(mm_t(x, lw.router), cfg.top_k, cfg.renormalize)
+        mask = None if self.route_mask is None else self.route_mask[i]
+        kern = self._kernels
+        # The C decode path routes by softmax top-k itself: only for the base scoring
+        # and an unrestricted portal; overridden scorings and masks take the numpy path.
+        if kern is not None and x is kern.x2 and mask is None and self._plain_routing:
+            return self._routed_one(i, lw, kern)
+        idx, w = self.route(lw, x, mask)
         self.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
         if self.recorder is not None:
             self.recorder.record(i, idx, w)
@@ -514,6 +621,66 @@ class MoEDecoder:
                 cache.release()
         # Fixed top-k order: independent of which experts hit or missed.
         return contrib.sum(axis=1)
+
+    def _routed_one(self, i: int, lw: Layer, kern: fused.DecodeKernels) -> np.ndarray:
+        """The routed experts of one token (in ``kern.x``): one routing call, one MoE call.
+
+        The same sum as the batch path: the top-k outputs weighted and added in
+        top-k order, so tiered and resident runs stay bit-identical.
+        """
+        cfg = self.cfg
+        kern.route(lw.router, cfg.top_k, cfg.renormalize)
+        idx = kern.idx
+        self.route_counts[i, idx] += 1  # a token's top-k experts are distinct
+        if self.recorder is not None:
+            self.recorder.record(i, idx[None].copy(), kern.w[None].copy())
+        cache = self.experts
+        slots = cache.acquire(i, idx)
+        try:
+            kern.moe(cache, slots, kern.w)
+        finally:
+            cache.release()
+        return kern.y2
+
+
+def routing_mask(consumer: ModelConsumer, cfg: DecoderConfig) -> np.ndarray | None:
+    """The experts the consumer's portal permits, as the router's mask (None: all).
+
+    Why here: a class or layer caveat must constrain *routing*, not only reads,
+    or the router picks an expert the portal forbids and the run fails at its
+    read. A sparse layer with fewer permitted experts than ``top_k`` cannot be
+    run faithfully and is refused.
+
+    Raises
+    ------
+    ScopeRoutingError
+    """
+    allowed = getattr(consumer, "allowed_experts", None)
+    if allowed is None:
+        return None
+    allowed = np.asarray(allowed, bool)[:, : cfg.n_experts]
+    if allowed.all():
+        return None
+    for i in range(cfg.n_layers):
+        if cfg.sparse_layers[i] and int(allowed[i].sum()) < cfg.top_k:
+            raise ScopeRoutingError(
+                f"the portal permits {int(allowed[i].sum())} of {cfg.n_experts} experts at "
+                f"layer {i}, but the model routes each token to {cfg.top_k}; grant more classes"
+            )
+    return np.ascontiguousarray(allowed)
+
+
+def describe_restriction(mask: np.ndarray | None, cfg: DecoderConfig) -> str | None:
+    """One line for the run's figures: how a portal restricted routing (None: it did not)."""
+    if mask is None:
+        return None
+    sparse = [i for i in range(cfg.n_layers) if cfg.sparse_layers[i]]
+    counts = sorted({int(mask[i].sum()) for i in sparse})
+    span = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return (
+        f"routing restricted by the portal: top-{cfg.top_k} over {span} of {cfg.n_experts} "
+        f"experts in {len(sparse)} sparse layers (weights renormalised over them)"
+    )
 
 
 def shared_expert(lw: Layer, x: np.ndarray, observe: Observe = None) -> np.ndarray:

@@ -1,8 +1,8 @@
 """Qwen3-MoE: RMS norms on each query and key head before RoPE.
 
 Differences from the shared base: ``q_norm``/``k_norm`` of width ``head_dim``
-apply per head (unlike OLMoE's full-width norms); no attention biases unless
-``attention_bias``; ``norm_topk_prob`` decides renormalisation; dense layers
+apply per head (unlike OLMoE's full-width norms); with ``attention_bias`` the
+q/k/v/o projections carry biases; ``norm_topk_prob`` decides renormalisation; dense layers
 as in Qwen2-MoE; with ``use_sliding_window`` every layer slides (unless the
 config lists ``layer_types``).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from czyx.inference.models.base import KVCache
 from czyx.inference.models.decoder import DecoderConfig, Layer, common_config
 from czyx.inference.models.qknorm import QKNormDecoder
 from czyx.inference.models.qwen2_moe import layer_windows
@@ -22,12 +23,12 @@ class Qwen3MoeDecoder(QKNormDecoder):
 
     arch = "qwen3_moe"
     qk_norm_per_head = True
+    optional_roles = (*QKNormDecoder.optional_roles, "o_bias")
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
-        """Qwen3-MoE config; ``attention_bias`` (an o_proj bias) is not supported."""
+        """Qwen3-MoE config (``attention_bias`` biases are optional trunk roles)."""
         c = info.config
-        cls.reject_attention_bias(c)
         n = int(c["num_hidden_layers"])
         renorm = bool(c.get("norm_topk_prob"))
         # Unlike Qwen2-MoE, transformers' Qwen3-MoE has no per-layer types: with
@@ -43,3 +44,9 @@ class Qwen3MoeDecoder(QKNormDecoder):
         """Per-head RMS norm of q and k (weights of width ``head_dim``)."""
         q, k = self.norm_qk(lw, q, k)
         return q, k, v
+
+    def _attention(
+        self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
+    ) -> np.ndarray:
+        out = super()._attention(i, lw, x, kv, start, positions)
+        return out if lw.o_bias is None else out + lw.o_bias

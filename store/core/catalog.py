@@ -18,11 +18,25 @@ from typing import Any
 import lmdb
 
 from czyx.space import Selector
-from czyx.store.core.records import check_selector, decode, encode
-from czyx.store.errors import KeyLengthError, TagConflictError, TagNotFoundError
+from czyx.store.core.records import SEEDS, check_selector, decode_sealed, seal, unseal
+from czyx.store.core.records import encode as encode
+from czyx.store.errors import (
+    KeyLengthError,
+    RecordDecodeError,
+    TagConflictError,
+    TagNotFoundError,
+)
 
 MAX_KEY = 511  # LMDB's default maximum key size
 _SEQ = struct.Struct(">Q")
+_TAG = SEEDS["tags"]
+
+
+def _tag_target(key: bytes, value: bytes) -> bytes:
+    sel = unseal(_TAG, key, value, "tag")
+    if len(sel) != 32:
+        raise RecordDecodeError(f"tag {key!r}: target is {len(sel)} bytes, not a selector")
+    return sel
 
 
 def _check_blob_key(what: str, key: bytes) -> bytes:
@@ -63,10 +77,12 @@ class CatalogMixin:
 
         def fn(txn: lmdb.Transaction) -> None:
             old = txn.get(t, db=self._db["tags"])
+            if old is not None:
+                old = _tag_target(t, old)
             if old is not None and old != sel:
                 raise TagConflictError(f"tag {tag!r} points at {old.hex()}, not {sel.hex()}")
             if old is None:
-                txn.put(t, sel, db=self._db["tags"])
+                txn.put(t, seal(_TAG, t, sel), db=self._db["tags"])
                 self._audit_in(txn, "tag.set", {"tag": tag, "space": sel.hex()})
 
         self._write(fn)
@@ -78,7 +94,11 @@ class CatalogMixin:
         def fn(txn: lmdb.Transaction) -> bool:
             old = txn.pop(t, db=self._db["tags"])
             if old is not None:
-                self._audit_in(txn, "tag.remove", {"tag": tag, "space": old.hex()})
+                try:
+                    target = _tag_target(t, old).hex()
+                except RecordDecodeError:
+                    target = "corrupt"  # removing a damaged tag is how it is repaired
+                self._audit_in(txn, "tag.remove", {"tag": tag, "space": target})
             return old is not None
 
         return self._write(fn)
@@ -93,16 +113,23 @@ class CatalogMixin:
             self._end_read(txn)
         if v is None:
             raise TagNotFoundError(f"tag {tag!r} not found")
-        return Selector(v)
+        return Selector(_tag_target(t, v))
 
     def tags(self) -> dict[str, Selector]:
         """Every tag and the space it points at."""
         rows = self._scan_raw(self._db["tags"], b"", None)
-        return {k.decode(): Selector(v) for k, v in rows}
+        out = {}
+        for k, v in rows:
+            sel = _tag_target(k, v)
+            try:
+                out[k.decode()] = Selector(sel)
+            except UnicodeDecodeError as exc:
+                raise RecordDecodeError(f"tag {k!r}: not UTF-8") from exc
+        return out
 
     # -- portal descriptors and edges ----------------------------------------------------
     def _put_blob(self, db: str, key: bytes, record: dict) -> None:
-        v = encode(record)
+        v = seal(SEEDS[db], key, encode(record))
         self._write(lambda txn: txn.put(key, v, db=self._db[db]))
 
     def _get_blob(self, db: str, key: bytes) -> dict | None:
@@ -111,11 +138,11 @@ class CatalogMixin:
             v = txn.get(key, db=self._db[db])
         finally:
             self._end_read(txn)
-        return None if v is None else decode(v, db, key)
+        return None if v is None else decode_sealed(SEEDS[db], key, v, db)
 
     def _prefix(self, db: str, prefix: bytes) -> Iterator[tuple[bytes, dict]]:
         for k, v in self._scan_raw(self._db[db], prefix, prefix_end(prefix)):
-            yield k, decode(v, db, k)
+            yield k, decode_sealed(SEEDS[db], k, v, db)
 
     def put_portal_descriptor(self, portal_id: bytes, record: dict) -> None:
         """Store (or replace) the descriptor of portal ``portal_id``."""
@@ -151,7 +178,8 @@ class CatalogMixin:
         with txn.cursor(db=self._db["audit"]) as cur:
             seq = _SEQ.unpack(cur.key())[0] + 1 if cur.last() else 1
         entry = {**fields, "seq": seq, "time": time.time(), "event": event}
-        txn.put(_SEQ.pack(seq), encode(entry), db=self._db["audit"], append=True)
+        k = _SEQ.pack(seq)
+        txn.put(k, seal(SEEDS["audit"], k, encode(entry)), db=self._db["audit"], append=True)
         return seq
 
     def audit(self, event: str, **fields: Any) -> None:
@@ -163,5 +191,5 @@ class CatalogMixin:
 
     def audit_log(self, since: int = 0) -> Iterator[dict]:
         """Audit entries with ``seq > since``, oldest first."""
-        for _, v in self._scan_raw(self._db["audit"], _SEQ.pack(since + 1), None):
-            yield decode(v, "audit entry")
+        for k, v in self._scan_raw(self._db["audit"], _SEQ.pack(since + 1), None):
+            yield decode_sealed(SEEDS["audit"], k, v, "audit entry")

@@ -32,6 +32,27 @@ Concurrency rules, and why:
   ``Store.open`` them afresh; one that had a transaction in flight is pinned
   open instead, because closing it would release the parent's reader slot
   (see :func:`store.lifecycle.close_inherited`).
+
+Integrity of the index (why, and what happens to older stores):
+
+- Every value in every database is *sealed* (:func:`store.core.records.seal`): an
+  XXH3-64 over its key and bytes, checked on every read, so one flipped bit in a
+  manifest, a config, an extent record, a tag, a portal or session record is a
+  typed :class:`~store.errors.IndexChecksumError`, never a different computation.
+  ``fsck`` checks every value, and that each space holds the records it was
+  published with.
+- Before LMDB maps ``data.mdb`` its two meta pages are read with plain ``read``:
+  a file shorter than the pages its newest meta page claims is refused with
+  :class:`~store.errors.IndexCorruptError` (mapping it would die with SIGBUS on
+  the first touch past the end). LMDB's own corruption errors are typed too.
+- Reader slots left by killed processes are reclaimed on every open
+  (``reader_check``), so they cannot fill the reader table.
+- A store whose creation was killed before its databases existed (an empty or
+  header-only index, and no block files) is re-created by the next open.
+- Stores written before checksums (no ``meta`` database: format 1) are migrated
+  in place, in one write transaction, by the first writable open; a read-only
+  open of such a store is refused with a message saying so (``czyx store
+  migrate``), because reading unchecked values is exactly what this prevents.
 """
 
 from __future__ import annotations
@@ -54,11 +75,24 @@ from czyx.space import SELECTOR_SIZE, Selector
 from czyx.store.core.blockfile import BlockIdentity, verify_block_file
 from czyx.store.core.catalog import CatalogMixin
 from czyx.store.core.lifecycle import OPEN_STORES, Unusable
-from czyx.store.core.records import check_key, check_selector, decode, encode, unpackb
+from czyx.store.core.records import (
+    MAGIC,
+    SEEDS,
+    check_key,
+    check_selector,
+    decode_sealed,
+    encode,
+    seal,
+    sealed_ok,
+    unpackb,
+    unseal,
+)
 from czyx.store.core.snapshot import SCAN_CHUNK as _SCAN_CHUNK
 from czyx.store.core.snapshot import Snapshot, decode_rows
 from czyx.store.core.writer import SpaceWriter
 from czyx.store.errors import (
+    IndexCorruptError,
+    RecordDecodeError,
     ReservedSpaceError,
     SealedSpaceError,
     SpaceNotFoundError,
@@ -73,6 +107,82 @@ T = TypeVar("T")
 DEFAULT_MAP_SIZE = 1 << 30  # virtual reservation only; the file grows as written
 MAX_MAP_SIZE = 1 << 40
 _DBS = ("records", "spaces", "tags", "portals", "edges", "audit")
+FORMAT = b"2"  # 1: bare msgpack values; 2: every value sealed (records.seal)
+_FORMAT_KEY = b"format"
+_REC_SEED = SEEDS["records"]
+_digest = __import__("xxhash").xxh3_64_digest
+
+
+def _corrupt(where: object, exc: BaseException) -> IndexCorruptError:
+    return IndexCorruptError(f"{where}: LMDB index is corrupt ({exc}); run `czyx store fsck`")
+
+
+def check_index_file(data: pathlib.Path) -> str:
+    """Check ``data.mdb`` is as long as its newest meta page says, before LMDB maps it.
+
+    Returns ``"ok"``, or ``"uninitialised"`` for a file shorter than LMDB's two meta
+    pages or with neither meta page valid (creation killed before LMDB wrote them).
+
+    Raises
+    ------
+    IndexCorruptError
+        The file is truncated: shorter than its last page. Mapping it would raise
+        SIGBUS on the first read past its end.
+    """
+    import struct
+
+    size = data.stat().st_size
+    with open(data, "rb") as f:
+        head = f.read(2 * 65536)
+    metas = []
+    # Meta page 0 sits at offset 0; its free-DB record's md_pad holds the page size,
+    # and meta page 1 sits at that offset.
+    if len(head) >= 16 + 24 + 96 + 16:
+        magic, _ver = struct.unpack_from("<II", head, 16)
+        if magic == 0xBEEFC0DE:
+            psize = struct.unpack_from("<I", head, 16 + 24)[0]
+            if psize in (4096, 8192, 16384, 32768, 65536):
+                for base in (0, psize):
+                    if len(head) < base + 16 + 24 + 96 + 16:
+                        continue
+                    m = struct.unpack_from("<I", head, base + 16)[0]
+                    if m != 0xBEEFC0DE:
+                        continue
+                    last_pg, txnid = struct.unpack_from("<QQ", head, base + 16 + 24 + 96)
+                    metas.append((txnid, last_pg, psize))
+    if not metas:
+        if size < 2 * 4096:
+            return "uninitialised"
+        raise IndexCorruptError(f"{data}: not an LMDB file (no valid meta page)")
+    _, last_pg, psize = max(metas)
+    need = (last_pg + 1) * psize
+    if size < need:
+        raise IndexCorruptError(
+            f"{data}: truncated LMDB index ({size} bytes, its last page ends at {need}); "
+            "restore it from a copy"
+        )
+    return "ok"
+
+
+def _migrate_in(env: lmdb.Environment, txn: lmdb.Transaction) -> int:
+    """Seal every value of a format-1 store inside ``txn``; returns how many were sealed."""
+    n = 0
+    for name in _DBS:
+        db = env.open_db(name.encode(), txn=txn, create=True)
+        seed = SEEDS[name]
+        with txn.cursor(db=db) as cur:
+            rows = list(cur.iternext())  # format 1: no value is sealed yet
+        with txn.cursor(db=db) as cur:
+            cur.putmulti([(k, seal(seed, k, v)) for k, v in rows])
+        n += len(rows)
+    return n
+
+
+def _has_blocks(root: pathlib.Path) -> bool:
+    blocks = root / "blocks"
+    return blocks.is_dir() and any(
+        p.suffix in (".blk", ".part") for p in blocks.iterdir()
+    )
 
 
 class _Retry(Exception):
@@ -94,6 +204,7 @@ class Store(CatalogMixin, StoreInterface):
         self._pid = os.getpid()
         self._max_map = max_map_size
         self._db = {name: env.open_db(name.encode(), create=False) for name in _DBS}
+        self._db["meta"] = env.open_db(b"meta", create=False)
         self._records = self._db["records"]
         self._spaces = self._db["spaces"]
         # Active read transactions of this process: the map is only remapped at zero,
@@ -146,13 +257,101 @@ class Store(CatalogMixin, StoreInterface):
         """
         root = pathlib.Path(path)
         index = root / "index"
-        if not (index / "data.mdb").exists():
+        data = index / "data.mdb"
+        if not data.exists():
             if readonly or not create:
-                raise StoreError(f"{root}: no store here (missing {index / 'data.mdb'})")
+                raise StoreError(f"{root}: no store here (missing {data})")
             (root / "blocks").mkdir(parents=True, exist_ok=True)
             index.mkdir(exist_ok=True)
+        elif not data.is_file():
+            raise IndexCorruptError(f"{data}: not a regular file")
+        elif check_index_file(data) == "uninitialised":
+            cls._repair_uninitialised(root)
+        env = cls._open_env(index, map_size, readonly)
         try:
-            env = lmdb.open(
+            env.reader_check()  # reclaim reader slots of processes that died
+            if not cls._prepare(env, root, readonly):
+                # Read-only open of a store whose creation was killed before its
+                # databases existed (nothing was ever stored): create them, reopen.
+                env.close()
+                w = cls._open_env(index, map_size, False)
+                try:
+                    cls._prepare(w, root, False)
+                finally:
+                    w.close()
+                env = cls._open_env(index, map_size, readonly)
+                cls._prepare(env, root, readonly)
+            return cls(root, env, readonly, max_map_size)
+        except lmdb.Error as exc:
+            env.close()
+            raise _corrupt(index, exc) from exc
+        except BaseException:
+            env.close()
+            raise
+
+    @staticmethod
+    def _repair_uninitialised(root: pathlib.Path) -> None:
+        """Re-create an index whose creation was killed before LMDB initialised it.
+
+        Only when no block file exists: with block files present the index held
+        (or was about to hold) published spaces, and re-creating it would orphan them.
+        """
+        index = root / "index"
+        if _has_blocks(root):
+            raise IndexCorruptError(
+                f"{index / 'data.mdb'}: the index is empty or unreadable but block files "
+                "exist; restore the index from a copy"
+            )
+        for name in ("data.mdb", "lock.mdb"):
+            (index / name).unlink(missing_ok=True)
+        env = Store._open_env(index, DEFAULT_MAP_SIZE, False)
+        try:
+            Store._prepare(env, root, False)
+        finally:
+            env.close()
+
+    @staticmethod
+    def _prepare(env: lmdb.Environment, root: pathlib.Path, readonly: bool) -> bool:
+        """Create missing databases (a new store), migrate format 1, check the format.
+
+        Returns ``False`` (read-only only) when the databases were never created and
+        no block file exists: the caller re-creates them with a writable open.
+        """
+        with env.begin() as txn:
+            present = {name for name in (*_DBS, "meta") if txn.get(name.encode()) is not None}
+        if readonly:
+            if not present and not _has_blocks(root):
+                return False
+            missing = set(_DBS) - present
+            if missing:
+                raise StoreError(f"{root}: store databases missing ({sorted(missing)})")
+            if "meta" not in present:
+                raise StoreError(
+                    f"{root}: this store predates index checksums (format 1); migrate it "
+                    f"once with `czyx store migrate --store {root}` (any writable open does)"
+                )
+        else:
+            with env.begin(write=True) as txn:
+                legacy = "records" in present and "meta" not in present
+                for name in _DBS:
+                    env.open_db(name.encode(), txn=txn, create=True)
+                meta = env.open_db(b"meta", txn=txn, create=True)
+                if legacy:
+                    _migrate_in(env, txn)
+                if txn.get(_FORMAT_KEY, db=meta) is None:
+                    txn.put(_FORMAT_KEY, seal(SEEDS["meta"], _FORMAT_KEY, FORMAT), db=meta)
+        with env.begin() as txn:
+            meta = env.open_db(b"meta", txn=txn, create=False)
+            raw = txn.get(_FORMAT_KEY, db=meta)
+        fmt = None if raw is None else unseal(SEEDS["meta"], _FORMAT_KEY, raw, "store format")
+        if fmt != FORMAT:
+            raise StoreError(f"{root}: unknown store format {fmt!r} (this czyx reads {FORMAT!r})")
+        return True
+
+    @staticmethod
+    def _open_env(index: pathlib.Path, map_size: int, readonly: bool) -> lmdb.Environment:
+        try:
+            return lmdb.open(
                 str(index),
                 map_size=max(map_size, 1 << 16),
                 max_dbs=len(_DBS) + 2,
@@ -170,15 +369,6 @@ class Store(CatalogMixin, StoreInterface):
                     " in a spawned process instead"
                 )
             raise StoreError(f"{index}: cannot open LMDB environment ({exc}){hint}") from exc
-        if not readonly:
-            with env.begin(write=True) as txn:
-                for name in _DBS:
-                    env.open_db(name.encode(), txn=txn, create=True)
-        try:
-            return cls(root, env, readonly, max_map_size)
-        except lmdb.Error as exc:
-            env.close()
-            raise StoreError(f"{index}: store databases missing ({exc})") from exc
 
     def close(self) -> None:
         """Close the environment (idempotent; in a fork child it was closed at fork)."""
@@ -305,7 +495,7 @@ class Store(CatalogMixin, StoreInterface):
             ``space`` is published.
         """
         k = self._writable_space(space) + check_key(key)
-        v = encode(record)
+        v = seal(_REC_SEED, k, encode(record))
 
         def fn(txn: lmdb.Transaction) -> None:
             self._refuse_sealed(txn, k[:SELECTOR_SIZE])
@@ -316,7 +506,8 @@ class Store(CatalogMixin, StoreInterface):
     def put_many(self, space: Selector, items: Iterable[tuple[bytes, dict]]) -> int:
         """Store many records in one transaction; returns how many were written."""
         sel = self._writable_space(space)
-        rows = [(sel + check_key(k), encode(r)) for k, r in items]
+        rows = [(sk, seal(_REC_SEED, sk, encode(r))) for sk, r in
+                ((sel + check_key(k), r) for k, r in items)]
 
         def fn(txn: lmdb.Transaction) -> int:
             self._refuse_sealed(txn, sel)
@@ -354,24 +545,31 @@ class Store(CatalogMixin, StoreInterface):
             raise
         try:
             v = txn.get(k)
+        except lmdb.Error as exc:
+            raise _corrupt(self.path, exc) from exc
         finally:
             txn.abort()
             readers.pop()
         if v is None:
             return None
-        try:
-            obj = unpackb(v, raw=False, strict_map_key=False)
-        except Exception:
-            obj = None
-        return obj if type(obj) is dict else decode(v, "record", k)  # decode raises
+        if v[:9] == MAGIC + _digest(k + v[9:], _REC_SEED):
+            try:
+                obj = unpackb(v[9:], raw=False, strict_map_key=False)
+            except Exception:
+                obj = None
+            if type(obj) is dict:
+                return obj
+        return decode_sealed(_REC_SEED, k, v, "record")  # raises, naming the fault
 
     def _get_slow(self, k: bytes) -> dict | None:
         txn = self._begin_read(self._records)  # waits out a resize, adopts a new map size
         try:
             v = txn.get(k)
+        except lmdb.Error as exc:
+            raise _corrupt(self.path, exc) from exc
         finally:
             self._end_read(txn)
-        return None if v is None else decode(v, "record", k)
+        return None if v is None else decode_sealed(_REC_SEED, k, v, "record")
 
     def get_many(self, space: Selector, keys: Iterable[bytes]) -> list[dict | None]:
         """The records at many keys of one space, read in one transaction."""
@@ -380,9 +578,14 @@ class Store(CatalogMixin, StoreInterface):
         txn = self._begin_read(self._records)
         try:
             vals = [txn.get(k) for k in full]
+        except lmdb.Error as exc:
+            raise _corrupt(self.path, exc) from exc
         finally:
             self._end_read(txn)
-        return [None if v is None else decode(v, "record", k) for k, v in zip(full, vals)]
+        return [
+            None if v is None else decode_sealed(_REC_SEED, k, v, "record")
+            for k, v in zip(full, vals)
+        ]
 
     def snapshot(self) -> Snapshot:
         """A consistent read view in one read transaction, for many lookups in one thread.
@@ -399,6 +602,7 @@ class Store(CatalogMixin, StoreInterface):
         def fn(txn: lmdb.Transaction) -> bool:
             self._refuse_sealed(txn, k[:SELECTOR_SIZE])
             return txn.delete(k, db=self._records)
+
 
         return self._write(fn)
 
@@ -423,6 +627,8 @@ class Store(CatalogMixin, StoreInterface):
                     if skip:
                         next(it, None)
                     rows = list(islice(it, _SCAN_CHUNK))
+            except lmdb.Error as exc:
+                raise _corrupt(self.path, exc) from exc
             finally:
                 self._end_read(txn)
             full = len(rows) == _SCAN_CHUNK
@@ -498,11 +704,16 @@ class Store(CatalogMixin, StoreInterface):
         txn = self._begin_read()
         try:
             v = txn.get(sel, db=self._spaces)
+        except lmdb.Error as exc:
+            raise _corrupt(self.path, exc) from exc
         finally:
             self._end_read(txn)
         if v is None:
             raise SpaceNotFoundError(f"space {sel.hex()} is not published")
-        return decode(v, "space entry", sel)
+        entry = decode_sealed(SEEDS["spaces"], sel, v, "space entry")
+        if not isinstance(entry.get("manifest"), dict) or not isinstance(entry.get("block"), dict):
+            raise RecordDecodeError(f"space entry {sel.hex()}: no manifest or block identity")
+        return entry
 
     def has_space(self, space: Selector) -> bool:
         """Whether ``space`` is published (and therefore sealed)."""
@@ -524,7 +735,11 @@ class Store(CatalogMixin, StoreInterface):
 
     def spaces(self) -> list[Selector]:
         """Every published space, in selector order."""
-        return [Selector(k) for k, _ in self._scan_raw(self._spaces, b"", None)]
+        rows = list(self._scan_raw(self._spaces, b"", None))
+        if not sealed_ok(SEEDS["spaces"], rows):
+            for k, v in rows:
+                unseal(SEEDS["spaces"], k, v, "space entry")  # raises, naming the entry
+        return [Selector(k) for k, _ in rows]
 
     def block_identity(self, space: Selector) -> BlockIdentity:
         """The identity recorded for the space's block file at publication."""

@@ -14,10 +14,11 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import xxhash
 
 from czyx.key import KEY_SIZE
 from czyx.space import SELECTOR_SIZE, Selector
-from czyx.store.errors import KeyLengthError, RecordDecodeError
+from czyx.store.errors import IndexChecksumError, KeyLengthError, RecordDecodeError
 
 
 def _default(obj: Any) -> Any:
@@ -76,6 +77,52 @@ def decode(data: bytes | memoryview, where: str = "record", key: bytes | None = 
             f"{_where(where, key)}: expected a msgpack map, got {type(obj).__name__}"
         )
     return obj
+
+
+# -- sealed values: every value in the index carries a checksum -------------------------
+#
+# A stored value is ``MAGIC || xxh3_64(key || payload, seed=db) || payload``. MAGIC is
+# 0xC1, the one byte msgpack never emits, so a sealed value can never be mistaken for
+# a bare msgpack map (the format before checksums). The checksum covers the LMDB key
+# too, so a value moved to another key (or a flipped key bit) fails as surely as a
+# flipped value bit; the seed names the database, so a value cannot pass in another.
+
+MAGIC = b"\xc1"
+SEAL_SIZE = 9  # MAGIC + 8-byte digest
+SEEDS = {"records": 1, "spaces": 2, "tags": 3, "portals": 4, "edges": 5, "audit": 6, "meta": 7}
+_digest = xxhash.xxh3_64_digest
+
+
+def seal(seed: int, key: bytes, payload: bytes) -> bytes:
+    """The stored form of ``payload`` at ``key`` in the database of ``seed`` (see above)."""
+    return MAGIC + _digest(key + payload, seed) + payload
+
+
+def unseal(seed: int, key: bytes, value: bytes, where: str = "record") -> bytes:
+    """The payload of a sealed value, after checking its checksum.
+
+    Raises
+    ------
+    IndexChecksumError
+        The value is not sealed, or its bytes (or its key) changed since it was written.
+    """
+    if value[:SEAL_SIZE] != MAGIC + _digest(key + value[SEAL_SIZE:], seed):
+        raise IndexChecksumError(
+            f"{_where(where, key)}: index checksum mismatch (the LMDB value or key is "
+            "corrupt); run `czyx store fsck`"
+        )
+    return value[SEAL_SIZE:]
+
+
+def sealed_ok(seed: int, rows: list[tuple[bytes, bytes]]) -> bool:
+    """Whether every ``(key, value)`` of ``rows`` is intact (one comprehension, no frames)."""
+    m, d = MAGIC, _digest
+    return all([v[:9] == m + d(k + v[9:], seed) for k, v in rows])
+
+
+def decode_sealed(seed: int, key: bytes, value: bytes, where: str = "record") -> dict:
+    """:func:`unseal`, then :func:`decode`."""
+    return decode(unseal(seed, key, value, where), where, key)
 
 
 def _where(where: str, key: bytes | None) -> str:

@@ -19,13 +19,23 @@ import lmdb
 
 from czyx.key import KEY_SIZE, class_range_bounds
 from czyx.space import SELECTOR_SIZE, Selector
-from czyx.store.core.records import check_key, check_selector, decode, unpackb
+from czyx.store.core.records import (
+    MAGIC,
+    SEEDS,
+    check_key,
+    check_selector,
+    decode_sealed,
+    sealed_ok,
+    unpackb,
+)
 from czyx.store.errors import StoreError, StoreForkError
 
 if TYPE_CHECKING:
     from czyx.store.core.lmdb_store import Store
 
 
+_REC_SEED = SEEDS["records"]
+_digest = __import__("xxhash").xxh3_64_digest
 SCAN_CHUNK = 512  # rows per decoded chunk: small enough that its values stay cache-resident
 _first = itemgetter(0)
 _strip_selector = itemgetter(slice(SELECTOR_SIZE, None))
@@ -43,15 +53,18 @@ def decode_rows(rows: list[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, dict]]
     Raises
     ------
     RecordDecodeError
-        A value does not decode to a msgpack map (named by its key).
+        A value does not decode to a msgpack map, or fails its index checksum
+        (:class:`~store.errors.IndexChecksumError`), named by its key.
     """
-    try:
-        objs = [unpackb(v, raw=False, strict_map_key=False) for _, v in rows]
-    except Exception:
-        objs = []
-    if len(objs) != len(rows) or set(map(type, objs)) != {dict}:
+    objs: list = []
+    if sealed_ok(_REC_SEED, rows):
+        try:
+            objs = [unpackb(v[9:], raw=False, strict_map_key=False) for _, v in rows]
+        except Exception:
+            objs = []
+    if len(objs) != len(rows) or (rows and set(map(type, objs)) != {dict}):
         for k, v in rows:  # find the culprit and raise naming its key
-            decode(v, "record", k)
+            decode_sealed(_REC_SEED, k, v, "record")
     return zip(map(_strip_selector, map(_first, rows)), objs)
 
 
@@ -101,14 +114,20 @@ class Snapshot:
         """The record at ``(space, key)`` as of the snapshot, or ``None``."""
         sel = space.raw if type(space) is Selector else check_selector(space)
         k = sel + (key if type(key) is bytes and len(key) == KEY_SIZE else check_key(key))
-        v = self._tget(k)
+        try:
+            v = self._tget(k)
+        except lmdb.Error as exc:
+            raise StoreError(f"LMDB index is corrupt ({exc}); run `czyx store fsck`") from exc
         if v is None:
             return None
-        try:
-            obj = unpackb(v, raw=False, strict_map_key=False)
-        except Exception:
-            obj = None
-        return obj if type(obj) is dict else decode(v, "record", k)
+        if v[:9] == MAGIC + _digest(k + v[9:], _REC_SEED):
+            try:
+                obj = unpackb(v[9:], raw=False, strict_map_key=False)
+            except Exception:
+                obj = None
+            if type(obj) is dict:
+                return obj
+        return decode_sealed(_REC_SEED, k, v, "record")  # raises, naming the fault
 
     def scan(
         self, space: Selector, lo_cls: int = 0, hi_cls: int = 255

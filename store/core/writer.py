@@ -17,11 +17,21 @@ A crash before step 3 commits leaves an unreferenced file (removed by
 :func:`collect_garbage`) and the old index; after it, the new state. Readers
 never see a half-published space because nothing in the index points at the
 new file until the one transaction that publishes all of it.
+
+gc against a publication in flight (why both guards): the writer holds a shared
+``flock`` on its file from creation until its transaction ends, and gc skips a
+file it cannot lock exclusively, so gc never removes a file being published,
+whatever its grace. And gc decides and unlinks inside an LMDB write transaction
+while the publish transaction re-checks its file (name, size) before it
+commits: the two are serialised by LMDB's write lock, so even a file lost by
+other means is never published (the publication fails with
+:class:`~store.errors.BlockFileError` instead of reporting success).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import time
 from collections.abc import Iterable
@@ -33,8 +43,14 @@ import numpy as np
 from czyx.space import Selector
 from czyx.store.core.blockfile import BlockIdentity, BlockWriter, dio_alignment, fsync_dir
 from czyx.store.core.checksum import CHECKSUM_NAME
-from czyx.store.core.records import Extent, check_key, encode
-from czyx.store.errors import SealedSpaceError, SpaceNotEmptyError, SpaceNotFoundError, StoreError
+from czyx.store.core.records import SEEDS, Extent, check_key, decode_sealed, encode, seal
+from czyx.store.errors import (
+    BlockFileError,
+    SealedSpaceError,
+    SpaceNotEmptyError,
+    SpaceNotFoundError,
+    StoreError,
+)
 from czyx.store.interfaces import SpaceWriterInterface
 
 if TYPE_CHECKING:
@@ -71,6 +87,10 @@ class SpaceWriter(SpaceWriterInterface):
         self._final = blocks / name
         self._part = blocks / f"{name}.{os.getpid()}.part"
         self._block = BlockWriter(self._part, sel, self._gen, self.alignment)
+        # Held until publication ends (the lock follows the inode across the rename):
+        # gc skips a file it cannot lock exclusively.
+        self._lockfd: int | None = os.open(self._part, os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(self._lockfd, fcntl.LOCK_SH)
         self.data_start = self._block.size
         self._staged: dict[bytes, bytes] = {}
         self._state = "open"
@@ -148,7 +168,7 @@ class SpaceWriter(SpaceWriterInterface):
             raise
         self._state = "committing"
         ident = BlockIdentity(self._final.name, self._gen, self._block.size, self.alignment)
-        entry = encode(
+        entry = seal(SEEDS["spaces"], sel, encode(
             {
                 "manifest": self._manifest,
                 "block": ident.to_record(),
@@ -156,11 +176,24 @@ class SpaceWriter(SpaceWriterInterface):
                 "count": len(self._staged),
                 "time": time.time(),
             }
-        )
-        rows = [(sel + k, v) for k, v in sorted(self._staged.items())]
+        ))
+        rec_seed = SEEDS["records"]
+        rows = [(sel + k, seal(rec_seed, sel + k, v)) for k, v in sorted(self._staged.items())]
         records_db, spaces_db = store._records, store._spaces
 
+        final = self._final
+
         def publish(txn: lmdb.Transaction) -> None:
+            # Under the write lock gc also takes: the file we name must be there, whole.
+            try:
+                size = os.stat(final).st_size
+            except FileNotFoundError:
+                size = -1
+            if size != ident.size:
+                raise BlockFileError(
+                    f"{final}: block file vanished or changed before publication "
+                    f"({size} bytes, wrote {ident.size}); nothing was published"
+                )
             if txn.get(sel, db=spaces_db) is not None:
                 raise SealedSpaceError(f"space {sel.hex()} was published by another writer")
             with txn.cursor(db=records_db) as cur:
@@ -182,9 +215,16 @@ class SpaceWriter(SpaceWriterInterface):
         except BaseException:
             self._state = "aborted"
             self._unlink_unless_published()
+            self._unlock()
             raise
         self._state = "committed"
         self._staged.clear()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lockfd is not None:
+            os.close(self._lockfd)  # closing the descriptor releases the flock
+            self._lockfd = None
 
     def _unlink_unless_published(self) -> None:
         # Only a definite "not published" deletes the block file. If the store
@@ -207,6 +247,7 @@ class SpaceWriter(SpaceWriterInterface):
         self._block.close()
         self._part.unlink(missing_ok=True)
         self._staged.clear()
+        self._unlock()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -219,25 +260,54 @@ def collect_garbage(store: Store, *, grace_s: float = 3600.0) -> list[str]:
 
     A ``.part`` file is removed when the process that was writing it is gone;
     an unreferenced ``.blk`` file (left by a crash between rename and commit)
-    when it is older than ``grace_s`` seconds, so a publication in flight in
-    another process is never disturbed.
+    when it is older than ``grace_s`` seconds. A file whose writer still holds
+    its lock is never removed, and the decision is taken inside a write
+    transaction (see the module docstring), so a publication in flight is never
+    disturbed, whatever ``grace_s``.
     """
-    live = {store.block_identity(s).name for s in store.spaces()}
-    removed = []
-    now = time.time()
-    for p in sorted((store.path / "blocks").iterdir()):
-        if p.name in live:
-            continue
-        if p.suffix == ".part":
-            pid_text = p.name.rsplit(".", 2)[-2] if p.name.count(".") >= 2 else ""
-            pid = int(pid_text) if pid_text.isdigit() else -1
-            if pid > 0 and _pid_alive(pid):
+    blocks = store.path / "blocks"
+    spaces_db = store._spaces
+    seed = SEEDS["spaces"]
+
+    def sweep(txn: lmdb.Transaction) -> list[str]:
+        live = set()
+        for k, v in txn.cursor(db=spaces_db):
+            entry = decode_sealed(seed, k, v, "space entry")
+            live.add(BlockIdentity.from_record(entry["block"]).name)
+        removed = []
+        now = time.time()
+        for p in sorted(blocks.iterdir()):
+            if p.name in live:
                 continue
-        elif p.suffix != ".blk" or now - p.stat().st_mtime < grace_s:
-            continue
-        p.unlink(missing_ok=True)
-        removed.append(p.name)
-    return removed
+            try:
+                if p.suffix == ".part":
+                    pid_text = p.name.rsplit(".", 2)[-2] if p.name.count(".") >= 2 else ""
+                    pid = int(pid_text) if pid_text.isdigit() else -1
+                    if pid > 0 and _pid_alive(pid):
+                        continue
+                elif p.suffix != ".blk" or now - p.stat().st_mtime < grace_s:
+                    continue
+                if _locked(p):
+                    continue
+                p.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append(p.name)
+        return removed
+
+    return store._write(sweep)
+
+
+def _locked(path: os.PathLike) -> bool:
+    """Whether a writer holds ``path``'s publication lock (see the module docstring)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def _pid_alive(pid: int) -> bool:

@@ -31,9 +31,9 @@ from typing import Any
 from czyx.store.consumer import GLOBAL_ROLES, LAYER_ROLES
 from czyx.store.models.mount_errors import UnknownArchitectureError
 
-# Roles of DeepSeek's multi-head latent attention and its routing bias. They are
-# not in the consumer contract yet (MLA is engine work for later); mount stores
-# them in the trunk under these names so nothing is dropped.
+# Roles of DeepSeek's multi-head latent attention and its routing bias (also
+# GLM-4.5's e_score_correction_bias, and GPT-OSS's router bias). They are not in
+# the consumer contract's role list; the engine's MLA decoder reads them by name.
 MLA_ROLES = (
     "q_a_proj",  # [q_lora_rank, H]
     "q_a_norm",  # [q_lora_rank]
@@ -43,8 +43,21 @@ MLA_ROLES = (
     "kv_b_proj",  # [n_heads * (qk_nope + v_head_dim), kv_lora_rank]
     "router_bias",  # [E] DeepSeek-V3 e_score_correction_bias
 )
+# Roles of the other newer architectures, appended so every earlier role keeps
+# its class byte (mounted trunks stay readable).
+NEWER_ROLES = (
+    "o_bias",  # [H] o_proj bias (Qwen3-MoE attention_bias, GPT-OSS)
+    "sinks",  # [n_heads] GPT-OSS attention sink logits
+    "expert_gate_up_bias",  # [E, 2I] GPT-OSS routed experts' gate/up biases (gate, then up)
+    "expert_down_bias",  # [E, H] GPT-OSS routed experts' down biases
+    "mtp",  # a multi-token-prediction layer's tensor: kept verbatim, never run
+)
+#: Per-layer roles beyond the consumer contract's (the engine's Layer has a slot each).
+EXTRA_ROLES = MLA_ROLES + NEWER_ROLES
+#: The role of kept multi-token-prediction tensors (layer = their index in name order).
+MTP_ROLE = "mtp"
 ALL_GLOBAL_ROLES = GLOBAL_ROLES
-ALL_LAYER_ROLES = LAYER_ROLES + MLA_ROLES
+ALL_LAYER_ROLES = LAYER_ROLES + EXTRA_ROLES
 ALL_ROLES = ALL_GLOBAL_ROLES + ALL_LAYER_ROLES
 # A role's index is its class byte in the trunk space (see store.mount).
 ROLE_INDEX = {role: i for i, role in enumerate(ALL_ROLES)}
@@ -76,6 +89,7 @@ class TensorKind:
 
 
 _L = r"model\.layers\.(\d+)\."
+_LAYER_PREFIX = re.compile(_L)
 
 # Trunk fragments shared by the tables: (regex after the layer prefix, role).
 _GLOBAL = (
@@ -98,6 +112,7 @@ _QKV_BIAS = (
     (r"self_attn\.k_proj\.bias", "k_bias"),
     (r"self_attn\.v_proj\.bias", "v_bias"),
 )
+_O_BIAS = ((r"self_attn\.o_proj\.bias", "o_bias"),)
 _QK_NORM = (
     (r"self_attn\.q_norm\.weight", "q_norm"),
     (r"self_attn\.k_norm\.weight", "k_norm"),
@@ -208,6 +223,33 @@ class ArchSpec:
         """Intermediate size I of one routed expert."""
         return int(_require(config, self.expert_inter_keys, self.name))
 
+    def mtp_layer(self, name: str, config: Mapping[str, Any]) -> int | None:
+        """The layer of ``name`` if it belongs to a multi-token-prediction layer, else None.
+
+        DeepSeek-V3 and GLM-4.5 checkpoints append ``num_nextn_predict_layers``
+        layers after the last decoder layer (``model.layers.<num_hidden_layers>.*``:
+        a full decoder layer plus ``enorm``, ``hnorm``, ``eh_proj`` and a
+        ``shared_head``). transformers ignores them; mount keeps them verbatim.
+        """
+        extra = int(config.get("num_nextn_predict_layers") or 0)
+        m = _LAYER_PREFIX.match(name) if extra > 0 else None
+        if m is None:
+            return None
+        layer, n = int(m.group(1)), self.n_layers(config)
+        return layer if n <= layer < n + extra else None
+
+    def rope_head_dim(self, config: Mapping[str, Any]) -> int:
+        """Width of the head part that carries the rotary channels.
+
+        DeepSeek's multi-head latent attention rotates only ``qk_rope_head_dim``
+        channels per head; every other family rotates (a fraction of) ``head_dim``.
+        """
+        if self.name in ("deepseek_v2", "deepseek_v3"):
+            return int(_require(config, ("qk_rope_head_dim",), self.name))
+        hidden = self.hidden_size(config)
+        heads = int(_require(config, ("num_attention_heads",), self.name))
+        return int(config.get("head_dim") or hidden // heads)
+
     def sparse_layers(self, config: Mapping[str, Any]) -> tuple[int, ...]:
         """Layers whose MLP is a routed mixture (the others are dense)."""
         n = self.n_layers(config)
@@ -215,6 +257,9 @@ class ArchSpec:
             step = int(config.get("decoder_sparse_step") or 1)
             dense = set(config.get("mlp_only_layers") or ())
             return tuple(l for l in range(n) if l not in dense and (l + 1) % step == 0)
+        if self.name == "glm4_moe":
+            first = int(config.get("first_k_dense_replace") or 0)
+            return tuple(range(first, n))
         if self.name in ("deepseek_v2", "deepseek_v3"):
             first = int(config.get("first_k_dense_replace") or 0)
             freq = int(config.get("moe_layer_freq") or 1)
@@ -253,7 +298,7 @@ ARCHS: dict[str, ArchSpec] = {
         ArchSpec(
             "qwen3_moe",
             ("qwen3_moe",),
-            _NORMS + _ATTN + _QK_NORM + _ROUTER + _DENSE_MLP,
+            _NORMS + _ATTN + _QKV_BIAS + _O_BIAS + _QK_NORM + _ROUTER + _DENSE_MLP,
             _EXPERT_PROJ,
             _QWEN_EXPERT_KEYS,
             ("moe_intermediate_size",),
@@ -278,6 +323,14 @@ ARCHS: dict[str, ArchSpec] = {
             "deepseek_v3",
             ("deepseek_v3",),
             _NORMS + _MLA + _ROUTER + _DEEPSEEK_SHARED + _DENSE_MLP,
+            _EXPERT_PROJ,
+            ("n_routed_experts",),
+            ("moe_intermediate_size",),
+        ),
+        ArchSpec(
+            "glm4_moe",
+            ("glm4_moe",),
+            _NORMS + _ATTN + _QKV_BIAS + _QK_NORM + _ROUTER + _DEEPSEEK_SHARED + _DENSE_MLP,
             _EXPERT_PROJ,
             ("n_routed_experts",),
             ("moe_intermediate_size",),

@@ -10,6 +10,14 @@ must agree with the shards (each listed tensor present in the file it names,
 no tensor in two shards, no shard tensor the index omits). Failures raise the
 typed errors of :mod:`store.mount_errors`, naming the file and the tensor.
 
+The header is validated exactly as the ``safetensors`` library does, so a file it
+refuses is refused here too: the header starts with ``{``, and the tensors' data
+offsets, sorted, tile the data section with no gap and no overlap and end
+exactly at the end of the file (a header length off by one byte leaves the data
+shifted and is caught by that). Only regular files are read (a FIFO or a device
+named ``model.safetensors`` or ``config.json`` is refused before it is read, so
+it can neither hang nor stream forever), JSON is bounded in size and nesting.
+
 Tensors are zero-copy numpy views of a read-only ``mmap`` of the file.
 bfloat16 has no numpy dtype: its views are ``uint16`` (the exact bytes) and
 :func:`to_float32` widens them exactly (a bf16 is the top half of an fp32).
@@ -22,6 +30,7 @@ import itertools
 import json
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -49,6 +58,7 @@ DTYPES: dict[str, tuple[np.dtype, int]] = {
     "I16": (np.dtype("<i2"), 2),
     "I8": (np.dtype("i1"), 1),
     "U8": (np.dtype("u1"), 1),
+    "F8_E4M3": (np.dtype("u1"), 1),  # raw fp8 bits; converted at mount (store.models.fp8)
     "BOOL": (np.dtype("?"), 1),
 }
 # Short format names recorded in manifests (``ModelInfo.expert_format``).
@@ -58,6 +68,7 @@ DTYPE_OF_FORMAT = {v: k for k, v in FORMAT_OF_DTYPE.items()}
 # A header larger than this is refused before it is read: safetensors itself
 # caps headers at 100 MB, and a lying length must not make us allocate GBs.
 MAX_HEADER = 100_000_000
+MAX_JSON = 64 << 20  # config.json / index: far above any real one, bounded before reading
 _INDEX_SUFFIX = ".safetensors.index.json"
 
 
@@ -96,13 +107,13 @@ class SafetensorsFile:
         self.metadata: dict[str, str] = {}
         self._mmap: mmap.mmap | None = None
         self._fd = -1
-        with open(self.path, "rb") as fh:
+        with os.fdopen(open_regular(self.path), "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
             self.header_len, header = _read_header(fh, self.path, size)
             self._parse(header, size)
             if size > 0:
                 self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        self._fd = open_regular(self.path)
 
     def _parse(self, header: dict[str, Any], size: int) -> None:
         data_start = 8 + self.header_len
@@ -126,8 +137,7 @@ class SafetensorsFile:
                     tensor=name,
                 )
             self.tensors[name] = info
-            if info.nbytes:
-                spans.append((info.begin, info.end, name))
+            spans.append((info.begin, info.end, name))
         spans.sort()
         for (_, end_a, name_a), (begin_b, _, name_b) in itertools.pairwise(spans):
             if begin_b < end_a:
@@ -136,6 +146,21 @@ class SafetensorsFile:
                     file=str(self.path),
                     tensor=name_b,
                 )
+            if begin_b > end_a:
+                raise HeaderError(
+                    f"{begin_b - end_a} unclaimed bytes before it (after {name_a!r}); "
+                    "safetensors refuses gaps",
+                    file=str(self.path),
+                    tensor=name_b,
+                )
+        first = spans[0][0] if spans else 0
+        last = spans[-1][1] if spans else 0
+        if first != 0 or last != data_len:
+            raise HeaderError(
+                f"tensors cover data bytes [{first}, {last}) but the data section is "
+                f"{data_len} bytes (header length off, or bytes appended?)",
+                file=str(self.path),
+            )
 
     def array(self, name: str) -> np.ndarray:
         """A read-only zero-copy view of tensor ``name`` (bf16 as uint16 bits)."""
@@ -214,10 +239,10 @@ def _read_header(fh: Any, path: Path, size: int) -> tuple[int, dict[str, Any]]:
         raise TruncatedFileError(
             f"header length {n} runs past the end of the file ({size} bytes)", file=str(path)
         )
-    try:
-        header = json.loads(fh.read(n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HeaderError(f"header is not JSON: {exc}", file=str(path)) from None
+    blob = fh.read(n)
+    if blob[:1] != b"{":
+        raise HeaderError("header does not start with '{'", file=str(path))
+    header = _json(blob, path, HeaderError)
     if not isinstance(header, dict):
         raise HeaderError("header is not a JSON object", file=str(path))
     return n, header
@@ -389,13 +414,76 @@ class Checkpoint:
         self.close()
 
 
-def _load_json(path: Path) -> dict[str, Any]:
+def open_regular(path: Path) -> int:
+    """Open ``path`` read-only if it is a regular file (symlinks to one are fine).
+
+    Opened non-blocking, so a FIFO cannot hang the open; anything but a regular
+    file (FIFO, device, directory, socket) is refused before a byte is read.
+    """
     try:
-        data = json.loads(path.read_text())
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CheckpointError("missing", file=str(path)) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"not JSON: {exc}", file=str(path)) from None
+    except IsADirectoryError:
+        raise CheckpointError("not a regular file (a directory)", file=str(path)) from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot open: {exc.strerror}", file=str(path)) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError("not a regular file (FIFO, device or socket)", file=str(path))
+    return fd
+
+
+_MAX_DEPTH = 64  # JSON nesting: configs and headers are a few levels deep
+
+
+def _json(blob: bytes, path: Path, error: type[CheckpointError]) -> Any:
+    depth = _nesting(blob)
+    if depth > _MAX_DEPTH:
+        raise error(f"JSON nested {depth} levels deep (limit {_MAX_DEPTH})", file=str(path))
+    try:
+        return json.loads(blob, object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:
+        raise error(f"not JSON: {exc}"[:300], file=str(path)) from None
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        dup = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
+        raise ValueError(f"duplicate key {dup!r}")
+    return out
+
+
+def _nesting(blob: bytes) -> int:
+    """Maximum bracket depth outside strings, by numpy (no recursion, linear time)."""
+    a = np.frombuffer(blob, np.uint8)
+    if a.size == 0:
+        return 0
+    quote = a == ord('"')
+    if quote.any():
+        # A quote escaped by an odd run of backslashes does not toggle strings.
+        pos = np.arange(a.size)
+        last_other = np.maximum.accumulate(np.where(a != ord("\\"), pos, -1))
+        run = np.zeros(a.size, np.int64)  # backslashes right before each byte
+        run[1:] = pos[:-1] - last_other[:-1]
+        quote &= run % 2 == 0
+    inside = (np.cumsum(quote) - quote) % 2 == 1
+    step = np.where((a == ord("{")) | (a == ord("[")), 1, 0) - np.where(
+        (a == ord("}")) | (a == ord("]")), 1, 0
+    )
+    step[inside | quote] = 0
+    return int(np.cumsum(step).max(initial=0))
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > MAX_JSON:
+            raise CheckpointError(f"{size} bytes, over the {MAX_JSON}-byte cap", file=str(path))
+        blob = fh.read(MAX_JSON + 1)
+    data = _json(blob, path, CheckpointError)
     if not isinstance(data, dict):
         raise CheckpointError("not a JSON object", file=str(path))
     return data

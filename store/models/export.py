@@ -27,6 +27,7 @@ import numpy as np
 from czyx.space import Selector
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
+from czyx.store.interfaces import StoreInterface
 from czyx.store.models.archs import TOKENIZER_FILE, TOKENIZER_ROLE
 from czyx.store.models.model import ModelSpace
 from czyx.store.models.mount_errors import ModelSpaceError, MountError
@@ -38,7 +39,9 @@ class ExportError(MountError):
     """A version cannot be exported as a faithful checkpoint."""
 
 
-def export(store: Any, ref: str | Selector, out_dir: str | os.PathLike[str]) -> list[Path]:
+def export(
+    store: StoreInterface, ref: str | Selector, out_dir: str | os.PathLike[str]
+) -> list[Path]:
     """Write the model version ``ref`` as a checkpoint directory ``out_dir``.
 
     Parameters

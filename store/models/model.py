@@ -20,8 +20,8 @@ an error at open, not a wrong expert at run time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -30,15 +30,18 @@ from czyx.space import Selector
 from czyx.store.consumer import ExpertExtent, ModelInfo
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
+from czyx.store.interfaces import ClassView, StoreInterface
+from czyx.store.io.experts import ExpertReads
+from czyx.store.io.reader import RawReader
 from czyx.store.io.widen import widen
-from czyx.store.models.archs import ALL_GLOBAL_ROLES, ALL_ROLES, TOKENIZER_ROLE
+from czyx.store.models.archs import ALL_GLOBAL_ROLES, ALL_ROLES, MTP_ROLE, TOKENIZER_ROLE
 from czyx.store.models.checkpoint import DTYPES
 from czyx.store.models.expert_layout import layout_from_manifest
 from czyx.store.models.mount import ADAPTER_KIND, MODEL_KIND, TRUNK_KIND, resolve
 from czyx.store.models.mount_errors import ExpertIndexError, MissingTrunkRoleError, ModelSpaceError
-from czyx.store.quant.codec import expert_parts, trunk_tensor
+from czyx.store.quant.codec import expert_parts, packed_trunk, trunk_tensor
 from czyx.store.quant.errors import QuantError
-from czyx.store.quant.formats import get_format, is_quant_format
+from czyx.store.quant.formats import dequantize, get_format, is_quant_format
 
 _NO_BLOCK = -1
 
@@ -82,12 +85,13 @@ class ModelSpace:
         ``{(role, layer): TrunkRef}``, adapters overlaid on the base.
     """
 
-    def __init__(self, store: Any, ref: str | Selector) -> None:
+    def __init__(self, store: StoreInterface, ref: str | Selector) -> None:
         self.store = store
         self.selector = resolve(store, ref)
         self.chain = self._chain(self.selector)
         self.root = self.chain[0][1]
         self.manifest = self.chain[-1][1]
+        self._check_manifest()
         ex = self.root["expert"]
         self.n_layers, self.n_experts = int(ex["n_layers"]), int(ex["n_experts"])
         self.nbytes, self.stride = int(ex["nbytes"]), int(ex["stride"])
@@ -104,6 +108,29 @@ class ModelSpace:
             if manifest.get("trunk"):
                 self._load_trunk(Selector.from_hex(manifest["trunk"]))
         self._check_complete()
+
+    def _check_manifest(self) -> None:
+        """Types and bounds of the manifest fields sized from, before any allocation.
+
+        The index is checksummed, so this guards against a writer's bug or a
+        crafted store rather than bit rot: a missing field or a value no model has
+        is a :class:`ModelSpaceError`, never a ``KeyError`` or a petabyte array.
+        """
+        from czyx.store.models.mount_plan import validate_config
+
+        where = f"space {self.selector.hex()}"
+        ex = self.root.get("expert")
+        if not isinstance(ex, dict):
+            raise ModelSpaceError(f"{where}: manifest has no expert table")
+        bounds = {"n_layers": (1, 1024), "n_experts": (1, 256), "nbytes": (1, 1 << 36)}
+        bounds["stride"] = (1, 1 << 36)
+        for key, (lo, hi) in bounds.items():
+            v = ex.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ModelSpaceError(f"{where}: manifest expert.{key}={v!r:.40} invalid")
+        if ex["stride"] < ex["nbytes"]:
+            raise ModelSpaceError(f"{where}: manifest expert stride below its size")
+        validate_config(self.root.get("config"), ex["n_experts"])
 
     def _chain(self, sel: Selector) -> list[tuple[Selector, dict]]:
         chain: list[tuple[Selector, dict]] = []
@@ -184,7 +211,7 @@ class ModelSpace:
                 f"model {self.selector.hex()}: no extent for layer {sparse[layer]} expert {byte}"
             )
 
-    def read_trunk_raw(self, ref: TrunkRef, reader: Any = None) -> np.ndarray:
+    def read_trunk_raw(self, ref: TrunkRef, reader: RawReader | None = None) -> np.ndarray:
         """The verified bytes of one trunk tensor (``uint8``).
 
         ``reader``: an open reader on ``ref.space``'s block file (the lazy
@@ -223,10 +250,10 @@ class StoreModel:
 
     def __init__(
         self,
-        store: Any,
+        store: StoreInterface,
         ref: str | Selector,
         *,
-        view: Any = None,
+        view: ClassView | None = None,
         direct: bool = False,
         lazy_trunk: bool = False,
     ) -> None:
@@ -244,7 +271,6 @@ class StoreModel:
             selector=space.selector.raw,
         )
         self._readers = [store.open_reader(sel, direct=direct) for sel in space.blocks]
-        self._fds = np.array([r.fd for r in self._readers] + [-1], np.int64)
         self._blk, self._off, self._sums = space.blk, space.off, space.sums
         self._direct = direct
         # Class byte of every (layer, router byte): the portal checks classes.
@@ -260,8 +286,10 @@ class StoreModel:
             in_range = (layers >= view.layer_lo) & (layers <= view.layer_hi)
             self._allowed = np.asarray(view.allowed_classes)[self._cls] & in_range[:, None]
         self._trunk = {}
-        # Quantized trunk tensors (record "qfmt"): packed bytes for the kernels,
-        # and their dequantized float32 for callers that know nothing of formats.
+        # Quantized trunk tensors (record "qfmt"): only their packed bytes stay
+        # resident (what the kernels use); trunk() dequantizes a fresh float32
+        # copy for callers that know nothing of formats, so a quantized version
+        # holds its stored bytes, not a float32 trunk beside them.
         self._packed: dict[tuple[str, int | None], tuple] = {}
         self._tokenizer_ref = space.trunk.get((TOKENIZER_ROLE, None))
         # Lazy mode: per-layer refs, read on demand through one reader per trunk
@@ -269,13 +297,13 @@ class StoreModel:
         # error at open, and later reads need no LMDB transaction: they may run on
         # a loader thread).
         self._lazy: dict[tuple[str, int | None], TrunkRef] = {}
-        self._trunk_readers: dict[bytes, Any] = {}
+        self._trunk_readers: dict[bytes, RawReader] = {}
         self._layer_nbytes = np.zeros(space.n_layers, np.int64)
         for k, r in space.trunk.items():
-            if k[0] != TOKENIZER_ROLE and k[1] is not None:
+            if k[0] not in (TOKENIZER_ROLE, MTP_ROLE) and k[1] is not None:
                 self._layer_nbytes[k[1]] += r.record["len"]
         for k, r in space.trunk.items():
-            if k[0] == TOKENIZER_ROLE:
+            if k[0] in (TOKENIZER_ROLE, MTP_ROLE):  # not run: kept for export only
                 continue
             if lazy_trunk and k[1] is not None:
                 self._lazy[k] = r
@@ -284,11 +312,13 @@ class StoreModel:
                 continue
             raw = space.read_trunk_raw(r)
             if "qfmt" in r.record:
-                self._trunk[k], self._packed[k] = trunk_tensor(r.record, raw)
+                self._packed[k] = packed_trunk(r.record, raw)
             else:
                 self._trunk[k] = _float32(raw, r)
         for arr in self._trunk.values():
             arr.setflags(write=False)  # shared by every caller: nobody may edit weights
+        for packed in self._packed.values():
+            packed[0].setflags(write=False)
         self._qfmt = ex["format"] if is_quant_format(ex["format"]) else None
         self._inter, self._hidden = int(ex["inter"]), int(ex["hidden"])
         gate = (ex["inter"], ex["hidden"])
@@ -311,7 +341,8 @@ class StoreModel:
 
     def has_trunk(self, role: str, layer: int | None = None) -> bool:
         """Whether the model has ``role`` (at ``layer``); reads nothing."""
-        return (role, layer) in self._trunk or (role, layer) in self._lazy
+        k = (role, layer)
+        return k in self._trunk or k in self._packed or k in self._lazy
 
     def trunk_layer_nbytes(self, layer: int) -> int:
         """Stored bytes of ``layer``'s trunk tensors (all its roles, as mounted).
@@ -332,13 +363,17 @@ class StoreModel:
     def trunk(self, role: str, layer: int | None = None) -> np.ndarray:
         """The float32 tensor of ``role`` at ``layer`` (``None`` for global roles).
 
-        Eager mode: the resident, read-only array. Lazy mode, per-layer roles:
+        Eager mode: the resident, read-only array (a quantized tensor: a new
+        float32 array dequantized from its resident packed bytes). Lazy mode, per-layer roles:
         a new array read and verified now (``ChecksumError``,
         ``ShortReadError``, ``ReadIOError`` on a bad read, never other bytes).
         """
         try:
             return self._trunk[(role, layer)]
         except KeyError:
+            packed = self._packed.get((role, layer))
+            if packed is not None:
+                return dequantize(*packed)
             ref = self._lazy.get((role, layer))
             if ref is not None:
                 raw = self._read_lazy(ref)
@@ -365,6 +400,17 @@ class StoreModel:
             raise QuantError(f"quantized trunk tensor of shape {shape}: only matrices are")
         return self._read_lazy(ref), get_format(str(ref.record["qfmt"])), (shape[0], shape[1])
 
+    @property
+    def allowed_experts(self) -> np.ndarray:
+        """``bool [n_layers, n_experts]``: the experts (by router byte) the portal permits.
+
+        All true without a portal. The engine masks routing with it, so a scoped
+        portal constrains which experts are chosen, not only which may be read.
+        """
+        out = self._allowed[:, : self.info.n_experts].copy()
+        out.flags.writeable = False
+        return out
+
     # -- experts -----------------------------------------------------------------------
     def _check(self, layer: int, router_byte: int) -> int:
         if not (0 <= layer < self.info.n_layers and 0 <= router_byte < 256):
@@ -383,13 +429,48 @@ class StoreModel:
         return blk
 
     def expert_extent(self, layer: int, router_byte: int) -> ExpertExtent:
-        """Resolve ``(layer, router byte)`` to ``ExpertExtent`` (fd, offset, length, sum)."""
+        """Resolve ``(layer, router byte)`` to ``ExpertExtent`` (block, offset, length, sum).
+
+        ``block`` indexes :meth:`expert_block_paths`; the portal's view checks
+        the class and layer first (a denial raises, audited).
+        """
         blk = self._check(layer, router_byte)
         return ExpertExtent(
-            int(self._fds[blk]),
+            blk,
             int(self._off[layer, router_byte]),
             self.info.expert_nbytes,
             int(self._sums[layer, router_byte]),
+        )
+
+    def expert_block_paths(self) -> list[str]:
+        """The block files behind the expert extents, indexed by ``ExpertExtent.block``."""
+        return [str(r.path) for r in self._readers]
+
+    def open_expert_reads(
+        self,
+        slots: Sequence[np.ndarray],
+        *,
+        readers: int = 2,
+        native: bool | None = None,
+        io: str | None = None,
+    ) -> ExpertReads:
+        """The expert-read interface onto this version's block files (see ``ExpertReads``).
+
+        The reads go through the descriptors this model verified at open (the
+        published block files, even if a path is replaced later: that is
+        refused per read as stale), and through :meth:`expert_extent`, so the
+        portal's view checks every expert they touch.
+        """
+        if not self._readers and self._space.blocks:
+            raise ModelSpaceError("the model is closed: its experts cannot be read")
+        return ExpertReads(
+            slots,
+            self.expert_extent,
+            files=[r.fd for r in self._readers],
+            read_expert=self.read_expert,
+            readers=readers,
+            native=native,
+            io=io,
         )
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
@@ -465,10 +546,10 @@ def _as_dtype(buf: np.ndarray, ref: TrunkRef) -> np.ndarray:
 
 
 def open_version(
-    store: Any,
+    store: StoreInterface,
     tag_or_selector: str | Selector,
     *,
-    view: Any,
+    view: ClassView,
     direct: bool = False,
     lazy_trunk: bool = False,
 ) -> StoreModel:

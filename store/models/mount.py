@@ -58,6 +58,7 @@ import numpy as np
 from czyx.key import Key
 from czyx.space import Selector, canonical_manifest
 from czyx.store.errors import TagConflictError, TagNotFoundError
+from czyx.store.interfaces import StoreInterface
 from czyx.store.models.archs import ROLE_INDEX, TOKENIZER_CLASS, TOKENIZER_FILE, TOKENIZER_ROLE
 from czyx.store.models.checkpoint import DTYPES, Checkpoint
 from czyx.store.models.expert_layout import DEFAULT_OUTER, layout_from_manifest, make_layout
@@ -75,6 +76,7 @@ from czyx.store.models.mount_source import (
     round_up,
     source_manifest,
 )
+from czyx.store.models.sources import conversion_report, make_source, open_checkpoint
 
 MODEL_KIND = "czyx.model"
 ADAPTER_KIND = "czyx.adapter"
@@ -102,6 +104,7 @@ class MountResult:
     bytes_written: int
     bytes_shared: int
     seconds: float
+    conversions: tuple[str, ...] = ()
 
     def summary(self) -> str:
         """The one-line summary the CLI prints."""
@@ -111,7 +114,7 @@ class MountResult:
             f"{state}: {self.tag} -> {self.selector.hex()[:16]}  {self.tensors} tensors, "
             f"{self.bytes_total / 1e6:.1f} MB ({self.bytes_written / 1e6:.1f} MB written, "
             f"{self.bytes_shared / 1e6:.1f} MB shared) in {self.seconds:.2f} s, {rate:.2f} GB/s"
-        )
+        ) + "".join("\n  " + line for line in self.conversions)
 
 
 def parse_tag(tag: str) -> tuple[str, str]:
@@ -122,7 +125,7 @@ def parse_tag(tag: str) -> tuple[str, str]:
     return name, version
 
 
-def resolve(store: Any, ref: str | Selector) -> Selector:
+def resolve(store: StoreInterface, ref: str | Selector) -> Selector:
     """A ``NAME@VERSION`` tag, a 64-hex selector or a :class:`Selector` -> selector."""
     if isinstance(ref, Selector):
         return ref
@@ -132,7 +135,7 @@ def resolve(store: Any, ref: str | Selector) -> Selector:
 
 
 def mount(
-    store: Any,
+    store: StoreInterface,
     path: str | os.PathLike[str],
     tag: str,
     *,
@@ -141,6 +144,7 @@ def mount(
     adapter_of: str | Selector | None = None,
     progress: bool = False,
     quant: Any = None,
+    convert: str | None = None,
 ) -> MountResult:
     """Publish the checkpoint at ``path`` as ``tag`` (``NAME@VERSION``).
 
@@ -167,6 +171,10 @@ def mount(
         importance map): routed experts and trunk tensors are stored in the
         formats it chooses (``store/quant/README.md``). The version is then a
         different content, so a different selector, from the float mount.
+    convert
+        Conversion policy for source formats the store has no native format
+        for (GGUF quant types, FP8 weights): see :mod:`store.models.sources`.
+        ``path`` may also be a ``.gguf`` file or a directory of split GGUF files.
 
     Returns
     -------
@@ -179,79 +187,110 @@ def mount(
     """
     t0 = time.perf_counter()
     name, _ = parse_tag(tag)
-    with Checkpoint(path) as ckpt:
+    with open_checkpoint(path, convert) as ckpt:
         plan = plan_checkpoint(ckpt, partial=adapter_of is not None)
         if quant is not None and adapter_of is not None:
             raise MountError("a quantized adapter is not supported: quantize the base instead")
-        src = MountSource(ckpt, plan, quant)
-        base_sel, base_manifest = None, None
-        if adapter_of is not None:
-            base_sel = resolve(store, adapter_of)
-            base_manifest = _model_manifest(store, base_sel)
-            _check_adapter_fits(store, base_sel, ckpt, plan, base_manifest)
-            layout = layout_from_manifest(base_manifest)
-        else:
-            layout = make_layout(plan.n_layers, plan.n_experts, outer, class_perm)
-
-        keys = sorted(plan.experts, key=lambda k: layout.ordinal(*k))
-        source_total = sum(ckpt.info(t.tensor).nbytes for t in plan.trunk)
-        source_total += len(keys) * plan.expert_nbytes
-        bar = _bar(progress, source_total, "hash")
-        expert_hash = {}
-        for k in keys:
-            expert_hash[k] = src.expert_hash(k)
-            bar.update(plan.expert_nbytes)
-        trunk_hash: dict[str, str] = {}
-        trunk_qfmt: dict[str, str | None] = {}
-        trunk_total = 0
-        for t in plan.trunk:
-            data, qfmt = src.stored_tensor(t)
-            trunk_hash[t.tensor], trunk_qfmt[t.tensor] = content_hash(data), qfmt
-            trunk_total += data.nbytes
-            bar.update(ckpt.info(t.tensor).nbytes)
-        bar.close()
-        total = trunk_total + len(keys) * src.expert_nbytes
-
-        trunk_manifest = _trunk_manifest(ckpt, plan, trunk_hash, src.tokenizer, trunk_qfmt, quant)
-        trunk_sel = (
-            Selector.from_content(canonical_manifest(trunk_manifest)) if plan.trunk else None
-        )
-        manifest = _model_manifest_for(
-            ckpt, plan, layout, expert_hash, trunk_sel, base_sel, base_manifest, src
-        )
-        sel = Selector.from_content(canonical_manifest(manifest))
-        _check_tag_free(store, tag, sel)
-        n_tensors = len(ckpt)
-        if store.has_space(sel):
-            store.set_tag(tag, sel)
-            return MountResult(
-                tag, sel, trunk_sel, False, n_tensors, total, 0, 0, time.perf_counter() - t0
+        src = make_source(ckpt, plan, quant, spool_dir=getattr(store, "path", None))
+        with src:
+            return _mount(
+                store,
+                ckpt,
+                plan,
+                src,
+                tag,
+                name,
+                outer,
+                class_perm,
+                adapter_of,
+                progress,
+                quant,
+                t0,
             )
 
-        bar = _bar(progress, total, "write")
-        written = 0
-        if trunk_sel is not None and not store.has_space(trunk_sel):
-            written += _write_trunk(store, trunk_sel, trunk_manifest, src, trunk_hash, bar)
-        else:
-            bar.update(total - len(keys) * src.expert_nbytes)
-        shared_index = _shared_index(store, name, base_sel)
-        new, shared = _write_experts(
-            store, sel, manifest, src, layout, keys, expert_hash, shared_index, bar
-        )
-        bar.close()
+
+def _mount(
+    store: Any,
+    ckpt: Checkpoint,
+    plan: ModelPlan,
+    src: MountSource,
+    tag: str,
+    name: str,
+    outer: str,
+    class_perm: Sequence[Sequence[int]] | None,
+    adapter_of: str | Selector | None,
+    progress: bool,
+    quant: Any,
+    t0: float,
+) -> MountResult:
+    base_sel, base_manifest = None, None
+    if adapter_of is not None:
+        base_sel = resolve(store, adapter_of)
+        base_manifest = _model_manifest(store, base_sel)
+        _check_adapter_fits(store, base_sel, ckpt, plan, base_manifest)
+        layout = layout_from_manifest(base_manifest)
+    else:
+        layout = make_layout(plan.n_layers, plan.n_experts, outer, class_perm)
+
+    keys = sorted(plan.experts, key=lambda k: layout.ordinal(*k))
+    source_total = sum(ckpt.info(t.tensor).nbytes for t in plan.trunk)
+    source_total += len(keys) * plan.expert_nbytes
+    bar = _bar(progress, source_total, "hash")
+    expert_hash = {}
+    for k in keys:
+        expert_hash[k] = src.expert_hash(k)
+        bar.update(plan.expert_nbytes)
+    trunk_hash: dict[str, str] = {}
+    trunk_qfmt: dict[str, str | None] = {}
+    trunk_total = 0
+    for t in plan.trunk:
+        data, qfmt = src.stored_tensor(t)
+        trunk_hash[t.tensor], trunk_qfmt[t.tensor] = content_hash(data), qfmt
+        trunk_total += data.nbytes
+        bar.update(ckpt.info(t.tensor).nbytes)
+    bar.close()
+    total = trunk_total + len(keys) * src.expert_nbytes
+
+    trunk_manifest = _trunk_manifest(ckpt, plan, trunk_hash, src.tokenizer, trunk_qfmt, quant)
+    trunk_sel = Selector.from_content(canonical_manifest(trunk_manifest)) if plan.trunk else None
+    manifest = _model_manifest_for(
+        ckpt, plan, layout, expert_hash, trunk_sel, base_sel, base_manifest, src
+    )
+    sel = Selector.from_content(canonical_manifest(manifest))
+    _check_tag_free(store, tag, sel)
+    n_tensors = len(ckpt)
+    if store.has_space(sel):
         store.set_tag(tag, sel)
-        store.audit("model.mount", tag=tag, space=sel.hex(), written=written + new, shared=shared)
         return MountResult(
-            tag,
-            sel,
-            trunk_sel,
-            True,
-            n_tensors,
-            total,
-            written + new,
-            shared,
-            time.perf_counter() - t0,
+            tag, sel, trunk_sel, False, n_tensors, total, 0, 0, time.perf_counter() - t0,
+            tuple(conversion_report(src)),
         )
+
+    bar = _bar(progress, total, "write")
+    written = 0
+    if trunk_sel is not None and not store.has_space(trunk_sel):
+        written += _write_trunk(store, trunk_sel, trunk_manifest, src, trunk_hash, bar)
+    else:
+        bar.update(total - len(keys) * src.expert_nbytes)
+    shared_index = _shared_index(store, name, base_sel)
+    new, shared = _write_experts(
+        store, sel, manifest, src, layout, keys, expert_hash, shared_index, bar
+    )
+    bar.close()
+    store.set_tag(tag, sel)
+    store.audit("model.mount", tag=tag, space=sel.hex(), written=written + new, shared=shared)
+    return MountResult(
+        tag,
+        sel,
+        trunk_sel,
+        True,
+        n_tensors,
+        total,
+        written + new,
+        shared,
+        time.perf_counter() - t0,
+        tuple(conversion_report(src)),
+    )
 
 
 class _NoBar:
@@ -270,7 +309,7 @@ def _bar(enabled: bool, total: int, desc: str) -> Any:
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled, leave=False)
 
 
-def _check_tag_free(store: Any, tag: str, sel: Selector) -> None:
+def _check_tag_free(store: StoreInterface, tag: str, sel: Selector) -> None:
     try:
         old = store.resolve_tag(tag)
     except TagNotFoundError:
@@ -282,7 +321,7 @@ def _check_tag_free(store: Any, tag: str, sel: Selector) -> None:
         )
 
 
-def _model_manifest(store: Any, sel: Selector) -> dict[str, Any]:
+def _model_manifest(store: StoreInterface, sel: Selector) -> dict[str, Any]:
     manifest = store.manifest(sel)
     if manifest.get("kind") not in (MODEL_KIND, ADAPTER_KIND):
         raise ModelSpaceError(
@@ -292,7 +331,11 @@ def _model_manifest(store: Any, sel: Selector) -> dict[str, Any]:
 
 
 def _check_adapter_fits(
-    store: Any, base_sel: Selector, ckpt: Checkpoint, plan: ModelPlan, base: dict[str, Any]
+    store: StoreInterface,
+    base_sel: Selector,
+    ckpt: Checkpoint,
+    plan: ModelPlan,
+    base: dict[str, Any],
 ) -> None:
     """An adapter may only replace tensors the base has, with the same shape and dtype
     (so the merged model, and its export into the base's file headers, stay valid)."""
@@ -407,7 +450,8 @@ def _model_manifest_for(
         "experts": [[l, e, expert_hash[(l, e)]] for l, e in sorted(expert_hash)],
         "trunk": None if trunk_sel is None else trunk_sel.hex(),
         "base": None if base_sel is None else base_sel.hex(),
-        "source": source_manifest(ckpt),
+        "source": ckpt.source_manifest() if hasattr(ckpt, "source_manifest")
+        else source_manifest(ckpt),
     }
     if src is not None and src.codec is not None:
         manifest["quant"] = src.codec.manifest()
@@ -415,7 +459,7 @@ def _model_manifest_for(
 
 
 def _write_trunk(
-    store: Any,
+    store: StoreInterface,
     sel: Selector,
     manifest: dict[str, Any],
     src: MountSource,
@@ -461,7 +505,7 @@ def _write_trunk(
     return written
 
 
-def _shared_index(store: Any, name: str, base_sel: Selector | None) -> dict[str, dict]:
+def _shared_index(store: StoreInterface, name: str, base_sel: Selector | None) -> dict[str, dict]:
     """Content hash -> extent location, over the experts of earlier versions of ``name``
     (and the explicit base of an adapter): what a new version may share."""
     candidates = {sel for tag, sel in store.tags().items() if tag.split("@", 1)[0] == name}
@@ -486,7 +530,7 @@ def _shared_index(store: Any, name: str, base_sel: Selector | None) -> dict[str,
 
 
 def _write_experts(
-    store: Any,
+    store: StoreInterface,
     sel: Selector,
     manifest: dict[str, Any],
     src: MountSource,
@@ -531,7 +575,7 @@ def _write_experts(
     return new, shared
 
 
-def summarize(store: Any, ref: str | Selector) -> dict[str, Any]:
+def summarize(store: StoreInterface, ref: str | Selector) -> dict[str, Any]:
     """What ``czyx show`` prints: layers, experts, bytes per class, formats, shared bytes."""
     sel = resolve(store, ref)
     m = _model_manifest(store, sel)

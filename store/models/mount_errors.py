@@ -56,6 +56,11 @@ class ShapeMismatchError(CheckpointError):
     """A tensor's shape or dtype disagrees with the config or its siblings."""
 
 
+class ConfigError(MountError):
+    """A ``config.json`` value of the wrong type or outside what a model can be
+    (more experts per token than experts, a negative norm epsilon, a billion layers)."""
+
+
 class ModelSpaceError(MountError):
     """A space is not a mounted model (or its manifest is inconsistent with its records)."""
 

@@ -13,18 +13,22 @@ shape or a mixed dtype is refused here, before anything is written.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from czyx.store.models.archs import ArchSpec, TensorKind, arch_for_config
+from czyx.store.models.archs import MTP_ROLE, ArchSpec, TensorKind, arch_for_config
 from czyx.store.models.checkpoint import DTYPES, FORMAT_OF_DTYPE, Checkpoint
 from czyx.store.models.mount_errors import (
+    ConfigError,
     MissingTensorError,
     ShapeMismatchError,
     UnexpectedTensorError,
 )
+from czyx.store.models.rope import rope_params
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,106 @@ class ModelPlan:
         return 3 * self.inter * self.hidden * DTYPES[self.dtype][1]
 
 
+# Integer config fields: (least, greatest) a model can have. The upper bounds are far
+# above any released model, and exist so a lying config cannot make the engine
+# allocate per layer, per head or per position without limit.
+CONFIG_INTS: dict[str, tuple[int, int]] = {
+    "num_hidden_layers": (1, 1024),
+    "hidden_size": (1, 1 << 17),
+    "intermediate_size": (1, 1 << 20),
+    "moe_intermediate_size": (1, 1 << 20),
+    "shared_expert_intermediate_size": (0, 1 << 20),
+    "num_attention_heads": (1, 4096),
+    "num_key_value_heads": (1, 4096),
+    "head_dim": (1, 4096),
+    "qk_head_dim": (1, 4096),
+    "v_head_dim": (1, 4096),
+    "qk_rope_head_dim": (0, 4096),
+    "qk_nope_head_dim": (0, 4096),
+    "kv_lora_rank": (1, 1 << 16),
+    "q_lora_rank": (1, 1 << 16),
+    "vocab_size": (1, 1 << 23),
+    "max_position_embeddings": (1, 1 << 24),
+    "num_experts_per_tok": (1, 256),
+    "num_local_experts": (1, 256),
+    "num_experts": (1, 256),
+    "n_routed_experts": (1, 256),
+    "n_shared_experts": (0, 256),
+    "n_group": (1, 256),
+    "topk_group": (1, 256),
+    "first_k_dense_replace": (0, 1024),
+    "moe_layer_freq": (1, 1024),
+    "decoder_sparse_step": (1, 1024),
+}
+# Float fields: (exclusive least, greatest); all must be finite.
+CONFIG_FLOATS: dict[str, tuple[float, float]] = {
+    "rms_norm_eps": (0.0, 1.0),
+    "rope_theta": (0.0, 1e12),
+    "routed_scaling_factor": (0.0, 1e6),
+}
+
+
+def validate_config(config: Mapping[str, Any], n_experts: int | None = None) -> None:
+    """Refuse a config whose values a model cannot have, with one clear line.
+
+    Checks the types and bounds of :data:`CONFIG_INTS` and :data:`CONFIG_FLOATS`
+    (a field may be absent, or ``None`` where transformers allows it), the
+    ``rope_theta`` inside ``rope_parameters``, and the relations between fields
+    (experts per token at most the experts, heads a multiple of the KV heads,
+    ``mlp_only_layers`` inside the layers). Run at mount and again when a
+    version is opened, so a config can never reach the engine unchecked.
+
+    Raises
+    ------
+    ConfigError
+    """
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"config: expected a JSON object, got {type(config).__name__}")
+    for key, (lo, hi) in CONFIG_INTS.items():
+        v = config.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ConfigError(f"config: {key}={v!r:.60} is not an integer")
+        if not lo <= v <= hi:
+            raise ConfigError(f"config: {key}={v} outside [{lo}, {hi}]")
+    floats = {k: config.get(k) for k in CONFIG_FLOATS}
+    rope = config.get("rope_parameters")
+    if rope is not None:
+        if not isinstance(rope, Mapping):
+            raise ConfigError(f"config: rope_parameters={rope!r:.60} is not an object")
+        if rope.get("rope_theta") is not None:
+            floats["rope_theta"] = rope["rope_theta"]
+        if config.get("rope_theta") is not None:
+            floats["rope_theta (top level)"] = config["rope_theta"]
+    for key, v in floats.items():
+        if v is None:
+            continue
+        lo, hi = CONFIG_FLOATS[key.split(" ")[0]]
+        if not isinstance(v, int | float) or isinstance(v, bool):
+            raise ConfigError(f"config: {key}={v!r:.60} is not a number")
+        if not (math.isfinite(v) and lo < v <= hi):
+            raise ConfigError(f"config: {key}={v} outside ({lo}, {hi}]")
+    k = config.get("num_experts_per_tok")
+    if n_experts is not None and k is not None and k > n_experts:
+        raise ConfigError(f"config: num_experts_per_tok={k} > {n_experts} routed experts")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads is not None and kv is not None and heads % kv:
+        raise ConfigError(
+            f"config: num_attention_heads={heads} not a multiple of num_key_value_heads={kv}"
+        )
+    ng, tg = config.get("n_group"), config.get("topk_group")
+    if ng is not None and tg is not None and tg > ng:
+        raise ConfigError(f"config: topk_group={tg} > n_group={ng}")
+    dense = config.get("mlp_only_layers")
+    if dense is not None:
+        n = config.get("num_hidden_layers") or 0
+        if not isinstance(dense, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in dense
+        ):
+            raise ConfigError(f"config: mlp_only_layers={dense!r:.60} is not layers below {n}")
+
+
 def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
     """Classify and validate every tensor of ``ckpt``.
 
@@ -97,9 +201,12 @@ def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
     """
     spec = arch_for_config(ckpt.config)
     cfg = ckpt.config
+    validate_config(cfg)
     n_layers, n_experts = spec.n_layers(cfg), spec.n_experts(cfg)
+    validate_config(cfg, n_experts)
     hidden, inter = spec.hidden_size(cfg), spec.expert_intermediate(cfg)
     sparse = spec.sparse_layers(cfg)
+    rope_params(cfg, spec.rope_head_dim(cfg))  # an unsupported rope is refused here, not at run
     if n_experts > 256:
         raise UnexpectedTensorError(
             f"{n_experts} routed experts; a class byte holds 256", file=str(ckpt.path)
@@ -108,7 +215,11 @@ def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
     seen_roles: dict[tuple[str, int | None], str] = {}
     per_expert: dict[tuple[int, int], dict[str, str]] = {}
     fused: dict[int, dict[str, str]] = {}
+    kept: list[str] = []  # multi-token-prediction layers: kept verbatim, never run
     for name in ckpt.names():
+        if spec.mtp_layer(name, cfg) is not None:
+            kept.append(name)
+            continue
         kind = spec.classify(name)
         file = str(ckpt.info(name).file)
         if kind is None:
@@ -119,7 +230,7 @@ def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
             raise UnexpectedTensorError(
                 f"layer {kind.layer} >= num_hidden_layers {n_layers}"
                 + (
-                    " (multi-token-prediction layers are not supported)"
+                    " (beyond its num_nextn_predict_layers multi-token-prediction layers)"
                     if cfg.get("num_nextn_predict_layers")
                     else ""
                 ),
@@ -145,6 +256,8 @@ def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
             raise UnexpectedTensorError(f"duplicates {parts[kind.part]!r}", file=file, tensor=name)
         parts[kind.part] = name
 
+    # Each kept tensor is a trunk record of role "mtp" at its index in name order.
+    trunk += [TrunkEntry(name, MTP_ROLE, i) for i, name in enumerate(sorted(kept))]
     experts: dict[tuple[int, int], tuple[PartSource, PartSource, PartSource]] = {}
     dtypes: set[str] = set()
     layers_per = {layer for layer, _ in per_expert}

@@ -9,12 +9,14 @@ tokenizer). Publishing those bytes as spaces is :mod:`store.mount`.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from typing import Any
 
 import blake3
 import numpy as np
 
-from czyx.store.models.archs import TOKENIZER_FILE
+from czyx.store.models.archs import MTP_ROLE, TOKENIZER_FILE
 from czyx.store.models.checkpoint import Checkpoint
 from czyx.store.models.mount_plan import ModelPlan
 
@@ -42,10 +44,21 @@ class MountSource:
 
     With a quantizing ``codec`` (``store.quant.codec.QuantCodec``) the bytes are
     the stored ones: experts packed in the codec's extent layout, trunk tensors
-    packed where the policy says so (``stored_tensor``).
+    packed where the policy says so (``stored_tensor``). A mount reads every
+    tensor twice (hash pass, then write pass); quantizing is the expensive part,
+    so each tensor is quantized once, in the hash pass, and its packed bytes are
+    kept in a spool file (an unlinked temporary file in ``spool_dir``, at most
+    the version's stored size) that the write pass reads back. Nothing but one
+    tensor at a time is held in memory.
     """
 
-    def __init__(self, ckpt: Checkpoint, plan: ModelPlan, codec: Any = None) -> None:
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        plan: ModelPlan,
+        codec: Any = None,
+        spool_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.ckpt, self.plan, self.codec = ckpt, plan, codec
         self.qlayout = None if codec is None else codec.expert_layout(plan.inter, plan.hidden)
         self.expert_nbytes = plan.expert_nbytes if self.qlayout is None else self.qlayout.nbytes
@@ -54,9 +67,46 @@ class MountSource:
         self._scratch = np.empty(0, np.uint8)
         # Read once: the manifest's hash and the stored extent are of the same bytes.
         self.tokenizer = tokenizer_bytes(ckpt)
+        # closed by close() (MountSource is itself the context manager)
+        self._spool = None if codec is None else tempfile.TemporaryFile(dir=spool_dir)  # noqa: SIM115
+        self._spooled: dict[Any, tuple[int, int, str | None]] = {}
+        self._spool_end = 0
+
+    def close(self) -> None:
+        """Drop the spool file (its space returns to the file system)."""
+        if self._spool is not None:
+            self._spool.close()
+            self._spool = None
+
+    def __enter__(self) -> MountSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _put(self, key: Any, data: np.ndarray, fmt: str | None) -> None:
+        assert self._spool is not None
+        n = os.pwrite(self._spool.fileno(), memoryview(np.ascontiguousarray(data)), self._spool_end)
+        if n != data.nbytes:
+            raise OSError(f"spool: short write of {n} of {data.nbytes} bytes")
+        self._spooled[key] = (self._spool_end, data.nbytes, fmt)
+        self._spool_end += data.nbytes
+
+    def _get(self, key: Any, out: np.ndarray | None = None) -> tuple[np.ndarray, str | None]:
+        assert self._spool is not None
+        off, n, fmt = self._spooled[key]
+        if out is None:
+            out = np.empty(n, np.uint8)
+        got = os.preadv(self._spool.fileno(), [memoryview(out[:n])], off)
+        if got != n:
+            raise OSError(f"spool: short read of {got} of {n} bytes")
+        return out, fmt
 
     def assemble(self, key: tuple[int, int], out: np.ndarray) -> None:
         """Read expert ``key``'s gate, up and down back to back into ``out`` (as stored)."""
+        if self.qlayout is not None and ("expert", key) in self._spooled:
+            self._get(("expert", key), out)
+            return
         raw = out if self.qlayout is None else self._float
         pos = 0
         for p in self.plan.experts[key]:
@@ -64,14 +114,20 @@ class MountSource:
             pos += p.nbytes
         if self.qlayout is not None:
             out[:] = self.codec.encode_expert_raw(self.qlayout, *key, raw, self.plan.dtype)
+            self._put(("expert", key), out, None)
 
     def stored_tensor(self, t: Any) -> tuple[np.ndarray, str | None]:
         """``(bytes to store, quantized format or None)`` of trunk entry ``t``."""
+        if self.codec is not None and ("trunk", t.tensor) in self._spooled:
+            return self._get(("trunk", t.tensor))
         raw = self.tensor(t.tensor)
-        if self.codec is None:
+        if self.codec is None or t.role == MTP_ROLE:  # kept tensors are stored as they are
             return raw, None
         info = self.ckpt.info(t.tensor)
-        return self.codec.encode_trunk_raw(t.role, t.layer, raw, info.dtype, info.shape)
+        data, fmt = self.codec.encode_trunk_raw(t.role, t.layer, raw, info.dtype, info.shape)
+        if fmt is not None:
+            self._put(("trunk", t.tensor), data, fmt)
+        return data, fmt
 
     def expert_hash(self, key: tuple[int, int]) -> str:
         """The content hash of expert ``key``'s stored bytes (assembled into :attr:`buf`)."""

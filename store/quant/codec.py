@@ -83,24 +83,34 @@ class QuantCodec:
         self, layout: ExpertLayout, layer: int, expert: int, raw: np.ndarray, dtype: str
     ) -> np.ndarray:
         """:meth:`encode_expert` from the source extent's bytes (gate | up | down in ``dtype``,
-        a safetensors dtype name such as ``"F16"``)."""
-        from czyx.store.models.checkpoint import DTYPES, to_float32
-
-        f = to_float32(np.asarray(raw).view(DTYPES[dtype][0]), dtype)
+        a safetensors dtype name such as ``"F16"``), read in that dtype by the C
+        quantizer: no float32 copy of the expert is made."""
+        f, dtype = _source(raw, dtype)
         n = layout.inter * layout.hidden
         ih, hi = (layout.inter, layout.hidden), (layout.hidden, layout.inter)
         gate, up, down = f[:n].reshape(ih), f[n : 2 * n].reshape(ih), f[2 * n :].reshape(hi)
-        return self.encode_expert(layout, layer, expert, gate, up, down)
+        return pack_expert(
+            gate,
+            up,
+            down,
+            layout.fmt,
+            self._imp(layer, "gate_proj", expert),
+            self._imp(layer, "down_proj", expert),
+            dtype=dtype,
+        )
 
     def encode_trunk_raw(
         self, role: str, layer: int | None, raw: np.ndarray, dtype: str, shape: tuple[int, ...]
     ) -> tuple[np.ndarray, str | None]:
         """:meth:`encode_trunk` from a source tensor's bytes; float tensors come back as given."""
-        from czyx.store.models.checkpoint import DTYPES, to_float32
-
-        arr = to_float32(np.asarray(raw).view(DTYPES[dtype][0]).reshape(shape), dtype)
-        buf, qfmt = self.encode_trunk(role, layer, arr)
-        return (raw, None) if qfmt is None else (buf, qfmt)
+        decision = self.policy.decide(role, tuple(shape))
+        if decision.fmt is None:
+            return raw, None
+        arr, src_dtype = _source(raw, dtype)
+        buf = quantize(
+            arr.reshape(shape), decision.fmt, self._imp(layer, role, None), dtype=src_dtype
+        )
+        return buf, decision.fmt.name
 
     def encode_trunk(
         self, role: str, layer: int | None, tensor: np.ndarray
@@ -124,10 +134,24 @@ class QuantCodec:
         }
 
 
-def trunk_tensor(
+def _source(raw: np.ndarray, dtype: str) -> tuple[np.ndarray, str | None]:
+    """A source tensor's elements for :func:`quantize`: read in place where the C
+    quantizer reads ``dtype`` (f32, f16, bf16), else widened to float32 first."""
+    from czyx.store.models.checkpoint import DTYPES, to_float32
+
+    view = np.asarray(raw).view(DTYPES[dtype][0])
+    if dtype in ("F32", "F16", "BF16"):
+        return view, dtype
+    return to_float32(view, dtype), None
+
+
+def packed_trunk(
     record: Mapping[str, object], raw: np.ndarray
-) -> tuple[np.ndarray, tuple[np.ndarray, QuantFormat, tuple[int, int]] | None]:
-    """``(float32 tensor, packed or None)`` of a stored trunk tensor with a ``"qfmt"``.
+) -> tuple[np.ndarray, QuantFormat, tuple[int, int]]:
+    """``(packed uint8 buffer, format, shape)`` of a stored trunk tensor with a ``"qfmt"``.
+
+    What a resident quantized model keeps: its stored bytes only (the float32
+    face is :func:`dequantize` of this, made when a caller asks for it).
 
     Raises
     ------
@@ -142,7 +166,23 @@ def trunk_tensor(
     if len(shape) != 2:
         raise QuantError(f"quantized trunk tensor of shape {shape}: only matrices are")
     buf = np.ascontiguousarray(raw, np.uint8).reshape(-1)
-    return dequantize(buf, fmt, shape), (buf, fmt, (shape[0], shape[1]))
+    if buf.size != fmt.nbytes(*shape):
+        raise QuantError(f"quantized trunk tensor {fmt.name} {shape}: {buf.size} bytes")
+    return buf, fmt, (shape[0], shape[1])
+
+
+def trunk_tensor(
+    record: Mapping[str, object], raw: np.ndarray
+) -> tuple[np.ndarray, tuple[np.ndarray, QuantFormat, tuple[int, int]] | None]:
+    """``(float32 tensor, packed)`` of a stored trunk tensor with a ``"qfmt"``.
+
+    Raises
+    ------
+    QuantError
+        If the record has no ``"qfmt"`` or the bytes do not fit it.
+    """
+    packed = packed_trunk(record, raw)
+    return dequantize(*packed), packed
 
 
 def expert_parts(

@@ -94,6 +94,8 @@ def pack_expert(
     fmt: str | QuantFormat,
     importance_in: np.ndarray | None = None,
     importance_down: np.ndarray | None = None,
+    *,
+    dtype: str | None = None,
 ) -> np.ndarray:
     """Quantize one expert into its extent bytes (``uint8 [ExpertLayout.nbytes]``).
 
@@ -106,6 +108,9 @@ def pack_expert(
     importance_in, importance_down : numpy.ndarray or None
         Calibration importance of the expert's input (``[H]``, for gate and up)
         and of its down projection's input (``[I]``).
+    dtype : {"F32", "F16", "BF16"} or None
+        Read the matrices' elements as this safetensors dtype (see
+        :func:`~czyx.store.quant.formats.quantize`); ``None``: their numpy dtype.
     """
     fmt = get_format(fmt)
     inter, hidden = np.shape(gate)
@@ -114,13 +119,14 @@ def pack_expert(
             f"expert shapes gate {np.shape(gate)}, up {np.shape(up)}, down {np.shape(down)} "
             f"are not [I, H], [I, H], [H, I]"
         )
-    return np.concatenate(
-        [
-            quantize(gate, fmt, importance_in),
-            quantize(up, fmt, importance_in),
-            quantize(down, fmt, importance_down),
-        ]
-    )
+    lay = ExpertLayout(fmt, inter, hidden)
+    out = np.empty(lay.nbytes, np.uint8)
+    parts = lay.split(out)
+    for mat, imp, dst in zip(
+        (gate, up, down), (importance_in, importance_in, importance_down), parts
+    ):
+        dst[:] = quantize(mat, fmt, imp, dtype=dtype)
+    return out
 
 
 def format_record(fmt: QuantFormat | None, shape: tuple[int, ...]) -> dict[str, object]:

@@ -275,19 +275,40 @@ def assemble(
     return np.concatenate(parts)
 
 
+def _column_weights(importance: np.ndarray | None, cols: int) -> np.ndarray | None:
+    """Per-column error weights of :func:`quantize`: importance plus its floor, or ``None``."""
+    if importance is None:
+        return None
+    imp = np.asarray(importance, dtype=np.float32)
+    if imp.shape != (cols,):
+        raise ShapeError(f"quantize: importance shape {imp.shape} != ({cols},)")
+    if not (np.isfinite(imp).all() and (imp >= 0).all()):
+        raise FormatError("quantize: importance must be finite and non-negative")
+    mean = float(imp.mean())
+    return imp + np.float32(IMPORTANCE_FLOOR * mean) if mean > 0 else None
+
+
 def quantize(
     w: np.ndarray,
     fmt: str | QuantFormat,
     importance: np.ndarray | None = None,
     *,
     method: str = "search",
+    dtype: str | None = None,
+    threads: int | None = None,
 ) -> np.ndarray:
     """Quantize a float matrix into the planar packed buffer of ``fmt``.
+
+    Runs the C quantizer (:mod:`czyx.store.quant.native`: threaded, the source
+    read in its own dtype); its bytes are those of the numpy reference
+    :func:`quantize_reference`, which runs instead (with a warning) only when
+    the extension is not built.
 
     Parameters
     ----------
     w : numpy.ndarray
-        ``float32 [R, C]``; C must be a multiple of the format's group size.
+        ``float32 [R, C]`` (or float16; or raw safetensors elements with
+        ``dtype``); C must be a multiple of the format's group size.
     fmt : str or QuantFormat
         The format (``"q4"``, ``"q2g128"``, ...).
     importance : numpy.ndarray or None
@@ -299,11 +320,60 @@ def quantize(
         ``"search"``: the importance-weighted grid search with least-squares
         refinement (:func:`store.quant.quantizer.fit_groups`); ``"minmax"``:
         plain min-max groups, every weight within half a step.
+    dtype : {"F32", "F16", "BF16"} or None
+        Read ``w``'s elements as this safetensors dtype (bf16 as ``uint16`` bit
+        patterns); ``None``: ``w``'s own numpy dtype.
+    threads : int or None
+        Threads of the C quantizer (default: the cores the process may use);
+        the bytes do not depend on it.
 
     Returns
     -------
     numpy.ndarray
         ``uint8 [fmt.nbytes(R, C)]``.
+    """
+    from czyx.store.quant import native
+
+    if method not in ("search", "minmax"):
+        raise FormatError(f"fit_groups: unknown method {method!r} (search or minmax)")
+    fmt = get_format(fmt)
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise ShapeError(f"quantize: need a 2-D matrix, got shape {w.shape}")
+    rows, cols = w.shape
+    fmt.check_shape(rows, cols)
+    if not native.available():
+        import warnings
+
+        warnings.warn("czyx: C quantizer not built; using the numpy reference", stacklevel=2)
+        if dtype not in (None, "F32", "F16"):
+            from czyx.store.models.checkpoint import to_float32
+
+            w = to_float32(w, dtype)
+        return quantize_reference(w, fmt, importance, method=method)
+    weights = _column_weights(importance, cols)
+    return native.quantize_native(
+        w,
+        (rows, cols),
+        fmt.bits,
+        fmt.group_size,
+        weights,
+        search=method == "search",
+        dtype=dtype,
+        threads=threads,
+    )
+
+
+def quantize_reference(
+    w: np.ndarray,
+    fmt: str | QuantFormat,
+    importance: np.ndarray | None = None,
+    *,
+    method: str = "search",
+) -> np.ndarray:
+    """:func:`quantize` in numpy: the reference the C quantizer's bytes are checked against.
+
+    Same parameters and result as :func:`quantize` (float input only).
     """
     from czyx.store.quant.quantizer import fit_groups
 
@@ -314,15 +384,7 @@ def quantize(
     rows, cols = w.shape
     fmt.check_shape(rows, cols)
     g = fmt.group_size
-    imp = None
-    if importance is not None:
-        imp = np.asarray(importance, dtype=np.float32)
-        if imp.shape != (cols,):
-            raise ShapeError(f"quantize: importance shape {imp.shape} != ({cols},)")
-        if not (np.isfinite(imp).all() and (imp >= 0).all()):
-            raise FormatError("quantize: importance must be finite and non-negative")
-        mean = float(imp.mean())
-        imp = imp + np.float32(IMPORTANCE_FLOOR * mean) if mean > 0 else None
+    imp = _column_weights(importance, cols)
     if imp is not None:
         imp = np.broadcast_to(imp.reshape(1, cols // g, g), (rows, cols // g, g)).reshape(-1, g)
     groups = np.asarray(w, dtype=np.float32).reshape(rows * (cols // g), g)

@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 
 from czyx.key import Key
+from czyx.store.interfaces import StoreInterface
 from czyx.store.quant.errors import CalibrationError
 
 #: Tag of the serialised map (the same as ``inference.calibration.FORMAT_TAG``).
@@ -118,7 +119,7 @@ IMPORTANCE_KIND = "czyx-importance"
 
 
 def publish_importance(
-    store: object,
+    store: StoreInterface,
     model: object,
     data: Mapping[str, object],
     class_of: Callable[[int, int], int],
@@ -178,7 +179,7 @@ def publish_importance(
     return sel
 
 
-def load_importance(store: object, space: object) -> tuple[dict[str, object], str]:
+def load_importance(store: StoreInterface, space: object) -> tuple[dict[str, object], str]:
     """``(serialised map, model selector hex)`` of a published importance space.
 
     Raises

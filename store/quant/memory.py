@@ -20,6 +20,7 @@ from dataclasses import replace
 import numpy as np
 
 from czyx.store.consumer import GLOBAL_ROLES, LAYER_ROLES, ExpertExtent, ModelConsumer
+from czyx.store.io.experts import ExpertReads, open_expert_reads
 from czyx.store.models.archs import ARCHS
 from czyx.store.quant.errors import QuantError
 from czyx.store.quant.extent import ExpertLayout, expert_format, pack_expert
@@ -168,10 +169,25 @@ class QuantizedConsumer:
     # ------------------------------------------------------------------ experts
 
     def expert_extent(self, layer: int, router_byte: int) -> ExpertExtent:
-        """The base's extent, or an in-memory one (``fd=-1``) of the packed size."""
+        """The base's extent, or an in-memory one (``block=-1``) of the packed size."""
         if self.layout is None:
             return self.base.expert_extent(layer, router_byte)
-        return ExpertExtent(fd=-1, offset=0, length=self.info.expert_nbytes, checksum=0)
+        return ExpertExtent(block=-1, offset=0, length=self.info.expert_nbytes, checksum=0)
+
+    def open_expert_reads(
+        self, slots, *, readers: int = 2, native: bool | None = None, io: str | None = None
+    ) -> ExpertReads:
+        """The base's expert reads when unquantized, else reads of the in-memory extents."""
+        if self.layout is None:
+            return open_expert_reads(self.base, slots, readers=readers, native=native, io=io)
+        return ExpertReads(
+            slots,
+            self.expert_extent,
+            read_expert=self.read_expert,
+            readers=readers,
+            native=native,
+            io=io,
+        )
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
         """Copy the packed extent of ``(layer, router_byte)`` into ``slot`` (uint8).

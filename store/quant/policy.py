@@ -93,6 +93,18 @@ _ROLE_TO_CLASS = {
     "mlp_gate_proj": "dense_mlp",
     "mlp_up_proj": "dense_mlp",
     "mlp_down_proj": "dense_mlp",
+    # Roles of the newer architectures (store.models.archs.EXTRA_ROLES).
+    "q_a_proj": "attention",
+    "q_b_proj": "attention",
+    "kv_a_proj": "attention",
+    "kv_b_proj": "attention",
+    "q_a_norm": "norm",
+    "kv_a_norm": "norm",
+    "router_bias": "bias",
+    "o_bias": "bias",
+    "sinks": "bias",
+    "expert_gate_up_bias": "bias",
+    "expert_down_bias": "bias",
 }
 
 _FLOAT_NAMES = ("f32", "float", "none")

@@ -120,11 +120,11 @@ def test_kv_cache_grows_and_truncates():
 
 
 def test_unknown_architecture_is_refused():
-    with pytest.raises(UnsupportedModelError, match="deepseek"):
-        decoder_class("deepseek_v3")
+    with pytest.raises(UnsupportedModelError, match="llama4_text"):
+        decoder_class("llama4_text")
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["olmoe"])
 def test_attention_bias_is_refused(arch):
     with pytest.raises(UnsupportedModelError, match="attention_bias"):
         decoder_class(arch).reject_attention_bias({"attention_bias": True})

@@ -273,3 +273,17 @@ def test_a_format_without_a_float32_path_is_refused_at_start():
     )
     with pytest.raises(UnsupportedModelError, match="f16"):
         ExpertCache(cons, SLOT * 2, top_k=1)
+
+
+def test_a_miss_never_evicts_a_hit_of_the_same_call():
+    """Issue 19: hits are held before misses are filled. Two slots, LRU: after
+    [A, B], the call [C, A] must evict B (not A, which it needs) and read once."""
+    cons = FakeConsumer()
+    c = ExpertCache(cons, SLOT * 2, top_k=2, policy="lru")
+    c.acquire(0, np.array([0, 1]))  # A, B (A least recent)
+    c.release()
+    slots = c.acquire(0, np.array([2, 0])).copy()  # C misses, A hits
+    c.release()
+    assert cons.reads == [(0, 0), (0, 1), (0, 2)]
+    assert c.stats().hits == 1 and c.stats().misses == 3
+    assert owner_value(c, int(slots[1])) == 0.0 and owner_value(c, int(slots[0])) == 2.0

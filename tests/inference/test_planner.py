@@ -97,21 +97,21 @@ def gate(monkeypatch):
 @pytest.mark.parametrize("io", IO_PATHS)
 @pytest.mark.parametrize("threads", [1, 2, 8])
 def test_transfers_land_verified_in_their_final_slot(synth, io, threads, readers):
-    p, slots, _ = _planner(synth, io=io, threads=threads)
+    p, slots, _ = _planner(synth, io=io, readers=threads)
     try:
-        assert (p.pool is not None) == (readers == "native")
+        assert p.reads.kind == ("native" if readers == "native" else "threads")
         ts = [p.submit(1, e, e, kind=DEMAND) for e in range(4)]
         for e, t in enumerate(ts):
             p.wait(t)
             n = synth.info.expert_nbytes
             assert np.array_equal(slots[e][:n], synth.base.blobs[(1, e)])
             assert t.checksum_result == "ok" and t.used and t.source == io
-            assert (t.pool is not None) == (readers == "native")
+            assert t.native == (readers == "native")
             direct = io in ("direct", "io_uring")
             assert t.staging_copy_bytes == (0 if direct else t.completed_bytes)
             assert t.t_request <= t.t_start <= t.t_complete <= t.t_first_use + t.exposed_ns
         assert p.inflight == [None] * 4
-        assert not p._threads or readers == "python"  # native reads start no Python thread
+        assert not p.reads.python_threads or readers == "python"  # native: no Python thread
     finally:
         p.close()
 

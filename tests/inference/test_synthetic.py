@@ -36,9 +36,9 @@ def test_streaming_cache_reads_the_block_file_directly(tmp_path):
     m = synthetic.create(tmp_path, hidden=32, inter=48, layers=2, experts=4, vocab=64)
     cache = StreamingExpertCache(m, 4 * m.info.expert_slot_nbytes, 2, io="direct", threads=2)
     try:
-        assert not cache.planner.sources  # extents resolve on first use
+        assert not cache.planner.reads.opened_sources()  # extents resolve on first use
         s = cache.acquire(1, np.array([2]))[0]
-        assert [src.name for src in cache.planner.sources] == ["direct"]
+        assert [src.name for src in cache.planner.reads.opened_sources()] == ["direct"]
         want = np.zeros(m.info.expert_slot_nbytes, np.uint8)
         m.read_expert(1, 2, want)
         n = m.info.expert_nbytes

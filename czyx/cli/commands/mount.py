@@ -12,7 +12,11 @@ from czyx.cli.commands._storearg import add_store_arg, store_dir
 def register(subparsers: Any) -> None:
     """Add the ``mount`` subcommand."""
     p = subparsers.add_parser("mount", help="mount a checkpoint directory as NAME@VERSION")
-    p.add_argument("path", help="checkpoint directory (config.json + *.safetensors)")
+    p.add_argument(
+        "path",
+        help="checkpoint directory (config.json + *.safetensors), a .gguf file or a directory "
+        "of split .gguf files",
+    )
     p.add_argument("--as", dest="tag", required=True, metavar="NAME@VERSION")
     add_store_arg(p)
     p.add_argument(
@@ -50,6 +54,16 @@ def register(subparsers: Any) -> None:
         metavar="REF",
         default=None,
         help="calibration importance map (a tag or selector from `czyx calibrate`) for --quant",
+    )
+    p.add_argument(
+        "--convert",
+        metavar="POLICY",
+        default=None,
+        help=(
+            "conversion of source formats with no native store format (GGUF K-quants etc., "
+            "FP8 weights): f32, f16, bf16 (dequantize) or q8, q4 (requantize); the drift of "
+            "each converted tensor is printed and recorded. Default: refuse them"
+        ),
     )
     p.set_defaults(func=run)
 
@@ -93,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             class_perm=class_perm,
             progress=not args.no_progress and sys.stderr.isatty(),
             quant=codec,
+            convert=args.convert,
         )
     print(result.summary())
     return 0

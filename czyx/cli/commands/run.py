@@ -21,8 +21,11 @@ import dataclasses
 import os
 import sys
 
+from czyx.cli.commands._engineargs import add_engine_args, parse_class_range
+from czyx.cli.commands._engineargs import stream_options as _stream_options
 from czyx.cli.commands._storearg import add_store_arg, store_dir
 from czyx.inference.opened import OpenedModel
+from czyx.store.interfaces import StoreInterface
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,71 +42,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=os.environ.get("CZYX_PORTAL"),
         help="portal token with the infer right (default: $CZYX_PORTAL, else the owner's)",
     )
-    budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--cache-mb", type=float, help="expert slot budget in MiB")
-    budget.add_argument(
-        "--cache-fraction", type=float, help="expert slot budget as a fraction of expert bytes"
-    )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1.0: off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument(
-        "--policy",
-        choices=["lru", "lfu", "decay", "slru"],
-        # decay, not lru: at a 25% budget it misses less and decodes faster, synchronous
-        # and with look-ahead, on the shipped and the synthetic model (bench/EVIDENCE.md).
-        default="decay",
-        help="expert eviction policy (default decay: decaying frequency, half-life 32 "
-        "tokens; slru: segmented LRU, 80%% protected)",
-    )
-    p.add_argument(
-        "--pin-classes",
-        metavar="LO-HI",
-        help="pin the experts with router bytes LO..HI (inclusive) in every layer",
-    )
-    p.add_argument(
-        "--hot", metavar="PROFILE", help="routing profile (czyx profile) whose hot list to prewarm"
-    )
-    p.add_argument(
-        "--io",
-        default="auto",
-        choices=["auto", "pread", "mmap", "direct", "io_uring"],
-        help="expert I/O path (auto: the one `czyx bench io` measured fastest, else pread)",
-    )
-    p.add_argument("--readers", type=int, default=2, help="expert reader threads (default 2)")
-    p.add_argument(
-        "--no-prefetch", action="store_true", help="no look-ahead: read experts on demand only"
-    )
-    p.add_argument(
-        "--lookahead",
-        type=int,
-        default=1,
-        help="sparse layers predicted ahead (default 1; 0: early routing alone)",
-    )
-    p.add_argument(
-        "--no-early",
-        action="store_true",
-        help="no early routing: predict a layer's experts by look-ahead only, not also from "
-        "the residual stream entering it",
-    )
-    p.add_argument(
-        "--prefetch-width",
-        type=int,
-        default=None,
-        help="predicted experts read per token and layer (default: top-k)",
-    )
+    add_engine_args(p)
     p.add_argument(
         "--xray", metavar="FILE", help="write the X-Ray transfer report (JSON) and print a summary"
-    )
-    p.add_argument(
-        "--trunk-window",
-        type=int,
-        metavar="K",
-        default=None,
-        help="hold at most K layers' trunk matrices, reading the next layer while one "
-        "computes (for a trunk that does not fit memory; default: whole trunk resident)",
     )
     add_store_arg(p)
     p.add_argument(
@@ -119,50 +65,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     _add_ray_args(p)
     p.set_defaults(func=run)
-
-
-def parse_class_range(text: str | None) -> tuple[int, int] | None:
-    """``"LO-HI"`` (inclusive, decimal or 0x hex) as a half-open ``(lo, hi + 1)``."""
-    if text is None:
-        return None
-    try:
-        lo_s, _, hi_s = text.partition("-")
-        lo, hi = int(lo_s, 0), int(hi_s or lo_s, 0)
-    except ValueError:
-        raise ValueError(f"--pin-classes {text!r} is not LO-HI (e.g. 0-15 or 0x20-0x2f)") from None
-    if not 0 <= lo <= hi <= 255:
-        raise ValueError(f"--pin-classes {text!r} must satisfy 0 <= LO <= HI <= 255")
-    return lo, hi + 1
-
-
-def _stream_options(args: argparse.Namespace):
-    """The planner options and X-Ray collector the flags ask for."""
-    from czyx.inference.streaming import StreamOptions
-    from czyx.inference.xray import XRay
-    from czyx.store.io.iopaths import default_io_path, load_io_config
-
-    if args.readers < 1:
-        raise ValueError(f"--readers {args.readers} must be at least 1")
-    if args.lookahead < 0 or (args.lookahead == 0 and args.no_early):
-        raise ValueError(
-            f"--lookahead {args.lookahead}: at least 1, or 0 with early routing (no --no-early)"
-        )
-    io = default_io_path() if args.io == "auto" else args.io
-    stream = StreamOptions(
-        io=io,
-        readers=args.readers,
-        prefetch=not args.no_prefetch,
-        lookahead=args.lookahead,
-        width=args.prefetch_width,
-        early=not args.no_early,
-    )
-    xray = None
-    if args.xray:
-        cfg = load_io_config()
-        xray = XRay(
-            io_path=io, threads=args.readers, device_baseline=cfg.bandwidth if cfg else None
-        )
-    return stream, xray
 
 
 def _write_xray(args: argparse.Namespace, engine, xray, stats) -> None:
@@ -211,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens {args.max_tokens} is negative")
     if args.trunk_window is not None and args.trunk_window < 1:
         raise ValueError(f"--trunk-window {args.trunk_window} must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads} must be at least 1")
     windowed = args.trunk_window is not None
     opened = OpenedModel(store_dir(args), args.ref, args.portal, lazy_trunk=windowed)
     consumer = opened.consumer
@@ -231,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
             stream=stream,
             xray=xray,
             trunk_window=args.trunk_window,
+            threads=args.threads,
         )
         tokenizer = tokenizer_for(consumer, engine.cfg.vocab_size)
 
@@ -240,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
 
         if args.session:
             _run_session(args, opened.store, engine, tokenizer, sampling, emit)
+            if engine.route_restriction:
+                print(engine.route_restriction, file=sys.stderr)
             if engine.trunk_window_stats() is not None:
                 print(engine.trunk_window_stats().summary(), file=sys.stderr)
             engine.close()
@@ -254,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         print(out.stats.summary(), file=sys.stderr)
+        if engine.route_restriction:
+            print(engine.route_restriction, file=sys.stderr)
         window = engine.trunk_window_stats()
         if window is not None:
             print(window.summary(), file=sys.stderr)
@@ -267,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_session(
     args: argparse.Namespace,
-    store: object,
+    store: StoreInterface,
     engine: object,
     tokenizer: object,
     sampling: object,

@@ -105,7 +105,7 @@ class NumpyConsumer:
     def expert_extent(self, layer: int, router_byte: int):
         from czyx.store.consumer import ExpertExtent
 
-        return ExpertExtent(fd=-1, offset=0, length=self.info.expert_nbytes, checksum=0)
+        return ExpertExtent(block=-1, offset=0, length=self.info.expert_nbytes, checksum=0)
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
         src = self._extents[(layer, router_byte)]

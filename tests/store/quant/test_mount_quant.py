@@ -110,3 +110,46 @@ def test_cli_calibrate_then_mount_with_importance(ckpt, tmp_path, capsys):
             la = Engine(a).prefill(TOKENS)
             lb = Engine(b).prefill(TOKENS)
             assert la.shape == lb.shape == (256,)
+
+
+def test_bf16_mount_quantizes_once_to_the_numpy_reference_bytes(tmp_path, monkeypatch):
+    """The C quantizer reads bf16 in place; every tensor is quantized once (the write
+    pass reads the hash pass's spool), and the stored bytes are the numpy reference's."""
+    from czyx.store.models.checkpoint import Checkpoint, to_float32
+    from czyx.store.quant.formats import dequantize, quantize_reference
+
+    path = make_tiny_checkpoint("mixtral", tmp_path / "bf", dtype="bfloat16", **SIZES)
+    calls = {"expert": 0, "trunk": 0}
+    real_e, real_t = QuantCodec.encode_expert_raw, QuantCodec.encode_trunk_raw
+
+    def count_e(self, *a, **k):
+        calls["expert"] += 1
+        return real_e(self, *a, **k)
+
+    def count_t(self, *a, **k):
+        out = real_t(self, *a, **k)
+        calls["trunk"] += out[1] is not None  # float tensors are not quantized
+        return out
+
+    monkeypatch.setattr(QuantCodec, "encode_expert_raw", count_e)
+    monkeypatch.setattr(QuantCodec, "encode_trunk_raw", count_t)
+    policy = POLICIES["q4-all"]
+    with Store.open(tmp_path / "s") as store:
+        res = mount(store, path, "m@q4", quant=QuantCodec(policy))
+        with open_consumer(store, None, "m@q4") as model, Checkpoint(path) as ck:
+            n_experts = model.info.n_layers * model.info.n_experts
+            assert calls["expert"] == n_experts
+            mats = [t for t in ck.names() if "experts" not in t and len(ck.info(t).shape) == 2]
+            assert calls["trunk"] == len(mats)
+            gate_name = "model.layers.1.block_sparse_moe.experts.3.w1.weight"
+            src = to_float32(ck.array(gate_name), "BF16")
+            slot = np.zeros(model.info.expert_slot_nbytes, np.uint8)
+            model.read_expert(1, 3, slot)
+            gate = model.expert_views(slot)[0]
+            np.testing.assert_array_equal(gate, quantize_reference(src, "q4"))
+            # resident: only packed bytes; the float face is made on request
+            buf, fmt, shape = model.trunk_quantized("q_proj", 0)
+            a, b = model.trunk("q_proj", 0), model.trunk("q_proj", 0)
+            assert a is not b and np.array_equal(a, dequantize(buf, fmt, shape))
+            assert not buf.flags.writeable
+    assert res.created

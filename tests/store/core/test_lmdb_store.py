@@ -26,7 +26,7 @@ from czyx.store import (
     collect_garbage,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def records(n: int, pad: int = 200) -> list[tuple[bytes, dict]]:

@@ -227,7 +227,6 @@ def test_bad_input_leaves_nothing_visible(store, base_ckpt, tmp_path, spoil, err
 def test_failure_while_writing_leaves_no_version(store, base_ckpt, monkeypatch):
     import czyx.store.models.mount as mount_mod
 
-
     calls = []
 
     def boom(self, key, out):

@@ -90,7 +90,9 @@ def test_experts_and_trunk_match_transformers(mounted, arch, tag):
                 assert np.array_equal(gate, gu[:inter]) and np.array_equal(up, gu[inter:])
                 assert np.array_equal(down, experts.down_proj[byte].detach().numpy())
                 ext = m.expert_extent(layer, byte)
-                assert os.pread(ext.fd, ext.length, ext.offset) == slot[: ext.length].tobytes()
+                with open(m.expert_block_paths()[ext.block], "rb") as fh:
+                    on_disk = os.pread(fh.fileno(), ext.length, ext.offset)
+                assert on_disk == slot[: ext.length].tobytes()
         checked = 0
         for layer in [None, *range(info.n_layers)]:
             roles = (

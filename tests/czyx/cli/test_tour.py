@@ -191,3 +191,17 @@ def test_trunk_window_run_generates_the_same_text(store):
     windowed = czyx(*args, "--trunk-window", "2", store=store)
     assert windowed.stdout == plain.stdout and plain.stdout
     assert "trunk window" in windowed.stderr.lower()
+
+
+def test_class_scoped_portal_runs(store):
+    """The README's scoped grant (classes 0-7) runs the model: routing stays inside it."""
+    token = czyx(
+        "grant", "stdlib@v1", "--tenant", "alice", "--classes", "0-7", "--rights", "infer",
+        store=store,
+    ).stdout.strip()
+    run = czyx(
+        "run", "stdlib@v1", "--prompt", "def ", "--max-tokens", "8", "--portal", token,
+        store=store,
+    )
+    assert "restricted by the portal" in run.stderr and "of 16 experts" in run.stderr
+    assert "outside the portal" not in run.stderr

@@ -1,0 +1,418 @@
+"""czyx vs llama.cpp on the bundled trained model: decode and prefill tok/s, side by side.
+
+The model: ``inference/assets/czyx-moe-stdlib`` (a byte-level Mixtral: hidden
+128, 4 layers, 16 experts top-2). Both engines get the same weights:
+
+* czyx: the checkpoint in float32 (transformers' loader), and quantized in
+  memory (``store.quant.memory.QuantizedConsumer``: the bytes ``czyx mount
+  --quant`` stores) as q8 and q4 on every matrix but the router, run by
+  :class:`czyx.inference.engine.Engine` as ``czyx run`` builds it (streaming
+  cache, everything resident), and also with the synchronous cache
+  (``stream=None``);
+* llama.cpp (``llama-cpp-python`` built from source, CPU): GGUF files written
+  here with the ``gguf`` package the way llama.cpp's converter writes a
+  Mixtral (architecture ``llama``; q/k rows permuted to its rope layout;
+  experts stacked as ``ffn_{gate,up,down}_exps``; router ``ffn_gate_inp`` kept
+  f32, as llama-quantize does), in f32, q8_0 and q4_0 (every other matrix in
+  that type, as ``--pure``), loaded with ``use_extra_bufts=False`` (its AMX
+  repacking crashes on these types here). Tokens are fed as ids (a 256-entry
+  byte vocabulary), so neither engine tokenizes.
+
+Each measurement: reset, prefill the same 128-byte prompt (timed: prefill
+tok/s), then 64 greedy steps (argmax of the logits, timed: decode tok/s).
+Every engine and thread count runs once per round, the order rotating per
+round; the figures are medians over rounds, and ratios are czyx over
+llama.cpp in the matching format and thread count, measured in the same run.
+The load average is printed before and after (the machine is shared).
+
+Run: ``OPENBLAS_NUM_THREADS=1 python bench/bench_speed.py`` (``--rounds``,
+``--threads 1 2``, ``--out bench/SPEED.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROMPT_BYTES = 128
+N_DECODE = 64
+CZYX_FORMATS = {"fp32": None, "q8": "q8", "q4": "q4"}
+LLAMA_FORMATS = {"fp32": "F32", "q8": "Q8_0", "q4": "Q4_0"}
+
+
+def prompt_tokens() -> list[int]:
+    """128 bytes of a standard-library source file (the domain the model was trained on)."""
+    import json
+
+    src = Path(json.__file__).with_name("decoder.py").read_bytes()
+    start = src.index(b"def ")
+    return list(src[start : start + PROMPT_BYTES])
+
+
+def load_model():
+    """``(transformers model in float32, its config dict)``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from czyx.inference.assets import bundled_model_dir
+
+    torch.set_num_threads(1)
+    d = bundled_model_dir()
+    tm = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    return tm, tm.config.to_dict()
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter permutation of q/k rows (HF rotate-half -> interleaved rope)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def write_gguf(tm, cfg: dict, path: str, qtype_name: str) -> None:
+    """Write the transformers Mixtral ``tm`` as a llama.cpp GGUF in ``qtype_name``."""
+    import gguf
+    from gguf.quants import quantize
+
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+    sd = {k: v.detach().float().numpy() for k, v in tm.state_dict().items()}
+    n_layers = cfg["num_hidden_layers"]
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    n_exp = cfg["num_local_experts"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("czyx-moe-stdlib")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(
+        {"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}.get(
+            qtype_name, gguf.LlamaFileType.MOSTLY_Q4_0
+        )
+    )
+    # A byte vocabulary (sentencepiece byte tokens): ids are bytes, as for czyx.
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"<0x{i:02X}>" for i in range(cfg["vocab_size"])])
+    w.add_token_scores([0.0] * cfg["vocab_size"])
+    w.add_token_types([gguf.TokenType.BYTE] * cfg["vocab_size"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(False)
+
+    def put(name: str, arr: np.ndarray, quant: bool = True) -> None:
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if quant and qtype != gguf.GGMLQuantizationType.F32 and arr.ndim >= 2:
+            w.add_tensor(name, quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, arr)
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    put("output.weight", sd["lm_head.weight"])
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        b = f"blk.{i}."
+        put(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        put(b + "attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], n_head))
+        put(b + "attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], n_kv))
+        put(b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        put(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        put(b + "ffn_gate_inp.weight", sd[p + "mlp.gate.weight"], quant=False)
+        gate, up, down = _experts(sd, p, n_exp, cfg["intermediate_size"])
+        put(b + "ffn_gate_exps.weight", gate)
+        put(b + "ffn_up_exps.weight", up)
+        put(b + "ffn_down_exps.weight", down)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _experts(sd: dict, p: str, n_exp: int, inter: int):
+    """Stacked ``gate [E, I, H]``, ``up [E, I, H]``, ``down [E, H, I]`` of one layer."""
+    fused = p + "mlp.experts.gate_up_proj"
+    if fused in sd:  # transformers 5: gate_up_proj [E, 2I, H] (or [E, H, 2I]), down_proj
+        gu = sd[fused]
+        if gu.shape[1] != 2 * inter:
+            gu = gu.transpose(0, 2, 1)
+        down = sd[p + "mlp.experts.down_proj"]
+        if down.shape[2] != inter:
+            down = down.transpose(0, 2, 1)
+        return gu[:, :inter], gu[:, inter:], down
+    gate = np.stack([sd[f"{p}block_sparse_moe.experts.{e}.w1.weight"] for e in range(n_exp)])
+    down = np.stack([sd[f"{p}block_sparse_moe.experts.{e}.w2.weight"] for e in range(n_exp)])
+    up = np.stack([sd[f"{p}block_sparse_moe.experts.{e}.w3.weight"] for e in range(n_exp)])
+    return gate, up, down
+
+
+# --------------------------------------------------------------------------- engines
+
+
+class LlamaRunner:
+    """llama.cpp through llama-cpp-python: ids in, the last token's logits out."""
+
+    def __init__(self, path: str, threads: int, vocab: int) -> None:
+        import llama_cpp
+        import llama_cpp.llama_cpp as ll
+
+        orig = ll.llama_model_default_params
+
+        def no_extra_bufts():
+            params = orig()
+            params.use_extra_bufts = False
+            return params
+
+        ll.llama_model_default_params = no_extra_bufts
+        try:
+            self.llm = llama_cpp.Llama(
+                model_path=path,
+                n_ctx=512,
+                n_batch=512,
+                n_ubatch=512,
+                n_threads=threads,
+                n_threads_batch=threads,
+                verbose=False,
+            )
+        finally:
+            ll.llama_model_default_params = orig
+        self._ll = ll
+        self.vocab = vocab
+
+    def logits(self) -> np.ndarray:
+        ptr = self._ll.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.vocab,))
+
+    def run(self, prompt: list[int], n: int) -> tuple[float, float, list[int], float]:
+        llm = self.llm
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        t1 = time.perf_counter()
+        toks = []
+        tok = int(np.argmax(self.logits()))
+        c2, t2 = time.process_time(), time.perf_counter()
+        for _ in range(n):
+            toks.append(tok)
+            llm.eval([tok])
+            tok = int(np.argmax(self.logits()))
+        c3, t3 = time.process_time(), time.perf_counter()
+        return len(prompt) / (t1 - t0), n / (t3 - t2), toks, n / max(c3 - c2, 1e-9)
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class CzyxRunner:
+    """A czyx Engine on a consumer: prefill, then greedy decode steps."""
+
+    def __init__(self, consumer, threads: int, stream: bool) -> None:
+        from czyx.inference.engine import Engine
+
+        kw = {} if stream else {"stream": None}
+        self.eng = Engine(consumer, threads=threads, **kw)
+
+    def run(self, prompt: list[int], n: int) -> tuple[float, float, list[int], float]:
+        eng = self.eng
+        eng.reset()
+        t0 = time.perf_counter()
+        logits = eng.prefill(prompt)
+        t1 = time.perf_counter()
+        toks = []
+        tok = int(np.argmax(logits))
+        c2, t2 = time.process_time(), time.perf_counter()
+        for _ in range(n):
+            toks.append(tok)
+            tok = int(np.argmax(eng.decode(tok)))
+        c3, t3 = time.process_time(), time.perf_counter()
+        return len(prompt) / (t1 - t0), n / (t3 - t2), toks, n / max(c3 - c2, 1e-9)
+
+    def close(self) -> None:
+        self.eng.close()
+
+
+def czyx_consumer(base, fmt: str | None):
+    """The float consumer, or it quantized in ``fmt`` on every matrix but the router."""
+    if fmt is None:
+        return base
+    from czyx.store.quant.memory import QuantizedConsumer
+    from czyx.store.quant.policy import parse_policy
+
+    pol = f"none,expert={fmt},attention={fmt},embed={fmt},lm_head={fmt}"
+    return QuantizedConsumer(base, parse_policy(pol))
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _agreement(a: list[int], b: list[int]) -> tuple[int, float]:
+    """(tokens equal before the first difference, fraction of equal positions)."""
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    return first, float(np.mean([x == y for x, y in zip(a, b)]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--out", default=str(Path(__file__).with_name("SPEED.md")))
+    ap.add_argument("--no-sync", action="store_true", help="skip the stream=None czyx engines")
+    args = ap.parse_args(argv)
+
+    from czyx.inference.kernels import fused
+    from czyx.testing.refmodels import StateDictConsumer
+
+    load0 = os.getloadavg()
+    tm, cfg = load_model()
+    base = StateDictConsumer(tm)
+    prompt = prompt_tokens()
+    work = tempfile.mkdtemp(prefix="bench_speed_")
+    runners: dict[tuple[str, str, int], object] = {}
+    consumers = {f: czyx_consumer(base, q) for f, q in CZYX_FORMATS.items()}
+    for fmt, qname in LLAMA_FORMATS.items():
+        path = os.path.join(work, f"model-{qname}.gguf")
+        write_gguf(tm, cfg, path, qname)
+        for t in args.threads:
+            runners[("llama.cpp", fmt, t)] = LlamaRunner(path, t, cfg["vocab_size"])
+    for fmt in CZYX_FORMATS:
+        for t in args.threads:
+            runners[("czyx", fmt, t)] = CzyxRunner(consumers[fmt], t, stream=True)
+            if not args.no_sync:
+                runners[("czyx-sync", fmt, t)] = CzyxRunner(consumers[fmt], t, stream=False)
+    keys = list(runners)
+    for k in keys:  # warm-up: first-call allocations, page faults
+        runners[k].run(prompt, 8)
+    res: dict[tuple, list[tuple[float, float, float]]] = {k: [] for k in keys}
+    toks: dict[tuple, list[int]] = {}
+    for r in range(args.rounds):
+        order = keys[r % len(keys) :] + keys[: r % len(keys)]
+        for k in order:
+            pre, dec, tk, cpu = runners[k].run(prompt, N_DECODE)
+            res[k].append((pre, dec, cpu))
+            toks[k] = tk
+        print(f"round {r + 1}/{args.rounds} done, load {os.getloadavg()}", file=sys.stderr)
+    load1 = os.getloadavg()
+    for k in keys:
+        runners[k].close()
+
+    med = {k: tuple(statistics.median(r[i] for r in v) for i in range(3)) for k, v in res.items()}
+    lines = _report(args, med, toks, load0, load1, fused.level())
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).write_text(text)
+    return 0
+
+
+def _table(title: str, threads: list[int], engines: list[str], med: dict, col: int) -> list[str]:
+    """A markdown table of column ``col`` (0 prefill, 1 decode, 2 decode per CPU-second)."""
+    out = [
+        f"## {title}",
+        "",
+        "| threads | format | llama.cpp | " + " | ".join(f"{e} | ratio" for e in engines) + " |",
+        "|---|---|---|" + "---|---|" * len(engines),
+    ]
+    for t in threads:
+        for fmt in CZYX_FORMATS:
+            base = med[("llama.cpp", fmt, t)][col]
+            cells = [f"{med[(e, fmt, t)][col]:,.0f} | {med[(e, fmt, t)][col] / base:.2f}x"
+                     for e in engines]  # fmt: skip
+            row = f"| {t} | {fmt} / {LLAMA_FORMATS[fmt]} | {base:,.0f} | " + " | ".join(cells)
+            out.append(row + " |")
+    out.append("")
+    return out
+
+
+def _report(args, med, toks, load0, load1, simd: str) -> list[str]:
+    engines = ["czyx"] + ([] if args.no_sync else ["czyx-sync"])
+    cmd = "OPENBLAS_NUM_THREADS=1 python bench/bench_speed.py " + " ".join(
+        [f"--rounds {args.rounds}", "--threads " + " ".join(map(str, args.threads))]
+        + (["--no-sync"] if args.no_sync else [])
+    )
+    out = [
+        "# czyx vs llama.cpp: decode and prefill speed on the bundled model",
+        "",
+        "Generated by `bench/bench_speed.py` (its docstring states the method).",
+        "",
+        f"- command: `{cmd}`",
+        f"- machine: {platform.machine()}, {os.cpu_count()} CPUs visible, "
+        f"affinity {len(os.sched_getaffinity(0))}; czyx kernel path: {simd}; "
+        f"python {platform.python_version()}",
+        f"- load average before: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; "
+        f"after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} (shared machine)",
+        f"- model: inference/assets/czyx-moe-stdlib; prompt {PROMPT_BYTES} bytes, "
+        f"{N_DECODE} greedy tokens; medians of {args.rounds} interleaved rounds (wall time)",
+        "- czyx: `Engine` as `czyx run` builds it (streaming cache, all resident); "
+        "czyx-sync: `Engine(stream=None)`",
+        "",
+    ]
+    out += _table(
+        "Decode tok/s (ratio: czyx / llama.cpp, same format and threads, same run)",
+        args.threads, engines, med, 1,
+    )  # fmt: skip
+    out += _table("Prefill tok/s (128-token prompt)", args.threads, engines, med, 0)
+    out += _table(
+        "Decode tokens per CPU-second of the process (1 thread: robust to the neighbours' load)",
+        args.threads[:1], engines, med, 2,
+    )  # fmt: skip
+    if len(args.threads) > 1:
+        t1, t2 = args.threads[0], args.threads[-1]
+        out += [f"## {t2} threads over {t1} (decode)", "", "| engine | format | ratio |",
+                "|---|---|---|"]  # fmt: skip
+        for e in ["llama.cpp", *engines]:
+            for fmt in CZYX_FORMATS:
+                r = med[(e, fmt, t2)][1] / med[(e, fmt, t1)][1]
+                out.append(f"| {e} | {fmt} | {r:.2f}x |")
+    out += [
+        "",
+        "## Greedy-token agreement with llama.cpp (64 tokens, first thread count)",
+        "",
+        "| format | identical prefix | equal positions |",
+        "|---|---|---|",
+    ]
+    t = args.threads[0]
+    for fmt in CZYX_FORMATS:
+        first, frac = _agreement(toks[("czyx", fmt, t)], toks[("llama.cpp", fmt, t)])
+        out.append(f"| {fmt} / {LLAMA_FORMATS[fmt]} | {first} | {frac:.2f} |")
+    same = all(
+        toks[(e, fmt, t)] == toks[("czyx", fmt, args.threads[0])]
+        for e in engines
+        for fmt in CZYX_FORMATS
+        for t in args.threads
+        if fmt
+    )
+    out.append("")
+    out.append(
+        f"czyx tokens identical across engines and thread counts per format: {same}. "
+        "The quantized formats differ in arithmetic (czyx: asymmetric groups with an fp16 "
+        "min, llama.cpp: symmetric q8_0/q4_0), so their tokens may drift; fp32 should agree "
+        "up to float rounding."
+    )
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""The engine options ``czyx run``, ``czyx serve`` and ``czyx chat`` share.
+
+One place defines the flags (cache budget, eviction policy, pinned classes, hot
+list, I/O path, reader threads, prefetch, trunk window) and turns them into
+:class:`~czyx.inference.engine.Engine` keyword arguments, so the commands cannot
+drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Add the engine flags of ``czyx run`` to ``p``."""
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--cache-mb", type=float, help="expert slot budget in MiB")
+    budget.add_argument(
+        "--cache-fraction", type=float, help="expert slot budget as a fraction of expert bytes"
+    )
+    p.add_argument(
+        "--policy",
+        choices=["lru", "lfu", "decay", "slru"],
+        # decay, not lru: at a 25% budget it misses less and decodes faster, synchronous
+        # and with look-ahead, on the shipped and the synthetic model (bench/EVIDENCE.md).
+        default="decay",
+        help="expert eviction policy (default decay: decaying frequency, half-life 32 "
+        "tokens; slru: segmented LRU, 80%% protected)",
+    )
+    p.add_argument(
+        "--pin-classes",
+        metavar="LO-HI",
+        help="pin the experts with router bytes LO..HI (inclusive) in every layer",
+    )
+    p.add_argument(
+        "--hot", metavar="PROFILE", help="routing profile (czyx profile) whose hot list to prewarm"
+    )
+    p.add_argument(
+        "--io",
+        default="auto",
+        choices=["auto", "pread", "mmap", "direct", "io_uring"],
+        help="expert I/O path (auto: the one `czyx bench io` measured fastest, else pread)",
+    )
+    p.add_argument("--readers", type=int, default=2, help="expert reader threads (default 2)")
+    p.add_argument(
+        "--no-prefetch", action="store_true", help="no look-ahead: read experts on demand only"
+    )
+    p.add_argument(
+        "--lookahead",
+        type=int,
+        default=1,
+        help="sparse layers predicted ahead (default 1; 0: early routing alone)",
+    )
+    p.add_argument(
+        "--no-early",
+        action="store_true",
+        help="no early routing: predict a layer's experts by look-ahead only, not also from "
+        "the residual stream entering it",
+    )
+    p.add_argument(
+        "--prefetch-width",
+        type=int,
+        default=None,
+        help="predicted experts read per token and layer (default: top-k)",
+    )
+    p.add_argument(
+        "--trunk-window",
+        type=int,
+        metavar="K",
+        default=None,
+        help="hold at most K layers' trunk matrices, reading the next layer while one "
+        "computes (for a trunk that does not fit memory; default: whole trunk resident)",
+    )
+    p.add_argument(
+        "--threads",
+        "-t",
+        type=int,
+        default=None,
+        metavar="N",
+        help="threads of the engine's kernels (default: the cores this process may use); "
+        "the output does not depend on N",
+    )
+
+
+def parse_class_range(text: str | None) -> tuple[int, int] | None:
+    """``"LO-HI"`` (inclusive, decimal or 0x hex) as a half-open ``(lo, hi + 1)``."""
+    if text is None:
+        return None
+    try:
+        lo_s, _, hi_s = text.partition("-")
+        lo, hi = int(lo_s, 0), int(hi_s or lo_s, 0)
+    except ValueError:
+        raise ValueError(f"--pin-classes {text!r} is not LO-HI (e.g. 0-15 or 0x20-0x2f)") from None
+    if not 0 <= lo <= hi <= 255:
+        raise ValueError(f"--pin-classes {text!r} must satisfy 0 <= LO <= HI <= 255")
+    return lo, hi + 1
+
+
+def stream_options(args: argparse.Namespace):
+    """The planner options and X-Ray collector (when ``args.xray``) the flags ask for."""
+    from czyx.inference.streaming import StreamOptions
+    from czyx.inference.xray import XRay
+    from czyx.store.io.iopaths import default_io_path, load_io_config
+
+    if args.readers < 1:
+        raise ValueError(f"--readers {args.readers} must be at least 1")
+    if args.lookahead < 0 or (args.lookahead == 0 and args.no_early):
+        raise ValueError(
+            f"--lookahead {args.lookahead}: at least 1, or 0 with early routing (no --no-early)"
+        )
+    io = default_io_path() if args.io == "auto" else args.io
+    stream = StreamOptions(
+        io=io,
+        readers=args.readers,
+        prefetch=not args.no_prefetch,
+        lookahead=args.lookahead,
+        width=args.prefetch_width,
+        early=not args.no_early,
+    )
+    xray = None
+    if getattr(args, "xray", None):
+        cfg = load_io_config()
+        xray = XRay(
+            io_path=io, threads=args.readers, device_baseline=cfg.bandwidth if cfg else None
+        )
+    return stream, xray
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """Fail closed on engine flags out of range (before any store is opened)."""
+    if args.trunk_window is not None and args.trunk_window < 1:
+        raise ValueError(f"--trunk-window {args.trunk_window} must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads} must be at least 1")
+    parse_class_range(args.pin_classes)
+
+
+def engine_kwargs(args: argparse.Namespace, consumer: Any) -> dict[str, Any]:
+    """:class:`~czyx.inference.engine.Engine` keyword arguments from the flags.
+
+    ``consumer`` is the opened version (its shape reads the ``--hot`` profile); None
+    leaves ``hot`` unset (``czyx serve`` loads the profile per version).
+    """
+    from czyx.inference.profile import RoutingProfile
+
+    check_engine_args(args)
+    hot = None
+    if args.hot and consumer is not None:
+        info = consumer.info
+        hot = RoutingProfile.load(args.hot, info.n_layers, info.n_experts).hot_list()
+    stream, xray = stream_options(args)
+    return {
+        "cache_bytes": None if args.cache_mb is None else int(args.cache_mb * 2**20),
+        "cache_fraction": args.cache_fraction,
+        "policy": args.policy,
+        "hot": hot,
+        "pin_classes": parse_class_range(args.pin_classes),
+        "stream": stream,
+        "xray": xray,
+        "trunk_window": args.trunk_window,
+        "threads": args.threads,
+    }

@@ -1,0 +1,107 @@
+"""``czyx serve [NAME@VER ...]``: the OpenAI-compatible server, portals as bearer tokens.
+
+A thin layer over :func:`czyx.server.create_app`: the engine flags are those of
+``czyx run`` (:mod:`czyx.cli.commands._engineargs`), the batching flags build a
+:class:`~czyx.inference.batch.BatchOptions`, and uvicorn serves the app on a
+loopback address (put a TLS-terminating proxy in front to reach it from
+elsewhere: bearer tokens must not cross a network in clear text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from czyx.cli.commands._engineargs import add_engine_args, check_engine_args, engine_kwargs
+from czyx.cli.commands._storearg import add_store_arg, store_dir
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+SWITCH_INTERVAL = 0.0005  # seconds (CPython's default is 0.005)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` subcommand."""
+    p = subparsers.add_parser(
+        "serve",
+        help="serve model versions over the OpenAI API (portals are the bearer tokens)",
+        description="Serve mounted model versions through an OpenAI-compatible HTTP API. "
+        "Each request carries a portal token as 'Authorization: Bearer <token>'.",
+    )
+    p.add_argument(
+        "refs", nargs="*", metavar="NAME@VERSION", help="versions to serve (default: every one)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="loopback address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free)")
+    add_store_arg(p)
+    add_engine_args(p)
+    p.add_argument(
+        "--kv-mb", type=float, default=None, help="KV memory budget over active sequences (MiB)"
+    )
+    p.add_argument("--max-batch", type=int, default=16, help="sequences stepped together")
+    p.add_argument(
+        "--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)"
+    )
+    p.add_argument(
+        "--prefill-chunk", type=int, default=32, help="prompt tokens per sequence per step"
+    )
+    p.add_argument("--step-tokens", type=int, default=256, help="tokens per step at most")
+    p.add_argument(
+        "--chat-template",
+        metavar="PATH",
+        help="tokenizer_config.json (or its checkpoint directory, or a .jinja file) whose "
+        "chat template the chat endpoint renders (default: none; chat answers 400)",
+    )
+    p.add_argument(
+        "--default-max-tokens", type=int, default=256, help="chat max_tokens when none is given"
+    )
+    p.add_argument("--no-audit", action="store_true", help="no per-request audit entries")
+    p.set_defaults(func=run)
+
+
+def serve_options(args: argparse.Namespace):
+    """The :class:`~czyx.server.ServeOptions` the flags ask for."""
+    from czyx.inference.batch import BatchOptions
+    from czyx.server import ServeOptions
+
+    check_engine_args(args)
+    kwargs = engine_kwargs(args, None)
+    kwargs.pop("xray", None)
+    if args.kv_mb is not None and args.kv_mb <= 0:
+        raise ValueError(f"--kv-mb {args.kv_mb} must be positive")
+    batch = BatchOptions(
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        prefill_chunk=args.prefill_chunk,
+        step_tokens=args.step_tokens,
+        kv_bytes=None if args.kv_mb is None else int(args.kv_mb * 2**20),
+    )
+    return ServeOptions(
+        engine=kwargs,
+        hot_profile=args.hot,
+        batch=batch,
+        chat_template=args.chat_template,
+        default_max_tokens=args.default_max_tokens,
+        audit=not args.no_audit,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the app, then serve it until interrupted."""
+    import uvicorn
+
+    from czyx.server import create_app
+
+    if args.host not in LOOPBACK:
+        raise ValueError(
+            f"--host {args.host}: czyx serve binds a loopback address only; put a TLS proxy "
+            "in front of it to reach it from elsewhere"
+        )
+    options = serve_options(args)
+    # This process is the server's: a short GIL switch interval lets the event loop
+    # deliver each step's tokens without the batch thread holding it for 5 ms slices.
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    app = create_app(store_dir(args), args.refs, options)
+    refs = ", ".join(app.state.czyx.models)
+    print(f"czyx serve: {refs} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,1071 @@
+"""The OpenAI-compatible HTTP API over batched engines: :func:`create_app`.
+
+Scope: Starlette routes (``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` streamed as server-sent events or not,
+``GET /health``, ``GET /metrics``) over one :class:`~czyx.inference.batch.Scheduler`
+per served version, all versions opened from one store with the owner's
+portal; each request is authorised by its own bearer portal
+(:mod:`czyx.server.auth`) and audited. ``czyx serve`` is a thin layer over
+:func:`create_app`; a script serves the same way with uvicorn.
+
+Request semantics follow the OpenAI API: ``max_tokens`` (chat also
+``max_completion_tokens``), ``temperature`` (default 1), ``top_p``, ``seed``,
+``stop`` (up to 4 strings; the text ends before the first match),
+``n`` (1 only), ``stream`` with ``stream_options.include_usage``, ``usage``
+and ``finish_reason`` ("stop": end-of-sequence token or stop string;
+"length": ``max_tokens``). Unsupported fields that would change the answer
+(``echo``, ``logprobs``, ``best_of`` > 1, tools) are refused with 400, never
+ignored. Errors use the OpenAI error object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from czyx.errors import CzyxError
+from czyx.inference.batch import (
+    BatchOptions,
+    Done,
+    QueueFull,
+    RequestTooLarge,
+    Scheduler,
+    Token,
+)
+from czyx.inference.sampling import SamplingParams
+from czyx.server.auth import AuthError, Caller, ServedVersion, TokenGate
+from czyx.server.metrics import Metrics
+from czyx.server.template import ChatTemplate, TemplateError, load_template
+
+MAX_STOPS = 4
+#: Request header naming the caller's session (resumed from the store, saved back).
+SESSION_HEADER = "x-czyx-session"
+#: Response header: the session version a non-streamed request saved.
+SESSION_VERSION_HEADER = "X-Czyx-Session-Version"
+
+
+class ServerError(CzyxError):
+    """The server could not start (a version that is not a model, a bad option)."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How :func:`create_app` builds its engines and schedulers.
+
+    Attributes
+    ----------
+    engine
+        Keyword arguments of :class:`~czyx.inference.engine.Engine` (cache
+        budget, policy, pinned classes, ``stream`` options, trunk window);
+        ``czyx serve`` builds them from the flags ``czyx run`` has.
+    hot_profile
+        A routing profile (``czyx profile``) whose hot list is prewarmed.
+    batch
+        The schedulers' :class:`~czyx.inference.batch.BatchOptions`.
+    chat_template
+        A ``tokenizer_config.json`` (or its checkpoint directory, or a
+        ``.jinja`` file) giving every served version its chat template.
+    chat_templates
+        Per version ``(ref, path)`` overrides of ``chat_template``.
+    default_max_tokens
+        ``max_tokens`` when a request names none (chat; completions use 16 as OpenAI).
+    retry_after
+        Seconds a 429 tells the client to wait.
+    event_timeout
+        Seconds a request waits for its next token before it fails (bounds every wait).
+    audit
+        Append one ``serve.request`` audit entry per request.
+    """
+
+    engine: Mapping[str, Any] = field(default_factory=dict)
+    hot_profile: str | None = None
+    batch: BatchOptions = field(default_factory=BatchOptions)
+    chat_template: str | None = None
+    chat_templates: tuple[tuple[str, str], ...] = ()
+    default_max_tokens: int = 256
+    retry_after: int = 1
+    event_timeout: float = 120.0
+    audit: bool = True
+
+
+class ApiError(Exception):
+    """An error answered in the OpenAI shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error object."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        """The error as a JSON response."""
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+class ServedModel:
+    """One served version: consumer, engine, scheduler, tokenizer, chat template."""
+
+    def __init__(
+        self,
+        store,
+        ref: str,
+        options: ServeOptions,
+        template: ChatTemplate | None,
+        on_step,
+    ) -> None:
+        from czyx.inference.engine import Engine
+        from czyx.inference.profile import RoutingProfile
+        from czyx.inference.tokenizer import tokenizer_for
+        from czyx.portals import model_spaces, open_consumer
+
+        self.ref = ref
+        sel = store.resolve_tag(ref)
+        scoped, whole = model_spaces(store, sel)
+        self.spaces = ServedVersion(ref, tuple(s.raw for s in scoped), tuple(s.raw for s in whole))
+        kwargs = dict(options.engine)
+        windowed = kwargs.get("trunk_window") is not None
+        self.consumer = open_consumer(store, None, ref, direct=True, lazy_trunk=windowed)
+        try:
+            if options.hot_profile:
+                info = self.consumer.info
+                kwargs["hot"] = RoutingProfile.load(
+                    options.hot_profile, info.n_layers, info.n_experts
+                ).hot_list()
+            self.engine = Engine(self.consumer, **kwargs)
+        except BaseException:
+            self.consumer.close()
+            raise
+        self.tokenizer = tokenizer_for(self.consumer, self.engine.cfg.vocab_size)
+        self.template = template
+        self.eos_ids = tuple(self.tokenizer.eos_ids) + tuple(self.engine.cfg.eos_token_ids)
+        self.chat_eos_ids = self.eos_ids
+        if template is not None and template.eos_token is not None:
+            ids = self.tokenizer.encode(template.eos_token)
+            if len(ids) == 1:  # the turn-end token the template writes
+                self.chat_eos_ids = tuple(dict.fromkeys((*self.eos_ids, ids[0])))
+        self.created = int(time.time())
+        self.scheduler = Scheduler(
+            self.engine.model, options.batch, on_step=lambda n, t, s: on_step(ref, n, t, s)
+        )
+
+    def close(self) -> None:
+        """Stop the scheduler, then release the engine and consumer."""
+        try:
+            self.scheduler.close()
+        finally:
+            try:
+                self.engine.close()
+            finally:
+                self.consumer.close()
+
+
+class ServerState:
+    """Everything an app holds: the store, served models, token gate, metrics."""
+
+    def __init__(self, store_dir: str, refs: Sequence[str], options: ServeOptions) -> None:
+        import os
+
+        from czyx.store import Store
+        from czyx.store.models.mount import ADAPTER_KIND, MODEL_KIND
+
+        if not os.path.isdir(store_dir):
+            raise ServerError(f"no store at {store_dir!r} (set --store or $CZYX_STORE)")
+        self.options = options
+        self.metrics = Metrics()
+        self.store = Store.open(store_dir, create=False)
+        self.models: dict[str, ServedModel] = {}
+        try:
+            if not refs:  # every model version the store holds
+                refs = sorted(
+                    tag
+                    for tag, sel in self.store.tags().items()
+                    if self.store.has_space(sel)
+                    and self.store.manifest(sel).get("kind") in (MODEL_KIND, ADAPTER_KIND)
+                )
+                if not refs:
+                    raise ServerError(f"store {store_dir!r} holds no model version to serve")
+            default_tpl = load_template(options.chat_template) if options.chat_template else None
+            per_ref = {r: load_template(p) for r, p in options.chat_templates}
+            for ref in refs:
+                if ref in self.models:
+                    raise ServerError(f"version {ref!r} named twice")
+                self.models[ref] = ServedModel(
+                    self.store, ref, options, per_ref.get(ref, default_tpl), self._on_step
+                )
+            self.gate = TokenGate(self.store, {r: m.spaces for r, m in self.models.items()})
+        except BaseException:
+            self.close()
+            raise
+        self.metrics.add_live(
+            lambda: [
+                (r, m.scheduler.stats(), m.engine.stats()) for r, m in list(self.models.items())
+            ]
+        )
+
+    def _on_step(self, ref: str, n_seqs: int, n_tokens: int, seconds: float) -> None:
+        self.metrics.batch.labels(ref).observe(n_seqs)
+        self.metrics.step_seconds.labels(ref).observe(seconds)
+
+    def close(self) -> None:
+        """Close every model, then the store (idempotent)."""
+        models, self.models = self.models, {}
+        for m in models.values():
+            m.close()
+        store, self.store = getattr(self, "store", None), None
+        if store is not None:
+            store.close()
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """A validated generation request."""
+
+    model: str
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, key: str, kind: type, default, lo=None, hi=None):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, kind) or isinstance(v, bool):
+        raise _bad(f"{key} must be a {kind.__name__}", key)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise _bad(f"{key} = {v} is out of range [{lo}, {hi}]", key)
+    return v
+
+
+def _parse_common(body: dict, default_max: int, max_keys: tuple[str, ...]) -> GenRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model is required: the version's tag NAME@VER", "model")
+    n = _number(body, "n", int, 1)
+    if n != 1:
+        raise _bad("only n=1 is supported", "n")
+    if _number(body, "best_of", int, 1) != 1:
+        raise _bad("only best_of=1 is supported", "best_of")
+    for key in ("logprobs", "top_logprobs", "tools", "functions", "logit_bias", "suffix"):
+        v = body.get(key)
+        if v not in (None, False, {}, []):
+            raise _bad(f"{key} is not supported by this server", key)
+    if body.get("echo"):
+        raise _bad("echo is not supported by this server", "echo")
+    max_tokens = None
+    for key in max_keys:
+        if body.get(key) is not None:
+            max_tokens = _number(body, key, int, None, 1)
+            break
+    if max_tokens is None:
+        max_tokens = default_max
+    temperature = _number(body, "temperature", float, 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", float, 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise _bad("top_p must be above 0", "top_p")
+    seed = _number(body, "seed", int, None)
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    else:
+        raise _bad("stop must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOPS or any(not s for s in stops):
+        raise _bad(f"stop: at most {MAX_STOPS} non-empty strings", "stop")
+    stream = bool(body.get("stream", False))
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise _bad("stream_options must be an object", "stream_options")
+    return GenRequest(
+        model=model,
+        max_tokens=int(max_tokens),
+        sampling=SamplingParams(temperature=temperature, top_p=top_p, seed=seed),
+        stop=stops,
+        stream=stream,
+        include_usage=bool(opts.get("include_usage", False)),
+    )
+
+
+def _completion_prompt(body: dict, served: ServedModel) -> list[int]:
+    prompt = body.get("prompt")
+    vocab = served.engine.cfg.vocab_size
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = served.tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        ids = list(prompt)
+        if any(not 0 <= t < vocab for t in ids):
+            raise _bad(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+    else:
+        raise _bad(
+            "prompt must be a string, a list of token ids, or a list of one of those", "prompt"
+        )
+    if not ids:
+        raise _bad("the prompt is empty", "prompt")
+    return ids
+
+
+def _chat_prompt(body: dict, served: ServedModel) -> list[int]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages must be a non-empty list", "messages")
+    plain = []
+    for m in msgs:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad("each message needs a role", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise _bad("only text content parts are supported", "messages")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        if content is not None and not isinstance(content, str):
+            raise _bad("message content must be text", "messages")
+        plain.append({"role": m["role"], "content": content or ""})
+    if served.template is None:
+        raise _bad(
+            f"model {served.ref} has no chat template (serve it with --chat-template "
+            "tokenizer_config.json); use /v1/completions",
+            "model",
+        )
+    try:
+        text = served.template.render(plain, add_generation_prompt=True)
+    except TemplateError as exc:
+        raise _bad(str(exc), "messages") from None
+    ids = served.tokenizer.encode(text)
+    if not ids:
+        raise _bad("the rendered chat prompt is empty", "messages")
+    return ids
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@dataclass
+class _Outcome:
+    text: str = ""
+    finish: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    error_status: int = 500
+    cached_tokens: int = 0  # positions restored from a saved session
+    session_version: int | None = None  # the version this request saved
+
+
+@dataclass
+class _Session:
+    """A request's ``X-Czyx-Session``: the handle, the head it read, and what it restores."""
+
+    name: str
+    sessions: Any  # inference.sessions.SessionStore
+    head: int
+    model: bytes
+    history: tuple[list[int], Any] | None  # (tokens, KVCache) of the head, or None (new)
+
+
+class _TextStream:
+    """Token ids -> text pieces, ending before the first stop string.
+
+    Incremental detokenization over a short window (the last emitted token
+    as context, then the new ones): each piece is the text the new tokens
+    add to that context, so a tokenizer's leading-space and byte-fallback
+    rules apply as in a full decode, at a cost per token that does not grow
+    with the output. A piece ending in an incomplete UTF-8 sequence waits
+    for its next token. Text that could be the start of a stop string is
+    held back until it cannot be (or the generation ends).
+    """
+
+    def __init__(self, tokenizer, stops: tuple[str, ...], eos: frozenset[int]) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the context window
+        self.read = 0  # tokens already turned into text
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.eos = eos
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def _decode_new(self, final: bool) -> str:
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        after = self.tok.decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before) :]
+
+    def push(self, tok: int) -> str:
+        if tok in self.eos:
+            return ""
+        self.ids.append(tok)
+        self.text += self._decode_new(final=False)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        if not self.stopped:
+            self.text += self._decode_new(final=True)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        if self.stops:
+            lo = max(self.sent - self.hold, 0)
+            hits = [i for s in self.stops if (i := self.text.find(s, lo)) >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+                final = True
+        end = len(self.text) if final else max(len(self.text) - self.hold, self.sent)
+        piece = self.text[self.sent : end]
+        self.sent = end
+        return piece
+
+
+class _Dispatcher:
+    """Hands scheduler events to the event loop: one loop wake-up per burst, not per event.
+
+    The scheduler's thread emits one event per sequence per step; waking the
+    loop for each would hand the GIL back and forth that many times a step.
+    Events queue here and a single drain callback delivers all that arrived
+    before it ran.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._pending: list[tuple[asyncio.Queue, Any]] = []
+        self._scheduled = False
+        self._lock = threading.Lock()
+
+    def post(self, q: asyncio.Queue, ev: Any) -> None:
+        with self._lock:
+            self._pending.append((q, ev))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, []
+            self._scheduled = False
+        for q, ev in items:
+            q.put_nowait(ev)
+
+
+_DISPATCHERS: dict[int, _Dispatcher] = {}
+
+
+def _dispatcher(loop: asyncio.AbstractEventLoop) -> _Dispatcher:
+    d = _DISPATCHERS.get(id(loop))
+    if d is None or d.loop is not loop:
+        d = _DISPATCHERS[id(loop)] = _Dispatcher(loop)
+    return d
+
+
+async def _events(
+    served: ServedModel,
+    ids: list[int],
+    req: GenRequest,
+    eos: tuple[int, ...],
+    timeout: float,
+    retry_after: int,
+    session: _Session | None = None,
+) -> AsyncIterator[Token | Done | None]:
+    """None once the request is queued, then the scheduler's events, awaited without
+    blocking the loop.
+
+    Raises :class:`ApiError` 429 when the queue is full, 400 when the context
+    exceeds the KV budget. Leaving the iterator early cancels the sequence.
+    """
+    dispatch = _dispatcher(asyncio.get_running_loop())
+    q: asyncio.Queue = asyncio.Queue()
+
+    def on_event(ev) -> None:
+        dispatch.post(q, ev)
+
+    try:
+        handle = served.scheduler.submit(
+            ids,
+            req.max_tokens,
+            req.sampling,
+            eos,
+            on_event,
+            history=None if session is None else session.history,
+            keep_state=session is not None,
+        )
+    except QueueFull as exc:
+        raise ApiError(
+            429,
+            f"server busy: {exc}",
+            "rate_limit_error",
+            "rate_limit_exceeded",
+            headers={"Retry-After": str(retry_after)},
+        ) from None
+    except RequestTooLarge as exc:
+        raise _bad(str(exc), "max_tokens") from None
+    except ValueError as exc:
+        raise _bad(str(exc)) from None
+    try:
+        yield None
+        while True:
+            try:
+                ev = await asyncio.wait_for(q.get(), timeout)
+            except TimeoutError:
+                raise ApiError(504, f"no token in {timeout} s", "server_error") from None
+            yield ev
+            if isinstance(ev, Done):
+                return
+    finally:
+        handle.cancel()  # a no-op once done; frees the sequence when the client left early
+
+
+def _usage(out: _Outcome) -> dict[str, Any]:
+    usage: dict[str, Any] = {
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "total_tokens": out.prompt_tokens + out.completion_tokens,
+    }
+    if out.cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": out.cached_tokens}
+    return usage
+
+
+def _open_session(store, tenant: str, name: str, served: ServedModel) -> _Session:
+    """The caller's session ``name`` (its head restored as a KV cache), or a new one.
+
+    The server acts for the caller's tenant through the store owner's portal
+    (a tenant's grant names the model's spaces, not the session spaces its
+    saves create); tenant isolation is the session store's own check.
+
+    Raises :class:`ApiError`: 400 for a bad name or a state of another model
+    version, 403 for another tenant's session.
+    """
+    from czyx.inference.sessions import errors as serr
+    from czyx.inference.sessions.store import SessionStore, check_name
+    from czyx.portals.errors import PortalDenied
+
+    try:
+        check_name(name)
+        from czyx.portals import root_token
+
+        sessions = SessionStore(store, root_token(store), tenant=tenant)
+        model = bytes(served.consumer.info.selector)
+        versions = sessions.versions(name)
+        if not versions:
+            return _Session(name, sessions, 0, model, None)
+        head = versions[-1][0]
+        parsed = sessions.read(name, head, model=model)
+        cfg = served.engine.cfg
+        lay = parsed.layout
+        if (lay.n_layers, lay.n_kv_heads, lay.head_dim) != (
+            cfg.n_layers,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+        ):
+            raise serr.ModelVersionMismatchError(f"session {name!r}: KV shape differs")
+        rows = parsed.rows
+        kv = served.engine.model.new_kv(max(rows, 1))
+        parsed.copy_kv_into(kv.k, kv.v, rows)
+        kv.length = rows
+        return _Session(name, sessions, head, model, ([int(t) for t in parsed.tokens[:rows]], kv))
+    except (serr.WrongTenantError, PortalDenied) as exc:
+        raise ApiError(
+            403, f"session {name!r}: {exc}", "permission_error", "session_denied", "X-Czyx-Session"
+        ) from None
+    except (serr.SessionError, ValueError) as exc:
+        raise _bad(f"session {name!r}: {exc}", "X-Czyx-Session") from None
+
+
+def _save_session(session: _Session, final) -> int:
+    """Save a finished sequence as the session's next version; returns the version."""
+    from dataclasses import asdict
+
+    from czyx.inference.sessions.format import SessionState
+
+    kv = final.kv
+    n = kv.length
+    state = SessionState(
+        model=session.model,
+        tenant=session.sessions.tenant,
+        tokens=np.asarray(final.tokens, np.int32),
+        k=tuple(a[:, :n] for a in kv.k),
+        v=tuple(a[:, :n] for a in kv.v),
+        logits=np.asarray(final.logits, np.float32),
+        sampling=asdict(final.sampler.params),
+        rng_state=final.sampler.rng.bit_generator.state,
+        capacity=kv.capacity,
+    )
+    info = session.sessions.save(session.name, state, expect_version=session.head)
+    return int(info.version)
+
+
+class _Api:
+    """The route handlers, bound to one :class:`ServerState`."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    # -- helpers -------------------------------------------------------------
+
+    def _caller(self, request: Request) -> Caller:
+        try:
+            return self.state.gate.authenticate(request.headers.get("authorization"))
+        except AuthError as exc:
+            typ = "authentication_error" if exc.status == 401 else "permission_error"
+            raise ApiError(exc.status, str(exc), typ, exc.code) from None
+
+    def _served(self, caller: Caller, model: str) -> ServedModel:
+        served = self.state.models.get(model)
+        if served is None:
+            raise ApiError(
+                404,
+                f"model {model!r} is not served here",
+                "invalid_request_error",
+                "model_not_found",
+                "model",
+            )
+        try:
+            self.state.gate.authorize(caller, model)
+        except AuthError as exc:
+            raise ApiError(exc.status, str(exc), "permission_error", exc.code, "model") from None
+        return served
+
+    async def _audit(
+        self,
+        caller: Caller | None,
+        endpoint: str,
+        model: str | None,
+        status: int,
+        out: _Outcome | None,
+    ) -> None:
+        tenant = caller.tenant if caller else "unknown"
+        self.state.metrics.requests.labels(tenant, model or "", endpoint, str(status)).inc()
+        if out is not None and model:
+            self.state.metrics.prompt_tokens.labels(tenant, model).inc(out.prompt_tokens)
+            self.state.metrics.completion_tokens.labels(tenant, model).inc(out.completion_tokens)
+        if not self.state.options.audit or caller is None:
+            return  # refusals before a caller is known were audited by the gate
+        fields = {
+            "portal": caller.portal_id,
+            "tenant": caller.tenant,
+            "version": model,
+            "endpoint": endpoint,
+            "status": status,
+        }
+        if out is not None:
+            fields.update(
+                prompt_tokens=out.prompt_tokens,
+                completion_tokens=out.completion_tokens,
+                finish_reason=out.finish,
+            )
+        fields = {k: v for k, v in fields.items() if v is not None}
+        store = self.state.store
+        if store is not None:
+            await run_in_threadpool(store.audit, "serve.request", **fields)
+
+    # -- routes --------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "models": list(self.state.models)})
+
+    async def metrics(self, request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        data = await run_in_threadpool(generate_latest, self.state.metrics.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        caller = None
+        try:
+            caller = self._caller(request)
+            data = [
+                {
+                    "id": ref,
+                    "object": "model",
+                    "created": self.state.models[ref].created,
+                    "owned_by": "czyx",
+                }
+                for ref in self.state.gate.visible(caller)
+            ]
+            await self._audit(caller, "models", None, 200, None)
+            return JSONResponse({"object": "list", "data": data})
+        except ApiError as exc:
+            await self._audit(caller, "models", None, exc.status, None)
+            return exc.response()
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        endpoint = "chat.completions" if chat else "completions"
+        caller: Caller | None = None
+        model: str | None = None
+        try:
+            caller = self._caller(request)
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise _bad("the request body is not JSON") from None
+            if not isinstance(body, dict):
+                raise _bad("the request body must be a JSON object")
+            default_max = self.state.options.default_max_tokens if chat else 16
+            keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+            req = _parse_common(body, default_max, keys)
+            model = req.model
+            served = self._served(caller, req.model)
+            ids = _chat_prompt(body, served) if chat else _completion_prompt(body, served)
+            session = None
+            name = request.headers.get(SESSION_HEADER)
+            if name:
+                session = await run_in_threadpool(
+                    _open_session, self.state.store, caller.tenant, name, served
+                )
+        except ApiError as exc:
+            await self._audit(caller, endpoint, model, exc.status, None)
+            return exc.response()
+        eos = served.chat_eos_ids if chat else served.eos_ids
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        out = _Outcome(prompt_tokens=len(ids))  # filled as the generation runs
+        gen = self._run(served, ids, req, eos, time.perf_counter(), session, out)
+        if req.stream:
+            # The first event decides between an error answer (429, 400) and a stream.
+            try:
+                first = await gen.__anext__()
+            except ApiError as exc:
+                await self._audit(caller, endpoint, model, exc.status, None)
+                return exc.response()
+            return StreamingResponse(
+                self._sse(gen, first, rid, req, chat, caller, endpoint, out),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        try:
+            async for _ in _with_disconnect(request, gen):
+                pass
+        except ApiError as exc:
+            await self._audit(caller, endpoint, model, exc.status, out)
+            return exc.response()
+        if out.error is not None:
+            err = ApiError(out.error_status, f"generation failed: {out.error}", "server_error")
+            await self._audit(caller, endpoint, model, out.error_status, out)
+            return err.response()
+        await self._audit(caller, endpoint, model, 200, out)
+        created = int(time.time())
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": None,
+                "finish_reason": out.finish,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish}
+            obj = "text_completion"
+        headers = {}
+        if out.session_version is not None:
+            headers[SESSION_VERSION_HEADER] = str(out.session_version)
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": req.model,
+                "choices": [choice],
+                "usage": _usage(out),
+            },
+            headers=headers,
+        )
+
+    async def _run(
+        self,
+        served: ServedModel,
+        ids: list[int],
+        req: GenRequest,
+        eos: tuple[int, ...],
+        t0: float,
+        session: _Session | None = None,
+        out: _Outcome | None = None,
+    ) -> AsyncIterator[tuple[str, Any]]:
+        """Yield ``("start", None)``, then ``("text", piece)``... and ``("done", _Outcome)``.
+
+        With a session, the finished state is saved as its next version before "done".
+        """
+        stream = _TextStream(served.tokenizer, req.stop, frozenset(eos))
+        out = out if out is not None else _Outcome(prompt_tokens=len(ids))
+        metrics = self.state.metrics
+        last = None
+        opts = self.state.options
+        events = _events(served, ids, req, eos, opts.event_timeout, opts.retry_after, session)
+        final = None
+        try:
+            async for ev in events:
+                if ev is None:
+                    yield "start", None  # submitted: the queue accepted it
+                    last = t0
+                elif isinstance(ev, Token):
+                    now = time.perf_counter()
+                    if out.completion_tokens == 0:
+                        metrics.ttft.labels(served.ref).observe(now - t0)
+                    else:
+                        metrics.itl.labels(served.ref).observe(now - last)
+                    last = now
+                    out.completion_tokens += 1
+                    piece = stream.push(ev.token)
+                    if piece:
+                        out.text += piece
+                        yield "text", piece
+                    if stream.stopped:
+                        out.finish = "stop"
+                        break
+                else:
+                    if ev.reason == "error":
+                        out.error = ev.error
+                    out.finish = "stop" if ev.reason in ("stop", "cancelled") else "length"
+                    out.cached_tokens = ev.restored
+                    final = ev.final
+                    break
+        finally:
+            await events.aclose()  # cancels the sequence if it is still running
+        rest = stream.finish()
+        if rest:
+            out.text += rest
+            yield "text", rest
+        if session is not None and final is not None and out.error is None:
+            try:
+                out.session_version = await run_in_threadpool(_save_session, session, final)
+            except CzyxError as exc:
+                out.error = f"session {session.name!r} not saved: {exc}"
+                out.error_status = 409 if "Conflict" in type(exc).__name__ else 500
+        yield "done", out
+
+    async def _sse(
+        self,
+        gen,
+        first,
+        rid: str,
+        req: GenRequest,
+        chat: bool,
+        caller: Caller,
+        endpoint: str,
+        out: _Outcome,
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {}
+                if role:
+                    delta["role"] = "assistant"
+                if delta_text is not None:
+                    delta["content"] = delta_text
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {
+                    "index": 0,
+                    "text": delta_text or "",
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+            payload = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": req.model,
+                "choices": [choice],
+            }
+            return f"data: {json.dumps(payload)}\n\n".encode()
+
+        status = 200
+        try:
+            if chat:
+                yield chunk("", None, role=True)
+            async for kind, value in gen:
+                if kind == "text":
+                    yield chunk(value, None)
+            if out.error is not None:
+                status = out.error_status
+                err = ApiError(status, f"generation failed: {out.error}", "server_error")
+                yield f"data: {json.dumps(err.body())}\n\n".encode()
+            else:
+                last = chunk(None if chat else "", out.finish)
+                if out.session_version is not None:  # the version this stream saved
+                    obj_last = json.loads(last[6:])
+                    obj_last["czyx_session_version"] = out.session_version
+                    last = f"data: {json.dumps(obj_last)}\n\n".encode()
+                yield last
+                if req.include_usage:
+                    payload = {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": req.model,
+                        "choices": [],
+                        "usage": _usage(out),
+                    }
+                    yield f"data: {json.dumps(payload)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        except ApiError as exc:
+            status = exc.status
+            yield f"data: {json.dumps(exc.body())}\n\n".encode()
+        finally:
+            await gen.aclose()  # on disconnect too: frees the sequence
+            if out.finish is None and status == 200:
+                status = 499  # the client went away before the end
+            await asyncio.shield(self._audit(caller, endpoint, req.model, status, out))
+
+
+async def _with_disconnect(request: Request, gen) -> AsyncIterator[tuple[str, Any]]:
+    """Items of ``gen`` (skipping "start") until it ends or the client disconnects.
+
+    A disconnect closes ``gen`` (cancelling the sequence) and raises a 499 error.
+    """
+
+    async def watch() -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        while True:
+            nxt = asyncio.ensure_future(gen.__anext__())
+            done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if nxt in done:
+                try:
+                    kind, value = nxt.result()
+                except StopAsyncIteration:
+                    return
+                if kind != "start":
+                    yield kind, value
+                continue
+            nxt.cancel()
+            # The generator must stop running before it can be closed.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await nxt
+            raise ApiError(499, "client disconnected", "invalid_request_error")
+    finally:
+        watcher.cancel()
+        await gen.aclose()
+
+
+# --------------------------------------------------------------------------- factory
+
+
+def create_app(
+    store_dir: str,
+    refs: Sequence[str] = (),
+    options: ServeOptions | None = None,
+    *,
+    extra_routes: Sequence[BaseRoute] = (),
+) -> Starlette:
+    """An ASGI app serving model versions of a store through the OpenAI API.
+
+    Parameters
+    ----------
+    store_dir
+        The store directory.
+    refs
+        Version tags ``NAME@VER`` to serve; empty: every model version in the store.
+    options
+        :class:`ServeOptions`.
+    extra_routes
+        More Starlette routes mounted beside the API (replication, for one).
+
+    Returns
+    -------
+    Starlette
+        Engines and schedulers are built now (a bad version or option fails
+        here, not at the first request) and closed at the app's shutdown
+        (lifespan) or by ``app.state.czyx.close()``. Serve it on 127.0.0.1
+        with uvicorn.
+    """
+
+    state = ServerState(store_dir, list(refs), options or ServeOptions())
+    api = _Api(state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            yield
+        finally:
+            await run_in_threadpool(state.close)
+
+    routes: list[BaseRoute] = [
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        *extra_routes,
+    ]
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return ApiError(404, f"no route {request.url.path}", code="not_found").response()
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+    app.state.czyx = state
+    return app

@@ -1,0 +1,272 @@
+"""Write a transformers MoE model as GGUF the way llama.cpp's ``convert_hf_to_gguf.py`` does.
+
+Tests only. Independent of the store's GGUF reader (its own name table, so a
+mistake in one is not mirrored by the other): the converter's layout for the
+architectures czyx runs, written with the ``gguf`` package's ``GGUFWriter``:
+
+* Mixtral as llama.cpp's ``llama`` arch with q/k rows permuted to its rope
+  order (``LlamaModel.permute``); Qwen2-MoE ``qwen2moe``, Qwen3-MoE
+  ``qwen3moe``, OLMoE ``olmoe`` unpermuted (NEOX rope);
+* routed experts stacked per layer as ``ffn_{gate,up,down}_exps [E, I, H]``;
+* 1-D tensors and the routers (``ffn_gate_inp``) kept F32, as the converter
+  forces; other matrices in ``qtype`` (``f32``, ``f16``, ``bf16``, ``q8_0``,
+  and, as ``llama-quantize`` would produce them, ``q4_0``/``q4_1``), a matrix
+  whose row length is not a multiple of the block size falling back to F16;
+* the hyper-parameters as the converter's ``set_gguf_parameters`` writes them
+  and, given a byte-level BPE ``tokenizer.json``, its ``_set_vocab_gpt2``
+  vocabulary (ids without a token padded as ``[PADn]``, UNUSED).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+_MAP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER = {
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "self_attn.q_proj.weight": "attn_q",
+    "self_attn.k_proj.weight": "attn_k",
+    "self_attn.v_proj.weight": "attn_v",
+    "self_attn.o_proj.weight": "attn_output",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm",
+    "self_attn.k_norm.weight": "attn_k_norm",
+    "mlp.gate.weight": "ffn_gate_inp",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp",
+    "mlp.gate_proj.weight": "ffn_gate",
+    "mlp.up_proj.weight": "ffn_up",
+    "mlp.down_proj.weight": "ffn_down",
+}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.LlamaModel.permute."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _state(model: Any) -> dict[str, np.ndarray]:
+    """Per-layer experts stacked as [E, I, H] gate/up and [E, H, I] down, other tensors f32."""
+    out: dict[str, np.ndarray] = {}
+    per_expert: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    for name, t in model.state_dict().items():
+        a = t.detach().float().numpy()
+        parts = name.split(".")
+        if ".experts.gate_up_proj" in name:
+            layer, half = int(parts[2]), a.shape[1] // 2
+            out[f"blk.{layer}.ffn_gate_exps.weight"] = a[:, :half]
+            out[f"blk.{layer}.ffn_up_exps.weight"] = a[:, half:]
+        elif ".experts.down_proj" in name and name.endswith("down_proj"):
+            out[f"blk.{parts[2]}.ffn_down_exps.weight"] = a
+        elif ".experts." in name:
+            layer, e, kind = int(parts[2]), int(parts[5]), parts[6]
+            stack = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}.get(
+                kind, "down"
+            )
+            per_expert.setdefault((layer, stack), {})[e] = a
+        elif name in _MAP:
+            out[_MAP[name]] = a
+        else:
+            rest = ".".join(parts[3:])
+            key = _LAYER[rest]
+            out[f"blk.{parts[2]}.{key}" + ("" if key.endswith(".bias") else ".weight")] = a
+    for (layer, stack), experts in per_expert.items():
+        out[f"blk.{layer}.ffn_{stack}_exps.weight"] = np.stack(
+            [experts[e] for e in sorted(experts)]
+        )
+    return out
+
+
+def _vocab(writer: Any, tokenizer_json: str, n_vocab: int) -> None:
+    import gguf
+
+    data = json.loads(tokenizer_json)
+    vocab = dict(data["model"]["vocab"])
+    added = {a["content"]: a for a in data.get("added_tokens") or []}
+    for a in added.values():
+        vocab[a["content"]] = a["id"]
+    by_id = {i: t for t, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(n_vocab):
+        t = by_id.get(i)
+        if t is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif t in added:
+            tokens.append(t)
+            types.append(
+                gguf.TokenType.CONTROL if added[t].get("special") else gguf.TokenType.USER_DEFINED
+            )
+        else:
+            tokens.append(t)
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    merges = data["model"].get("merges") or []
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+
+
+def _qtype(qtype: str) -> Any:
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    return {
+        "f32": q.F32,
+        "f16": q.F16,
+        "bf16": q.BF16,
+        "q8_0": q.Q8_0,
+        "q4_0": q.Q4_0,
+        "q4_1": q.Q4_1,
+        "q5_0": q.Q5_0,
+    }[qtype]
+
+
+def _tensor_type(name: str, a: np.ndarray, qt: Any) -> Any:
+    """The converter's choice: 1-D and routers F32; a row length off the block size F16."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    if a.ndim == 1 or "ffn_gate_inp" in name or name.endswith((".gate.weight", "_gate.weight")):
+        return q.F32
+    if qt not in (q.F32, q.F16, q.BF16) and a.shape[-1] % 32:
+        return q.F16
+    return qt
+
+
+def reference_model(model: Any, qtype: str) -> Any:
+    """A copy of ``model`` whose weights are what the GGUF of ``qtype`` holds, dequantized
+    by the ``gguf`` package (the source's own dequantized reference)."""
+    import copy
+
+    import gguf
+    import torch
+
+    ref = copy.deepcopy(model)
+    qt = _qtype(qtype)
+    with torch.no_grad():
+        for name, p in ref.state_dict().items():
+            a = p.detach().float().numpy()
+            t = _tensor_type(name, a, qt)
+            if t == gguf.GGMLQuantizationType.F32:
+                continue
+            if t == gguf.GGMLQuantizationType.F16:
+                back = a.astype(np.float16).astype(np.float32)
+            else:
+                back = gguf.quants.dequantize(gguf.quants.quantize(a, t), t)
+            p.copy_(torch.from_numpy(np.ascontiguousarray(back, np.float32)).reshape(p.shape))
+    return ref
+
+
+def write_gguf(
+    model: Any,
+    path: str | os.PathLike[str],
+    qtype: str = "f32",
+    *,
+    tokenizer_json: str | None = None,
+    split_max_tensors: int = 0,
+) -> list[Path]:
+    """Write ``model`` (a transformers MoE ``*ForCausalLM``) as GGUF at ``path``.
+
+    ``split_max_tensors > 0`` writes ``-0000N-of-0000M.gguf`` splits as
+    ``gguf-split`` does. Returns the files written.
+    """
+    import gguf
+
+    cfg = model.config
+    arch = _ARCH[cfg.model_type]
+    qt = _qtype(qtype)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
+    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+    kv = cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv)
+    rope = getattr(cfg, "rope_theta", None) or (cfg.rope_parameters or {}).get("rope_theta")
+    writer.add_rope_freq_base(float(rope))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    n_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    writer.add_expert_count(n_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    if arch in ("qwen2moe", "qwen3moe"):
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "olmoe" and getattr(cfg, "clip_qkv", None) is not None:
+        writer.add_clamp_kqv(float(cfg.clip_qkv))
+    if arch == "llama":
+        writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(
+        {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8}[qtype]
+    )
+    if tokenizer_json is not None:
+        _vocab(writer, tokenizer_json, cfg.vocab_size)
+    for name, a in _state(model).items():
+        if arch == "llama" and name.endswith("attn_q.weight"):
+            a = _permute(a, heads)
+        elif arch == "llama" and name.endswith("attn_k.weight"):
+            a = _permute(a, kv)
+        a = np.ascontiguousarray(a, np.float32)
+        t = _tensor_type(name, a, qt)
+        if t == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, a)
+        elif t == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, a.astype(np.float16))
+        else:
+            data = gguf.quants.quantize(a, t)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if split_max_tensors:
+        return sorted(path.parent.glob(path.stem + "-*-of-*.gguf"))
+    return [path]
+
+
+def tiny_bpe_tokenizer_json(vocab: int) -> str:
+    """A byte-level BPE ``tokenizer.json`` of at most ``vocab`` tokens (llama.cpp needs one)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab - 8,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = ["the quick brown fox jumps over the lazy dog. " * 3, "mixture of experts, 42 tokens!"]
+    tok.train_from_iterator(text * 20, trainer)
+    return tok.to_str()

@@ -1,0 +1,695 @@
+"""Continuous batching: many sequences stepped together over one decoder and expert cache.
+
+Scope: :func:`forward_batch` runs one forward step over several sequences at
+once (each its own KV cache, each a decode token or a chunk of its prompt);
+:class:`Scheduler` keeps a bounded queue of requests, admits them under a
+sequence count and a KV memory budget, and steps every active sequence
+together on one worker thread: decode tokens first, then prefill chunks
+(fixed size, so a long prompt never stalls the others for more than a
+chunk), sampling each sequence's next token with its own sampler. Nothing
+here knows about HTTP; :mod:`czyx.server` puts it behind the OpenAI API.
+
+Why batch: in one step every routed expert that any sequence chose is
+acquired from the slot cache once and multiplied once over all the tokens
+that chose it, so the expert bytes read (and the trunk weights streamed from
+memory) per generated token fall as the batch grows.
+
+Why results do not depend on the batch: BLAS picks its kernel (and with it
+the float32 summation order) from a product's shape, so ``W @ X`` with one
+column and the same column inside an 8- or 16-column ``X`` differ in the last
+bits. Every product here therefore runs in blocks of exactly
+:data:`BLOCK` token columns (zero-padded), whose shape never changes;
+per-token operations (norms, softmax, RoPE) are row-independent, and
+attention runs per sequence over its own chunk, whose boundaries depend on
+that sequence alone. A sequence's logits are then bit-identical whichever
+sequences share its steps, and so are its greedy tokens. (They are not
+bit-identical to :meth:`Engine.decode`, which multiplies one column: that
+path is the single-sequence engine's, this one is the server's.)
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from czyx.inference.errors import InferenceError
+from czyx.inference.kernels.linear import Weight, mm_t, take_rows
+from czyx.inference.models.base import (
+    F32,
+    KVCache,
+    attention,
+    matmul_small,
+    rms_norm,
+    route_topk,
+    silu,
+    swiglu_columns,
+    swiglu_fused,
+)
+from czyx.inference.sampling import Sampler, SamplingParams
+
+#: Token columns per product: every matmul of the batched path has exactly this width.
+BLOCK = 8
+
+
+class BatchError(InferenceError):
+    """A batching request was refused or could not run."""
+
+
+class QueueFull(BatchError):
+    """The scheduler's queue is full; try again later (HTTP 429)."""
+
+
+class RequestTooLarge(BatchError):
+    """A request's context alone exceeds the KV budget (it could never be admitted)."""
+
+
+class SchedulerClosed(BatchError):
+    """The scheduler has stopped; no request is accepted."""
+
+
+# --------------------------------------------------------------------------- products
+
+
+def _padded(x: np.ndarray) -> np.ndarray:
+    """``x [T, C]`` zero-padded to a whole number of :data:`BLOCK` rows."""
+    t = x.shape[0]
+    tp = -(-t // BLOCK) * BLOCK
+    if tp == t:
+        return x
+    out = np.zeros((tp, x.shape[1]), F32)
+    out[:t] = x
+    return out
+
+
+def linear_rows(x: np.ndarray, w: Weight) -> np.ndarray:
+    """``x @ w.T`` for ``x [T, C]`` with every row's result independent of the other rows.
+
+    Float32 weights: blocks of :data:`BLOCK` tokens as columns through
+    :func:`matmul_small` (one fixed shape). Packed (quantized) weights: the C
+    kernels' single-row path, row by row.
+    """
+    t = x.shape[0]
+    if not isinstance(w, np.ndarray):
+        return np.concatenate([mm_t(x[r : r + 1], w) for r in range(t)], axis=0)
+    xp = _padded(np.asarray(x, F32))
+    out = np.empty((xp.shape[0], w.shape[0]), F32)
+    for b in range(0, xp.shape[0], BLOCK):
+        out[b : b + BLOCK] = matmul_small(w, np.ascontiguousarray(xp[b : b + BLOCK].T)).T
+    return out[:t]
+
+
+def expert_rows(x: np.ndarray, gate_up: Weight, down: Weight) -> np.ndarray:
+    """One routed expert's SwiGLU over the rows ``x [n, H]`` that chose it (row-independent)."""
+    n = x.shape[0]
+    if not isinstance(gate_up, np.ndarray):
+        return np.concatenate([swiglu_fused(x[r : r + 1], gate_up, down) for r in range(n)])
+    xp = _padded(x)
+    out = np.empty((xp.shape[0], down.shape[0]), F32)
+    for b in range(0, xp.shape[0], BLOCK):
+        out[b : b + BLOCK] = swiglu_columns(
+            np.ascontiguousarray(xp[b : b + BLOCK].T), gate_up, down
+        ).T
+    return out[:n]
+
+
+def _blockwise(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], x: np.ndarray, y: np.ndarray):
+    """``fn(x, y)`` over padded :data:`BLOCK`-row blocks (an architecture hook's products)."""
+    t = x.shape[0]
+    xp, yp = _padded(x), _padded(y)
+    parts = [fn(xp[b : b + BLOCK], yp[b : b + BLOCK]) for b in range(0, xp.shape[0], BLOCK)]
+    return np.concatenate(parts, axis=0)[:t]
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def forward_batch(model, chunks: Sequence[np.ndarray], kvs: Sequence[KVCache]) -> list[np.ndarray]:
+    """One forward step over several sequences together.
+
+    Parameters
+    ----------
+    model
+        A :class:`~inference.models.decoder.MoEDecoder` (its expert cache is shared).
+    chunks
+        Per sequence, the token ids ``[T_s]`` it processes this step (a decode
+        token or a prompt chunk), after its ``kvs[s].length`` cached positions.
+    kvs
+        Per sequence, its KV cache; each grows by its chunk's length.
+
+    Returns
+    -------
+    list of numpy.ndarray
+        Per sequence, the ``[V]`` float32 logits of its chunk's last token.
+    """
+    cfg = model.cfg
+    if len(chunks) != len(kvs) or not chunks:
+        raise ValueError("forward_batch needs one KV cache per chunk, and at least one chunk")
+    ids = [np.asarray(c, np.int64).reshape(-1) for c in chunks]
+    for c in ids:
+        if c.size == 0:
+            raise ValueError("forward_batch: a chunk is empty")
+        if c.min() < 0 or c.max() >= cfg.vocab_size:
+            raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
+    lens = [int(c.size) for c in ids]
+    offs = np.concatenate([[0], np.cumsum(lens)]).astype(int)
+    starts = [kv.length for kv in kvs]
+    for kv, s, n in zip(kvs, starts, lens, strict=True):
+        kv.reserve(s + n)
+    positions = [np.arange(s, s + n) for s, n in zip(starts, lens, strict=True)]
+    model.experts.advance(int(offs[-1]))
+    h = take_rows(model.embed, np.concatenate(ids))
+    window = model.trunk_window
+    lookahead = getattr(model.experts, "lookahead", None)
+    for i, lw in enumerate(model.layers):
+        if window is not None:
+            lw = window.layer(i)
+        if model.layer_hook is not None:
+            model.layer_hook(i, h)
+        x = rms_norm(h, lw.input_norm, cfg.rms_eps)
+        h = h + _attention(model, i, lw, x, kvs, starts, positions, offs)
+        x = rms_norm(h, lw.post_attn_norm, cfg.rms_eps)
+        if not cfg.sparse_layers[i]:
+            gate = linear_rows(x, lw.mlp_gate_proj)
+            act = silu(gate) * linear_rows(x, lw.mlp_up_proj)
+            h = h + linear_rows(act, lw.mlp_down_proj)
+            continue
+        if lookahead is not None:
+            lookahead(i, x)
+        routed = _routed(model, i, lw, x)
+        if type(model).routed_extra is not _base_routed_extra():
+            routed = _blockwise(lambda a, b, lw=lw: model.routed_extra(lw, a, b), x, routed)
+        h = h + routed
+    for kv, s, n in zip(kvs, starts, lens, strict=True):
+        kv.length = s + n
+    last = h[offs[1:] - 1]
+    hn = rms_norm(last, model.final_norm, cfg.rms_eps)
+    out = linear_rows(hn, model.lm_head)
+    return [out[j] for j in range(len(ids))]
+
+
+def _base_routed_extra():
+    from czyx.inference.models.decoder import MoEDecoder
+
+    return MoEDecoder.routed_extra
+
+
+def _attention(model, i, lw, x, kvs, starts, positions, offs) -> np.ndarray:
+    """Projections batched (row-independent), RoPE and attention per sequence."""
+    cfg = model.cfg
+    q = linear_rows(x, lw.q_proj)
+    k = linear_rows(x, lw.k_proj)
+    v = linear_rows(x, lw.v_proj)
+    if lw.q_bias is not None:
+        q = q + lw.q_bias
+    if lw.k_bias is not None:
+        k = k + lw.k_bias
+    if lw.v_bias is not None:
+        v = v + lw.v_bias
+    q, k, v = model.post_qkv(lw, q, k, v)  # norms and clipping: per row
+    hd = cfg.head_dim
+    out = np.empty((x.shape[0], cfg.n_heads * hd), F32)
+    for s, kv in enumerate(kvs):
+        a, b = int(offs[s]), int(offs[s + 1])
+        t = b - a
+        qs = q[a:b].reshape(t, cfg.n_heads, hd).transpose(1, 0, 2)
+        ks = k[a:b].reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
+        vs = v[a:b].reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
+        pos = positions[s]
+        qs = model.rotary.apply(qs, pos)
+        ks = model.rotary.apply(ks, pos)
+        kv.write(i, starts[s], ks, vs)
+        end = starts[s] + t
+        out[a:b] = attention(qs, kv.k[i][:, :end], kv.v[i][:, :end], pos, cfg.sliding_windows[i])
+    return linear_rows(out, lw.o_proj)
+
+
+def _routed(model, i: int, lw, x: np.ndarray) -> np.ndarray:
+    """The routed experts of every token of the step: each distinct expert acquired once."""
+    cfg = model.cfg
+    cache = model.experts
+    idx, w = route_topk(linear_rows(x, lw.router), cfg.top_k, cfg.renormalize)
+    model.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
+    t = x.shape[0]
+    contrib = np.zeros((t, cfg.top_k, cfg.hidden_size), F32)
+    flat = idx.ravel()
+    pairs = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=cfg.n_experts)
+    ends = np.cumsum(counts)
+    uniq = np.flatnonzero(counts)
+    # Residents first: a small budget then evicts only after the hits are used.
+    order = uniq[np.argsort(cache.table[i, uniq] < 0, kind="stable")]
+    wflat = w.reshape(-1)
+    cflat = contrib.reshape(t * cfg.top_k, cfg.hidden_size)
+    chunk = cache.max_acquire
+    for c0 in range(0, len(order), chunk):
+        group = order[c0 : c0 + chunk]
+        slots = cache.acquire(i, group)
+        try:
+            for j, s in enumerate(slots.tolist()):
+                gate_up, down = cache.weights(s)
+                e = int(group[j])
+                sel = pairs[ends[e] - counts[e] : ends[e]]
+                y = expert_rows(x[sel // cfg.top_k], gate_up, down)
+                cflat[sel] = y * wflat[sel, None]
+        finally:
+            cache.release()
+    return contrib.sum(axis=1)  # fixed top-k order, as the single-sequence path
+
+
+# --------------------------------------------------------------------------- scheduler
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """How a :class:`Scheduler` admits and steps sequences.
+
+    Attributes
+    ----------
+    max_batch
+        Sequences active (holding KV) at once.
+    max_queue
+        Requests waiting for admission; one more is refused (:class:`QueueFull`).
+    prefill_chunk
+        Prompt tokens a sequence processes per step (fixed: its chunk
+        boundaries, and so its results, never depend on the other sequences).
+    step_tokens
+        Tokens per step at most: every decode token, then prefill chunks in
+        arrival order while they fit (at least one chunk per step).
+    kv_bytes
+        KV memory budget over the active sequences; a sequence reserves its
+        whole context (prompt + max_tokens) at admission. None: unbounded.
+    """
+
+    max_batch: int = 16
+    max_queue: int = 64
+    prefill_chunk: int = 32
+    step_tokens: int = 256
+    kv_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch {self.max_batch} must be at least 1")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue {self.max_queue} is negative")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk {self.prefill_chunk} must be at least 1")
+        if self.step_tokens < 1:
+            raise ValueError(f"step_tokens {self.step_tokens} must be at least 1")
+        if self.kv_bytes is not None and self.kv_bytes <= 0:
+            raise ValueError(f"kv budget {self.kv_bytes} B must be positive")
+
+
+@dataclass(frozen=True)
+class Token:
+    """Event: a sequence chose ``token`` (``index``: 0 for its first generated token)."""
+
+    token: int
+    index: int
+    time: float
+
+
+@dataclass(frozen=True)
+class FinalState:
+    """A finished sequence kept for saving (``keep_state``): every token of its history
+    (restored, prompt, generated) is in ``kv``, and ``logits`` are the next position's."""
+
+    tokens: list[int]
+    kv: KVCache
+    logits: np.ndarray
+    sampler: Sampler
+
+
+@dataclass(frozen=True)
+class Done:
+    """Event: a sequence ended. ``reason``: "stop" (end-of-sequence id), "length",
+    "cancelled" or "error" (then ``error`` says why). ``restored``: positions it
+    resumed from a saved state instead of computing; ``final``: its state when
+    submitted with ``keep_state`` (and it ended by "stop" or "length")."""
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+    restored: int = 0
+    final: FinalState | None = None
+
+
+Event = Token | Done
+
+
+class Handle:
+    """A submitted request: its events (a thread-safe queue) and :meth:`cancel`.
+
+    ``on_event`` (when given at submit) is called from the scheduler's thread
+    with each event as well; it must not block.
+    """
+
+    def __init__(self, rid: int, scheduler: Scheduler, on_event: Callable[[Event], None] | None):
+        import queue
+
+        self.id = rid
+        self._scheduler = scheduler
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._on_event = on_event
+        self.cancelled = False
+        self.submitted = time.perf_counter()
+
+    def _emit(self, ev: Event) -> None:
+        self._events.put(ev)
+        if self._on_event is not None:
+            self._on_event(ev)
+
+    def cancel(self) -> None:
+        """Stop the request: its sequence (and KV) is freed before the next step."""
+        self.cancelled = True
+        self._scheduler._wake()
+
+    def events(self, timeout: float = 60.0):
+        """Yield events until :class:`Done`; each wait is bounded by ``timeout`` seconds."""
+        import queue
+
+        while True:
+            try:
+                ev = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise BatchError(f"request {self.id}: no event in {timeout} s") from None
+            yield ev
+            if isinstance(ev, Done):
+                return
+
+    def result(self, timeout: float = 60.0) -> tuple[list[int], Done]:
+        """Every generated token and the final :class:`Done` (blocking, bounded)."""
+        toks: list[int] = []
+        for ev in self.events(timeout):
+            if isinstance(ev, Token):
+                toks.append(ev.token)
+            else:
+                return toks, ev
+        raise BatchError("unreachable")  # pragma: no cover
+
+
+@dataclass
+class _Seq:
+    handle: Handle
+    prompt: np.ndarray
+    max_tokens: int
+    sampler: Sampler
+    eos: frozenset[int]
+    kv_need: int
+    kv: KVCache | None = None
+    fed: int = 0  # prompt tokens already processed
+    generated: list[int] = field(default_factory=list)
+    history: tuple[np.ndarray, KVCache] | None = None  # restored (tokens, KV)
+    keep_state: bool = False
+    closing: str | None = None  # keep_state: the end reason, once the last token is fed
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Counters of a scheduler (a snapshot)."""
+
+    waiting: int
+    active: int
+    steps: int
+    step_tokens: int  # tokens processed over all steps
+    decode_tokens: int  # decode-step tokens (generated after the first of each sequence)
+    generated: int  # tokens generated (sampled)
+    last_batch: int  # sequences in the last step
+    kv_used: int
+    kv_budget: int | None
+    busy_seconds: float  # time spent in forward steps
+
+
+class Scheduler:
+    """Continuous batching over one model: a worker thread stepping every active sequence.
+
+    Parameters
+    ----------
+    model
+        The decoder (``Engine.model``); its expert cache is shared by all sequences.
+    options
+        :class:`BatchOptions`.
+    on_step
+        Called (from the worker) after each step with ``(sequences, tokens, seconds)``.
+    """
+
+    def __init__(
+        self,
+        model,
+        options: BatchOptions = BatchOptions(),
+        on_step: Callable[[int, int, float], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.options = options
+        self.on_step = on_step
+        cfg = model.cfg
+        self.kv_bytes_per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._active: list[_Seq] = []
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._kv_used = 0
+        self._steps = self._step_tokens = self._decode_tokens = self._generated = 0
+        self._last_batch = 0
+        self._busy = 0.0
+        self._thread = threading.Thread(target=self._run, name="czyx-batch", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        sampling: SamplingParams = SamplingParams(),  # noqa: B008 - frozen
+        eos_ids: Sequence[int] = (),
+        on_event: Callable[[Event], None] | None = None,
+        history: tuple[Sequence[int], KVCache] | None = None,
+        keep_state: bool = False,
+    ) -> Handle:
+        """Queue a request; its events follow on the returned :class:`Handle`.
+
+        ``history`` resumes a saved sequence: its tokens and a KV cache holding
+        exactly them; the prompt continues after them (nothing recomputed).
+        ``keep_state``: once the sequence ends, its last token is fed too (one
+        more step), so :class:`Done` carries a complete :class:`FinalState` to save.
+
+        Raises
+        ------
+        QueueFull
+            ``max_queue`` requests already wait.
+        RequestTooLarge
+            Its context (prompt + max_tokens) exceeds the whole KV budget.
+        ValueError
+            An empty prompt, a token id outside the vocabulary, ``max_tokens < 1``.
+        """
+        ids = np.asarray(list(prompt), np.int64)
+        vocab = self.model.cfg.vocab_size
+        if ids.size == 0:
+            raise ValueError("the prompt is empty: nothing to condition on")
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"prompt token id out of range 0..{vocab - 1}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens {max_tokens} must be at least 1")
+        hist = None
+        if history is not None:
+            h_ids = np.asarray(list(history[0]), np.int64)
+            if history[1].length != h_ids.size:
+                raise ValueError(
+                    f"history of {h_ids.size} tokens with a KV cache of {history[1].length}"
+                )
+            hist = (h_ids, history[1])
+        restored = 0 if hist is None else int(hist[0].size)
+        need = (restored + int(ids.size) + int(max_tokens) + 1) * self.kv_bytes_per_token
+        budget = self.options.kv_bytes
+        if budget is not None and need > budget:
+            raise RequestTooLarge(
+                f"context of {restored} + {ids.size} + {max_tokens} tokens needs {need} B of KV, "
+                f"over the budget of {budget} B"
+            )
+        with self._lock:
+            if self._closed:
+                raise SchedulerClosed("the scheduler is closed")
+            if len(self._waiting) >= self.options.max_queue and not self._can_admit_now(need):
+                raise QueueFull(
+                    f"{len(self._waiting)} requests wait and {len(self._active)} run: queue full"
+                )
+            h = Handle(next(self._ids), self, on_event)
+            seq = _Seq(h, ids, int(max_tokens), Sampler(sampling), frozenset(eos_ids), need)
+            seq.history = hist
+            seq.keep_state = bool(keep_state)
+            self._waiting.append(seq)
+            self._lock.notify_all()
+        return h
+
+    def stats(self) -> SchedulerStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            return SchedulerStats(
+                waiting=len(self._waiting),
+                active=len(self._active),
+                steps=self._steps,
+                step_tokens=self._step_tokens,
+                decode_tokens=self._decode_tokens,
+                generated=self._generated,
+                last_batch=self._last_batch,
+                kv_used=self._kv_used,
+                kv_budget=self.options.kv_bytes,
+                busy_seconds=self._busy,
+            )
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop: every pending sequence ends "cancelled"; waits for the worker (bounded)."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ worker
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    def _can_admit_now(self, need: int) -> bool:
+        """Whether a new request would be admitted at the next step (nothing ahead of it)."""
+        if self._waiting or len(self._active) >= self.options.max_batch:
+            return False
+        budget = self.options.kv_bytes
+        return budget is None or self._kv_used + need <= budget
+
+    def _admit(self) -> None:
+        """Move waiting requests to active while sequences and KV allow (FIFO, no skipping)."""
+        budget = self.options.kv_bytes
+        while self._waiting and len(self._active) < self.options.max_batch:
+            seq = self._waiting[0]
+            if budget is not None and self._kv_used + seq.kv_need > budget:
+                break
+            self._waiting.popleft()
+            self._kv_used += seq.kv_need
+            restored = 0 if seq.history is None else int(seq.history[0].size)
+            cap = restored + int(seq.prompt.size + seq.max_tokens) + 1
+            seq.kv = self.model.new_kv(capacity=cap)
+            if seq.history is not None:
+                old = seq.history[1]
+                for i in range(len(old.k)):
+                    seq.kv.k[i][:, :restored] = old.k[i][:, :restored]
+                    seq.kv.v[i][:, :restored] = old.v[i][:, :restored]
+                seq.kv.length = restored
+            self._active.append(seq)
+
+    def _finish(
+        self, seq: _Seq, reason: str, error: str | None = None, final: FinalState | None = None
+    ) -> None:
+        if seq.kv is not None:
+            self._kv_used -= seq.kv_need
+            seq.kv = None
+        restored = 0 if seq.history is None else int(seq.history[0].size)
+        seq.history = None
+        seq.handle._emit(
+            Done(reason, int(seq.prompt.size), len(seq.generated), error, restored, final)
+        )
+
+    def _end(self, seq: _Seq, reason: str) -> None:
+        """End by "stop"/"length": at once, or (``keep_state``) after feeding the last token."""
+        if seq.keep_state:
+            seq.closing = reason  # the next step feeds the last token, then finishes
+            return
+        self._active.remove(seq)
+        self._finish(seq, reason)
+
+    def _reap_cancelled(self) -> None:
+        for seq in [s for s in self._waiting if s.handle.cancelled]:
+            self._waiting.remove(seq)
+            self._finish(seq, "cancelled")
+        for seq in [s for s in self._active if s.handle.cancelled]:
+            self._active.remove(seq)
+            self._finish(seq, "cancelled")
+
+    def _plan(self) -> list[tuple[_Seq, np.ndarray]]:
+        """This step's work: every decoding sequence's token, then prefill chunks that fit."""
+        work: list[tuple[_Seq, np.ndarray]] = []
+        budget = self.options.step_tokens
+        for seq in self._active:
+            if seq.fed == seq.prompt.size and seq.generated:
+                work.append((seq, np.array(seq.generated[-1:], np.int64)))
+                budget -= 1
+        for seq in self._active:
+            if seq.fed < seq.prompt.size:
+                chunk = seq.prompt[seq.fed : seq.fed + self.options.prefill_chunk]
+                if work and chunk.size > budget:
+                    break
+                work.append((seq, chunk))
+                budget -= chunk.size
+        return work
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._reap_cancelled()
+                if self._closed:
+                    for seq in [*self._waiting, *self._active]:
+                        self._finish(seq, "cancelled")
+                    self._waiting.clear()
+                    self._active.clear()
+                    return
+                self._admit()
+                work = self._plan()
+                if not work:
+                    self._lock.wait(timeout=1.0)
+                    continue
+            self._step(work)
+
+    def _step(self, work: list[tuple[_Seq, np.ndarray]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            logits = forward_batch(self.model, [c for _, c in work], [s.kv for s, _ in work])
+        except Exception as exc:  # fail closed: every sequence of the step ends with the error
+            with self._lock:
+                for seq, _ in work:
+                    if seq in self._active:
+                        self._active.remove(seq)
+                    self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            return
+        now = time.perf_counter()
+        n_tokens = sum(int(c.size) for _, c in work)
+        with self._lock:
+            self._steps += 1
+            self._step_tokens += n_tokens
+            self._last_batch = len(work)
+            self._busy += now - t0
+            for (seq, chunk), lg in zip(work, logits, strict=True):
+                if seq.closing is not None:  # its last token is now in the KV: keep the state
+                    hist = [] if seq.history is None else seq.history[0].tolist()
+                    final = FinalState(
+                        [*hist, *seq.prompt.tolist(), *seq.generated], seq.kv, lg, seq.sampler
+                    )
+                    self._active.remove(seq)
+                    self._finish(seq, seq.closing, final=final)
+                    continue
+                decoding = seq.fed == seq.prompt.size
+                if decoding:
+                    self._decode_tokens += 1
+                else:
+                    seq.fed += int(chunk.size)
+                    if seq.fed < seq.prompt.size:
+                        continue  # more prompt to go: no token yet
+                if seq.handle.cancelled:
+                    continue  # reaped before the next step
+                tok = seq.sampler(lg)
+                seq.generated.append(tok)
+                self._generated += 1
+                seq.handle._emit(Token(tok, len(seq.generated) - 1, now))
+                if tok in seq.eos:
+                    self._end(seq, "stop")
+                elif len(seq.generated) >= seq.max_tokens:
+                    self._end(seq, "length")
+        if self.on_step is not None:
+            self.on_step(len(work), n_tokens, now - t0)

@@ -1,0 +1,992 @@
+/* The engine's decode kernels: threaded, vectorised products on weights as stored.
+ *
+ * Scope: a matrix descriptor (czk_mat) over float32, float16, bfloat16 or the
+ * packed group-wise q2/q3/q4/q8 layout of store/quant/formats.py (codes | fp16
+ * scales | fp16 mins, w = d * q + m), and the calls one decode step needs:
+ * a matvec, a whole MoE layer (every routed expert: gate and up, SwiGLU, down,
+ * the routing weight, the sum), the attention block of one token (RMSNorm,
+ * q/k/v, RoPE, KV write, grouped-query attention, o_proj, residual, the
+ * post-attention RMSNorm) and softmax top-k routing. Weights are read in place
+ * (a slot's bytes, a trunk array): nothing is widened into a float32 copy.
+ *
+ * Threads: a pool of pthreads owned by the engine (czk_pool_new). Every
+ * parallel loop is over output rows (or heads) with a fixed contiguous
+ * partition; each output is computed by exactly one thread with the same
+ * instructions whatever the partition, and no reduction crosses threads, so
+ * results are bit-identical for every thread count. Loops too small to pay
+ * for a wake-up (czk_set_min_work) run on the calling thread.
+ *
+ * Numerics, float formats: products in float32 with FMA (AVX2) or separate
+ * multiply/add (portable), four (AVX2) or eight (portable) partial sums per
+ * row, so results differ from numpy's BLAS by float32 rounding only.
+ *
+ * Numerics, quantized formats: as llama.cpp's Q4_1 x Q8_1, the input vector is
+ * quantized once per call in blocks of 32: sx_b = max|x| / 127, xq =
+ * rint(x / sx_b) in [-127, 127] (round half to even), plus the float32 sum of
+ * each block (sequential). A row is then
+ *     y = sum_b (d_g(b) * sx_b) * dot_b(q, xq)  +  sum_g m_g * sum_{b in g} xsum_b
+ * where dot_b is an exact integer dot product of the codes with xq, taken as
+ * eight partial sums of four consecutive products (AVX-512 VNNI vpdpbusd, or
+ * AVX2 vpmaddubsw/vpmaddwd, or plain C: the same integers), converted to
+ * float and accumulated per lane in block order with a separate multiply and
+ * add, then the eight lanes summed in a fixed tree. Every path therefore gives
+ * the same bits, and a numpy reference performing the same float32 operations
+ * reproduces them exactly (tests/inference/kernels/test_czk.py). The only
+ * approximation against float weights is the 8-bit input (relative error of
+ * an input at most 1/254 of its block's largest magnitude).
+ *
+ * Dispatch: AVX-512 VNNI+VL, AVX2+FMA+F16C or portable C, chosen once at run
+ * time with __builtin_cpu_supports; hot functions carry target attributes and
+ * the build passes no -march, so one build runs on every x86-64.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define CZK_X86 1
+#include <immintrin.h>
+#else
+#define CZK_X86 0
+#endif
+
+#define CZK_F32 0
+#define CZK_F16 1
+#define CZK_BF16 2
+#define CZK_Q 3
+/* Most weight groups per row the SIMD row kernels take (cols <= 32 * CZK_GMAX). */
+#define CZK_GMAX 2048
+
+typedef struct {
+    int kind;
+    int bits;
+    int64_t group;
+    int64_t rows, cols;
+    const void *data;
+    const uint16_t *scales;
+    const uint16_t *mins;
+} czk_mat;
+
+typedef struct {
+    int n_heads, n_kv, head_dim, rot;
+    float eps, scale;
+    czk_mat q, k, v, o;
+    const float *in_norm, *post_norm, *qb, *kb, *vb;
+} czk_attn;
+
+/* ------------------------------------------------------------ CPU level */
+
+static int czk_cap = 2;
+
+static int czk_hw_level(void) {
+#if CZK_X86
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = 0;
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+            __builtin_cpu_supports("f16c")) {
+            cached = 1;
+            if (__builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+                cached = 2;
+        }
+    }
+    return cached;
+#else
+    return 0;
+#endif
+}
+
+/* 0 portable, 1 AVX2, 2 AVX-512 VNNI. */
+int czk_level(void) {
+    int hw = czk_hw_level();
+    return hw < czk_cap ? hw : czk_cap;
+}
+
+void czk_set_cap(int level) { czk_cap = level < 0 ? 0 : level; }
+
+/* ------------------------------------------------------------ thread pool */
+
+typedef void (*czk_fn)(void *ctx, int64_t t0, int64_t t1);
+
+typedef struct czk_pool {
+    int n;
+    pthread_t *th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int64_t gen; /* guarded by mu; read with atomics while spinning */
+    int stop;
+    int used;
+    int pending;
+    czk_fn fn;
+    void *ctx;
+    int64_t ntasks;
+} czk_pool;
+
+typedef struct {
+    czk_pool *p;
+    int id;
+} czk_worker_arg;
+
+static int64_t czk_min_work = 1 << 16;
+
+/* Multiply-adds below which a loop runs on the calling thread only. */
+void czk_set_min_work(int64_t w) { czk_min_work = w < 1 ? 1 : w; }
+
+static inline void czk_relax(void) {
+#if CZK_X86
+    _mm_pause();
+#endif
+}
+
+static void *czk_worker(void *arg_) {
+    czk_worker_arg *arg = (czk_worker_arg *)arg_;
+    czk_pool *p = arg->p;
+    const int id = arg->id;
+    free(arg);
+    int64_t seen = 0;
+    for (;;) {
+        /* Spin briefly (a decode step dispatches many small loops), then sleep. */
+        int64_t g = __atomic_load_n(&p->gen, __ATOMIC_ACQUIRE);
+        for (int i = 0; g == seen && i < 20000; i++) {
+            czk_relax();
+            if ((i & 1023) == 1023) sched_yield();
+            g = __atomic_load_n(&p->gen, __ATOMIC_ACQUIRE);
+        }
+        if (g == seen) {
+            pthread_mutex_lock(&p->mu);
+            while (p->gen == seen && !p->stop) pthread_cond_wait(&p->cv, &p->mu);
+            g = p->gen;
+            pthread_mutex_unlock(&p->mu);
+        }
+        if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) return NULL;
+        seen = g;
+        const int used = p->used;
+        if (id < used) {
+            const int64_t n = p->ntasks;
+            p->fn(p->ctx, n * id / used, n * (id + 1) / used);
+        }
+        __atomic_sub_fetch(&p->pending, 1, __ATOMIC_ACQ_REL);
+    }
+}
+
+czk_pool *czk_pool_new(int n) {
+    if (n < 1) return NULL;
+    czk_pool *p = (czk_pool *)calloc(1, sizeof(czk_pool));
+    if (!p) return NULL;
+    p->n = n;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    p->th = (pthread_t *)calloc((size_t)n, sizeof(pthread_t));
+    if (!p->th) {
+        free(p);
+        return NULL;
+    }
+    for (int i = 1; i < n; i++) {
+        czk_worker_arg *a = (czk_worker_arg *)malloc(sizeof(czk_worker_arg));
+        if (a) {
+            a->p = p;
+            a->id = i;
+        }
+        if (!a || pthread_create(&p->th[i], NULL, czk_worker, a) != 0) {
+            free(a);
+            p->n = i; /* the workers started so far are joined by free */
+            break;
+        }
+    }
+    return p;
+}
+
+int czk_pool_size(const czk_pool *p) { return p ? p->n : 1; }
+
+void czk_pool_free(czk_pool *p) {
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    __atomic_store_n(&p->stop, 1, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&p->gen, 1, __ATOMIC_ACQ_REL);
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 1; i < p->n; i++) pthread_join(p->th[i], NULL);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    free(p->th);
+    free(p);
+}
+
+/* Run fn over tasks [0, ntasks) split in contiguous equal parts; `work` is the
+ * loop's multiply-adds (it decides how many threads are worth waking). */
+static void czk_run(czk_pool *p, czk_fn fn, void *ctx, int64_t ntasks, int64_t work) {
+    if (ntasks <= 0) return;
+    int used = p ? p->n : 1;
+    int64_t by_work = work / czk_min_work;
+    if (by_work < used) used = by_work < 1 ? 1 : (int)by_work;
+    if (used > ntasks) used = (int)ntasks;
+    if (used <= 1) {
+        fn(ctx, 0, ntasks);
+        return;
+    }
+    pthread_mutex_lock(&p->mu);
+    p->fn = fn;
+    p->ctx = ctx;
+    p->ntasks = ntasks;
+    p->used = used;
+    __atomic_store_n(&p->pending, p->n - 1, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&p->gen, 1, __ATOMIC_ACQ_REL);
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    fn(ctx, 0, ntasks / used);
+    for (int i = 0; __atomic_load_n(&p->pending, __ATOMIC_ACQUIRE) > 0; i++) {
+        czk_relax();
+        if ((i & 255) == 255) sched_yield();
+    }
+}
+
+/* ------------------------------------------------------------ helpers */
+
+static inline float czk_h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    uint32_t b;
+    float f;
+    if (exp == 0) {
+        f = (float)mant * 5.9604644775390625e-08f;
+        memcpy(&b, &f, 4);
+        b |= sign;
+    } else if (exp == 31) {
+        b = sign | 0x7f800000u | (mant << 13);
+    } else {
+        b = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static inline float czk_bf2f(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* The quantized input of a product: blocks of 32 (see the header). q4p holds
+ * each block's codes in the nibble order of 4-bit rows: even then odd. */
+typedef struct {
+    int64_t n;
+    int8_t *q;
+    int8_t *q4p;
+    float *sx;
+    float *bsum;
+    float *gsum;   /* per weight group of `ggroup` columns: sum of its block sums, in order */
+    int64_t ggroup;
+} czk_xq;
+
+static size_t czk_xq_bytes(int64_t n) { return (size_t)(2 * n + 12 * (n / 32)) + 64; }
+
+static void czk_xq_bind(czk_xq *a, void *mem, int64_t n) {
+    uint8_t *m = (uint8_t *)mem;
+    a->n = n;
+    a->sx = (float *)m;
+    a->bsum = a->sx + n / 32;
+    a->gsum = a->bsum + n / 32;
+    a->ggroup = 0;
+    a->q = (int8_t *)(a->gsum + n / 32);
+    a->q4p = a->q + n;
+}
+
+/* The group sums for weight groups of `group` columns (before a parallel loop). */
+static void czk_xq_groups(czk_xq *a, int64_t group) {
+    if (a->ggroup == group) return;
+    const int64_t bpg = group / 32, G = a->n / group;
+    for (int64_t g = 0; g < G; g++) {
+        float gs = 0.0f;
+        for (int64_t b = 0; b < bpg; b++) gs += a->bsum[g * bpg + b];
+        a->gsum[g] = gs;
+    }
+    a->ggroup = group;
+}
+
+static void czk_quantize(const float *x, czk_xq *a) {
+    const int64_t nb = a->n / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f, s = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            float v = fabsf(xb[i]);
+            amax = v > amax ? v : amax;
+            s += xb[i];
+        }
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t *q = a->q + 32 * b, *p = a->q4p + 32 * b;
+        for (int i = 0; i < 32; i++) {
+            float v = nearbyintf(xb[i] * id);
+            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+            q[i] = (int8_t)v;
+        }
+        for (int i = 0; i < 16; i++) {
+            p[i] = q[2 * i];
+            p[16 + i] = q[2 * i + 1];
+        }
+        a->sx[b] = d;
+        a->bsum[b] = s;
+    }
+    a->ggroup = 0;
+}
+
+/* Exported for the tests: the quantized input exactly as the kernels use it. */
+void czk_quantize_input(const float *x, int64_t n, int8_t *q, float *sx, float *bsum) {
+    czk_xq a;
+    void *mem = malloc(czk_xq_bytes(n));
+    if (!mem) return;
+    czk_xq_bind(&a, mem, n);
+    czk_quantize(x, &a);
+    memcpy(q, a.q, (size_t)n);
+    memcpy(sx, a.sx, sizeof(float) * (size_t)(n / 32));
+    memcpy(bsum, a.bsum, sizeof(float) * (size_t)(n / 32));
+    free(mem);
+}
+
+static inline float czk_tree8(const float *a) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+/* 32 codes of a 2/3-bit row block (little-endian bit stream) as bytes. */
+static inline void czk_unpack32(const uint8_t *c, int bits, uint8_t *out) {
+    const uint32_t mask = (1u << bits) - 1u;
+    for (int t = 0; t < 4; t++) {
+        uint64_t w = 0;
+        for (int k = 0; k < bits; k++) w |= (uint64_t)c[t * bits + k] << (8 * k);
+        for (int k = 0; k < 8; k++) out[8 * t + k] = (uint8_t)((w >> (bits * k)) & mask);
+    }
+}
+
+/* The m-term of a row: sum_g m_g * gsum_g, in order (gsum: czk_xq_groups). */
+static inline float czk_mterm(const czk_mat *m, int64_t r, const czk_xq *a) {
+    const int64_t G = m->cols / m->group;
+    const uint16_t *mn = m->mins + r * G;
+    float t = 0.0f;
+    for (int64_t g = 0; g < G; g++) t += czk_h2f(mn[g]) * a->gsum[g];
+    return t;
+}
+
+/* ------------------------------------------------------------ portable rows */
+
+static void czk_rows_q_portable(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
+                                int64_t r1) {
+    const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
+    const int64_t rb = m->cols * m->bits / 8;
+    const uint8_t *codes = (const uint8_t *)m->data;
+    uint8_t u[32];
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *c = codes + r * rb;
+        const uint16_t *sc = m->scales + r * G;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *xq;
+            if (m->bits == 4) {
+                for (int i = 0; i < 16; i++) {
+                    u[i] = c[16 * b + i] & 15u;
+                    u[16 + i] = c[16 * b + i] >> 4;
+                }
+                xq = a->q4p + 32 * b;
+            } else if (m->bits == 8) {
+                memcpy(u, c + 32 * b, 32);
+                xq = a->q + 32 * b;
+            } else {
+                czk_unpack32(c + 4 * m->bits * b, m->bits, u);
+                xq = a->q + 32 * b;
+            }
+            const float s = czk_h2f(sc[b / bpg]) * a->sx[b];
+            for (int k = 0; k < 8; k++) {
+                int32_t d = 0;
+                for (int i = 0; i < 4; i++) d += (int32_t)u[4 * k + i] * (int32_t)xq[4 * k + i];
+                float t = (float)d * s;
+                acc[k] = acc[k] + t;
+            }
+        }
+        y[r] = czk_tree8(acc) + czk_mterm(m, r, a);
+    }
+}
+
+static inline float czk_wf(const czk_mat *m, int64_t i) {
+    if (m->kind == CZK_F16) return czk_h2f(((const uint16_t *)m->data)[i]);
+    if (m->kind == CZK_BF16) return czk_bf2f(((const uint16_t *)m->data)[i]);
+    return ((const float *)m->data)[i];
+}
+
+static void czk_rows_f_portable(const czk_mat *m, const float *x, float *y, int64_t r0,
+                                int64_t r1) {
+    const int64_t C = m->cols;
+    for (int64_t r = r0; r < r1; r++) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t c = 0;
+        for (; c + 8 <= C; c += 8)
+            for (int k = 0; k < 8; k++) acc[k] += czk_wf(m, r * C + c + k) * x[c + k];
+        float t = czk_tree8(acc);
+        for (; c < C; c++) t += czk_wf(m, r * C + c) * x[c];
+        y[r] = t;
+    }
+}
+
+/* ------------------------------------------------------------ AVX2 rows */
+#if CZK_X86
+#define CZK_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define CZK_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+CZK_AVX2 static inline float czk_hsum8(__m256 v) {
+    float a[8];
+    _mm256_storeu_ps(a, v);
+    return czk_tree8(a);
+}
+
+CZK_AVX2 static inline __m256 czk_load8(const czk_mat *m, int64_t i) {
+    if (m->kind == CZK_F32) return _mm256_loadu_ps((const float *)m->data + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)m->data + i));
+    if (m->kind == CZK_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+CZK_AVX2 static void czk_rows_f_avx2(const czk_mat *m, const float *x, float *y, int64_t r0,
+                                     int64_t r1) {
+    const int64_t C = m->cols;
+    for (int64_t r = r0; r < r1; r++) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const int64_t base = r * C;
+        int64_t c = 0;
+        for (; c + 32 <= C; c += 32) {
+            a0 = _mm256_fmadd_ps(czk_load8(m, base + c), _mm256_loadu_ps(x + c), a0);
+            a1 = _mm256_fmadd_ps(czk_load8(m, base + c + 8), _mm256_loadu_ps(x + c + 8), a1);
+            a2 = _mm256_fmadd_ps(czk_load8(m, base + c + 16), _mm256_loadu_ps(x + c + 16), a2);
+            a3 = _mm256_fmadd_ps(czk_load8(m, base + c + 24), _mm256_loadu_ps(x + c + 24), a3);
+        }
+        for (; c + 8 <= C; c += 8)
+            a0 = _mm256_fmadd_ps(czk_load8(m, base + c), _mm256_loadu_ps(x + c), a0);
+        float t = czk_hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        for (; c < C; c++) t += czk_wf(m, base + c) * x[c];
+        y[r] = t;
+    }
+}
+
+/* n halves to floats with F16C (bit-exact, as czk_h2f). */
+CZK_AVX2 static inline void czk_h2f_row(const uint16_t *h, int64_t n, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) out[i] = _cvtsh_ss(h[i]);
+}
+
+/* The 32 code bytes of block b in the order of its xq (4-bit: low nibbles then high). */
+CZK_AVX2 static inline __m256i czk_codes32(const uint8_t *c, int bits, int64_t b) {
+    if (bits == 4) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(c + 16 * b));
+        const __m128i m4 = _mm_set1_epi8(15);
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+    }
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(c + 32 * b));
+    uint8_t u[32];
+    czk_unpack32(c + 4 * bits * b, bits, u);
+    return _mm256_loadu_si256((const __m256i *)u);
+}
+
+/* Eight lanes, lane k = sum of products 4k..4k+3 (codes unsigned, xq signed). */
+CZK_AVX2 static inline __m256i czk_dot_avx2(__m256i c, __m256i xq, int bits) {
+    if (bits == 8) { /* 255 * 127 * 2 overflows vpmaddubsw's int16: widen instead */
+        const __m256i c0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(c));
+        const __m256i c1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(c, 1));
+        const __m256i x0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(xq));
+        const __m256i x1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(xq, 1));
+        const __m256i h = _mm256_hadd_epi32(_mm256_madd_epi16(c0, x0), _mm256_madd_epi16(c1, x1));
+        return _mm256_permute4x64_epi64(h, 0xD8);
+    }
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(c, xq), _mm256_set1_epi16(1));
+}
+
+CZK_AVX2 static void czk_rows_q_avx2(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
+                                     int64_t r1) {
+    const int64_t bpg = m->group / 32, G = m->cols / m->group;
+    const int64_t rb = m->cols * m->bits / 8;
+    const int bits = m->bits;
+    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
+    float ds[CZK_GMAX], mn[CZK_GMAX];
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *c = (const uint8_t *)m->data + r * rb;
+        czk_h2f_row(m->scales + r * G, G, ds);
+        czk_h2f_row(m->mins + r * G, G, mn);
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t g = 0, b = 0; g < G; g++) {
+            for (int64_t e = b + bpg; b < e; b++) {
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
+                const __m256i d = czk_dot_avx2(czk_codes32(c, bits, b), xq, bits);
+                const float s = ds[g] * a->sx[b];
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
+            }
+        }
+        float t = 0.0f;
+        for (int64_t g = 0; g < G; g++) t += mn[g] * a->gsum[g];
+        y[r] = czk_hsum8(acc) + t;
+    }
+}
+
+CZK_VNNI static void czk_rows_q_vnni(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
+                                     int64_t r1) {
+    const int64_t bpg = m->group / 32, G = m->cols / m->group;
+    const int64_t rb = m->cols * m->bits / 8;
+    const int bits = m->bits;
+    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
+    float ds[CZK_GMAX], mn[CZK_GMAX];
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *c = (const uint8_t *)m->data + r * rb;
+        czk_h2f_row(m->scales + r * G, G, ds);
+        czk_h2f_row(m->mins + r * G, G, mn);
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t g = 0, b = 0; g < G; g++) {
+            for (int64_t e = b + bpg; b < e; b++) {
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
+                const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), czk_codes32(c, bits, b), xq);
+                const float s = ds[g] * a->sx[b];
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
+            }
+        }
+        float t = 0.0f;
+        for (int64_t g = 0; g < G; g++) t += mn[g] * a->gsum[g];
+        y[r] = czk_hsum8(acc) + t;
+    }
+}
+#endif
+
+/* Rows [r0, r1) of m @ x (x float for float kinds, `a` for quantized ones). */
+static void czk_rows(const czk_mat *m, const float *x, const czk_xq *a, float *y, int64_t r0,
+                     int64_t r1) {
+    const int lvl = czk_level();
+    if (m->kind == CZK_Q) {
+#if CZK_X86
+        if (m->cols / m->group > CZK_GMAX) return czk_rows_q_portable(m, a, y, r0, r1);
+        if (lvl == 2) return czk_rows_q_vnni(m, a, y, r0, r1);
+        if (lvl == 1) return czk_rows_q_avx2(m, a, y, r0, r1);
+#endif
+        return czk_rows_q_portable(m, a, y, r0, r1);
+    }
+#if CZK_X86
+    if (lvl >= 1) return czk_rows_f_avx2(m, x, y, r0, r1);
+#endif
+    czk_rows_f_portable(m, x, y, r0, r1);
+}
+
+static int czk_check(const czk_mat *m) {
+    if (m->rows < 0 || m->cols <= 0 || !m->data) return 0;
+    if (m->kind == CZK_Q) {
+        if (!(m->bits == 2 || m->bits == 3 || m->bits == 4 || m->bits == 8)) return 0;
+        if (m->group <= 0 || m->group % 32 || m->cols % m->group || !m->scales || !m->mins)
+            return 0;
+        return 1;
+    }
+    return m->kind == CZK_F32 || m->kind == CZK_F16 || m->kind == CZK_BF16;
+}
+
+/* ------------------------------------------------------------ matvec */
+
+typedef struct {
+    const czk_mat *m;
+    const float *x;
+    const czk_xq *a;
+    float *y;
+} czk_mv_ctx;
+
+static void czk_mv_task(void *ctx_, int64_t t0, int64_t t1) {
+    czk_mv_ctx *c = (czk_mv_ctx *)ctx_;
+    czk_rows(c->m, c->x, c->a, c->y, t0, t1);
+}
+
+/* Scratch bytes a call needs for inputs of n floats (quantization buffers). */
+int64_t czk_work_bytes(int64_t n) { return (int64_t)czk_xq_bytes(n) + 64; }
+
+static void *czk_align(void *p) { return (void *)(((uintptr_t)p + 63u) & ~(uintptr_t)63u); }
+
+/* y = m @ x. work: czk_work_bytes(m->cols) bytes. Returns 0, or -1 on bad arguments. */
+int czk_matvec(czk_pool *p, const czk_mat *m, const float *x, float *y, void *work) {
+    if (!czk_check(m)) return -1;
+    czk_xq a;
+    if (m->kind == CZK_Q) {
+        czk_xq_bind(&a, czk_align(work), m->cols);
+        czk_quantize(x, &a);
+        czk_xq_groups(&a, m->group);
+    }
+    czk_mv_ctx c = {m, x, &a, y};
+    czk_run(p, czk_mv_task, &c, m->rows, m->rows * m->cols);
+    return 0;
+}
+
+/* ------------------------------------------------------------ MoE layer */
+
+typedef struct {
+    int n;
+    int64_t H, I;
+    const czk_mat *mats; /* gate, up, down per table entry */
+    const int64_t *slots;
+    const float *w;
+    const float *x;
+    const czk_xq *ax;
+    float *act; /* [n, I] */
+    const czk_xq *aact;
+    float *y;
+} czk_moe_ctx;
+
+static void czk_moe_gu_task(void *ctx_, int64_t t0, int64_t t1) {
+    czk_moe_ctx *c = (czk_moe_ctx *)ctx_;
+    float g[64], u[64];
+    for (int64_t t = t0; t < t1;) {
+        const int64_t j = t / c->I, r = t % c->I;
+        int64_t e = (j + 1) * c->I;
+        if (e > t1) e = t1;
+        if (e - t > 64) e = t + 64;
+        const czk_mat *gm = &c->mats[3 * c->slots[j]], *um = &c->mats[3 * c->slots[j] + 1];
+        czk_rows(gm, c->x, c->ax, g - r, r, r + (e - t));
+        czk_rows(um, c->x, c->ax, u - r, r, r + (e - t));
+        float *act = c->act + j * c->I;
+        for (int64_t i = 0; i < e - t; i++) {
+            const float gv = g[i];
+            act[r + i] = gv / (1.0f + expf(-gv)) * u[i];
+        }
+        t = e;
+    }
+}
+
+static void czk_moe_down_task(void *ctx_, int64_t t0, int64_t t1) {
+    czk_moe_ctx *c = (czk_moe_ctx *)ctx_;
+    float d[64];
+    for (int64_t r = t0; r < t1; r += 64) {
+        const int64_t e = r + 64 < t1 ? r + 64 : t1;
+        for (int j = 0; j < c->n; j++) {
+            const czk_xq *aj = NULL;
+            czk_xq sub;
+            if (c->aact) { /* expert j's slice of the quantized activations */
+                sub.n = c->I;
+                sub.q = c->aact->q + j * c->I;
+                sub.q4p = c->aact->q4p + j * c->I;
+                sub.sx = c->aact->sx + j * (c->I / 32);
+                sub.bsum = c->aact->bsum + j * (c->I / 32);
+                sub.ggroup = c->aact->ggroup;
+                sub.gsum = c->aact->gsum + j * (c->I / c->aact->ggroup);
+                aj = &sub;
+            }
+            czk_rows(&c->mats[3 * c->slots[j] + 2], c->act + j * c->I, aj, d - r, r, e);
+            const float wj = c->w[j];
+            if (j == 0)
+                for (int64_t i = r; i < e; i++) c->y[i] = wj * d[i - r];
+            else
+                for (int64_t i = r; i < e; i++) c->y[i] += wj * d[i - r];
+        }
+    }
+}
+
+/* Scratch bytes of czk_moe for n experts of hidden H and intermediate I. */
+int64_t czk_moe_work_bytes(int n, int64_t H, int64_t I) {
+    return (int64_t)(sizeof(float) * (size_t)(n * I)) + 64 + czk_work_bytes(H) +
+           czk_work_bytes((int64_t)n * I) + 64;
+}
+
+/* One token through n routed experts: y = sum_j w[j] * down_j(silu(gate_j x) * up_j x),
+ * summed in j order. Expert j is table entry slots[j]: (gate [I, H], up [I, H],
+ * down [H, I]) at table[3 * slots[j]] (a slot cache's descriptors, made once).
+ * Returns 0, or -1 on inconsistent shapes or formats. */
+int czk_moe(czk_pool *p, int n, const czk_mat *table, const int64_t *slots, const float *w,
+            const float *x, float *y, void *work) {
+    if (n <= 0) return -1;
+    const czk_mat *mats = table;
+    const int64_t I = table[3 * slots[0]].rows, H = table[3 * slots[0]].cols;
+    const int kind0 = table[3 * slots[0]].kind;
+    for (int j = 0; j < n; j++) {
+        const czk_mat *g = &table[3 * slots[j]], *u = g + 1, *d = g + 2;
+        if (!czk_check(g) || !czk_check(u) || !czk_check(d)) return -1;
+        if (g->rows != I || g->cols != H || u->rows != I || u->cols != H || d->rows != H ||
+            d->cols != I)
+            return -1;
+        if ((g->kind == CZK_Q) != (kind0 == CZK_Q) || u->kind != g->kind || d->kind != g->kind)
+            return -1;
+        if (kind0 == CZK_Q && (g->group != table[3 * slots[0]].group || u->group != g->group ||
+                               d->group != table[3 * slots[0] + 2].group))
+            return -1;
+    }
+    if (kind0 == CZK_Q && I % 32) return -1;
+    const int quant = kind0 == CZK_Q;
+    uint8_t *m = (uint8_t *)czk_align(work);
+    float *act = (float *)m;
+    m = (uint8_t *)czk_align(m + sizeof(float) * (size_t)(n * I));
+    czk_xq ax, aact;
+    if (quant) {
+        czk_xq_bind(&ax, m, H);
+        m = (uint8_t *)czk_align(m + czk_xq_bytes(H));
+        czk_xq_bind(&aact, m, (int64_t)n * I);
+        czk_quantize(x, &ax);
+        czk_xq_groups(&ax, table[3 * slots[0]].group);
+    }
+    czk_moe_ctx c = {n, H, I, mats, slots, w, x, quant ? &ax : NULL, act, NULL, y};
+    czk_run(p, czk_moe_gu_task, &c, (int64_t)n * I, 2 * (int64_t)n * I * H);
+    if (quant) {
+        czk_quantize(act, &aact);
+        czk_xq_groups(&aact, table[3 * slots[0] + 2].group);
+        c.aact = &aact;
+    }
+    czk_run(p, czk_moe_down_task, &c, H, (int64_t)n * I * H);
+    return 0;
+}
+
+/* ------------------------------------------------------------ attention block */
+
+static void czk_rms(const float *x, const float *w, int64_t n, float eps, float *out) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(s / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
+}
+
+void czk_rmsnorm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    czk_rms(x, w, n, eps, out);
+}
+
+typedef struct {
+    const czk_attn *a;
+    const czk_mat *m[3];
+    int64_t off[4];
+    const float *x;
+    const czk_xq *ax;
+    float *y;
+} czk_qkv_ctx;
+
+static void czk_qkv_task(void *ctx_, int64_t t0, int64_t t1) {
+    czk_qkv_ctx *c = (czk_qkv_ctx *)ctx_;
+    for (int i = 0; i < 3; i++) {
+        int64_t lo = t0 > c->off[i] ? t0 : c->off[i];
+        int64_t hi = t1 < c->off[i + 1] ? t1 : c->off[i + 1];
+        if (lo < hi)
+            czk_rows(c->m[i], c->x, c->ax, c->y + c->off[i], lo - c->off[i], hi - c->off[i]);
+    }
+}
+
+typedef struct {
+    const czk_attn *a;
+    const float *q;
+    const float *kc, *vc;
+    int64_t cap, start, end;
+    float *out;
+    float *scores; /* [n_heads, end] */
+} czk_heads_ctx;
+
+#if CZK_X86
+/* The same loops with eight-float vectors (head_dim a multiple of 8); the dot
+ * product's eight lanes are summed in czk_tree8's order, as the portable path. */
+CZK_AVX2 static void czk_heads_avx2(czk_heads_ctx *c, int64_t t0, int64_t t1) {
+    const int hd = c->a->head_dim, groups = c->a->n_heads / c->a->n_kv;
+    for (int64_t h = t0; h < t1; h++) {
+        const int64_t g = h / groups;
+        const float *q = c->q + h * hd;
+        const float *k = c->kc + g * c->cap * hd, *v = c->vc + g * c->cap * hd;
+        float *s = c->scores + h * c->end;
+        float mx = -INFINITY;
+        for (int64_t j = c->start; j < c->end; j++) {
+            const float *kj = k + j * hd;
+            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kj));
+            for (int i = 8; i < hd; i += 8)
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + i),
+                                                       _mm256_loadu_ps(kj + i)));
+            const float t = czk_hsum8(acc) * c->a->scale;
+            s[j] = t;
+            mx = t > mx ? t : mx;
+        }
+        float sum = 0.0f;
+        for (int64_t j = c->start; j < c->end; j++) {
+            s[j] = expf(s[j] - mx);
+            sum += s[j];
+        }
+        const float inv = 1.0f / sum;
+        float *o = c->out + h * hd;
+        for (int i = 0; i < hd; i += 8) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t j = c->start; j < c->end; j++)
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(s[j] * inv),
+                                                       _mm256_loadu_ps(v + j * hd + i)));
+            _mm256_storeu_ps(o + i, acc);
+        }
+    }
+}
+#endif
+
+static void czk_heads_task(void *ctx_, int64_t t0, int64_t t1) {
+    czk_heads_ctx *c = (czk_heads_ctx *)ctx_;
+#if CZK_X86
+    if (czk_level() >= 1 && c->a->head_dim % 8 == 0) {
+        czk_heads_avx2(c, t0, t1);
+        return;
+    }
+#endif
+    const int hd = c->a->head_dim, groups = c->a->n_heads / c->a->n_kv;
+    for (int64_t h = t0; h < t1; h++) {
+        const int64_t g = h / groups;
+        const float *q = c->q + h * hd;
+        const float *k = c->kc + g * c->cap * hd, *v = c->vc + g * c->cap * hd;
+        float *s = c->scores + h * c->end;
+        float mx = -INFINITY;
+        for (int64_t j = c->start; j < c->end; j++) {
+            /* eight independent partial sums: the compiler vectorises them */
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            const float *kj = k + j * hd;
+            int i = 0;
+            for (; i + 8 <= hd; i += 8)
+                for (int l = 0; l < 8; l++) acc[l] = acc[l] + q[i + l] * kj[i + l];
+            float t = czk_tree8(acc);
+            for (; i < hd; i++) t += q[i] * kj[i];
+            t *= c->a->scale;
+            s[j] = t;
+            mx = t > mx ? t : mx;
+        }
+        float sum = 0.0f;
+        for (int64_t j = c->start; j < c->end; j++) {
+            s[j] = expf(s[j] - mx);
+            sum += s[j];
+        }
+        const float inv = 1.0f / sum;
+        float *o = c->out + h * hd;
+        for (int i = 0; i < hd; i++) o[i] = 0.0f;
+        for (int64_t j = c->start; j < c->end; j++) {
+            const float pj = s[j] * inv;
+            for (int i = 0; i < hd; i++) o[i] += pj * v[j * hd + i];
+        }
+    }
+}
+
+typedef struct {
+    const czk_mat *m;
+    const float *x;
+    const czk_xq *ax;
+    float *tmp;
+    float *h;
+} czk_res_ctx;
+
+static void czk_res_task(void *ctx_, int64_t t0, int64_t t1) {
+    czk_res_ctx *c = (czk_res_ctx *)ctx_;
+    czk_rows(c->m, c->x, c->ax, c->tmp, t0, t1);
+    for (int64_t r = t0; r < t1; r++) c->h[r] += c->tmp[r];
+}
+
+static void czk_rope(float *v, int heads, int hd, int rot, const float *cs, const float *sn) {
+    const int half = rot / 2;
+    for (int h = 0; h < heads; h++) {
+        float *x = v + (int64_t)h * hd;
+        for (int i = 0; i < half; i++) {
+            const float x1 = x[i], x2 = x[half + i];
+            x[i] = x1 * cs[i] - x2 * sn[i];
+            x[half + i] = x2 * cs[i] + x1 * sn[i];
+        }
+    }
+}
+
+/* Scratch bytes of czk_attn_decode for hidden H up to `length` positions. */
+int64_t czk_attn_work_bytes(const czk_attn *a, int64_t H, int64_t length) {
+    const int64_t nq = (int64_t)a->n_heads * a->head_dim, nkv = (int64_t)a->n_kv * a->head_dim;
+    int64_t n = H + nq + 2 * nkv + nq + H + (int64_t)a->n_heads * length;
+    int64_t big = H > nq ? H : nq;
+    return (int64_t)sizeof(float) * n + 6 * 64 + czk_work_bytes(big);
+}
+
+/* The attention half of a decoder layer for one token at position pos:
+ *   x = rmsnorm(h) * in_norm; q, k, v = x @ W.T (+ biases); RoPE on q and k
+ *   (cos/sin: the position's half-width tables); k, v written at pos of the
+ *   layer's cache [n_kv, cap, head_dim]; grouped-query attention over the
+ *   positions max(0, pos - window + 1) .. pos (window 0: all); h += o_proj(out);
+ *   x_out = rmsnorm(h) * post_norm.
+ * Returns 0, or -1 on inconsistent shapes. */
+int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *x_out,
+                    float *kc, float *vc, int64_t cap, int64_t pos, int64_t window,
+                    const float *cs, const float *sn, void *work) {
+    const int hd = a->head_dim;
+    const int64_t nq = (int64_t)a->n_heads * hd, nkv = (int64_t)a->n_kv * hd;
+    if (a->n_kv <= 0 || a->n_heads % a->n_kv || pos < 0 || pos >= cap) return -1;
+    if (a->rot <= 0 || a->rot > hd || a->rot % 2) return -1;
+    const czk_mat *ms[4] = {&a->q, &a->k, &a->v, &a->o};
+    for (int i = 0; i < 4; i++)
+        if (!czk_check(ms[i])) return -1;
+    if (a->q.rows != nq || a->k.rows != nkv || a->v.rows != nkv || a->q.cols != H ||
+        a->k.cols != H || a->v.cols != H || a->o.rows != H || a->o.cols != nq)
+        return -1;
+    if ((a->q.kind == CZK_Q) != (a->k.kind == CZK_Q) || (a->q.kind == CZK_Q) != (a->v.kind == CZK_Q))
+        return -1;
+    if (a->q.kind == CZK_Q && (a->k.group != a->q.group || a->v.group != a->q.group)) return -1;
+    const int64_t end = pos + 1;
+    float *xn = (float *)czk_align(work);
+    float *qkv = (float *)czk_align(xn + H);
+    float *att = (float *)czk_align(qkv + nq + 2 * nkv);
+    float *tmp = (float *)czk_align(att + nq);
+    float *scores = (float *)czk_align(tmp + H);
+    void *xqmem = czk_align(scores + (int64_t)a->n_heads * end);
+    czk_xq ax;
+    czk_rms(h, a->in_norm, H, a->eps, xn);
+    if (a->q.kind == CZK_Q) {
+        czk_xq_bind(&ax, xqmem, H);
+        czk_quantize(xn, &ax);
+        czk_xq_groups(&ax, a->q.group);
+    }
+    czk_qkv_ctx qc = {a, {&a->q, &a->k, &a->v}, {0, nq, nq + nkv, nq + 2 * nkv}, xn, &ax, qkv};
+    czk_run(p, czk_qkv_task, &qc, nq + 2 * nkv, (nq + 2 * nkv) * H);
+    float *q = qkv, *k = qkv + nq, *v = qkv + nq + nkv;
+    if (a->qb)
+        for (int64_t i = 0; i < nq; i++) q[i] += a->qb[i];
+    if (a->kb)
+        for (int64_t i = 0; i < nkv; i++) k[i] += a->kb[i];
+    if (a->vb)
+        for (int64_t i = 0; i < nkv; i++) v[i] += a->vb[i];
+    czk_rope(q, a->n_heads, hd, a->rot, cs, sn);
+    czk_rope(k, a->n_kv, hd, a->rot, cs, sn);
+    for (int g = 0; g < a->n_kv; g++) {
+        memcpy(kc + ((int64_t)g * cap + pos) * hd, k + (int64_t)g * hd, sizeof(float) * hd);
+        memcpy(vc + ((int64_t)g * cap + pos) * hd, v + (int64_t)g * hd, sizeof(float) * hd);
+    }
+    int64_t start = 0;
+    if (window > 0 && end - window > 0) start = end - window;
+    czk_heads_ctx hc = {a, q, kc, vc, cap, start, end, att, scores};
+    czk_run(p, czk_heads_task, &hc, a->n_heads, (int64_t)a->n_heads * (end - start) * hd * 2);
+    if (a->o.kind == CZK_Q) {
+        czk_xq_bind(&ax, xqmem, nq);
+        czk_quantize(att, &ax);
+        czk_xq_groups(&ax, a->o.group);
+    }
+    czk_res_ctx rc = {&a->o, att, &ax, tmp, h};
+    czk_run(p, czk_res_task, &rc, H, H * nq);
+    czk_rms(h, a->post_norm, H, a->eps, x_out);
+    return 0;
+}
+
+/* ------------------------------------------------------------ routing */
+
+/* Softmax over E router logits, the k largest (descending, ties to the lower
+ * index), optionally renormalised: the operations of route_topk in base.py. */
+int czk_topk(const float *logits, int E, int k, int renorm, int64_t *idx, float *w) {
+    if (k <= 0 || k > E || E > 4096) return -1;
+    float pr[4096];
+    float mx = -INFINITY;
+    for (int e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
+    float sum = 0.0f;
+    for (int e = 0; e < E; e++) {
+        pr[e] = expf(logits[e] - mx);
+        sum += pr[e];
+    }
+    for (int e = 0; e < E; e++) pr[e] = pr[e] / sum;
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= idx[i] == e;
+            if (!taken && (best < 0 || pr[e] > pr[best])) best = e;
+        }
+        idx[j] = best;
+        w[j] = pr[best];
+    }
+    if (renorm) {
+        float s = 0.0f;
+        for (int j = 0; j < k; j++) s += w[j];
+        for (int j = 0; j < k; j++) w[j] = w[j] / s;
+    }
+    return 0;
+}

@@ -1,0 +1,362 @@
+"""The Python face of ``inference._czk``: thread pool, weight descriptors, decode calls.
+
+Scope: wrapping the engine's decode kernels (``inference/kernels/czk.c``) so a
+decode step costs a few C calls per layer: :class:`Pool` owns the engine's
+threads; :func:`describe` fills a C descriptor for a weight as held (a float32,
+float16 or bfloat16 array, or a packed q2/q3/q4/q8 :class:`PackedMatrix`)
+without copying it; :class:`ExpertTable` describes every slot of an expert
+cache once (a slot's views follow whatever is later read into it);
+:class:`DecodeKernels` holds one decoder's preallocated buffers and runs the
+attention block, the routing, the MoE layer and the head of one token.
+
+The numerics of each call are stated in ``czk.c``; results do not depend on
+the thread count. Without the compiled extension :func:`have_czk` is False
+and the decoder keeps its numpy path.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from czyx.inference.errors import InferenceError
+from czyx.inference.kernels.ops import PackedMatrix
+
+try:
+    from czyx.inference._czk import ffi as _ffi
+    from czyx.inference._czk import lib as _lib
+except ImportError:  # pragma: no cover - exercised where the extension is not built
+    _ffi = None
+    _lib = None
+
+F32 = np.float32
+KIND_F32, KIND_F16, KIND_BF16, KIND_Q = 0, 1, 2, 3
+#: The kernels' SIMD levels, lowest first.
+LEVELS = ("portable", "avx2", "avx512vnni")
+
+
+class KernelError(InferenceError):
+    """A decode kernel refused its arguments (inconsistent shapes or formats)."""
+
+
+def have_czk() -> bool:
+    """Whether the compiled decode kernels are importable."""
+    return _lib is not None
+
+
+def level() -> str:
+    """The SIMD path the kernels take: ``"avx512vnni"``, ``"avx2"`` or ``"portable"``."""
+    if _lib is None:
+        return "none"
+    return LEVELS[_lib.czk_level()]
+
+
+def set_level_cap(name: str) -> None:
+    """Use at most SIMD path ``name`` (one of :data:`LEVELS`): for tests and benchmarks."""
+    if name not in LEVELS:
+        raise ValueError(f"unknown SIMD level {name!r}; one of {LEVELS}")
+    _lib.czk_set_cap(LEVELS.index(name))
+
+
+def set_min_work(macs: int) -> None:
+    """Multiply-adds below which a loop stays on the calling thread (tests force splits)."""
+    _lib.czk_set_min_work(int(macs))
+
+
+def default_threads() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class Pool:
+    """The engine's worker threads (``threads - 1`` pthreads plus the caller).
+
+    Workers spin briefly after each loop, then sleep on a condition variable;
+    :meth:`close` joins them (also at garbage collection).
+    """
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = int(threads)
+        self._lock = threading.Lock()
+        self.ptr = _lib.czk_pool_new(self.threads)
+        if self.ptr == _ffi.NULL:
+            raise MemoryError("czk_pool_new failed")
+
+    def close(self) -> None:
+        """Join the workers (idempotent)."""
+        with self._lock:
+            if self.ptr is not None and self.ptr != _ffi.NULL:
+                _lib.czk_pool_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:
+        if _lib is not None and getattr(self, "ptr", None) is not None:
+            self.close()
+
+
+def _ptr(a: np.ndarray) -> Any:
+    return _ffi.cast("void *", _ffi.from_buffer(a))
+
+
+def _fptr(a: np.ndarray) -> Any:
+    return _ffi.cast("float *", _ffi.from_buffer(a))
+
+
+def describe(w: np.ndarray | PackedMatrix, out: Any, bf16: bool = False) -> list[Any]:
+    """Fill the ``czk_mat`` ``out`` for weight ``w``; returns what must stay alive.
+
+    ``w`` is a 2-D C-contiguous float32/float16 array, a uint16 array of
+    bfloat16 bits (``bf16=True``) or a :class:`PackedMatrix`.
+
+    Raises
+    ------
+    KernelError
+        For another dtype, a non-contiguous array or a non-2-D shape.
+    """
+    if isinstance(w, PackedMatrix):
+        out.kind = KIND_Q
+        out.bits = w.fmt.bits
+        out.group = w.fmt.group_size
+        out.rows, out.cols = w.shape
+        out.data = _ptr(w.codes)
+        out.scales = _ffi.cast("const uint16_t *", _ptr(w.scales))
+        out.mins = _ffi.cast("const uint16_t *", _ptr(w.mins))
+        return [w]
+    if not isinstance(w, np.ndarray) or w.ndim != 2 or not w.flags.c_contiguous:
+        raise KernelError(f"a kernel weight must be a C-contiguous 2-D array, got {type(w)}")
+    if w.dtype == np.float32:
+        out.kind = KIND_F32
+    elif w.dtype == np.float16:
+        out.kind = KIND_F16
+    elif w.dtype == np.uint16 and bf16:
+        out.kind = KIND_BF16
+    else:
+        raise KernelError(f"no kernel for weight dtype {w.dtype} (bf16={bf16})")
+    out.bits = 0
+    out.group = 0
+    out.rows, out.cols = w.shape
+    out.data = _ptr(w)
+    out.scales = _ffi.NULL
+    out.mins = _ffi.NULL
+    return [w]
+
+
+class ExpertTable:
+    """``(gate, up, down)`` descriptors of every slot of an expert cache, made once.
+
+    The descriptors point into the slots (zero-copy): f32/f16/bf16 slots are
+    described as stored (the cache's float32 widening is bypassed), quantized
+    slots through the cache's packed views.
+    """
+
+    def __init__(self, cache: Any) -> None:
+        n = int(cache.n_slots)
+        self.n_slots = n
+        self.table = _ffi.new("czk_mat[]", 3 * max(n, 1))
+        self._keep: list[Any] = []
+        fmt = str(cache.format)
+        consumer = cache.consumer
+        for s in range(n):
+            if isinstance(cache.weights(s)[1], PackedMatrix):
+                gate_up, down = cache.weights(s)
+                parts = (gate_up.gate, gate_up.up, down)
+            else:
+                parts = consumer.expert_views(cache.slot_bytes(s))
+            for j, p in enumerate(parts):
+                self._keep += describe(p, self.table[3 * s + j], bf16=fmt == "bf16")
+
+
+class _AttnDesc:
+    __slots__ = ("kc", "keep", "layer", "pk", "pv", "struct", "vc")
+
+
+class DecodeKernels:
+    """One decoder's decode-step buffers and kernel calls (one token at a time).
+
+    Parameters
+    ----------
+    hidden, vocab, top_k
+        The model's sizes.
+    threads
+        Threads of the engine's pool.
+    """
+
+    def __init__(self, hidden: int, vocab: int, top_k: int, threads: int) -> None:
+        self.pool = Pool(threads)
+        self.hidden = hidden
+        self.top_k = top_k
+        self.h = np.zeros(hidden, F32)
+        self.x = np.zeros(hidden, F32)
+        self.y = np.zeros(hidden, F32)
+        self.logits = np.zeros(vocab, F32)
+        self.router_logits = np.zeros(4096, F32)
+        self.idx = np.zeros(top_k, np.int64)
+        self.w = np.zeros(top_k, F32)
+        self.h2, self.x2, self.y2 = self.h[None], self.x[None], self.y[None]
+        self._ph, self._px, self._py = _fptr(self.h), _fptr(self.x), _fptr(self.y)
+        self._plog, self._prl = _fptr(self.logits), _fptr(self.router_logits)
+        self._pidx = _ffi.cast("int64_t *", _ffi.from_buffer(self.idx))
+        self._pw = _fptr(self.w)
+        self._work = np.zeros(0, np.uint8)
+        self._pwork: Any = None
+        self._mv_cols = hidden
+        self._reserve(int(_lib.czk_work_bytes(hidden)))
+        self._mats: dict[int, tuple[Any, Any]] = {}
+        self._attn: dict[int, _AttnDesc] = {}
+        self._attn_len = 0
+        self._experts: tuple[Any, ExpertTable] | None = None
+        self._rope: tuple[Any, Any, Any, int] | None = None
+
+    def close(self) -> None:
+        """Join the pool's threads."""
+        self.pool.close()
+
+    def _reserve(self, nbytes: int) -> Any:
+        if self._work.size < nbytes:
+            self._work = np.zeros(max(nbytes, 2 * self._work.size), np.uint8)
+            self._pwork = _ptr(self._work)
+        return self._pwork
+
+    # ------------------------------------------------------------------ pieces
+
+    def _desc(self, w: np.ndarray | PackedMatrix) -> Any:
+        """The descriptor of a weight, made once per weight object."""
+        hit = self._mats.get(id(w))
+        if hit is not None and hit[0] is w:
+            return hit[1]
+        m = _ffi.new("czk_mat *")
+        describe(w, m)
+        self._mats[id(w)] = (w, m)
+        return m
+
+    def matvec(self, w: np.ndarray | PackedMatrix, x: np.ndarray, y: np.ndarray) -> None:
+        """``y = w @ x`` (float32 contiguous vectors)."""
+        self._matvec(self._desc(w), _fptr(x), _fptr(y))
+
+    def _matvec(self, m: Any, px: Any, py: Any) -> None:
+        if m.cols > self._mv_cols:
+            self._mv_cols = m.cols
+            self._reserve(int(_lib.czk_work_bytes(m.cols)))
+        if _lib.czk_matvec(self.pool.ptr, m, px, py, self._pwork):
+            raise KernelError(f"czk_matvec refused a [{m.rows}, {m.cols}] weight")
+
+    def attention(
+        self,
+        lw: Any,
+        kcache: np.ndarray,
+        vcache: np.ndarray,
+        pos: int,
+        window: int | None,
+        rotary: Any,
+        eps: float,
+        n_heads: int,
+        n_kv: int,
+        head_dim: int,
+    ) -> None:
+        """The attention half of layer ``lw`` on :attr:`h` (in place); :attr:`x` gets the
+        post-attention RMSNorm of the new ``h``. ``kcache``/``vcache``: the layer's
+        ``[n_kv, capacity, head_dim]`` float32 caches."""
+        d = self._attn.get(id(lw))
+        if d is None or d.layer is not lw:
+            d = self._describe_attn(lw, eps, n_heads, n_kv, head_dim, rotary.rotary_dim)
+        if d.kc is not kcache or d.vc is not vcache:
+            d.kc, d.vc = kcache, vcache
+            d.pk, d.pv = _fptr(kcache), _fptr(vcache)
+        if pos >= rotary._cos.shape[0]:
+            rotary._grow(max(pos + 1, 2 * rotary._cos.shape[0]))
+        rope = self._rope
+        if rope is None or rope[0] is not rotary._cos:
+            rope = self._rope = (
+                rotary._cos,
+                _fptr(rotary._cos),
+                _fptr(rotary._sin),
+                rotary._cos.shape[1],
+            )
+        if pos >= self._attn_len:
+            self._attn_len = max(2 * pos, 256)
+            self._reserve(int(_lib.czk_attn_work_bytes(d.struct, self.hidden, self._attn_len)))
+        off = pos * rope[3]
+        rc = _lib.czk_attn_decode(
+            self.pool.ptr, d.struct, self.hidden, self._ph, self._px, d.pk, d.pv,
+            kcache.shape[1], pos, window or 0, rope[1] + off, rope[2] + off, self._pwork,
+        )  # fmt: skip
+        if rc:
+            raise KernelError(f"czk_attn_decode refused layer {lw.index} at position {pos}")
+
+    def _describe_attn(
+        self, lw: Any, eps: float, n_heads: int, n_kv: int, head_dim: int, rot: int
+    ) -> _AttnDesc:
+        s = _ffi.new("czk_attn *")
+        keep: list[Any] = []
+        s.n_heads, s.n_kv, s.head_dim, s.rot = n_heads, n_kv, head_dim, rot
+        s.eps = eps
+        s.scale = F32(head_dim**-0.5)
+        for name in ("q", "k", "v", "o"):
+            keep += describe(getattr(lw, f"{name}_proj"), getattr(s, name))
+        for field, arr in (
+            ("in_norm", lw.input_norm),
+            ("post_norm", lw.post_attn_norm),
+            ("qb", lw.q_bias),
+            ("kb", lw.k_bias),
+            ("vb", lw.v_bias),
+        ):
+            if arr is None:
+                setattr(s, field, _ffi.NULL)
+                continue
+            a = np.ascontiguousarray(arr, dtype=F32)
+            keep.append(a)
+            setattr(s, field, _fptr(a))
+        d = _AttnDesc()
+        d.keep, d.layer, d.struct = keep, lw, s
+        d.kc = d.vc = d.pk = d.pv = None
+        self._attn[id(lw)] = d
+        return d
+
+    def route(self, router: np.ndarray | PackedMatrix, top_k: int, renorm: bool) -> None:
+        """Router logits of :attr:`x`, then softmax top-k into :attr:`idx` / :attr:`w`."""
+        m = self._desc(router)
+        n = m.rows
+        if n > self.router_logits.size or top_k > self.top_k:
+            raise KernelError(f"routing {n} experts top-{top_k} exceeds the kernels' buffers")
+        self._matvec(m, self._px, self._prl)
+        if _lib.czk_topk(self._prl, n, top_k, int(renorm), self._pidx, self._pw):
+            raise KernelError(f"czk_topk refused {n} experts, top {top_k}")
+
+    def moe(self, cache: Any, slots: np.ndarray, weights: np.ndarray) -> None:
+        """:attr:`y` = the weighted sum of the experts in ``slots`` applied to :attr:`x`.
+
+        ``slots`` int64 and ``weights`` float32, contiguous (the cache's acquire
+        result and :attr:`w`).
+        """
+        ex = self._experts
+        if ex is None or ex[0] is not cache:
+            table = ExpertTable(cache)
+            first = table.table[0]
+            self._reserve(int(_lib.czk_moe_work_bytes(self.top_k, first.cols, first.rows)))
+            ex = self._experts = (cache, table)
+        if len(slots) > self.top_k:
+            raise KernelError(f"{len(slots)} experts for one token, top-k is {self.top_k}")
+        rc = _lib.czk_moe(
+            self.pool.ptr, len(slots), ex[1].table,
+            _ffi.cast("int64_t *", _ffi.from_buffer(slots)), _fptr(weights), self._px, self._py,
+            self._pwork,
+        )  # fmt: skip
+        if rc:
+            raise KernelError("czk_moe refused the layer's experts (shapes or formats differ)")
+
+    def head(self, final_norm: np.ndarray, lm_head: np.ndarray | PackedMatrix, eps: float) -> None:
+        """:attr:`logits` = lm_head(rmsnorm(:attr:`h`))."""
+        m = self._desc(lm_head)
+        hit = self._mats.get(id(final_norm))
+        if hit is None or hit[0] is not final_norm:
+            hit = self._mats[id(final_norm)] = (final_norm, _fptr(final_norm))
+        _lib.czk_rmsnorm(self._ph, hit[1], self.hidden, eps, self._px)
+        self._matvec(m, self._px, self._plog)

@@ -1,0 +1,507 @@
+"""What a GGUF file means to the store: llama.cpp's names, metadata and quant types.
+
+Scope: pure knowledge, no file I/O. For each architecture czyx runs (Mixtral,
+which llama.cpp converts as ``llama``; Qwen2-MoE ``qwen2moe``; Qwen3-MoE
+``qwen3moe``; OLMoE ``olmoe``):
+
+* the map between llama.cpp tensor names (``blk.N.attn_q.weight``,
+  stacked experts ``blk.N.ffn_{gate,up,down}_exps.weight [E, I, H]``...) and
+  the Hugging Face names the store's architecture tables classify
+  (:mod:`store.models.archs`); a GGUF file is read as the HF checkpoint it
+  was converted from, so planning and the engine need nothing new;
+* llama.cpp's rope layout: its converter permutes the q/k rows of ``llama``
+  models (Mixtral) from the HF rotate-half order to interleaved pairs
+  (``convert_hf_to_gguf.LlamaModel.permute``); :func:`qk_rows` gives the
+  row order that undoes it (and, inverted, redoes it on export). The NEOX-rope
+  architectures (Qwen, OLMoE) are stored unpermuted;
+* the HF ``config.json`` rebuilt from GGUF metadata (:func:`config_from_gguf`)
+  and the metadata written from a config (:func:`gguf_metadata`), with
+  llama.cpp's routing conventions made explicit (``norm_topk_prob``: llama.cpp
+  renormalises top-k for ``llama`` and ``qwen3moe``, not for ``qwen2moe`` or
+  ``olmoe``);
+* the tokenizer: a byte-level BPE ``tokenizer.ggml.model = gpt2`` vocabulary
+  rebuilt as ``tokenizer.json`` (:func:`tokenizer_json_from_gguf`) and back
+  (:func:`gguf_tokenizer_fields`);
+* the quant types the store holds natively (:data:`NATIVE_QTYPES`): Q8_0,
+  Q4_0 and Q4_1 are exactly the store's ``q8``/``q4`` groups of 32 (a
+  symmetric ``d * (q - z)`` is ``d * q + m`` with ``m = -z d``, exact in fp16),
+  so they are repacked without drift; every other type needs an explicit
+  conversion policy (:mod:`store.models.gguf_source`).
+
+Anything else (another architecture, an unknown tensor, a rope scaling, a
+sentencepiece vocabulary) is refused with :class:`UnsupportedGGUFError`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from czyx.store.models.mount_errors import CheckpointError
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file czyx cannot read faithfully (malformed, or missing metadata)."""
+
+
+class UnsupportedGGUFError(GGUFError):
+    """A GGUF architecture, tensor, quant type or tokenizer czyx does not support."""
+
+
+class ConversionPolicyError(GGUFError):
+    """A source format needs a conversion policy that was not given (or is unknown)."""
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """One architecture as llama.cpp spells it.
+
+    ``permute_qk``: q/k rows are in llama.cpp's interleaved rope order.
+    ``renormalize``: llama.cpp renormalises the top-k routing weights.
+    ``expert_names``: HF per-expert names for gate, up, down (``{l}``, ``{e}``).
+    """
+
+    gguf: str
+    czyx: str
+    hf_class: str
+    permute_qk: bool
+    renormalize: bool
+    router: str
+    expert_names: tuple[str, str, str]
+
+
+_PROJ = tuple(
+    f"model.layers.{{l}}.mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")
+)
+_MIX = tuple(
+    f"model.layers.{{l}}.block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2")
+)
+
+ARCHS: dict[str, GGUFArch] = {
+    a.gguf: a
+    for a in (
+        GGUFArch(
+            "llama",
+            "mixtral",
+            "MixtralForCausalLM",
+            True,
+            True,
+            "model.layers.{l}.block_sparse_moe.gate.weight",
+            _MIX,  # type: ignore[arg-type]
+        ),
+        GGUFArch(
+            "qwen2moe",
+            "qwen2_moe",
+            "Qwen2MoeForCausalLM",
+            False,
+            False,
+            "model.layers.{l}.mlp.gate.weight",
+            _PROJ,  # type: ignore[arg-type]
+        ),
+        GGUFArch(
+            "qwen3moe",
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            False,
+            True,
+            "model.layers.{l}.mlp.gate.weight",
+            _PROJ,  # type: ignore[arg-type]
+        ),
+        GGUFArch(
+            "olmoe",
+            "olmoe",
+            "OlmoeForCausalLM",
+            False,
+            False,
+            "model.layers.{l}.mlp.gate.weight",
+            _PROJ,  # type: ignore[arg-type]
+        ),
+    )
+}
+BY_CZYX = {a.czyx: a for a in ARCHS.values()}
+
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# blk.N.<key> -> model.layers.N.<value>
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+EXPERT_STACKS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+_BLK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class GGUFName:
+    """What one GGUF tensor is: a single HF tensor (``hf``) or a stacked expert
+    part (``part`` in 0, 1, 2 for gate, up, down) of ``layer``."""
+
+    hf: str | None
+    layer: int | None
+    part: int | None = None
+    qk: str | None = None  # "q" or "k": rows in rope order when the arch permutes
+
+
+def classify(arch: GGUFArch, name: str) -> GGUFName | None:
+    """The HF meaning of GGUF tensor ``name``; ``None`` if unknown (the caller refuses)."""
+    if name in _GLOBAL:
+        return GGUFName(_GLOBAL[name], None)
+    m = _BLK.fullmatch(name)
+    if not m:
+        return None
+    layer, rest = int(m.group(1)), m.group(2)
+    if rest in EXPERT_STACKS:
+        return GGUFName(None, layer, EXPERT_STACKS.index(rest))
+    if rest == "ffn_gate_inp.weight":
+        return GGUFName(arch.router.format(l=layer), layer)
+    hf = _LAYER.get(rest)
+    if hf is None:
+        return None
+    qk = rest[5] if rest.startswith(("attn_q.", "attn_k.")) and arch.permute_qk else None
+    return GGUFName(f"model.layers.{layer}.{hf}", layer, qk=qk)
+
+
+def gguf_name(arch: GGUFArch, role: str, layer: int | None) -> str:
+    """The llama.cpp name of trunk ``role`` (czyx role names, :mod:`store.models.archs`)."""
+    if layer is None:
+        return {"embed": "token_embd.weight", "final_norm": "output_norm.weight"}.get(
+            role, "output.weight" if role == "lm_head" else ""
+        ) or _refuse_role(role)
+    inv = {
+        "input_norm": "attn_norm.weight",
+        "post_attn_norm": "ffn_norm.weight",
+        "q_proj": "attn_q.weight",
+        "k_proj": "attn_k.weight",
+        "v_proj": "attn_v.weight",
+        "o_proj": "attn_output.weight",
+        "q_bias": "attn_q.bias",
+        "k_bias": "attn_k.bias",
+        "v_bias": "attn_v.bias",
+        "q_norm": "attn_q_norm.weight",
+        "k_norm": "attn_k_norm.weight",
+        "router": "ffn_gate_inp.weight",
+        "shared_gate_proj": "ffn_gate_shexp.weight",
+        "shared_up_proj": "ffn_up_shexp.weight",
+        "shared_down_proj": "ffn_down_shexp.weight",
+        "shared_expert_gate": "ffn_gate_inp_shexp.weight",
+        "mlp_gate_proj": "ffn_gate.weight",
+        "mlp_up_proj": "ffn_up.weight",
+        "mlp_down_proj": "ffn_down.weight",
+    }
+    if role not in inv:
+        _refuse_role(role)
+    return f"blk.{layer}.{inv[role]}"
+
+
+def _refuse_role(role: str) -> str:
+    raise UnsupportedGGUFError(f"trunk role {role!r} has no llama.cpp tensor name")
+
+
+def qk_rows(rows: int, n_head: int) -> np.ndarray:
+    """Row order undoing llama.cpp's rope permutation of a q or k projection.
+
+    llama.cpp's converter writes ``W.reshape(n_head, 2, d/2, C).swapaxes(1, 2)``;
+    HF row ``perm[i]`` is GGUF row ``i``... inverted: ``hf = gguf[qk_rows(...)]``.
+    """
+    if rows % (2 * n_head):
+        raise GGUFError(f"q/k rows {rows} are not a multiple of 2 x {n_head} heads")
+    half = rows // n_head // 2
+    # GGUF row (h, j, t) holds HF row (h, t, j): gguf = hf[permute]
+    permute = np.arange(rows).reshape(n_head, 2, half).swapaxes(1, 2).reshape(-1)
+    return np.argsort(permute)
+
+
+def qk_permute(rows: int, n_head: int) -> np.ndarray:
+    """Row order of llama.cpp's rope permutation: ``gguf = hf[qk_permute(...)]``."""
+    return np.argsort(qk_rows(rows, n_head))
+
+
+# ------------------------------------------------------------------ metadata
+
+
+def _get(meta: Mapping[str, Any], key: str, default: Any = None, *, need: bool = False) -> Any:
+    if key in meta:
+        return meta[key]
+    if need:
+        raise GGUFError(f"metadata lacks {key!r}")
+    return default
+
+
+def config_from_gguf(meta: Mapping[str, Any], arch: GGUFArch, n_vocab: int, tied: bool) -> dict:
+    """The HF ``config.json`` of a GGUF model, from its metadata.
+
+    Fields the metadata cannot hold take llama.cpp's behaviour (routing
+    renormalisation per architecture, no sliding window).
+    """
+    a = arch.gguf
+    scaling = _get(meta, f"{a}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UnsupportedGGUFError(f"rope scaling {scaling!r} in a GGUF file is not supported")
+    hidden = int(_get(meta, f"{a}.embedding_length", need=True))
+    heads = int(_get(meta, f"{a}.attention.head_count", need=True))
+    n_experts = int(_get(meta, f"{a}.expert_count", 0) or 0)
+    if n_experts == 0:
+        raise UnsupportedGGUFError(f"{a} GGUF without experts (a dense model) is not a MoE")
+    cfg: dict[str, Any] = {
+        "architectures": [arch.hf_class],
+        "model_type": arch.czyx,
+        "hidden_size": hidden,
+        "num_hidden_layers": int(_get(meta, f"{a}.block_count", need=True)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_get(meta, f"{a}.attention.head_count_kv", heads)),
+        "max_position_embeddings": int(_get(meta, f"{a}.context_length", 4096)),
+        "rms_norm_eps": float(_get(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_get(meta, f"{a}.rope.freq_base", 10000.0)),
+        "vocab_size": n_vocab,
+        "num_experts_per_tok": int(_get(meta, f"{a}.expert_used_count", need=True)),
+        "tie_word_embeddings": tied,
+        "hidden_act": "silu",
+        "norm_topk_prob": arch.renormalize,
+    }
+    key_len = _get(meta, f"{a}.attention.key_length")
+    if key_len is not None and int(key_len) != hidden // heads:
+        cfg["head_dim"] = int(key_len)
+    ff = _get(meta, f"{a}.feed_forward_length")
+    expert_ff = _get(meta, f"{a}.expert_feed_forward_length")
+    if arch.czyx == "mixtral":
+        cfg.update(num_local_experts=n_experts, intermediate_size=int(ff), sliding_window=None)
+    elif arch.czyx == "olmoe":
+        cfg.update(num_experts=n_experts, intermediate_size=int(expert_ff or ff))
+        clamp = _get(meta, f"{a}.attention.clamp_kqv")
+        cfg["clip_qkv"] = None if clamp is None else float(clamp)
+    else:
+        cfg.update(
+            num_experts=n_experts,
+            moe_intermediate_size=int(_get(meta, f"{a}.expert_feed_forward_length", need=True)),
+            intermediate_size=int(ff) if ff is not None else int(expert_ff),
+            use_sliding_window=False,
+        )
+        if arch.czyx == "qwen2_moe":
+            shared = _get(meta, f"{a}.expert_shared_feed_forward_length")
+            if shared is not None:
+                cfg["shared_expert_intermediate_size"] = int(shared)
+    for field, key in (
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
+    ):
+        if key in meta:
+            cfg[field] = int(meta[key])
+    return cfg
+
+
+def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
+    """``(arch, {key: value})`` of the GGUF metadata that describes ``config``.
+
+    Raises
+    ------
+    UnsupportedGGUFError
+        An architecture llama.cpp names differently, a sliding window or rope
+        scaling GGUF cannot express, or routing llama.cpp would compute otherwise.
+    """
+    arch = BY_CZYX.get(str(config.get("model_type")))
+    if arch is None:
+        raise UnsupportedGGUFError(f"model_type {config.get('model_type')!r} has no GGUF export")
+    if config.get("rope_scaling") or (config.get("rope_parameters") or {}).get(
+        "rope_type", "default"
+    ) not in ("default", None):
+        raise UnsupportedGGUFError("a rope scaling cannot be exported to GGUF")
+    if config.get("sliding_window") and (
+        arch.czyx == "mixtral" or config.get("use_sliding_window")
+    ):
+        raise UnsupportedGGUFError("llama.cpp runs these architectures without a sliding window")
+    if bool(config.get("norm_topk_prob")) != arch.renormalize and arch.czyx != "mixtral":
+        raise UnsupportedGGUFError(
+            f"norm_topk_prob={config.get('norm_topk_prob')}: llama.cpp's {arch.gguf} "
+            f"{'always' if arch.renormalize else 'never'} renormalises the top-k weights"
+        )
+    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
+        raise UnsupportedGGUFError("dense layers between sparse ones have no GGUF form")
+    a = arch.gguf
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+    meta: dict[str, Any] = {
+        f"{a}.block_count": int(config["num_hidden_layers"]),
+        f"{a}.context_length": int(config.get("max_position_embeddings") or 4096),
+        f"{a}.embedding_length": hidden,
+        f"{a}.attention.head_count": heads,
+        f"{a}.attention.head_count_kv": int(config.get("num_key_value_heads") or heads),
+        f"{a}.rope.freq_base": float(rope or 10000.0),
+        f"{a}.attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-6)),
+        f"{a}.expert_used_count": int(config["num_experts_per_tok"]),
+        f"{a}.attention.key_length": head_dim,
+        f"{a}.attention.value_length": head_dim,
+        f"{a}.rope.dimension_count": head_dim,
+    }
+    if arch.czyx == "mixtral":
+        meta[f"{a}.expert_count"] = int(config["num_local_experts"])
+        meta[f"{a}.feed_forward_length"] = int(config["intermediate_size"])
+        meta[f"{a}.vocab_size"] = int(config["vocab_size"])
+    elif arch.czyx == "olmoe":
+        meta[f"{a}.expert_count"] = int(config.get("num_experts") or config["num_local_experts"])
+        meta[f"{a}.feed_forward_length"] = int(config["intermediate_size"])
+        if config.get("clip_qkv") is not None:
+            meta[f"{a}.attention.clamp_kqv"] = float(config["clip_qkv"])
+    else:
+        meta[f"{a}.expert_count"] = int(config.get("num_experts") or config["num_local_experts"])
+        meta[f"{a}.feed_forward_length"] = int(config.get("intermediate_size") or 0)
+        meta[f"{a}.expert_feed_forward_length"] = int(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            meta[f"{a}.expert_shared_feed_forward_length"] = int(
+                config["shared_expert_intermediate_size"]
+            )
+    return arch, meta
+
+
+# ----------------------------------------------------------------- tokenizer
+
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp) by tokenizer.ggml.pre.
+_GPT2_RX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+PRE_REGEX = {
+    "gpt-2": _GPT2_RX,
+    "olmo": _GPT2_RX,
+    "qwen2": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+    "llama-bpe": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+        r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+}
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+
+
+def tokenizer_json_from_gguf(meta: Mapping[str, Any]) -> str | None:
+    """``tokenizer.json`` text of a GGUF byte-level BPE vocabulary; ``None`` if none.
+
+    Raises
+    ------
+    UnsupportedGGUFError
+        A vocabulary other than ``gpt2`` BPE, or a pre-tokenizer not in :data:`PRE_REGEX`.
+    """
+    model = meta.get("tokenizer.ggml.model")
+    if model is None:
+        return None
+    if model != "gpt2":
+        raise UnsupportedGGUFError(
+            f"tokenizer.ggml.model {model!r}: only byte-level BPE ('gpt2') vocabularies are "
+            "rebuilt as tokenizer.json"
+        )
+    pre = str(meta.get("tokenizer.ggml.pre", "gpt-2"))
+    if pre == "default":
+        pre = "gpt-2"
+    if pre not in PRE_REGEX:
+        raise UnsupportedGGUFError(
+            f"tokenizer.ggml.pre {pre!r} (known: {', '.join(sorted(PRE_REGEX))})"
+        )
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise GGUFError("tokenizer.ggml.tokens has duplicate tokens")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRE_REGEX[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    special = [tokens[i] for i, t in enumerate(types) if t == TOKEN_CONTROL]
+    user = [tokens[i] for i, t in enumerate(types) if t == TOKEN_USER_DEFINED]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    if tok.get_vocab_size() != len(tokens):
+        raise GGUFError("the rebuilt tokenizer does not keep every GGUF token id")
+    return tok.to_str()
+
+
+def gguf_tokenizer_fields(tokenizer_json: str, n_vocab: int) -> dict[str, Any]:
+    """GGUF ``tokenizer.ggml.*`` fields of a byte-level BPE ``tokenizer.json``.
+
+    Ids without a token are padded as ``[PADn]`` (UNUSED), as llama.cpp's converter does.
+
+    Raises
+    ------
+    UnsupportedGGUFError
+        Not a byte-level BPE tokenizer.
+    """
+    data = json.loads(tokenizer_json)
+    model = data.get("model") or {}
+    pre = _pre_name(data.get("pre_tokenizer") or {})
+    if model.get("type") != "BPE" or pre is None:
+        raise UnsupportedGGUFError(
+            "only byte-level BPE tokenizers with a llama.cpp pre-tokenizer are written to GGUF"
+        )
+    vocab: dict[str, int] = dict(model["vocab"])
+    added = {a["content"]: a for a in data.get("added_tokens") or []}
+    for a in added.values():
+        vocab[a["content"]] = int(a["id"])
+    by_id = {i: t for t, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(n_vocab):
+        t = by_id.get(i)
+        if t is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(TOKEN_UNUSED)
+        elif t in added:
+            tokens.append(t)
+            types.append(TOKEN_CONTROL if added[t].get("special") else TOKEN_USER_DEFINED)
+        else:
+            tokens.append(t)
+            types.append(TOKEN_NORMAL)
+    if len(vocab) > n_vocab:
+        raise GGUFError(f"tokenizer has {len(vocab)} tokens, the model {n_vocab}")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+    }
+
+
+def _pre_name(pre: Mapping[str, Any]) -> str | None:
+    """llama.cpp's name of a ``tokenizer.json`` byte-level pre-tokenizer, if it has one."""
+    if pre.get("type") == "ByteLevel":
+        return "gpt-2" if pre.get("use_regex", True) else None
+    if pre.get("type") != "Sequence":
+        return None
+    steps = pre.get("pretokenizers") or []
+    if len(steps) != 2 or steps[1].get("type") != "ByteLevel" or steps[1].get("use_regex"):
+        return None
+    split = steps[0]
+    rx = (split.get("pattern") or {}).get("Regex")
+    if split.get("type") != "Split" or split.get("behavior") != "Isolated":
+        return None
+    return next((name for name, known in PRE_REGEX.items() if known == rx), None)

@@ -1,0 +1,266 @@
+"""Export a mounted model version as one GGUF file llama.cpp loads.
+
+Scope: the inverse of :mod:`store.models.gguf_source` for the architectures of
+:mod:`store.models.gguf`. Every tensor keeps its stored values when its format
+has a GGUF type, and nothing is requantized:
+
+=================  =====================================================
+stored format      GGUF type
+=================  =====================================================
+f32 / f16 / bf16   F32 / F16 / BF16 (1-D tensors and routers as F32, as
+                   llama.cpp's converter writes them: exact widening)
+q4 (groups of 32)  Q4_1 (``d q + m`` with fp16 ``d``, ``m``: the same numbers)
+q8 (groups of 32)  Q8_0 when every group is symmetric (``m = -128 d``, as a
+                   GGUF Q8_0 mounted natively is); else refused
+anything else      refused (:class:`~store.models.gguf.UnsupportedGGUFError`)
+=================  =====================================================
+
+Routed experts are stacked per layer as ``ffn_{gate,up,down}_exps``; q/k rows
+of ``llama``-arch models (Mixtral) are permuted to llama.cpp's rope order; the
+mounted ``tokenizer.json`` (byte-level BPE) becomes the ``tokenizer.ggml.*``
+vocabulary. Every extent read is checksum-verified. The version's format
+history (source format, conversions) is recorded under ``czyx.format_history``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from czyx.space import Selector
+from czyx.store.core.checksum import checksum
+from czyx.store.errors import ChecksumError
+from czyx.store.models.archs import TOKENIZER_ROLE
+from czyx.store.models.checkpoint import DTYPES
+from czyx.store.models.gguf import (
+    UnsupportedGGUFError,
+    gguf_metadata,
+    gguf_name,
+    gguf_tokenizer_fields,
+    qk_permute,
+)
+from czyx.store.models.model import ModelSpace
+from czyx.store.quant.formats import get_format, is_quant_format, unpack_codes, views
+
+_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def _q() -> Any:
+    import gguf
+
+    return gguf.GGMLQuantizationType
+
+
+def to_gguf_blocks(buf: np.ndarray, fmt_name: str, shape: tuple[int, int], what: str) -> tuple:
+    """``(uint8 [R, row bytes], GGML type)`` of a packed store matrix, without loss.
+
+    Raises
+    ------
+    UnsupportedGGUFError
+        A format with no exact GGUF type (see the module docstring).
+    """
+    fmt = get_format(fmt_name)
+    if fmt.group_size != 32 or fmt.bits not in (4, 8):
+        raise UnsupportedGGUFError(f"{what}: format {fmt.name} has no GGUF type")
+    rows, cols = shape
+    codes, d, m = views(buf, fmt, shape)
+    q = unpack_codes(codes, fmt.bits, cols).reshape(rows, cols // 32, 32)
+    dbytes = np.ascontiguousarray(d).view(np.uint8).reshape(rows, -1, 2)
+    if fmt.bits == 8:
+        if not np.array_equal(m.astype(np.float32), d.astype(np.float32) * -128):
+            raise UnsupportedGGUFError(
+                f"{what}: asymmetric q8 groups have no GGUF type (Q8_0 is d * q)"
+            )
+        qs = (q.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+        blocks = np.concatenate([dbytes, qs], axis=2)
+        return blocks.reshape(rows, -1), _q().Q8_0
+    mbytes = np.ascontiguousarray(m).view(np.uint8).reshape(rows, -1, 2)
+    qs = (q[:, :, :16] | (q[:, :, 16:] << 4)).astype(np.uint8)
+    blocks = np.concatenate([dbytes, mbytes, qs], axis=2)
+    return blocks.reshape(rows, -1), _q().Q4_1
+
+
+def _float_tensor(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> tuple[np.ndarray, Any]:
+    arr = raw.view(DTYPES[dtype][0]).reshape(shape)
+    if dtype == "F32":
+        return arr, _q().F32
+    if dtype == "F16":
+        return arr, _q().F16
+    if dtype == "BF16":
+        return arr, _q().BF16
+    raise UnsupportedGGUFError(f"dtype {dtype} has no GGUF export")
+
+
+def _widen(arr: np.ndarray, qt: Any) -> np.ndarray:
+    if qt == _q().BF16:
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.astype(np.float32)
+
+
+def export_gguf(store: Any, ref: str | Selector, out: str | os.PathLike[str]) -> list[Path]:
+    """Write model version ``ref`` as a GGUF file.
+
+    Parameters
+    ----------
+    store
+        An open :class:`store.Store`.
+    ref
+        ``NAME@VERSION``, 64-hex selector or :class:`Selector`.
+    out
+        A ``*.gguf`` path, or a directory (created) that gets ``model.gguf``.
+
+    Raises
+    ------
+    UnsupportedGGUFError
+        The architecture, a config feature or a stored format has no GGUF form.
+    """
+    import gguf
+
+    space = ModelSpace(store, ref)
+    config = space.root["config"]
+    arch, meta = gguf_metadata(config)
+    path = Path(out)
+    if path.suffix != ".gguf":
+        path.mkdir(parents=True, exist_ok=True)
+        path = path / "model.gguf"
+    tensors: list[tuple[str, np.ndarray, Any]] = []
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    tokenizer = None
+    for (role, layer), tref in sorted(
+        space.trunk.items(), key=lambda kv_: (kv_[0][1] is not None, kv_[0][1] or 0, kv_[0][0])
+    ):
+        raw = space.read_trunk_raw(tref)
+        if role == TOKENIZER_ROLE:
+            tokenizer = raw.tobytes().decode("utf-8")
+            continue
+        name = gguf_name(arch, role, layer)
+        shape = tuple(tref.shape)
+        qfmt = tref.record.get("qfmt")
+        if qfmt is not None:
+            data, qt = to_gguf_blocks(raw, qfmt, (shape[0], shape[1]), name)
+        else:
+            data, qt = _float_tensor(raw, tref.dtype, shape)
+            if data.ndim == 1 or role == "router" or role == "shared_expert_gate":
+                data, qt = _widen(data, qt), _q().F32
+            if role == "shared_expert_gate":
+                data = data.reshape(-1)
+        if arch.permute_qk and role in ("q_proj", "k_proj"):
+            data = data[qk_permute(shape[0], heads if role == "q_proj" else kv)]
+        tensors.append((name, np.ascontiguousarray(data), qt))
+    tensors += _expert_stacks(space, arch)
+    writer = gguf.GGUFWriter(path, arch.gguf)
+    for key, value in meta.items():
+        _add_kv(writer, key, value)
+    writer.add_string("czyx.format_history", json.dumps(format_history(space.root)))
+    if tokenizer is not None:
+        fields = gguf_tokenizer_fields(tokenizer, int(config["vocab_size"]))
+        writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
+        writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
+        writer.add_token_list(fields["tokenizer.ggml.tokens"])
+        writer.add_token_types(fields["tokenizer.ggml.token_type"])
+        writer.add_token_merges(fields["tokenizer.ggml.merges"])
+    for field, key in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "pad")):
+        v = config.get(field)
+        if isinstance(v, list):
+            v = v[0] if v else None
+        if v is not None:
+            getattr(
+                writer,
+                {"bos": "add_bos_token_id", "eos": "add_eos_token_id", "pad": "add_pad_token_id"}[
+                    key
+                ],
+            )(int(v))
+    for name, data, qt in tensors:
+        if qt in (_q().F32, _q().F16):
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return [path]
+
+
+def _add_kv(writer: Any, key: str, value: Any) -> None:
+    if isinstance(value, float):
+        writer.add_float32(key, value)
+    else:
+        writer.add_uint32(key, int(value))
+
+
+def _expert_stacks(space: ModelSpace, arch: Any) -> list[tuple[str, np.ndarray, Any]]:
+    ex = space.root["expert"]
+    inter, hidden, n = int(ex["inter"]), int(ex["hidden"]), space.n_experts
+    fmt = ex["format"]
+    readers = [space.store.open_reader(sel) for sel in space.blocks]
+    buf = np.empty(space.nbytes, np.uint8)
+    out = []
+    try:
+        for layer in ex["sparse_layers"]:
+            parts: list[list[np.ndarray]] = [[], [], []]
+            qts: set = set()
+            for e in range(n):
+                blk = int(space.blk[layer, e])
+                readers[blk].read_into(int(space.off[layer, e]), buf)
+                if checksum(buf) != int(space.sums[layer, e]):
+                    raise ChecksumError(f"expert ({layer}, {e}): checksum mismatch")
+                for i, (part, shape) in enumerate(_split(buf, fmt, inter, hidden, ex["dtype"])):
+                    if is_quant_format(fmt):
+                        data, qt = to_gguf_blocks(part, fmt, shape, f"blk.{layer}.{_STACKS[i]}")
+                    else:
+                        data, qt = _float_tensor(part, ex["dtype"], shape)
+                    parts[i].append(np.array(data))  # buf is reused: copy
+                    qts.add(qt)
+            (qt,) = qts
+            for i in range(3):
+                out.append((f"blk.{layer}.{_STACKS[i]}.weight", np.stack(parts[i]), qt))
+    finally:
+        for r in readers:
+            r.close()
+    return out
+
+
+def _split(buf: np.ndarray, fmt: str, inter: int, hidden: int, dtype: str) -> list:
+    shapes = [(inter, hidden), (inter, hidden), (hidden, inter)]
+    if is_quant_format(fmt):
+        f = get_format(fmt)
+        sizes = [f.nbytes(*s) for s in shapes]
+    else:
+        sizes = [inter * hidden * DTYPES[dtype][1]] * 3
+    pos, out = 0, []
+    for size, shape in zip(sizes, shapes, strict=True):
+        out.append((buf[pos : pos + size], shape))
+        pos += size
+    return out
+
+
+def format_history(root: dict) -> list[dict[str, Any]]:
+    """The version's format history: its source format and what the mount stored/converted."""
+    src = root.get("source") or {}
+    history: list[dict[str, Any]] = [
+        {
+            "step": "source",
+            "format": src.get("format", "safetensors"),
+            "types": sorted(set((src.get("tensor_types") or {}).values()))
+            or [root["expert"]["dtype"]],
+        }
+    ]
+    if src.get("conversion"):
+        history.append({"step": "convert", **src["conversion"]})
+    quant = root.get("quant")
+    history.append(
+        {
+            "step": "mount",
+            "expert_format": root["expert"]["format"],
+            "policy": None if quant is None else quant.get("policy"),
+            "formats": None if quant is None else quant.get("formats"),
+            "converted": None if quant is None else quant.get("converted"),
+        }
+    )
+    return history

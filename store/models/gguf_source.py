@@ -1,0 +1,548 @@
+"""Read a GGUF file (or a set of split GGUF files) as the checkpoint it was converted from.
+
+Scope: :class:`GGUFCheckpoint` opens the file(s) with ``gguf.GGUFReader`` and
+presents what :mod:`store.models.mount_plan` expects of a
+:class:`~store.models.checkpoint.Checkpoint`: an HF ``config`` rebuilt from
+the metadata, HF tensor names (stacked ``ffn_*_exps`` experts become
+per-expert tensors; q/k rows put back in HF rope order), and float bytes for
+every tensor (quantized ones dequantized by the ``gguf`` package's own
+reference dequantizers). :class:`GGUFMountSource` then decides what is stored:
+
+* F32 / F16 / BF16 tensors: their bytes, unchanged (rows reordered for q/k);
+* Q8_0, Q4_0, Q4_1: repacked without loss into the store's ``q8`` / ``q4``
+  (groups of 32, fp16 scale and offset; ``d (q - z) = d q + m`` with
+  ``m = -z d`` exact in fp16), which the C kernels compute from directly;
+* any other type: only under an explicit conversion policy
+  (:data:`POLICIES`), never silently. ``f32``/``f16``/``bf16`` dequantize to
+  that float type; ``q8``/``q4`` requantize with the store's quantizer. Each
+  converted tensor's drift (relative RMS error against the GGUF reference
+  dequantization, and max abs error) is measured at mount and recorded in
+  the manifest's ``quant.converted``, and printed by the CLI.
+
+The routed experts of a version share one format (one extent layout): if the
+expert stacks do not all have the same native type, the policy decides for
+all of them (``native`` refuses).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from czyx.store.models.checkpoint import DTYPES, TensorInfo
+from czyx.store.models.gguf import (
+    ARCHS,
+    ConversionPolicyError,
+    GGUFArch,
+    GGUFError,
+    UnsupportedGGUFError,
+    classify,
+    config_from_gguf,
+    qk_rows,
+    tokenizer_json_from_gguf,
+)
+from czyx.store.models.mount_errors import MissingTensorError
+from czyx.store.models.mount_source import MountSource
+from czyx.store.quant.extent import ExpertLayout
+from czyx.store.quant.formats import assemble, dequantize, get_format, pack_codes, quantize
+
+#: Conversion policies for source types the store has no native format for.
+POLICIES = ("native", "f32", "f16", "bf16", "q8", "q4")
+_FLOAT_POLICY = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
+_SPLIT = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
+
+
+def _qt() -> Any:
+    import gguf
+
+    return gguf.GGMLQuantizationType
+
+
+def _float_types() -> dict[Any, str]:
+    q = _qt()
+    return {q.F32: "F32", q.F16: "F16", q.BF16: "BF16"}
+
+
+def _native_types() -> dict[Any, str]:
+    q = _qt()
+    return {q.Q8_0: "q8", q.Q4_0: "q4", q.Q4_1: "q4"}
+
+
+@dataclass(frozen=True)
+class VTensor:
+    """One HF tensor seen through a GGUF tensor: ``expert`` selects a slice of a
+    stack, ``rows`` reorders rows (q/k rope order), ``dtype`` is what readers get."""
+
+    name: str
+    gguf: str
+    tensor: Any  # gguf ReaderTensor
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str
+    expert: int | None = None
+    rows: np.ndarray | None = None
+
+    @property
+    def qtype(self) -> Any:
+        return self.tensor.tensor_type
+
+    @property
+    def type_name(self) -> str:
+        return self.qtype.name
+
+
+def is_gguf(path: str | Any) -> bool:
+    """Whether ``path`` is a ``.gguf`` file or a directory of them without ``config.json``."""
+    p = Path(path)
+    if p.is_file():
+        return p.suffix == ".gguf"
+    return p.is_dir() and not (p / "config.json").exists() and any(p.glob("*.gguf"))
+
+
+def _split_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(path.glob("*.gguf"))
+        if not files:
+            raise GGUFError("no *.gguf file", file=str(path))
+        return files
+    m = _SPLIT.fullmatch(path.name)
+    if not m:
+        return [path]
+    n = int(m.group(3))
+    files = [path.with_name(f"{m.group(1)}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    for f in files:
+        if not f.is_file():
+            raise MissingTensorError(f"split {f.name} of {n} is missing", file=str(path))
+    return files
+
+
+def _fields(reader: Any) -> dict[str, Any]:
+    out = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        try:
+            out[name] = field.contents()
+        except Exception as exc:  # the reader raises plain errors on odd fields
+            raise GGUFError(f"metadata field {name!r} is unreadable: {exc}") from None
+    return out
+
+
+class GGUFCheckpoint:
+    """A GGUF model as a read-only checkpoint with HF names (see the module docstring).
+
+    Parameters
+    ----------
+    path
+        A ``.gguf`` file, the first (any) file of a ``-0000N-of-0000M.gguf``
+        split, or a directory holding the split files.
+    policy
+        Conversion policy for types without a native store format (:data:`POLICIES`).
+
+    Raises
+    ------
+    GGUFError, UnsupportedGGUFError, ConversionPolicyError, MissingTensorError
+    """
+
+    index_name = None
+
+    def __init__(self, path: str | Any, policy: str = "native") -> None:
+        import gguf
+
+        if policy not in POLICIES:
+            raise ConversionPolicyError(
+                f"conversion policy {policy!r} is not one of {', '.join(POLICIES)}"
+            )
+        self.path = Path(path)
+        self.policy = policy
+        self.files = _split_files(self.path)
+        readers = []
+        for f in self.files:
+            try:
+                readers.append(gguf.GGUFReader(f, "r"))
+            except Exception as exc:  # malformed file: the reader raises ValueError & co
+                raise GGUFError(f"not a readable GGUF file: {exc}", file=str(f)) from None
+        self.metadata = _fields(readers[0])
+        count = int(self.metadata.get("split.count", 1))
+        if count != len(self.files):
+            raise GGUFError(f"split.count {count} but {len(self.files)} files", file=str(path))
+        arch_name = self.metadata.get("general.architecture")
+        self.arch: GGUFArch | None = ARCHS.get(str(arch_name))
+        if self.arch is None:
+            raise UnsupportedGGUFError(
+                f"GGUF architecture {arch_name!r} is not supported (known: "
+                f"{', '.join(sorted(ARCHS))})",
+                file=str(self.files[0]),
+            )
+        raw: dict[str, tuple[Any, Path]] = {}
+        for f, r in zip(self.files, readers, strict=True):
+            for t in r.tensors:
+                if t.name in raw:
+                    raise GGUFError("tensor in two split files", file=str(f), tensor=t.name)
+                raw[t.name] = (t, f)
+        self.gguf_tensors = raw
+        n_vocab = int(raw["token_embd.weight"][0].shape[1]) if "token_embd.weight" in raw else 0
+        if not n_vocab:
+            raise MissingTensorError("no token_embd.weight", file=str(self.files[0]))
+        self.config = config_from_gguf(
+            self.metadata, self.arch, n_vocab, "output.weight" not in raw
+        )
+        self.tokenizer_json = tokenizer_json_from_gguf(self.metadata)
+        self._vt: dict[str, VTensor] = {}
+        for name, (t, f) in raw.items():
+            self._add(name, t, f)
+
+    # -- naming ---------------------------------------------------------------------
+    def _dtype(self, t: Any, name: str) -> str:
+        if t.tensor_type in _float_types():
+            return _float_types()[t.tensor_type]
+        if self.policy in _FLOAT_POLICY:
+            return _FLOAT_POLICY[self.policy]  # every quantized tensor becomes that float
+        return "F32"  # read as its dequantized float32, stored packed
+
+    def _add(self, name: str, t: Any, f: Path) -> None:
+        kind = classify(self.arch, name)
+        if kind is None:
+            raise UnsupportedGGUFError(
+                f"not a tensor of a {self.arch.gguf} model", file=str(f), tensor=name
+            )
+        ftypes, ntypes = _float_types(), _native_types()
+        if t.tensor_type not in ftypes and t.tensor_type not in ntypes and self.policy == "native":
+            raise ConversionPolicyError(
+                f"type {t.tensor_type.name} has no native store format: mount with a conversion "
+                f"policy ({', '.join(p for p in POLICIES if p != 'native')})",
+                file=str(f),
+                tensor=name,
+            )
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        dtype = self._dtype(t, name)
+        if kind.part is not None:
+            if len(shape) != 3:
+                raise GGUFError(f"expert stack of shape {list(shape)}", file=str(f), tensor=name)
+            tmpl = self.arch.expert_names[kind.part]
+            for e in range(shape[0]):
+                hf = tmpl.format(l=kind.layer, e=e)
+                self._vt[hf] = VTensor(hf, name, t, f, shape[1:], dtype, expert=e)
+            return
+        if kind.hf.endswith("shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, shape[0])
+        rows = None
+        if kind.qk is not None:
+            key = "attention.head_count" if kind.qk == "q" else "attention.head_count_kv"
+            heads = int(self.metadata[f"{self.arch.gguf}.{key}"])
+            rows = qk_rows(shape[0], heads)
+        self._vt[kind.hf] = VTensor(kind.hf, name, t, f, shape, dtype, rows=rows)
+
+    # -- the Checkpoint interface ---------------------------------------------------
+    def names(self) -> list[str]:
+        """HF tensor names, in GGUF file order."""
+        return sorted(
+            self._vt,
+            key=lambda n: (
+                self._vt[n].file.name,
+                int(self._vt[n].tensor.data_offset),
+                self._vt[n].expert or 0,
+            ),
+        )
+
+    def vtensor(self, name: str) -> VTensor:
+        """The :class:`VTensor` of HF tensor ``name``."""
+        try:
+            return self._vt[name]
+        except KeyError:
+            raise MissingTensorError(
+                "no such tensor in the GGUF model", file=str(self.path), tensor=name
+            ) from None
+
+    def info(self, name: str) -> TensorInfo:
+        """HF-side :class:`TensorInfo` (dtype as read; offsets those of the GGUF data)."""
+        vt = self.vtensor(name)
+        n = int(np.prod(vt.shape)) * DTYPES[vt.dtype][1]
+        begin = int(vt.tensor.data_offset)
+        if vt.expert is not None:
+            begin += vt.expert * (int(vt.tensor.n_bytes) // int(vt.tensor.shape[-1]))
+        return TensorInfo(name, vt.file, vt.dtype, vt.shape, begin, n, begin, begin + n)
+
+    def gguf_rows(self, vt: VTensor) -> np.ndarray:
+        """The tensor's stored rows as numpy (quantized: ``uint8 [R, row bytes]``), HF order."""
+        data = vt.tensor.data
+        if vt.expert is not None:
+            data = data[vt.expert]
+        if vt.qtype == _qt().BF16:
+            data = data.view(np.uint16)
+        data = data.reshape(vt.shape[0], -1) if data.ndim != 1 else data
+        if vt.rows is not None:
+            data = data[vt.rows]
+        return data
+
+    def reference(self, name: str) -> np.ndarray:
+        """Float32 values of ``name`` (GGUF's reference dequantization; exact for floats)."""
+        import gguf
+
+        vt = self.vtensor(name)
+        data = self.gguf_rows(vt)
+        if vt.qtype == _qt().F32:
+            out = np.asarray(data, np.float32)
+        elif vt.qtype == _qt().F16:
+            out = data.astype(np.float32)
+        elif vt.qtype == _qt().BF16:
+            out = (data.astype(np.uint32) << 16).view(np.float32)
+        else:
+            out = gguf.quants.dequantize(np.ascontiguousarray(data), vt.qtype)
+        return out.reshape(vt.shape)
+
+    def array(self, name: str) -> np.ndarray:
+        """``name`` as its :meth:`info` dtype (bf16 as uint16 bits), a new array."""
+        vt = self.vtensor(name)
+        if vt.qtype in _float_types():
+            return np.ascontiguousarray(self.gguf_rows(vt)).reshape(vt.shape)
+        ref = self.reference(name)
+        if vt.dtype == "F32":
+            return ref
+        if vt.dtype == "F16":
+            return ref.astype(np.float16)
+        return _to_bf16(ref)
+
+    def raw(self, name: str) -> memoryview:
+        """The bytes of :meth:`array`."""
+        return memoryview(self.array(name).reshape(-1).view(np.uint8))
+
+    def read_into(self, name: str, start: int, out: np.ndarray) -> None:
+        """Copy ``out.nbytes`` bytes of :meth:`raw` from ``start`` into ``out``."""
+        data = self.array(name).reshape(-1).view(np.uint8)
+        n = out.nbytes
+        if start < 0 or start + n > data.size:
+            raise ValueError(f"{name}: bytes [{start}, {start + n}) outside {data.size}")
+        out.reshape(-1).view(np.uint8)[:] = data[start : start + n]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._vt
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.gguf_tensors)
+
+    def source_manifest(self) -> dict[str, Any]:
+        """What the manifest records of the source: format, files, metadata, tensor types."""
+        skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+        meta = {k: _plain(v) for k, v in sorted(self.metadata.items()) if k not in skip}
+        types = {n: t.tensor_type.name for n, (t, _) in sorted(self.gguf_tensors.items())}
+        return {
+            "format": "gguf",
+            "files": [f.name for f in self.files],
+            "metadata": meta,
+            "tensor_types": types,
+            "index": None,
+        }
+
+    def close(self) -> None:
+        """Drop the readers' mappings."""
+        self._vt.clear()
+        self.gguf_tensors.clear()
+
+    def __enter__(self) -> GGUFCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
+
+
+def _to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), round to nearest even (as torch does)."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    rounded = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    out = (rounded >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def native_pack(rows: np.ndarray, qtype: Any) -> tuple[np.ndarray, str]:
+    """Repack GGUF Q8_0 / Q4_0 / Q4_1 rows (``uint8 [R, row bytes]``) as the store's
+    ``q8`` / ``q4`` planar buffer, without loss. Returns ``(bytes, format name)``."""
+    q = _qt()
+    rows = np.ascontiguousarray(rows, np.uint8)
+    r = rows.shape[0]
+    bs = {q.Q8_0: 34, q.Q4_0: 18, q.Q4_1: 20}[qtype]
+    blocks = rows.reshape(r, -1, bs)
+    d = np.ascontiguousarray(blocks[:, :, :2]).view("<f2")[:, :, 0]
+    if qtype == q.Q8_0:
+        codes = (blocks[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        zero, bits = 128, 8
+    else:
+        qs = blocks[:, :, 4:] if qtype == q.Q4_1 else blocks[:, :, 2:]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2)
+        zero, bits = 8, 4
+    if qtype == q.Q4_1:
+        m = np.ascontiguousarray(blocks[:, :, 2:4]).view("<f2")[:, :, 0]
+    else:
+        m = (d.astype(np.float32) * -zero).astype(np.float16)
+        if not np.array_equal(m.astype(np.float32), d.astype(np.float32) * -zero):
+            raise GGUFError(f"{qtype.name} scale too large for an exact fp16 offset")
+    fmt = get_format(f"q{bits}")
+    packed = pack_codes(codes.reshape(r, -1), bits)
+    return assemble(packed, d, m, fmt), fmt.name
+
+
+@dataclass
+class Drift:
+    """Accumulated error of one converted GGUF tensor against its reference."""
+
+    source: str
+    target: str
+    sq_err: float = 0.0
+    sq_ref: float = 0.0
+    max_abs: float = 0.0
+
+    def add(self, got: np.ndarray, ref: np.ndarray) -> None:
+        diff = got.astype(np.float64) - ref
+        self.sq_err += float((diff * diff).sum())
+        self.sq_ref += float((ref.astype(np.float64) ** 2).sum())
+        self.max_abs = max(self.max_abs, float(np.abs(diff).max(initial=0.0)))
+
+    @property
+    def rel_rms(self) -> float:
+        return (self.sq_err / self.sq_ref) ** 0.5 if self.sq_ref else 0.0
+
+
+class GGUFConversion:
+    """The manifest's ``quant`` section of a GGUF mount: policy, stored formats, drift."""
+
+    def __init__(self, ckpt: GGUFCheckpoint, expert_fmt: str) -> None:
+        self.ckpt = ckpt
+        self.expert_fmt = expert_fmt
+        self.trunk_formats: dict[str, str] = {}
+        self.drift: dict[str, Drift] = {}
+
+    def manifest(self) -> dict[str, object]:
+        """``policy`` (``gguf:<policy>``), formats by class, and per converted tensor
+        ``[source type, stored format, relative RMS error, max abs error]``."""
+        return {
+            "policy": f"gguf:{self.ckpt.policy}",
+            "formats": {"expert": self.expert_fmt, **self.trunk_formats},
+            "importance": None,
+            "converted": {
+                n: [d.source, d.target, round(d.rel_rms, 9), round(d.max_abs, 9)]
+                for n, d in sorted(self.drift.items())
+            },
+        }
+
+    def report(self) -> list[str]:
+        """One line per converted GGUF tensor (what the CLI prints)."""
+        return [
+            f"converted {n}: {d.source} -> {d.target}, relative RMS error {d.rel_rms:.3e}, "
+            f"max abs {d.max_abs:.3e}"
+            for n, d in sorted(self.drift.items())
+        ]
+
+
+class GGUFMountSource(MountSource):
+    """Stored bytes of a GGUF model's tensors, per the module docstring's rules."""
+
+    def __init__(self, ckpt: GGUFCheckpoint, plan: Any) -> None:
+        self.ckpt, self.plan = ckpt, plan
+        self.tokenizer = None if ckpt.tokenizer_json is None else ckpt.tokenizer_json.encode()
+        stacks = {ckpt.vtensor(p.tensor).qtype for parts in plan.experts.values() for p in parts}
+        ntypes, ftypes = _native_types(), _float_types()
+        fmts = {ntypes.get(t) for t in stacks}
+        self.expert_fmt: str | None
+        if stacks <= set(ftypes) or ckpt.policy in _FLOAT_POLICY:
+            self.expert_fmt = None  # float experts (the plan checked they share a dtype)
+        elif len(fmts) == 1 and None not in fmts:
+            self.expert_fmt = fmts.pop()  # one native type: repacked without loss
+        elif ckpt.policy == "native":
+            raise ConversionPolicyError(
+                f"routed experts mix types {sorted(t.name for t in stacks)}; one extent format "
+                "needs a conversion policy (q8, q4, f32, f16, bf16)",
+                file=str(ckpt.path),
+            )
+        else:
+            self.expert_fmt = ckpt.policy
+        self.qlayout = (
+            None
+            if self.expert_fmt is None
+            else ExpertLayout(get_format(self.expert_fmt), plan.inter, plan.hidden)
+        )
+        self.expert_nbytes = plan.expert_nbytes if self.qlayout is None else self.qlayout.nbytes
+        self.buf = np.empty(self.expert_nbytes, np.uint8)
+        self._scratch = np.empty(0, np.uint8)
+        quantized = any(t.tensor_type not in ftypes for t, _ in ckpt.gguf_tensors.values())
+        self.conversion = GGUFConversion(ckpt, self.expert_fmt or plan.expert_format)
+        self.codec = self.conversion if quantized else None
+        self._seen: set[tuple[int, int]] = set()
+
+    def _pack(self, vt: VTensor, fmt: str | None, drift_key: str | None) -> np.ndarray:
+        """Bytes of ``vt`` stored as ``fmt`` (None: its float dtype); drift recorded once."""
+        ntypes = _native_types()
+        if fmt is None:
+            if vt.qtype not in _float_types() and drift_key is not None:
+                ref = self.ckpt.reference(vt.name)
+                got = self.ckpt.array(vt.name)
+                got32 = (
+                    got
+                    if vt.dtype == "F32"
+                    else got.astype(np.float32)
+                    if vt.dtype == "F16"
+                    else (got.astype(np.uint32) << 16).view(np.float32)
+                )
+                self._drift(drift_key, vt, vt.dtype.lower()).add(got32, ref)
+            return self.ckpt.array(vt.name).reshape(-1).view(np.uint8)
+        if ntypes.get(vt.qtype) == fmt:
+            return native_pack(self.ckpt.gguf_rows(vt), vt.qtype)[0]
+        ref = self.ckpt.reference(vt.name)
+        packed = quantize(ref.reshape(vt.shape[0], -1), fmt)
+        if drift_key is not None:
+            got = dequantize(packed, fmt, ref.reshape(vt.shape[0], -1).shape)
+            self._drift(drift_key, vt, fmt).add(got, ref.reshape(got.shape))
+        return packed
+
+    def _drift(self, key: str, vt: VTensor, target: str) -> Drift:
+        return self.conversion.drift.setdefault(key, Drift(vt.type_name, target))
+
+    def assemble(self, key: tuple[int, int], out: np.ndarray) -> None:
+        """Expert ``key``'s extent (gate | up | down) as stored, into ``out``."""
+        first = key not in self._seen
+        self._seen.add(key)
+        pos = 0
+        for p in self.plan.experts[key]:
+            vt = self.ckpt.vtensor(p.tensor)
+            data = self._pack(vt, self.expert_fmt, vt.gguf if first else None)
+            out[pos : pos + data.size] = data
+            pos += data.size
+        if pos != out.size:
+            raise GGUFError(f"expert {key}: {pos} bytes assembled, the extent has {out.size}")
+
+    def stored_tensor(self, t: Any) -> tuple[np.ndarray, str | None]:
+        """``(bytes, quantized format or None)`` of trunk entry ``t``."""
+        vt = self.ckpt.vtensor(t.tensor)
+        fmt = None
+        if vt.qtype not in _float_types() and self.ckpt.policy not in _FLOAT_POLICY:
+            fmt = _native_types().get(vt.qtype) or self.ckpt.policy  # native, else the policy's
+        if fmt is not None and len(vt.shape) != 2:
+            raise UnsupportedGGUFError(
+                f"a quantized {len(vt.shape)}-D tensor", file=str(vt.file), tensor=vt.gguf
+            )
+        data = self._pack(vt, fmt, vt.gguf)
+        if fmt is not None:
+            self.conversion.trunk_formats[t.role] = fmt
+        return data, fmt
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The float bytes of HF tensor ``name``."""
+        return self.ckpt.array(name).reshape(-1).view(np.uint8)

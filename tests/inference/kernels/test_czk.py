@@ -1,0 +1,286 @@
+"""The decode kernels (inference/kernels/czk.c) against numpy references of the same format.
+
+* Quantized rows: a numpy reference that performs the kernel's stated
+  operations (8-bit input blocks, exact integer dot products in eight lanes of
+  four, float32 lane accumulation in block order, the fixed lane tree, the
+  m-term) reproduces every SIMD path bit for bit.
+* Float rows (f32, f16, bf16), the MoE layer and the attention block: against
+  float64 references, within float32 rounding bounds stated per test.
+* Thread counts: every kernel and a whole engine give bit-identical results
+  for 1, 2 and 3 threads (loops forced to split with set_min_work(1)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from czyx.inference.kernels import fused
+from czyx.inference.kernels.ops import prepare
+from czyx.store.quant.formats import dequantize, get_format, quantize, unpack_codes
+
+pytestmark = pytest.mark.skipif(not fused.have_czk(), reason="inference._czk not built")
+F32 = np.float32
+FORMATS = ("q2", "q3", "q4", "q8", "q4g64", "q8g64", "q3g32")
+
+
+@pytest.fixture(params=fused.LEVELS)
+def level(request):
+    if fused.LEVELS.index(request.param) > fused._lib.czk_level():
+        pytest.skip(f"this CPU lacks {request.param}")
+    fused.set_level_cap(request.param)
+    yield request.param
+    fused.set_level_cap("avx512vnni")
+
+
+@pytest.fixture
+def split_loops():
+    fused.set_min_work(1)
+    yield
+    fused.set_min_work(1 << 16)
+
+
+def ref_quantize_input(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Blocks of 32: sx = max|x| / 127, q = rint(x / sx) (via 1/sx), sequential float sums."""
+    xb = x.reshape(-1, 32).astype(F32)
+    d = (np.abs(xb).max(axis=1) / F32(127)).astype(F32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, F32(1) / d, F32(0)).astype(F32)
+    q = np.clip(np.rint(xb * inv[:, None]), -127, 127).astype(np.int8)
+    bsum = np.cumsum(xb, axis=1, dtype=F32)[:, -1]
+    return q.reshape(-1), d, bsum
+
+
+def ref_rows_q(buf: np.ndarray, fmt, shape, x: np.ndarray) -> np.ndarray:
+    """The quantized matvec exactly as czk.c states it, in numpy float32 operations."""
+    rows, cols = shape
+    pm = prepare(buf, fmt, shape)
+    codes = unpack_codes(pm.codes, fmt.bits, cols).astype(np.int32)  # [R, C]
+    q, sx, bsum = ref_quantize_input(x)
+    nb, bpg = cols // 32, fmt.group_size // 32
+    prod = (codes * q.astype(np.int32)[None]).reshape(rows, nb, 32)
+    if fmt.bits == 4:  # the kernel pairs low nibbles (even codes) then high (odd)
+        prod = prod[..., np.r_[0:32:2, 1:32:2]]
+    lanes = prod.reshape(rows, nb, 8, 4).sum(axis=-1).astype(F32)  # exact integers
+    scales = pm.scales.astype(F32)
+    mins = pm.mins.astype(F32)
+    acc = np.zeros((rows, 8), F32)
+    for b in range(nb):
+        s = scales[:, b // bpg] * sx[b]
+        acc = acc + lanes[:, b] * s[:, None]
+    tree = ((acc[:, 0] + acc[:, 4]) + (acc[:, 2] + acc[:, 6])) + (
+        (acc[:, 1] + acc[:, 5]) + (acc[:, 3] + acc[:, 7])
+    )
+    t = np.zeros(rows, F32)
+    for g in range(cols // fmt.group_size):
+        gs = F32(0)
+        for b in range(g * bpg, (g + 1) * bpg):
+            gs = F32(gs + bsum[b])
+        t = t + mins[:, g] * gs
+    return tree + t
+
+
+def _kern(threads: int = 1, hidden: int = 64) -> fused.DecodeKernels:
+    return fused.DecodeKernels(hidden, 16, 4, threads)
+
+
+def test_input_quantization_matches_numpy():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(256) * rng.uniform(0.01, 10, 256)).astype(F32)
+    x[32:64] = 0.0  # an all-zero block: scale 0, codes 0
+    q = np.zeros(256, np.int8)
+    sx = np.zeros(8, F32)
+    bs = np.zeros(8, F32)
+    ffi = fused._ffi
+    fused._lib.czk_quantize_input(
+        ffi.cast("float *", ffi.from_buffer(x)), 256, ffi.cast("int8_t *", ffi.from_buffer(q)),
+        ffi.cast("float *", ffi.from_buffer(sx)), ffi.cast("float *", ffi.from_buffer(bs)),
+    )  # fmt: skip
+    wq, wsx, wbs = ref_quantize_input(x)
+    assert np.array_equal(q, wq) and np.array_equal(sx, wsx) and np.array_equal(bs, wbs)
+    assert np.abs(q).max() == 127 and not q[32:64].any()
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantized_matvec_is_exactly_its_numpy_reference(level, name):
+    fmt = get_format(name)
+    rng = np.random.default_rng(1)
+    rows, cols = 37, 3 * max(fmt.group_size, 64)
+    w = rng.standard_normal((rows, cols)).astype(F32)
+    buf = quantize(w, fmt, method="minmax")
+    x = rng.standard_normal(cols).astype(F32)
+    k = _kern()
+    y = np.zeros(rows, F32)
+    k.matvec(prepare(buf, fmt, (rows, cols)), x, y)
+    want = ref_rows_q(buf, fmt, (rows, cols), x)
+    assert np.array_equal(y, want), np.abs(y - want).max()
+    # and close to the float product with the dequantized weights (8-bit input)
+    wd = dequantize(buf, fmt, (rows, cols)).astype(np.float64)
+    bound = (np.abs(wd) @ np.abs(x.astype(np.float64))) / 127 + 1e-5
+    assert (np.abs(y - wd @ x.astype(np.float64)) <= bound).all()
+    k.close()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_float_matvec_within_float32_rounding(level, dtype):
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((33, 200)).astype(F32)
+    if dtype == "f16":
+        stored = w.astype(np.float16)
+        wf = stored.astype(np.float64)
+    elif dtype == "bf16":
+        stored = (w.view(np.uint32) >> 16).astype(np.uint16)
+        wf = (stored.astype(np.uint32) << 16).view(F32).astype(np.float64)
+    else:
+        stored, wf = w, w.astype(np.float64)
+    x = rng.standard_normal(200).astype(F32)
+    k = _kern()
+    m = fused._ffi.new("czk_mat *")
+    keep = fused.describe(stored, m, bf16=dtype == "bf16")
+    y = np.zeros(33, F32)
+    k._matvec(m, fused._fptr(x), fused._fptr(y))
+    want = wf @ x.astype(np.float64)
+    assert np.abs(y - want).max() <= 1e-6 * (np.abs(wf) @ np.abs(x)).max() + 1e-6
+    del keep
+    k.close()
+
+
+def test_describe_refuses_unknown_weights():
+    m = fused._ffi.new("czk_mat *")
+    with pytest.raises(fused.KernelError):
+        fused.describe(np.zeros((4, 32), np.int32), m)
+    with pytest.raises(fused.KernelError):
+        fused.describe(np.zeros((32, 4), F32).T, m)
+
+
+class _Slots:
+    """The three members of an ExpertTable a MoE call needs, from arrays."""
+
+    def __init__(self, experts, fmt=None):
+        self.table = fused._ffi.new("czk_mat[]", 3 * len(experts))
+        self.keep = []
+        for s, parts in enumerate(experts):
+            for j, p in enumerate(parts):
+                w = p if fmt is None else prepare(quantize(p, fmt, method="minmax"), fmt, p.shape)
+                self.keep += fused.describe(w, self.table[3 * s + j])
+
+
+def _moe(kern, table, slots, w, x):
+    np.copyto(kern.x, x)
+    kern._experts = (table, table)
+    slots = np.asarray(slots, np.int64)
+    kern._reserve(int(fused._lib.czk_moe_work_bytes(len(slots), 64, 96)))
+    kern.moe(table, slots, np.asarray(w, F32))
+    return kern.y.copy()
+
+
+def _experts(seed, n=5, hidden=64, inter=96):
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            (rng.standard_normal((inter, hidden)) / 8).astype(F32),
+            (rng.standard_normal((inter, hidden)) / 8).astype(F32),
+            (rng.standard_normal((hidden, inter)) / 8).astype(F32),
+        )
+        for _ in range(n)
+    ]
+
+
+def _moe_ref(experts, slots, w, x):
+    x = x.astype(np.float64)
+    y = np.zeros(x.size)
+    for s, wj in zip(slots, w):
+        g, u, d = (a.astype(np.float64) for a in experts[s])
+        gx = g @ x
+        y += wj * (d @ (gx / (1 + np.exp(-gx)) * (u @ x)))
+    return y
+
+
+@pytest.mark.parametrize("fmt", [None, "q8", "q4"])
+def test_moe_layer_matches_float64_reference(level, fmt):
+    experts = _experts(4)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(64).astype(F32)
+    slots, w = [3, 0, 4], [0.5, 0.3, 0.2]
+    table = _Slots(experts, None if fmt is None else get_format(fmt))
+    kern = _kern()
+    got = _moe(kern, table, slots, w, x)
+    if fmt is None:
+        want = _moe_ref(experts, slots, w, x)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    else:  # the dequantized weights in float64; the 8-bit inputs bound the error
+        f = get_format(fmt)
+        deq = [
+            tuple(dequantize(quantize(p, f, method="minmax"), f, p.shape) for p in e)
+            for e in experts
+        ]
+        want = _moe_ref(deq, slots, w, x)
+        assert np.abs(got - want).max() <= 0.03 * np.abs(want).max()
+    kern.close()
+
+
+@pytest.mark.parametrize("fmt", [None, "q4"])
+def test_kernels_are_bit_identical_for_every_thread_count(split_loops, fmt):
+    experts = _experts(6)
+    x = np.random.default_rng(7).standard_normal(64).astype(F32)
+    table = _Slots(experts, None if fmt is None else get_format(fmt))
+    w = np.random.default_rng(8).standard_normal((67, 64)).astype(F32)
+    mat = w if fmt is None else prepare(quantize(w, get_format(fmt), method="minmax"), fmt, w.shape)
+    outs = []
+    for threads in (1, 2, 3):
+        kern = _kern(threads)
+        y = np.zeros(67, F32)
+        kern.matvec(mat, x, y)
+        outs.append(np.concatenate([y, _moe(kern, table, [2, 4, 1], [0.6, 0.3, 0.1], x)]))
+        kern.close()
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+def test_engine_output_is_bit_identical_for_every_thread_count(split_loops):
+    from czyx.inference.engine import Engine
+    from czyx.testing.refmodels import StateDictConsumer, tiny_model
+
+    model = tiny_model("mixtral", hidden_size=64, intermediate_size=64)
+    runs = []
+    for threads in (1, 2, 3):
+        eng = Engine(StateDictConsumer(model), threads=threads)
+        assert eng.threads == threads and eng.model.decode_in_c()
+        logits = [eng.prefill([5, 9, 200, 17])]
+        for _ in range(6):
+            logits.append(eng.decode(int(np.argmax(logits[-1]))))
+        eng.close()
+        runs.append(np.stack(logits))
+    assert np.array_equal(runs[0], runs[1]) and np.array_equal(runs[0], runs[2])
+
+
+def test_engine_threads_default_to_the_affinity():
+    import os
+
+    from czyx.inference.engine import Engine
+    from czyx.testing.refmodels import StateDictConsumer, tiny_model
+
+    eng = Engine(StateDictConsumer(tiny_model("mixtral", hidden_size=64, intermediate_size=64)))
+    assert eng.threads == len(os.sched_getaffinity(0))
+    eng.close()
+    with pytest.raises(ValueError):
+        Engine(StateDictConsumer(tiny_model("mixtral")), threads=0)
+
+
+def test_run_cli_threads_flag_gives_the_same_text(tmp_path, capsys, split_loops):
+    from czyx.cli import main
+    from czyx.store import Store
+    from czyx.store.models.mount import mount
+    from czyx.testing.tiny_models import make_tiny_checkpoint
+
+    cfg = dict(vocab_size=256, max_position_embeddings=512, eos_token_id=None, bos_token_id=None)
+    ckpt = make_tiny_checkpoint("mixtral", tmp_path / "ckpt", seed=0, **cfg)
+    with Store.open(tmp_path / "st") as st:
+        mount(st, ckpt, "tiny@1")
+    texts = []
+    for threads in ("1", "2"):
+        argv = ["run", "tiny@1", "--store", str(tmp_path / "st"), "--prompt", "def f(x):"]
+        assert main([*argv, "--max-tokens", "8", "--threads", threads]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0]
+    bad = ["run", "tiny@1", "--store", str(tmp_path / "st"), "--prompt", "x", "--threads", "0"]
+    assert main(bad) != 0 and "--threads 0" in capsys.readouterr().err

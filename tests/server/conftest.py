@@ -1,0 +1,76 @@
+"""Shared fixtures of the server tests: a store holding the bundled model (with a chat
+template) and a second version (without one), and a server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from czyx import portals
+from czyx.inference.assets import bundled_model_dir
+from czyx.portals.authority import authority
+from czyx.portals.model import grant_model
+from czyx.store import Store
+from czyx.store.models.mount import mount
+
+TEMPLATE = (
+    "{% for m in messages %}{{ '<' + m['role'] + '>' }}{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def other_checkpoint(path):
+    """A second version without torch: the bundled weights, one norm scaled (new content)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = bundled_model_dir()
+    path.mkdir()
+    shutil.copy(src / "config.json", path / "config.json")
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
+def make_store(root):
+    """A store with ``stdlib@1`` (bundled) and ``tiny@1``; returns (dir, config path, tokens)."""
+    store_dir = root / "store"
+    tiny = other_checkpoint(root / "tiny")
+    cfg = root / "tokenizer_config.json"
+    cfg.write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "\n\n"}))
+    with Store.open(store_dir) as store:
+        mount(store, bundled_model_dir(), "stdlib@1")
+        mount(store, tiny, "tiny@1")
+        tokens = {
+            "root": portals.root_token(store),
+            "alice": grant_model(store, "stdlib@1", tenant="alice").token,
+            "bob": grant_model(store, "tiny@1", tenant="bob").token,
+            "reader": grant_model(store, "stdlib@1", tenant="carol", rights="read").token,
+            "expired": grant_model(store, "stdlib@1", tenant="dave", expires_at=1).token,
+            "scoped": grant_model(store, "stdlib@1", tenant="erin", classes="0-7").token,
+        }
+        ids = {"alice": authority(store).verify(tokens["alice"]).portal_id.hex()}
+    return store_dir, cfg, tokens, ids
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A running server over the store: (base url, tokens, portal ids, app, store dir)."""
+    from czyx.inference.batch import BatchOptions
+    from czyx.server import ServeOptions, create_app
+    from czyx.server.threaded import serve_in_thread
+
+    root = tmp_path_factory.mktemp("serve")
+    store_dir, cfg, tokens, ids = make_store(root)
+    opts = ServeOptions(
+        engine={"stream": None},
+        batch=BatchOptions(max_batch=8, max_queue=32, prefill_chunk=16, step_tokens=64),
+        chat_templates=(("stdlib@1", str(cfg)),),
+        event_timeout=60.0,
+    )
+    app = create_app(str(store_dir), ["stdlib@1", "tiny@1"], opts)
+    with serve_in_thread(app) as url:
+        yield url, tokens, ids, app, store_dir

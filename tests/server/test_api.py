@@ -1,0 +1,227 @@
+"""The OpenAI-compatible API through the real ``openai`` client, on 127.0.0.1.
+
+Completions and chat, streamed and not, usage counts and finish reasons, stop
+strings, the 401/403 paths of portals as bearer tokens (and a revocation taking
+effect on the next request), the audit trail, /health and /metrics.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+PROMPT = "def main(argv):\n    "
+
+
+def client(url: str, token: str | None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=token or "x", max_retries=0, timeout=60)
+
+
+def test_health_and_models_by_portal(served):
+    url, tokens, *_ = served
+    assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+    assert sorted(m.id for m in client(url, tokens["root"]).models.list()) == [
+        "stdlib@1",
+        "tiny@1",
+    ]
+    assert [m.id for m in client(url, tokens["alice"]).models.list()] == ["stdlib@1"]
+    assert [m.id for m in client(url, tokens["bob"]).models.list()] == ["tiny@1"]
+
+
+def test_completion_greedy_usage_and_length(served):
+    url, tokens, *_ = served
+    c = client(url, tokens["alice"])
+    r = c.completions.create(model="stdlib@1", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(PROMPT.encode())
+    assert r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    again = c.completions.create(model="stdlib@1", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert again.choices[0].text == r.choices[0].text and r.choices[0].text
+
+
+def test_streaming_equals_non_streaming_and_reports_usage(served):
+    url, tokens, *_ = served
+    c = client(url, tokens["alice"])
+    whole = c.completions.create(model="stdlib@1", prompt=PROMPT, max_tokens=20, temperature=0)
+    pieces, usage, finish = [], None, None
+    stream = c.completions.create(
+        model="stdlib@1",
+        prompt=PROMPT,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            pieces.append(ch.text)
+            finish = ch.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].text
+    assert finish == "length" and usage.completion_tokens == 20
+
+
+def test_seeded_sampling_reproduces(served):
+    url, tokens, *_ = served
+    c = client(url, tokens["alice"])
+    kw = dict(model="stdlib@1", prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95)
+    a = c.completions.create(seed=7, **kw).choices[0].text
+    b = c.completions.create(seed=7, **kw).choices[0].text
+    assert a == b
+
+
+def test_stop_string_ends_the_text_before_it(served):
+    url, tokens, *_ = served
+    c = client(url, tokens["alice"])
+    full = c.completions.create(model="stdlib@1", prompt=PROMPT, max_tokens=24, temperature=0)
+    text = full.choices[0].text
+    stop = text[5:8]
+    assert stop and text.find(stop) >= 0
+    r = c.completions.create(
+        model="stdlib@1", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].text == text[: text.find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    pieces = []
+    for chunk in c.completions.create(
+        model="stdlib@1", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True
+    ):
+        pieces.extend(ch.text for ch in chunk.choices)
+    assert "".join(pieces) == r.choices[0].text
+
+
+def test_chat_with_template_streamed_and_not(served):
+    url, tokens, *_ = served
+    c = client(url, tokens["alice"])
+    msgs = [{"role": "user", "content": "import os"}]
+    r = c.chat.completions.create(model="stdlib@1", messages=msgs, max_tokens=10, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    # The template renders "<user>import os\n<assistant>": bytes of the prompt.
+    assert r.usage.prompt_tokens == len(b"<user>import os\n<assistant>")
+    pieces = []
+    for chunk in c.chat.completions.create(
+        model="stdlib@1", messages=msgs, max_tokens=10, temperature=0, stream=True
+    ):
+        pieces.extend(ch.delta.content or "" for ch in chunk.choices)
+    assert "".join(pieces) == r.choices[0].message.content
+
+
+def test_chat_without_template_is_400_completions_still_work(served):
+    url, tokens, *_ = served
+    c = client(url, tokens["bob"])
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        c.chat.completions.create(model="tiny@1", messages=[{"role": "user", "content": "hi"}])
+    r = c.completions.create(model="tiny@1", prompt="hi", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens <= 3
+
+
+def test_bad_requests_are_400_in_the_openai_shape(served):
+    url, tokens, *_ = served
+    c = client(url, tokens["alice"])
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        c.completions.create(model="stdlib@1", prompt="x", n=2)
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="nope@1", prompt="x")
+    r = httpx.post(
+        url + "/v1/completions",
+        headers={"Authorization": f"Bearer {tokens['alice']}"},
+        content=b"{not json",
+        timeout=10,
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_401_and_403(served):
+    url, tokens, *_ = served
+    with pytest.raises(openai.AuthenticationError):
+        client(url, "not-a-portal").completions.create(model="stdlib@1", prompt="x")
+    r = httpx.post(url + "/v1/completions", json={"model": "stdlib@1", "prompt": "x"}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        client(url, tokens["alice"][:-4] + "AAAA").models.list()
+    for who, model in (
+        ("bob", "stdlib@1"),
+        ("reader", "stdlib@1"),
+        ("expired", "stdlib@1"),
+        ("scoped", "stdlib@1"),
+    ):
+        with pytest.raises(openai.PermissionDeniedError):
+            client(url, tokens[who]).completions.create(model=model, prompt="x", max_tokens=2)
+
+
+def test_revocation_takes_effect_on_the_next_request(served):
+    url, _, _, app, _ = served
+    from czyx.portals.model import grant_model
+
+    store = app.state.czyx.store
+    tok = grant_model(store, "stdlib@1", tenant="frank").token
+    c = client(url, tok)
+    assert c.completions.create(model="stdlib@1", prompt="x", max_tokens=2).usage
+    gate = app.state.czyx.gate
+    before = gate.verifications
+    assert c.completions.create(model="stdlib@1", prompt="x", max_tokens=2).usage
+    assert gate.verifications == before  # the second request used the cached verification
+    pid = gate.authenticate(f"Bearer {tok}").portal_id
+    from czyx.portals.authority import authority
+
+    authority(store).revoke(pid, reason="test")
+    with pytest.raises(openai.PermissionDeniedError, match="revoked"):
+        c.completions.create(model="stdlib@1", prompt="x", max_tokens=2)
+
+
+def test_every_request_is_audited(served):
+    url, tokens, ids, app, _ = served
+    c = client(url, tokens["alice"])
+    c.completions.create(model="stdlib@1", prompt="abc", max_tokens=3, temperature=0)
+    store = app.state.czyx.store
+    entries = [e for e in store.audit_log() if e["event"] == "serve.request"]
+    last = entries[-1]
+    assert last["tenant"] == "alice" and last["portal"] == ids["alice"]
+    assert last["version"] == "stdlib@1" and last["status"] == 200
+    assert last["prompt_tokens"] == 3 and last["completion_tokens"] == 3
+    denies = [e for e in store.audit_log() if e["event"] == "portal.deny"]
+    assert denies  # the refusals of the other tests were audited by the authority
+
+
+def test_metrics_exposes_prometheus_text(served):
+    url, tokens, *_ = served
+    client(url, tokens["alice"]).completions.create(model="stdlib@1", prompt="x", max_tokens=2)
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for name in (
+        "czyx_requests_total",
+        "czyx_completion_tokens_total",
+        "czyx_time_to_first_token_seconds_bucket",
+        "czyx_inter_token_latency_seconds_bucket",
+        "czyx_batch_sequences_bucket",
+        "czyx_queue_depth",
+        "czyx_expert_hit_rate",
+        "czyx_expert_bytes_per_token",
+    ):
+        assert name in text, name
+    assert 'tenant="alice"' in text
+
+
+def test_cli_revoke_in_another_process_is_seen(served):
+    """``czyx revoke`` from another process: the server's next check refuses the token."""
+    url, _, _, app, store_dir = served
+    from czyx.portals.model import grant_model
+
+    store = app.state.czyx.store
+    g = grant_model(store, "stdlib@1", tenant="gina")
+    c = client(url, g.token)
+    assert c.completions.create(model="stdlib@1", prompt="x", max_tokens=1).usage
+    out = subprocess.run(
+        [sys.executable, "-m", "czyx", "revoke", g.id_hex, "--store", str(store_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    with pytest.raises(openai.PermissionDeniedError):
+        c.completions.create(model="stdlib@1", prompt="x", max_tokens=1)

@@ -1,0 +1,57 @@
+"""``czyx serve``: its flags build the same engine options ``czyx run`` parses, and it binds
+loopback only."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from czyx.cli import build_parser, main
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_flags_build_serve_options():
+    from czyx.cli.commands.serve import serve_options
+
+    args = _args(
+        "a@1",
+        "--cache-fraction",
+        "0.5",
+        "--policy",
+        "lru",
+        "--kv-mb",
+        "2",
+        "--max-batch",
+        "4",
+        "--max-queue",
+        "3",
+        "--prefill-chunk",
+        "8",
+        "--no-prefetch",
+        "--readers",
+        "1",
+        "--io",
+        "pread",
+    )
+    opts = serve_options(args)
+    assert args.refs == ["a@1"]
+    assert opts.engine["cache_fraction"] == 0.5 and opts.engine["policy"] == "lru"
+    assert opts.engine["stream"].prefetch is False and opts.engine["stream"].io == "pread"
+    assert opts.batch.kv_bytes == 2 * 2**20 and opts.batch.max_batch == 4
+    assert opts.batch.max_queue == 3 and opts.batch.prefill_chunk == 8
+    # The run command parses the very same flags.
+    run = build_parser().parse_args(["run", "a@1", "--prompt", "x", "--cache-fraction", "0.5"])
+    assert run.cache_fraction == 0.5 and run.policy == "decay"
+
+
+def test_bad_flags_fail_closed(capsys):
+    assert main(["serve", "--host", "0.0.0.0", "--store", "/nonexistent"]) == 1
+    assert "loopback" in capsys.readouterr().err
+    assert main(["serve", "--kv-mb", "0", "--store", "/nonexistent"]) == 1
+    assert main(["serve", "--max-batch", "0", "--store", "/nonexistent"]) == 1
+    with pytest.raises(SystemExit):
+        _args("--policy", "nope")
