@@ -148,9 +148,9 @@ def _actor_classes() -> tuple[Any, Any]:
             self.peers = peers
             self.shard.dispatch = self._dispatch
 
-        def _dispatch(self, layer: int, jobs: dict, decode: bool) -> Any:
+        def _dispatch(self, layer: int, jobs: dict, mode: str) -> Any:
             refs = {
-                s: self.peers[s].partial.remote(layer, x, idx, w, decode)
+                s: self.peers[s].partial.remote(layer, x, idx, w, mode)
                 for s, (x, idx, w) in jobs.items()
             }
             return lambda: {s: ray.get(r, timeout=TIMEOUT_S) for s, r in refs.items()}
@@ -165,9 +165,9 @@ def _actor_classes() -> tuple[Any, Any]:
 
         @ray.method(concurrency_group="experts")
         def partial(
-            self, layer: int, x: np.ndarray, idx: np.ndarray, w: np.ndarray, decode: bool
+            self, layer: int, x: np.ndarray, idx: np.ndarray, w: np.ndarray, mode: str
         ) -> tuple:
-            return self.shard.partial(layer, x, idx, w, decode)
+            return self.shard.partial(layer, x, idx, w, mode)
 
         @ray.method(concurrency_group="trunk")
         def counters(self) -> dict:
