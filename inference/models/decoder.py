@@ -432,19 +432,25 @@ class MoEDecoder:
         out = mm_t(hn, self.lm_head)
         return out if all_logits else out[0]
 
+    # Steps the C decode path implements itself: a subclass overriding any of them
+    # (MLA attention and its latent cache, q/k norms, shared experts) decodes in numpy.
+    _C_DECODE_BASE = ("post_qkv", "routed_extra", "_attention", "new_kv")
+    # The subset the C attention call implements (others run numpy attention per layer).
+    _C_ATTN_BASE = ("post_qkv", "_attention", "new_kv")
+
     def decode_in_c(self) -> bool:
         """Whether a one-token step runs in the C kernels only (no numpy product, no BLAS).
 
         False when calibrating (observer set), without the compiled kernels, for
-        architectures that transform q/k (:meth:`post_qkv`) or add to the routed
-        output (:meth:`routed_extra`), and with dense MLP layers.
+        architectures that override any step the C path implements itself
+        (``_C_DECODE_BASE``: q/k transforms, attention, the KV cache, the routed
+        output), and with dense MLP layers.
         """
         cls = type(self)
         return (
             self.observer is None
             and fused.have_czk()
-            and cls.post_qkv is MoEDecoder.post_qkv
-            and cls.routed_extra is MoEDecoder.routed_extra
+            and all(getattr(cls, m) is getattr(MoEDecoder, m) for m in self._C_DECODE_BASE)
             and all(self.cfg.sparse_layers)
         )
 
@@ -474,7 +480,8 @@ class MoEDecoder:
             np.copyto(h, self.embed[token])
         else:
             np.copyto(h, take_rows(self.embed, np.array([token]))[0])
-        fast_attn = type(self).post_qkv is MoEDecoder.post_qkv
+        cls = type(self)
+        fast_attn = all(getattr(cls, m) is getattr(MoEDecoder, m) for m in self._C_ATTN_BASE)
         window = self.trunk_window
         positions = None
         for i in range(cfg.n_layers):
