@@ -199,7 +199,8 @@ class LayerStage:
             np.copyto(h, model.embed[int(x.reshape(-1)[0])])
         else:
             np.copyto(h, take_rows(model.embed, x.astype(np.int64).reshape(-1))[0])
-        fast_attn = type(model).post_qkv is MoEDecoder.post_qkv
+        cls = type(model)
+        fast_attn = all(getattr(cls, m) is getattr(MoEDecoder, m) for m in model._C_ATTN_BASE)
         positions = None
         for i in range(self.lo, self.hi):
             lw = model.layers[i]
