@@ -29,6 +29,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -80,9 +81,30 @@ class _Source:
     def __init__(self, store_dir: str | os.PathLike) -> None:
         if not os.path.isdir(store_dir):
             raise StoreError(f"no store at {str(store_dir)!r}")
-        self.store = Store.open(store_dir, create=False)
+        self._dir = Path(store_dir).resolve()
+        self._store: Store | None = None
+        self._owned = False
         self._lock = threading.Lock()
         self._intervals: OrderedDict[tuple, dict] = OrderedDict()
+
+    @property
+    def store(self) -> Store:
+        """The store, opened at the first request: the handle this process already has
+        open on the directory (``czyx serve`` opens it too, and LMDB allows one
+        environment per process), else one of our own."""
+        with self._lock:
+            if self._store is None or self._store.closed:
+                from czyx.store.core.lifecycle import OPEN_STORES
+
+                found = [
+                    s for s in list(OPEN_STORES)
+                    if not s.closed and Path(s.path).resolve() == self._dir
+                ]  # fmt: skip
+                if found:
+                    self._store, self._owned = found[0], False
+                else:
+                    self._store, self._owned = Store.open(self._dir, create=False), True
+            return self._store
 
     def _args(self, request: Request) -> tuple[str, Range | None, Range | None]:
         q = request.query_params
@@ -151,7 +173,9 @@ class _Source:
         return memoryview(buf)
 
     def close(self) -> None:
-        self.store.close()
+        if self._store is not None and self._owned:
+            self._store.close()
+        self._store = None
 
 
 async def _guard(fn: Any) -> Response:
@@ -168,7 +192,8 @@ async def _guard(fn: Any) -> Response:
 
 
 def routes(store_dir: str | os.PathLike) -> list[Route]:
-    """The replication routes over the store at ``store_dir`` (opened once, here).
+    """The replication routes over the store at ``store_dir`` (opened at the first request,
+    or shared with the serving app's handle on the same directory).
 
     Raises
     ------

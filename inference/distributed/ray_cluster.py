@@ -148,9 +148,9 @@ def _actor_classes() -> tuple[Any, Any]:
             self.peers = peers
             self.shard.dispatch = self._dispatch
 
-        def _dispatch(self, layer: int, jobs: dict, decode: bool) -> Any:
+        def _dispatch(self, layer: int, jobs: dict, mode: str) -> Any:
             refs = {
-                s: self.peers[s].partial.remote(layer, x, idx, w, decode)
+                s: self.peers[s].partial.remote(layer, x, idx, w, mode)
                 for s, (x, idx, w) in jobs.items()
             }
             return lambda: {s: ray.get(r, timeout=TIMEOUT_S) for s, r in refs.items()}
@@ -165,9 +165,9 @@ def _actor_classes() -> tuple[Any, Any]:
 
         @ray.method(concurrency_group="experts")
         def partial(
-            self, layer: int, x: np.ndarray, idx: np.ndarray, w: np.ndarray, decode: bool
+            self, layer: int, x: np.ndarray, idx: np.ndarray, w: np.ndarray, mode: str
         ) -> tuple:
-            return self.shard.partial(layer, x, idx, w, decode)
+            return self.shard.partial(layer, x, idx, w, mode)
 
         @ray.method(concurrency_group="trunk")
         def counters(self) -> dict:
@@ -307,7 +307,7 @@ class RayPipeline(_Driver):
     layers
         ``[lo, hi)`` per stage (see :func:`split_layers`), covering every layer.
     cache_fraction
-        Each stage's expert slot budget (fraction of the model's expert bytes).
+        Each stage's expert slot budget (fraction of the experts of its layers).
     """
 
     def __init__(
@@ -361,7 +361,7 @@ class RayExpertParallel(_Driver):
         Inclusive class range per shard (see :func:`split_classes`), disjoint,
         covering every class the model uses.
     cache_fraction
-        Each shard's expert slot budget (fraction of the model's expert bytes).
+        Each shard's expert slot budget (fraction of the experts of its classes).
     """
 
     def __init__(

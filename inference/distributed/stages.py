@@ -38,28 +38,60 @@ from typing import Any
 import numpy as np
 
 from czyx.inference.engine import Engine
+from czyx.inference.kernels import fused
 from czyx.inference.kernels.linear import mm_t, take_rows
-from czyx.inference.models.base import F32, rms_norm, route_topk, swiglu_columns, swiglu_fused
+from czyx.inference.models.base import F32, rms_norm, swiglu_columns, swiglu_fused
+from czyx.inference.models.decoder import MoEDecoder
 from czyx.inference.opened import OpenedModel
 
-#: A routed call to the experts of other shards: ``(layer, x rows, idx, w, decode)``
+#: A routed call to the experts of other shards: ``(layer, x rows, idx, w, mode)``
 #: for each owning shard -> list of ``(flat (row, k) indices, [n, H] values)``.
 Dispatch = Callable[
-    [int, dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], bool],
+    [int, dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], str],
     dict[int, tuple[np.ndarray, np.ndarray]],
 ]
 
 
 def _open_engine(
-    store_dir: str, ref: str, token: str | None, cache_fraction: float | None, lazy: bool
+    store_dir: str,
+    ref: str,
+    token: str | None,
+    cache_fraction: float | None,
+    lazy: bool,
+    own: Callable[[OpenedModel, Any], int],
 ) -> tuple[OpenedModel, Engine]:
+    """Open this node's store through its portal and an engine whose slot budget is
+    ``cache_fraction`` (None: all) of the experts this node uses, ``own(opened, cfg)``
+    of them (never below one token's top-k)."""
+    from czyx.inference.models import decoder_class
+
+    if cache_fraction is not None and not 0.0 < cache_fraction <= 1.0:
+        raise ValueError(f"cache fraction {cache_fraction} is not in (0, 1]")
     opened = OpenedModel(store_dir, ref, token, lazy_trunk=lazy)
     try:
-        engine = Engine(opened.consumer, cache_fraction=cache_fraction, stream=None)
+        info = opened.consumer.info
+        cfg = decoder_class(info.arch).parse_config(info)
+        frac = 1.0 if cache_fraction is None else cache_fraction
+        slots = max(cfg.top_k, int(own(opened, cfg) * frac))
+        engine = Engine(
+            opened.consumer, cache_bytes=slots * int(info.expert_slot_nbytes), stream=None
+        )
     except BaseException:
         opened.close()
         raise
     return opened, engine
+
+
+def _class_map(opened: OpenedModel, n_layers: int, n_experts: int) -> np.ndarray:
+    """``[layer, router byte] -> key class`` of the opened version (its layout)."""
+    from czyx.space import Selector
+    from czyx.store.models.expert_layout import layout_from_manifest
+
+    manifest = opened.store.manifest(Selector(opened.consumer.info.selector))
+    layout = layout_from_manifest(manifest)
+    return np.asarray(
+        layout.class_array(np.arange(n_layers)[:, None], np.arange(n_experts)[None, :])
+    )
 
 
 class LayerStage:
@@ -73,8 +105,8 @@ class LayerStage:
         The layer range ``[lo, hi)``; the first stage embeds, the last one
         applies the final norm and the LM head.
     cache_fraction
-        This stage's expert slot budget as a fraction of the model's expert bytes
-        (None: every expert fits).
+        This stage's expert slot budget as a fraction of the routed experts of its
+        layers (None: all of them fit; never below one token's top-k).
     """
 
     def __init__(
@@ -87,7 +119,12 @@ class LayerStage:
         *,
         cache_fraction: float | None = None,
     ) -> None:
-        self.opened, self.engine = _open_engine(store_dir, ref, token, cache_fraction, lazy=True)
+        def own(_: OpenedModel, cfg: Any) -> int:  # the routed experts of this stage's layers
+            return sum(cfg.sparse_layers[lo:hi]) * cfg.n_experts
+
+        self.opened, self.engine = _open_engine(
+            store_dir, ref, token, cache_fraction, lazy=True, own=own
+        )
         model = self.engine.model
         n = model.cfg.n_layers
         if not 0 <= lo < hi <= n:
@@ -114,18 +151,30 @@ class LayerStage:
         ``[T, H]`` float32. Returns the residual stream ``[T, H]``, or on the last
         stage the logits ``[V]`` of the last token.
         """
-        model, cfg = self.engine.model, self.engine.model.cfg
+        model = self.engine.model
         kv = self.kv.get(req)
         if kv is None:
             kv = self.kv[req] = model.new_kv()
         x = np.asarray(x)
         self.bytes_in += x.nbytes
         self.calls += 1
+        t = x.shape[0] if not self.first else x.reshape(-1).shape[0]
+        kv.reserve(kv.length + t)
+        self.engine.cache.advance(t)
+        with self.engine._blas:  # BLAS held to one thread, as in Engine.prefill/decode
+            if t == 1 and model.observer is None and fused.have_czk():
+                out = self._forward_one(x, kv)
+            else:
+                out = self._forward_batch(x, kv)
+        self.bytes_out += out.nbytes
+        return out
+
+    def _forward_batch(self, x: np.ndarray, kv: Any) -> np.ndarray:
+        """Several tokens: the numpy loop of ``MoEDecoder.forward`` over this stage's layers."""
+        model, cfg = self.engine.model, self.engine.model.cfg
         h = take_rows(model.embed, x.astype(np.int64).reshape(-1)) if self.first else x
         start, t = kv.length, h.shape[0]
-        kv.reserve(start + t)
         positions = np.arange(start, start + t)
-        self.engine.cache.advance(t)
         for i in range(self.lo, self.hi):
             lw = model.layers[i]
             y = rms_norm(h, lw.input_norm, cfg.rms_eps)
@@ -134,11 +183,44 @@ class LayerStage:
             h = h + model._mlp(i, lw, y)
         kv.length = start + t
         if self.last:
-            out = mm_t(rms_norm(h[-1:], model.final_norm, cfg.rms_eps), model.lm_head)[0]
+            return mm_t(rms_norm(h[-1:], model.final_norm, cfg.rms_eps), model.lm_head)[0]
+        return h
+
+    def _forward_one(self, x: np.ndarray, kv: Any) -> np.ndarray:
+        """One token: ``MoEDecoder._forward_one`` (the C decode kernels) over this
+        stage's layers, the residual stream entering and leaving through ``kern.h``."""
+        model, cfg = self.engine.model, self.engine.model.cfg
+        kern = model.kernels()
+        start = kv.length
+        h, h2, x2 = kern.h, kern.h2, kern.x2
+        if not self.first:
+            np.copyto(h, x.reshape(-1))
+        elif isinstance(model.embed, np.ndarray):
+            np.copyto(h, model.embed[int(x.reshape(-1)[0])])
         else:
-            out = h
-        self.bytes_out += out.nbytes
-        return out
+            np.copyto(h, take_rows(model.embed, x.astype(np.int64).reshape(-1))[0])
+        cls = type(model)
+        fast_attn = all(getattr(cls, m) is getattr(MoEDecoder, m) for m in model._C_ATTN_BASE)
+        positions = None
+        for i in range(self.lo, self.hi):
+            lw = model.layers[i]
+            if fast_attn:
+                kern.attention(
+                    lw, kv.k[i], kv.v[i], start, cfg.sliding_windows[i], model.rotary,
+                    cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                )  # fmt: skip
+            else:
+                if positions is None:
+                    positions = np.arange(start, start + 1)
+                y = rms_norm(h2, lw.input_norm, cfg.rms_eps)
+                h += model._attention(i, lw, y, kv, start, positions)[0]
+                np.copyto(kern.x, rms_norm(h2, lw.post_attn_norm, cfg.rms_eps)[0])
+            h += model._mlp(i, lw, x2)[0]
+        kv.length = start + 1
+        if self.last:
+            kern.head(model.final_norm, model.lm_head, cfg.rms_eps)
+            return kern.logits.copy()
+        return h2.copy()
 
     def end(self, req: Any) -> None:
         """Forget request ``req`` (its KV cache)."""
@@ -194,7 +276,8 @@ class ExpertShard:
     ranges
         Every shard's inclusive class range, in shard order.
     cache_fraction
-        The expert slot budget (fraction of the model's expert bytes).
+        The expert slot budget as a fraction of the routed experts of this
+        shard's classes (None: all of them fit; never below one token's top-k).
     """
 
     def __init__(
@@ -207,26 +290,26 @@ class ExpertShard:
         *,
         cache_fraction: float | None = None,
     ) -> None:
-        from czyx.store.models.expert_layout import layout_from_manifest
+        ranges = [(int(a), int(b)) for a, b in ranges]
+        owner: dict[str, np.ndarray] = {}
 
-        self.opened, self.engine = _open_engine(store_dir, ref, token, cache_fraction, lazy=False)
-        model = self.engine.model
-        store = self.opened.store
-        from czyx.space import Selector
+        def own(opened: OpenedModel, cfg: Any) -> int:  # the experts of this shard's classes
+            owner["map"] = class_owners(_class_map(opened, cfg.n_layers, cfg.n_experts), ranges)
+            sparse = np.asarray(cfg.sparse_layers, bool)
+            return int((owner["map"][sparse] == index).sum())
 
-        manifest = store.manifest(Selector(self.opened.consumer.info.selector))
-        cfg = model.cfg
-        layout = layout_from_manifest(manifest)
-        class_map = layout.class_array(
-            np.arange(cfg.n_layers)[:, None], np.arange(cfg.n_experts)[None, :]
+        self.opened, self.engine = _open_engine(
+            store_dir, ref, token, cache_fraction, lazy=False, own=own
         )
-        self.owner = class_owners(np.asarray(class_map), [tuple(r) for r in ranges])
+        model = self.engine.model
+        self.owner = owner["map"]
         self.index = index
         self.dispatch: Dispatch | None = None
         self.kv: dict[Any, Any] = {}
         # Expert products and the slot cache are single-threaded; peers' partial
         # calls and this node's own forward take turns on them.
         self._lock = threading.Lock()
+        self._peer_kern: Any = None  # decode kernels serving peers' one-token calls
         self.bytes_sent = self.bytes_received = self.remote_calls = 0
         model._routed = types.MethodType(_make_routed(self), model)
 
@@ -238,26 +321,47 @@ class ExpertShard:
         ids = np.asarray(tokens, np.int64).reshape(-1)
         with self._lock:
             self.engine.cache.advance(len(ids))
-        return self.engine.model.forward(ids, kv)
+        with self.engine._blas:  # BLAS held to one thread, as in Engine.prefill/decode
+            return self.engine.model.forward(ids, kv)
 
     def end(self, req: Any) -> None:
         """Forget request ``req``."""
         self.kv.pop(req, None)
 
     def partial(
-        self, layer: int, x: np.ndarray, idx: np.ndarray, w: np.ndarray, decode: bool
+        self,
+        layer: int,
+        x: np.ndarray,
+        idx: np.ndarray,
+        w: np.ndarray,
+        mode: str,
+        kern: Any = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Contributions of this shard's experts to routed rows ``x [n, H]``.
 
-        ``idx``/``w`` are those rows' top-k experts and weights; ``decode`` says
-        whether the whole batch was one token (the engine's one-token path).
-        Returns ``(flat indices row * top_k + k, values [m, H])`` for the pairs
-        whose expert this shard owns, each ``expert(x_row) * weight``.
+        ``idx``/``w`` are those rows' top-k experts and weights; ``mode`` is the
+        path the single-process engine takes for the whole batch: ``"c"`` (one
+        token through the C decode kernels), ``"one"`` (one token, numpy) or
+        ``"batch"``. Returns ``(flat indices row * top_k + k, values [m, H])``
+        for the pairs whose expert this shard owns, each ``weight * expert(x_row)``
+        computed as that path computes it. ``kern``: the decode kernels to use in
+        ``"c"`` mode (default: this shard's own set for peers' calls, apart from
+        the one its forward uses).
         """
+        if mode not in ("c", "one", "batch"):
+            raise ValueError(f"partial: unknown mode {mode!r}")
         with self._lock:
-            return _expert_partial(
-                self.engine, layer, x, idx, w, decode, self.owner[layer], self.index
-            )
+            if mode == "c" and kern is None:
+                if self._peer_kern is None:
+                    cfg = self.engine.cfg
+                    self._peer_kern = fused.DecodeKernels(
+                        cfg.hidden_size, cfg.vocab_size, cfg.top_k, self.engine.threads
+                    )
+                kern = self._peer_kern
+            with self.engine._blas:
+                return _expert_partial(
+                    self.engine, layer, x, idx, w, mode, self.owner[layer], self.index, kern
+                )
 
     def counters(self) -> dict[str, int]:
         """Activation bytes sent to / received from peers, remote calls, cache counters."""
@@ -279,14 +383,23 @@ class ExpertShard:
 
 
 def _make_routed(shard: ExpertShard) -> Callable[..., np.ndarray]:
-    """The decoder's routed-expert step, with experts of other shards computed there."""
+    """The decoder's routed-expert step (``MoEDecoder._routed``), with the experts of
+    other shards computed there and the partial outputs summed here in top-k order."""
 
     def routed(model: Any, i: int, lw: Any, x: np.ndarray) -> np.ndarray:
         cfg = model.cfg
-        idx, w = route_topk(mm_t(x, lw.router), cfg.top_k, cfg.renormalize)
+        mask = None if model.route_mask is None else model.route_mask[i]
+        kern = model._kernels
+        if kern is not None and x is kern.x2 and mask is None and model._plain_routing:
+            kern.route(lw.router, cfg.top_k, cfg.renormalize)  # the C decode path's routing
+            idx, w, mode = kern.idx[None].copy(), kern.w[None].copy(), "c"
+        else:
+            idx, w = model.route(lw, x, mask)
+            mode = "one" if x.shape[0] == 1 else "batch"
         model.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
+        if model.recorder is not None:
+            model.recorder.record(i, idx, w)
         t, k = idx.shape
-        decode = t == 1
         owners = shard.owner[i][idx]  # [t, k]
         jobs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         for s in np.unique(owners).tolist():
@@ -303,20 +416,24 @@ def _make_routed(shard: ExpertShard) -> Callable[..., np.ndarray]:
                 j[1].nbytes + j[2].nbytes + j[3].nbytes for j in remote.values()
             )
             shard.remote_calls += len(remote)
-            pending = shard.dispatch(i, {s: j[1:] for s, j in remote.items()}, decode)
+            pending = shard.dispatch(i, {s: j[1:] for s, j in remote.items()}, mode)
         results = {}
         if shard.index in jobs:
-            rows, xr, ir, wr = jobs[shard.index]
-            results[shard.index] = shard.partial(i, xr, ir, wr, decode)
+            _, xr, ir, wr = jobs[shard.index]
+            results[shard.index] = shard.partial(i, xr, ir, wr, mode, kern if mode == "c" else None)
         if pending is not None:
-            got = pending()
-            for s, (sel, vals) in got.items():
+            for s, (sel, vals) in pending().items():
                 shard.bytes_received += vals.nbytes + sel.nbytes
                 results[s] = (sel, vals)
         for s, (sel, vals) in results.items():
             rows = jobs[s][0]
-            # (local row, k) -> (global row, k)
-            cflat[rows[sel // k] * k + sel % k] = vals
+            cflat[rows[sel // k] * k + sel % k] = vals  # (local row, k) -> (global row, k)
+        if mode == "c":
+            # czk_moe's sum: y = w0*d0, then y += wj*dj in top-k order (no FMA).
+            y = contrib[:, 0].copy()
+            for j in range(1, k):
+                y += contrib[:, j]
+            return y
         # Fixed top-k order: the same sum as the single-process engine.
         return contrib.sum(axis=1)
 
@@ -329,18 +446,32 @@ def _expert_partial(
     x: np.ndarray,
     idx: np.ndarray,
     w: np.ndarray,
-    decode: bool,
+    mode: str,
     owner_row: np.ndarray,
     me: int,
+    kern: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Mirror of ``MoEDecoder._routed``'s expert loop over the experts ``me`` owns."""
+    """Mirror of ``MoEDecoder._routed``'s expert work (its three paths) over the
+    experts ``me`` owns."""
     cache = engine.cache
     n, k = idx.shape
     hidden = x.shape[1]
     mine = owner_row[idx] == me  # [n, k]
     sel_all = np.flatnonzero(mine.ravel())
     out = np.zeros((n * k, hidden), F32)
-    if decode:
+    if mode == "c":
+        # One C MoE call per owned expert, weight applied in C: y = w * d exactly as
+        # the first term of czk_moe's accumulation.
+        np.copyto(kern.x, x[0])
+        for kk in np.flatnonzero(mine[0]).tolist():
+            slots = cache.acquire(layer, idx[0, kk : kk + 1])
+            try:
+                kern.moe(cache, np.ascontiguousarray(slots, np.int64), w[0, kk : kk + 1].copy())
+            finally:
+                cache.release()
+            out[kk] = kern.y
+        return sel_all, out[sel_all]
+    if mode == "one":
         order = idx[0][mine[0]]
         js = np.flatnonzero(mine[0])
     else:
@@ -361,7 +492,7 @@ def _expert_partial(
             for j, s in enumerate(slots.tolist()):
                 gate_up, down = cache.weights(s)
                 e = int(group[j])
-                if decode:
+                if mode == "one":
                     kk = int(js[c0 + j])
                     y = swiglu_fused(x, gate_up, down)
                     out[kk] = y[0] * w[0, kk]

@@ -32,7 +32,6 @@ space or none of it.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import struct
@@ -301,7 +300,7 @@ class StagedSpace:
                 f"space {self.space.hex()[:16]}: {len(self.missing)} extents have not arrived"
             )
         self.close()
-        w = _AdoptedWriter(
+        w = SpaceWriter.adopt(
             self.store,
             self.space.raw,
             self.manifest,
@@ -329,52 +328,3 @@ class StagedSpace:
             if fd >= 0:
                 os.close(fd)
                 setattr(self, name, -1)
-
-
-class _AdoptedBlock:
-    """A finished staged block file, seen as the :class:`BlockWriter` a SpaceWriter commits."""
-
-    def __init__(self, path: Path, size: int) -> None:
-        self.path, self.size = path, size
-
-    def sync(self) -> None:
-        _fsync_path(self.path)
-
-    def close(self) -> None:
-        pass
-
-    def write(self, data: object) -> None:
-        raise StagingError("a staged block file is written by StagedSpace.receive")
-
-    def skip_to(self, offset: int) -> None:
-        raise StagingError("a staged block file is written by StagedSpace.receive")
-
-
-class _AdoptedWriter(SpaceWriter):
-    """A :class:`SpaceWriter` whose block file was staged elsewhere: the same commit."""
-
-    def __init__(
-        self,
-        store: Store,
-        sel: bytes,
-        manifest: dict,
-        part: Path,
-        generation: bytes,
-        align: int,
-        size: int,
-    ) -> None:
-        self._store = store
-        self.space = Selector(sel)
-        self._manifest = manifest
-        self._blocks = Path(store.path) / "blocks"
-        self.alignment = align
-        self._gen = generation
-        self._final = self._blocks / f"{sel.hex()}-{generation.hex()}.blk"
-        self._part = part
-        self._block = _AdoptedBlock(part, size)
-        # As SpaceWriter: a shared flock held until publication ends, so gc skips it.
-        self._lockfd: int | None = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
-        fcntl.flock(self._lockfd, fcntl.LOCK_SH)
-        self.data_start = align
-        self._staged = {}
-        self._state = "open"

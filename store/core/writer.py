@@ -35,6 +35,7 @@ import fcntl
 import os
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import lmdb
@@ -94,6 +95,45 @@ class SpaceWriter(SpaceWriterInterface):
         self.data_start = self._block.size
         self._staged: dict[bytes, bytes] = {}
         self._state = "open"
+
+    @classmethod
+    def adopt(
+        cls,
+        store: Store,
+        sel: bytes,
+        manifest: dict,
+        part: os.PathLike,
+        generation: bytes,
+        align: int,
+        size: int,
+    ) -> SpaceWriter:
+        """A writer over a block file written elsewhere, complete at ``size`` bytes.
+
+        For a space received from another store (:mod:`store.core.staging`):
+        ``part`` (on this store's filesystem) already holds the header for
+        ``sel`` and ``generation`` and every extent; :meth:`put` the records,
+        then :meth:`commit` publishes it by the same protocol as a locally
+        written space (fsync, rename into ``blocks/``, one transaction, the gc
+        lock held throughout). Nothing can be written through it.
+        """
+        self = object.__new__(cls)
+        self._store = store
+        self.space = Selector(sel)
+        self._manifest = manifest
+        encode(manifest)
+        self._blocks = store.path / "blocks"
+        self._blocks.mkdir(parents=True, exist_ok=True)
+        self.alignment = align
+        self._gen = generation
+        self._final = self._blocks / f"{sel.hex()}-{generation.hex()}.blk"
+        self._part = Path(part)
+        self._block = _FinishedBlock(self._part, size)
+        self._lockfd = os.open(self._part, os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(self._lockfd, fcntl.LOCK_SH)
+        self.data_start = align
+        self._staged = {}
+        self._state = "open"
+        return self
 
     @property
     def size(self) -> int:
@@ -253,6 +293,29 @@ class SpaceWriter(SpaceWriterInterface):
         with contextlib.suppress(Exception):
             if self._state == "open" and os.getpid() == self._store._pid:
                 self.abort()
+
+
+class _FinishedBlock:
+    """A complete block file seen as the :class:`BlockWriter` a commit uses (no writes)."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.path, self.size = path, size
+
+    def write(self, data: object) -> Extent:
+        raise StoreError(f"{self.path}: an adopted block file is complete; nothing to write")
+
+    def skip_to(self, offset: int) -> None:
+        raise StoreError(f"{self.path}: an adopted block file is complete; nothing to write")
+
+    def sync(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        pass
 
 
 def collect_garbage(store: Store, *, grace_s: float = 3600.0) -> list[str]:

@@ -10,7 +10,8 @@ looked up by its content hash among the extents the destination already
 holds (any mounted version of any model), and only the ones it lacks are
 fetched. :func:`run_pull` then fetches those through a caller-supplied
 ``fetch_range`` (the HTTP client passes an HTTP range read), verifies every
-extent's checksum on arrival (a bad one is refused and fetched again),
+extent on arrival (its XXH3 checksum, and the BLAKE3 content hash the
+manifest names for it; a bad one is refused and fetched again),
 stages it durably (:mod:`store.core.staging`, so an interrupted copy resumes
 without moving again what arrived) and publishes each space atomically only
 when complete, the version last, then sets the tag.
@@ -48,7 +49,8 @@ from czyx.space import Selector, canonical_manifest
 from czyx.store.core.staging import PlannedExtent, StagedSpace, StagingError
 from czyx.store.errors import StoreError, TagConflictError, TagNotFoundError
 from czyx.store.models.expert_layout import layout_from_manifest
-from czyx.store.models.mount import ADAPTER_KIND, MODEL_KIND, resolve
+from czyx.store.models.mount import ADAPTER_KIND, MODEL_KIND, TRUNK_KIND, resolve
+from czyx.store.models.mount_source import content_hash
 
 OFFER_VERSION = 1
 MAX_RANGE = 16 << 20  # bytes of one coalesced range read
@@ -250,6 +252,7 @@ class Fetch:
     length: int
     checksum: int
     dest_off: int
+    content: str | None = None  # the BLAKE3 content hash the manifest names, when it does
 
 
 @dataclass(frozen=True)
@@ -341,6 +344,11 @@ def plan_pull(dest: Any, offer: dict[str, Any]) -> PullPlan:
             plans.append(SpacePlan(sel, manifest, True, 0, (), (), total, total))
             continue
         expert = kind in (MODEL_KIND, ADAPTER_KIND)
+        # Content hashes the (selector-verified) manifest names: every fetched extent
+        # with one is checked against it on arrival, anchoring its bytes to the selector.
+        anchored = {str(t[5]) for t in manifest.get("tensors", []) if len(t) > 5}
+        if manifest.get("tokenizer"):
+            anchored.add(str(manifest["tokenizer"]))
         if expert:
             root = _root_manifest(dest, manifests, manifest)
             layout = layout_from_manifest(root)
@@ -366,6 +374,11 @@ def plan_pull(dest: Any, offer: dict[str, Any]) -> PullPlan:
                     raise ReplicationError(
                         f"space {sel.hex()[:16]}: expert {le} record hash differs from manifest"
                     )
+            elif kind == TRUNK_KIND and rec.get("hash") not in anchored:
+                raise ReplicationError(
+                    f"space {sel.hex()[:16]}: trunk record {bytes(key).hex()} names a content "
+                    "hash its manifest does not"
+                )
             hit = index.get(rec.get("hash")) if expert else None
             if hit is not None and hit["len"] == rec["len"] and hit["sum"] == rec["sum"]:
                 out_records.append((key, {**base, "blk": hit["blk"], "blk_off": hit["blk_off"]}))
@@ -376,7 +389,10 @@ def plan_pull(dest: Any, offer: dict[str, Any]) -> PullPlan:
             else:
                 dest_off = pos
             pos = max(pos, _round_up(dest_off + int(rec["len"]), data_start))
-            fetches.append(Fetch(src_block, src_off, int(rec["len"]), int(rec["sum"]), dest_off))
+            content = rec.get("hash") if (expert or kind == TRUNK_KIND) else None
+            fetches.append(
+                Fetch(src_block, src_off, int(rec["len"]), int(rec["sum"]), dest_off, content)
+            )
             out_records.append((key, {**base, "off": dest_off}))
             if expert and rec.get("hash"):
                 index.setdefault(
@@ -563,10 +579,14 @@ def _move(
                 res.requests += 1
                 mv = memoryview(data)
                 base = run[0].src_off
-                items = [
-                    (f.dest_off, mv[f.src_off - base : f.src_off - base + f.length]) for f in run
-                ]
-                bad = {e.offset for e in staged.receive(items, durable=False)}
+                items, forged = [], set()
+                for f in run:
+                    piece = mv[f.src_off - base : f.src_off - base + f.length]
+                    if f.content is not None and content_hash(piece) != f.content:
+                        forged.add(f.dest_off)  # refused like a checksum failure
+                    else:
+                        items.append((f.dest_off, piece))
+                bad = forged | {e.offset for e in staged.receive(items, durable=False)}
                 now = time.monotonic()
                 if staged.pending_bytes >= SYNC_BYTES or now - last_sync >= SYNC_S:
                     staged.flush()

@@ -59,6 +59,8 @@ def test_pipeline_stages_equal_single_process(stores, fraction):
             return x
 
         toks, logits = greedy(step, PROMPT, N)
+        if fraction:  # a partial cache really evicts
+            assert all(s.engine.stats().evictions > 0 for s in st)
     finally:
         for s in st:
             s.close()
@@ -88,6 +90,8 @@ def test_expert_shards_equal_single_process(stores, fraction):
         toks, logits = greedy(lambda r, t: sh[1].forward(r, t), PROMPT, N)
         c = sh[1].counters()
         assert c["remote_calls"] > 0 and c["bytes_sent"] > 0  # shard 0's experts were used
+        if fraction:  # a partial cache really evicts
+            assert all(s.engine.stats().evictions > 0 for s in sh)
     finally:
         for s in sh:
             s.close()

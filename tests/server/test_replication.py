@@ -13,18 +13,21 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
-from czyx.cli.commands.pull import PullError, pull
-from czyx.portals import open_consumer
-from czyx.portals.model import grant_model
-from czyx.server.replication import create_replication_app
-from czyx.store import Store, TagConflictError
-from czyx.store.models.mount import mount
-from czyx.store.models.mount_errors import ModelSpaceError
-from czyx.testing.loopback import serve_in_thread
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from czyx.cli.commands.pull import PullError, pull  # noqa: E402
+from czyx.portals import open_consumer  # noqa: E402
+from czyx.portals.model import grant_model  # noqa: E402
+from czyx.server.replication import create_replication_app  # noqa: E402
+from czyx.store import Store, TagConflictError  # noqa: E402
+from czyx.store.models.mount import mount  # noqa: E402
+from czyx.store.models.mount_errors import ModelSpaceError  # noqa: E402
+from czyx.testing.loopback import serve_in_thread  # noqa: E402
 
 ASSET = Path(__file__).resolve().parents[2] / "inference" / "assets" / "czyx-moe-stdlib"
 EXPERT = "model.layers.{l}.block_sparse_moe.experts.{e}.{p}.weight"

@@ -146,3 +146,20 @@ def test_coalesced_runs_cover_each_fetch_once_within_bounds(items, max_range):
         assert len(r) == 1 or span <= max_range
         for p, q in itertools.pairwise(r):  # only alignment padding between neighbours
             assert p.src_off + p.length <= q.src_off < p.src_off + p.length + 4096
+
+
+def test_forged_record_is_caught_by_the_content_hash(src, tmp_path):
+    offer = copy.deepcopy(build_offer(src, "m@1"))
+    recs = offer["spaces"][-1]["records"]
+    # point the first expert at the second one's bytes, with a matching XXH3 sum:
+    # the checksum passes, the manifest-anchored BLAKE3 hash does not
+    recs[0][1]["off"], recs[0][1]["sum"] = recs[1][1]["off"], recs[1][1]["sum"]
+    with Store.open(tmp_path / "d") as dest:
+        plan = plan_pull(dest, offer)
+        with pytest.raises(ReplicationError, match="3 times"):
+            run_pull(dest, plan, _reader(src), retries=3)
+        assert not dest.has_space(plan.version)
+    trunk = copy.deepcopy(build_offer(src, "m@1"))
+    trunk["spaces"][0]["records"][0][1]["hash"] = "0" * 64
+    with Store.open(tmp_path / "e") as dest, pytest.raises(ReplicationError, match="trunk"):
+        plan_pull(dest, trunk)

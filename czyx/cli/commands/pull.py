@@ -60,6 +60,16 @@ def _raise_for(resp: Any, what: str) -> None:
     raise PullError(f"{what}: HTTP {resp.status_code}: {msg}")
 
 
+def _get(http: Any, path: str, **kw: Any) -> Any:
+    """One GET; a transport failure (refused, reset, timeout) as a :class:`PullError`."""
+    import httpx
+
+    try:
+        return http.get(path, **kw)
+    except httpx.HTTPError as exc:
+        raise PullError(f"GET {path}: {type(exc).__name__}: {exc}") from exc
+
+
 def pull(
     url: str,
     ref: str,
@@ -100,17 +110,14 @@ def pull(
         tag = ref
     headers = {"Authorization": f"Bearer {token}"}
     limits = httpx.Limits(max_connections=max(1, workers))
-    with (
-        httpx.Client(base_url=url, headers=headers, timeout=TIMEOUT_S, limits=limits) as http,
-        Store.open(dest_dir) as dest,
-    ):
-        resp = http.get("/v1/replicate/offer", params=params)
+    with httpx.Client(base_url=url, headers=headers, timeout=TIMEOUT_S, limits=limits) as http:
+        resp = _get(http, "/v1/replicate/offer", params=params)
         _raise_for(resp, f"offer of {ref}")
         offer = msgpack.unpackb(resp.content, raw=False, strict_map_key=False)
-        plan = plan_pull(dest, offer)
 
         def fetch_range(space: str, start: int, end: int) -> bytes:
-            r = http.get(
+            r = _get(
+                http,
                 f"/v1/replicate/block/{space}",
                 params=params,
                 headers={"Range": f"bytes={start}-{end - 1}"},
@@ -118,7 +125,9 @@ def pull(
             _raise_for(r, f"bytes {start}-{end - 1} of {space[:16]}")
             return r.content
 
-        return run_pull(dest, plan, fetch_range, tag=tag, workers=workers, max_range=max_range)
+        with Store.open(dest_dir) as dest:  # opened (or created) once the source answered
+            plan = plan_pull(dest, offer)
+            return run_pull(dest, plan, fetch_range, tag=tag, workers=workers, max_range=max_range)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -73,6 +73,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--default-max-tokens", type=int, default=256, help="chat max_tokens when none is given"
     )
     p.add_argument("--no-audit", action="store_true", help="no per-request audit entries")
+    p.add_argument(
+        "--replicate",
+        action="store_true",
+        help="also serve the replication endpoints (czyx pull; portals with the read right)",
+    )
     p.set_defaults(func=run)
 
 
@@ -119,7 +124,12 @@ def run(args: argparse.Namespace) -> int:
     # This process is the server's: a short GIL switch interval lets the event loop
     # deliver each step's tokens without the batch thread holding it for 5 ms slices.
     sys.setswitchinterval(SWITCH_INTERVAL)
-    app = create_app(store_dir(args), args.refs, options)
+    extra = []
+    if args.replicate:
+        from czyx.server.replication import routes
+
+        extra = routes(store_dir(args))
+    app = create_app(store_dir(args), args.refs, options, extra_routes=extra)
     refs = ", ".join(app.state.czyx.models)
     print(f"czyx serve: {refs} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
