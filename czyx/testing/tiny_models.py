@@ -27,16 +27,10 @@ ARCHES = (
     "deepseek_v3",
     "glm4_moe",
 )
-# The architectures the numpy engine runs.
-ENGINE_ARCHES = (
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "glm4_moe",
-)
+# The architectures the numpy engine runs. GPT-OSS is not in ARCHES: its experts
+# exist only stacked and transposed (store.models.expert_transform), and the
+# store tests over ARCHES check the per-expert and contract-layout fused forms.
+ENGINE_ARCHES = (*ARCHES, "gpt_oss")
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 32,
@@ -92,6 +86,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "use_qk_norm": True,
         "attention_bias": True,
     },
+    # transformers' default rope here is YaRN (factor 32 over 4096 positions).
+    "gpt_oss": {
+        "intermediate_size": 16,
+        "num_local_experts": 8,
+        "head_dim": 8,
+        "sliding_window": 5,
+    },
 }
 _CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
@@ -101,6 +102,7 @@ _CLASSES = {
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 

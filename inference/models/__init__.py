@@ -12,6 +12,7 @@ from czyx.inference.models.decoder import DecoderConfig, MoEDecoder
 from czyx.inference.models.deepseek_v2 import DeepseekV2Decoder
 from czyx.inference.models.deepseek_v3 import DeepseekV3Decoder
 from czyx.inference.models.glm4_moe import Glm4MoeDecoder
+from czyx.inference.models.gpt_oss import GptOssDecoder
 from czyx.inference.models.mixtral import MixtralDecoder
 from czyx.inference.models.olmoe import OlmoeDecoder
 from czyx.inference.models.qwen2_moe import Qwen2MoeDecoder
@@ -27,6 +28,7 @@ DECODERS: dict[str, type[MoEDecoder]] = {
         DeepseekV3Decoder,
         DeepseekV2Decoder,
         Glm4MoeDecoder,
+        GptOssDecoder,
     )
 }
 

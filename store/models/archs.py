@@ -113,6 +113,14 @@ _QKV_BIAS = (
     (r"self_attn\.v_proj\.bias", "v_bias"),
 )
 _O_BIAS = ((r"self_attn\.o_proj\.bias", "o_bias"),)
+_GPT_OSS = (
+    (r"self_attn\.sinks", "sinks"),
+    (r"mlp\.router\.weight", "router"),
+    (r"mlp\.router\.bias", "router_bias"),
+    (r"mlp\.experts\.gate_up_proj_bias", "expert_gate_up_bias"),
+    (r"mlp\.experts\.down_proj_bias", "expert_down_bias"),
+)
+_NO_PER_EXPERT = re.compile(r"(?!)")  # GPT-OSS has only stacked expert tensors
 _QK_NORM = (
     (r"self_attn\.q_norm\.weight", "q_norm"),
     (r"self_attn\.k_norm\.weight", "k_norm"),
@@ -174,6 +182,10 @@ class ArchSpec:
     n_experts_keys, expert_inter_keys
         ``config.json`` keys tried in order for the routed expert count and
         the expert intermediate size.
+    expert_transform
+        ``None``: fused experts are ``gate_up [E, 2I, H]`` / ``down [E, H, I]``.
+        Otherwise the name of a :mod:`store.models.expert_transform` layout
+        (GPT-OSS: transposed, gate and up interleaved).
     """
 
     name: str
@@ -182,6 +194,7 @@ class ArchSpec:
     expert_pattern: re.Pattern[str]
     n_experts_keys: tuple[str, ...]
     expert_inter_keys: tuple[str, ...]
+    expert_transform: str | None = None
 
     def __post_init__(self) -> None:
         # One compiled alternation per table: classification is a single match
@@ -326,6 +339,15 @@ ARCHS: dict[str, ArchSpec] = {
             _EXPERT_PROJ,
             ("n_routed_experts",),
             ("moe_intermediate_size",),
+        ),
+        ArchSpec(
+            "gpt_oss",
+            ("gpt_oss",),
+            _NORMS + _ATTN + _QKV_BIAS + _O_BIAS + _GPT_OSS,
+            _NO_PER_EXPERT,
+            ("num_local_experts",),
+            ("intermediate_size",),
+            "gate_up_t_interleaved",
         ),
         ArchSpec(
             "glm4_moe",
