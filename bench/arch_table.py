@@ -42,6 +42,7 @@ SUPPORTED = [
     ("deepseek_v3", dict(initializer_range=0.2, num_hidden_layers=3)),
     ("glm4_moe", dict(initializer_range=0.2, num_hidden_layers=3)),
     ("gpt_oss", dict(initializer_range=0.2, num_hidden_layers=3)),
+    ("ernie4_5_moe", dict(initializer_range=0.2, num_hidden_layers=3)),
 ]
 # GPT-OSS experts exist in one form only (save_pretrained writes the stacked,
 # transposed tensors transformers holds), so it has one row.
@@ -52,8 +53,7 @@ REFUSED = {
     "llama4_text": "chunked and NoPE attention layers, sigmoid top-1 router beside a "
     "shared expert, interleaved dense/MoE layers",
     "qwen3_next": "hybrid gated-DeltaNet linear attention and gated attention layers",
-    "ernie4_5_moe": "not implemented yet (softmax router with a correction bias, shared experts)",
-    "hunyuan_v1_moe": "not implemented yet (query/key layer norms, shared MLP, "
+    "hunyuan_v1_moe": "a decoder file (query/key layer norms, a shared MLP, "
     "cross-layer attention options)",
     "granitemoe": "embedding/residual/attention/logit multipliers, fused input_linear "
     "expert tensors",

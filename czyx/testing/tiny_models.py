@@ -26,6 +26,7 @@ ARCHES = (
     "deepseek_v2",
     "deepseek_v3",
     "glm4_moe",
+    "ernie4_5_moe",
 )
 # The architectures the numpy engine runs. GPT-OSS is not in ARCHES: its experts
 # exist only stacked and transposed (store.models.expert_transform), and the
@@ -86,6 +87,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "use_qk_norm": True,
         "attention_bias": True,
     },
+    "ernie4_5_moe": {
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "num_experts": 8,
+        "moe_num_shared_experts": 1,
+        "moe_layer_start_index": 1,
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "pad_token_id": None,
+    },
     # transformers' default rope here is YaRN (factor 32 over 4096 positions).
     "gpt_oss": {
         "intermediate_size": 16,
@@ -103,6 +114,7 @@ _CLASSES = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
 }
 
 

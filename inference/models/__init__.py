@@ -11,6 +11,7 @@ from czyx.inference.errors import UnsupportedModelError
 from czyx.inference.models.decoder import DecoderConfig, MoEDecoder
 from czyx.inference.models.deepseek_v2 import DeepseekV2Decoder
 from czyx.inference.models.deepseek_v3 import DeepseekV3Decoder
+from czyx.inference.models.ernie4_5_moe import Ernie45MoeDecoder
 from czyx.inference.models.glm4_moe import Glm4MoeDecoder
 from czyx.inference.models.gpt_oss import GptOssDecoder
 from czyx.inference.models.mixtral import MixtralDecoder
@@ -29,6 +30,7 @@ DECODERS: dict[str, type[MoEDecoder]] = {
         DeepseekV2Decoder,
         Glm4MoeDecoder,
         GptOssDecoder,
+        Ernie45MoeDecoder,
     )
 }
 

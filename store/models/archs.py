@@ -120,6 +120,8 @@ _GPT_OSS = (
     (r"mlp\.experts\.gate_up_proj_bias", "expert_gate_up_bias"),
     (r"mlp\.experts\.down_proj_bias", "expert_down_bias"),
 )
+# save_pretrained writes mlp.moe_statics.*; the in-memory module is mlp.gate.moe_statics.*
+_ERNIE_BIAS = ((r"mlp\.(?:gate\.)?moe_statics\.e_score_correction_bias", "router_bias"),)
 _NO_PER_EXPERT = re.compile(r"(?!)")  # GPT-OSS has only stacked expert tensors
 _QK_NORM = (
     (r"self_attn\.q_norm\.weight", "q_norm"),
@@ -270,6 +272,12 @@ class ArchSpec:
             step = int(config.get("decoder_sparse_step") or 1)
             dense = set(config.get("mlp_only_layers") or ())
             return tuple(l for l in range(n) if l not in dense and (l + 1) % step == 0)
+        if self.name == "ernie4_5_moe":
+            step = int(config.get("moe_layer_interval") or 1)
+            first = int(config.get("moe_layer_start_index") or 0)
+            last = config.get("moe_layer_end_index")
+            last = n - 1 if last is None or int(last) < 0 else int(last)
+            return tuple(l for l in range(n) if (l + 1) % step == 0 and first <= l <= last)
         if self.name == "glm4_moe":
             first = int(config.get("first_k_dense_replace") or 0)
             return tuple(range(first, n))
@@ -348,6 +356,21 @@ ARCHS: dict[str, ArchSpec] = {
             ("num_local_experts",),
             ("intermediate_size",),
             "gate_up_t_interleaved",
+        ),
+        ArchSpec(
+            "ernie4_5_moe",
+            ("ernie4_5_moe",),
+            _NORMS
+            + _ATTN
+            + _QKV_BIAS
+            + _O_BIAS
+            + _ROUTER
+            + _ERNIE_BIAS
+            + _DEEPSEEK_SHARED[:3]
+            + _DENSE_MLP,
+            _EXPERT_PROJ,
+            ("moe_num_experts", "num_experts"),
+            ("moe_intermediate_size",),
         ),
         ArchSpec(
             "glm4_moe",
