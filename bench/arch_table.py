@@ -43,6 +43,7 @@ SUPPORTED = [
     ("glm4_moe", dict(initializer_range=0.2, num_hidden_layers=3)),
     ("gpt_oss", dict(initializer_range=0.2, num_hidden_layers=3)),
     ("ernie4_5_moe", dict(initializer_range=0.2, num_hidden_layers=3)),
+    ("granitemoe", dict(initializer_range=0.2, num_hidden_layers=3)),
 ]
 # GPT-OSS experts exist in one form only (save_pretrained writes the stacked,
 # transposed tensors transformers holds), so it has one row.
@@ -55,8 +56,6 @@ REFUSED = {
     "qwen3_next": "hybrid gated-DeltaNet linear attention and gated attention layers",
     "hunyuan_v1_moe": "a decoder file (query/key layer norms, a shared MLP, "
     "cross-layer attention options)",
-    "granitemoe": "embedding/residual/attention/logit multipliers, fused input_linear "
-    "expert tensors",
     "phimoe": "sparsemixer routing and LayerNorm (not RMSNorm)",
 }
 

@@ -31,7 +31,7 @@ ARCHES = (
 # The architectures the numpy engine runs. GPT-OSS is not in ARCHES: its experts
 # exist only stacked and transposed (store.models.expert_transform), and the
 # store tests over ARCHES check the per-expert and contract-layout fused forms.
-ENGINE_ARCHES = (*ARCHES, "gpt_oss")
+ENGINE_ARCHES = (*ARCHES, "gpt_oss", "granitemoe")
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 32,
@@ -97,6 +97,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "bos_token_id": None,
         "pad_token_id": None,
     },
+    "granitemoe": {
+        "intermediate_size": 16,
+        "num_local_experts": 8,
+        "embedding_multiplier": 2.0,
+        "attention_multiplier": 0.3,
+        "residual_multiplier": 0.7,
+        "logits_scaling": 1.5,
+        "eos_token_id": None,
+        "bos_token_id": None,
+    },
     # transformers' default rope here is YaRN (factor 32 over 4096 positions).
     "gpt_oss": {
         "intermediate_size": 16,
@@ -115,6 +125,7 @@ _CLASSES = {
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
 }
 
 

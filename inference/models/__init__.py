@@ -14,6 +14,7 @@ from czyx.inference.models.deepseek_v3 import DeepseekV3Decoder
 from czyx.inference.models.ernie4_5_moe import Ernie45MoeDecoder
 from czyx.inference.models.glm4_moe import Glm4MoeDecoder
 from czyx.inference.models.gpt_oss import GptOssDecoder
+from czyx.inference.models.granitemoe import GraniteMoeDecoder
 from czyx.inference.models.mixtral import MixtralDecoder
 from czyx.inference.models.olmoe import OlmoeDecoder
 from czyx.inference.models.qwen2_moe import Qwen2MoeDecoder
@@ -31,6 +32,7 @@ DECODERS: dict[str, type[MoEDecoder]] = {
         Glm4MoeDecoder,
         GptOssDecoder,
         Ernie45MoeDecoder,
+        GraniteMoeDecoder,
     )
 }
 

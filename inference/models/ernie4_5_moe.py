@@ -18,7 +18,7 @@ import numpy as np
 
 from czyx.inference.errors import MissingTensorError
 from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import F32, softmax, swiglu
+from czyx.inference.models.base import F32, KVCache, softmax, swiglu
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
 from czyx.inference.models.deepseek_v3 import top_k_desc
 from czyx.inference.models.rope import Rotary
@@ -54,7 +54,9 @@ class Ernie45MoeDecoder(MoEDecoder):
         self.rotary = Rotary(self.cfg.rope, interleaved=True)
         self.norm_min = F32(self.consumer.info.config.get("moe_norm_min", 1e-12))
 
-    def _attention(self, i, lw, x, kv, start, positions):
+    def _attention(
+        self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
+    ) -> np.ndarray:
         out = super()._attention(i, lw, x, kv, start, positions)
         return out if lw.o_bias is None else out + lw.o_bias
 

@@ -163,6 +163,9 @@ _EXPERT_PROJ = re.compile(_L + r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_pr
 _FUSED = re.compile(
     _L + r"(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?"
 )
+# GraniteMoE's saved names for its stacked experts (gate then up rows, as the contract).
+_FUSED_GRANITE = re.compile(_L + r"block_sparse_moe\.(input_linear|output_linear)\.weight")
+_GRANITE_PART = {"input_linear": "gate_up", "output_linear": "down"}
 _PART = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up"}
 _PART["down_proj"] = "down"
 
@@ -220,6 +223,9 @@ class ArchSpec:
         m = _FUSED.fullmatch(name)
         if m:
             return TensorKind("fused", int(m.group(1)), part=m.group(2).removesuffix("_proj"))
+        m = _FUSED_GRANITE.fullmatch(name) if self.name == "granitemoe" else None
+        if m:
+            return TensorKind("fused", int(m.group(1)), part=_GRANITE_PART[m.group(2)])
         return None
 
     def n_layers(self, config: Mapping[str, Any]) -> int:
@@ -371,6 +377,14 @@ ARCHS: dict[str, ArchSpec] = {
             _EXPERT_PROJ,
             ("moe_num_experts", "num_experts"),
             ("moe_intermediate_size",),
+        ),
+        ArchSpec(
+            "granitemoe",
+            ("granitemoe",),
+            _NORMS + _ATTN + ((r"block_sparse_moe\.router(?:\.layer)?\.weight", "router"),),
+            _NO_PER_EXPERT,
+            ("num_local_experts",),
+            ("intermediate_size",),
         ),
         ArchSpec(
             "glm4_moe",
