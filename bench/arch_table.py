@@ -44,6 +44,7 @@ SUPPORTED = [
     ("gpt_oss", dict(initializer_range=0.2, num_hidden_layers=3)),
     ("ernie4_5_moe", dict(initializer_range=0.2, num_hidden_layers=3)),
     ("granitemoe", dict(initializer_range=0.2, num_hidden_layers=3)),
+    ("hunyuan_v1_moe", dict(initializer_range=0.2)),
 ]
 # GPT-OSS experts exist in one form only (save_pretrained writes the stacked,
 # transposed tensors transformers holds), so it has one row.
@@ -54,8 +55,6 @@ REFUSED = {
     "llama4_text": "chunked and NoPE attention layers, sigmoid top-1 router beside a "
     "shared expert, interleaved dense/MoE layers",
     "qwen3_next": "hybrid gated-DeltaNet linear attention and gated attention layers",
-    "hunyuan_v1_moe": "a decoder file (query/key layer norms, a shared MLP, "
-    "cross-layer attention options)",
     "phimoe": "sparsemixer routing and LayerNorm (not RMSNorm)",
 }
 

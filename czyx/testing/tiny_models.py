@@ -27,6 +27,7 @@ ARCHES = (
     "deepseek_v3",
     "glm4_moe",
     "ernie4_5_moe",
+    "hunyuan_v1_moe",
 )
 # The architectures the numpy engine runs. GPT-OSS is not in ARCHES: its experts
 # exist only stacked and transposed (store.models.expert_transform), and the
@@ -107,6 +108,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "eos_token_id": None,
         "bos_token_id": None,
     },
+    "hunyuan_v1_moe": {
+        "intermediate_size": 16,
+        "num_experts": 8,
+        "moe_topk": 2,
+        "head_dim": 8,
+        "attention_bias": True,
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "pad_token_id": None,
+    },
     # transformers' default rope here is YaRN (factor 32 over 4096 positions).
     "gpt_oss": {
         "intermediate_size": 16,
@@ -126,6 +137,7 @@ _CLASSES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
 }
 
 

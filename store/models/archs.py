@@ -122,6 +122,14 @@ _GPT_OSS = (
 )
 # save_pretrained writes mlp.moe_statics.*; the in-memory module is mlp.gate.moe_statics.*
 _ERNIE_BIAS = ((r"mlp\.(?:gate\.)?moe_statics\.e_score_correction_bias", "router_bias"),)
+_HUNYUAN = (
+    (r"self_attn\.query_layernorm\.weight", "q_norm"),
+    (r"self_attn\.key_layernorm\.weight", "k_norm"),
+    (r"mlp\.gate\.wg\.weight", "router"),
+    (r"mlp\.shared_mlp\.gate_proj\.weight", "shared_gate_proj"),
+    (r"mlp\.shared_mlp\.up_proj\.weight", "shared_up_proj"),
+    (r"mlp\.shared_mlp\.down_proj\.weight", "shared_down_proj"),
+)
 _NO_PER_EXPERT = re.compile(r"(?!)")  # GPT-OSS has only stacked expert tensors
 _QK_NORM = (
     (r"self_attn\.q_norm\.weight", "q_norm"),
@@ -384,6 +392,14 @@ ARCHS: dict[str, ArchSpec] = {
             _NORMS + _ATTN + ((r"block_sparse_moe\.router(?:\.layer)?\.weight", "router"),),
             _NO_PER_EXPERT,
             ("num_local_experts",),
+            ("intermediate_size",),
+        ),
+        ArchSpec(
+            "hunyuan_v1_moe",
+            ("hunyuan_v1_moe",),
+            _NORMS + _ATTN + _QKV_BIAS + _O_BIAS + _HUNYUAN,
+            _EXPERT_PROJ,
+            ("num_experts",),
             ("intermediate_size",),
         ),
         ArchSpec(
