@@ -18,7 +18,6 @@ recorded. Writes ``bench/ARCHS.md``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -106,32 +105,32 @@ def main(argv: list[str] | None = None) -> int:
             for fused in (False,) if arch in ONE_LAYOUT else (False, True):
                 work = Path(tmp) / f"{n}-{int(fused)}"
                 r = run_parity(arch, work, fused=fused, prompt_len=14, **ov)
-                if arch in ONE_LAYOUT:
-                    r = dataclasses.replace(r, layout="stacked (the only form)")
                 rows.append((_label(arch, ov), r))
         refused = [(mt, refusal(mt, Path(tmp) / "refused"), why) for mt, why in REFUSED.items()]
     seconds = time.perf_counter() - t0
 
     head = [
-        "| architecture | expert layout | mount | export (bytes; transformers reload diff) "
+        "| architecture | written by | expert tensors in the file | mount | export (bytes; transformers reload diff) "
         "| logits max abs diff (logit range) | greedy = transformers, full cache "
         "| greedy = transformers, 25 % cache (misses) | row |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     lines = []
     for label, r in rows:
+        by = "state dict as held" if r.layout == "fused" else "save_pretrained"
+        form = {"fused": "stacked", "per_expert": "per expert"}.get(r.source_layout, "")
         if r.refused:
-            lines.append(f"| {label} | {r.layout} | refused: {r.refused} | | | | | refused |")
+            lines.append(f"| {label} | {by} | {form} | refused: {r.refused} | | | | | refused |")
             continue
         export = ("identical" if r.export_identical else "DIFFERS") + f"; {r.export_max_diff:.1e}"
         lines.append(
-            f"| {label} | {r.layout} | ok | {export} | {r.max_diff:.2e} ({r.logit_range:.2f}) "
+            f"| {label} | {by} | {form} | ok | {export} | {r.max_diff:.2e} ({r.logit_range:.2f}) "
             f"| {'yes' if r.greedy_full else 'NO'} ({r.tokens} tokens) "
             f"| {'yes' if r.greedy_quarter else 'NO'} ({r.quarter_misses}) "
             f"| {'green' if r.green else 'RED'} |"
         )
     for mt, msg, why in refused:
-        lines.append(f"| {mt} | | refused: {msg}; needs {why} | | | | | refused |")
+        lines.append(f"| {mt} | | | refused: {msg}; needs {why} | | | | | refused |")
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
@@ -145,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{transformers.__version__}, in {seconds:.0f} s (load average "
             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs).",
             "",
-            "Each supported row: a tiny random transformers model (float32) written in that "
-            "expert layout, mounted into a fresh store, opened through a portal and run by the "
+            "Each supported row: a tiny random transformers model (float32) written by "
+            "`save_pretrained` or as the state dict transformers holds in memory (the column "
+            "after it says whether the file then has per-expert or stacked expert tensors; "
+            "GPT-OSS writes the same stacked file both ways, so it has one row), mounted into a fresh store, opened through a portal and run by the "
             "numpy engine; logits over a 14-token prompt against transformers'; 16 greedy "
             "tokens against transformers' own argmax loop over its KV cache, with every expert "
             "resident and with a quarter of the experts' bytes as cache; `czyx export` "
