@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - t0
 
     head = [
-        "| architecture | written by | expert tensors in the file | mount | export (bytes; transformers reload diff) "
+        "| architecture | written by | expert tensors in the file | mount "
+        "| export (bytes; transformers reload diff) "
         "| logits max abs diff (logit range) | greedy = transformers, full cache "
         "| greedy = transformers, 25 % cache (misses) | row |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -147,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             "Each supported row: a tiny random transformers model (float32) written by "
             "`save_pretrained` or as the state dict transformers holds in memory (the column "
             "after it says whether the file then has per-expert or stacked expert tensors; "
-            "GPT-OSS writes the same stacked file both ways, so it has one row), mounted into a fresh store, opened through a portal and run by the "
-            "numpy engine; logits over a 14-token prompt against transformers'; 16 greedy "
+            "GPT-OSS writes the same stacked file both ways, so it has one row), mounted "
+            "into a fresh store, opened through a portal and run by the numpy engine; logits "
+            "over a 14-token prompt against transformers'; 16 greedy "
             "tokens against transformers' own argmax loop over its KV cache, with every expert "
             "resident and with a quarter of the experts' bytes as cache; `czyx export` "
             "compared byte for byte with the source files and reloaded by transformers. "
