@@ -35,8 +35,9 @@ class ParityResult:
     """What :func:`run_parity` measured (``refused`` set: nothing else was)."""
 
     arch: str
-    layout: str
+    layout: str  # "fused": the state dict as transformers holds it; else save_pretrained's files
     refused: str | None = None
+    source_layout: str = ""  # the expert tensors mount found: "per_expert" or "fused" (stacked)
     max_diff: float = float("nan")
     logit_range: float = float("nan")
     greedy_full: bool = False
@@ -138,9 +139,14 @@ def run_parity(
     src = write_checkpoint(model, workdir / "ckpt", fused)
     store_dir = workdir / "store"
     tag = f"{arch.replace('_', '-')}@1"
+    from czyx.store.models.checkpoint import Checkpoint
+    from czyx.store.models.mount_plan import plan_checkpoint
+
     store = Store.open(store_dir)
     try:
         try:
+            with Checkpoint(src) as ckpt:
+                source_layout = plan_checkpoint(ckpt).expert_layout
             mount(store, src, tag)
         except CzyxError as exc:
             return ParityResult(arch, layout, refused=f"{type(exc).__name__}: {exc}")
@@ -170,6 +176,7 @@ def run_parity(
     return ParityResult(
         arch,
         layout,
+        source_layout=source_layout,
         max_diff=float(np.abs(got - want).max()),
         logit_range=float(want.max() - want.min()),
         greedy_full=full == want_tokens,

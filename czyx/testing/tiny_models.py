@@ -26,17 +26,13 @@ ARCHES = (
     "deepseek_v2",
     "deepseek_v3",
     "glm4_moe",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
 )
-# The architectures the numpy engine runs.
-ENGINE_ARCHES = (
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "glm4_moe",
-)
+# The architectures the numpy engine runs. GPT-OSS is not in ARCHES: its experts
+# exist only stacked and transposed (store.models.expert_transform), and the
+# store tests over ARCHES check the per-expert and contract-layout fused forms.
+ENGINE_ARCHES = (*ARCHES, "gpt_oss", "granitemoe")
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 32,
@@ -92,6 +88,43 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "use_qk_norm": True,
         "attention_bias": True,
     },
+    "ernie4_5_moe": {
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "num_experts": 8,
+        "moe_num_shared_experts": 1,
+        "moe_layer_start_index": 1,
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "pad_token_id": None,
+    },
+    "granitemoe": {
+        "intermediate_size": 16,
+        "num_local_experts": 8,
+        "embedding_multiplier": 2.0,
+        "attention_multiplier": 0.3,
+        "residual_multiplier": 0.7,
+        "logits_scaling": 1.5,
+        "eos_token_id": None,
+        "bos_token_id": None,
+    },
+    "hunyuan_v1_moe": {
+        "intermediate_size": 16,
+        "num_experts": 8,
+        "moe_topk": 2,
+        "head_dim": 8,
+        "attention_bias": True,
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "pad_token_id": None,
+    },
+    # transformers' default rope here is YaRN (factor 32 over 4096 positions).
+    "gpt_oss": {
+        "intermediate_size": 16,
+        "num_local_experts": 8,
+        "head_dim": 8,
+        "sliding_window": 5,
+    },
 }
 _CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
@@ -101,6 +134,10 @@ _CLASSES = {
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
 }
 
 

@@ -11,7 +11,11 @@ from czyx.inference.errors import UnsupportedModelError
 from czyx.inference.models.decoder import DecoderConfig, MoEDecoder
 from czyx.inference.models.deepseek_v2 import DeepseekV2Decoder
 from czyx.inference.models.deepseek_v3 import DeepseekV3Decoder
+from czyx.inference.models.ernie4_5_moe import Ernie45MoeDecoder
 from czyx.inference.models.glm4_moe import Glm4MoeDecoder
+from czyx.inference.models.gpt_oss import GptOssDecoder
+from czyx.inference.models.granitemoe import GraniteMoeDecoder
+from czyx.inference.models.hunyuan_v1_moe import HunYuanMoeV1Decoder
 from czyx.inference.models.mixtral import MixtralDecoder
 from czyx.inference.models.olmoe import OlmoeDecoder
 from czyx.inference.models.qwen2_moe import Qwen2MoeDecoder
@@ -27,6 +31,10 @@ DECODERS: dict[str, type[MoEDecoder]] = {
         DeepseekV3Decoder,
         DeepseekV2Decoder,
         Glm4MoeDecoder,
+        GptOssDecoder,
+        Ernie45MoeDecoder,
+        GraniteMoeDecoder,
+        HunYuanMoeV1Decoder,
     )
 }
 

@@ -225,7 +225,10 @@ class MLADecoder(MoEDecoder):
         if lw.q_proj is not None:
             q = mm_t(x, lw.q_proj)
         else:
-            q = mm_t(rms_norm(mm_t(x, lw.q_a_proj), lw.q_a_norm, eps), lw.q_b_proj)
+            q_low = rms_norm(mm_t(x, lw.q_a_proj), lw.q_a_norm, eps)
+            if self.observer is not None:
+                self.observer(f"L{i}.q_b_in", q_low)
+            q = mm_t(q_low, lw.q_b_proj)
         q = q.reshape(t, m.n_heads, m.qk_head).transpose(1, 0, 2)  # [nh, T, qk]
         q_rot = self.rotary.apply(q[..., m.qk_nope :], positions)
         ckv = mm_t(x, lw.kv_a_proj)  # [T, r + dr]
@@ -237,6 +240,8 @@ class MLADecoder(MoEDecoder):
         lat[0, start:end, :r] = c
         lat[0, start:end, r : r + m.qk_rope] = k_rot
         # Expand the cached latents into per-head keys and values (as transformers).
+        if self.observer is not None:
+            self.observer(f"L{i}.kv_b_in", c)
         kvb = mm_t(lat[0, :end, :r], lw.kv_b_proj).reshape(end, m.n_heads, m.qk_nope + m.v_head)
         keys = np.empty((m.n_heads, end, m.qk_head), F32)
         keys[..., : m.qk_nope] = kvb[..., : m.qk_nope].transpose(1, 0, 2)

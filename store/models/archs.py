@@ -113,6 +113,24 @@ _QKV_BIAS = (
     (r"self_attn\.v_proj\.bias", "v_bias"),
 )
 _O_BIAS = ((r"self_attn\.o_proj\.bias", "o_bias"),)
+_GPT_OSS = (
+    (r"self_attn\.sinks", "sinks"),
+    (r"mlp\.router\.weight", "router"),
+    (r"mlp\.router\.bias", "router_bias"),
+    (r"mlp\.experts\.gate_up_proj_bias", "expert_gate_up_bias"),
+    (r"mlp\.experts\.down_proj_bias", "expert_down_bias"),
+)
+# save_pretrained writes mlp.moe_statics.*; the in-memory module is mlp.gate.moe_statics.*
+_ERNIE_BIAS = ((r"mlp\.(?:gate\.)?moe_statics\.e_score_correction_bias", "router_bias"),)
+_HUNYUAN = (
+    (r"self_attn\.query_layernorm\.weight", "q_norm"),
+    (r"self_attn\.key_layernorm\.weight", "k_norm"),
+    (r"mlp\.gate\.wg\.weight", "router"),
+    (r"mlp\.shared_mlp\.gate_proj\.weight", "shared_gate_proj"),
+    (r"mlp\.shared_mlp\.up_proj\.weight", "shared_up_proj"),
+    (r"mlp\.shared_mlp\.down_proj\.weight", "shared_down_proj"),
+)
+_NO_PER_EXPERT = re.compile(r"(?!)")  # GPT-OSS has only stacked expert tensors
 _QK_NORM = (
     (r"self_attn\.q_norm\.weight", "q_norm"),
     (r"self_attn\.k_norm\.weight", "k_norm"),
@@ -153,6 +171,9 @@ _EXPERT_PROJ = re.compile(_L + r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_pr
 _FUSED = re.compile(
     _L + r"(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?"
 )
+# GraniteMoE's saved names for its stacked experts (gate then up rows, as the contract).
+_FUSED_GRANITE = re.compile(_L + r"block_sparse_moe\.(input_linear|output_linear)\.weight")
+_GRANITE_PART = {"input_linear": "gate_up", "output_linear": "down"}
 _PART = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up"}
 _PART["down_proj"] = "down"
 
@@ -174,6 +195,10 @@ class ArchSpec:
     n_experts_keys, expert_inter_keys
         ``config.json`` keys tried in order for the routed expert count and
         the expert intermediate size.
+    expert_transform
+        ``None``: fused experts are ``gate_up [E, 2I, H]`` / ``down [E, H, I]``.
+        Otherwise the name of a :mod:`store.models.expert_transform` layout
+        (GPT-OSS: transposed, gate and up interleaved).
     """
 
     name: str
@@ -182,6 +207,7 @@ class ArchSpec:
     expert_pattern: re.Pattern[str]
     n_experts_keys: tuple[str, ...]
     expert_inter_keys: tuple[str, ...]
+    expert_transform: str | None = None
 
     def __post_init__(self) -> None:
         # One compiled alternation per table: classification is a single match
@@ -205,6 +231,9 @@ class ArchSpec:
         m = _FUSED.fullmatch(name)
         if m:
             return TensorKind("fused", int(m.group(1)), part=m.group(2).removesuffix("_proj"))
+        m = _FUSED_GRANITE.fullmatch(name) if self.name == "granitemoe" else None
+        if m:
+            return TensorKind("fused", int(m.group(1)), part=_GRANITE_PART[m.group(2)])
         return None
 
     def n_layers(self, config: Mapping[str, Any]) -> int:
@@ -257,6 +286,12 @@ class ArchSpec:
             step = int(config.get("decoder_sparse_step") or 1)
             dense = set(config.get("mlp_only_layers") or ())
             return tuple(l for l in range(n) if l not in dense and (l + 1) % step == 0)
+        if self.name == "ernie4_5_moe":
+            step = int(config.get("moe_layer_interval") or 1)
+            first = int(config.get("moe_layer_start_index") or 0)
+            last = config.get("moe_layer_end_index")
+            last = n - 1 if last is None or int(last) < 0 else int(last)
+            return tuple(l for l in range(n) if (l + 1) % step == 0 and first <= l <= last)
         if self.name == "glm4_moe":
             first = int(config.get("first_k_dense_replace") or 0)
             return tuple(range(first, n))
@@ -326,6 +361,46 @@ ARCHS: dict[str, ArchSpec] = {
             _EXPERT_PROJ,
             ("n_routed_experts",),
             ("moe_intermediate_size",),
+        ),
+        ArchSpec(
+            "gpt_oss",
+            ("gpt_oss",),
+            _NORMS + _ATTN + _QKV_BIAS + _O_BIAS + _GPT_OSS,
+            _NO_PER_EXPERT,
+            ("num_local_experts",),
+            ("intermediate_size",),
+            "gate_up_t_interleaved",
+        ),
+        ArchSpec(
+            "ernie4_5_moe",
+            ("ernie4_5_moe",),
+            _NORMS
+            + _ATTN
+            + _QKV_BIAS
+            + _O_BIAS
+            + _ROUTER
+            + _ERNIE_BIAS
+            + _DEEPSEEK_SHARED[:3]
+            + _DENSE_MLP,
+            _EXPERT_PROJ,
+            ("moe_num_experts", "num_experts"),
+            ("moe_intermediate_size",),
+        ),
+        ArchSpec(
+            "granitemoe",
+            ("granitemoe",),
+            _NORMS + _ATTN + ((r"block_sparse_moe\.router(?:\.layer)?\.weight", "router"),),
+            _NO_PER_EXPERT,
+            ("num_local_experts",),
+            ("intermediate_size",),
+        ),
+        ArchSpec(
+            "hunyuan_v1_moe",
+            ("hunyuan_v1_moe",),
+            _NORMS + _ATTN + _QKV_BIAS + _O_BIAS + _HUNYUAN,
+            _EXPERT_PROJ,
+            ("num_experts",),
+            ("intermediate_size",),
         ),
         ArchSpec(
             "glm4_moe",

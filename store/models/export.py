@@ -29,6 +29,8 @@ from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
 from czyx.store.interfaces import StoreInterface
 from czyx.store.models.archs import TOKENIZER_FILE, TOKENIZER_ROLE
+from czyx.store.models.checkpoint import DTYPES
+from czyx.store.models.expert_transform import from_contract
 from czyx.store.models.model import ModelSpace
 from czyx.store.models.mount_errors import ModelSpaceError, MountError
 
@@ -169,6 +171,8 @@ def _export_experts(
     base_src = {(r["layer"], r["expert"]): r["src"] for _, r in space.store.scan(root_sel)}
     readers = [space.store.open_reader(sel) for sel in space.blocks]
     buf = np.empty(space.nbytes, np.uint8)
+    ex = space.root["expert"]
+    transform = ex.get("transform")
     try:
         for (layer, e), rec in sorted(space.records.items()):
             blk = int(space.blk[layer, e])
@@ -180,10 +184,14 @@ def _export_experts(
             src = base_src.get((layer, e))
             if src is None:
                 raise ModelSpaceError(f"expert ({layer}, {e}) is not in the base model")
+            raw = buf
+            if transform is not None:  # back to the source's layout (store.models.expert_transform)
+                item = DTYPES[ex["dtype"]][1]
+                raw = from_contract(buf[: space.nbytes], ex["inter"], ex["hidden"], item)
             pos = 0
             for _, tensor, start, nbytes in src:
                 fname, at = _where(where, tensor)
-                os.pwrite(handles[fname].fileno(), buf[pos : pos + nbytes], at + start)
+                os.pwrite(handles[fname].fileno(), raw[pos : pos + nbytes], at + start)
                 covered[fname] += nbytes
                 pos += nbytes
     finally:

@@ -455,6 +455,8 @@ def _model_manifest_for(
     }
     if src is not None and src.codec is not None:
         manifest["quant"] = src.codec.manifest()
+    if plan.expert_transform is not None:  # only then: other manifests keep their selectors
+        manifest["expert"]["transform"] = plan.expert_transform
     return manifest
 
 

@@ -70,6 +70,10 @@ class ModelPlan:
     expert_layout: str
     trunk: tuple[TrunkEntry, ...]
     experts: dict[tuple[int, int], tuple[PartSource, PartSource, PartSource]]
+    # Source layout of stacked experts when it is not the contract's (see
+    # store.models.expert_transform): each expert is then two parts, its
+    # [H, 2I] and [I, H] blocks, rearranged on assembly.
+    expert_transform: str | None = None
 
     @property
     def expert_format(self) -> str:
@@ -269,8 +273,9 @@ def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
     for (layer, e), parts in sorted(per_expert.items()):
         experts[(layer, e)] = _per_expert_sources(ckpt, layer, e, parts, hidden, inter, dtypes)
     for layer, parts in sorted(fused.items()):
+        fused_sources = _transposed_sources if spec.expert_transform else _fused_sources
         for e, src in enumerate(
-            _fused_sources(ckpt, layer, parts, n_experts, hidden, inter, dtypes)
+            fused_sources(ckpt, layer, parts, n_experts, hidden, inter, dtypes)
         ):
             experts[(layer, e)] = src
     if len(dtypes) > 1:
@@ -293,6 +298,7 @@ def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
         layout,
         tuple(trunk),
         experts,
+        spec.expert_transform,
     )
 
 
@@ -376,6 +382,37 @@ def _fused_sources(
             PartSource(gu, e * 2 * m, m, (inter, hidden)),
             PartSource(gu, e * 2 * m + m, m, (inter, hidden)),
             PartSource(dn, e * m, m, (hidden, inter)),
+        )
+        for e in range(n_experts)
+    ]
+
+
+def _transposed_sources(
+    ckpt: Checkpoint,
+    layer: int,
+    parts: dict[str, str],
+    n_experts: int,
+    hidden: int,
+    inter: int,
+    dtypes: set[str],
+) -> list[tuple[PartSource, PartSource]]:
+    """GPT-OSS: ``gate_up [E, H, 2I]`` (interleaved) and ``down [E, I, H]``, two blocks each."""
+    for part in ("gate_up", "down"):
+        if part not in parts:
+            other = next(iter(parts.values()))
+            raise MissingTensorError(
+                f"stacked experts of layer {layer} lack {part}_proj",
+                file=str(ckpt.info(other).file),
+                tensor=other,
+            )
+    gu, dn = parts["gate_up"], parts["down"]
+    size = _check_shape(ckpt, gu, (n_experts, hidden, 2 * inter), dtypes)
+    _check_shape(ckpt, dn, (n_experts, inter, hidden), dtypes)
+    m = inter * hidden * size
+    return [
+        (
+            PartSource(gu, e * 2 * m, 2 * m, (hidden, 2 * inter)),
+            PartSource(dn, e * m, m, (inter, hidden)),
         )
         for e in range(n_experts)
     ]

@@ -17,7 +17,8 @@ import blake3
 import numpy as np
 
 from czyx.store.models.archs import MTP_ROLE, TOKENIZER_FILE
-from czyx.store.models.checkpoint import Checkpoint
+from czyx.store.models.checkpoint import DTYPES, Checkpoint
+from czyx.store.models.expert_transform import to_contract
 from czyx.store.models.mount_plan import ModelPlan
 
 CONTENT_HASH = "blake3"
@@ -107,11 +108,21 @@ class MountSource:
         if self.qlayout is not None and ("expert", key) in self._spooled:
             self._get(("expert", key), out)
             return
-        raw = out if self.qlayout is None else self._float
+        transform = self.plan.expert_transform
+        raw = out if self.qlayout is None and transform is None else self._float
+        if raw.nbytes < self.plan.expert_nbytes:
+            raw = self._float = np.empty(self.plan.expert_nbytes, np.uint8)
         pos = 0
         for p in self.plan.experts[key]:
             self.ckpt.read_into(p.tensor, p.start, raw[pos : pos + p.nbytes])
             pos += p.nbytes
+        if transform is not None:  # the source's layout -> gate | up | down
+            item = DTYPES[self.plan.dtype][1]
+            raw = to_contract(
+                raw[: self.plan.expert_nbytes], self.plan.inter, self.plan.hidden, item
+            )
+            if self.qlayout is None:
+                out[:] = raw
         if self.qlayout is not None:
             out[:] = self.codec.encode_expert_raw(self.qlayout, *key, raw, self.plan.dtype)
             self._put(("expert", key), out, None)

@@ -96,6 +96,8 @@ def rope_params(config: Mapping[str, Any], head_dim: int) -> RopeParams:
             f"config rope type {rope_type!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
+    if rope_type == "dynamic" and merged.get("alpha"):
+        raise UnsupportedRopeError("rope type 'dynamic' with 'alpha' (NTK-alpha) is not supported")
     theta = merged.get("rope_theta", config.get("rope_theta", 10000.0))
     partial = merged.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     rot = int(head_dim * float(partial))

@@ -29,6 +29,12 @@ _LAYER_INPUT = {
     "mlp_up_proj": "moe_in",
     "shared_down_proj": "shared.down_in",
     "mlp_down_proj": "mlp.down_in",
+    # DeepSeek's latent attention: the down-projections read the layer's input,
+    # the up-projections the normalised low-rank query and the cached latent.
+    "q_a_proj": "attn_in",
+    "kv_a_proj": "attn_in",
+    "q_b_proj": "q_b_in",
+    "kv_b_proj": "kv_b_in",
 }
 
 

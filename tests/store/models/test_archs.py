@@ -224,7 +224,8 @@ _PARTS = {
 
 
 @given(
-    arch=st.sampled_from(sorted(ARCHS)),
+    # GPT-OSS and GraniteMoE have no per-expert tensor names (only stacked experts).
+    arch=st.sampled_from(sorted(a for a in ARCHS if a not in ("gpt_oss", "granitemoe"))),
     layer=st.integers(0, 10**6),
     expert=st.integers(0, 10**4),
     part=st.sampled_from(["gate", "up", "down"]),

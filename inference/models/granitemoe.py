@@ -1,0 +1,78 @@
+"""GraniteMoE (``granitemoe``): Mixtral-like experts with four scalar multipliers.
+
+Differences from the shared base: token embeddings are multiplied by
+``embedding_multiplier``; attention scores are scaled by
+``attention_multiplier`` instead of ``head_dim ** -0.5``; each attention and
+MLP output is multiplied by ``residual_multiplier`` before its residual add;
+the logits are divided by ``logits_scaling``; the router takes the top-k
+logits and a softmax over those k. Experts are stacked only
+(``input_linear``/``output_linear`` on disk, gate rows then up rows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from czyx.inference.errors import UnsupportedModelError
+from czyx.inference.kernels.linear import mm_t
+from czyx.inference.models.base import F32, KVCache
+from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
+from czyx.store.consumer import ModelInfo
+
+
+def softmax_of_top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` largest logits per row (descending, ties to the lower index) and their softmax."""
+    part = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
+    vals = np.take_along_axis(logits, part, axis=-1)
+    order = np.lexsort((part, -vals), axis=-1)
+    idx = np.take_along_axis(part, order, axis=-1)
+    top = np.take_along_axis(vals, order, axis=-1)
+    e = np.exp(top - top[:, :1])
+    return idx.astype(np.int64), (e / e.sum(axis=-1, keepdims=True)).astype(F32)
+
+
+class GraniteMoeDecoder(MoEDecoder):
+    """``GraniteMoeForCausalLM`` in numpy."""
+
+    arch = "granitemoe"
+
+    @classmethod
+    def parse_config(cls, info: ModelInfo) -> DecoderConfig:
+        """GraniteMoE config (``attention_bias`` is not supported)."""
+        if info.config.get("attention_bias"):
+            raise UnsupportedModelError("config attention_bias=true (granitemoe) is not supported")
+        return common_config(info, True, [None] * info.n_layers)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        c = self.consumer.info.config
+        emb = float(c.get("embedding_multiplier", 1.0))
+        if emb != 1.0:
+            if not isinstance(self.embed, np.ndarray):
+                raise UnsupportedModelError("a quantized embedding with embedding_multiplier")
+            self.embed = self.embed * F32(emb)  # a copy: a tied lm_head keeps the original
+        self.q_scale = F32(float(c.get("attention_multiplier", 1.0)) * self.cfg.head_dim**0.5)
+        self.residual = F32(c.get("residual_multiplier", 1.0))
+        self.logits_scaling = F32(c.get("logits_scaling", 1.0))
+
+    def post_qkv(
+        self, lw: Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Fold ``attention_multiplier`` into q (the base scales scores by ``head_dim**-0.5``)."""
+        return q * self.q_scale, k, v
+
+    def _attention(
+        self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
+    ) -> np.ndarray:
+        return super()._attention(i, lw, x, kv, start, positions) * self.residual
+
+    def _mlp(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
+        return super()._mlp(i, lw, x) * self.residual
+
+    def route(self, lw: Layer, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Softmax over the top-k router logits."""
+        return softmax_of_top_k(mm_t(x, lw.router), self.cfg.top_k)
+
+    def forward(self, tokens: np.ndarray, kv: KVCache, all_logits: bool = False) -> np.ndarray:
+        """The base forward, logits divided by ``logits_scaling``."""
+        return super().forward(tokens, kv, all_logits) / self.logits_scaling
