@@ -228,3 +228,17 @@ def test_manifest_records_the_gguf_metadata(tmp_path):
     assert meta["general.architecture"] == "qwen2moe"
     assert manifest["source"]["tensor_types"]["blk.0.ffn_gate_exps.weight"] == "F16"
     assert json.loads(json.dumps(manifest["config"]))["moe_intermediate_size"] == 32
+
+
+def test_mxfp4_gguf_converts_exactly_under_f32(tmp_path):
+    model = gguf_model("qwen3_moe")
+    write_gguf(model, tmp_path / "m.gguf", "mxfp4")
+    with Store.open(tmp_path / "s") as store:
+        with pytest.raises(ConversionPolicyError, match="MXFP4"):
+            mount(store, tmp_path / "m.gguf", "m@native")
+        result = mount(store, tmp_path / "m.gguf", "m@1", convert="f32")
+        token = portals.root_token(store)
+    assert any("MXFP4 -> f32" in line for line in result.conversions)
+    want = _want(reference_model(model, "mxfp4"))
+    got = _logits(tmp_path / "s", "m@1", token)
+    assert np.abs(got - want).max() < 1e-5 * float(want.max() - want.min())
