@@ -25,7 +25,7 @@ from czyx.inference.tokenizer import tokenizer_for
 from czyx.store import Store
 from czyx.store.models.gguf import ConversionPolicyError, UnsupportedGGUFError, qk_permute, qk_rows
 from czyx.store.models.gguf_source import native_pack
-from czyx.store.models.mount import mount
+from czyx.store.models.mount import mount, summarize
 from czyx.store.quant.formats import dequantize
 from czyx.testing.gguf_writer import reference_model, tiny_bpe_tokenizer_json, write_gguf
 from czyx.testing.refmodels import ARCHS, tiny_model
@@ -157,6 +157,8 @@ def test_tokenizer_travels_from_gguf_metadata(tmp_path):
     with Store.open(tmp_path / "s") as store:
         mount(store, tmp_path / "m.gguf", "m@1")
         token = portals.root_token(store)
+        # 16 experts + 3 global + 2 x 9 layer tensors; the tokenizer record is no tensor
+        assert summarize(store, "m@1")["formats"] == {"f32": 16 + 3 + 18}
     src = Tokenizer.from_str(tj)
     text = "the lazy fox: 42 experts <|endoftext|> jumps!"
     with OpenedModel(str(tmp_path / "s"), "m@1", token) as opened:
