@@ -244,3 +244,20 @@ def test_mxfp4_gguf_converts_exactly_under_f32(tmp_path):
     want = _want(reference_model(model, "mxfp4"))
     got = _logits(tmp_path / "s", "m@1", token)
     assert np.abs(got - want).max() < 1e-5 * float(want.max() - want.min())
+
+
+def test_float_gguf_with_a_store_quant_policy_keeps_its_tokenizer(tmp_path):
+    from czyx.store.quant.codec import QuantCodec
+    from czyx.store.quant.policy import parse_policy
+
+    model = gguf_model("mixtral", vocab_size=320)
+    write_gguf(model, tmp_path / "m.gguf", "f16", tokenizer_json=tiny_bpe_tokenizer_json(320))
+    with Store.open(tmp_path / "s") as store:
+        res = mount(store, tmp_path / "m.gguf", "m@q4", quant=QuantCodec(parse_policy("q4-all")))
+        assert store.manifest(res.selector)["expert"]["format"] == "q4"
+        token = portals.root_token(store)
+        write_gguf(model, tmp_path / "q.gguf", "q8_0")
+        with pytest.raises(ConversionPolicyError, match="requantize"):
+            mount(store, tmp_path / "q.gguf", "m@x", quant=QuantCodec(parse_policy("q4-all")))
+    with OpenedModel(str(tmp_path / "s"), "m@q4", token) as opened:
+        assert opened.consumer.tokenizer_json() is not None
