@@ -184,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "Reference for every row: the source mounted with `--convert f32` (its own values "
         "dequantized, exactly). `native`: the GGUF type repacked without loss (Q8_0 -> q8, "
-        "Q4_0/Q4_1 -> q4); other policies convert. `max rel RMS` is the largest per-tensor "
+        "Q4_0/Q4_1 -> q4); `--convert` policies apply only to tensors whose type has no native "
+        "format (a native type stays native under `q8`/`q4`, so those rows equal `native`; the "
+        "float policies convert every quantized tensor). `stored MiB` of a `source vs original` "
+        "row is the f32 reference mount. `max rel RMS` is the largest per-tensor "
         "relative RMS error the mount recorded in the manifest (`quant.converted`). The "
         "`source vs original` rows compare the reference with the original float model (what "
         "the source format itself costs). `wide-*` sources are a random 256-wide Mixtral "
