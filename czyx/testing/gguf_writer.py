@@ -140,6 +140,7 @@ def _qtype(qtype: str) -> Any:
         "q4_0": q.Q4_0,
         "q4_1": q.Q4_1,
         "q5_0": q.Q5_0,
+        "mxfp4": q.MXFP4,
     }[qtype]
 
 
@@ -227,7 +228,9 @@ def write_gguf(
     if arch == "llama":
         writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(
-        {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8}[qtype]
+        {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "mxfp4": 38}[
+            qtype
+        ]
     )
     if tokenizer_json is not None:
         _vocab(writer, tokenizer_json, cfg.vocab_size)

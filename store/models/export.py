@@ -12,6 +12,18 @@ manifest; a sharded source gets its ``*.safetensors.index.json`` back).
 
 Every extent read is checksum-verified; a file whose tensors are not fully
 covered by records is an error, never a file with silent zeros.
+
+A version whose stored values are not its source files' bytes is rebuilt
+instead (:func:`_export_rebuilt`): one ``model.safetensors`` with HF names,
+each tensor in its compute dtype (the source dtype the record names: the
+checkpoint's own, F32 for a GGUF quant type or an FP8 weight converted to
+f32). That covers GGUF sources and FP8 conversions (the values are exactly
+what is stored) and, only when asked (``dequantize=True``, ``czyx export
+--dequantize``), versions with packed (quantized) tensors, whose values are
+then their dequantization: lossy against the source, so never implicit. The
+version's format history (source format, conversion policy and drift, stored
+formats) is written to ``czyx_format_history.json`` and to the safetensors
+metadata (``czyx_format_history``).
 """
 
 from __future__ import annotations
@@ -33,6 +45,8 @@ from czyx.store.models.checkpoint import DTYPES
 from czyx.store.models.expert_transform import from_contract
 from czyx.store.models.model import ModelSpace
 from czyx.store.models.mount_errors import ModelSpaceError, MountError
+from czyx.store.quant.formats import dequantize as dequantize_packed
+from czyx.store.quant.formats import get_format, is_quant_format
 
 RAW_FORMATS = frozenset({"f32", "f16", "bf16", "f64"})
 
@@ -42,7 +56,11 @@ class ExportError(MountError):
 
 
 def export(
-    store: StoreInterface, ref: str | Selector, out_dir: str | os.PathLike[str]
+    store: StoreInterface,
+    ref: str | Selector,
+    out_dir: str | os.PathLike[str],
+    *,
+    dequantize: bool = False,
 ) -> list[Path]:
     """Write the model version ``ref`` as a checkpoint directory ``out_dir``.
 
@@ -54,6 +72,9 @@ def export(
         ``NAME@VERSION``, 64-hex selector or :class:`Selector`.
     out_dir
         Created if absent; files of the same names are overwritten.
+    dequantize
+        Allow a version with quantized tensors: they are written dequantized
+        to their compute dtype (see the module docstring).
 
     Returns
     -------
@@ -63,11 +84,21 @@ def export(
     Raises
     ------
     ExportError
-        A quantized version, a replaced tensor whose format differs from the
-        source's, or source bytes no record covers.
+        A quantized version without ``dequantize``, a replaced tensor whose
+        format differs from the source's, or source bytes no record covers.
     """
     space = ModelSpace(store, ref)
     fmt = space.root["expert"]["format"]
+    packed = is_quant_format(fmt) or any("qfmt" in r.record for r in space.trunk.values())
+    if packed and not dequantize:
+        raise ExportError(
+            f"version is quantized (expert format {fmt!r}, policy "
+            f"{(space.root.get('quant') or {}).get('policy')!r}); export with dequantize=True "
+            "(czyx export --dequantize) to write its dequantized values"
+        )
+    source = space.root["source"]
+    if packed or source.get("format") == "gguf" or source.get("conversion"):
+        return _export_rebuilt(space, Path(out_dir))
     if fmt not in RAW_FORMATS:
         raise ExportError(f"expert format {fmt!r} is quantized; export writes only raw formats")
     if space.root.get("quant"):  # trunk tensors may be packed even when experts are raw
@@ -197,3 +228,162 @@ def _export_experts(
     finally:
         for r in readers:
             r.close()
+
+
+_MIXTRAL_EXPERT = "model.layers.{l}.block_sparse_moe.experts.{e}.{p}.weight"
+_PROJ_EXPERT = "model.layers.{l}.mlp.experts.{e}.{p}_proj.weight"
+
+
+def expert_tensor_name(arch: str, layer: int, expert: int, part: int) -> str:
+    """The HF per-expert tensor name of ``part`` (0 gate, 1 up, 2 down)."""
+    if arch == "mixtral":
+        return _MIXTRAL_EXPERT.format(l=layer, e=expert, p=("w1", "w3", "w2")[part])
+    return _PROJ_EXPERT.format(l=layer, e=expert, p=("gate", "up", "down")[part])
+
+
+def _cast(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values in safetensors ``dtype`` (bf16 as uint16 bits, round to nearest even)."""
+    if dtype == "F32":
+        return np.ascontiguousarray(values, np.float32)
+    if dtype == "F16":
+        return values.astype(np.float16)
+    if dtype == "BF16":
+        u = np.ascontiguousarray(values, np.float32).view(np.uint32)
+        out = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> 16
+        out = out.astype(np.uint16)
+        out[np.isnan(values)] = 0x7FC0
+        return out
+    raise ExportError(f"compute dtype {dtype} is not a float type")
+
+
+def _export_rebuilt(space: ModelSpace, out: Path) -> list[Path]:
+    """One new ``model.safetensors`` from the records (see the module docstring)."""
+    out.mkdir(parents=True, exist_ok=True)
+    root = space.root
+    ex = root["expert"]
+    fmt, dtype = ex["format"], ex["dtype"]
+    inter, hidden = int(ex["inter"]), int(ex["hidden"])
+    entries: list[tuple[str, str, tuple[int, ...], Any]] = []
+    tok = None
+    for key, ref in sorted(space.trunk.items(), key=lambda kv: str(kv[0])):
+        if key[0] == TOKENIZER_ROLE:
+            tok = ref
+            continue
+        entries.append((ref.record["src"][1], ref.dtype, ref.shape, ("trunk", ref)))
+    shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+    for layer, e in sorted(space.records):
+        for part in range(3):
+            name = expert_tensor_name(root["arch"], layer, e, part)
+            entries.append((name, dtype, shapes[part], ("expert", layer, e, part)))
+    history = format_history(root)
+    readers = [space.store.open_reader(sel) for sel in space.blocks]
+    cache: dict[tuple[int, int], list[np.ndarray]] = {}
+    buf = np.empty(space.nbytes, np.uint8)
+
+    def produce(what: Any) -> np.ndarray:
+        if what[0] == "trunk":
+            ref = what[1]
+            raw = space.read_trunk_raw(ref)
+            if "qfmt" not in ref.record:
+                return raw
+            values = dequantize_packed(raw, ref.record["qfmt"], tuple(ref.shape))
+            return _cast(values, ref.dtype)
+        _, layer, e, part = what
+        if (layer, e) not in cache:
+            cache.clear()
+            blk = int(space.blk[layer, e])
+            readers[blk].read_into(int(space.off[layer, e]), buf)
+            if checksum(buf) != int(space.sums[layer, e]):
+                raise ChecksumError(f"expert ({layer}, {e}): checksum mismatch")
+            cache[(layer, e)] = _expert_parts(buf, fmt, dtype, shapes)
+        return cache[(layer, e)][part]
+
+    path = out / "model.safetensors"
+    try:
+        write_safetensors_streamed(
+            path,
+            [(n, d, s) for n, d, s, _ in entries],
+            (produce(w) for *_, w in entries),
+            metadata={"format": "pt", "czyx_format_history": json.dumps(history)},
+        )
+    finally:
+        for r in readers:
+            r.close()
+    written = [path]
+    if tok is not None:
+        (out / TOKENIZER_FILE).write_bytes(space.read_trunk_raw(tok).tobytes())
+        written.append(out / TOKENIZER_FILE)
+    (out / "config.json").write_text(json.dumps(root["config"], indent=2) + "\n")
+    (out / "czyx_format_history.json").write_text(json.dumps(history, indent=2) + "\n")
+    return [*written, out / "config.json", out / "czyx_format_history.json"]
+
+
+def _expert_parts(buf: np.ndarray, fmt: str, dtype: str, shapes: tuple) -> list[np.ndarray]:
+    if is_quant_format(fmt):
+        f = get_format(fmt)
+        sizes = [f.nbytes(*s) for s in shapes]
+    else:
+        sizes = [s[0] * s[1] * DTYPES[dtype][1] for s in shapes]
+    parts, pos = [], 0
+    for size, shape in zip(sizes, shapes, strict=True):
+        raw = buf[pos : pos + size]
+        pos += size
+        if is_quant_format(fmt):
+            parts.append(_cast(dequantize_packed(raw, fmt, shape), dtype))
+        else:
+            parts.append(raw.copy())
+    return parts
+
+
+def format_history(root: dict) -> list[dict[str, Any]]:
+    """A version's format history: source format, conversion at mount, stored formats."""
+    src = root.get("source") or {}
+    types = sorted(set((src.get("tensor_types") or {}).values()))
+    history: list[dict[str, Any]] = [
+        {
+            "step": "source",
+            "format": src.get("format", "safetensors"),
+            "types": types or [root["expert"]["dtype"]],
+        }
+    ]
+    if src.get("conversion"):
+        history.append({"step": "convert", **src["conversion"]})
+    quant = root.get("quant") or {}
+    history.append(
+        {
+            "step": "mount",
+            "expert_format": root["expert"]["format"],
+            "policy": quant.get("policy"),
+            "formats": quant.get("formats"),
+            "converted": quant.get("converted"),
+        }
+    )
+    return history
+
+
+def write_safetensors_streamed(
+    path: Path,
+    specs: list[tuple[str, str, tuple[int, ...]]],
+    arrays: Any,
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """A safetensors file from ``(name, dtype, shape)`` specs and their arrays, produced
+    one at a time (so a large version never sits in memory whole). Each array's byte
+    size is checked against its spec."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    pos = 0
+    sizes = []
+    for name, dtype, shape in specs:
+        n = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][1]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        sizes.append(n)
+        pos += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(blob)) + blob)
+        for (name, _, _), n, arr in zip(specs, sizes, arrays, strict=True):
+            data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+            if data.size != n:
+                raise ExportError(f"{name}: {data.size} bytes, its header says {n}")
+            fh.write(data)

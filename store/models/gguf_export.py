@@ -36,6 +36,7 @@ from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
 from czyx.store.models.archs import TOKENIZER_ROLE
 from czyx.store.models.checkpoint import DTYPES
+from czyx.store.models.export import format_history
 from czyx.store.models.gguf import (
     UnsupportedGGUFError,
     gguf_metadata,
@@ -238,29 +239,3 @@ def _split(buf: np.ndarray, fmt: str, inter: int, hidden: int, dtype: str) -> li
         out.append((buf[pos : pos + size], shape))
         pos += size
     return out
-
-
-def format_history(root: dict) -> list[dict[str, Any]]:
-    """The version's format history: its source format and what the mount stored/converted."""
-    src = root.get("source") or {}
-    history: list[dict[str, Any]] = [
-        {
-            "step": "source",
-            "format": src.get("format", "safetensors"),
-            "types": sorted(set((src.get("tensor_types") or {}).values()))
-            or [root["expert"]["dtype"]],
-        }
-    ]
-    if src.get("conversion"):
-        history.append({"step": "convert", **src["conversion"]})
-    quant = root.get("quant")
-    history.append(
-        {
-            "step": "mount",
-            "expert_format": root["expert"]["format"],
-            "policy": None if quant is None else quant.get("policy"),
-            "formats": None if quant is None else quant.get("formats"),
-            "converted": None if quant is None else quant.get("converted"),
-        }
-    )
-    return history

@@ -596,6 +596,8 @@ def summarize(store: StoreInterface, ref: str | Selector) -> dict[str, Any]:
         tsel = Selector.from_hex(m["trunk"])
         trunk_n, trunk_bytes = store.aggregate(tsel)
         for _, rec in store.scan(tsel):
+            if rec.get("role") == TOKENIZER_ROLE:  # not a tensor: no format
+                continue
             f = rec.get("qfmt") or rec["dtype"].lower()  # packed trunk tensors name their format
             formats[f] = formats.get(f, 0) + 1
     return {

@@ -63,6 +63,9 @@ def make_source(ckpt: Any, plan: Any, quant: Any = None, spool_dir: Any = None) 
                 "--quant on a quantized GGUF would requantize its quantized tensors; "
                 "use --convert q8|q4 (or mount the float GGUF)"
             )
+        src = MountSource(ckpt, plan, quant, spool_dir=spool_dir)
+        src.tokenizer = None if ckpt.tokenizer_json is None else ckpt.tokenizer_json.encode()
+        return src
     return MountSource(ckpt, plan, quant, spool_dir=spool_dir)
 
 

@@ -19,6 +19,12 @@ def register(subparsers: Any) -> None:
         default="safetensors",
         help="safetensors (a Hugging Face checkpoint) or gguf (one file llama.cpp loads)",
     )
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="safetensors export of a quantized version: write its dequantized values "
+        "(lossy against the source; the format history is recorded)",
+    )
     add_store_arg(p)
     p.set_defaults(func=run)
 
@@ -34,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
             files = export_gguf(store, args.ref, args.out)
         else:
-            files = export(store, args.ref, args.out)
+            files = export(store, args.ref, args.out, dequantize=args.dequantize)
     total = sum(f.stat().st_size for f in files)
     print(f"exported {args.ref} to {args.out}: {len(files)} files, {total / 1e6:.1f} MB")
     return 0

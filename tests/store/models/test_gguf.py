@@ -25,7 +25,7 @@ from czyx.inference.tokenizer import tokenizer_for
 from czyx.store import Store
 from czyx.store.models.gguf import ConversionPolicyError, UnsupportedGGUFError, qk_permute, qk_rows
 from czyx.store.models.gguf_source import native_pack
-from czyx.store.models.mount import mount
+from czyx.store.models.mount import mount, summarize
 from czyx.store.quant.formats import dequantize
 from czyx.testing.gguf_writer import reference_model, tiny_bpe_tokenizer_json, write_gguf
 from czyx.testing.refmodels import ARCHS, tiny_model
@@ -157,6 +157,8 @@ def test_tokenizer_travels_from_gguf_metadata(tmp_path):
     with Store.open(tmp_path / "s") as store:
         mount(store, tmp_path / "m.gguf", "m@1")
         token = portals.root_token(store)
+        # 16 experts + 3 global + 2 x 9 layer tensors; the tokenizer record is no tensor
+        assert summarize(store, "m@1")["formats"] == {"f32": 16 + 3 + 18}
     src = Tokenizer.from_str(tj)
     text = "the lazy fox: 42 experts <|endoftext|> jumps!"
     with OpenedModel(str(tmp_path / "s"), "m@1", token) as opened:
@@ -228,3 +230,34 @@ def test_manifest_records_the_gguf_metadata(tmp_path):
     assert meta["general.architecture"] == "qwen2moe"
     assert manifest["source"]["tensor_types"]["blk.0.ffn_gate_exps.weight"] == "F16"
     assert json.loads(json.dumps(manifest["config"]))["moe_intermediate_size"] == 32
+
+
+def test_mxfp4_gguf_converts_exactly_under_f32(tmp_path):
+    model = gguf_model("qwen3_moe")
+    write_gguf(model, tmp_path / "m.gguf", "mxfp4")
+    with Store.open(tmp_path / "s") as store:
+        with pytest.raises(ConversionPolicyError, match="MXFP4"):
+            mount(store, tmp_path / "m.gguf", "m@native")
+        result = mount(store, tmp_path / "m.gguf", "m@1", convert="f32")
+        token = portals.root_token(store)
+    assert any("MXFP4 -> f32" in line for line in result.conversions)
+    want = _want(reference_model(model, "mxfp4"))
+    got = _logits(tmp_path / "s", "m@1", token)
+    assert np.abs(got - want).max() < 1e-5 * float(want.max() - want.min())
+
+
+def test_float_gguf_with_a_store_quant_policy_keeps_its_tokenizer(tmp_path):
+    from czyx.store.quant.codec import QuantCodec
+    from czyx.store.quant.policy import parse_policy
+
+    model = gguf_model("mixtral", vocab_size=320)
+    write_gguf(model, tmp_path / "m.gguf", "f16", tokenizer_json=tiny_bpe_tokenizer_json(320))
+    with Store.open(tmp_path / "s") as store:
+        res = mount(store, tmp_path / "m.gguf", "m@q4", quant=QuantCodec(parse_policy("q4-all")))
+        assert store.manifest(res.selector)["expert"]["format"] == "q4"
+        token = portals.root_token(store)
+        write_gguf(model, tmp_path / "q.gguf", "q8_0")
+        with pytest.raises(ConversionPolicyError, match="requantize"):
+            mount(store, tmp_path / "q.gguf", "m@x", quant=QuantCodec(parse_policy("q4-all")))
+    with OpenedModel(str(tmp_path / "s"), "m@q4", token) as opened:
+        assert opened.consumer.tokenizer_json() is not None
