@@ -255,13 +255,11 @@ class StreamingExpertCache(ExpertCache):
 
         A prefill batch predicts nearly every expert of a layer; read into a
         small budget, those reads evict one another and the layer's own
-        experts before use (`czyx demo`, 25 %, three runs each: with prefill
-        prefetch 27-31 ms exposed and 292-398 decode tokens/s, without it
-        19-22 ms and 431-483; bytes read per token barely moved, 452 vs 448
-        kB), so a batch prefetches only
-        when its predictions fit the unpinned slots beside one token's top-k
-        (a single token always may: its reads stop at the first slot that is
-        not dead).
+        experts before use (more exposed I/O and slower decode for the same
+        bytes read: ``bench/STREAMING.md``, measured with ``czyx demo``), so a
+        batch prefetches only when its predictions fit the unpinned slots
+        beside one token's top-k (a single token always may: its reads stop
+        at the first slot that is not dead).
         """
         width = self.width
         return n_tokens * width <= max(self.max_acquire - self.top_k, width)
