@@ -256,7 +256,7 @@ class StreamingExpertCache(ExpertCache):
         A prefill batch predicts nearly every expert of a layer; read into a
         small budget, those reads evict one another and the layer's own
         experts before use (more exposed I/O and slower decode for the same
-        bytes read: ``bench/STREAMING.md``, measured with ``czyx demo``), so a
+        bytes read: ``bench/RATIONALE.md``, measured with ``czyx demo``), so a
         batch prefetches only when its predictions fit the unpinned slots
         beside one token's top-k (a single token always may: its reads stop
         at the first slot that is not dead).
