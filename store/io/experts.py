@@ -435,9 +435,40 @@ class ExpertReads:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
+    # No __del__: owners close it (the planner does in its own close); the native
+    # pool and the sources free themselves when collected.
+
+
+class BlockFileExperts:
+    """Mixin for a consumer whose extents index open block-file descriptors.
+
+    The consumer gives :meth:`expert_fds` (``ExpertExtent.block`` indexes it)
+    and ``expert_extent`` / ``read_expert``; this gives it the store's
+    expert-read interface over those files.
+    """
+
+    def expert_fds(self) -> list[int]:
+        """Open descriptors of the block files, indexed by ``ExpertExtent.block``."""
+        raise NotImplementedError
+
+    def open_expert_reads(
+        self,
+        slots: Sequence[np.ndarray],
+        *,
+        readers: int = 2,
+        native: bool | None = None,
+        io: str | None = None,
+    ) -> ExpertReads:
+        """The expert-read interface onto this consumer's block files (see ``ExpertReads``)."""
+        return ExpertReads(
+            slots,
+            self.expert_extent,  # type: ignore[attr-defined]
+            files=self.expert_fds(),
+            read_expert=getattr(self, "read_expert", None),
+            readers=readers,
+            native=native,
+            io=io,
+        )
 
 
 def open_expert_reads(
@@ -472,6 +503,7 @@ __all__ = [
     "NATIVE",
     "READER_KINDS",
     "THREADS",
+    "BlockFileExperts",
     "ExpertExtentError",
     "ExpertRead",
     "ExpertReads",

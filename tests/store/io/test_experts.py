@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -16,14 +17,12 @@ from czyx.testing.filemodel import FileConsumer, SyntheticExperts
 
 @pytest.fixture
 def fc(tmp_path):
-    c = FileConsumer(SyntheticExperts(), tmp_path)
-    yield c
-    c.close()
+    with contextlib.closing(FileConsumer(SyntheticExperts(), tmp_path)) as c:
+        yield c
 
 
 def _slots(consumer, n):
-    a = aligned_empty(n * consumer.info.expert_slot_nbytes).reshape(n, -1)
-    return [a[i] for i in range(n)]
+    return list(aligned_empty(n * consumer.info.expert_slot_nbytes).reshape(n, -1))
 
 
 @pytest.mark.parametrize("native", [True, False])
