@@ -135,7 +135,8 @@ class ExpertReads:
         Open descriptors of the consumer's block files, indexed by
         ``ExpertExtent.block``; the consumer keeps them open while this
         object lives. Each is reopened once through the chosen I/O path, and
-        re-checked for replacement on every read.
+        re-checked for replacement on every read. Empty: every extent is read
+        through ``read_expert``.
     read_expert
         ``read_expert(layer, cls, dest)``: the consumer's own verified read,
         for extents with ``block < 0`` (no file behind them).
@@ -249,8 +250,12 @@ class ExpertReads:
                 f"{self.slot_nbytes}-byte slot"
             )
         r = ExpertRead(layer, cls, slot, ext, demand)
+        if not self._files:
+            # No files handed over (a wrapper consumer, an in-memory one): every extent
+            # is read through the consumer's own verified read_expert.
+            r.block = -1
         psrc = -1
-        if ext.block >= 0:
+        if r.block >= 0:
             psrc = self._source(ext.block)
             r.source = self.sources[ext.block].name
         elif self._read_expert is None:

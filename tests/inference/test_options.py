@@ -63,8 +63,10 @@ def test_old_spellings_still_work_and_warn(tmp_path):
         assert XRay(io_path="pread", threads=3).readers == 3
     fc = FileConsumer(SyntheticExperts(), tmp_path)
     try:
-        with pytest.warns(DeprecationWarning, match="'lookahead_depth' is deprecated"):
+        with pytest.warns(DeprecationWarning) as caught:
             c = StreamingExpertCache(fc, 4 * 4096 * 3, 2, threads=1, lookahead_depth=2)
+        old_names = sorted(str(w.message).split("'")[1] for w in caught)
+        assert old_names == ["lookahead_depth", "threads"]
         assert c.depth == 2 and c.planner.reads.readers == 1
         c.close()
     finally:
