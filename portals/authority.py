@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import secrets
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -510,8 +511,13 @@ def _check_open(perm: Permission, space: bytes | None, right: str, tenant: str |
 _AUTHORITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def authority(store: StoreInterface) -> PortalAuthority:
-    """The (cached) :class:`PortalAuthority` of ``store``."""
+def open_authority(store: StoreInterface) -> PortalAuthority:
+    """The (cached) :class:`PortalAuthority` of ``store``.
+
+    Named ``open_authority``, not ``authority``: the module is ``portals.authority``,
+    and a function of the same name made ``from czyx.portals import authority``
+    ambiguous (the submodule or the function, depending on import order).
+    """
     try:
         auth = _AUTHORITIES.get(store)
     except TypeError:  # not weak-referenceable: no caching
@@ -520,6 +526,16 @@ def authority(store: StoreInterface) -> PortalAuthority:
         auth = PortalAuthority(store)
         _AUTHORITIES[store] = auth
     return auth
+
+
+def authority(store: StoreInterface) -> PortalAuthority:
+    """Deprecated spelling of :func:`open_authority` (warns)."""
+    warnings.warn(
+        "czyx.portals.authority.authority() is deprecated: use czyx.portals.open_authority()",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return open_authority(store)
 
 
 def open_space(
@@ -531,16 +547,16 @@ def open_space(
     tenant: str | None = None,
 ) -> SpaceView:
     """Open ``space`` of ``store`` through ``token``; see :meth:`PortalAuthority.open_space`."""
-    return authority(store).open_space(token, space, right=right, tenant=tenant)
+    return open_authority(store).open_space(token, space, right=right, tenant=tenant)
 
 
 def root_token(store: StoreInterface) -> str:
     """The owner's root portal of ``store`` (created with the store's secret)."""
-    return authority(store).root_token()
+    return open_authority(store).root_token()
 
 
 def grant(
     store: StoreInterface, caveats: Iterable[Caveat], *, tenant: str, parent: str | None = None
 ) -> Grant:
     """Issue a portal; see :meth:`PortalAuthority.grant`."""
-    return authority(store).grant(list(caveats), tenant=tenant, parent=parent)
+    return open_authority(store).grant(list(caveats), tenant=tenant, parent=parent)

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from czyx.errors import CzyxError
 from czyx.inference.cache import ExpertCache
 from czyx.inference.errors import MissingTensorError, ScopeRoutingError, UnsupportedModelError
 from czyx.inference.kernels import fused
@@ -48,7 +49,7 @@ from czyx.inference.models.rope import RopeConfig, Rotary, rope_config
 from czyx.inference.profile import RouteRecorder
 from czyx.inference.trunkwindow import TrunkWindow, TrunkWindowStats
 from czyx.store.consumer import ModelConsumer, ModelInfo
-from czyx.store.models.archs import EXTRA_ROLES
+from czyx.store.models.archs import ALL_LAYER_ROLES
 
 
 @dataclass(frozen=True)
@@ -97,29 +98,28 @@ def common_config(
 ) -> DecoderConfig:
     """Fields every supported config spells the same way.
 
-    The expert count is ``num_experts`` or ``num_local_experts``: transformers
-    5.x aliases the two and serialises whichever the class declares (Qwen3-MoE
-    writes ``num_local_experts``, Qwen2-MoE ``num_experts``).
+    The architecture facts (layer and expert counts, width, which layers are
+    sparse) are the store's normalisation, :attr:`ModelInfo.facts`
+    (``czyx.store.models.archs``), not derived here a second time.
     """
     c = info.config
     if c.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"config hidden_act={c['hidden_act']!r} (only silu)")
-    hidden = int(_need(c, "hidden_size"))
+    try:
+        facts = info.facts
+    except CzyxError as exc:
+        raise UnsupportedModelError(str(exc)) from exc
+    hidden = facts.hidden_size
     n_heads = int(_need(c, "num_attention_heads"))
     head_dim = int(c.get("head_dim") or hidden // n_heads)
-    n_layers = int(_need(c, "num_hidden_layers"))
-    key = "num_experts" if c.get("num_experts") is not None else "num_local_experts"
-    n_experts = int(_need(c, key))
+    n_layers, n_experts = facts.n_layers, facts.n_experts
     if n_experts != info.n_experts or n_layers != info.n_layers:
         raise UnsupportedModelError(
             f"config says {n_layers} layers x {n_experts} experts but the mount says "
             f"{info.n_layers} x {info.n_experts}"
         )
-    mlp_only = set(c.get("mlp_only_layers") or [])
-    step = int(c.get("decoder_sparse_step") or 1)
-    sparse = tuple(
-        (i not in mlp_only) and n_experts > 0 and (i + 1) % step == 0 for i in range(n_layers)
-    )
+    routed = set(facts.sparse_layers) if n_experts > 0 else set()
+    sparse = tuple(i in routed for i in range(n_layers))
     return DecoderConfig(
         arch=info.arch,
         vocab_size=int(_need(c, "vocab_size")),
@@ -143,30 +143,9 @@ def common_config(
 class Layer:
     """The trunk tensors of one decoder layer, by role (None when absent), and its index."""
 
-    __slots__ = (
-        "index",
-        "input_norm",
-        "k_bias",
-        "k_norm",
-        "k_proj",
-        "mlp_down_proj",
-        "mlp_gate_proj",
-        "mlp_up_proj",
-        "o_proj",
-        "post_attn_norm",
-        "q_bias",
-        "q_norm",
-        "q_proj",
-        "router",
-        "shared_down_proj",
-        "shared_expert_gate",
-        "shared_gate_proj",
-        "shared_up_proj",
-        "v_bias",
-        "v_proj",
-        # Roles only some architectures have (store.models.archs.EXTRA_ROLES).
-        *EXTRA_ROLES,
-    )
+    # Every per-layer role the store knows (``czyx.store.models.archs``), in one
+    # fixed order: the roles are listed once, in the store.
+    __slots__ = ("index", *sorted(ALL_LAYER_ROLES))
 
     def __init__(self, index: int = -1) -> None:
         for name in self.__slots__:

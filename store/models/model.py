@@ -20,7 +20,6 @@ an error at open, not a wrong expert at run time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +30,7 @@ from czyx.store.consumer import ExpertExtent, ModelInfo
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
 from czyx.store.interfaces import ClassView, StoreInterface
-from czyx.store.io.experts import ExpertReads
+from czyx.store.io.experts import BlockFileExperts
 from czyx.store.io.reader import RawReader
 from czyx.store.io.widen import widen
 from czyx.store.models.archs import ALL_GLOBAL_ROLES, ALL_ROLES, MTP_ROLE, TOKENIZER_ROLE
@@ -233,7 +232,7 @@ class ModelSpace:
         return buf
 
 
-class StoreModel:
+class StoreModel(BlockFileExperts):
     """A mounted model version as an engine sees it (implements ``ModelConsumer``).
 
     Obtain with :func:`open_version`. Trunk tensors are read, verified and
@@ -446,32 +445,18 @@ class StoreModel:
         """The block files behind the expert extents, indexed by ``ExpertExtent.block``."""
         return [str(r.path) for r in self._readers]
 
-    def open_expert_reads(
-        self,
-        slots: Sequence[np.ndarray],
-        *,
-        readers: int = 2,
-        native: bool | None = None,
-        io: str | None = None,
-    ) -> ExpertReads:
-        """The expert-read interface onto this version's block files (see ``ExpertReads``).
+    def expert_fds(self) -> list[int]:
+        """The descriptors this model verified at open, indexed by ``ExpertExtent.block``.
 
-        The reads go through the descriptors this model verified at open (the
-        published block files, even if a path is replaced later: that is
-        refused per read as stale), and through :meth:`expert_extent`, so the
-        portal's view checks every expert they touch.
+        The store's expert reads (``open_expert_reads``, from
+        :class:`~czyx.store.io.experts.BlockFileExperts`) go through these (the
+        published block files, even if a path is replaced later: that is refused
+        per read as stale) and through :meth:`expert_extent`, so the portal's
+        view checks every expert they touch.
         """
         if not self._readers and self._space.blocks:
             raise ModelSpaceError("the model is closed: its experts cannot be read")
-        return ExpertReads(
-            slots,
-            self.expert_extent,
-            files=[r.fd for r in self._readers],
-            read_expert=self.read_expert,
-            readers=readers,
-            native=native,
-            io=io,
-        )
+        return [r.fd for r in self._readers]
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
         """Read one expert into ``slot`` (uint8, >= ``expert_nbytes``), verified.

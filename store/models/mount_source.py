@@ -28,9 +28,9 @@ def content_hash(data: Any) -> str:
     """The content identity of a tensor or extent: BLAKE3-256, hex.
 
     Cryptographic (a selector must not be forgeable by a colliding checkpoint)
-    and, unlike SHA-256, fast enough not to bound mount throughput (measured
-    here under load: ~1.1 GB/s against SHA-256's ~0.4 GB/s). Recorded in
-    every manifest as ``content_hash``.
+    and, unlike SHA-256, fast enough not to bound mount throughput (the
+    comparison: ``bench/RATIONALE.md``; mount throughput: ``bench/bench_mount.py``).
+    Recorded in every manifest as ``content_hash``.
     """
     return blake3.blake3(data).hexdigest()
 

@@ -124,15 +124,14 @@ def run(args: argparse.Namespace) -> int:
         if args.hot:
             info = consumer.info
             hot = RoutingProfile.load(args.hot, info.n_layers, info.n_experts).hot_list()
-        stream, xray = _stream_options(args)
+        options, xray = _stream_options(args)
         engine = Engine(
             consumer,
             cache_bytes=cache_bytes,
             cache_fraction=args.cache_fraction,
-            policy=args.policy,
+            options=options,
             hot=hot,
             pin_classes=pin,
-            stream=stream,
             xray=xray,
             trunk_window=args.trunk_window,
             threads=args.threads,

@@ -25,7 +25,7 @@ from czyx.inference.sessions.errors import (
 from czyx.inference.sessions.format import BLOCK
 from czyx.inference.sessions.store import FORK_EDGE, RECORD_KEY, SessionStore, list_sessions
 from czyx.portals import PortalDenied, Spaces
-from czyx.portals.authority import authority
+from czyx.portals.authority import open_authority
 from czyx.space import Selector
 from czyx.store import ChecksumError, Store
 from czyx.store.core.writer import SpaceWriter
@@ -290,7 +290,7 @@ def test_sigkill_at_random_instants(tmp_path):
 
 
 def test_sessions_are_opened_through_the_portal(store):
-    auth = authority(store)
+    auth = open_authority(store)
     g = auth.grant([], tenant="alice")
     ss = SessionStore(store, g.token)
     assert ss.tenant == "alice"
