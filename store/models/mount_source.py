@@ -73,6 +73,9 @@ class MountSource:
         self._spooled: dict[Any, tuple[int, int, str | None]] = {}
         self._spool_end = 0
 
+    # A subclass that overrides assemble/stored_tensor (GGUF, FP8 sources) spools nothing.
+    _spool = None
+
     def close(self) -> None:
         """Drop the spool file (its space returns to the file system)."""
         if self._spool is not None:
