@@ -308,7 +308,62 @@ static void czk_xq_groups(czk_xq *a, int64_t group) {
     a->ggroup = group;
 }
 
+#if CZK_X86
+/* The block quantization with eight-float vectors: the same values (the max is
+ * exact in any order; vroundps rounds half to even as nearbyintf does in the
+ * default rounding mode; the block sum stays sequential). */
+__attribute__((target("avx2,fma,f16c"))) static void czk_quantize_avx2(const float *x,
+                                                                       czk_xq *a) {
+    const int64_t nb = a->n / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f), hi = _mm256_set1_ps(127.0f),
+                 lo = _mm256_set1_ps(-127.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + 32 * b;
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm256_loadu_ps(xb + 8 * k);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[k]));
+        }
+        float mm[8], s = 0.0f;
+        _mm256_storeu_ps(mm, m);
+        float amax = 0.0f;
+        for (int i = 0; i < 8; i++) amax = mm[i] > amax ? mm[i] : amax;
+        for (int i = 0; i < 32; i++) s += xb[i];
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i qi[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 r = _mm256_round_ps(_mm256_mul_ps(v[k], vid),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+            qi[k] = _mm256_cvtps_epi32(r);
+        }
+        /* int32 -> int8 in order: packs work per 128-bit lane, then fix the lane order */
+        const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]);
+        const __m256i p16b = _mm256_packs_epi32(qi[2], qi[3]);
+        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        int8_t *q = a->q + 32 * b, *p = a->q4p + 32 * b;
+        _mm256_storeu_si256((__m256i *)q, p8);
+        for (int i = 0; i < 16; i++) {
+            p[i] = q[2 * i];
+            p[16 + i] = q[2 * i + 1];
+        }
+        a->sx[b] = d;
+        a->bsum[b] = s;
+    }
+    a->ggroup = 0;
+}
+#endif
+
 static void czk_quantize(const float *x, czk_xq *a) {
+#if CZK_X86
+    if (czk_level() >= 1) {
+        czk_quantize_avx2(x, a);
+        return;
+    }
+#endif
     const int64_t nb = a->n / 32;
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + 32 * b;
@@ -504,56 +559,88 @@ CZK_AVX2 static inline __m256i czk_dot_avx2(__m256i c, __m256i xq, int bits) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(c, xq), _mm256_set1_epi16(1));
 }
 
-CZK_AVX2 static void czk_rows_q_avx2(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
-                                     int64_t r1) {
+/* RB rows at once: each row's operations are those of one row alone (the
+ * rows only share the input loads and interleave their dependency chains). */
+CZK_AVX2 static inline __attribute__((always_inline)) void czk_rows_q_avx2_rb(
+    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB) {
     const int64_t bpg = m->group / 32, G = m->cols / m->group;
     const int64_t rb = m->cols * m->bits / 8;
     const int bits = m->bits;
     const int8_t *xqb = bits == 4 ? a->q4p : a->q;
-    float ds[CZK_GMAX], mn[CZK_GMAX];
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *c = (const uint8_t *)m->data + r * rb;
-        czk_h2f_row(m->scales + r * G, G, ds);
-        czk_h2f_row(m->mins + r * G, G, mn);
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t g = 0, b = 0; g < G; g++) {
-            for (int64_t e = b + bpg; b < e; b++) {
-                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
-                const __m256i d = czk_dot_avx2(czk_codes32(c, bits, b), xq, bits);
-                const float s = ds[g] * a->sx[b];
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
+    float ds[4][CZK_GMAX / 4], mn[4][CZK_GMAX / 4];
+    const uint8_t *c[4];
+    __m256 acc[4];
+    for (int i = 0; i < RB; i++) {
+        c[i] = (const uint8_t *)m->data + (r + i) * rb;
+        czk_h2f_row(m->scales + (r + i) * G, G, ds[i]);
+        czk_h2f_row(m->mins + (r + i) * G, G, mn[i]);
+        acc[i] = _mm256_setzero_ps();
+    }
+    for (int64_t g = 0, b = 0; g < G; g++) {
+        for (int64_t e = b + bpg; b < e; b++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
+            const float sxb = a->sx[b];
+            for (int i = 0; i < RB; i++) {
+                const __m256i d = czk_dot_avx2(czk_codes32(c[i], bits, b), xq, bits);
+                const float s = ds[i][g] * sxb;
+                acc[i] = _mm256_add_ps(acc[i],
+                                       _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
             }
         }
-        float t = 0.0f;
-        for (int64_t g = 0; g < G; g++) t += mn[g] * a->gsum[g];
-        y[r] = czk_hsum8(acc) + t;
     }
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t g = 0; g < G; g++)
+        for (int i = 0; i < RB; i++) t[i] += mn[i][g] * a->gsum[g];
+    for (int i = 0; i < RB; i++) y[r + i] = czk_hsum8(acc[i]) + t[i];
+}
+
+CZK_AVX2 static void czk_rows_q_avx2(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
+                                     int64_t r1) {
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) czk_rows_q_avx2_rb(m, a, y, r, 4);
+    for (; r < r1; r++) czk_rows_q_avx2_rb(m, a, y, r, 1);
+}
+
+/* RB rows at once: each row's operations are those of one row alone (the
+ * rows only share the input loads and interleave their dependency chains). */
+CZK_VNNI static inline __attribute__((always_inline)) void czk_rows_q_vnni_rb(
+    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB) {
+    const int64_t bpg = m->group / 32, G = m->cols / m->group;
+    const int64_t rb = m->cols * m->bits / 8;
+    const int bits = m->bits;
+    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
+    float ds[4][CZK_GMAX / 4], mn[4][CZK_GMAX / 4];
+    const uint8_t *c[4];
+    __m256 acc[4];
+    for (int i = 0; i < RB; i++) {
+        c[i] = (const uint8_t *)m->data + (r + i) * rb;
+        czk_h2f_row(m->scales + (r + i) * G, G, ds[i]);
+        czk_h2f_row(m->mins + (r + i) * G, G, mn[i]);
+        acc[i] = _mm256_setzero_ps();
+    }
+    for (int64_t g = 0, b = 0; g < G; g++) {
+        for (int64_t e = b + bpg; b < e; b++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
+            const float sxb = a->sx[b];
+            for (int i = 0; i < RB; i++) {
+                const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), czk_codes32(c[i], bits, b), xq);
+                const float s = ds[i][g] * sxb;
+                acc[i] = _mm256_add_ps(acc[i],
+                                       _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
+            }
+        }
+    }
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t g = 0; g < G; g++)
+        for (int i = 0; i < RB; i++) t[i] += mn[i][g] * a->gsum[g];
+    for (int i = 0; i < RB; i++) y[r + i] = czk_hsum8(acc[i]) + t[i];
 }
 
 CZK_VNNI static void czk_rows_q_vnni(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
                                      int64_t r1) {
-    const int64_t bpg = m->group / 32, G = m->cols / m->group;
-    const int64_t rb = m->cols * m->bits / 8;
-    const int bits = m->bits;
-    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
-    float ds[CZK_GMAX], mn[CZK_GMAX];
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *c = (const uint8_t *)m->data + r * rb;
-        czk_h2f_row(m->scales + r * G, G, ds);
-        czk_h2f_row(m->mins + r * G, G, mn);
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t g = 0, b = 0; g < G; g++) {
-            for (int64_t e = b + bpg; b < e; b++) {
-                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
-                const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), czk_codes32(c, bits, b), xq);
-                const float s = ds[g] * a->sx[b];
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
-            }
-        }
-        float t = 0.0f;
-        for (int64_t g = 0; g < G; g++) t += mn[g] * a->gsum[g];
-        y[r] = czk_hsum8(acc) + t;
-    }
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) czk_rows_q_vnni_rb(m, a, y, r, 4);
+    for (; r < r1; r++) czk_rows_q_vnni_rb(m, a, y, r, 1);
 }
 #endif
 
@@ -563,7 +650,7 @@ static void czk_rows(const czk_mat *m, const float *x, const czk_xq *a, float *y
     const int lvl = czk_level();
     if (m->kind == CZK_Q) {
 #if CZK_X86
-        if (m->cols / m->group > CZK_GMAX) return czk_rows_q_portable(m, a, y, r0, r1);
+        if (m->cols / m->group > CZK_GMAX / 4) return czk_rows_q_portable(m, a, y, r0, r1);
         if (lvl == 2) return czk_rows_q_vnni(m, a, y, r0, r1);
         if (lvl == 1) return czk_rows_q_avx2(m, a, y, r0, r1);
 #endif

@@ -84,7 +84,7 @@ def _kern(threads: int = 1, hidden: int = 64) -> fused.DecodeKernels:
     return fused.DecodeKernels(hidden, 16, 4, threads)
 
 
-def test_input_quantization_matches_numpy():
+def test_input_quantization_matches_numpy(level):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(256) * rng.uniform(0.01, 10, 256)).astype(F32)
     x[32:64] = 0.0  # an all-zero block: scale 0, codes 0
