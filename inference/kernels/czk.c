@@ -1045,6 +1045,42 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
     return 0;
 }
 
+/* ------------------------------------------------------------ embedding row */
+
+/* Row r of m as float32 (an embedding lookup): float kinds widened exactly,
+ * quantized ones as d * q + m in float32 (the product rounded, then the sum:
+ * store.quant.formats.dequantize's operations). Returns 0, or -1. */
+int czk_row(const czk_mat *m, int64_t r, float *out) {
+    if (!czk_check(m) || r < 0 || r >= m->rows) return -1;
+    const int64_t C = m->cols;
+    if (m->kind != CZK_Q) {
+        for (int64_t c = 0; c < C; c++) out[c] = czk_wf(m, r * C + c);
+        return 0;
+    }
+    const int64_t G = C / m->group, rb = C * m->bits / 8;
+    const uint8_t *codes = (const uint8_t *)m->data + r * rb;
+    uint8_t u[32];
+    for (int64_t b = 0; b < C / 32; b++) {
+        if (m->bits == 8) {
+            memcpy(u, codes + 32 * b, 32);
+        } else if (m->bits == 4) {
+            for (int i = 0; i < 16; i++) {
+                u[2 * i] = codes[16 * b + i] & 15u;
+                u[2 * i + 1] = codes[16 * b + i] >> 4;
+            }
+        } else {
+            czk_unpack32(codes + 4 * m->bits * b, m->bits, u);
+        }
+        const int64_t g = (32 * b) / m->group;
+        const float d = czk_h2f(m->scales[r * G + g]), mn = czk_h2f(m->mins[r * G + g]);
+        for (int i = 0; i < 32; i++) {
+            const float t = d * (float)u[i];
+            out[32 * b + i] = t + mn;
+        }
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------ routing */
 
 /* Softmax over E router logits, the k largest (descending, ties to the lower

@@ -466,10 +466,7 @@ class MoEDecoder:
         kern = self.kernels()
         start = kv.length
         h, h2, x2 = kern.h, kern.h2, kern.x2
-        if isinstance(self.embed, np.ndarray):
-            np.copyto(h, self.embed[token])
-        else:
-            np.copyto(h, take_rows(self.embed, np.array([token]))[0])
+        kern.embed(self.embed, token)
         fast_attn = type(self).post_qkv is MoEDecoder.post_qkv
         window = self.trunk_window
         positions = None

@@ -284,3 +284,16 @@ def test_run_cli_threads_flag_gives_the_same_text(tmp_path, capsys, split_loops)
     assert texts[0] == texts[1] and texts[0]
     bad = ["run", "tiny@1", "--store", str(tmp_path / "st"), "--prompt", "x", "--threads", "0"]
     assert main(bad) != 0 and "--threads 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_embedding_row_is_exactly_dequantize(name):
+    fmt = get_format(name)
+    w = np.random.default_rng(9).standard_normal((11, 2 * fmt.group_size)).astype(F32)
+    buf = quantize(w, fmt, method="minmax")
+    k = _kern(hidden=w.shape[1])
+    k.embed(prepare(buf, fmt, w.shape), 7)
+    assert np.array_equal(k.h, dequantize(buf, fmt, w.shape, rows=np.array([7]))[0])
+    k.embed(w, 3)
+    assert np.array_equal(k.h, w[3])
+    k.close()
