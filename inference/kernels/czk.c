@@ -113,18 +113,25 @@ void czk_set_cap(int level) { czk_cap = level < 0 ? 0 : level; }
 
 typedef void (*czk_fn)(void *ctx, int64_t t0, int64_t t1);
 
+/* Work sharing: a loop's tasks are cut into chunks whose bounds depend only on
+ * the loop and the pool size; participants (the caller and the woken workers)
+ * claim chunks from one atomic word, (generation << 32) | chunks left, with a
+ * compare-and-swap, so a worker the OS has descheduled simply claims nothing
+ * and the others do its share (on a loaded machine a fixed split would wait
+ * for it). Which thread runs a chunk does not change a result: every output
+ * is computed by one thread with the same instructions. */
 typedef struct czk_pool {
     int n;
     pthread_t *th;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int64_t gen; /* guarded by mu; read with atomics while spinning */
+    int64_t gen;   /* bumped per loop (wakes sleepers); guarded by mu */
+    int64_t claim; /* atomic: (gen << 32) | chunks not yet claimed */
+    int64_t done;  /* atomic: chunks finished */
     int stop;
-    int used;
-    int pending;
     czk_fn fn;
     void *ctx;
-    int64_t ntasks;
+    int64_t ntasks, chunk;
 } czk_pool;
 
 typedef struct {
@@ -143,14 +150,31 @@ static inline void czk_relax(void) {
 #endif
 }
 
+/* Claim and run chunks of the current loop until none is left. */
+static void czk_claim_loop(czk_pool *p) {
+    for (;;) {
+        int64_t c = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
+        const int64_t left = c & 0xffffffffLL;
+        if (left == 0) return;
+        if (!__atomic_compare_exchange_n(&p->claim, &c, c - 1, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE))
+            continue;
+        /* Chunk left-1 of this loop is ours: the caller waits for it, so the
+         * loop's fields stay as published until we report it done. */
+        const int64_t t0 = (left - 1) * p->chunk;
+        const int64_t t1 = t0 + p->chunk < p->ntasks ? t0 + p->chunk : p->ntasks;
+        p->fn(p->ctx, t0, t1);
+        __atomic_add_fetch(&p->done, 1, __ATOMIC_ACQ_REL);
+    }
+}
+
 static void *czk_worker(void *arg_) {
     czk_worker_arg *arg = (czk_worker_arg *)arg_;
     czk_pool *p = arg->p;
-    const int id = arg->id;
     free(arg);
     int64_t seen = 0;
     for (;;) {
-        /* Spin briefly (a decode step dispatches many small loops), then sleep. */
+        /* Spin briefly (a decode step runs many small loops), then sleep. */
         int64_t g = __atomic_load_n(&p->gen, __ATOMIC_ACQUIRE);
         for (int i = 0; g == seen && i < 20000; i++) {
             czk_relax();
@@ -165,12 +189,7 @@ static void *czk_worker(void *arg_) {
         }
         if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) return NULL;
         seen = g;
-        const int used = p->used;
-        if (id < used) {
-            const int64_t n = p->ntasks;
-            p->fn(p->ctx, n * id / used, n * (id + 1) / used);
-        }
-        __atomic_sub_fetch(&p->pending, 1, __ATOMIC_ACQ_REL);
+        czk_claim_loop(p);
     }
 }
 
@@ -217,29 +236,34 @@ void czk_pool_free(czk_pool *p) {
     free(p);
 }
 
-/* Run fn over tasks [0, ntasks) split in contiguous equal parts; `work` is the
- * loop's multiply-adds (it decides how many threads are worth waking). */
+/* Run fn over tasks [0, ntasks); `work` is the loop's multiply-adds (it decides
+ * whether waking workers is worth it, and how many chunks to cut). */
 static void czk_run(czk_pool *p, czk_fn fn, void *ctx, int64_t ntasks, int64_t work) {
     if (ntasks <= 0) return;
-    int used = p ? p->n : 1;
-    int64_t by_work = work / czk_min_work;
-    if (by_work < used) used = by_work < 1 ? 1 : (int)by_work;
-    if (used > ntasks) used = (int)ntasks;
+    int64_t used = p ? p->n : 1;
+    const int64_t by_work = work / czk_min_work;
+    if (by_work < used) used = by_work < 1 ? 1 : by_work;
+    if (used > ntasks) used = ntasks;
     if (used <= 1) {
         fn(ctx, 0, ntasks);
         return;
     }
+    int64_t nch = 4 * (int64_t)p->n;
+    if (nch > ntasks) nch = ntasks;
+    const int64_t chunk = (ntasks + nch - 1) / nch;
+    nch = (ntasks + chunk - 1) / chunk;
     pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->ctx = ctx;
     p->ntasks = ntasks;
-    p->used = used;
-    __atomic_store_n(&p->pending, p->n - 1, __ATOMIC_RELEASE);
-    __atomic_add_fetch(&p->gen, 1, __ATOMIC_ACQ_REL);
+    p->chunk = chunk;
+    __atomic_store_n(&p->done, 0, __ATOMIC_RELEASE);
+    const int64_t g = __atomic_add_fetch(&p->gen, 1, __ATOMIC_ACQ_REL);
+    __atomic_store_n(&p->claim, ((g & 0x7fffffffLL) << 32) | nch, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
-    fn(ctx, 0, ntasks / used);
-    for (int i = 0; __atomic_load_n(&p->pending, __ATOMIC_ACQUIRE) > 0; i++) {
+    czk_claim_loop(p);
+    for (int i = 0; __atomic_load_n(&p->done, __ATOMIC_ACQUIRE) < nch; i++) {
         czk_relax();
         if ((i & 255) == 255) sched_yield();
     }
