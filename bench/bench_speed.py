@@ -465,7 +465,32 @@ def _report(args, med, toks, load0, load1, simd: str, breakdown: dict) -> list[s
     for fmt, b in breakdown.items():
         py = b["step"] - b["kernels"]
         out.append(f"| {fmt} | {b['step']:.1f} | {b['kernels']:.1f} | {py:.1f} | {py / 4:.1f} |")
-    out.append("")
+    out += [
+        "",
+        "## Notes (method and what the figures mean)",
+        "",
+        "- Threads: the engine's kernels run on its own pool, each loop cut into chunks "
+        "claimed by whichever thread is free; a loop of fewer than 65,536 multiply-adds "
+        "stays on the calling thread (waking a worker costs more). Every loop of this "
+        "model's decode step is below that, so at 2 threads czyx runs its decode on one "
+        "thread: the 2-thread column measures the same work, and differences are the "
+        "machine's noise. BLAS (prefill) is held to one thread inside the engine.",
+        "- Prefill is grouped by expert: the prompt's (token, expert) pairs are sorted by "
+        "expert, each expert runs once as one matrix product over its tokens, and when a "
+        "layer touches more experts than the cache may hold at once they run in waves of "
+        "that many (residents first), so each expert is read at most once per batch.",
+        "- What stays in Python per layer of a decode step: the expert cache's acquire and "
+        "release (slot table lookup, eviction-policy touch, hit/miss counters, the "
+        "streaming cache's look-ahead), the routing-count update and the calls' argument "
+        "conversion. They stay in Python because the cache, its policies and its planner "
+        "are Python objects other parts of czyx extend; moving them into C is the next "
+        "step if the per-layer figure above matters for a model this small (for a real "
+        "model the kernels dominate).",
+        "- The quantized decode kernels quantize each product's input to 8 bits per block "
+        "of 32 and use integer dot products, as llama.cpp does; prefill products on "
+        "quantized weights keep float inputs (the older kernels).",
+        "",
+    ]
     out.append(
         f"czyx tokens identical across engines and thread counts per format: {same}. "
         "The quantized formats differ in arithmetic (czyx: asymmetric groups with an fp16 "
