@@ -297,3 +297,31 @@ def test_embedding_row_is_exactly_dequantize(name):
     k.embed(w, 3)
     assert np.array_equal(k.h, w[3])
     k.close()
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("mixtral", dict(sliding_window=5)),
+        ("mixtral", dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e4))),
+        ("qwen2_moe", dict(use_sliding_window=True, sliding_window=5, max_window_layers=3)),
+        ("mixtral", dict(num_attention_heads=6, num_key_value_heads=3)),
+    ],
+)
+def test_decode_block_matches_transformers_on_config_variants(arch, overrides):
+    """The C attention block (sliding window, linear RoPE, biases, GQA) vs transformers."""
+    import torch
+
+    from czyx.inference.engine import Engine
+    from czyx.testing.refmodels import StateDictConsumer, tiny_model
+
+    prompt = np.random.default_rng(11).integers(0, 256, 12)
+    model = tiny_model(arch, seed=5, **overrides)
+    with torch.no_grad():
+        want = model(torch.tensor(prompt)[None]).logits[0].numpy()
+    eng = Engine(StateDictConsumer(model), threads=1)
+    assert eng.model._all_c or arch == "qwen2_moe"  # qwen2: numpy shared expert, C attention
+    got = [eng.prefill(prompt[:4])]
+    got += [eng.decode(int(t)) for t in prompt[4:]]
+    tol = 1e-4 * float(want.max() - want.min())
+    assert np.abs(np.stack(got) - want[3:]).max() <= tol
