@@ -325,3 +325,37 @@ def test_decode_block_matches_transformers_on_config_variants(arch, overrides):
     got += [eng.decode(int(t)) for t in prompt[4:]]
     tol = 1e-4 * float(want.max() - want.min())
     assert np.abs(np.stack(got) - want[3:]).max() <= tol
+
+
+@pytest.mark.parametrize(
+    "dtype, kind", [("bfloat16", fused.KIND_BF16), ("float16", fused.KIND_F16)]
+)
+def test_half_precision_slots_are_computed_as_stored(tmp_path, dtype, kind):
+    """A bf16/f16 store: the decode kernels read the slots' half words (no float32 copy)
+    and give the logits of the numpy path that widens each expert first."""
+    from czyx.inference.engine import Engine
+    from czyx.inference.opened import OpenedModel
+    from czyx.store import Store
+    from czyx.store.models.mount import mount
+    from czyx.testing.tiny_models import make_tiny_checkpoint
+
+    cfg = dict(vocab_size=256, max_position_embeddings=512, eos_token_id=None, bos_token_id=None)
+    ckpt = make_tiny_checkpoint("mixtral", tmp_path / "ckpt", seed=0, dtype=dtype, **cfg)
+    with Store.open(tmp_path / "st") as st:
+        mount(st, ckpt, "tiny@1")
+    runs = []
+    for use_c in (True, False):
+        opened = OpenedModel(tmp_path / "st", "tiny@1", None)
+        eng = Engine(opened.consumer, threads=1, stream=None)
+        assert eng.cache.format == ("bf16" if dtype == "bfloat16" else "f16")
+        eng.model._czk = use_c
+        logits = [eng.prefill([3, 1, 4, 1, 5])]
+        logits += [eng.decode(t) for t in (9, 2, 6)]
+        if use_c:
+            kinds = {eng.model._kernels._experts[1].table[j].kind for j in range(3)}
+            assert kinds == {kind}
+        eng.close()
+        opened.close()
+        runs.append(np.stack(logits))
+    want = runs[1]
+    assert np.abs(runs[0] - want).max() <= 1e-4 * float(want.max() - want.min())
