@@ -11,7 +11,13 @@ architecture overrides: :meth:`MoEDecoder.post_qkv` (q/k norms, clipping),
 
 Routed experts are reached only through the :class:`~inference.cache.ExpertCache`:
 router -> top-k bytes -> slot. In a batch (prefill) the tokens are grouped
-by expert, so each expert is fetched and multiplied once per layer.
+by expert, so each expert is fetched and multiplied once per layer, as one
+matrix product over its tokens; when the layer touches more experts than the
+cache may hold at once (``max_acquire``), they run in waves of that many
+(residents first), so every expert is still read at most once per batch.
+A single token (decode) runs in the C kernels of
+:mod:`inference.kernels.fused`: one call for the attention block, one for the
+routing, the cache's acquire, one call for all the layer's routed experts.
 Each token's expert outputs land in a fixed ``[T, top_k, H]`` buffer and
 are summed in top-k order, so the result does not depend on the order in
 which experts were found resident or fetched: tiered and fully resident
@@ -248,6 +254,15 @@ class MoEDecoder:
         self.threads = fused.default_threads()
         self._kernels: fused.DecodeKernels | None = None
         self._plain_routing = type(self).route is MoEDecoder.route
+        self._czk = fused.have_czk()
+        cls = type(self)
+        # Whether a one-token step needs no numpy product (see decode_in_c).
+        self._all_c = (
+            self._czk
+            and all(getattr(cls, m) is getattr(MoEDecoder, m) for m in self._C_DECODE_BASE)
+            and all(cfg.sparse_layers)
+        )
+        self._fast_attn = all(getattr(cls, m) is getattr(MoEDecoder, m) for m in self._C_ATTN_BASE)
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
@@ -381,15 +396,19 @@ class MoEDecoder:
         """
         cfg = self.cfg
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if tokens.size == 0:
+        t = tokens.size
+        if t == 1 and self.observer is None and self._czk:
+            tok = int(tokens[0])
+            if not 0 <= tok < cfg.vocab_size:
+                raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
+            kv.reserve(kv.length + 1)
+            return self._forward_one(tok, kv, all_logits)
+        if t == 0:
             raise ValueError("forward needs at least one token")
         if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
             raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
         start = kv.length
-        t = tokens.size
         kv.reserve(start + t)
-        if t == 1 and self.observer is None and fused.have_czk():
-            return self._forward_one(int(tokens[0]), kv, all_logits)
         positions = np.arange(start, start + t)
         h = take_rows(self.embed, tokens)
         window = self.trunk_window
@@ -425,13 +444,7 @@ class MoEDecoder:
         (``_C_DECODE_BASE``: q/k transforms, attention, the KV cache, the routed
         output), and with dense MLP layers.
         """
-        cls = type(self)
-        return (
-            self.observer is None
-            and fused.have_czk()
-            and all(getattr(cls, m) is getattr(MoEDecoder, m) for m in self._C_DECODE_BASE)
-            and all(self.cfg.sparse_layers)
-        )
+        return self._all_c and self.observer is None
 
     def kernels(self) -> fused.DecodeKernels:
         """The decode step's kernels and buffers (made on first use)."""
@@ -455,12 +468,8 @@ class MoEDecoder:
         kern = self.kernels()
         start = kv.length
         h, h2, x2 = kern.h, kern.h2, kern.x2
-        if isinstance(self.embed, np.ndarray):
-            np.copyto(h, self.embed[token])
-        else:
-            np.copyto(h, take_rows(self.embed, np.array([token]))[0])
-        cls = type(self)
-        fast_attn = all(getattr(cls, m) is getattr(MoEDecoder, m) for m in self._C_ATTN_BASE)
+        kern.embed(self.embed, token)
+        fast_attn = self._fast_attn
         window = self.trunk_window
         positions = None
         for i in range(cfg.n_layers):
