@@ -35,7 +35,16 @@ def _vm_hwm() -> int:
     return -1
 
 
-def run_llama(a: argparse.Namespace, prompt: list[int], feed: list[int]) -> dict:
+def read_bytes() -> int:
+    """Bytes this process has caused to be read from storage (``/proc/self/io``):
+    O_DIRECT reads and page-cache misses (mmap faults, readahead) alike."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return -1
+
+
+def run_llama(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: list[int]) -> dict:
     import llama_cpp
     import llama_cpp.llama_cpp as lc
 
@@ -66,8 +75,11 @@ def run_llama(a: argparse.Namespace, prompt: list[int], feed: list[int]) -> dict
 
     llm.eval(prompt)
     prefill = time.perf_counter() - t0
+    for tok in warm:  # not timed: fills llama.cpp's page cache / czyx's slots
+        llm.eval([tok])
     toks = []
     nxt = int(np.argmax(last_logits()))
+    r0 = read_bytes()
     t0 = time.perf_counter()
     for i in range(len(feed)):
         tok = nxt if a.greedy else feed[i]
@@ -75,10 +87,16 @@ def run_llama(a: argparse.Namespace, prompt: list[int], feed: list[int]) -> dict
         llm.eval([tok])
         nxt = int(np.argmax(last_logits()))
     decode = time.perf_counter() - t0
-    return {"load_s": load, "prefill_s": prefill, "decode_s": decode, "tokens": toks}
+    return {
+        "load_s": load,
+        "prefill_s": prefill,
+        "decode_s": decode,
+        "tokens": toks,
+        "decode_read_bytes": read_bytes() - r0,
+    }
 
 
-def run_czyx(a: argparse.Namespace, prompt: list[int], feed: list[int]) -> dict:
+def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: list[int]) -> dict:
     from threadpoolctl import threadpool_limits
 
     from czyx.inference.engine import Engine
@@ -90,20 +108,28 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], feed: list[int]) -> dict:
     with OpenedModel(a.store, a.tag, None) as model:
         stream = StreamOptions(io=a.io, readers=2, prefetch=not a.no_prefetch)
         kw = {"cache_bytes": a.cache_mb << 20} if a.cache_mb else {"cache_fraction": 1.0}
-        eng = Engine(model.consumer, stream=stream, policy="decay", **kw)
+        hot = None
+        if a.prewarm:  # every expert read before the first token (a resident run)
+            info = model.consumer.info
+            hot = [(i, e) for i in range(info.n_layers) for e in range(info.n_experts)]
+        eng = Engine(model.consumer, stream=stream, policy="decay", hot=hot, **kw)
         try:
             load = time.perf_counter() - t0
             t0 = time.perf_counter()
             logits = eng.prefill(prompt)
             prefill = time.perf_counter() - t0
+            for tok in warm:  # not timed
+                logits = eng.decode(tok)
             s0 = eng.stats()
             toks = []
+            r0 = read_bytes()
             t0 = time.perf_counter()
             for i in range(len(feed)):
                 tok = int(np.argmax(logits)) if a.greedy else feed[i]
                 toks.append(tok)
                 logits = eng.decode(tok)
             decode = time.perf_counter() - t0
+            r1 = read_bytes()
             st = eng.stats().minus(s0)
             out = {
                 "load_s": load,
@@ -117,6 +143,7 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], feed: list[int]) -> dict:
                 "misses": st.misses,
                 "bytes_read": st.bytes_read,
                 "hit_rate": st.hit_rate,
+                "decode_read_bytes": r1 - r0,
             }
         finally:
             eng.cache.close()
@@ -138,15 +165,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--io", default="direct")
     ap.add_argument("--no-prefetch", action="store_true")
     ap.add_argument("--greedy", action="store_true")
+    ap.add_argument("--warmup", type=int, default=0, help="untimed decode tokens first")
+    ap.add_argument("--prewarm", action="store_true", help="czyx: read every expert first")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
-    ids = text_ids(Path(a.text).read_bytes(), a.vocab, a.prompt + a.tokens)
-    prompt, feed = ids[: a.prompt], ids[a.prompt :]
-    res = (run_llama if a.engine == "llama" else run_czyx)(a, prompt, feed)
+    ids = text_ids(Path(a.text).read_bytes(), a.vocab, a.prompt + a.warmup + a.tokens)
+    prompt, warm, feed = ids[: a.prompt], ids[a.prompt : a.prompt + a.warmup], ids[-a.tokens :]
+    res = (run_llama if a.engine == "llama" else run_czyx)(a, prompt, warm, feed)
     res.update(
         engine=a.engine,
         prompt=a.prompt,
         n_decode=a.tokens,
+        warmup=a.warmup,
         threads=a.threads,
         vm_hwm=_vm_hwm(),
         prefill_tok_s=a.prompt / res["prefill_s"],
