@@ -152,12 +152,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dial", type=float, nargs="*", default=[1.0, 0.5, 0.25, 0.125])
     ap.add_argument("--margin", type=float, default=0.1, help="czyx cap headroom fraction")
     ap.add_argument("--md", default=str(HERE / "SCALE.md"))
+    ap.add_argument("--stats-tokens", type=int, default=256)
     a = ap.parse_args(argv)
     out = Path(a.out)
     store = Path(a.store) if a.store else out / "store"
     shape = json.loads((out / "shape.json").read_text())
     gguf = out / "gguf" / "model-q8_0.gguf"
     load0 = os.getloadavg()
+    sys.path.insert(0, str(HERE))
+    from realshape import stats_rows, stats_table
+
+    routing = stats_table(stats_rows(out, a.tag, TEXT, a.stats_tokens))
+    print("\n".join(routing), flush=True)
     common = [
         "--vocab",
         str(shape["vocab"]),
@@ -239,6 +245,11 @@ def main(argv: list[str] | None = None) -> None:
         f"prefetch). {a.prompt}-token prompt, {a.warmup} untimed then {a.tokens} timed "
         f"teacher-forced decode tokens (the resident czyx run prewarms every expert), "
         f"{a.threads} threads each, one run per row (wall clock).",
+        "",
+        f"## Routing ({a.stats_tokens} tokens of `{TEXT.relative_to(HERE.parent)}`, "
+        "czyx prefill, resident)",
+        "",
+        *routing,
         "",
         "## Resident and capped",
         "",

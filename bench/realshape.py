@@ -594,34 +594,45 @@ def cmd_remix(a: argparse.Namespace) -> None:
     print(f"mix set to {a.mix}")
 
 
-def cmd_stats(a: argparse.Namespace) -> None:
-    out = Path(a.out)
-    text = Path(a.text).read_bytes()
-    n = a.tokens
-    shape = json.loads((out / "shape.json").read_text())
-    rows = []
-    # the bundled, trained byte-level model on the same text
+def stats_rows(out: Path, tag: str, text_path: Path, n: int) -> list[tuple[str, dict]]:
+    """Routing statistics of the bundled model and of ``tag`` on the same text."""
     import tempfile
 
     from czyx.store import Store
     from czyx.store.models.mount import mount
 
+    text = text_path.read_bytes()
+    shape = json.loads((out / "shape.json").read_text())
+    rows = []
     with tempfile.TemporaryDirectory() as td:
         with Store.open(Path(td) / "s") as st:
             mount(st, BUNDLED, "bundled@f")
         tr, ne = czyx_trace(Path(td) / "s", "bundled@f", list(text[:n]))
-        rows.append(("bundled czyx-moe-stdlib (trained)", routing_stats(tr, ne)))
-    ids = text_ids(text, shape["vocab"], n)
-    tr, ne = czyx_trace(out / "store", a.tag, ids)
-    rows.append((f"realshape {shape['arch']} mix={shape['mix']} ({a.tag})", routing_stats(tr, ne)))
-    print(f"routing statistics, {n} tokens of {a.text}")
-    print("| model | usage entropy | lag-1 reuse | chance | distinct experts / 64 tokens |")
-    print("|---|---|---|---|---|")
+        rows.append(("bundled czyx-moe-stdlib (trained, 16 experts top-2)", routing_stats(tr, ne)))
+    tr, ne = czyx_trace(out / "store", tag, text_ids(text, shape["vocab"], n))
+    name = f"realshape {shape['arch']}, {shape['layers']} layers, mix {shape['mix']} ({tag})"
+    rows.append((name, routing_stats(tr, ne)))
+    return rows
+
+
+def stats_table(rows: list[tuple[str, dict]]) -> list[str]:
+    """The rows as a markdown table."""
+    out = [
+        "| model | usage entropy | lag-1 reuse | chance (k/E) | distinct experts / 64 tokens |",
+        "|---|---|---|---|---|",
+    ]
     for name, st_ in rows:
-        print(
+        out.append(
             f"| {name} | {st_['entropy']:.3f} | {st_['lag1_reuse']:.3f} | "
             f"{st_['chance_reuse']:.3f} | {st_['distinct_per_64']:.1f} |"
         )
+    return out
+
+
+def cmd_stats(a: argparse.Namespace) -> None:
+    rows = stats_rows(Path(a.out), a.tag, Path(a.text), a.tokens)
+    print(f"routing statistics, {a.tokens} tokens of {a.text}")
+    print("\n".join(stats_table(rows)))
     if a.json:
         Path(a.json).write_text(json.dumps(rows))
 
@@ -634,7 +645,7 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--full", action="store_true", help="Qwen3-30B-A3B's shape")
     g.add_argument("--scale", type=float, default=1.0, help="fraction of the layers kept")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--mix", type=float, default=0.5, help="attention output vs embedding")
+    g.add_argument("--mix", type=float, default=8.0, help="attention output vs embedding")
     g.add_argument("--gguf", nargs="*", default=list(GGUF_FORMATS), choices=GGUF_FORMATS)
     g.add_argument("--czyx", nargs="*", default=["q8", "q4"], choices=sorted(CZYX_POLICY))
     g.add_argument("--stats", action="store_true", help="print routing statistics after")
