@@ -91,6 +91,9 @@ class Shape:
         return 2 * self.vocab * self.hidden + self.layers * (att + self.experts * self.hidden)
 
 
+#: The attention-output scale of layers after the first (see :func:`generate`).
+DEEP_MIX = 0.5
+
 OLMOE = Shape("olmoe", 16, 64, 8, 2048, 1024, 50304, 16, 16, 128, False, 10000.0, 1e-5)
 QWEN3 = Shape("qwen3_moe", 48, 128, 8, 2048, 768, 151936, 32, 4, 128, True, 1e6, 1e-6)
 
@@ -153,6 +156,12 @@ def generate(name: str, shape: tuple[int, ...], kind: str, seed: int, mix: float
         return x * np.float32(0.1) if kind == "qnorm" else x
     x = rng.standard_normal(shape, dtype=np.float32)
     fan_in = shape[-1]
+    if kind == "attn_out" and not name.startswith("model.layers.0."):
+        # Layer 0 averages token embeddings, whose mean shrinks as 1/sqrt(context):
+        # it needs the large mix. Deeper layers average a residual that already
+        # holds that smooth context (it does not shrink), so a large mix there
+        # would compound layer after layer until the context alone routes.
+        mix = DEEP_MIX
     scale = {
         "embed": 1.0,
         "in": 1.0 / np.sqrt(fan_in),
