@@ -164,7 +164,13 @@ def export_gguf(store: Any, ref: str | Selector, out: str | os.PathLike[str]) ->
         writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
         writer.add_token_list(fields["tokenizer.ggml.tokens"])
         writer.add_token_types(fields["tokenizer.ggml.token_type"])
-        writer.add_token_merges(fields["tokenizer.ggml.merges"])
+        if "tokenizer.ggml.merges" in fields:
+            writer.add_token_merges(fields["tokenizer.ggml.merges"])
+        if "tokenizer.ggml.scores" in fields:  # sentencepiece ("llama") vocabulary
+            writer.add_token_scores(fields["tokenizer.ggml.scores"])
+            writer.add_add_space_prefix(fields["tokenizer.ggml.add_space_prefix"])
+            if fields["tokenizer.ggml.unknown_token_id"] is not None:
+                writer.add_unk_token_id(fields["tokenizer.ggml.unknown_token_id"])
     for field, key in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "pad")):
         v = config.get(field)
         if isinstance(v, list):
