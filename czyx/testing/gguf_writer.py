@@ -187,6 +187,7 @@ def write_gguf(
     *,
     tokenizer_json: str | None = None,
     spm_vocab: dict[str, Any] | None = None,
+    chat_template: str | None = None,
     split_max_tensors: int = 0,
 ) -> list[Path]:
     """Write ``model`` (a transformers MoE ``*ForCausalLM``) as GGUF at ``path``.
@@ -235,6 +236,8 @@ def write_gguf(
     )
     if tokenizer_json is not None:
         _vocab(writer, tokenizer_json, cfg.vocab_size)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     if spm_vocab is not None:  # as _set_vocab_sentencepiece writes it
         writer.add_tokenizer_model("llama")
         writer.add_tokenizer_pre("default")

@@ -36,7 +36,7 @@ from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
 from czyx.store.models.archs import TOKENIZER_ROLE
 from czyx.store.models.checkpoint import DTYPES
-from czyx.store.models.export import format_history
+from czyx.store.models.export import chat_template, format_history
 from czyx.store.models.gguf import (
     UnsupportedGGUFError,
     gguf_metadata,
@@ -158,6 +158,9 @@ def export_gguf(store: Any, ref: str | Selector, out: str | os.PathLike[str]) ->
     for key, value in meta.items():
         _add_kv(writer, key, value)
     writer.add_string("czyx.format_history", json.dumps(format_history(space.root)))
+    template = chat_template(space.root)
+    if template is not None:
+        writer.add_chat_template(template)
     if tokenizer is not None:
         fields = gguf_tokenizer_fields(tokenizer, int(config["vocab_size"]))
         writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
