@@ -128,6 +128,8 @@ def resolve(store: Any, ref: str | Selector) -> Selector:
         return ref
     if isinstance(ref, str) and re.fullmatch(r"[0-9a-fA-F]{64}", ref):
         return Selector.from_hex(ref)
+    if isinstance(ref, str) and "@" not in ref:
+        raise ValueError(f"{ref!r}: give NAME@VERSION (a tag) or a 64-hex selector")
     return store.resolve_tag(ref)
 
 
