@@ -151,3 +151,17 @@ def test_sigint_is_one_line(store) -> None:
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130 and "Traceback" not in err, err
+
+
+def test_export_refuses_a_non_empty_dir_unless_forced(store, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model-00009-of-00009.safetensors").write_bytes(b"stale")
+    (out / "README.md").write_text("mine")
+    assert main(["export", "stdlib@v1", str(out), "--store", store]) == 1
+    assert "not empty" in capsys.readouterr().err
+    src = bundled_model_dir()  # exporting over the source is the same refusal
+    assert main(["export", "stdlib@v1", str(src), "--store", store]) == 1
+    assert main(["export", "stdlib@v1", str(out), "--store", store, "--force"]) == 0
+    assert not (out / "model-00009-of-00009.safetensors").exists()
+    assert (out / "README.md").read_text() == "mine" and (out / "config.json").exists()

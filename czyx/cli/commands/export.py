@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from czyx.cli.commands._storearg import add_store_arg, store_dir
+
+# What an export writes: removed from a non-empty target under --force, so a shard
+# of an earlier, larger checkpoint cannot survive beside the new index.
+_CHECKPOINT_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json")
 
 
 def register(subparsers: Any) -> None:
     """Add the ``export`` subcommand."""
     p = subparsers.add_parser("export", help="export a model version as safetensors")
     p.add_argument("ref", metavar="NAME@VERSION", help="tag or 64-hex selector")
-    p.add_argument("out", metavar="DIR", help="output directory")
+    p.add_argument("out", metavar="DIR", help="output directory (new or empty)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="export into a non-empty DIR: its checkpoint files (*.safetensors, the index, "
+        "config.json) are removed first, so no stale shard survives",
+    )
     add_store_arg(p)
     p.set_defaults(func=run)
 
@@ -22,6 +33,19 @@ def run(args: argparse.Namespace) -> int:
     from czyx.store import Store
     from czyx.store.models.export import export
 
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not args.force:
+            raise ValueError(
+                f"{out}: not empty; export into a new directory, or pass --force to replace "
+                "its checkpoint files"
+            )
+        for pattern in _CHECKPOINT_FILES:
+            for f in out.glob(pattern):
+                if f.is_file() or f.is_symlink():
+                    f.unlink()
     with Store.open(store_dir(args), create=False, readonly=True) as store:
         files = export(store, args.ref, args.out)
     total = sum(f.stat().st_size for f in files)
