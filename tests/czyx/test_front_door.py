@@ -165,3 +165,21 @@ def test_export_refuses_a_non_empty_dir_unless_forced(store, tmp_path, capsys) -
     assert main(["export", "stdlib@v1", str(out), "--store", store, "--force"]) == 0
     assert not (out / "model-00009-of-00009.safetensors").exists()
     assert (out / "README.md").read_text() == "mine" and (out / "config.json").exists()
+
+
+def test_progress_shows_on_a_terminal_only(monkeypatch) -> None:
+    import io
+
+    from czyx.cli.commands._progress import progress
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert list(progress(range(5), "profile")) == list(range(5))
+    assert "profile" in tty.getvalue()
+    pipe = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", pipe)
+    assert list(progress(range(5), "profile")) == list(range(5)) and pipe.getvalue() == ""
