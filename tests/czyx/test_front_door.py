@@ -183,3 +183,12 @@ def test_progress_shows_on_a_terminal_only(monkeypatch) -> None:
     pipe = io.StringIO()
     monkeypatch.setattr(sys, "stderr", pipe)
     assert list(progress(range(5), "profile")) == list(range(5)) and pipe.getvalue() == ""
+
+
+def test_every_front_door_case_is_one_clear_line(tmp_path) -> None:
+    from czyx.testing.attacks import cli_attacks
+
+    _, cases = cli_attacks(tmp_path)
+    outcomes = [(c.name, c.run()) for c in cases]
+    bad = [(n, o) for n, o in outcomes if o.kind != "refused"]
+    assert len(outcomes) >= 25 and not bad, bad
