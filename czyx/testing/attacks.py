@@ -92,6 +92,8 @@ def _raw_items(path: pathlib.Path) -> list[tuple[str, bytes, bytes]]:
         out = []
         with env.begin() as txn:
             for name in INDEX_DBS:
+                if txn.get(name.encode()) is None:
+                    continue  # (a format-1 store has no meta database)
                 db = env.open_db(name.encode(), txn=txn, create=False)
                 out += [(name, k, v) for k, v in txn.cursor(db=db)]
         return out
