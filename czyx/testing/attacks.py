@@ -124,7 +124,9 @@ def index_bitflips(path: pathlib.Path, per_value: int = 6) -> Iterator[Attack]:
     from czyx.store.core.fsck import fsck
 
     for name, key, value in _raw_items(path):
-        positions = sorted({0, 1, 8, 9, len(value) // 2, len(value) - 1})[:per_value]
+        positions = sorted(
+            p for p in {0, 1, 8, 9, len(value) // 2, len(value) - 1} if 0 <= p < len(value)
+        )[:per_value]
         variants = [(key, _flip(value, p), f"value byte {p}") for p in positions]
         if name != "meta":
             variants.append((_flip(key, len(key) - 1), value, "key last byte"))
