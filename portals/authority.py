@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 import time
 import warnings
@@ -205,7 +206,9 @@ class PortalAuthority:
             perm = tok.permission()  # only trusted (and logged) once the chain verified
             now = self._clock()
             if perm.expires is not None and now >= perm.expires:
-                raise PortalExpired(f"portal {perm.portal_id.hex()} expired at {perm.expires}")
+                raise PortalExpired(
+                    f"portal {perm.portal_id.hex()} expired at {_when(perm.expires)}"
+                )
             self._check_lineage(perm, tok)
             _check_open(perm, sel, right, tenant)
         except PortalDenied as exc:
@@ -441,6 +444,10 @@ class PortalAuthority:
         if isinstance(space, str):
             if "@" in space:
                 return self.store.resolve_tag(space)
+            if not re.fullmatch(r"[0-9a-fA-F]{64}", space):
+                raise PortalError(
+                    f"{space!r} is neither NAME@VERSION (a tag) nor a 64-hex space selector"
+                )
             return Selector.from_hex(space)
         # No space named: the portal must name exactly one. Parse only; verify
         # (with its audit) happens next against the chosen space.
@@ -455,6 +462,13 @@ class PortalAuthority:
                 f"{'every' if spaces is None else len(spaces)} space(s); say which one to open"
             )
         return Selector(next(iter(spaces)))
+
+
+def _when(t: float) -> str:
+    """A Unix time as ``YYYY-MM-DD HH:MM:SSZ`` (UTC) for messages."""
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def bind_digest(encoded: Sequence[bytes]) -> str:

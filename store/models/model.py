@@ -63,6 +63,16 @@ class TrunkRef:
         return tuple(self.record["shape"])
 
 
+def _check_extent_fields(rec: dict, sel: Selector, key: bytes, off: str = "off") -> None:
+    """``off``/``len``/``sum`` present, integers, in range (before anything is sized by them)."""
+    for name, hi in ((off, 1 << 62), ("len", 1 << 40), ("sum", 1 << 64)):
+        v = rec.get(name)
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < hi:
+            raise ModelSpaceError(
+                f"space {sel.hex()}: record {bytes(key).hex()} field {name}={v!r:.40} invalid"
+            )
+
+
 class ModelSpace:
     """A model version resolved to tables: the part of opening shared by the
     consumer and by export.
@@ -151,8 +161,18 @@ class ModelSpace:
         return self.blocks.index(sel)
 
     def _load_experts(self, sel: Selector) -> None:
+        try:
+            self._load_experts_checked(sel)
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            # A record missing a field or holding the wrong type: typed, naming the space.
+            raise ModelSpaceError(
+                f"space {sel.hex()}: malformed expert record ({type(exc).__name__}: {exc})"
+            ) from exc
+
+    def _load_experts_checked(self, sel: Selector) -> None:
         data_start: dict[int, int] = {}
         for key, rec in self.store.scan(sel):
+            _check_extent_fields(rec, sel, key, "off" if "blk" not in rec else "blk_off")
             k = Key.unpack(key)
             layer, byte = k.z, int(rec.get("expert", -1))
             if not (0 <= layer < self.n_layers and 0 <= byte < self.n_experts):
@@ -188,8 +208,20 @@ class ModelSpace:
     def _load_trunk(self, sel: Selector) -> None:
         if self.store.manifest(sel).get("kind") != TRUNK_KIND:
             raise ModelSpaceError(f"space {sel.hex()} is not a trunk")
-        for _, rec in self.store.scan(sel):
-            self.trunk[(rec["role"], rec["layer"])] = TrunkRef(sel, rec)
+        size = self.store.block_identity(sel).size
+        for key, rec in self.store.scan(sel):
+            role, layer = rec.get("role"), rec.get("layer")
+            if not isinstance(role, str) or not (layer is None or isinstance(layer, int)):
+                raise ModelSpaceError(f"space {sel.hex()}: trunk record {key.hex()} malformed")
+            if not {"off", "len", "sum"} & rec.keys():
+                self.trunk[(role, layer)] = TrunkRef(sel, rec)  # no extent (metadata only)
+                continue
+            _check_extent_fields(rec, sel, key)
+            if rec["off"] + rec["len"] > size:
+                raise ModelSpaceError(
+                    f"space {sel.hex()}: trunk record {key.hex()} runs past its block file"
+                )
+            self.trunk[(role, layer)] = TrunkRef(sel, rec)
 
     def _check_complete(self) -> None:
         sparse = self.root["expert"]["sparse_layers"]

@@ -280,9 +280,14 @@ def test_sigkill_at_random_instants(tmp_path):
             assert done[-1] <= head <= done[-1] + 1
             assert head > last
             assert states_equal(ss.load("s"), state_for(head))
-            # The index is written before the tag: a tagged head is findable by its history.
+            # The index is written before the tag: a tagged head is findable by its
+            # history, once that history holds a full block (version 1's 63 tokens do
+            # not: shorter histories are never prefix-indexed, by design).
             hit = ss.find_prefix(state_for(head).tokens, MODEL_A)
-            assert hit is not None and hit.space == ss.info("s").space
+            if len(state_for(head).tokens) >= BLOCK:
+                assert hit is not None and hit.space == ss.info("s").space
+            else:
+                assert hit is None
             last = head
 
 
