@@ -22,6 +22,7 @@ import os
 import sys
 
 from czyx.cli.commands._engineargs import add_engine_args, parse_class_range
+from czyx.cli.commands._engineargs import engine_options as engine_options  # re-exported
 from czyx.cli.commands._engineargs import stream_options as _stream_options
 from czyx.cli.commands._storearg import add_store_arg, store_dir
 from czyx.inference.opened import OpenedModel
