@@ -192,3 +192,11 @@ def test_every_front_door_case_is_one_clear_line(tmp_path) -> None:
     outcomes = [(c.name, c.run()) for c in cases]
     bad = [(n, o) for n, o in outcomes if o.kind != "refused"]
     assert len(outcomes) >= 25 and not bad, bad
+
+
+def test_session_context_length(store, capsys) -> None:
+    base = ["run", "stdlib@v1", "--store", store, "--session", "long", "-n", "1"]
+    assert main([*base, "x" * 1000]) == 0
+    capsys.readouterr()
+    assert main([*base, "y" * 40]) == 1
+    assert "holds 1001 tokens" in capsys.readouterr().err

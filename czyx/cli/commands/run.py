@@ -275,8 +275,23 @@ def _run_session(
     """``--session NAME``: :func:`inference.sessions.run_with_session`, then its figures."""
     from czyx.inference.sampling import SamplingParams
     from czyx.inference.sessions import SessionStore, run_with_session
+    from czyx.inference.sessions.errors import SessionNotFoundError
 
     sessions = SessionStore.open(store, args.portal, tenant=args.tenant)
+    try:
+        held = sessions.info(args.session).length
+    except SessionNotFoundError:
+        held = 0
+    n_positions = engine.consumer.info.config.get("max_position_embeddings")
+    n_prompt = len(tokenizer.encode(args.prompt))
+    try:
+        args.max_tokens = fit_context(held + n_prompt, args.max_tokens, n_positions)
+    except ValueError:
+        raise ValueError(
+            f"session {args.session!r} holds {held} tokens and the prompt adds {n_prompt}; "
+            f"the model's context holds {n_positions}: fork it shorter (czyx sessions fork "
+            "--at N) or start a new session"
+        ) from None
     # Sampling flags left at their defaults keep a resumed session's own sampler
     # (parameters and RNG state), so the continuation is exact.
     chosen = None if sampling == SamplingParams() else sampling
