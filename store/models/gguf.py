@@ -341,6 +341,10 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
         )
     if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
         raise UnsupportedGGUFError("dense layers between sparse ones have no GGUF form")
+    heads_kv = config.get("num_key_value_heads") or config["num_attention_heads"]
+    if arch.czyx == "olmoe" and int(heads_kv) != int(config["num_attention_heads"]):
+        # its k_norm spans n_embd: llama.cpp refuses the file (as OLMoE itself has no GQA)
+        raise UnsupportedGGUFError("llama.cpp's olmoe needs num_key_value_heads == heads")
     a = arch.gguf
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or hidden // heads)

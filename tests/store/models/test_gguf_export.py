@@ -111,12 +111,19 @@ def test_quantized_store_version_runs_in_llama_cpp(tmp_path):
     assert len(_greedy_llama_cpp(path)) == STEPS  # loads and decodes (values: q4, not exact)
 
 
-def test_config_llama_cpp_cannot_express_is_refused(tmp_path):
-    model = gguf_model("mixtral", sliding_window=16)
+@pytest.mark.parametrize(
+    ("arch", "over", "match"),
+    [
+        ("mixtral", {"sliding_window": 16}, "sliding window"),
+        ("olmoe", {"num_key_value_heads": 2}, "num_key_value_heads"),
+    ],
+)
+def test_config_llama_cpp_cannot_express_is_refused(tmp_path, arch, over, match):
+    model = gguf_model(arch, **over)
     model.save_pretrained(tmp_path / "ckpt")
     with Store.open(tmp_path / "s") as store:
         mount(store, tmp_path / "ckpt", "m@1")
-        with pytest.raises(UnsupportedGGUFError, match="sliding window"):
+        with pytest.raises(UnsupportedGGUFError, match=match):
             export_gguf(store, "m@1", tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
 
