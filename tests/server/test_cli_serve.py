@@ -39,12 +39,13 @@ def test_flags_build_serve_options():
     )
     opts = serve_options(args)
     assert args.refs == ["a@1"]
-    assert opts.engine["cache_fraction"] == 0.5 and opts.engine["policy"] == "lru"
-    assert opts.engine["stream"].prefetch is False and opts.engine["stream"].io == "pread"
+    engine_opts = opts.engine["options"]
+    assert opts.engine["cache_fraction"] == 0.5 and engine_opts.policy == "lru"
+    assert engine_opts.prefetch is False and engine_opts.io == "pread" and engine_opts.readers == 1
     assert opts.batch.kv_bytes == 2 * 2**20 and opts.batch.max_batch == 4
     assert opts.batch.max_queue == 3 and opts.batch.prefill_chunk == 8
-    assert serve_options(_args()).engine["stream"].prefetch is False  # serving default
-    assert serve_options(_args("--prefetch")).engine["stream"].prefetch is True
+    assert serve_options(_args()).engine["options"].prefetch is False  # serving default
+    assert serve_options(_args("--prefetch")).engine["options"].prefetch is True
     # The run command parses the very same flags.
     run = build_parser().parse_args(["run", "a@1", "--prompt", "x", "--cache-fraction", "0.5"])
     assert run.cache_fraction == 0.5 and run.policy == "decay"
