@@ -19,7 +19,7 @@ import numpy as np
 from czyx.inference.planner import PREFETCH, TransferPlanner
 from czyx.store.consumer import ExpertExtent, ModelInfo
 from czyx.store.core.blockfile import BlockWriter
-from czyx.store.io.experts import ExpertReads
+from czyx.store.io.experts import BlockFileExperts
 from czyx.store.io.iopaths import drop_file_cache
 from czyx.store.io.reader import aligned_empty
 
@@ -27,7 +27,7 @@ MiB = 1 << 20
 COLS = 1024
 
 
-class DenseLayers:
+class DenseLayers(BlockFileExperts):
     """A consumer view of ``n`` dense layers: layer ``l`` is "expert" ``(l, 0)``."""
 
     def __init__(self, path: Path, n: int, nbytes: int, seed: int = 0) -> None:
@@ -54,10 +54,8 @@ class DenseLayers:
             raise LookupError(e)
         return ExpertExtent(0, self.off[layer], self.info.expert_nbytes, self.sums[layer])
 
-    def open_expert_reads(self, slots, *, readers=2, native=None, io=None) -> ExpertReads:
-        return ExpertReads(
-            slots, self.expert_extent, files=[self.fd], readers=readers, native=native, io=io
-        )
+    def expert_fds(self) -> list[int]:
+        return [self.fd]
 
     def close(self) -> None:
         os.close(self.fd)

@@ -127,12 +127,12 @@ def streaming(
         cfg.n_sparse_experts,
         policy,
         io=io,
-        threads=threads,
+        readers=threads,
         prefetch=prefetch,
         xray=xray,
         strict_deadlines=strict,
-        lookahead_depth=depth,
-        prefetch_width=width,
+        lookahead=depth,
+        width=width,
         early=early,
         native=native,
     )
@@ -383,7 +383,7 @@ def certify(
         for label, policy, pf, depth, width, early in CONFIGS:
             for f in files:
                 iop.drop_file_cache(f)
-            x = XRay(io_path=io, threads=2, device_baseline=baseline)
+            x = XRay(io_path=io, readers=2, device_baseline=baseline)
             c = streaming(
                 consumer,
                 budget25(consumer),

@@ -27,7 +27,7 @@ import numpy as np
 
 from czyx.inference.engine import Engine
 from czyx.inference.models.decoder import MoEDecoder
-from czyx.inference.streaming import StreamOptions
+from czyx.inference.options import EngineOptions
 
 ROOT_ASSET = Path(__file__).resolve().parent.parent / "inference" / "assets" / "czyx-moe-stdlib"
 KiB = 1 << 10
@@ -124,7 +124,7 @@ def measure(
                 info = consumer.info
                 hot = [(la, e) for la in range(info.n_layers) for e in range(info.n_experts)]
                 engines[label] = Engine(
-                    consumer, stream=StreamOptions(io=io), hot=hot, trunk_window=k
+                    consumer, options=EngineOptions(io=io), hot=hot, trunk_window=k
                 )
             for r in range(rounds):
                 for label, _ in configs:  # interleaved: load noise hits every config alike

@@ -85,6 +85,7 @@ def speed_and_dial(args: argparse.Namespace, sizes: dict, workdir: str) -> None:
     from czyx.inference.engine import Engine
     from czyx.inference.generate import generate_ids
     from czyx.inference.opened import OpenedModel
+    from czyx.inference.options import EngineOptions
     from czyx.testing.refmodels import tiny_model
 
     s = sizes["speed"]
@@ -168,7 +169,11 @@ def speed_and_dial(args: argparse.Namespace, sizes: dict, workdir: str) -> None:
                 continue  # nothing is ever evicted at 100 %: the policy cannot matter
             runs = []
             for _ in range(args.repeats):
-                eng = Engine(consumer, cache_fraction=frac, policy=policy)
+                eng = Engine(
+                    consumer,
+                    cache_fraction=frac,
+                    options=EngineOptions(policy=policy, prefetch=False),
+                )
                 _, st = generate_ids(eng, prompt, n)
                 runs.append(st)
                 eng.close()

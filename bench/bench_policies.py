@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from czyx.inference.engine import Engine
     from czyx.inference.locality import replay
     from czyx.inference.opened import OpenedModel
+    from czyx.inference.options import EngineOptions
     from czyx.inference.profile import RouteRecorder
     from czyx.inference.trace import text_sha256
     from czyx.store import Store
@@ -147,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
                     # Interleaved: each repeat runs every policy once, in a rotated order.
                     order = POLICIES[rep % len(POLICIES) :] + POLICIES[: rep % len(POLICIES)]
                     for pol in order:
-                        eng = Engine(consumer, cache_fraction=frac, policy=pol)
+                        eng = Engine(
+                            consumer,
+                            cache_fraction=frac,
+                            options=EngineOptions(policy=pol, prefetch=False),
+                        )
                         try:
                             secs = decode_texts(eng, texts)
                             s = eng.stats()

@@ -50,7 +50,7 @@ from czyx.inference.engine import Engine
 from czyx.inference.sampling import SamplingParams
 from czyx.inference.sessions.live import LiveSession
 from czyx.inference.sessions.store import SessionStore
-from czyx.portals.authority import authority
+from czyx.portals.authority import open_authority
 from czyx.store import Store
 
 
@@ -70,7 +70,7 @@ def mount_model(st: Store, root: Path, tiny: bool):
         "qwen3_moe", root / "ckpt", seed=0, max_position_embeddings=8192, **shape
     )
     mount(st, ckpt, "bench@1")
-    view = open_model(st, authority(st).root_token(), "bench@1")
+    view = open_model(st, open_authority(st).root_token(), "bench@1")
     return open_consumer(st, "bench@1", view=view, direct=True)
 
 
@@ -112,7 +112,7 @@ def main() -> int:
     cfg = engine.cfg
     # The production path: every resume opens the session's space through a portal
     # (verified and audited with a durable LMDB commit), included in the resume times.
-    ss = SessionStore(st, authority(st).grant([], tenant="bench").token)
+    ss = SessionStore(st, open_authority(st).grant([], tenant="bench").token)
     print(
         f"model: {cfg.n_layers} layers, {cfg.n_kv_heads} KV heads x {cfg.head_dim}, "
         f"vocab {cfg.vocab_size}; OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}; "
@@ -150,7 +150,7 @@ def main() -> int:
 
             # The portal open alone (verify + its durable audit commit), part of both.
             t0 = time.perf_counter()
-            authority(st).open_space(ss.portal, info.space, tenant="bench").close()
+            open_authority(st).open_space(ss.portal, info.space, tenant="bench").close()
             t_open.append(time.perf_counter() - t0)
             # Checks, not timed: exact logits, and agreement with the recomputation.
             if not np.array_equal(resumed.logits, saved_logits):

@@ -54,6 +54,7 @@ int64_t czk_attn_work_bytes(const czk_attn *a, int64_t H, int64_t length);
 int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *x_out,
                     float *kc, float *vc, int64_t cap, int64_t pos, int64_t window,
                     const float *cs, const float *sn, void *work);
+int czk_row(const czk_mat *m, int64_t r, float *out);
 int czk_topk(const float *logits, int E, int k, int renorm, int64_t *idx, float *w);
 """
 

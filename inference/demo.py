@@ -29,13 +29,14 @@ from typing import TextIO
 import numpy as np
 
 from czyx.inference.errors import DemoCheckError
+from czyx.inference.options import DEFAULT_OPTIONS
 from czyx.store.interfaces import StoreInterface
 
 DEFAULT_TAG = "czyx-moe-stdlib@v1"
 DEFAULT_TENANT = "demo-tenant"
 DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef "
-#: Eviction policy of both runs: decaying frequency (:class:`inference.eviction.DecayPolicy`).
-DEMO_POLICY = "decay"
+#: Eviction policy of both runs: the engine default (``EngineOptions.policy``).
+DEMO_POLICY = DEFAULT_OPTIONS.policy
 
 
 @dataclass(frozen=True)
@@ -237,15 +238,14 @@ def _generate(
     from czyx.inference.engine import Engine
     from czyx.inference.generate import generate
     from czyx.inference.sampling import SamplingParams
-    from czyx.inference.streaming import StreamOptions
     from czyx.inference.tokenizer import tokenizer_for
     from czyx.store.models.model import open_version
 
     view = portals.open_model(store, token, tag, tenant=DEFAULT_TENANT)
     with open_version(store, tag, view=view, direct=True) as consumer:
-        # As czyx run: O_DIRECT reads on the planner's C threads, prefetch on.
-        stream_opts = StreamOptions(io="direct", prefetch=True)
-        engine = Engine(consumer, cache_fraction=fraction, policy=policy, stream=stream_opts)
+        # As czyx run: the one set of engine defaults, with the demo's policy.
+        options = DEFAULT_OPTIONS.with_(policy=policy)
+        engine = Engine(consumer, cache_fraction=fraction, options=options)
         try:
             tok = tokenizer_for(consumer, engine.cfg.vocab_size)
             on_text = None

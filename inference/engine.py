@@ -8,7 +8,9 @@ text live in :mod:`inference.sampling` and :mod:`inference.generate`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -17,6 +19,7 @@ from czyx.inference.errors import CacheBudgetError
 from czyx.inference.kernels.fused import default_threads
 from czyx.inference.models import DecoderConfig, decoder_class
 from czyx.inference.models.decoder import describe_restriction
+from czyx.inference.options import DEFAULT_OPTIONS, EngineOptions
 from czyx.inference.profile import RoutingProfile
 from czyx.inference.streaming import StreamingExpertCache, StreamOptions, attach
 from czyx.inference.trunkwindow import TrunkWindowStats
@@ -110,6 +113,44 @@ class BlasLimit:
             lib.set_num_threads(cur)
 
 
+def _legacy_options(
+    options: EngineOptions, policy: str | EvictionPolicy | None, stream: object
+) -> tuple[EngineOptions, EvictionPolicy | None]:
+    """Fold the deprecated ``policy=`` / ``stream=`` keywords into ``options``."""
+    instance = None
+    if policy is not None:
+        warnings.warn(
+            "Engine(policy=...) is deprecated: pass options=EngineOptions(policy=...)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if isinstance(policy, str):
+            options = replace(options, policy=policy)
+        else:
+            instance = policy
+    if stream is not True:
+        warnings.warn(
+            "Engine(stream=...) is deprecated: pass options=EngineOptions(...)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if stream is None or stream is False:
+            options = replace(options, stream=False)
+        else:
+            options = replace(
+                options,
+                stream=True,
+                io=stream.io,
+                readers=stream.readers,
+                prefetch=stream.prefetch,
+                lookahead=stream.lookahead,
+                width=stream.width,
+                early=stream.early,
+                strict_deadlines=stream.strict_deadlines,
+            )
+    return options, instance
+
+
 class Engine:
     """A model ready to run: trunk resident (or windowed), routed experts behind a slot cache.
 
@@ -119,19 +160,16 @@ class Engine:
         The opened model version (through a portal, by the store).
     cache_bytes, cache_fraction
         The expert slot budget (see :func:`resolve_budget`).
-    policy
-        Eviction policy name or instance.
+    options
+        How it runs (:class:`~czyx.inference.options.EngineOptions`: eviction
+        policy, streaming, readers, look-ahead); the same defaults as ``czyx run``.
     hot
         A hot list of ``(layer, expert)`` pairs, most important first, loaded
         before the first token.
     pin_classes
         A router-byte range ``(lo, hi)`` pinned resident in every sparse layer.
-    stream
-        Expert reads through the transfer planner
-        (:class:`~inference.streaming.StreamOptions`: I/O path, reader threads,
-        look-ahead prefetch); None: the synchronous :class:`ExpertCache`.
     xray
-        An :class:`inference.xray.XRay` recording every transfer (with ``stream``).
+        An :class:`czyx.inference.xray.XRay` recording every transfer (when streaming).
     trunk_window
         Hold at most this many layers' big trunk matrices, reading the next
         layer while one computes (:class:`~inference.trunkwindow.TrunkWindow`);
@@ -144,6 +182,10 @@ class Engine:
         engine's calls, so the two never oversubscribe the cores and no BLAS
         thread split can change a result: outputs are bit-identical for every
         ``threads``.
+    policy, stream
+        Deprecated spellings (a policy name or :class:`EvictionPolicy` instance;
+        a :class:`~czyx.inference.streaming.StreamOptions` or None): they
+        override ``options`` with a DeprecationWarning.
     """
 
     def __init__(
@@ -151,25 +193,33 @@ class Engine:
         consumer: ModelConsumer,
         cache_bytes: int | None = None,
         cache_fraction: float | None = None,
-        policy: str | EvictionPolicy = "lru",
+        options: EngineOptions | None = None,
         hot: Sequence[tuple[int, int]] | None = None,
         pin_classes: tuple[int, int] | None = None,
-        stream: StreamOptions | None = StreamOptions(),  # noqa: B008 - frozen, shared safely
         xray: XRay | None = None,
         trunk_window: int | None = None,
         threads: int | None = None,
+        *,
+        policy: str | EvictionPolicy | None = None,
+        stream: StreamOptions | bool | None = True,
     ) -> None:
         self.threads = default_threads() if threads is None else int(threads)
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self._blas = BlasLimit(1)
+        if options is not None and not isinstance(options, EngineOptions):
+            options, policy = None, options  # the old third positional: a policy
+        options, policy_obj = _legacy_options(options or DEFAULT_OPTIONS, policy, stream)
+        self.options = options
+        policy = policy_obj if policy_obj is not None else options.policy
+        stream = options.stream
         cls = decoder_class(consumer.info.arch)
         cfg = cls.parse_config(consumer.info)
         self.consumer = consumer
         self.budget_bytes = resolve_budget(consumer, cfg, cache_bytes, cache_fraction)
         self.expert_bytes = expert_bytes(consumer, cfg)
         self.xray = xray
-        if stream is None:
+        if not stream:
             self.cache = ExpertCache(
                 consumer, self.budget_bytes, cfg.top_k, cfg.n_sparse_experts, policy
             )
@@ -180,13 +230,14 @@ class Engine:
                 cfg.top_k,
                 cfg.n_sparse_experts,
                 policy,
-                io=stream.io,
-                threads=stream.readers,
-                prefetch=stream.prefetch,
-                lookahead_depth=stream.lookahead,
-                prefetch_width=stream.width,
-                early=stream.early,
-                strict_deadlines=stream.strict_deadlines,
+                io=options.io,
+                readers=options.readers,
+                prefetch=options.prefetch,
+                lookahead=options.lookahead,
+                width=options.width,
+                early=options.early,
+                strict_deadlines=options.strict_deadlines,
+                native=options.native,
                 xray=xray,
             )
         try:
@@ -195,14 +246,14 @@ class Engine:
             self.cache.close()  # the cache's reader threads must not outlive a failed open
             raise
         self.model.set_threads(self.threads)
-        if stream is not None:
+        if stream:
             attach(self.model, self.cache)
         self.cfg = self.model.cfg
         mask = self.model.route_mask
         # One line for the run's figures when a scoped portal restricted routing.
         self.route_restriction = describe_restriction(mask, self.cfg)
         if mask is not None:
-            if stream is not None:
+            if stream:
                 _mask_predictions(self.cache, mask)
             if hot:
                 hot = [(layer, e) for layer, e in hot if mask[layer, e]]

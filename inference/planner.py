@@ -65,6 +65,11 @@ class DeadlineMissedError(PlannerError):
     """Strict mode: a transfer completed after its deadline (its bytes are not used)."""
 
 
+def _read_fact(name: str, doc: str) -> property:
+    """A read-only property of :class:`Transfer` that is its store read's ``name``."""
+    return property(lambda t: getattr(t.read, name), doc=doc)
+
+
 class Transfer:
     """One read of one expert into one slot, and everything X-Ray reports about it.
 
@@ -135,44 +140,22 @@ class Transfer:
         return self.read.pool is not None
 
     @property
-    def source(self) -> str:
-        """The I/O path the bytes came through (``"consumer"``: its ``read_expert``)."""
-        return self.read.source
-
-    @property
-    def requested_bytes(self) -> int:
-        """The extent's length."""
-        return self.read.nbytes
-
-    @property
-    def completed_bytes(self) -> int:
-        """Bytes the reader delivered."""
-        return self.read.completed_bytes
-
-    @property
-    def staging_copy_bytes(self) -> int:
-        """Bytes that passed through the page cache and were copied into the slot."""
-        return self.read.staging_copy_bytes
-
-    @property
-    def checksum_result(self) -> str:
-        """``"pending"``, ``"ok"``, ``"mismatch"`` or ``"consumer"``."""
-        return self.read.checksum_result
-
-    @property
     def t_start(self) -> int | None:
         """When a reader started the read."""
         return self.read.t_start or (self.t_request if self.read.t_complete else None)
 
-    @property
-    def t_first_byte(self) -> int | None:
-        """When the first bytes arrived (None: not observable on this path)."""
-        return self.read.t_first_byte
-
-    @property
-    def t_complete(self) -> int | None:
-        """When the read finished."""
-        return self.read.t_complete
+    # The read's own facts, as the store's ExpertRead records them.
+    source = _read_fact("source", "The I/O path the bytes came through (``consumer``: its own).")
+    requested_bytes = _read_fact("nbytes", "The extent's length.")
+    completed_bytes = _read_fact("completed_bytes", "Bytes the reader delivered.")
+    staging_copy_bytes = _read_fact(
+        "staging_copy_bytes", "Bytes that passed through the page cache and were copied."
+    )
+    checksum_result = _read_fact(
+        "checksum_result", "``pending``, ``ok``, ``mismatch`` or ``consumer``."
+    )
+    t_first_byte = _read_fact("t_first_byte", "When the first bytes arrived (None: not seen).")
+    t_complete = _read_fact("t_complete", "When the read finished.")
 
 
 class TransferPlanner:

@@ -40,6 +40,8 @@ import numpy as np
 
 from czyx.inference.cache import EvictionPolicy, ExpertCache
 from czyx.inference.errors import SlotInUseError
+from czyx.inference.kernels.linear import mm_t
+from czyx.inference.options import renamed
 from czyx.inference.planner import DEMAND, PREFETCH, Transfer, TransferPlanner
 from czyx.store.consumer import ModelConsumer
 
@@ -49,7 +51,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StreamOptions:
-    """How an :class:`~inference.engine.Engine` streams experts through the planner.
+    """Deprecated: the streaming half of :class:`~czyx.inference.options.EngineOptions`.
+
+    Kept so ``Engine(stream=StreamOptions(...))`` keeps working (with a
+    DeprecationWarning); new code passes ``Engine(options=EngineOptions(...))``.
 
     Attributes
     ----------
@@ -89,17 +94,17 @@ class StreamingExpertCache(ExpertCache):
     consumer, budget_bytes, top_k, n_sparse_experts, policy
         As :class:`~inference.cache.ExpertCache`.
     io
-        I/O path name (:data:`store.iopaths.PATHS`); default the measured winner.
-    threads
+        I/O path name (:data:`czyx.store.io.iopaths.PATHS`); default the measured winner.
+    readers
         Reader threads.
     prefetch
         Issue look-ahead reads (False: synchronous streaming through the same
         planner, the baseline prefetch is measured against).
-    lookahead_depth
+    lookahead
         How many sparse layers ahead to predict (each with its own router on
         the current hidden state): deeper grows the overlap window and lowers
         the recall. 0: no look-ahead (early routing alone, when ``early``).
-    prefetch_width
+    width
         How many of each token's predicted experts to read (default: top-k).
     early
         Early routing: predict each sparse layer from the residual stream
@@ -122,31 +127,40 @@ class StreamingExpertCache(ExpertCache):
         policy: str | EvictionPolicy = "lru",
         *,
         io: str | None = None,
-        threads: int = 2,
+        readers: int = 2,
         prefetch: bool = True,
-        lookahead_depth: int = 1,
-        prefetch_width: int | None = None,
+        lookahead: int = 1,
+        width: int | None = None,
         early: bool = True,
         strict_deadlines: bool = False,
         native: bool | None = None,
         xray: XRay | None = None,
+        **deprecated: int | None,
     ) -> None:
+        if deprecated:  # threads / lookahead_depth / prefetch_width
+            given = {"readers": readers, "lookahead": lookahead, "width": width}
+            new = renamed(deprecated, stacklevel=2)
+            unknown = set(new) - set(given)
+            if unknown:
+                raise TypeError(f"unexpected keyword arguments: {sorted(unknown)}")
+            readers = int(new.get("readers", readers))
+            lookahead = int(new.get("lookahead", lookahead))
+            width = new.get("width", width)
         super().__init__(consumer, budget_bytes, top_k, n_sparse_experts, policy)
         # The budget is allocated up front: touch every page now, so a transfer's
         # time is I/O, not first-touch faults (zeroing huge pages) of the arena.
         self.arena[:, ::4096] = 0
         self.prefetch_enabled = prefetch
-        if lookahead_depth < 0 or (lookahead_depth == 0 and not early):
-            raise ValueError(
-                f"lookahead_depth: {lookahead_depth} (0 only with early routing, else >= 1)"
-            )
-        self.lookahead_depth = int(lookahead_depth)
+        if lookahead < 0 or (lookahead == 0 and not early):
+            raise ValueError(f"lookahead: {lookahead} (0 only with early routing, else >= 1)")
+        #: Sparse layers predicted ahead (the ``lookahead`` option).
+        self.depth = int(lookahead)
         # Predicted experts read per token and layer: fewer than top-k trades recall
         # for precision, which pays when reads, not compute, bound the step.
-        width = top_k if prefetch_width is None else int(prefetch_width)
+        width = top_k if width is None else int(width)
         if not 1 <= width <= top_k:
-            raise ValueError(f"prefetch_width: {width} is not in 1..{top_k}")
-        self.prefetch_width = width
+            raise ValueError(f"width: {width} is not in 1..{top_k}")
+        self.width = width
         self.early = bool(early)
         self.xray = xray
         self.inflight = np.zeros(self.n_slots, bool)
@@ -157,7 +171,7 @@ class StreamingExpertCache(ExpertCache):
             self._slot_views,
             self.blocked,
             io=io,
-            readers=threads,
+            readers=readers,
             native=native,
             strict_deadlines=strict_deadlines,
             xray=xray,
@@ -213,11 +227,12 @@ class StreamingExpertCache(ExpertCache):
         if not self._predictable(x.shape[0]):
             return
         nxt = layer
-        for _ in range(self.lookahead_depth):
+        for _ in range(self.depth):
             nxt = self._next_sparse[nxt]
             if nxt < 0:
                 return
-            self._pending.append((nxt, self._predict(nxt, x @ self.routers[nxt].T)))
+            # mm_t: the router may be packed (a quantized trunk); for float32 it is x @ r.T.
+            self._pending.append((nxt, self._predict(nxt, mm_t(x, self.routers[nxt]))))
 
     def preroute(self, layer: int, h: np.ndarray) -> None:
         """The residual stream ``h`` ``[T, H]`` enters ``layer``: read its predicted experts now.
@@ -240,24 +255,22 @@ class StreamingExpertCache(ExpertCache):
 
         A prefill batch predicts nearly every expert of a layer; read into a
         small budget, those reads evict one another and the layer's own
-        experts before use (`czyx demo`, 25 %, three runs each: with prefill
-        prefetch 27-31 ms exposed and 292-398 decode tokens/s, without it
-        19-22 ms and 431-483; bytes read per token barely moved, 452 vs 448
-        kB), so a batch prefetches only
-        when its predictions fit the unpinned slots beside one token's top-k
-        (a single token always may: its reads stop at the first slot that is
-        not dead).
+        experts before use (more exposed I/O and slower decode for the same
+        bytes read: ``bench/RATIONALE.md``, measured with ``czyx demo``), so a
+        batch prefetches only when its predictions fit the unpinned slots
+        beside one token's top-k (a single token always may: its reads stop
+        at the first slot that is not dead).
         """
-        width = self.prefetch_width
+        width = self.width
         return n_tokens * width <= max(self.max_acquire - self.top_k, width)
 
     def _predict(self, layer: int, logits: np.ndarray) -> np.ndarray:
-        """The distinct top-``prefetch_width`` experts of ``logits`` ``[T, E]``, recorded.
+        """The distinct top-``width`` experts of ``logits`` ``[T, E]``, recorded.
 
         Returns every expert predicted for ``layer`` since its last acquire
         (those already read are resident or in flight, and skipped).
         """
-        k = min(self.prefetch_width, logits.shape[1])
+        k = min(self.width, logits.shape[1])
         mask = self._predicted[layer]
         if k == 1:
             mask[logits.argmax(axis=1)] = True

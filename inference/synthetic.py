@@ -30,7 +30,7 @@ from czyx.store.consumer import ExpertExtent, ModelInfo
 from czyx.store.core.blockfile import BlockWriter
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError, ShortReadError
-from czyx.store.io.experts import ExpertReads
+from czyx.store.io.experts import BlockFileExperts
 
 ALIGN = 4096
 _DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
@@ -57,7 +57,7 @@ def mixtral_config(
     }
 
 
-class SyntheticMoE:
+class SyntheticMoE(BlockFileExperts):
     """The consumer over a block file written by :func:`create` (trunk in memory)."""
 
     def __init__(
@@ -106,19 +106,9 @@ class SyntheticMoE:
             int(self.sums[layer, router_byte]),
         )
 
-    def open_expert_reads(
-        self, slots, *, readers: int = 2, native: bool | None = None, io: str | None = None
-    ) -> ExpertReads:
-        """The store's expert-read interface onto this block file (its one descriptor)."""
-        return ExpertReads(
-            slots,
-            self.expert_extent,
-            files=[self.fd],
-            read_expert=self.read_expert,
-            readers=readers,
-            native=native,
-            io=io,
-        )
+    def expert_fds(self) -> list[int]:
+        """The one block file's descriptor (``ExpertExtent.block`` 0)."""
+        return [self.fd]
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
         """Buffered read into ``slot``, verified (the reference path the planner replaces)."""

@@ -17,6 +17,7 @@ import torch
 
 from czyx.store.consumer import ModelConsumer
 from czyx.store.io.experts import ExpertReads, open_expert_reads
+from czyx.store.io.reader import aligned_empty
 
 
 class TorchMoELayer(torch.nn.Module):
@@ -51,10 +52,8 @@ class TorchMoELayer(torch.nn.Module):
         self.renormalize = renormalize
         self.router = torch.from_numpy(np.array(consumer.trunk("router", layer), np.float32))
         # Two slots: one expert computes while the next one is read.
-        n = consumer.info.expert_slot_nbytes
-        arena = np.zeros(2 * n + 4096, np.uint8)
-        start = (-arena.ctypes.data) % 4096  # aligned, for the direct I/O paths
-        self.slots = [arena[start + i * n : start + (i + 1) * n] for i in range(2)]
+        arena = aligned_empty(2 * consumer.info.expert_slot_nbytes)  # for direct I/O too
+        self.slots = list(arena.reshape(2, -1))
         self.expert_reads: ExpertReads = open_expert_reads(
             consumer, self.slots, readers=readers, native=native
         )

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from czyx.inference.options import renamed
+
 if TYPE_CHECKING:  # annotations only: the planner imports nothing from here
     from czyx.inference.planner import Transfer
     from czyx.inference.streaming import StreamingExpertCache
@@ -76,18 +78,24 @@ class XRay:
     ----------
     io_path
         The I/O path name the transfers used.
-    threads
-        Reader threads.
+    readers
+        Reader threads (``threads``: its deprecated spelling).
     device_baseline
         The device's measured bandwidth in bytes/s (``czyx bench io``), or None.
     """
 
     def __init__(
-        self, io_path: str = "", threads: int = 0, device_baseline: float | None = None
+        self,
+        io_path: str = "",
+        readers: int = 0,
+        device_baseline: float | None = None,
+        **deprecated: int,
     ) -> None:
+        if deprecated:
+            readers = int(renamed(deprecated, stacklevel=2).get("readers", readers))
         self.t0 = time.monotonic_ns()
         self.io_path = io_path
-        self.threads = threads
+        self.readers = readers
         self.device_baseline = device_baseline
         self.transfers: list[Transfer] = []
         self._mark: tuple[int, int, int, int, int] | None = None
@@ -212,7 +220,7 @@ class XRay:
         useful_bw = useful / (busy / 1e9) if busy else None
         run = {
             "io_path": self.io_path,
-            "reader_threads": self.threads,
+            "reader_threads": self.readers,
             "tokens": tokens,
             "transfers": len(transfers),
             "outcomes": counts,

@@ -7,8 +7,7 @@ Public entry points:
   to read a space through a portal;
 - :func:`open_model` ``(store, token, "name@version") -> SpaceView``: the same
   for a model version (all its spaces covered, ``infer`` right), for consumers;
-- :class:`PortalAuthority` (``portals.authority.authority(store)``; not re-exported
-  here, since the name is also the submodule's): grant, verify, revoke, list;
+- :func:`open_authority` ``(store) -> PortalAuthority``: grant, verify, revoke, list;
 - :func:`attenuate`: offline narrowing of a token (no store, no secret).
 
 Names are imported lazily (PEP 562) so that the CLI's ``--help`` does not
@@ -23,6 +22,7 @@ from typing import Any
 _EXPORTS = {
     "Grant": "czyx.portals.authority",
     "PortalAuthority": "czyx.portals.authority",
+    "open_authority": "czyx.portals.authority",
     "grant": "czyx.portals.authority",
     "open_space": "czyx.portals.authority",
     "root_token": "czyx.portals.authority",

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -204,7 +206,9 @@ class PortalAuthority:
             perm = tok.permission()  # only trusted (and logged) once the chain verified
             now = self._clock()
             if perm.expires is not None and now >= perm.expires:
-                raise PortalExpired(f"portal {perm.portal_id.hex()} expired at {perm.expires}")
+                raise PortalExpired(
+                    f"portal {perm.portal_id.hex()} expired at {_when(perm.expires)}"
+                )
             self._check_lineage(perm, tok)
             _check_open(perm, sel, right, tenant)
         except PortalDenied as exc:
@@ -440,6 +444,10 @@ class PortalAuthority:
         if isinstance(space, str):
             if "@" in space:
                 return self.store.resolve_tag(space)
+            if not re.fullmatch(r"[0-9a-fA-F]{64}", space):
+                raise PortalError(
+                    f"{space!r} is neither NAME@VERSION (a tag) nor a 64-hex space selector"
+                )
             return Selector.from_hex(space)
         # No space named: the portal must name exactly one. Parse only; verify
         # (with its audit) happens next against the chosen space.
@@ -454,6 +462,13 @@ class PortalAuthority:
                 f"{'every' if spaces is None else len(spaces)} space(s); say which one to open"
             )
         return Selector(next(iter(spaces)))
+
+
+def _when(t: float) -> str:
+    """A Unix time as ``YYYY-MM-DD HH:MM:SSZ`` (UTC) for messages."""
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def bind_digest(encoded: Sequence[bytes]) -> str:
@@ -510,8 +525,13 @@ def _check_open(perm: Permission, space: bytes | None, right: str, tenant: str |
 _AUTHORITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def authority(store: StoreInterface) -> PortalAuthority:
-    """The (cached) :class:`PortalAuthority` of ``store``."""
+def open_authority(store: StoreInterface) -> PortalAuthority:
+    """The (cached) :class:`PortalAuthority` of ``store``.
+
+    Named ``open_authority``, not ``authority``: the module is ``portals.authority``,
+    and a function of the same name made ``from czyx.portals import authority``
+    ambiguous (the submodule or the function, depending on import order).
+    """
     try:
         auth = _AUTHORITIES.get(store)
     except TypeError:  # not weak-referenceable: no caching
@@ -520,6 +540,16 @@ def authority(store: StoreInterface) -> PortalAuthority:
         auth = PortalAuthority(store)
         _AUTHORITIES[store] = auth
     return auth
+
+
+def authority(store: StoreInterface) -> PortalAuthority:
+    """Deprecated spelling of :func:`open_authority` (warns)."""
+    warnings.warn(
+        "czyx.portals.authority.authority() is deprecated: use czyx.portals.open_authority()",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return open_authority(store)
 
 
 def open_space(
@@ -531,16 +561,16 @@ def open_space(
     tenant: str | None = None,
 ) -> SpaceView:
     """Open ``space`` of ``store`` through ``token``; see :meth:`PortalAuthority.open_space`."""
-    return authority(store).open_space(token, space, right=right, tenant=tenant)
+    return open_authority(store).open_space(token, space, right=right, tenant=tenant)
 
 
 def root_token(store: StoreInterface) -> str:
     """The owner's root portal of ``store`` (created with the store's secret)."""
-    return authority(store).root_token()
+    return open_authority(store).root_token()
 
 
 def grant(
     store: StoreInterface, caveats: Iterable[Caveat], *, tenant: str, parent: str | None = None
 ) -> Grant:
     """Issue a portal; see :meth:`PortalAuthority.grant`."""
-    return authority(store).grant(list(caveats), tenant=tenant, parent=parent)
+    return open_authority(store).grant(list(caveats), tenant=tenant, parent=parent)

@@ -127,7 +127,7 @@ def _widening(perm: Permission, cav: _Caveat) -> str | None:
         return None
     if isinstance(cav, Expires):
         if perm.expires is not None and cav.at > perm.expires:
-            return f"expiry {cav.at} later than the portal's {perm.expires}"
+            return f"expiry {_when(cav.at)} later than the portal's {_when(perm.expires)}"
         return None
     if isinstance(cav, ClassRange | ClassSet | LayerRange):
         have = perm.scope if cav.space is None else perm.scope_for(cav.space)
@@ -141,6 +141,12 @@ def _widening(perm: Permission, cav: _Caveat) -> str | None:
             return f"classes {format_mask(cav.mask & ~have.classes)} not held"
         return None
     return None
+
+
+def _when(t: float) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def attenuate(token: Token, caveats: Iterable[_Caveat], *, strict: bool = True) -> Token:

@@ -96,9 +96,9 @@ def open_model(
     PortalDenied
         Any refusal (audited).
     """
-    from czyx.portals.authority import authority
+    from czyx.portals.authority import open_authority
 
-    auth = authority(store)
+    auth = open_authority(store)
     sel = auth.resolve_space(token, ref)
     scoped, whole = model_spaces(store, sel)
     return auth.open_space(
@@ -136,11 +136,11 @@ def open_consumer(
     StoreModel
         The store's model consumer, its expert reads checked by the portal's view.
     """
-    from czyx.portals.authority import authority
+    from czyx.portals.authority import open_authority
     from czyx.store.models.model import open_version
 
     if token is None:
-        token = authority(store).root_token()
+        token = open_authority(store).root_token()
     view = open_model(store, token, ref, tenant=tenant)
     return open_version(store, ref, view=view, direct=direct, lazy_trunk=lazy_trunk)
 
@@ -164,7 +164,7 @@ def grant_model(
     readable so the tenant can still run the model. Returns the
     :class:`portals.authority.Grant` (its ``token`` is what the tenant holds).
     """
-    from czyx.portals.authority import authority
+    from czyx.portals.authority import open_authority
     from czyx.portals.caveats import Expires, Spaces, parse_classes, parse_layers, parse_rights
 
     sel = resolve_space(store, ref)
@@ -178,7 +178,7 @@ def grant_model(
             cavs.append(parse_layers(layers, t))
     if expires_at is not None:
         cavs.append(Expires(int(expires_at)))
-    return authority(store).grant(cavs, tenant=tenant, parent=parent, note=note)
+    return open_authority(store).grant(cavs, tenant=tenant, parent=parent, note=note)
 
 
 def resolve_space(store: StoreInterface, name: str | Selector) -> Selector:

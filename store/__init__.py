@@ -1,10 +1,15 @@
 """The store: LMDB index, msgpack records, aligned block files, the cffi raw reader,
 and model checkpoints mounted as spaces. It never runs a model.
 
+Subpackages: ``core`` (index, records, block files, writer, snapshot),
+``io`` (readers, I/O paths, the native read pool, and :mod:`czyx.store.io.experts`,
+the one expert-read interface engines use), ``models`` (checkpoints,
+architectures, mount, export, the opened model version) and ``quant``.
+
 Public surface: :class:`Store` (the LMDB backend of :class:`StoreInterface`),
 :class:`SpaceWriter`, :class:`Extent`, :class:`RawReader`,
 :func:`read_extent_verified`, :func:`checksum`, :func:`aligned_empty` and the
-errors of :mod:`store.errors`.
+errors of :mod:`czyx.store.errors`.
 """
 
 from __future__ import annotations

@@ -77,6 +77,24 @@ class ExpertExtent:
 
 
 @dataclass(frozen=True)
+class ArchFacts:
+    """The architecture facts of a config, normalised once (``czyx.store.models.archs``).
+
+    Each family spells them differently in ``config.json`` (``num_experts`` or
+    ``num_local_experts`` or ``n_routed_experts``; dense layers by
+    ``mlp_only_layers`` / ``decoder_sparse_step`` or ``first_k_dense_replace``);
+    the store's architecture table reads them at mount, and an engine reads
+    them here rather than deriving them a second time.
+    """
+
+    n_layers: int
+    n_experts: int
+    hidden_size: int
+    expert_intermediate: int
+    sparse_layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What an engine needs to know about a mounted model version."""
 
@@ -88,6 +106,19 @@ class ModelInfo:
     expert_slot_nbytes: int  # expert_nbytes rounded up to the direct-I/O alignment
     expert_format: str  # "f32", "f16", "bf16", or a quantized format name
     selector: bytes  # the model version's 32-byte space selector
+
+    @property
+    def facts(self) -> ArchFacts:
+        """The normalised architecture facts of :attr:`config` (the store's one derivation).
+
+        Raises
+        ------
+        UnknownArchitectureError
+            :attr:`arch` is not a family the store knows, or the config lacks a key.
+        """
+        from czyx.store.models.archs import arch_facts  # models/ builds on this module
+
+        return arch_facts(self.arch, self.config)
 
 
 @runtime_checkable

@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Coordinate-addressed storage for model weights, with an MoE engine.",
     )
     parser.add_argument("--version", action="version", version=f"czyx {czyx.__version__}")
+    # Also accepted before the command (`czyx --store X ls`); a command's own --store wins.
+    parser.add_argument("--store", dest="global_store", metavar="DIR", help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
@@ -31,17 +33,50 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the process exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "func", None) is None:
-        parser.print_help()
-        return 2
+    """Run the CLI; returns the process exit code.
+
+    Ctrl-C at any point (also while the command's modules import) ends with one
+    line and exit 130; a closed stdout (``czyx audit | head -1``) ends quietly.
+    """
     try:
-        return int(args.func(args) or 0)
+        return _main(argv)
     except KeyboardInterrupt:
         print("czyx: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 141  # 128 + SIGPIPE, as a process killed by the signal reports
+
+
+def _quiet_stdout() -> None:
+    # Python flushes stdout at exit; point it at /dev/null so that flush cannot
+    # raise (and print) BrokenPipeError a second time.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse binds an optional positional (run's PROMPT) at its first chance,
+        # so `czyx run M --store S "text"` leaves the text over: take it here.
+        if len(extra) == 1 and getattr(args, "prompt_arg", "") is None and extra[0] != "--":
+            args.prompt_arg = extra[0]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    if args.global_store and getattr(args, "store", None) is None:
+        args.store = args.global_store
+    try:
+        return int(args.func(args) or 0)
+    except (KeyboardInterrupt, BrokenPipeError):
+        raise
     except (CzyxError, ValueError, OSError) as exc:
         if os.environ.get("CZYX_DEBUG"):
             raise

@@ -92,6 +92,8 @@ def _raw_items(path: pathlib.Path) -> list[tuple[str, bytes, bytes]]:
         out = []
         with env.begin() as txn:
             for name in INDEX_DBS:
+                if txn.get(name.encode()) is None:
+                    continue  # (a format-1 store has no meta database)
                 db = env.open_db(name.encode(), txn=txn, create=False)
                 out += [(name, k, v) for k, v in txn.cursor(db=db)]
         return out
@@ -122,7 +124,9 @@ def index_bitflips(path: pathlib.Path, per_value: int = 6) -> Iterator[Attack]:
     from czyx.store.core.fsck import fsck
 
     for name, key, value in _raw_items(path):
-        positions = sorted({0, 1, 8, 9, len(value) // 2, len(value) - 1})[:per_value]
+        positions = sorted(
+            p for p in {0, 1, 8, 9, len(value) // 2, len(value) - 1} if 0 <= p < len(value)
+        )[:per_value]
         variants = [(key, _flip(value, p), f"value byte {p}") for p in positions]
         if name != "meta":
             variants.append((_flip(key, len(key) - 1), value, "key last byte"))
@@ -493,4 +497,83 @@ def portal_attacks(root: pathlib.Path) -> tuple[str, list[Attack]]:
     return (
         "portals: a registered portal id appended by hand",
         [Attack(f"portal {n}", lambda t=t: run_one(t)) for n, t in cases.items()],
+    )
+
+
+# -- the front door (CLI) ---------------------------------------------------------------
+
+
+def cli_attacks(root: pathlib.Path) -> tuple[str, list[Attack]]:
+    """Mistyped and hostile command lines a new user hits; each must exit 1 (or argparse's
+    2) with one ``czyx: error:`` line, never 0, an internal error or a traceback."""
+    import contextlib
+    import io
+
+    from czyx.cli import main
+    from czyx.inference.assets import bundled_model_dir
+
+    store = str(root / "store")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["mount", str(bundled_model_dir()), "--as", "stdlib@v1", "--store", store]) == 0
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "bad.txt").write_bytes(b"def \xff\xfe")
+    (root / "full").mkdir()
+    (root / "full" / "x").write_text("mine")
+    (root / "afile").write_text("x")
+    run = ["run", "stdlib@v1", "--store", store, "-n", "2"]
+    st = ["--store", store]
+    cases = {
+        "prompt not UTF-8 (argv)": [*run, "-p", os.fsdecode(b"def \xff")],
+        "prompt file not UTF-8": [*run, "--prompt-file", str(root / "bad.txt")],
+        "prompt file missing": [*run, "--prompt-file", str(root / "nope.txt")],
+        "no prompt": run,
+        "two prompts": [*run, "a", "-p", "b"],
+        "prompt longer than the context": [*run, "x" * 1100],
+        "--xray into a missing directory": [*run, "x", "--xray", "/nonexistent/d/x.json"],
+        "--lookahead beyond the layers": [*run, "x", "--lookahead", "9"],
+        "--max-tokens negative": [*run[:-2], "x", "-n", "-1"],
+        "--cache-mb below top-k": [*run, "x", "--cache-mb", "0.001"],
+        "garbage portal token": [*run, "x", "--portal", "czp1_garbage"],
+        "unknown version": ["run", "stdlib@v9", "--store", store, "x"],
+        "tag without @version (run)": ["run", "stdlib", "--store", store, "x"],
+        "tag without @version (grant)": ["grant", "stdlib", "--tenant", "a", "--store", store],
+        "--expires 0s": ["grant", "stdlib@v1", "--tenant", "a", "--expires", "0s", *st],
+        "--expires in the past (ISO)": [
+            "grant", "stdlib@v1", "--tenant", "a", "--expires", "2001-01-01", "--store", store
+        ],
+        "--expires garbage": [
+            "grant", "stdlib@v1", "--tenant", "a", "--expires", "soon", "--store", store
+        ],
+        "sessions show unknown": ["sessions", "show", "nosuch", "--store", store],
+        "sessions rm unknown": ["sessions", "rm", "nosuch", "--store", store],
+        "rm unknown tag": ["rm", "nosuch@v1", "--store", store],
+        "rm without @version": ["rm", "stdlib", "--store", store],
+        "export into a non-empty dir": ["export", "stdlib@v1", str(root / "full"), *st],
+        "export over a file": ["export", "stdlib@v1", str(root / "afile"), "--store", store],
+        "ls on a missing store": ["ls", "--store", str(root / "nostore")],
+        "store fsck on a missing store": ["store", "fsck", str(root / "nostore")],
+        "mount a missing directory": ["mount", str(root / "nodir"), "--as", "a@1", *st],
+        "mount a file": ["mount", str(root / "afile"), "--as", "a@1", "--store", store],
+        "mount with a bad tag": ["mount", str(bundled_model_dir()), "--as", "a", "--store", store],
+    }
+
+    def run_one(argv: list[str]) -> Outcome:
+        err, out = io.StringIO(), io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+                rc = main(argv)
+        except SystemExit as exc:  # argparse usage errors
+            rc = exc.code if isinstance(exc.code, int) else 2
+        text = err.getvalue()
+        if rc == 0:
+            return Outcome("silent", "exit 0")
+        if rc == 70 or "internal error" in text or "Traceback" in text:
+            return Outcome("crashed", text.strip()[-200:])
+        if "error:" not in text:
+            return Outcome("crashed", f"exit {rc} without an error line")
+        return Outcome("refused", text.strip().splitlines()[-1][:200])
+
+    return (
+        "front door: mistyped or hostile command lines",
+        [Attack(f"cli {n}", lambda a=a: run_one(a)) for n, a in cases.items()],
     )

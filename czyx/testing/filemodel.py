@@ -19,7 +19,7 @@ from czyx.store.consumer import ExpertExtent, ModelInfo
 from czyx.store.core.blockfile import BlockWriter
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError, ShortReadError
-from czyx.store.io.experts import ExpertReads
+from czyx.store.io.experts import BlockFileExperts
 
 ALIGN = 4096
 
@@ -55,7 +55,7 @@ class SyntheticExperts:
         return f[:m].reshape(1, m), f[m : 2 * m].reshape(1, m), f[2 * m :].reshape(m, 1)
 
 
-class FileConsumer:
+class FileConsumer(BlockFileExperts):
     """Experts of ``base`` in a block file under ``directory``; trunk and views from ``base``."""
 
     def __init__(self, base, directory: str | os.PathLike):
@@ -98,19 +98,9 @@ class FileConsumer:
             raise LookupError(f"layer {layer} has no routed expert {router_byte}")
         return ExpertExtent(0, off, self.info.expert_nbytes, int(self.sums[layer, router_byte]))
 
-    def open_expert_reads(
-        self, slots, *, readers: int = 2, native: bool | None = None, io: str | None = None
-    ) -> ExpertReads:
-        """The store's expert-read interface onto this block file (its one descriptor)."""
-        return ExpertReads(
-            slots,
-            self.expert_extent,
-            files=[self.fd],
-            read_expert=self.read_expert,
-            readers=readers,
-            native=native,
-            io=io,
-        )
+    def expert_fds(self) -> list[int]:
+        """The one block file's descriptor (``ExpertExtent.block`` 0)."""
+        return [self.fd]
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
         ext = self.expert_extent(layer, router_byte)

@@ -186,6 +186,8 @@ def write_gguf(
     qtype: str = "f32",
     *,
     tokenizer_json: str | None = None,
+    spm_vocab: dict[str, Any] | None = None,
+    chat_template: str | None = None,
     split_max_tensors: int = 0,
 ) -> list[Path]:
     """Write ``model`` (a transformers MoE ``*ForCausalLM``) as GGUF at ``path``.
@@ -234,6 +236,18 @@ def write_gguf(
     )
     if tokenizer_json is not None:
         _vocab(writer, tokenizer_json, cfg.vocab_size)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    if spm_vocab is not None:  # as _set_vocab_sentencepiece writes it
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(spm_vocab["tokens"])
+        writer.add_token_scores(spm_vocab["scores"])
+        writer.add_token_types(spm_vocab["types"])
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+        writer.add_add_space_prefix(True)
     for name, a in _state(model).items():
         if arch == "llama" and name.endswith("attn_q.weight"):
             a = _permute(a, heads)
@@ -273,3 +287,32 @@ def tiny_bpe_tokenizer_json(vocab: int) -> str:
     text = ["the quick brown fox jumps over the lazy dog. " * 3, "mixture of experts, 42 tokens!"]
     tok.train_from_iterator(text * 20, trainer)
     return tok.to_str()
+
+
+def tiny_spm_vocab(vocab: int) -> dict[str, Any]:
+    """A sentencepiece-BPE vocabulary as llama.cpp's ``llama`` tokenizer reads it:
+    ``<unk>``, ``<s>``, ``</s>``, the 256 ``<0xXX>`` byte tokens, then pieces
+    learned by ``tokenizers``' SentencePieceBPE with score ``-id`` (earlier merges
+    rank higher), padded to ``vocab`` with UNUSED ``[PADn]``."""
+    import gguf
+    from tokenizers.implementations import SentencePieceBPETokenizer
+
+    sp = SentencePieceBPETokenizer()
+    text = ["the quick brown fox jumps over the lazy dog. " * 3, "mixture of experts, 42 tokens!"]
+    sp.train_from_iterator(text * 20, vocab_size=vocab - 259 - 8, show_progress=False)
+    learned = sorted(sp.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    types += [gguf.TokenType.BYTE] * 256
+    scores = [0.0] * len(tokens)
+    for piece, i in learned:
+        if piece in tokens:
+            continue
+        tokens.append(piece)
+        types.append(gguf.TokenType.NORMAL)
+        scores.append(-float(i))
+    while len(tokens) < vocab:
+        tokens.append(f"[PAD{len(tokens)}]")
+        types.append(gguf.TokenType.UNUSED)
+        scores.append(-1e9)
+    return {"tokens": tokens, "scores": scores, "types": types}

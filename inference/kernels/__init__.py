@@ -2,6 +2,8 @@
 
 ``ops`` chooses the compiled C kernel (``inference._qkernels``) or the numpy
 reference (``reference``); see :func:`inference.kernels.ops.prepare`.
+``fused`` wraps the engine's decode kernels (``inference._czk``, source
+``czk.c``): its thread pool and one-call-per-block decode step.
 """
 
 from __future__ import annotations

@@ -113,18 +113,25 @@ void czk_set_cap(int level) { czk_cap = level < 0 ? 0 : level; }
 
 typedef void (*czk_fn)(void *ctx, int64_t t0, int64_t t1);
 
+/* Work sharing: a loop's tasks are cut into chunks whose bounds depend only on
+ * the loop and the pool size; participants (the caller and the woken workers)
+ * claim chunks from one atomic word, (generation << 32) | chunks left, with a
+ * compare-and-swap, so a worker the OS has descheduled simply claims nothing
+ * and the others do its share (on a loaded machine a fixed split would wait
+ * for it). Which thread runs a chunk does not change a result: every output
+ * is computed by one thread with the same instructions. */
 typedef struct czk_pool {
     int n;
     pthread_t *th;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int64_t gen; /* guarded by mu; read with atomics while spinning */
+    int64_t gen;   /* bumped per loop (wakes sleepers); guarded by mu */
+    int64_t claim; /* atomic: (gen << 32) | chunks not yet claimed */
+    int64_t done;  /* atomic: chunks finished */
     int stop;
-    int used;
-    int pending;
     czk_fn fn;
     void *ctx;
-    int64_t ntasks;
+    int64_t ntasks, chunk;
 } czk_pool;
 
 typedef struct {
@@ -143,14 +150,31 @@ static inline void czk_relax(void) {
 #endif
 }
 
+/* Claim and run chunks of the current loop until none is left. */
+static void czk_claim_loop(czk_pool *p) {
+    for (;;) {
+        int64_t c = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
+        const int64_t left = c & 0xffffffffLL;
+        if (left == 0) return;
+        if (!__atomic_compare_exchange_n(&p->claim, &c, c - 1, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE))
+            continue;
+        /* Chunk left-1 of this loop is ours: the caller waits for it, so the
+         * loop's fields stay as published until we report it done. */
+        const int64_t t0 = (left - 1) * p->chunk;
+        const int64_t t1 = t0 + p->chunk < p->ntasks ? t0 + p->chunk : p->ntasks;
+        p->fn(p->ctx, t0, t1);
+        __atomic_add_fetch(&p->done, 1, __ATOMIC_ACQ_REL);
+    }
+}
+
 static void *czk_worker(void *arg_) {
     czk_worker_arg *arg = (czk_worker_arg *)arg_;
     czk_pool *p = arg->p;
-    const int id = arg->id;
     free(arg);
     int64_t seen = 0;
     for (;;) {
-        /* Spin briefly (a decode step dispatches many small loops), then sleep. */
+        /* Spin briefly (a decode step runs many small loops), then sleep. */
         int64_t g = __atomic_load_n(&p->gen, __ATOMIC_ACQUIRE);
         for (int i = 0; g == seen && i < 20000; i++) {
             czk_relax();
@@ -165,12 +189,7 @@ static void *czk_worker(void *arg_) {
         }
         if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) return NULL;
         seen = g;
-        const int used = p->used;
-        if (id < used) {
-            const int64_t n = p->ntasks;
-            p->fn(p->ctx, n * id / used, n * (id + 1) / used);
-        }
-        __atomic_sub_fetch(&p->pending, 1, __ATOMIC_ACQ_REL);
+        czk_claim_loop(p);
     }
 }
 
@@ -217,29 +236,34 @@ void czk_pool_free(czk_pool *p) {
     free(p);
 }
 
-/* Run fn over tasks [0, ntasks) split in contiguous equal parts; `work` is the
- * loop's multiply-adds (it decides how many threads are worth waking). */
+/* Run fn over tasks [0, ntasks); `work` is the loop's multiply-adds (it decides
+ * whether waking workers is worth it, and how many chunks to cut). */
 static void czk_run(czk_pool *p, czk_fn fn, void *ctx, int64_t ntasks, int64_t work) {
     if (ntasks <= 0) return;
-    int used = p ? p->n : 1;
-    int64_t by_work = work / czk_min_work;
-    if (by_work < used) used = by_work < 1 ? 1 : (int)by_work;
-    if (used > ntasks) used = (int)ntasks;
+    int64_t used = p ? p->n : 1;
+    const int64_t by_work = work / czk_min_work;
+    if (by_work < used) used = by_work < 1 ? 1 : by_work;
+    if (used > ntasks) used = ntasks;
     if (used <= 1) {
         fn(ctx, 0, ntasks);
         return;
     }
+    int64_t nch = 4 * (int64_t)p->n;
+    if (nch > ntasks) nch = ntasks;
+    const int64_t chunk = (ntasks + nch - 1) / nch;
+    nch = (ntasks + chunk - 1) / chunk;
     pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->ctx = ctx;
     p->ntasks = ntasks;
-    p->used = used;
-    __atomic_store_n(&p->pending, p->n - 1, __ATOMIC_RELEASE);
-    __atomic_add_fetch(&p->gen, 1, __ATOMIC_ACQ_REL);
+    p->chunk = chunk;
+    __atomic_store_n(&p->done, 0, __ATOMIC_RELEASE);
+    const int64_t g = __atomic_add_fetch(&p->gen, 1, __ATOMIC_ACQ_REL);
+    __atomic_store_n(&p->claim, ((g & 0x7fffffffLL) << 32) | nch, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
-    fn(ctx, 0, ntasks / used);
-    for (int i = 0; __atomic_load_n(&p->pending, __ATOMIC_ACQUIRE) > 0; i++) {
+    czk_claim_loop(p);
+    for (int i = 0; __atomic_load_n(&p->done, __ATOMIC_ACQUIRE) < nch; i++) {
         czk_relax();
         if ((i & 255) == 255) sched_yield();
     }
@@ -308,7 +332,62 @@ static void czk_xq_groups(czk_xq *a, int64_t group) {
     a->ggroup = group;
 }
 
+#if CZK_X86
+/* The block quantization with eight-float vectors: the same values (the max is
+ * exact in any order; vroundps rounds half to even as nearbyintf does in the
+ * default rounding mode; the block sum stays sequential). */
+__attribute__((target("avx2,fma,f16c"))) static void czk_quantize_avx2(const float *x,
+                                                                       czk_xq *a) {
+    const int64_t nb = a->n / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f), hi = _mm256_set1_ps(127.0f),
+                 lo = _mm256_set1_ps(-127.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + 32 * b;
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm256_loadu_ps(xb + 8 * k);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[k]));
+        }
+        float mm[8], s = 0.0f;
+        _mm256_storeu_ps(mm, m);
+        float amax = 0.0f;
+        for (int i = 0; i < 8; i++) amax = mm[i] > amax ? mm[i] : amax;
+        for (int i = 0; i < 32; i++) s += xb[i];
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i qi[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 r = _mm256_round_ps(_mm256_mul_ps(v[k], vid),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+            qi[k] = _mm256_cvtps_epi32(r);
+        }
+        /* int32 -> int8 in order: packs work per 128-bit lane, then fix the lane order */
+        const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]);
+        const __m256i p16b = _mm256_packs_epi32(qi[2], qi[3]);
+        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        int8_t *q = a->q + 32 * b, *p = a->q4p + 32 * b;
+        _mm256_storeu_si256((__m256i *)q, p8);
+        for (int i = 0; i < 16; i++) {
+            p[i] = q[2 * i];
+            p[16 + i] = q[2 * i + 1];
+        }
+        a->sx[b] = d;
+        a->bsum[b] = s;
+    }
+    a->ggroup = 0;
+}
+#endif
+
 static void czk_quantize(const float *x, czk_xq *a) {
+#if CZK_X86
+    if (czk_level() >= 1) {
+        czk_quantize_avx2(x, a);
+        return;
+    }
+#endif
     const int64_t nb = a->n / 32;
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + 32 * b;
@@ -504,56 +583,88 @@ CZK_AVX2 static inline __m256i czk_dot_avx2(__m256i c, __m256i xq, int bits) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(c, xq), _mm256_set1_epi16(1));
 }
 
-CZK_AVX2 static void czk_rows_q_avx2(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
-                                     int64_t r1) {
+/* RB rows at once: each row's operations are those of one row alone (the
+ * rows only share the input loads and interleave their dependency chains). */
+CZK_AVX2 static inline __attribute__((always_inline)) void czk_rows_q_avx2_rb(
+    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB) {
     const int64_t bpg = m->group / 32, G = m->cols / m->group;
     const int64_t rb = m->cols * m->bits / 8;
     const int bits = m->bits;
     const int8_t *xqb = bits == 4 ? a->q4p : a->q;
-    float ds[CZK_GMAX], mn[CZK_GMAX];
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *c = (const uint8_t *)m->data + r * rb;
-        czk_h2f_row(m->scales + r * G, G, ds);
-        czk_h2f_row(m->mins + r * G, G, mn);
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t g = 0, b = 0; g < G; g++) {
-            for (int64_t e = b + bpg; b < e; b++) {
-                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
-                const __m256i d = czk_dot_avx2(czk_codes32(c, bits, b), xq, bits);
-                const float s = ds[g] * a->sx[b];
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
+    float ds[4][CZK_GMAX / 4], mn[4][CZK_GMAX / 4];
+    const uint8_t *c[4];
+    __m256 acc[4];
+    for (int i = 0; i < RB; i++) {
+        c[i] = (const uint8_t *)m->data + (r + i) * rb;
+        czk_h2f_row(m->scales + (r + i) * G, G, ds[i]);
+        czk_h2f_row(m->mins + (r + i) * G, G, mn[i]);
+        acc[i] = _mm256_setzero_ps();
+    }
+    for (int64_t g = 0, b = 0; g < G; g++) {
+        for (int64_t e = b + bpg; b < e; b++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
+            const float sxb = a->sx[b];
+            for (int i = 0; i < RB; i++) {
+                const __m256i d = czk_dot_avx2(czk_codes32(c[i], bits, b), xq, bits);
+                const float s = ds[i][g] * sxb;
+                acc[i] = _mm256_add_ps(acc[i],
+                                       _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
             }
         }
-        float t = 0.0f;
-        for (int64_t g = 0; g < G; g++) t += mn[g] * a->gsum[g];
-        y[r] = czk_hsum8(acc) + t;
     }
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t g = 0; g < G; g++)
+        for (int i = 0; i < RB; i++) t[i] += mn[i][g] * a->gsum[g];
+    for (int i = 0; i < RB; i++) y[r + i] = czk_hsum8(acc[i]) + t[i];
+}
+
+CZK_AVX2 static void czk_rows_q_avx2(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
+                                     int64_t r1) {
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) czk_rows_q_avx2_rb(m, a, y, r, 4);
+    for (; r < r1; r++) czk_rows_q_avx2_rb(m, a, y, r, 1);
+}
+
+/* RB rows at once: each row's operations are those of one row alone (the
+ * rows only share the input loads and interleave their dependency chains). */
+CZK_VNNI static inline __attribute__((always_inline)) void czk_rows_q_vnni_rb(
+    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB) {
+    const int64_t bpg = m->group / 32, G = m->cols / m->group;
+    const int64_t rb = m->cols * m->bits / 8;
+    const int bits = m->bits;
+    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
+    float ds[4][CZK_GMAX / 4], mn[4][CZK_GMAX / 4];
+    const uint8_t *c[4];
+    __m256 acc[4];
+    for (int i = 0; i < RB; i++) {
+        c[i] = (const uint8_t *)m->data + (r + i) * rb;
+        czk_h2f_row(m->scales + (r + i) * G, G, ds[i]);
+        czk_h2f_row(m->mins + (r + i) * G, G, mn[i]);
+        acc[i] = _mm256_setzero_ps();
+    }
+    for (int64_t g = 0, b = 0; g < G; g++) {
+        for (int64_t e = b + bpg; b < e; b++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
+            const float sxb = a->sx[b];
+            for (int i = 0; i < RB; i++) {
+                const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), czk_codes32(c[i], bits, b), xq);
+                const float s = ds[i][g] * sxb;
+                acc[i] = _mm256_add_ps(acc[i],
+                                       _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
+            }
+        }
+    }
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t g = 0; g < G; g++)
+        for (int i = 0; i < RB; i++) t[i] += mn[i][g] * a->gsum[g];
+    for (int i = 0; i < RB; i++) y[r + i] = czk_hsum8(acc[i]) + t[i];
 }
 
 CZK_VNNI static void czk_rows_q_vnni(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
                                      int64_t r1) {
-    const int64_t bpg = m->group / 32, G = m->cols / m->group;
-    const int64_t rb = m->cols * m->bits / 8;
-    const int bits = m->bits;
-    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
-    float ds[CZK_GMAX], mn[CZK_GMAX];
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *c = (const uint8_t *)m->data + r * rb;
-        czk_h2f_row(m->scales + r * G, G, ds);
-        czk_h2f_row(m->mins + r * G, G, mn);
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t g = 0, b = 0; g < G; g++) {
-            for (int64_t e = b + bpg; b < e; b++) {
-                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
-                const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), czk_codes32(c, bits, b), xq);
-                const float s = ds[g] * a->sx[b];
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
-            }
-        }
-        float t = 0.0f;
-        for (int64_t g = 0; g < G; g++) t += mn[g] * a->gsum[g];
-        y[r] = czk_hsum8(acc) + t;
-    }
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) czk_rows_q_vnni_rb(m, a, y, r, 4);
+    for (; r < r1; r++) czk_rows_q_vnni_rb(m, a, y, r, 1);
 }
 #endif
 
@@ -563,7 +674,7 @@ static void czk_rows(const czk_mat *m, const float *x, const czk_xq *a, float *y
     const int lvl = czk_level();
     if (m->kind == CZK_Q) {
 #if CZK_X86
-        if (m->cols / m->group > CZK_GMAX) return czk_rows_q_portable(m, a, y, r0, r1);
+        if (m->cols / m->group > CZK_GMAX / 4) return czk_rows_q_portable(m, a, y, r0, r1);
         if (lvl == 2) return czk_rows_q_vnni(m, a, y, r0, r1);
         if (lvl == 1) return czk_rows_q_avx2(m, a, y, r0, r1);
 #endif
@@ -955,6 +1066,42 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
     czk_res_ctx rc = {&a->o, att, &ax, tmp, h};
     czk_run(p, czk_res_task, &rc, H, H * nq);
     czk_rms(h, a->post_norm, H, a->eps, x_out);
+    return 0;
+}
+
+/* ------------------------------------------------------------ embedding row */
+
+/* Row r of m as float32 (an embedding lookup): float kinds widened exactly,
+ * quantized ones as d * q + m in float32 (the product rounded, then the sum:
+ * store.quant.formats.dequantize's operations). Returns 0, or -1. */
+int czk_row(const czk_mat *m, int64_t r, float *out) {
+    if (!czk_check(m) || r < 0 || r >= m->rows) return -1;
+    const int64_t C = m->cols;
+    if (m->kind != CZK_Q) {
+        for (int64_t c = 0; c < C; c++) out[c] = czk_wf(m, r * C + c);
+        return 0;
+    }
+    const int64_t G = C / m->group, rb = C * m->bits / 8;
+    const uint8_t *codes = (const uint8_t *)m->data + r * rb;
+    uint8_t u[32];
+    for (int64_t b = 0; b < C / 32; b++) {
+        if (m->bits == 8) {
+            memcpy(u, codes + 32 * b, 32);
+        } else if (m->bits == 4) {
+            for (int i = 0; i < 16; i++) {
+                u[2 * i] = codes[16 * b + i] & 15u;
+                u[2 * i + 1] = codes[16 * b + i] >> 4;
+            }
+        } else {
+            czk_unpack32(codes + 4 * m->bits * b, m->bits, u);
+        }
+        const int64_t g = (32 * b) / m->group;
+        const float d = czk_h2f(m->scales[r * G + g]), mn = czk_h2f(m->mins[r * G + g]);
+        for (int i = 0; i < 32; i++) {
+            const float t = d * (float)u[i];
+            out[32 * b + i] = t + mn;
+        }
+    }
     return 0;
 }
 

@@ -352,6 +352,14 @@ class DecodeKernels:
         if rc:
             raise KernelError("czk_moe refused the layer's experts (shapes or formats differ)")
 
+    def embed(self, table: np.ndarray | PackedMatrix, token: int) -> None:
+        """:attr:`h` = row ``token`` of the embedding (a packed table: that row dequantized)."""
+        if isinstance(table, np.ndarray):
+            np.copyto(self.h, table[token])
+            return
+        if _lib.czk_row(self._desc(table), token, self._ph):
+            raise KernelError(f"czk_row refused row {token} of a {table.shape} table")
+
     def head(self, final_norm: np.ndarray, lm_head: np.ndarray | PackedMatrix, eps: float) -> None:
         """:attr:`logits` = lm_head(rmsnorm(:attr:`h`))."""
         m = self._desc(lm_head)

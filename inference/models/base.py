@@ -77,11 +77,11 @@ def matmul_small(w: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) ->
 
     Each block is a multiple of 16 rows (whole register tiles) with
     ``rows * N * K <= SMALL_GEMM``. A weight times a few columns (an expert
-    in prefill, 4-32 tokens) runs 1.4-1.6x faster this way than as one call
-    (measured here: 32 experts of ``[2048, 512]`` and ``[512, 1024]`` at 16
-    tokens, 23.5 ms against 36.6 ms). The whole blocks go to BLAS as one
-    stacked ``[M // rows, rows, K] @ [K, N]`` matmul (numpy loops over the
-    stack in C: no Python call per block), the remainder as one more call.
+    in prefill, 4-32 tokens) runs faster this way than as one call (figures:
+    ``bench/RATIONALE.md``; engine speed: ``bench/bench_engine.py``). The
+    whole blocks go to BLAS as one stacked ``[M // rows, rows, K] @ [K, N]``
+    matmul (numpy loops over the stack in C: no Python call per block), the
+    remainder as one more call.
     With one column, or too many for a 16-row block, it is one ordinary
     call. Results depend only on the shapes and memory layout (so tiered and
     resident runs, which share both, stay bit-identical).
@@ -146,9 +146,9 @@ def swiglu_fused(
     holds this stacked matrix; using it halves the BLAS calls per expert.
     Float32 weights run in column form (:func:`swiglu_columns`), returning a
     transposed view ``[T, H]``: OpenBLAS runs a tall weight times a few
-    columns about twice as fast as a few rows times a transposed weight
-    (measured here at 16 tokens: 0.43 ms against 0.89 ms for ``[2048, 512]``),
-    and the gate and up halves come out as contiguous row blocks.
+    columns faster than a few rows times a transposed weight
+    (``bench/RATIONALE.md``), and the gate and up halves come out as
+    contiguous row blocks.
     """
     if isinstance(gate_up, np.ndarray):
         return swiglu_columns(np.ascontiguousarray(x.T), gate_up, down, observe).T

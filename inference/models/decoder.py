@@ -11,7 +11,13 @@ architecture overrides: :meth:`MoEDecoder.post_qkv` (q/k norms, clipping),
 
 Routed experts are reached only through the :class:`~inference.cache.ExpertCache`:
 router -> top-k bytes -> slot. In a batch (prefill) the tokens are grouped
-by expert, so each expert is fetched and multiplied once per layer.
+by expert, so each expert is fetched and multiplied once per layer, as one
+matrix product over its tokens; when the layer touches more experts than the
+cache may hold at once (``max_acquire``), they run in waves of that many
+(residents first), so every expert is still read at most once per batch.
+A single token (decode) runs in the C kernels of
+:mod:`inference.kernels.fused`: one call for the attention block, one for the
+routing, the cache's acquire, one call for all the layer's routed experts.
 Each token's expert outputs land in a fixed ``[T, top_k, H]`` buffer and
 are summed in top-k order, so the result does not depend on the order in
 which experts were found resident or fetched: tiered and fully resident
@@ -26,6 +32,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from czyx.errors import CzyxError
 from czyx.inference.cache import ExpertCache
 from czyx.inference.errors import MissingTensorError, ScopeRoutingError, UnsupportedModelError
 from czyx.inference.kernels import fused
@@ -48,7 +55,7 @@ from czyx.inference.models.rope import RopeConfig, Rotary, rope_config
 from czyx.inference.profile import RouteRecorder
 from czyx.inference.trunkwindow import TrunkWindow, TrunkWindowStats
 from czyx.store.consumer import ModelConsumer, ModelInfo
-from czyx.store.models.archs import EXTRA_ROLES
+from czyx.store.models.archs import ALL_LAYER_ROLES
 
 
 @dataclass(frozen=True)
@@ -97,29 +104,28 @@ def common_config(
 ) -> DecoderConfig:
     """Fields every supported config spells the same way.
 
-    The expert count is ``num_experts`` or ``num_local_experts``: transformers
-    5.x aliases the two and serialises whichever the class declares (Qwen3-MoE
-    writes ``num_local_experts``, Qwen2-MoE ``num_experts``).
+    The architecture facts (layer and expert counts, width, which layers are
+    sparse) are the store's normalisation, :attr:`ModelInfo.facts`
+    (``czyx.store.models.archs``), not derived here a second time.
     """
     c = info.config
     if c.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"config hidden_act={c['hidden_act']!r} (only silu)")
-    hidden = int(_need(c, "hidden_size"))
+    try:
+        facts = info.facts
+    except CzyxError as exc:
+        raise UnsupportedModelError(str(exc)) from exc
+    hidden = facts.hidden_size
     n_heads = int(_need(c, "num_attention_heads"))
     head_dim = int(c.get("head_dim") or hidden // n_heads)
-    n_layers = int(_need(c, "num_hidden_layers"))
-    key = "num_experts" if c.get("num_experts") is not None else "num_local_experts"
-    n_experts = int(_need(c, key))
+    n_layers, n_experts = facts.n_layers, facts.n_experts
     if n_experts != info.n_experts or n_layers != info.n_layers:
         raise UnsupportedModelError(
             f"config says {n_layers} layers x {n_experts} experts but the mount says "
             f"{info.n_layers} x {info.n_experts}"
         )
-    mlp_only = set(c.get("mlp_only_layers") or [])
-    step = int(c.get("decoder_sparse_step") or 1)
-    sparse = tuple(
-        (i not in mlp_only) and n_experts > 0 and (i + 1) % step == 0 for i in range(n_layers)
-    )
+    routed = set(facts.sparse_layers) if n_experts > 0 else set()
+    sparse = tuple(i in routed for i in range(n_layers))
     return DecoderConfig(
         arch=info.arch,
         vocab_size=int(_need(c, "vocab_size")),
@@ -143,30 +149,9 @@ def common_config(
 class Layer:
     """The trunk tensors of one decoder layer, by role (None when absent), and its index."""
 
-    __slots__ = (
-        "index",
-        "input_norm",
-        "k_bias",
-        "k_norm",
-        "k_proj",
-        "mlp_down_proj",
-        "mlp_gate_proj",
-        "mlp_up_proj",
-        "o_proj",
-        "post_attn_norm",
-        "q_bias",
-        "q_norm",
-        "q_proj",
-        "router",
-        "shared_down_proj",
-        "shared_expert_gate",
-        "shared_gate_proj",
-        "shared_up_proj",
-        "v_bias",
-        "v_proj",
-        # Roles only some architectures have (store.models.archs.EXTRA_ROLES).
-        *EXTRA_ROLES,
-    )
+    # Every per-layer role the store knows (``czyx.store.models.archs``), in one
+    # fixed order: the roles are listed once, in the store.
+    __slots__ = ("index", *sorted(ALL_LAYER_ROLES))
 
     def __init__(self, index: int = -1) -> None:
         for name in self.__slots__:
@@ -269,6 +254,15 @@ class MoEDecoder:
         self.threads = fused.default_threads()
         self._kernels: fused.DecodeKernels | None = None
         self._plain_routing = type(self).route is MoEDecoder.route
+        self._czk = fused.have_czk()
+        cls = type(self)
+        # Whether a one-token step needs no numpy product (see decode_in_c).
+        self._all_c = (
+            self._czk
+            and all(getattr(cls, m) is getattr(MoEDecoder, m) for m in self._C_DECODE_BASE)
+            and all(cfg.sparse_layers)
+        )
+        self._fast_attn = all(getattr(cls, m) is getattr(MoEDecoder, m) for m in self._C_ATTN_BASE)
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
@@ -402,15 +396,19 @@ class MoEDecoder:
         """
         cfg = self.cfg
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if tokens.size == 0:
+        t = tokens.size
+        if t == 1 and self.observer is None and self._czk:
+            tok = int(tokens[0])
+            if not 0 <= tok < cfg.vocab_size:
+                raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
+            kv.reserve(kv.length + 1)
+            return self._forward_one(tok, kv, all_logits)
+        if t == 0:
             raise ValueError("forward needs at least one token")
         if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
             raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
         start = kv.length
-        t = tokens.size
         kv.reserve(start + t)
-        if t == 1 and self.observer is None and fused.have_czk():
-            return self._forward_one(int(tokens[0]), kv, all_logits)
         positions = np.arange(start, start + t)
         h = take_rows(self.embed, tokens)
         window = self.trunk_window
@@ -446,13 +444,7 @@ class MoEDecoder:
         (``_C_DECODE_BASE``: q/k transforms, attention, the KV cache, the routed
         output), and with dense MLP layers.
         """
-        cls = type(self)
-        return (
-            self.observer is None
-            and fused.have_czk()
-            and all(getattr(cls, m) is getattr(MoEDecoder, m) for m in self._C_DECODE_BASE)
-            and all(self.cfg.sparse_layers)
-        )
+        return self._all_c and self.observer is None
 
     def kernels(self) -> fused.DecodeKernels:
         """The decode step's kernels and buffers (made on first use)."""
@@ -476,12 +468,8 @@ class MoEDecoder:
         kern = self.kernels()
         start = kv.length
         h, h2, x2 = kern.h, kern.h2, kern.x2
-        if isinstance(self.embed, np.ndarray):
-            np.copyto(h, self.embed[token])
-        else:
-            np.copyto(h, take_rows(self.embed, np.array([token]))[0])
-        cls = type(self)
-        fast_attn = all(getattr(cls, m) is getattr(MoEDecoder, m) for m in self._C_ATTN_BASE)
+        kern.embed(self.embed, token)
+        fast_attn = self._fast_attn
         window = self.trunk_window
         positions = None
         for i in range(cfg.n_layers):

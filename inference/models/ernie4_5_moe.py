@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from czyx.inference.errors import MissingTensorError
+from czyx.inference.errors import MissingTensorError, ScopeRoutingError
 from czyx.inference.kernels.linear import mm_t
 from czyx.inference.models.base import F32, KVCache, softmax, swiglu
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
@@ -60,12 +60,19 @@ class Ernie45MoeDecoder(MoEDecoder):
         out = super()._attention(i, lw, x, kv, start, positions)
         return out if lw.o_bias is None else out + lw.o_bias
 
-    def route(self, lw: Layer, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def route(
+        self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Top-k of the biased probabilities; weights renormalised (floor ``moe_norm_min``)."""
         if lw.router_bias is None:
             raise MissingTensorError(f"layer {lw.index} has no e_score_correction_bias")
         probs = softmax(mm_t(x, lw.router).astype(F32, copy=False), axis=-1)
-        idx = top_k_desc(probs + lw.router_bias.reshape(-1), self.cfg.top_k)
+        choice = probs + lw.router_bias.reshape(-1)
+        if mask is not None:  # a scoped portal: choose among its experts only
+            choice = np.where(mask, choice, F32(-np.inf))
+        idx = top_k_desc(choice, self.cfg.top_k)
+        if mask is not None and not mask[idx].all():
+            raise ScopeRoutingError("the portal's classes cannot fill this token's top-k")
         w = np.take_along_axis(probs, idx, axis=-1)
         w = w / np.maximum(np.sum(w, axis=-1, keepdims=True), self.norm_min)
         return idx.astype(np.int64, copy=False), w.astype(F32, copy=False)

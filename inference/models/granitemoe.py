@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from czyx.inference.errors import UnsupportedModelError
+from czyx.inference.errors import ScopeRoutingError, UnsupportedModelError
 from czyx.inference.kernels.linear import mm_t
 from czyx.inference.models.base import F32, KVCache
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
@@ -69,9 +69,17 @@ class GraniteMoeDecoder(MoEDecoder):
     def _mlp(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
         return super()._mlp(i, lw, x) * self.residual
 
-    def route(self, lw: Layer, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Softmax over the top-k router logits."""
-        return softmax_of_top_k(mm_t(x, lw.router), self.cfg.top_k)
+    def route(
+        self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Softmax over the top-k router logits (``mask``: a scoped portal's experts)."""
+        logits = mm_t(x, lw.router)
+        if mask is not None:
+            logits = np.where(mask, logits, np.float32(-np.inf))
+        idx, w = softmax_of_top_k(logits, self.cfg.top_k)
+        if mask is not None and not mask[idx].all():
+            raise ScopeRoutingError("the portal's classes cannot fill this token's top-k")
+        return idx, w
 
     def forward(self, tokens: np.ndarray, kv: KVCache, all_logits: bool = False) -> np.ndarray:
         """The base forward, logits divided by ``logits_scaling``."""

@@ -17,8 +17,9 @@ The index lives in the store's 0xFF edge space, one association edge per
 ``(prefix hash, state space)``: key ``EDG || b"ses.prefix\\0" || h_k || space``.
 A state indexes only the block boundaries ``k = 1, 2, 4, 8, ...`` and its last
 full block (:func:`indexed_blocks`), not every block: each edge costs one
-durable LMDB transaction (~10 ms measured here), so a 4k-token state writes at
-most 8 edges instead of 64. Nothing is lost by the sparseness: the search
+durable LMDB transaction (the dominant cost of saving a state:
+``bench/bench_sessions.py``, ``bench/SESSIONS.md``), so a 4k-token state writes
+at most 8 edges instead of 64. Nothing is lost by the sparseness: the search
 finds the state holding the longest *indexed* prefix of a prompt, and the
 caller then reads that state's history and reuses the full common prefix,
 which the prefix search only has to locate. A boundary some state already

@@ -214,13 +214,13 @@ class SessionStore:
         direct: bool = False,
     ) -> None:
         from czyx.portals import READ
-        from czyx.portals.authority import OWNER, authority
+        from czyx.portals.authority import OWNER, open_authority
 
         self.store = store
         self.portal = portal
         self.direct = direct
         self.prefixes = PrefixIndex(store)
-        self._auth = authority(store)
+        self._auth = open_authority(store)
         self._read_right = READ
         perm = self._auth.verify(portal, right=READ, tenant=tenant)
         # An unbound portal is the owner's: it acts for the tenant it names, else

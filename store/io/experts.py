@@ -135,7 +135,8 @@ class ExpertReads:
         Open descriptors of the consumer's block files, indexed by
         ``ExpertExtent.block``; the consumer keeps them open while this
         object lives. Each is reopened once through the chosen I/O path, and
-        re-checked for replacement on every read.
+        re-checked for replacement on every read. Empty: every extent is read
+        through ``read_expert``.
     read_expert
         ``read_expert(layer, cls, dest)``: the consumer's own verified read,
         for extents with ``block < 0`` (no file behind them).
@@ -249,8 +250,12 @@ class ExpertReads:
                 f"{self.slot_nbytes}-byte slot"
             )
         r = ExpertRead(layer, cls, slot, ext, demand)
+        if not self._files:
+            # No files handed over (a wrapper consumer, an in-memory one): every extent
+            # is read through the consumer's own verified read_expert.
+            r.block = -1
         psrc = -1
-        if ext.block >= 0:
+        if r.block >= 0:
             psrc = self._source(ext.block)
             r.source = self.sources[ext.block].name
         elif self._read_expert is None:
@@ -435,9 +440,40 @@ class ExpertReads:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
+    # No __del__: owners close it (the planner does in its own close); the native
+    # pool and the sources free themselves when collected.
+
+
+class BlockFileExperts:
+    """Mixin for a consumer whose extents index open block-file descriptors.
+
+    The consumer gives :meth:`expert_fds` (``ExpertExtent.block`` indexes it)
+    and ``expert_extent`` / ``read_expert``; this gives it the store's
+    expert-read interface over those files.
+    """
+
+    def expert_fds(self) -> list[int]:
+        """Open descriptors of the block files, indexed by ``ExpertExtent.block``."""
+        raise NotImplementedError
+
+    def open_expert_reads(
+        self,
+        slots: Sequence[np.ndarray],
+        *,
+        readers: int = 2,
+        native: bool | None = None,
+        io: str | None = None,
+    ) -> ExpertReads:
+        """The expert-read interface onto this consumer's block files (see ``ExpertReads``)."""
+        return ExpertReads(
+            slots,
+            self.expert_extent,  # type: ignore[attr-defined]
+            files=self.expert_fds(),
+            read_expert=getattr(self, "read_expert", None),
+            readers=readers,
+            native=native,
+            io=io,
+        )
 
 
 def open_expert_reads(
@@ -472,6 +508,7 @@ __all__ = [
     "NATIVE",
     "READER_KINDS",
     "THREADS",
+    "BlockFileExperts",
     "ExpertExtentError",
     "ExpertRead",
     "ExpertReads",

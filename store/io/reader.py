@@ -13,8 +13,8 @@ buffer address and offset are aligned reads its aligned body through it and
 any unaligned tail (< one alignment unit) through the buffered descriptor, so
 every request works and a well-aligned one bypasses the page cache entirely.
 Buffers from :func:`aligned_empty` (optionally huge-page backed, which
-measured twice the O_DIRECT throughput of an ordinary buffer here) satisfy
-the alignment.
+raises O_DIRECT throughput over an ordinary buffer: ``bench/RATIONALE.md``,
+``czyx bench io``) satisfy the alignment.
 
 A request either fills its buffer completely or raises: ``ShortReadError`` at
 end of file, ``ReadIOError`` (with ``errno``) otherwise, both naming the file

@@ -5,7 +5,7 @@ Scope: one function, :func:`widen`, that the lazy trunk mode of
 keeps :func:`store.checkpoint.to_float32`). Results are the same bits as
 ``to_float32`` (numpy's conversion) for every input; the C kernel
 (``store._widen``, see :mod:`store._widen_build`) is about an order of
-magnitude faster than numpy's cast here and releases the GIL, so a trunk
+magnitude faster than numpy's cast (``bench/bench_widen.py``) and releases the GIL, so a trunk
 window's loader thread widens while the decoder computes. Without the build,
 ``to_float32`` is used and a ``RuntimeWarning`` says so once.
 """

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from czyx.store.consumer import GLOBAL_ROLES, LAYER_ROLES
+from czyx.store.consumer import GLOBAL_ROLES, LAYER_ROLES, ArchFacts
 from czyx.store.models.mount_errors import UnknownArchitectureError
 
 # Roles of DeepSeek's multi-head latent attention and its routing bias (also
@@ -300,6 +300,26 @@ class ArchSpec:
             freq = int(config.get("moe_layer_freq") or 1)
             return tuple(l for l in range(n) if l >= first and l % freq == 0)
         return tuple(range(n))
+
+
+def arch_facts(arch: str, config: Mapping[str, Any]) -> ArchFacts:
+    """The normalised :class:`~czyx.store.consumer.ArchFacts` of ``config`` for family ``arch``.
+
+    Raises
+    ------
+    UnknownArchitectureError
+        ``arch`` is not in :data:`ARCHS`, or the config lacks a required key.
+    """
+    spec = ARCHS.get(arch)
+    if spec is None:
+        raise UnknownArchitectureError(f"architecture {arch!r} is not one of {sorted(ARCHS)}")
+    return ArchFacts(
+        n_layers=spec.n_layers(config),
+        n_experts=spec.n_experts(config),
+        hidden_size=spec.hidden_size(config),
+        expert_intermediate=spec.expert_intermediate(config),
+        sparse_layers=spec.sparse_layers(config),
+    )
 
 
 def _require(config: Mapping[str, Any], keys: tuple[str, ...], arch: str) -> Any:

@@ -313,9 +313,21 @@ def _export_rebuilt(space: ModelSpace, out: Path) -> list[Path]:
     if tok is not None:
         (out / TOKENIZER_FILE).write_bytes(space.read_trunk_raw(tok).tobytes())
         written.append(out / TOKENIZER_FILE)
+    template = chat_template(root)
+    if template is not None:  # a GGUF source's chat template, where transformers looks for it
+        (out / "tokenizer_config.json").write_text(
+            json.dumps({"chat_template": template}, indent=2) + "\n"
+        )
+        written.append(out / "tokenizer_config.json")
     (out / "config.json").write_text(json.dumps(root["config"], indent=2) + "\n")
     (out / "czyx_format_history.json").write_text(json.dumps(history, indent=2) + "\n")
     return [*written, out / "config.json", out / "czyx_format_history.json"]
+
+
+def chat_template(root: dict) -> str | None:
+    """The chat template a GGUF source carried (``tokenizer.chat_template``), if any."""
+    value = ((root.get("source") or {}).get("metadata") or {}).get("tokenizer.chat_template")
+    return value if isinstance(value, str) else None
 
 
 def _expert_parts(buf: np.ndarray, fmt: str, dtype: str, shapes: tuple) -> list[np.ndarray]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,6 +86,10 @@ def has_fp8(path: str | os.PathLike[str]) -> bool:
     if not p.is_dir():
         return False
     for f in sorted(p.glob("*.safetensors")):
+        # Only regular files (a FIFO would block); anything odd is for the
+        # checkpoint reader to refuse with its typed error.
+        if not stat.S_ISREG(os.stat(f).st_mode):
+            return False
         with open(f, "rb") as fh:
             head = fh.read(8)
             if len(head) < 8:
@@ -94,7 +99,7 @@ def has_fp8(path: str | os.PathLike[str]) -> bool:
                 return False
             try:
                 header = json.loads(fh.read(n))
-            except (UnicodeDecodeError, json.JSONDecodeError):
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
                 return False  # the checkpoint reader reports it properly
         if isinstance(header, dict) and any(
             isinstance(e, dict) and e.get("dtype") in FP8_DTYPES for e in header.values()

@@ -341,6 +341,10 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
         )
     if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
         raise UnsupportedGGUFError("dense layers between sparse ones have no GGUF form")
+    heads_kv = config.get("num_key_value_heads") or config["num_attention_heads"]
+    if arch.czyx == "olmoe" and int(heads_kv) != int(config["num_attention_heads"]):
+        # its k_norm spans n_embd: llama.cpp refuses the file (as OLMoE itself has no GQA)
+        raise UnsupportedGGUFError("llama.cpp's olmoe needs num_key_value_heads == heads")
     a = arch.gguf
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or hidden // heads)
@@ -394,7 +398,65 @@ PRE_REGEX = {
         r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
     ),
 }
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 3, 4, 5, 6
+METASPACE = "\u2581"  # sentencepiece's space
+
+
+def _spm_tokenizer_json(meta: Mapping[str, Any]) -> str:
+    """``tokenizer.json`` of a sentencepiece-BPE (``llama``) GGUF vocabulary.
+
+    llama.cpp merges the adjacent pair whose concatenation is a piece with the
+    highest score, falling back to ``<0xXX>`` byte tokens; as a ``tokenizers``
+    BPE that is every split of every piece into two pieces, ranked by the
+    merged piece's score (transformers' ``generate_merges``), with byte
+    fallback, spaces as ``U+2581`` and one more prepended when ``add_space_prefix``.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    scores = list(meta.get("tokenizer.ggml.scores") or [])
+    types = list(meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
+    if len(scores) != len(tokens) or len(types) != len(tokens):
+        raise GGUFError("tokenizer.ggml.scores/token_type do not match the tokens")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise GGUFError("tokenizer.ggml.tokens has duplicate tokens")
+    pieces = {t for t, k in zip(tokens, types, strict=True) if k in (TOKEN_NORMAL, 2)}
+    merges = []
+    for piece, score, kind in zip(tokens, scores, types, strict=True):
+        if kind != TOKEN_NORMAL:
+            continue
+        local = [
+            (piece[:k], piece[k:], float(score))
+            for k in range(1, len(piece))
+            if piece[:k] in pieces and piece[k:] in pieces
+        ]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges += local
+    merges.sort(key=lambda m: m[2], reverse=True)
+    unk = int(meta.get("tokenizer.ggml.unknown_token_id", 0))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(a, b) for a, b, _ in merges],
+            unk_token=tokens[unk],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    # llama.cpp prepends one space to the text unconditionally (even before a leading space)
+    space = [normalizers.Replace(" ", METASPACE)]
+    tok.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend(METASPACE)] if prefix else []) + space
+    )
+    steps = [decoders.Replace(METASPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    special = [tokens[i] for i, t in enumerate(types) if t == TOKEN_CONTROL]
+    user = [tokens[i] for i, t in enumerate(types) if t == TOKEN_USER_DEFINED]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    return tok.to_str()
 
 
 def tokenizer_json_from_gguf(meta: Mapping[str, Any]) -> str | None:
@@ -408,10 +470,12 @@ def tokenizer_json_from_gguf(meta: Mapping[str, Any]) -> str | None:
     model = meta.get("tokenizer.ggml.model")
     if model is None:
         return None
+    if model == "llama":
+        return _spm_tokenizer_json(meta)
     if model != "gpt2":
         raise UnsupportedGGUFError(
-            f"tokenizer.ggml.model {model!r}: only byte-level BPE ('gpt2') vocabularies are "
-            "rebuilt as tokenizer.json"
+            f"tokenizer.ggml.model {model!r}: only byte-level BPE ('gpt2') and sentencepiece "
+            "BPE ('llama') vocabularies are rebuilt as tokenizer.json"
         )
     pre = str(meta.get("tokenizer.ggml.pre", "gpt-2"))
     if pre == "default":
@@ -457,6 +521,8 @@ def gguf_tokenizer_fields(tokenizer_json: str, n_vocab: int) -> dict[str, Any]:
     """
     data = json.loads(tokenizer_json)
     model = data.get("model") or {}
+    if model.get("type") == "BPE" and model.get("byte_fallback"):
+        return _spm_fields(data, model, n_vocab)
     pre = _pre_name(data.get("pre_tokenizer") or {})
     if model.get("type") != "BPE" or pre is None:
         raise UnsupportedGGUFError(
@@ -505,3 +571,53 @@ def _pre_name(pre: Mapping[str, Any]) -> str | None:
     if split.get("type") != "Split" or split.get("behavior") != "Isolated":
         return None
     return next((name for name, known in PRE_REGEX.items() if known == rx), None)
+
+
+def _spm_fields(data: Mapping[str, Any], model: Mapping[str, Any], n_vocab: int) -> dict:
+    """GGUF ``llama`` vocabulary of a sentencepiece-style BPE ``tokenizer.json``.
+
+    Scores: a piece made by a merge scores ``-rank`` of its first merge (the
+    order llama.cpp's highest-score-first merging needs); other pieces 0.
+    """
+    norm = json.dumps(data.get("normalizer"), ensure_ascii=False)
+    if METASPACE not in norm:
+        raise UnsupportedGGUFError("a byte-fallback BPE tokenizer without metaspace normalizer")
+    vocab: dict[str, int] = dict(model["vocab"])
+    added = {a["content"]: a for a in data.get("added_tokens") or []}
+    for a in added.values():
+        vocab[a["content"]] = int(a["id"])
+    if len(vocab) > n_vocab:
+        raise GGUFError(f"tokenizer has {len(vocab)} tokens, the model {n_vocab}")
+    rank: dict[str, int] = {}
+    for i, m in enumerate(model.get("merges") or []):
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        rank.setdefault(a + b, i)
+    by_id = {i: t for t, i in vocab.items()}
+    unk = model.get("unk_token")
+    tokens, scores, types = [], [], []
+    for i in range(n_vocab):
+        t = by_id.get(i)
+        if t is None:
+            tokens.append(f"[PAD{i}]")
+            scores.append(-1e9)
+            types.append(TOKEN_UNUSED)
+            continue
+        tokens.append(t)
+        scores.append(-float(rank[t]) if t in rank else 0.0)
+        if t in added and t != unk:
+            types.append(TOKEN_CONTROL if added[t].get("special") else TOKEN_USER_DEFINED)
+        elif t == unk:
+            types.append(2)
+        elif re.fullmatch(r"<0x[0-9A-F]{2}>", t):
+            types.append(TOKEN_BYTE)
+        else:
+            types.append(TOKEN_NORMAL)
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.add_space_prefix": "Prepend" in norm,
+        "tokenizer.ggml.unknown_token_id": vocab.get(unk),
+    }

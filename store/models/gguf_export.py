@@ -36,7 +36,7 @@ from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
 from czyx.store.models.archs import TOKENIZER_ROLE
 from czyx.store.models.checkpoint import DTYPES
-from czyx.store.models.export import format_history
+from czyx.store.models.export import chat_template, format_history
 from czyx.store.models.gguf import (
     UnsupportedGGUFError,
     gguf_metadata,
@@ -158,13 +158,22 @@ def export_gguf(store: Any, ref: str | Selector, out: str | os.PathLike[str]) ->
     for key, value in meta.items():
         _add_kv(writer, key, value)
     writer.add_string("czyx.format_history", json.dumps(format_history(space.root)))
+    template = chat_template(space.root)
+    if template is not None:
+        writer.add_chat_template(template)
     if tokenizer is not None:
         fields = gguf_tokenizer_fields(tokenizer, int(config["vocab_size"]))
         writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
         writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
         writer.add_token_list(fields["tokenizer.ggml.tokens"])
         writer.add_token_types(fields["tokenizer.ggml.token_type"])
-        writer.add_token_merges(fields["tokenizer.ggml.merges"])
+        if "tokenizer.ggml.merges" in fields:
+            writer.add_token_merges(fields["tokenizer.ggml.merges"])
+        if "tokenizer.ggml.scores" in fields:  # sentencepiece ("llama") vocabulary
+            writer.add_token_scores(fields["tokenizer.ggml.scores"])
+            writer.add_add_space_prefix(fields["tokenizer.ggml.add_space_prefix"])
+            if fields["tokenizer.ggml.unknown_token_id"] is not None:
+                writer.add_unk_token_id(fields["tokenizer.ggml.unknown_token_id"])
     for field, key in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "pad")):
         v = config.get(field)
         if isinstance(v, list):

@@ -20,7 +20,6 @@ an error at open, not a wrong expert at run time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +30,7 @@ from czyx.store.consumer import ExpertExtent, ModelInfo
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
 from czyx.store.interfaces import ClassView, StoreInterface
-from czyx.store.io.experts import ExpertReads
+from czyx.store.io.experts import BlockFileExperts
 from czyx.store.io.reader import RawReader
 from czyx.store.io.widen import widen
 from czyx.store.models.archs import ALL_GLOBAL_ROLES, ALL_ROLES, MTP_ROLE, TOKENIZER_ROLE
@@ -62,6 +61,16 @@ class TrunkRef:
     def shape(self) -> tuple[int, ...]:
         """The tensor's shape in the checkpoint."""
         return tuple(self.record["shape"])
+
+
+def _check_extent_fields(rec: dict, sel: Selector, key: bytes, off: str = "off") -> None:
+    """``off``/``len``/``sum`` present, integers, in range (before anything is sized by them)."""
+    for name, hi in ((off, 1 << 62), ("len", 1 << 40), ("sum", 1 << 64)):
+        v = rec.get(name)
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < hi:
+            raise ModelSpaceError(
+                f"space {sel.hex()}: record {bytes(key).hex()} field {name}={v!r:.40} invalid"
+            )
 
 
 class ModelSpace:
@@ -152,8 +161,18 @@ class ModelSpace:
         return self.blocks.index(sel)
 
     def _load_experts(self, sel: Selector) -> None:
+        try:
+            self._load_experts_checked(sel)
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            # A record missing a field or holding the wrong type: typed, naming the space.
+            raise ModelSpaceError(
+                f"space {sel.hex()}: malformed expert record ({type(exc).__name__}: {exc})"
+            ) from exc
+
+    def _load_experts_checked(self, sel: Selector) -> None:
         data_start: dict[int, int] = {}
         for key, rec in self.store.scan(sel):
+            _check_extent_fields(rec, sel, key, "off" if "blk" not in rec else "blk_off")
             k = Key.unpack(key)
             layer, byte = k.z, int(rec.get("expert", -1))
             if not (0 <= layer < self.n_layers and 0 <= byte < self.n_experts):
@@ -189,8 +208,20 @@ class ModelSpace:
     def _load_trunk(self, sel: Selector) -> None:
         if self.store.manifest(sel).get("kind") != TRUNK_KIND:
             raise ModelSpaceError(f"space {sel.hex()} is not a trunk")
-        for _, rec in self.store.scan(sel):
-            self.trunk[(rec["role"], rec["layer"])] = TrunkRef(sel, rec)
+        size = self.store.block_identity(sel).size
+        for key, rec in self.store.scan(sel):
+            role, layer = rec.get("role"), rec.get("layer")
+            if not isinstance(role, str) or not (layer is None or isinstance(layer, int)):
+                raise ModelSpaceError(f"space {sel.hex()}: trunk record {key.hex()} malformed")
+            if not {"off", "len", "sum"} & rec.keys():
+                self.trunk[(role, layer)] = TrunkRef(sel, rec)  # no extent (metadata only)
+                continue
+            _check_extent_fields(rec, sel, key)
+            if rec["off"] + rec["len"] > size:
+                raise ModelSpaceError(
+                    f"space {sel.hex()}: trunk record {key.hex()} runs past its block file"
+                )
+            self.trunk[(role, layer)] = TrunkRef(sel, rec)
 
     def _check_complete(self) -> None:
         sparse = self.root["expert"]["sparse_layers"]
@@ -233,7 +264,7 @@ class ModelSpace:
         return buf
 
 
-class StoreModel:
+class StoreModel(BlockFileExperts):
     """A mounted model version as an engine sees it (implements ``ModelConsumer``).
 
     Obtain with :func:`open_version`. Trunk tensors are read, verified and
@@ -446,32 +477,18 @@ class StoreModel:
         """The block files behind the expert extents, indexed by ``ExpertExtent.block``."""
         return [str(r.path) for r in self._readers]
 
-    def open_expert_reads(
-        self,
-        slots: Sequence[np.ndarray],
-        *,
-        readers: int = 2,
-        native: bool | None = None,
-        io: str | None = None,
-    ) -> ExpertReads:
-        """The expert-read interface onto this version's block files (see ``ExpertReads``).
+    def expert_fds(self) -> list[int]:
+        """The descriptors this model verified at open, indexed by ``ExpertExtent.block``.
 
-        The reads go through the descriptors this model verified at open (the
-        published block files, even if a path is replaced later: that is
-        refused per read as stale), and through :meth:`expert_extent`, so the
-        portal's view checks every expert they touch.
+        The store's expert reads (``open_expert_reads``, from
+        :class:`~czyx.store.io.experts.BlockFileExperts`) go through these (the
+        published block files, even if a path is replaced later: that is refused
+        per read as stale) and through :meth:`expert_extent`, so the portal's
+        view checks every expert they touch.
         """
         if not self._readers and self._space.blocks:
             raise ModelSpaceError("the model is closed: its experts cannot be read")
-        return ExpertReads(
-            slots,
-            self.expert_extent,
-            files=[r.fd for r in self._readers],
-            read_expert=self.read_expert,
-            readers=readers,
-            native=native,
-            io=io,
-        )
+        return [r.fd for r in self._readers]
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
         """Read one expert into ``slot`` (uint8, >= ``expert_nbytes``), verified.

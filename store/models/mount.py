@@ -105,11 +105,14 @@ class MountResult:
     bytes_shared: int
     seconds: float
     conversions: tuple[str, ...] = ()
+    repaired: int = 0  # extents rewritten because the published copy was damaged
 
     def summary(self) -> str:
         """The one-line summary the CLI prints."""
         rate = self.bytes_total / self.seconds / 1e9 if self.seconds > 0 else float("inf")
         state = "mounted" if self.created else "already present"
+        if self.repaired:
+            state = f"repaired ({self.repaired} damaged extents rewritten)"
         return (
             f"{state}: {self.tag} -> {self.selector.hex()[:16]}  {self.tensors} tensors, "
             f"{self.bytes_total / 1e6:.1f} MB ({self.bytes_written / 1e6:.1f} MB written, "
@@ -131,6 +134,8 @@ def resolve(store: StoreInterface, ref: str | Selector) -> Selector:
         return ref
     if isinstance(ref, str) and re.fullmatch(r"[0-9a-fA-F]{64}", ref):
         return Selector.from_hex(ref)
+    if isinstance(ref, str) and "@" not in ref:
+        raise ValueError(f"{ref!r}: give NAME@VERSION (a tag) or a 64-hex selector")
     return store.resolve_tag(ref)
 
 
@@ -260,10 +265,19 @@ def _mount(
     _check_tag_free(store, tag, sel)
     n_tensors = len(ckpt)
     if store.has_space(sel):
+        # Same content already published: check its own block files and rewrite
+        # what is damaged from this source (store.models.repair), then tag.
+        from czyx.store.models.repair import repair_version
+
+        own = [sel] + ([trunk_sel] if trunk_sel is not None and store.has_space(trunk_sel) else [])
+        fixed = repair_version(store, src, own)
         store.set_tag(tag, sel)
+        if fixed:
+            store.audit("model.repair", tag=tag, space=sel.hex(), extents=fixed)
         return MountResult(
             tag, sel, trunk_sel, False, n_tensors, total, 0, 0, time.perf_counter() - t0,
-            tuple(conversion_report(src)),
+            conversions=tuple(conversion_report(src)),
+            repaired=fixed,
         )
 
     bar = _bar(progress, total, "write")
@@ -289,7 +303,7 @@ def _mount(
         written + new,
         shared,
         time.perf_counter() - t0,
-        tuple(conversion_report(src)),
+        conversions=tuple(conversion_report(src)),
     )
 
 

@@ -28,9 +28,9 @@ def content_hash(data: Any) -> str:
     """The content identity of a tensor or extent: BLAKE3-256, hex.
 
     Cryptographic (a selector must not be forgeable by a colliding checkpoint)
-    and, unlike SHA-256, fast enough not to bound mount throughput (measured
-    here under load: ~1.1 GB/s against SHA-256's ~0.4 GB/s). Recorded in
-    every manifest as ``content_hash``.
+    and, unlike SHA-256, fast enough not to bound mount throughput (the
+    comparison: ``bench/RATIONALE.md``; mount throughput: ``bench/bench_mount.py``).
+    Recorded in every manifest as ``content_hash``.
     """
     return blake3.blake3(data).hexdigest()
 
@@ -72,6 +72,9 @@ class MountSource:
         self._spool = None if codec is None else tempfile.TemporaryFile(dir=spool_dir)  # noqa: SIM115
         self._spooled: dict[Any, tuple[int, int, str | None]] = {}
         self._spool_end = 0
+
+    # A subclass that overrides assemble/stored_tensor (GGUF, FP8 sources) spools nothing.
+    _spool = None
 
     def close(self) -> None:
         """Drop the spool file (its space returns to the file system)."""

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from czyx.inference.engine import Engine, resolve_budget
 from czyx.inference.errors import CacheBudgetError
 from czyx.inference.generate import generate, generate_ids
+from czyx.inference.options import EngineOptions
 from czyx.inference.sampling import SamplingParams
 from czyx.inference.tokenizer import ByteTokenizer
 from czyx.testing.refmodels import StateDictConsumer, tiny_model
@@ -43,7 +44,8 @@ def test_sampling_is_seeded(model):
 
 def test_streamed_text_equals_final_text_and_stats_add_up(model):
     consumer = StateDictConsumer(model)
-    eng = Engine(consumer, cache_fraction=0.25)
+    # No prefetch: every read is then a demand miss (misses == reads below).
+    eng = Engine(consumer, cache_fraction=0.25, options=EngineOptions(prefetch=False))
     pieces: list[str] = []
     out = generate(eng, ByteTokenizer(), "héllo", 20, on_text=pieces.append)
     assert "".join(pieces) == out.text

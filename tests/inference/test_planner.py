@@ -154,7 +154,7 @@ def test_an_extent_larger_than_the_slot_is_refused(tmp_path):
 
 @pytest.mark.parametrize("io", IO_PATHS)
 def test_forced_short_read_is_a_typed_error_and_the_slot_is_unmapped(synth, io):
-    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io=io, threads=2, prefetch=False)
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io=io, readers=2, prefetch=False)
     try:
         cache.acquire(0, np.array([0, 1]))
         cache.release()
@@ -190,7 +190,7 @@ def test_checksum_failure_is_a_typed_error_never_the_bytes(synth):
         f.seek(int(synth.off[1, 3]) + 17)
         f.write(b"\xff\x00")
     os.utime(synth.path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    cache = StreamingExpertCache(synth, 6 * 4096 * 3, 2, io="pread", threads=2)
+    cache = StreamingExpertCache(synth, 6 * 4096 * 3, 2, io="pread", readers=2)
     try:
         with pytest.raises(ChecksumError, match="checksum"):
             cache.acquire(1, np.array([2, 3]))
@@ -221,7 +221,7 @@ def test_late_transfer_is_a_counted_stall_or_a_typed_error(synth, gate):
 
 def test_in_flight_and_held_slots_are_never_victims(synth, gate):
     # 4 slots, top-2: two held by layer 0, two prefetched for layer 1 while the device stalls.
-    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", threads=1)
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", readers=1)
     cache.set_routers([np.eye(8, 5, dtype=np.float32)] * 3)
     n = synth.info.expert_nbytes
     try:
@@ -260,7 +260,7 @@ def test_in_flight_and_held_slots_are_never_victims(synth, gate):
 
 def test_early_routing_reads_the_layer_predicted_from_the_residual_stream(synth):
     """preroute: the layer's own router, its norm folded in, on the stream entering it."""
-    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", threads=1)
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", readers=1)
     router = np.eye(8, 5, dtype=np.float32)  # expert e < 5 responds to coordinate e
     norm = np.array([0.1, 0.1, 1, 1, 1], np.float32)
     cache.set_routers([router] * 3, [norm] * 3)
@@ -336,10 +336,10 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
                 cfg.n_sparse_experts,
                 policy,
                 io=io,
-                threads=threads,
+                readers=threads,
                 prefetch=prefetch,
-                lookahead_depth=depth,
-                prefetch_width=width,
+                lookahead=depth,
+                width=width,
                 early=early,
             )
             m = cls(fc, cache)
@@ -381,15 +381,15 @@ def test_a_demand_read_is_exposed_but_not_a_deadline_stall(synth, gate):
 
 
 def test_prefetch_width_is_validated(synth):
-    with pytest.raises(ValueError, match="prefetch_width"):
-        StreamingExpertCache(synth, 4 * 4096 * 3, 2, prefetch_width=3)
+    with pytest.raises(ValueError, match="width"):
+        StreamingExpertCache(synth, 4 * 4096 * 3, 2, width=3)
 
 
 def test_lookahead_depth_zero_needs_early_routing(synth):
     for depth, early in ((-1, True), (0, False)):
-        with pytest.raises(ValueError, match="lookahead_depth"):
-            StreamingExpertCache(synth, 4 * 4096 * 3, 2, lookahead_depth=depth, early=early)
-    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, lookahead_depth=0)
+        with pytest.raises(ValueError, match="lookahead"):
+            StreamingExpertCache(synth, 4 * 4096 * 3, 2, lookahead=depth, early=early)
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, lookahead=0)
     try:
         cache.set_routers([np.eye(8, 5, dtype=np.float32)] * 3, [np.ones(5, np.float32)] * 3)
         cache.lookahead(0, np.ones((1, 5), np.float32))

@@ -15,6 +15,7 @@ import torch
 
 from czyx.inference.engine import Engine
 from czyx.inference.generate import generate_ids
+from czyx.inference.options import EngineOptions
 from czyx.testing.refmodels import ARCHS, StateDictConsumer, tiny_model
 
 PROMPT = np.random.default_rng(7).integers(0, 256, 14)
@@ -73,7 +74,8 @@ def test_greedy_tokens_match_generate(ref, arch):
 def _run(
     consumer: StateDictConsumer, policy: str = "lru", **budget
 ) -> tuple[np.ndarray, list[int], Engine]:
-    eng = Engine(consumer, policy=policy, **budget)
+    # No prefetch: every read is then a demand miss (misses == reads below).
+    eng = Engine(consumer, options=EngineOptions(policy=policy, prefetch=False), **budget)
     logits = eng.prefill(PROMPT, all_logits=True)
     tokens, _ = generate_ids(eng, PROMPT.tolist(), STEPS)
     return logits, tokens, eng

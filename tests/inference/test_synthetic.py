@@ -34,7 +34,7 @@ def test_synthetic_model_runs_and_verifies(tmp_path):
 
 def test_streaming_cache_reads_the_block_file_directly(tmp_path):
     m = synthetic.create(tmp_path, hidden=32, inter=48, layers=2, experts=4, vocab=64)
-    cache = StreamingExpertCache(m, 4 * m.info.expert_slot_nbytes, 2, io="direct", threads=2)
+    cache = StreamingExpertCache(m, 4 * m.info.expert_slot_nbytes, 2, io="direct", readers=2)
     try:
         assert not cache.planner.reads.opened_sources()  # extents resolve on first use
         s = cache.acquire(1, np.array([2]))[0]

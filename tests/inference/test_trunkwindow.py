@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from czyx.cli import main
 from czyx.inference.engine import Engine
+from czyx.inference.options import EngineOptions
 from czyx.inference.trunkwindow import TrunkLoadError, TrunkWindow, TrunkWindowError
 from czyx.portals import open_consumer
 from czyx.store import ChecksumError, Store
@@ -76,7 +77,7 @@ def test_windowed_logits_are_bit_identical_to_the_resident_trunk(store, tag):
     assert n == 3 and res.trunk_window_stats() is None
     with open_consumer(store, None, tag, lazy_trunk=True) as lazy:
         for k, stream in ((1, True), (2, True), (n, True), (2, False)):
-            kw = {} if stream else {"stream": None}
+            kw = {} if stream else {"options": EngineOptions(stream=False)}
             got, eng = _run(lazy, cache_fraction=0.5, trunk_window=k, **kw)
             assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), k
             s = eng.trunk_window_stats()

@@ -18,9 +18,9 @@ from czyx.testing.filemodel import FileConsumer, SyntheticExperts
 @pytest.fixture
 def run(tmp_path):
     fc = FileConsumer(SyntheticExperts(n_layers=3, n_experts=8), tmp_path)
-    x = xr.XRay(io_path="pread", threads=2, device_baseline=1e9)
+    x = xr.XRay(io_path="pread", readers=2, device_baseline=1e9)
     slot = fc.info.expert_slot_nbytes
-    cache = StreamingExpertCache(fc, 5 * slot, 2, io="pread", threads=2, xray=x)
+    cache = StreamingExpertCache(fc, 5 * slot, 2, io="pread", readers=2, xray=x)
     cache.set_routers([np.eye(8, 6, dtype=np.float32)] * 3)
     rng = np.random.default_rng(0)
     for _ in range(6):  # six "tokens": route, predict the next layer, acquire

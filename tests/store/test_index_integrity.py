@@ -178,3 +178,58 @@ def test_stale_reader_slots_are_reclaimed(tmp_path: pathlib.Path) -> None:
         opener = "import sys\nfrom czyx.store import Store\nStore.open(sys.argv[1]).close()\n"
         subprocess.run([sys.executable, "-c", opener, str(path)], timeout=60, check=True)
         assert dead() == []
+
+
+def _reseal(path: pathlib.Path, db_name: str, edit) -> None:
+    """Rewrite values of ``db_name`` through ``edit(key, dict) -> dict | None`` with a
+    valid seal: a crafted store (or a writer bug), not bit rot."""
+    import msgpack
+
+    from czyx.store.core.records import seal
+
+    env = lmdb.open(str(path / "index"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        db = env.open_db(db_name.encode(), txn=txn)
+        for k, v in list(txn.cursor(db=db)):
+            rec = msgpack.unpackb(unseal(SEEDS[db_name], k, v), raw=False)
+            new = edit(k, rec)
+            if new is not None:
+                txn.put(k, seal(SEEDS[db_name], k, msgpack.packb(new, use_bin_type=True)), db=db)
+    env.close()
+
+
+@pytest.mark.parametrize(
+    ("db_name", "edit", "match"),
+    [
+        ("records", lambda k, r: {kk: v for kk, v in r.items() if kk != "len"}, "len"),
+        ("records", lambda k, r: {**r, "len": 1 << 50}, "len"),
+        ("records", lambda k, r: {**r, "sum": -1}, "sum"),
+        ("records", lambda k, r: {**r, "expert": "x"}, "malformed"),
+        (
+            "spaces",
+            lambda k, r: {**r, "manifest": {**r["manifest"], "expert": {"n_layers": 10**9}}}
+            if r["manifest"].get("kind") == "czyx.model" else None,
+            "n_layers",
+        ),
+        (
+            "spaces",
+            lambda k, r: {**r, "manifest": {**r["manifest"], "config": {
+                **r["manifest"]["config"], "rms_norm_eps": -1.0}}}
+            if r["manifest"].get("kind") == "czyx.model" else None,
+            "rms_norm_eps",
+        ),
+    ],
+    ids=["no-len", "huge-len", "negative-sum", "expert-str", "layers-1e9", "negative-eps"],
+)
+def test_crafted_records_are_typed_at_open(tmp_path, db_name, edit, match) -> None:
+    from czyx.errors import CzyxError
+    from czyx.store.models.model import ModelSpace
+    from czyx.store.models.mount import mount
+    from czyx.testing.tiny_models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint("mixtral", tmp_path / "c", num_hidden_layers=1)
+    with Store.open(tmp_path / "s") as st:
+        sel = mount(st, ckpt, "m@1").selector
+    _reseal(tmp_path / "s", db_name, edit)
+    with Store.open(tmp_path / "s") as st, pytest.raises(CzyxError, match=match):
+        ModelSpace(st, sel)

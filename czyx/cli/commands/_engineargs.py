@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from czyx.inference.options import DEFAULT_OPTIONS as DEFAULTS
+from czyx.inference.options import EngineOptions
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Add the engine flags of ``czyx run`` to ``p``."""
@@ -22,11 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
         choices=["lru", "lfu", "decay", "slru"],
-        # decay, not lru: at a 25% budget it misses less and decodes faster, synchronous
-        # and with look-ahead, on the shipped and the synthetic model (bench/EVIDENCE.md).
-        default="decay",
-        help="expert eviction policy (default decay: decaying frequency, half-life 32 "
-        "tokens; slru: segmented LRU, 80%% protected)",
+        default=DEFAULTS.policy,
+        help=f"expert eviction policy (default {DEFAULTS.policy}; decay: decaying frequency, "
+        "half-life 32 tokens; slru: segmented LRU, 80%% protected)",
     )
     p.add_argument(
         "--pin-classes",
@@ -42,15 +43,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "pread", "mmap", "direct", "io_uring"],
         help="expert I/O path (auto: the one `czyx bench io` measured fastest, else pread)",
     )
-    p.add_argument("--readers", type=int, default=2, help="expert reader threads (default 2)")
+    p.add_argument(
+        "--readers",
+        type=int,
+        default=DEFAULTS.readers,
+        help=f"expert reader threads (default {DEFAULTS.readers})",
+    )
     p.add_argument(
         "--no-prefetch", action="store_true", help="no look-ahead: read experts on demand only"
     )
     p.add_argument(
         "--lookahead",
         type=int,
-        default=1,
-        help="sparse layers predicted ahead (default 1; 0: early routing alone)",
+        default=DEFAULTS.lookahead,
+        help=f"sparse layers predicted ahead (default {DEFAULTS.lookahead}; 0: early routing "
+        "alone)",
     )
     p.add_argument(
         "--no-early",
@@ -59,10 +66,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "the residual stream entering it",
     )
     p.add_argument(
+        "--width",
         "--prefetch-width",
+        dest="width",
         type=int,
-        default=None,
-        help="predicted experts read per token and layer (default: top-k)",
+        default=DEFAULTS.width,
+        help="predicted experts read per token and layer (default: top-k; --prefetch-width "
+        "is its old spelling)",
     )
     p.add_argument(
         "--trunk-window",
@@ -97,11 +107,9 @@ def parse_class_range(text: str | None) -> tuple[int, int] | None:
     return lo, hi + 1
 
 
-def stream_options(args: argparse.Namespace):
-    """The planner options and X-Ray collector (when ``args.xray``) the flags ask for."""
-    from czyx.inference.streaming import StreamOptions
-    from czyx.inference.xray import XRay
-    from czyx.store.io.iopaths import default_io_path, load_io_config
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The :class:`EngineOptions` the flags ask for (each flag defaults to its field)."""
+    from czyx.store.io.iopaths import default_io_path
 
     if args.readers < 1:
         raise ValueError(f"--readers {args.readers} must be at least 1")
@@ -109,22 +117,32 @@ def stream_options(args: argparse.Namespace):
         raise ValueError(
             f"--lookahead {args.lookahead}: at least 1, or 0 with early routing (no --no-early)"
         )
-    io = default_io_path() if args.io == "auto" else args.io
-    stream = StreamOptions(
-        io=io,
+    return EngineOptions(
+        policy=args.policy,
+        io=default_io_path() if args.io == "auto" else args.io,
         readers=args.readers,
         prefetch=not args.no_prefetch,
         lookahead=args.lookahead,
-        width=args.prefetch_width,
+        width=args.width,
         early=not args.no_early,
     )
+
+
+def stream_options(args: argparse.Namespace) -> tuple[EngineOptions, Any]:
+    """The engine options and X-Ray collector (when ``args.xray``) the flags ask for."""
+    from czyx.inference.xray import XRay
+    from czyx.store.io.iopaths import load_io_config
+
+    options = engine_options(args)
     xray = None
     if getattr(args, "xray", None):
         cfg = load_io_config()
         xray = XRay(
-            io_path=io, threads=args.readers, device_baseline=cfg.bandwidth if cfg else None
+            io_path=options.io,
+            readers=options.readers,
+            device_baseline=cfg.bandwidth if cfg else None,
         )
-    return stream, xray
+    return options, xray
 
 
 def check_engine_args(args: argparse.Namespace) -> None:
@@ -149,14 +167,13 @@ def engine_kwargs(args: argparse.Namespace, consumer: Any) -> dict[str, Any]:
     if args.hot and consumer is not None:
         info = consumer.info
         hot = RoutingProfile.load(args.hot, info.n_layers, info.n_experts).hot_list()
-    stream, xray = stream_options(args)
+    options, xray = stream_options(args)
     return {
         "cache_bytes": None if args.cache_mb is None else int(args.cache_mb * 2**20),
         "cache_fraction": args.cache_fraction,
-        "policy": args.policy,
+        "options": options,
         "hot": hot,
         "pin_classes": parse_class_range(args.pin_classes),
-        "stream": stream,
         "xray": xray,
         "trunk_window": args.trunk_window,
         "threads": args.threads,

@@ -26,6 +26,16 @@ def open_store(args: argparse.Namespace, *, create: bool = False) -> Any:
 
 def parse_expiry(text: str, now: float) -> int:
     """Unix seconds from ``24h``/``30m``/``7d``/``90s``/``2w``, an ISO 8601 time, or ``@UNIX``."""
+    when = _parse_expiry(text, now)
+    if when <= now:
+        raise CaveatError(
+            f"expires: {text!r} is not in the future ({fmt_time(when)}): the portal would "
+            "be dead on arrival"
+        )
+    return when
+
+
+def _parse_expiry(text: str, now: float) -> int:
     t = text.strip()
     m = re.fullmatch(r"(\d+)\s*([smhdw])", t)
     if m:

@@ -22,6 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+_TIMES = ("expires", "at", "created")  # Unix times printed as dates
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the audit log entries asked for."""
     import json
@@ -42,7 +45,11 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(e, default=str, sort_keys=True))
             continue
-        rest = " ".join(f"{k}={e[k]}" for k in sorted(e) if k not in fixed and e[k] is not None)
+        rest = " ".join(
+            f"{k}={fmt_time(e[k]) if k in _TIMES and isinstance(e[k], int | float) else e[k]}"
+            for k in sorted(e)
+            if k not in fixed and e[k] is not None
+        )
         print(
             f"{e.get('seq', ''):>6}  {fmt_time(e.get('time'))}  {e.get('event', ''):14}  "
             f"{e.get('tenant') or '-':12}  {(e.get('portal') or '-')[:12]:12}  "

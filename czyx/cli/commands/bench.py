@@ -22,7 +22,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     io.add_argument("--dir", default=".", help="where to put the scratch file (default: .)")
     io.add_argument("--size-mib", type=int, default=256, help="scratch file size (MiB)")
     io.add_argument("--block-kib", type=int, default=1024, help="request size (KiB)")
-    io.add_argument("--threads", type=int, default=1, help="reader threads")
+    io.add_argument(
+        "--readers",
+        "--threads",
+        dest="readers",
+        type=int,
+        default=1,
+        help="reader threads (--threads is its old spelling)",
+    )
     io.add_argument("--queue-depth", type=int, default=8, help="io_uring queue depth")
     io.add_argument("--repeats", type=int, default=3, help="repeats per path (median)")
     io.add_argument("--warm", action="store_true", help="measure with the page cache warm")
@@ -69,7 +76,7 @@ def run_io(args: argparse.Namespace) -> int:
                 k,
                 scratch,
                 block=block,
-                threads=args.threads,
+                threads=args.readers,
                 queue_depth=args.queue_depth,
                 cold=not args.warm,
                 repeats=args.repeats,
@@ -80,7 +87,7 @@ def run_io(args: argparse.Namespace) -> int:
     base = results.get("pread")
     print(
         f"{'path':9s} {'median':>11s} {'vs pread':>9s} {'p50 us':>8s} {'p99 us':>8s}  "
-        f"({args.size_mib} MiB, {args.block_kib} KiB requests, {args.threads} thread(s), "
+        f"({args.size_mib} MiB, {args.block_kib} KiB requests, {args.readers} thread(s), "
         f"{'warm' if args.warm else 'cold'})"
     )
     for k, m in results.items():

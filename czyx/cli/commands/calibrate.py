@@ -67,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
             if n == 0:
                 raise ValueError(f"{args.text}: fewer than {args.window} tokens")
             windows = ids[:n].reshape(-1, args.window)
-            col = collect(engine, list(windows))
+            from czyx.cli.commands._progress import progress
+
+            col = collect(engine, progress(list(windows), "calibrate", len(windows)))
             engine.close()
         prov = Provenance.for_text(text, n, source=str(args.text))
         if args.tag is None:

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from czyx.cli.commands._storearg import add_store_arg, store_dir
+
+# What an export writes: removed from a non-empty target under --force, so a shard
+# of an earlier, larger checkpoint cannot survive beside the new index.
+_CHECKPOINT_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json")
 
 
 def register(subparsers: Any) -> None:
@@ -25,6 +30,12 @@ def register(subparsers: Any) -> None:
         help="safetensors export of a quantized version: write its dequantized values "
         "(lossy against the source; the format history is recorded)",
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="export into a non-empty OUT directory: its checkpoint files (*.safetensors, the "
+        "index, config.json) are removed first, so no stale shard survives",
+    )
     add_store_arg(p)
     p.set_defaults(func=run)
 
@@ -34,6 +45,22 @@ def run(args: argparse.Namespace) -> int:
     from czyx.store import Store
     from czyx.store.models.export import export
 
+    out = Path(args.out)
+    if args.format == "gguf" and out.suffix == ".gguf":
+        if out.exists() and not args.force:
+            raise ValueError(f"{out}: exists; pass --force to replace it")
+    elif out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory")
+    elif out.is_dir() and any(out.iterdir()):
+        if not args.force:
+            raise ValueError(
+                f"{out}: not empty; export into a new directory, or pass --force to replace "
+                "its checkpoint files"
+            )
+        for pattern in _CHECKPOINT_FILES:
+            for f in out.glob(pattern):
+                if f.is_file() or f.is_symlink():
+                    f.unlink()
     with Store.open(store_dir(args), create=False, readonly=True) as store:
         if args.format == "gguf":
             from czyx.store.models.gguf_export import export_gguf

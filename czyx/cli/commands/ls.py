@@ -12,6 +12,7 @@ def register(subparsers: Any) -> None:
     """Add the ``ls`` subcommand."""
     p = subparsers.add_parser("ls", help="list mounted model versions")
     add_store_arg(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per version")
     p.set_defaults(func=run)
 
 
@@ -28,10 +29,18 @@ def run(args: argparse.Namespace) -> int:
                 continue
             n, nbytes = store.aggregate(sel)
             kind = "adapter" if m["kind"] == ADAPTER_KIND else "model"
-            rows.append((tag, sel.hex()[:16], kind, m["arch"], str(n), f"{nbytes / 1e6:.1f} MB"))
+            rows.append((tag, sel.hex(), kind, m["arch"], n, nbytes))
+    if getattr(args, "json", False):
+        import json
+
+        keys = ("tag", "selector", "kind", "arch", "experts", "expert_bytes")
+        for r in rows:
+            print(json.dumps(dict(zip(keys, r))))
+        return 0
     if not rows:
         print("no model versions")
         return 0
+    rows = [(t, s[:16], k, a, str(n), f"{b / 1e6:.1f} MB") for t, s, k, a, n, b in rows]
     rows.insert(0, ("TAG", "SELECTOR", "KIND", "ARCH", "EXPERTS", "EXPERT BYTES"))
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     for r in rows:

@@ -59,7 +59,9 @@ def profile(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.text} has no tokens")
         rec = RouteRecorder(cfg.sparse_layers, cfg.n_experts, cfg.top_k)
         engine.model.recorder = rec
-        for start in range(0, len(ids), args.chunk):
+        from czyx.cli.commands._progress import progress
+
+        for start in progress(range(0, len(ids), args.chunk), "profile"):
             chunk = ids[start : start + args.chunk]
             engine.reset()
             rec.new_segment(len(chunk))

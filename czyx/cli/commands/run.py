@@ -22,6 +22,7 @@ import os
 import sys
 
 from czyx.cli.commands._engineargs import add_engine_args, parse_class_range
+from czyx.cli.commands._engineargs import engine_options as engine_options  # re-exported
 from czyx.cli.commands._engineargs import stream_options as _stream_options
 from czyx.cli.commands._storearg import add_store_arg, store_dir
 from czyx.inference.opened import OpenedModel
@@ -36,13 +37,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Generate text with a mounted model version, opened through a portal.",
     )
     p.add_argument("ref", metavar="NAME@VERSION", help="the model version's tag")
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument(
+        "prompt_arg", nargs="?", metavar="PROMPT", default=None, help="the text to continue"
+    )
+    p.add_argument(
+        "-p",
+        "--prompt",
+        default=None,
+        help="the text to continue ('-': read it from stdin); or give it positionally",
+    )
+    p.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (UTF-8)")
     p.add_argument(
         "--portal",
         default=os.environ.get("CZYX_PORTAL"),
         help="portal token with the infer right (default: $CZYX_PORTAL, else the owner's)",
     )
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1.0: off)")
@@ -65,6 +75,79 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     _add_ray_args(p)
     p.set_defaults(func=run)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt from exactly one of PROMPT, ``--prompt`` (``-``: stdin), ``--prompt-file``.
+
+    Raises
+    ------
+    ValueError
+        None or several given, or text that is not valid UTF-8 (a command-line
+        argument with undecodable bytes arrives as lone surrogates).
+    """
+    given = [
+        (name, v)
+        for name, v in (
+            ("PROMPT", args.prompt_arg),
+            ("--prompt", args.prompt),
+            ("--prompt-file", args.prompt_file),
+        )
+        if v is not None
+    ]
+    if len(given) != 1:
+        names = " and ".join(n for n, _ in given) if given else "none"
+        raise ValueError(f"give the prompt once: PROMPT, --prompt or --prompt-file ({names})")
+    name, value = given[0]
+    if name == "--prompt-file" or (value == "-" and name in ("--prompt", "PROMPT")):
+        if name == "--prompt-file":
+            with open(value, "rb") as fh:
+                data = fh.read(64 << 20)
+        else:
+            data = sys.stdin.buffer.read(64 << 20)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{name}: not valid UTF-8 (byte {exc.start})") from None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name}: not valid UTF-8 (check the terminal's encoding)") from None
+    return value
+
+
+def _check_xray_path(path: str | None) -> None:
+    """Refuse an unwritable ``--xray`` path before generating, not after."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ValueError(f"--xray {path!r}: cannot write a file there")
+
+
+def fit_context(n_prompt: int, max_tokens: int, n_positions: int | None) -> int:
+    """The tokens to generate within the model's positions (message on stderr if cut).
+
+    Raises
+    ------
+    ValueError
+        The prompt alone fills the model's context.
+    """
+    if not n_positions:
+        return max_tokens
+    if n_prompt >= n_positions:
+        raise ValueError(
+            f"the prompt is {n_prompt} tokens; the model's context holds {n_positions}"
+        )
+    if n_prompt + max_tokens > n_positions:
+        room = n_positions - n_prompt
+        print(
+            f"czyx: --max-tokens {max_tokens} cut to {room}: the model's context holds "
+            f"{n_positions} positions and the prompt uses {n_prompt}",
+            file=sys.stderr,
+        )
+        return room
+    return max_tokens
 
 
 def _write_xray(args: argparse.Namespace, engine, xray, stats) -> None:
@@ -111,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
     pin = parse_class_range(args.pin_classes)
     if args.max_tokens < 0:
         raise ValueError(f"--max-tokens {args.max_tokens} is negative")
+    args.prompt = read_prompt(args)
+    _check_xray_path(args.xray)
     if args.trunk_window is not None and args.trunk_window < 1:
         raise ValueError(f"--trunk-window {args.trunk_window} must be at least 1")
     if args.threads is not None and args.threads < 1:
@@ -124,15 +209,18 @@ def run(args: argparse.Namespace) -> int:
         if args.hot:
             info = consumer.info
             hot = RoutingProfile.load(args.hot, info.n_layers, info.n_experts).hot_list()
-        stream, xray = _stream_options(args)
+        options, xray = _stream_options(args)
+        if args.lookahead > consumer.info.n_layers:
+            raise ValueError(
+                f"--lookahead {args.lookahead}: the model has {consumer.info.n_layers} layers"
+            )
         engine = Engine(
             consumer,
             cache_bytes=cache_bytes,
             cache_fraction=args.cache_fraction,
-            policy=args.policy,
+            options=options,
             hot=hot,
             pin_classes=pin,
-            stream=stream,
             xray=xray,
             trunk_window=args.trunk_window,
             threads=args.threads,
@@ -151,7 +239,9 @@ def run(args: argparse.Namespace) -> int:
                 print(engine.trunk_window_stats().summary(), file=sys.stderr)
             engine.close()
             return 0
-        out = generate(engine, tokenizer, args.prompt, args.max_tokens, sampling, on_text=emit)
+        n_positions = consumer.info.config.get("max_position_embeddings")
+        max_tokens = fit_context(len(tokenizer.encode(args.prompt)), args.max_tokens, n_positions)
+        out = generate(engine, tokenizer, args.prompt, max_tokens, sampling, on_text=emit)
         sys.stdout.write("\n")
         sys.stdout.flush()
         budget_mb = engine.cache.n_slots * engine.cache.slot_nbytes / 2**20
@@ -185,8 +275,23 @@ def _run_session(
     """``--session NAME``: :func:`inference.sessions.run_with_session`, then its figures."""
     from czyx.inference.sampling import SamplingParams
     from czyx.inference.sessions import SessionStore, run_with_session
+    from czyx.inference.sessions.errors import SessionNotFoundError
 
     sessions = SessionStore.open(store, args.portal, tenant=args.tenant)
+    try:
+        held = sessions.info(args.session).length
+    except SessionNotFoundError:
+        held = 0
+    n_positions = engine.consumer.info.config.get("max_position_embeddings")
+    n_prompt = len(tokenizer.encode(args.prompt))
+    try:
+        args.max_tokens = fit_context(held + n_prompt, args.max_tokens, n_positions)
+    except ValueError:
+        raise ValueError(
+            f"session {args.session!r} holds {held} tokens and the prompt adds {n_prompt}; "
+            f"the model's context holds {n_positions}: fork it shorter (czyx sessions fork "
+            "--at N) or start a new session"
+        ) from None
     # Sampling flags left at their defaults keep a resumed session's own sampler
     # (parameters and RNG state), so the continuation is exact.
     chosen = None if sampling == SamplingParams() else sampling

@@ -6,6 +6,8 @@ Usage::
     czyx sessions diff A B [--tenant T]               # where two histories diverge
     czyx sessions fork PARENT CHILD [--at N]          # start CHILD from PARENT
     czyx sessions show NAME                           # every saved version of NAME
+    czyx sessions rm NAME                             # untag every version of NAME
+    czyx sessions --json                              # the listing as JSON lines
 
 The store defaults to ``$CZYX_STORE`` or ``./czyx-store``. ``diff``, ``fork``
 and ``show`` act through a portal: ``--portal TOKEN`` (default
@@ -66,13 +68,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _store_arg(p, True)
     _tenant_arg(p, True)
+    p.add_argument("--json", action="store_true", help="one JSON object per session")
     p.set_defaults(func=_list)
     sub = p.add_subparsers(dest="sessions_command", metavar="ACTION")
 
     q = sub.add_parser("list", help="list sessions, forks under their parents")
     _store_arg(q, False)
     _tenant_arg(q, False)
+    q.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
     q.set_defaults(func=_list)
+
+    q = sub.add_parser("rm", help="remove a session (every version's tag)")
+    q.add_argument("name")
+    _store_arg(q, False)
+    _tenant_arg(q, False)
+    _portal_arg(q)
+    q.set_defaults(func=_rm)
 
     q = sub.add_parser("diff", help="show where two session histories diverge")
     q.add_argument("a")
@@ -145,6 +156,25 @@ def _list(args: argparse.Namespace) -> int:
 
     with _open(args, readonly=True) as st:
         infos = list_sessions(st, args.tenant)
+    if getattr(args, "json", False):
+        import json
+
+        for i in infos:
+            print(
+                json.dumps(
+                    {
+                        "name": i.name,
+                        "version": i.version,
+                        "tokens": i.length,
+                        "bytes": i.nbytes,
+                        "tenant": i.tenant,
+                        "model": i.model.hex(),
+                        "parent": i.parent,
+                        "fork_at": i.fork_at,
+                    }
+                )
+            )
+        return 0
     if not infos:
         print("no saved sessions")
         return 0
@@ -183,9 +213,26 @@ def _fork(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     with _open(args, readonly=False) as st:
         ss = _sessions(args, st)
+        ss.info(args.name)  # SessionNotFoundError (exit 1) for a name never saved
         lineage = ss.lineage(args.name)
         print(f"{args.name}" + (f" (lineage: {' <- '.join(lineage)})" if len(lineage) > 1 else ""))
         for v, _ in ss.versions(args.name):
             i = ss.info(args.name, v)
             print(f"  v{v}: {i.length} tokens, {_size(i.nbytes)}, space {i.space.hex()[:16]}")
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    """Untag every version of a session (after the portal and tenant checks)."""
+    with _open(args, readonly=False) as st:
+        ss = _sessions(args, st)
+        ss.info(args.name)  # not found / wrong tenant: refused before anything changes
+        versions = ss.versions(args.name)
+        for v, _ in versions:
+            st.remove_tag(f"session:{args.name}@{v:08d}")
+        st.audit("session.remove", name=args.name, versions=len(versions), tenant=ss.tenant)
+    print(
+        f"removed session {args.name} ({len(versions)} versions untagged; their spaces are "
+        "kept while a fork or prefix entry may still refer to them)"
+    )
     return 0

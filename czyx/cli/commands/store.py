@@ -22,6 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from czyx.cli.commands._storearg import add_store_arg
 
     info = actions.add_parser("info", help="list spaces and tags")
+    info.add_argument("--json", action="store_true", help="one JSON object per space")
     info.set_defaults(func=_info)
     check = actions.add_parser("fsck", help="verify the index, block files and extent checksums")
     check.add_argument("--no-data", action="store_true", help="only check block-file identity")
@@ -63,6 +64,13 @@ def _info(args: argparse.Namespace) -> int:
             count, nbytes = st.aggregate(sp)
             manifest = st.manifest(sp)
             tags = ",".join(sorted(names.get(sp.raw, []))) or "-"
+            if args.json:
+                import json
+
+                row = {"space": sp.hex(), "records": count, "bytes": nbytes}
+                row |= {"tags": sorted(names.get(sp.raw, [])), "manifest_keys": sorted(manifest)}
+                print(json.dumps(row))
+                continue
             print(
                 f"{sp.hex()}  records={count}  bytes={nbytes}  tags={tags}  "
                 f"manifest={sorted(manifest)}"

@@ -46,9 +46,9 @@ def random_state(
 def sessions_for(store, tenant: str = "alice", **kw):
     """A :class:`SessionStore` through a fresh portal granted to ``tenant``."""
     from czyx.inference.sessions.store import SessionStore
-    from czyx.portals.authority import authority
+    from czyx.portals.authority import open_authority
 
-    return SessionStore(store, authority(store).grant([], tenant=tenant).token, **kw)
+    return SessionStore(store, open_authority(store).grant([], tenant=tenant).token, **kw)
 
 
 def states_equal(a: SessionState, b: SessionState) -> bool:

@@ -12,7 +12,7 @@ from czyx.inference.sessions.live import LiveSession
 from czyx.inference.sessions.store import SessionStore
 from czyx.inference.tokenizer import ByteTokenizer
 from czyx.portals import open_model
-from czyx.portals.authority import authority
+from czyx.portals.authority import open_authority
 from czyx.store import Store
 from czyx.store.models.model import open_version as open_consumer
 from czyx.store.models.mount import mount
@@ -32,7 +32,7 @@ def mounted(tmp_path_factory):
 
 
 def _engine(st: Store, tag: str) -> Engine:
-    view = open_model(st, authority(st).root_token(), tag)
+    view = open_model(st, open_authority(st).root_token(), tag)
     return Engine(open_consumer(st, tag, view=view))
 
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from czyx.cli import main
 from czyx.inference.sessions.format import BLOCK
-from czyx.portals.authority import authority
+from czyx.portals.authority import open_authority
 from czyx.store import Store
 from tests.inference.sessions.helpers import random_state, sessions_for
 
@@ -74,7 +74,7 @@ def test_refusals_are_one_line(tmp_path, capsys):
     assert "not 'owner'" in capsys.readouterr().err
     # A portal bound to bob cannot act for alice.
     with Store.open(tmp_path) as st:
-        bob = authority(st).grant([], tenant="bob").token
+        bob = open_authority(st).grant([], tenant="bob").token
     args = [*store, "--portal", bob, "--tenant", "alice"]
     assert main(["sessions", "diff", "main", "side", *args]) == 1
     assert "not for tenant 'alice'" in capsys.readouterr().err

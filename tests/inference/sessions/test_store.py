@@ -25,7 +25,7 @@ from czyx.inference.sessions.errors import (
 from czyx.inference.sessions.format import BLOCK
 from czyx.inference.sessions.store import FORK_EDGE, RECORD_KEY, SessionStore, list_sessions
 from czyx.portals import PortalDenied, Spaces
-from czyx.portals.authority import authority
+from czyx.portals.authority import open_authority
 from czyx.space import Selector
 from czyx.store import ChecksumError, Store
 from czyx.store.core.writer import SpaceWriter
@@ -280,9 +280,14 @@ def test_sigkill_at_random_instants(tmp_path):
             assert done[-1] <= head <= done[-1] + 1
             assert head > last
             assert states_equal(ss.load("s"), state_for(head))
-            # The index is written before the tag: a tagged head is findable by its history.
+            # The index is written before the tag: a tagged head is findable by its
+            # history, once that history holds a full block (version 1's 63 tokens do
+            # not: shorter histories are never prefix-indexed, by design).
             hit = ss.find_prefix(state_for(head).tokens, MODEL_A)
-            assert hit is not None and hit.space == ss.info("s").space
+            if len(state_for(head).tokens) >= BLOCK:
+                assert hit is not None and hit.space == ss.info("s").space
+            else:
+                assert hit is None
             last = head
 
 
@@ -290,7 +295,7 @@ def test_sigkill_at_random_instants(tmp_path):
 
 
 def test_sessions_are_opened_through_the_portal(store):
-    auth = authority(store)
+    auth = open_authority(store)
     g = auth.grant([], tenant="alice")
     ss = SessionStore(store, g.token)
     assert ss.tenant == "alice"

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from gguf import GGUFReader
 from safetensors import safe_open
 
 from czyx import portals
@@ -14,6 +15,7 @@ from czyx.inference.engine import Engine
 from czyx.inference.opened import OpenedModel
 from czyx.store import Store
 from czyx.store.models.export import ExportError, export
+from czyx.store.models.gguf_export import export_gguf
 from czyx.store.models.mount import mount
 from czyx.store.quant.codec import QuantCodec
 from czyx.store.quant.policy import parse_policy
@@ -45,10 +47,15 @@ def _history(path) -> list:
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_float_gguf_version_exports_as_a_transformers_checkpoint(tmp_path, arch):
     model = gguf_model(arch)
-    write_gguf(model, tmp_path / "m.gguf", "f16")
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    write_gguf(model, tmp_path / "m.gguf", "f16", chat_template=template)
     with Store.open(tmp_path / "s") as store:
         mount(store, tmp_path / "m.gguf", "m@1")
         export(store, "m@1", tmp_path / "out")
+        (gg,) = export_gguf(store, "m@1", tmp_path / "again.gguf")
+    tok_cfg = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert tok_cfg["chat_template"] == template
+    assert GGUFReader(gg).fields["tokenizer.chat_template"].contents() == template
     want = _logits(reference_model(model, "f16"))
     got = _logits(_load(arch, tmp_path / "out"))
     assert np.abs(got - want).max() < 1e-5 * float(want.max() - want.min())

@@ -111,12 +111,19 @@ def test_quantized_store_version_runs_in_llama_cpp(tmp_path):
     assert len(_greedy_llama_cpp(path)) == STEPS  # loads and decodes (values: q4, not exact)
 
 
-def test_config_llama_cpp_cannot_express_is_refused(tmp_path):
-    model = gguf_model("mixtral", sliding_window=16)
+@pytest.mark.parametrize(
+    ("arch", "over", "match"),
+    [
+        ("mixtral", {"sliding_window": 16}, "sliding window"),
+        ("olmoe", {"num_key_value_heads": 2}, "num_key_value_heads"),
+    ],
+)
+def test_config_llama_cpp_cannot_express_is_refused(tmp_path, arch, over, match):
+    model = gguf_model(arch, **over)
     model.save_pretrained(tmp_path / "ckpt")
     with Store.open(tmp_path / "s") as store:
         mount(store, tmp_path / "ckpt", "m@1")
-        with pytest.raises(UnsupportedGGUFError, match="sliding window"):
+        with pytest.raises(UnsupportedGGUFError, match=match):
             export_gguf(store, "m@1", tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
 
@@ -135,3 +142,30 @@ def test_cli_exports_gguf(tmp_path, capsys):
         a = mount(store, out, "m@again")
     assert a.tensors > 0
     _ = reference_model  # the float round trip is exact: covered by the mount tests
+
+
+def test_sentencepiece_vocabulary_tokenizes_as_llama_cpp_and_round_trips(tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from czyx.inference.opened import OpenedModel
+    from czyx.inference.tokenizer import tokenizer_for
+    from czyx.portals import root_token
+    from czyx.testing.gguf_writer import tiny_spm_vocab
+
+    model = gguf_model("mixtral", vocab_size=600)
+    write_gguf(model, tmp_path / "in.gguf", "f16", spm_vocab=tiny_spm_vocab(600))
+    with Store.open(tmp_path / "s") as store:
+        mount(store, tmp_path / "in.gguf", "m@1")
+        (out,) = export_gguf(store, "m@1", tmp_path / "out.gguf")
+        token = root_token(store)
+    texts = ["the quick brown fox", "  two spaces", "mixture of experts! 42 \u00e9 \u65e5\u672c\nx"]
+    with OpenedModel(str(tmp_path / "s"), "m@1", token) as opened:
+        tok = tokenizer_for(opened.consumer, 600)
+        for path in (tmp_path / "in.gguf", out):
+            llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+            try:
+                for text in texts:
+                    want = llm.tokenize(text.encode(), add_bos=False, special=False)
+                    assert tok.encode(text) == want, (path.name, text)
+                    assert tok.decode(want) == text
+            finally:
+                llm.close()

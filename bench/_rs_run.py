@@ -1,0 +1,189 @@
+"""One engine on the real-shape model, as a subprocess: prefill, decode, report JSON.
+
+Used by ``bench/bench_scale.py`` (each run in its own memory cgroup) and by
+``python bench/realshape.py``'s greedy check. Token ids come from
+``realshape.text_ids`` so both engines see the same sequence.
+
+Decode is teacher-forced by default (the next token of the text is fed, not the
+argmax): a random-weight model's greedy continuation soon repeats itself, which
+would make the expert cache look better than on real text. ``--greedy`` feeds
+the argmax instead (the cross-engine token check).
+
+Reported: prefill and decode tokens/s (wall), the greedy or fed tokens, and for
+czyx the expert cache's hits, misses and bytes read; the process's own peak RSS
+(``VmHWM``); the caller reads the group's peak itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from realshape import text_ids
+
+
+def _vm_hwm() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return -1
+
+
+def read_bytes() -> int:
+    """Bytes this process has caused to be read from storage (``/proc/self/io``):
+    O_DIRECT reads and page-cache misses (mmap faults, readahead) alike."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return -1
+
+
+def run_llama(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: list[int]) -> dict:
+    import llama_cpp
+    import llama_cpp.llama_cpp as lc
+
+    orig = lc.llama_model_default_params
+
+    def params():  # llama.cpp's AMX repacked buffers crash on q8_0/q4_0 here
+        p = orig()
+        p.use_extra_bufts = False
+        return p
+
+    lc.llama_model_default_params = params
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(
+        model_path=a.model,
+        n_ctx=len(prompt) + len(feed) + 8,
+        n_batch=max(32, len(prompt)),
+        n_threads=a.threads,
+        n_threads_batch=a.threads,
+        use_mmap=True,
+        verbose=False,
+    )
+    load = time.perf_counter() - t0
+    t0 = time.perf_counter()
+
+    def last_logits() -> np.ndarray:  # llama-cpp-python keeps no scores without logits_all
+        ptr = lc.llama_get_logits_ith(llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+
+    llm.eval(prompt)
+    prefill = time.perf_counter() - t0
+    for tok in warm:  # not timed: fills llama.cpp's page cache / czyx's slots
+        llm.eval([tok])
+    toks = []
+    nxt = int(np.argmax(last_logits()))
+    r0 = read_bytes()
+    t0 = time.perf_counter()
+    for i in range(len(feed)):
+        tok = nxt if a.greedy else feed[i]
+        toks.append(tok)
+        llm.eval([tok])
+        nxt = int(np.argmax(last_logits()))
+    decode = time.perf_counter() - t0
+    return {
+        "load_s": load,
+        "prefill_s": prefill,
+        "decode_s": decode,
+        "tokens": toks,
+        "decode_read_bytes": read_bytes() - r0,
+    }
+
+
+def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: list[int]) -> dict:
+    from threadpoolctl import threadpool_limits
+
+    from czyx.inference.engine import Engine
+    from czyx.inference.opened import OpenedModel
+    from czyx.inference.streaming import StreamOptions
+
+    threadpool_limits(a.threads)
+    t0 = time.perf_counter()
+    with OpenedModel(a.store, a.tag, None) as model:
+        stream = StreamOptions(io=a.io, readers=2, prefetch=not a.no_prefetch)
+        kw = {"cache_bytes": a.cache_mb << 20} if a.cache_mb else {"cache_fraction": 1.0}
+        hot = None
+        if a.prewarm:  # every expert read before the first token (a resident run)
+            info = model.consumer.info
+            hot = [(i, e) for i in range(info.n_layers) for e in range(info.n_experts)]
+        eng = Engine(model.consumer, stream=stream, policy="decay", hot=hot, **kw)
+        try:
+            load = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            logits = eng.prefill(prompt)
+            prefill = time.perf_counter() - t0
+            for tok in warm:  # not timed
+                logits = eng.decode(tok)
+            s0 = eng.stats()
+            toks = []
+            r0 = read_bytes()
+            t0 = time.perf_counter()
+            for i in range(len(feed)):
+                tok = int(np.argmax(logits)) if a.greedy else feed[i]
+                toks.append(tok)
+                logits = eng.decode(tok)
+            decode = time.perf_counter() - t0
+            r1 = read_bytes()
+            st = eng.stats().minus(s0)
+            out = {
+                "load_s": load,
+                "prefill_s": prefill,
+                "decode_s": decode,
+                "tokens": toks,
+                "budget_bytes": eng.budget_bytes,
+                "expert_bytes": eng.expert_bytes,
+                "slots": st.n_slots,
+                "hits": st.hits,
+                "misses": st.misses,
+                "bytes_read": st.bytes_read,
+                "hit_rate": st.hit_rate,
+                "decode_read_bytes": r1 - r0,
+            }
+        finally:
+            eng.cache.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engine", choices=["llama", "czyx"], required=True)
+    ap.add_argument("--model", help="GGUF file (llama)")
+    ap.add_argument("--store", help="czyx store directory")
+    ap.add_argument("--tag", help="czyx NAME@VERSION")
+    ap.add_argument("--vocab", type=int, required=True)
+    ap.add_argument("--text", required=True)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache-mb", type=int, default=0, help="czyx slot budget (0: all)")
+    ap.add_argument("--io", default="direct")
+    ap.add_argument("--no-prefetch", action="store_true")
+    ap.add_argument("--greedy", action="store_true")
+    ap.add_argument("--warmup", type=int, default=0, help="untimed decode tokens first")
+    ap.add_argument("--prewarm", action="store_true", help="czyx: read every expert first")
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args(argv)
+    ids = text_ids(Path(a.text).read_bytes(), a.vocab, a.prompt + a.warmup + a.tokens)
+    prompt, warm, feed = ids[: a.prompt], ids[a.prompt : a.prompt + a.warmup], ids[-a.tokens :]
+    res = (run_llama if a.engine == "llama" else run_czyx)(a, prompt, warm, feed)
+    res.update(
+        engine=a.engine,
+        prompt=a.prompt,
+        n_decode=a.tokens,
+        warmup=a.warmup,
+        threads=a.threads,
+        vm_hwm=_vm_hwm(),
+        prefill_tok_s=a.prompt / res["prefill_s"],
+        decode_tok_s=a.tokens / res["decode_s"] if a.tokens else float("nan"),
+    )
+    Path(a.json).write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""Bigger than memory: czyx and llama.cpp on the real-shape model under the same memory cap.
+
+Runs on a directory written by ``bench/realshape.py gen`` (``hf/``, ``gguf/model-q8_0.gguf``
+and a czyx store holding the q8 version, e.g. by ``bench/bench_quant_mount.py``).
+
+1. Resident (no cap): each engine once, the reference speeds.
+2. Capped: for each ``--ratios`` value r the cap is the q8 GGUF's size / r (the
+   model's stored bytes are r times the cap). Each engine runs in its own cgroup
+   v1 memory group (``/sys/fs/cgroup/memory/<group>``, ``memory.limit_in_bytes``,
+   which counts page cache) with that cap, after the model's files are evicted
+   from the page cache (``posix_fadvise(DONTNEED)``: pages already cached stay
+   charged to whoever read them first, so the cap would not bite). llama.cpp as
+   its users run it (mmap, its default); czyx with its slot cache sized to fit
+   inside the cap (the cap minus what its resident run held besides the
+   experts, minus a margin), O_DIRECT reads, prefetch on. Reported: prefill and
+   decode tokens/s, bytes read from storage per decoded token
+   (``/proc/self/io``), czyx's hit rate, the group's peak memory
+   (``memory.max_usage_in_bytes``) and whether the kernel killed anything.
+   Where cgroups are not writable, this part is skipped with a message.
+3. The dial: czyx (no cgroup) with slot budgets of 100/50/25/12.5 % of the
+   expert bytes: decode tokens/s, hit rate, bytes read per token.
+
+Decode is teacher-forced (see ``bench/_rs_run.py``). Writes ``--md``
+(``bench/SCALE.md``) with the machine, load averages, every figure and the
+command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CG = Path("/sys/fs/cgroup/memory")
+TEXT = HERE.parent / "store" / "models" / "mount.py"
+
+
+def evict(paths: list[Path]) -> None:
+    """Drop the files' pages from the page cache (posix_fadvise DONTNEED)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cgroups_writable() -> str | None:
+    """None when a memory group can be made and capped here, else why not."""
+    if not (CG / "memory.limit_in_bytes").exists():
+        return f"{CG} is not a cgroup v1 memory controller"
+    probe = CG / f"czyx-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        (probe / "memory.limit_in_bytes").write_text(str(1 << 30))
+    except OSError as exc:
+        return f"cannot create a memory group: {exc}"
+    finally:
+        if probe.exists():
+            probe.rmdir()
+    return None
+
+
+def run(args: list[str], cap: int | None, name: str) -> dict:
+    """Run ``_rs_run.py args`` (in a fresh memory group capped at ``cap`` bytes)."""
+    out = Path(f"/tmp/czyx-scale-{os.getpid()}-{name}.json")
+    cmd = [sys.executable, str(HERE / "_rs_run.py"), *args, "--json", str(out)]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    group = None
+    if cap is not None:
+        group = CG / f"czyx-scale-{os.getpid()}-{name}"
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(cap))
+        (group / "memory.swappiness").write_text("0")
+        shell = f"echo $$ > {group}/cgroup.procs && exec {shlex.join(cmd)}"
+        cmd = ["sh", "-c", shell]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        res = json.loads(out.read_text()) if proc.returncode == 0 else {}
+        res["rc"] = proc.returncode
+        if proc.returncode != 0:
+            res["stderr"] = proc.stderr[-2000:]
+        if group is not None:
+            res["cap"] = cap
+            res["group_peak"] = int((group / "memory.max_usage_in_bytes").read_text())
+            res["failcnt"] = int((group / "memory.failcnt").read_text())
+            oom = (group / "memory.oom_control").read_text()
+            res["oom_kills"] = int(
+                next((ln.split()[1] for ln in oom.splitlines() if ln.startswith("oom_kill ")), 0)
+            )
+    finally:
+        if group is not None:
+            for _ in range(50):  # the group empties when its process has exited
+                try:
+                    group.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+        out.unlink(missing_ok=True)
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def machine() -> str:
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        platform.machine(),
+    )
+    mem = next(
+        ln.split()[1]
+        for ln in Path("/proc/meminfo").read_text().splitlines()
+        if ln.startswith("MemTotal")
+    )
+    return f"{cpu}, {os.cpu_count()} vCPUs (shared with other jobs), {int(mem) / 2**20:.1f} GiB RAM"
+
+
+def fmt_row(label: str, r: dict) -> str:
+    if r.get("rc", 0) != 0:
+        return f"| {label} | failed (rc {r.get('rc')}) | | | | | |"
+    bpt = r.get("decode_read_bytes", 0) / max(1, r["n_decode"])
+    hit = f"{r['hit_rate']:.3f}" if "hit_rate" in r else "-"
+    peak = f"{r['group_peak'] / 2**20:.0f} MiB" if "group_peak" in r else "-"
+    kills = str(r.get("oom_kills", "-"))
+    return (
+        f"| {label} | {r['prefill_tok_s']:.2f} | {r['decode_tok_s']:.2f} | {bpt / 1e6:.1f} | "
+        f"{hit} | {peak} | {kills} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="realshape directory")
+    ap.add_argument("--store", default=None, help="czyx store (default OUT/store)")
+    ap.add_argument("--tag", default="rs@q8")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=8, help="untimed decode tokens first")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ratios", type=float, nargs="*", default=[1.8, 3.6])
+    ap.add_argument("--dial", type=float, nargs="*", default=[1.0, 0.5, 0.25, 0.125])
+    ap.add_argument("--margin", type=float, default=0.1, help="czyx cap headroom fraction")
+    ap.add_argument("--md", default=str(HERE / "SCALE.md"))
+    ap.add_argument("--stats-tokens", type=int, default=256)
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    store = Path(a.store) if a.store else out / "store"
+    shape = json.loads((out / "shape.json").read_text())
+    gguf = out / "gguf" / "model-q8_0.gguf"
+    load0 = os.getloadavg()
+    sys.path.insert(0, str(HERE))
+    from realshape import stats_rows, stats_table
+
+    routing = stats_table(stats_rows(out, a.tag, TEXT, a.stats_tokens))
+    print("\n".join(routing), flush=True)
+    common = [
+        "--vocab",
+        str(shape["vocab"]),
+        "--text",
+        str(TEXT),
+        "--prompt",
+        str(a.prompt),
+        "--tokens",
+        str(a.tokens),
+        "--threads",
+        str(a.threads),
+    ]
+    llama = ["--engine", "llama", "--model", str(gguf), *common]
+    czyx = ["--engine", "czyx", "--store", str(store), "--tag", a.tag, *common]
+    blocks = sorted(p for p in store.rglob("*") if p.is_file() and p.stat().st_size > 1 << 20)
+    files = [gguf, *blocks]
+    stored = gguf.stat().st_size
+    rows: list[tuple[str, dict]] = []
+    print(f"model: {shape['arch']} {shape['layers']} layers, q8_0 GGUF {stored / 1e9:.2f} GB")
+
+    res_l = run(llama, None, "llama-resident")
+    res_c = run([*czyx, "--prewarm"], None, "czyx-resident")
+    rows += [("llama.cpp q8_0, resident", res_l), ("czyx q8, resident", res_c)]
+    print(fmt_row("llama resident", res_l), flush=True)
+    print(fmt_row("czyx resident", res_c), flush=True)
+    # what czyx holds besides its expert slots, from its resident run
+    other = res_c.get("vm_hwm", 0) - res_c.get("expert_bytes", 0)
+
+    why = cgroups_writable()
+    capped: list[tuple[float, int, dict, dict, int]] = []
+    if why is None:
+        for r in a.ratios:
+            cap = int(stored / r)
+            budget_mb = int((cap * (1 - a.margin) - other) / 2**20)
+            evict(files)
+            rl = run(llama, cap, f"llama-{r}")
+            print(fmt_row(f"llama cap {cap / 2**20:.0f} MiB", rl), flush=True)
+            evict(files)
+            if budget_mb <= 0:
+                rc = {"rc": -1, "stderr": f"no room for slots: {other / 2**20:.0f} MiB besides"}
+            else:
+                rc = run([*czyx, "--cache-mb", str(budget_mb)], cap, f"czyx-{r}")
+            print(
+                fmt_row(f"czyx cap {cap / 2**20:.0f} MiB ({budget_mb} MiB slots)", rc), flush=True
+            )
+            capped.append((r, cap, rl, rc, budget_mb))
+    else:
+        print(f"skipping the capped runs: {why}")
+
+    dial = []
+    exp_mb = res_c.get("expert_bytes", 0) / 2**20
+    for f in a.dial:
+        mb = max(1, int(exp_mb * f))
+        evict(files)
+        rd = run([*czyx, "--cache-mb", str(mb)], None, f"dial-{f}")
+        print(fmt_row(f"czyx dial {f:.3f} ({mb} MiB)", rd), flush=True)
+        dial.append((f, mb, rd))
+    load1 = os.getloadavg()
+
+    cmd = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+    head = (
+        "| run | prefill tok/s | decode tok/s | MB read / decode token | hit rate | "
+        "group peak | OOM kills |"
+    )
+    sep = "|---|---|---|---|---|---|---|"
+    md = [
+        "# Bigger than memory (generated by bench/bench_scale.py)",
+        "",
+        f"Machine: {machine()}. Load average {load0[0]:.1f} / {load0[1]:.1f} / {load0[2]:.1f} "
+        f"before, {load1[0]:.1f} / {load1[1]:.1f} / {load1[2]:.1f} after.",
+        "",
+        f"Command: `{cmd}`",
+        "",
+        f"Model: `bench/realshape.py` {shape['arch']} shape, {shape['layers']} of its layers "
+        f"(seed {shape['seed']}, mix {shape['mix']}), {shape['experts']} experts top-"
+        f"{shape['top_k']}, hidden {shape['hidden']}, expert intermediate {shape['inter']}, "
+        f"vocab {shape['vocab']}. llama.cpp: `{gguf.name}` ({stored / 2**20:.0f} MiB, mmap); "
+        f"czyx: `{a.tag}` (q8 experts and matrices, routers float; O_DIRECT slot cache, "
+        f"prefetch). {a.prompt}-token prompt, {a.warmup} untimed then {a.tokens} timed "
+        f"teacher-forced decode tokens (the resident czyx run prewarms every expert), "
+        f"{a.threads} threads each, one run per row (wall clock).",
+        "",
+        f"## Routing ({a.stats_tokens} tokens of `{TEXT.relative_to(HERE.parent)}`, "
+        "czyx prefill, resident)",
+        "",
+        *routing,
+        "",
+        "## Resident and capped",
+        "",
+        head,
+        sep,
+    ]
+    for label, r in rows:
+        md.append(fmt_row(label, r))
+    if why is not None:
+        md += ["", f"Capped runs skipped: {why}."]
+    for r, cap, rl, rc, budget_mb in capped:
+        md.append(fmt_row(f"llama.cpp, cap {cap / 2**20:.0f} MiB (stored {r}x cap)", rl))
+        md.append(
+            fmt_row(f"czyx, cap {cap / 2**20:.0f} MiB (stored {r}x cap), {budget_mb} MiB slots", rc)
+        )
+    md += ["", "Ratios (decode tok/s):", ""]
+    for r, _cap, rl, rc, _ in capped:
+        if rl.get("rc") == 0 and rc.get("rc") == 0 and res_c.get("rc") == 0:
+            md.append(
+                f"- stored {r}x cap: czyx / llama.cpp = "
+                f"{rc['decode_tok_s'] / rl['decode_tok_s']:.2f}x; czyx capped / czyx resident = "
+                f"{rc['decode_tok_s'] / res_c['decode_tok_s']:.2f}x"
+            )
+        else:
+            md.append(f"- stored {r}x cap: a run failed (see the table)")
+    md += ["", "## The dial (czyx, no cgroup, files evicted first)", "", head, sep]
+    for f, mb, rd in dial:
+        md.append(fmt_row(f"{f * 100:g} % of expert bytes ({mb} MiB)", rd))
+    for label, r in [*rows, *[(f"cap {c[0]}", c[3]) for c in capped]]:
+        if r.get("rc", 0) != 0:
+            md += ["", f"{label} stderr tail: `{r.get('stderr', '')[-300:]}`"]
+    md.append("")
+    Path(a.md).write_text("\n".join(md))
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

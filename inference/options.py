@@ -1,0 +1,103 @@
+"""How an engine runs: one frozen options value, the same defaults from every entry point.
+
+Scope: :class:`EngineOptions`, taken unchanged by :class:`~czyx.inference.engine.Engine`,
+``czyx run`` (whose flags default to these fields), ``czyx demo`` and the benches. Why
+one value: when the engine and the CLI each had their own defaults, a script got LRU
+without prefetch while ``czyx run`` got decaying frequency with look-ahead, so the same
+model behaved differently depending on the entry point. Each field names one concept
+once (``readers``, ``lookahead``, ``width``), and the CLI flag spells the same name.
+
+The defaults are the configuration the engine benchmarks measured best at a partial
+budget (``bench/ENGINE.md``, ``bench/STREAMING.md``): decaying-frequency eviction, reads
+through the transfer planner with look-ahead and early routing.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any
+
+#: Old keyword spellings, accepted with a DeprecationWarning: old name -> field.
+DEPRECATED_NAMES = {"threads": "readers", "lookahead_depth": "lookahead", "prefetch_width": "width"}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Eviction and expert-streaming choices of one engine.
+
+    Attributes
+    ----------
+    policy
+        Eviction policy name (:data:`czyx.inference.cache.POLICIES`).
+    stream
+        Read experts through the transfer planner (asynchronous, verified,
+        with the options below); False: the synchronous
+        :class:`~czyx.inference.cache.ExpertCache` (one ``read_expert`` per miss).
+    io
+        I/O path (:data:`czyx.store.io.iopaths.PATHS`); None: the one
+        ``czyx bench io`` measured fastest on this machine, else buffered ``pread``.
+    readers
+        Expert reader threads (>= 1).
+    native
+        Reader kind: None, the store's native C pool whenever it is built;
+        False, Python threads.
+    prefetch
+        Issue predicted reads ahead of use (False: every read is a demand read).
+    lookahead
+        Sparse layers predicted ahead (0: early routing alone).
+    width
+        Predicted experts read per token and layer (None: the model's top-k).
+    early
+        Also predict each sparse layer from the residual stream entering it.
+    strict_deadlines
+        A transfer that completes after its deadline raises instead of counting a stall.
+    """
+
+    policy: str = "decay"
+    stream: bool = True
+    io: str | None = None
+    readers: int = 2
+    native: bool | None = None
+    prefetch: bool = True
+    lookahead: int = 1
+    width: int | None = None
+    early: bool = True
+    strict_deadlines: bool = False
+
+    def __post_init__(self) -> None:
+        if self.readers < 1:
+            raise ValueError(f"readers: {self.readers} must be at least 1")
+        if self.lookahead < 0 or (self.lookahead == 0 and not self.early):
+            raise ValueError(
+                f"lookahead: {self.lookahead}: at least 1, or 0 with early routing"
+            )
+        if self.width is not None and self.width < 1:
+            raise ValueError(f"width: {self.width} must be at least 1")
+
+    def with_(self, **changes: Any) -> EngineOptions:
+        """A copy with ``changes`` (old spellings accepted, with a DeprecationWarning)."""
+        return replace(self, **renamed(changes, stacklevel=3))
+
+
+def renamed(kwargs: dict[str, Any], *, stacklevel: int = 2) -> dict[str, Any]:
+    """``kwargs`` with deprecated option names mapped to the current ones (warned once each).
+
+    Raises
+    ------
+    TypeError
+        Both an old and a new spelling of one option were given.
+    """
+    out = dict(kwargs)
+    for old, new in DEPRECATED_NAMES.items():
+        if old in out:
+            if new in out:
+                raise TypeError(f"give {new!r} only ({old!r} is its deprecated spelling)")
+            warnings.warn(
+                f"{old!r} is deprecated: use {new!r}", DeprecationWarning, stacklevel=stacklevel + 1
+            )
+            out[new] = out.pop(old)
+    return out
+
+
+DEFAULT_OPTIONS = EngineOptions()
