@@ -173,9 +173,10 @@ def _single_process(root: Path, tokens: int) -> float:
     from czyx.inference.distributed.stages import greedy
     from czyx.inference.engine import Engine
     from czyx.inference.opened import OpenedModel
+    from czyx.inference.options import EngineOptions
 
     with OpenedModel(str(root / "src"), "m@1", None) as om:
-        e = Engine(om.consumer, stream=None)
+        e = Engine(om.consumer, options=EngineOptions(stream=False))
         t0 = time.perf_counter()
         for p in PROMPTS:
             e.reset()

@@ -143,11 +143,11 @@ class _Source:
         start: int,
         end: int,
     ) -> memoryview:
-        from czyx.portals.authority import authority
+        from czyx.portals.authority import open_authority
         from czyx.store.models.mount import resolve
 
         sel = resolve(self.store, ref)
-        authority(self.store).verify(token, space=sel, right=READ)  # raises PortalDenied
+        open_authority(self.store).verify(token, space=sel, right=READ)  # raises PortalDenied
         key = (sel.hex(), classes, layers, token)
         with self._lock:
             iv = self._intervals.get(key)

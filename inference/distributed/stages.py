@@ -43,6 +43,7 @@ from czyx.inference.kernels.linear import mm_t, take_rows
 from czyx.inference.models.base import F32, rms_norm, swiglu_columns, swiglu_fused
 from czyx.inference.models.decoder import MoEDecoder
 from czyx.inference.opened import OpenedModel
+from czyx.inference.options import EngineOptions
 
 #: A routed call to the experts of other shards: ``(layer, x rows, idx, w, mode)``
 #: for each owning shard -> list of ``(flat (row, k) indices, [n, H] values)``.
@@ -74,7 +75,9 @@ def _open_engine(
         frac = 1.0 if cache_fraction is None else cache_fraction
         slots = max(cfg.top_k, int(own(opened, cfg) * frac))
         engine = Engine(
-            opened.consumer, cache_bytes=slots * int(info.expert_slot_nbytes), stream=None
+            opened.consumer,
+            cache_bytes=slots * int(info.expert_slot_nbytes),
+            options=EngineOptions(stream=False),  # synchronous reads: no prefetch threads
         )
     except BaseException:
         opened.close()

@@ -26,6 +26,7 @@ from czyx.inference.distributed.ray_cluster import (  # noqa: E402
 from czyx.inference.distributed.stages import greedy  # noqa: E402
 from czyx.inference.engine import Engine  # noqa: E402
 from czyx.inference.opened import OpenedModel  # noqa: E402
+from czyx.inference.options import EngineOptions  # noqa: E402
 from czyx.store import Store  # noqa: E402
 from czyx.store.models.mount import mount  # noqa: E402
 from czyx.testing.cluster_stores import node_store  # noqa: E402
@@ -38,7 +39,7 @@ N = 5
 
 
 def _single_process(om, prompt):
-    e = Engine(om.consumer, stream=None)
+    e = Engine(om.consumer, options=EngineOptions(stream=False))
     try:
         return greedy(lambda r, t: e.prefill(t) if len(t) > 1 else e.decode(int(t[0])), prompt, N)
     finally:

@@ -11,6 +11,7 @@ import pytest
 from czyx.inference.distributed.stages import ExpertShard, LayerStage, class_owners, greedy
 from czyx.inference.engine import Engine
 from czyx.inference.opened import OpenedModel
+from czyx.inference.options import EngineOptions
 from czyx.store import Store
 from czyx.store.models.mount import mount
 from czyx.testing.cluster_stores import node_store
@@ -33,7 +34,7 @@ def stores(tmp_path_factory):
         }
     om = OpenedModel(str(root / "src"), "m@1", None)
     try:
-        e = Engine(om.consumer, stream=None)
+        e = Engine(om.consumer, options=EngineOptions(stream=False))
         toks, logits = greedy(
             lambda r, t: e.prefill(t) if len(t) > 1 else e.decode(int(t[0])), PROMPT, N
         )

@@ -116,11 +116,12 @@ def server(source):
 
 def _logits(store_dir: str, ref: str) -> np.ndarray:
     from czyx.inference.engine import Engine
+    from czyx.inference.options import EngineOptions
 
     with Store.open(store_dir, create=False) as s:
         c = open_consumer(s, None, ref)
         try:
-            e = Engine(c, stream=None)
+            e = Engine(c, options=EngineOptions(stream=False))
             try:
                 return e.prefill([3, 1, 4, 1, 5, 9, 2, 6])
             finally:

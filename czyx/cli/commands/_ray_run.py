@@ -77,6 +77,7 @@ def run_ray(args: argparse.Namespace) -> int:
     )
     from czyx.inference.engine import Engine
     from czyx.inference.opened import OpenedModel
+    from czyx.inference.options import EngineOptions
     from czyx.inference.tokenizer import tokenizer_for
     from czyx.store.models.replicate import Range
 
@@ -88,7 +89,7 @@ def run_ray(args: argparse.Namespace) -> int:
     stores = _per_node(args.node_store, store_dir(args), n, "node-store")
     portals = _per_node(args.node_portal, args.portal, n, "node-portal")
     with OpenedModel(store_dir(args), args.ref, args.portal) as om:
-        engine = Engine(om.consumer, cache_fraction=None, stream=None)
+        engine = Engine(om.consumer, options=EngineOptions(stream=False))
         cfg = engine.cfg
         engine.close()
         tokenizer = tokenizer_for(om.consumer, cfg.vocab_size)
