@@ -63,6 +63,10 @@ SESSION_HEADER = "x-czyx-session"
 SESSION_VERSION_HEADER = "X-Czyx-Session-Version"
 
 
+class ServerError(CzyxError):
+    """The server could not start (a version that is not a model, a bad option)."""
+
+
 def stored_template(consumer: object, ref: str) -> ChatTemplate | None:
     """The chat template of the ``tokenizer_config.json`` mounted with ``ref``'s checkpoint.
 
@@ -88,10 +92,6 @@ def stored_template(consumer: object, ref: str) -> ChatTemplate | None:
         raise ServerError(
             f"{ref}: its mounted tokenizer_config.json: {exc} (override it with --chat-template)"
         ) from None
-
-
-class ServerError(CzyxError):
-    """The server could not start (a version that is not a model, a bad option)."""
 
 
 @dataclass(frozen=True)
