@@ -16,8 +16,9 @@ prefetches experts by two predictions:
 
 Ordering inside :meth:`StreamingExpertCache.acquire` (why it is safe):
 
-1. the layer's experts are classified (resident, in flight, missing) and
-   every slot they use is marked held, so nothing below can evict them;
+1. the layer's resident and in-flight experts are all marked held before
+   any miss picks a victim, so no miss (and nothing below) can evict an
+   expert the same call needs;
 2. demand reads are queued first (FIFO: they reach the readers before any
    prefetch), then the prefetch recorded by :meth:`lookahead` for the next
    layer, into victims chosen among slots that are neither held, pinned nor
@@ -336,16 +337,33 @@ class StreamingExpertCache(ExpertCache):
         out = self._out
         blocked = self.blocked
         waits: list[Transfer] = []
+        ex = experts.tolist()
+        misses: list[int] = []
         try:
-            for j, e in enumerate(experts.tolist()):
+            # Hits (resident or in flight) first, all held before any miss is filled: a
+            # miss must never evict an expert this same call still needs.
+            for j, e in enumerate(ex):
                 s = int(row[e])
-                if s >= 0:
+                if s < 0:
+                    misses.append(j)
+                    continue
+                self.hits += 1
+                t = self._xfer[s]
+                if t is not None and not t.used:
+                    waits.append(t)
+                    if t.kind == PREFETCH:
+                        self.prefetch_hits += 1
+                if not blocked[s]:
+                    blocked[s] = True
+                    self._busy[self._n_busy] = s
+                    self._n_busy += 1
+                self.policy.touch(s)
+                out[j] = s
+            for j in misses:
+                e = ex[j]
+                s = int(row[e])
+                if s >= 0:  # the same expert twice in one call: claimed just before
                     self.hits += 1
-                    t = self._xfer[s]
-                    if t is not None and not t.used:
-                        waits.append(t)
-                        if t.kind == PREFETCH:
-                            self.prefetch_hits += 1
                 else:
                     s = self._victim()
                     if s < 0 and self.inflight.any():
@@ -370,7 +388,7 @@ class StreamingExpertCache(ExpertCache):
         except BaseException:
             self.release()
             raise
-        return out[: len(experts)]
+        return out[: len(ex)]
 
     def _victim(self) -> int:
         if self._n_filled < self.n_slots:

@@ -49,7 +49,12 @@ from czyx.inference.batch import (
 from czyx.inference.sampling import SamplingParams
 from czyx.server.auth import AuthError, Caller, ServedVersion, TokenGate
 from czyx.server.metrics import Metrics
-from czyx.server.template import ChatTemplate, TemplateError, load_template
+from czyx.server.template import (
+    ChatTemplate,
+    TemplateError,
+    from_tokenizer_config,
+    load_template,
+)
 
 MAX_STOPS = 4
 #: Request header naming the caller's session (resumed from the store, saved back).
@@ -60,6 +65,33 @@ SESSION_VERSION_HEADER = "X-Czyx-Session-Version"
 
 class ServerError(CzyxError):
     """The server could not start (a version that is not a model, a bad option)."""
+
+
+def stored_template(consumer: object, ref: str) -> ChatTemplate | None:
+    """The chat template of the ``tokenizer_config.json`` mounted with ``ref``'s checkpoint.
+
+    None when the checkpoint had no such file, or the file names no template
+    (chat then answers 400). Read once, when the version is opened.
+
+    Raises
+    ------
+    ServerError
+        The stored file is not JSON, or its template does not compile (serve
+        the version with ``--chat-template`` to replace it).
+    """
+    side_file = getattr(consumer, "side_file", None)
+    raw = side_file("tokenizer_config.json") if callable(side_file) else None
+    if raw is None:
+        return None
+    try:
+        config = json.loads(raw)
+        if not isinstance(config, dict):
+            raise TemplateError("not a JSON object")
+        return from_tokenizer_config(config)
+    except (ValueError, RecursionError, TemplateError) as exc:
+        raise ServerError(
+            f"{ref}: its mounted tokenizer_config.json: {exc} (override it with --chat-template)"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -78,7 +110,9 @@ class ServeOptions:
         The schedulers' :class:`~czyx.inference.batch.BatchOptions`.
     chat_template
         A ``tokenizer_config.json`` (or its checkpoint directory, or a
-        ``.jinja`` file) giving every served version its chat template.
+        ``.jinja`` file) giving every served version its chat template. Without
+        it, a version's template is the ``chat_template`` of the
+        ``tokenizer_config.json`` mounted with its checkpoint, when it has one.
     chat_templates
         Per version ``(ref, path)`` overrides of ``chat_template``.
     default_max_tokens
@@ -176,6 +210,8 @@ class ServedModel:
                 kwargs["hot"] = RoutingProfile.load(
                     options.hot_profile, info.n_layers, info.n_experts
                 ).hot_list()
+            if template is None:
+                template = stored_template(self.consumer, ref)
             self.engine = Engine(self.consumer, **kwargs)
         except BaseException:
             self.consumer.close()
@@ -400,7 +436,8 @@ def _chat_prompt(body: dict, served: ServedModel) -> list[int]:
         plain.append({"role": m["role"], "content": content or ""})
     if served.template is None:
         raise _bad(
-            f"model {served.ref} has no chat template (serve it with --chat-template "
+            f"model {served.ref} has no chat template (its checkpoint was mounted without "
+            "a tokenizer_config.json chat_template; serve it with --chat-template "
             "tokenizer_config.json); use /v1/completions",
             "model",
         )

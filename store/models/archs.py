@@ -67,6 +67,17 @@ TOKENIZER_ROLE = "tokenizer"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CLASS = 0xF0
 assert len(ALL_ROLES) <= TOKENIZER_CLASS
+#: Other text files of a checkpoint kept the same way, so export writes them back and
+#: the server finds the chat template: file name -> (role, class byte). Recorded in the
+#: trunk manifest under "side_files" (so only checkpoints that have them change content).
+SIDE_FILES = {
+    "generation_config.json": ("generation_config", 0xF1),
+    "tokenizer_config.json": ("tokenizer_config", 0xF2),
+}
+#: Trunk roles that are files, not tensors: never run, never a tensor on export.
+FILE_ROLES = frozenset({TOKENIZER_ROLE, *(role for role, _ in SIDE_FILES.values())})
+#: Largest side file read at mount (a bound before allocating; real ones are kilobytes).
+SIDE_FILE_MAX = 16 << 20
 
 EXPERT_PARTS = ("gate", "up", "down")
 FUSED_PARTS = ("gate_up", "down")

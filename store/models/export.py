@@ -40,7 +40,7 @@ from czyx.space import Selector
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
 from czyx.store.interfaces import StoreInterface
-from czyx.store.models.archs import TOKENIZER_FILE, TOKENIZER_ROLE
+from czyx.store.models.archs import FILE_ROLES, SIDE_FILES, TOKENIZER_FILE, TOKENIZER_ROLE
 from czyx.store.models.checkpoint import DTYPES
 from czyx.store.models.expert_transform import from_contract
 from czyx.store.models.model import ModelSpace
@@ -128,6 +128,7 @@ def export(
     if tok is not None:
         (out / TOKENIZER_FILE).write_bytes(space.read_trunk_raw(tok).tobytes())
         written.append(out / TOKENIZER_FILE)
+    written += _export_side_files(space, out)
     (out / "config.json").write_text(json.dumps(space.root["config"], indent=2) + "\n")
     written.append(out / "config.json")
     index = space.root["source"]["index"]
@@ -180,7 +181,7 @@ def _export_trunk(space: ModelSpace, where: dict, handles: dict, covered: dict) 
         else {(r["role"], r["layer"]): r for _, r in space.store.scan(root_trunk)}
     )
     for key, ref in space.trunk.items():
-        if key[0] == TOKENIZER_ROLE:  # not a tensor: written beside the files by export
+        if key[0] in FILE_ROLES:  # not a tensor: written beside the files by export
             continue
         base = roots.get(key)
         if base is None:
@@ -269,6 +270,8 @@ def _export_rebuilt(space: ModelSpace, out: Path) -> list[Path]:
         if key[0] == TOKENIZER_ROLE:
             tok = ref
             continue
+        if key[0] in FILE_ROLES:
+            continue
         entries.append((ref.record["src"][1], ref.dtype, ref.shape, ("trunk", ref)))
     shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
     for layer, e in sorted(space.records):
@@ -313,8 +316,11 @@ def _export_rebuilt(space: ModelSpace, out: Path) -> list[Path]:
     if tok is not None:
         (out / TOKENIZER_FILE).write_bytes(space.read_trunk_raw(tok).tobytes())
         written.append(out / TOKENIZER_FILE)
+    kept = _export_side_files(space, out)
+    written += kept
     template = chat_template(root)
-    if template is not None:  # a GGUF source's chat template, where transformers looks for it
+    if template is not None and out / "tokenizer_config.json" not in kept:
+        # a GGUF source's chat template, where transformers looks for it
         (out / "tokenizer_config.json").write_text(
             json.dumps({"chat_template": template}, indent=2) + "\n"
         )
@@ -322,6 +328,18 @@ def _export_rebuilt(space: ModelSpace, out: Path) -> list[Path]:
     (out / "config.json").write_text(json.dumps(root["config"], indent=2) + "\n")
     (out / "czyx_format_history.json").write_text(json.dumps(history, indent=2) + "\n")
     return [*written, out / "config.json", out / "czyx_format_history.json"]
+
+
+def _export_side_files(space: ModelSpace, out: Path) -> list[Path]:
+    """Write the kept side files (:data:`~czyx.store.models.archs.SIDE_FILES`) back
+    byte for byte; returns their paths."""
+    written = []
+    for name, (role, _) in sorted(SIDE_FILES.items()):
+        ref = space.trunk.get((role, None))
+        if ref is not None:
+            (out / name).write_bytes(space.read_trunk_raw(ref).tobytes())
+            written.append(out / name)
+    return written
 
 
 def chat_template(root: dict) -> str | None:

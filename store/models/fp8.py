@@ -41,7 +41,7 @@ from czyx.store.models.mount_errors import (
     ShapeMismatchError,
     UnexpectedTensorError,
 )
-from czyx.store.models.mount_source import MountSource, source_manifest
+from czyx.store.models.mount_source import MountSource, side_file_bytes, source_manifest
 from czyx.store.quant.extent import ExpertLayout
 from czyx.store.quant.formats import dequantize, get_format, quantize
 
@@ -280,6 +280,7 @@ class FP8MountSource(MountSource):
         self.ckpt, self.plan = ckpt, plan
         tok = ckpt.path / "tokenizer.json"
         self.tokenizer = tok.read_bytes() if tok.is_file() else None
+        self.side_files = side_file_bytes(ckpt)
         self.fmt = None if ckpt.policy in _FLOAT else ckpt.policy
         self.qlayout = (
             None

@@ -34,7 +34,7 @@ import numpy as np
 from czyx.space import Selector
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
-from czyx.store.models.archs import TOKENIZER_ROLE
+from czyx.store.models.archs import FILE_ROLES, TOKENIZER_ROLE
 from czyx.store.models.checkpoint import DTYPES
 from czyx.store.models.export import chat_template, format_history
 from czyx.store.models.gguf import (
@@ -138,6 +138,8 @@ def export_gguf(store: Any, ref: str | Selector, out: str | os.PathLike[str]) ->
         raw = space.read_trunk_raw(tref)
         if role == TOKENIZER_ROLE:
             tokenizer = raw.tobytes().decode("utf-8")
+            continue
+        if role in FILE_ROLES:  # kept files (generation/tokenizer config): no GGUF tensor
             continue
         name = gguf_name(arch, role, layer)
         shape = tuple(tref.shape)

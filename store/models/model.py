@@ -33,7 +33,14 @@ from czyx.store.interfaces import ClassView, StoreInterface
 from czyx.store.io.experts import BlockFileExperts
 from czyx.store.io.reader import RawReader
 from czyx.store.io.widen import widen
-from czyx.store.models.archs import ALL_GLOBAL_ROLES, ALL_ROLES, MTP_ROLE, TOKENIZER_ROLE
+from czyx.store.models.archs import (
+    ALL_GLOBAL_ROLES,
+    ALL_ROLES,
+    FILE_ROLES,
+    MTP_ROLE,
+    SIDE_FILES,
+    TOKENIZER_ROLE,
+)
 from czyx.store.models.checkpoint import DTYPES
 from czyx.store.models.expert_layout import layout_from_manifest
 from czyx.store.models.mount import ADAPTER_KIND, MODEL_KIND, TRUNK_KIND, resolve
@@ -331,10 +338,10 @@ class StoreModel(BlockFileExperts):
         self._trunk_readers: dict[bytes, RawReader] = {}
         self._layer_nbytes = np.zeros(space.n_layers, np.int64)
         for k, r in space.trunk.items():
-            if k[0] not in (TOKENIZER_ROLE, MTP_ROLE) and k[1] is not None:
+            if k[0] not in FILE_ROLES and k[0] != MTP_ROLE and k[1] is not None:
                 self._layer_nbytes[k[1]] += r.record["len"]
         for k, r in space.trunk.items():
-            if k[0] in (TOKENIZER_ROLE, MTP_ROLE):  # not run: kept for export only
+            if k[0] in FILE_ROLES or k[0] == MTP_ROLE:  # not run: kept for export only
                 continue
             if lazy_trunk and k[1] is not None:
                 self._lazy[k] = r
@@ -364,6 +371,19 @@ class StoreModel(BlockFileExperts):
         if self._tokenizer_ref is None:
             return None
         return self._space.read_trunk_raw(self._tokenizer_ref).tobytes().decode("utf-8")
+
+    def side_file(self, name: str) -> bytes | None:
+        """A kept checkpoint file (``tokenizer_config.json``, ``generation_config.json``)
+        as mounted (verified), or ``None`` when the checkpoint had none.
+
+        Raises
+        ------
+        KeyError
+            ``name`` is not one of :data:`~czyx.store.models.archs.SIDE_FILES`.
+        """
+        role = SIDE_FILES[name][0]
+        ref = self._space.trunk.get((role, None))
+        return None if ref is None else self._space.read_trunk_raw(ref).tobytes()
 
     @property
     def lazy_trunk(self) -> bool:

@@ -59,7 +59,14 @@ from czyx.key import Key
 from czyx.space import Selector, canonical_manifest
 from czyx.store.errors import TagConflictError, TagNotFoundError
 from czyx.store.interfaces import StoreInterface
-from czyx.store.models.archs import ROLE_INDEX, TOKENIZER_CLASS, TOKENIZER_FILE, TOKENIZER_ROLE
+from czyx.store.models.archs import (
+    FILE_ROLES,
+    ROLE_INDEX,
+    SIDE_FILES,
+    TOKENIZER_CLASS,
+    TOKENIZER_FILE,
+    TOKENIZER_ROLE,
+)
 from czyx.store.models.checkpoint import DTYPES, Checkpoint
 from czyx.store.models.expert_layout import DEFAULT_OUTER, layout_from_manifest, make_layout
 from czyx.store.models.mount_errors import (
@@ -254,9 +261,13 @@ def _mount(
         trunk_total += data.nbytes
         bar.update(ckpt.info(t.tensor).nbytes)
     bar.close()
+    if plan.trunk:  # the kept files are trunk records too (written with it)
+        trunk_total += len(src.tokenizer or b"") + sum(map(len, src.side_files.values()))
     total = trunk_total + len(keys) * src.expert_nbytes
 
-    trunk_manifest = _trunk_manifest(ckpt, plan, trunk_hash, src.tokenizer, trunk_qfmt, quant)
+    trunk_manifest = _trunk_manifest(
+        ckpt, plan, trunk_hash, src.tokenizer, trunk_qfmt, quant, src.side_files
+    )
     trunk_sel = Selector.from_content(canonical_manifest(trunk_manifest)) if plan.trunk else None
     manifest = _model_manifest_for(
         ckpt, plan, layout, expert_hash, trunk_sel, base_sel, base_manifest, src
@@ -395,6 +406,7 @@ def _trunk_manifest(
     tok: bytes | None,
     qfmts: dict[str, str | None] | None = None,
     codec: Any = None,
+    side_files: dict[str, bytes] | None = None,
 ) -> dict[str, Any]:
     qfmts = qfmts or {}
     tensors = sorted(
@@ -419,6 +431,11 @@ def _trunk_manifest(
     }
     if tok is not None:  # the checkpoint's own tokenizer travels with its trunk
         manifest["tokenizer"] = content_hash(np.frombuffer(tok, np.uint8))
+    if side_files:  # generation_config.json, tokenizer_config.json: exported back as they were
+        manifest["side_files"] = {
+            name: content_hash(np.frombuffer(data, np.uint8))
+            for name, data in sorted(side_files.items())
+        }
     if codec is not None:
         manifest["quant"] = codec.manifest()
     return manifest
@@ -518,6 +535,21 @@ def _write_trunk(
                 },
             )
             written += data.nbytes
+        for name, blob in sorted(src.side_files.items()):
+            role, cls = SIDE_FILES[name]
+            data = np.frombuffer(blob, np.uint8)
+            ext = w.write_extent(data)
+            w.put(
+                Key(cls).pack(),
+                {
+                    **ext.record(),
+                    "role": role,
+                    "layer": None,
+                    "hash": manifest["side_files"][name],
+                    "src": [name, None],
+                },
+            )
+            written += data.nbytes
     return written
 
 
@@ -610,7 +642,7 @@ def summarize(store: StoreInterface, ref: str | Selector) -> dict[str, Any]:
         tsel = Selector.from_hex(m["trunk"])
         trunk_n, trunk_bytes = store.aggregate(tsel)
         for _, rec in store.scan(tsel):
-            if rec.get("role") == TOKENIZER_ROLE:  # not a tensor: no format
+            if rec.get("role") in FILE_ROLES:  # not a tensor: no format
                 continue
             f = rec.get("qfmt") or rec["dtype"].lower()  # packed trunk tensors name their format
             formats[f] = formats.get(f, 0) + 1

@@ -11,14 +11,16 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import blake3
 import numpy as np
 
-from czyx.store.models.archs import MTP_ROLE, TOKENIZER_FILE
+from czyx.store.models.archs import MTP_ROLE, SIDE_FILE_MAX, SIDE_FILES, TOKENIZER_FILE
 from czyx.store.models.checkpoint import DTYPES, Checkpoint
 from czyx.store.models.expert_transform import to_contract
+from czyx.store.models.mount_errors import CheckpointError
 from czyx.store.models.mount_plan import ModelPlan
 
 CONTENT_HASH = "blake3"
@@ -68,6 +70,7 @@ class MountSource:
         self._scratch = np.empty(0, np.uint8)
         # Read once: the manifest's hash and the stored extent are of the same bytes.
         self.tokenizer = tokenizer_bytes(ckpt)
+        self.side_files = side_file_bytes(ckpt)
         # closed by close() (MountSource is itself the context manager)
         self._spool = None if codec is None else tempfile.TemporaryFile(dir=spool_dir)  # noqa: SIM115
         self._spooled: dict[Any, tuple[int, int, str | None]] = {}
@@ -75,6 +78,8 @@ class MountSource:
 
     # A subclass that overrides assemble/stored_tensor (GGUF, FP8 sources) spools nothing.
     _spool = None
+    #: Side files (name -> bytes) kept beside the tokenizer; none unless a source reads them.
+    side_files: dict[str, bytes] = {}  # noqa: RUF012 (never mutated: replaced per instance)
 
     def close(self) -> None:
         """Drop the spool file (its space returns to the file system)."""
@@ -162,6 +167,45 @@ def tokenizer_bytes(ckpt: Checkpoint) -> bytes | None:
     """The checkpoint directory's ``tokenizer.json``, if it has one."""
     path = ckpt.path / TOKENIZER_FILE
     return path.read_bytes() if path.is_file() else None
+
+
+def side_file_bytes(ckpt: Any) -> dict[str, bytes]:
+    """The checkpoint directory's :data:`~czyx.store.models.archs.SIDE_FILES` it has.
+
+    Only regular files are read (a FIFO or device under that name is refused, not
+    waited on), and only up to :data:`~czyx.store.models.archs.SIDE_FILE_MAX` bytes.
+
+    Raises
+    ------
+    CheckpointError
+        A side file that is not a regular file, is larger than the bound, or is not JSON.
+    """
+    import stat
+
+    out: dict[str, bytes] = {}
+    base = Path(ckpt.path)
+    if not base.is_dir():
+        return out
+    for name in sorted(SIDE_FILES):
+        path = base / name
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{name}: not a regular file")
+        if st.st_size > SIDE_FILE_MAX:
+            raise CheckpointError(f"{name}: {st.st_size} bytes, over the {SIDE_FILE_MAX} bound")
+        with open(path, "rb") as fh:
+            data = fh.read(SIDE_FILE_MAX + 1)
+        if len(data) > SIDE_FILE_MAX:
+            raise CheckpointError(f"{name}: over the {SIDE_FILE_MAX} byte bound")
+        try:
+            json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            raise CheckpointError(f"{name}: not JSON ({type(exc).__name__})") from None
+        out[name] = data
+    return out
 
 
 def source_manifest(ckpt: Checkpoint) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from czyx.space import Selector
 from czyx.store.core.blockfile import encode_header, fsync_dir, verify_block_file
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import BlockFileError
-from czyx.store.models.archs import TOKENIZER_ROLE
+from czyx.store.models.archs import SIDE_FILES, TOKENIZER_ROLE
 from czyx.store.models.mount_errors import MountError
 
 
@@ -55,6 +55,9 @@ def repair_version(store: Any, src: Any, sels: list[Selector]) -> int:
             return src.buf.reshape(-1).view(np.uint8)
         if rec.get("role") == TOKENIZER_ROLE:
             return np.frombuffer(src.tokenizer or b"", np.uint8)
+        side = {role: name for name, (role, _) in SIDE_FILES.items()}.get(rec.get("role"))
+        if side is not None:
+            return np.frombuffer(src.side_files.get(side, b""), np.uint8)
         t = trunk.get((rec.get("role"), rec.get("layer")))
         if t is None:
             raise MountError(f"record of role {rec.get('role')!r}: not in the source checkpoint")

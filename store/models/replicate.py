@@ -349,6 +349,9 @@ def plan_pull(dest: Any, offer: dict[str, Any]) -> PullPlan:
         anchored = {str(t[5]) for t in manifest.get("tensors", []) if len(t) > 5}
         if manifest.get("tokenizer"):
             anchored.add(str(manifest["tokenizer"]))
+        side = manifest.get("side_files")
+        if isinstance(side, dict):
+            anchored.update(str(h) for h in side.values())
         if expert:
             root = _root_manifest(dest, manifests, manifest)
             layout = layout_from_manifest(root)

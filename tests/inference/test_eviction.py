@@ -10,6 +10,8 @@ match the replay for any top-k.
 from __future__ import annotations
 
 import inspect
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,10 +21,13 @@ from hypothesis import strategies as st
 from czyx.inference.cache import POLICIES, ExpertCache
 from czyx.inference.eviction import HALF_LIFE_TOKENS, PROTECTED_FRAC, DecayPolicy, SLRUPolicy
 from czyx.inference.locality import replay
+from czyx.inference.trace import text_sha256
 from czyx.testing.fakes import FakeConsumer
 
 SLOT = 4096
 L, E = 2, 6
+ASSET = Path(__file__).resolve().parents[2] / "inference" / "assets" / "czyx-moe-stdlib"
+TRACE_BYTES = 300
 
 
 def _engine_hits(policy: str, experts: np.ndarray, n_slots: int) -> np.ndarray:
@@ -96,7 +101,7 @@ def test_engine_lru_matches_the_replay_for_top_2(n_slots, rows):
     assert np.array_equal(got, want)
 
 
-def _grouped_lru_hits(experts: np.ndarray, n_slots: int) -> np.ndarray:
+def _grouped_lru_hits(experts: np.ndarray, n_slots: int, n_experts: int = E) -> np.ndarray:
     """Hits per layer group of an LRU that serves a group's resident experts first."""
     from collections import OrderedDict
 
@@ -105,7 +110,7 @@ def _grouped_lru_hits(experts: np.ndarray, n_slots: int) -> np.ndarray:
     t_, l_, _ = experts.shape
     for t in range(t_):
         for layer in range(l_):
-            group = [layer * E + int(e) for e in experts[t, layer]]
+            group = [layer * n_experts + int(e) for e in experts[t, layer]]
             present = [x for x in group if x in cache]
             for x in present:
                 cache.move_to_end(x)
@@ -118,6 +123,72 @@ def _grouped_lru_hits(experts: np.ndarray, n_slots: int) -> np.ndarray:
                 cache[x] = None
             out.append(len(present))
     return np.array(out, np.int64)
+
+
+@pytest.fixture(scope="module")
+def stdlib_trace(tmp_path_factory):
+    """The bundled model mounted, and the routing of a held-out-like text (resident run)."""
+    from czyx.inference.engine import Engine
+    from czyx.inference.opened import OpenedModel
+    from czyx.inference.profile import RouteRecorder
+    from czyx.store import Store
+    from czyx.store.models.mount import mount
+
+    root = tmp_path_factory.mktemp("policies")
+    with Store.open(root / "store") as st:
+        mount(st, ASSET, "m@1")
+    opened = OpenedModel(str(root / "store"), "m@1", None)
+    text = Path(json.__file__).read_bytes()[:TRACE_BYTES]  # stdlib prose-and-code
+    full = Engine(opened.consumer, cache_fraction=1.0)
+    cfg = full.cfg
+    rec = RouteRecorder(cfg.sparse_layers, cfg.n_experts, cfg.top_k)
+    full.model.recorder = rec
+    rec.new_segment(len(text))
+    for b in text:
+        full.decode(b)
+    full.close()
+    kind = "topk_renormalized" if cfg.renormalize else "softmax"
+    trace = rec.trace("m@1", text_sha256(text), kind)
+    yield opened, text, trace.experts, cfg.n_experts
+    opened.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_engine_lru_at_a_tight_budget_is_the_hits_first_replay(stdlib_trace, stream):
+    """Issue 19: at 12.5 % (8 slots for 8 requests a token) the engine's LRU, on the
+    default streaming path and on the synchronous cache, scores exactly the replay that
+    serves each layer's resident experts before its misses (no miss evicts a same-token
+    hit), group by group."""
+    from czyx.inference.engine import Engine
+    from czyx.inference.options import EngineOptions
+
+    opened, text, experts, n_experts = stdlib_trace
+    eng = Engine(
+        opened.consumer,
+        cache_fraction=0.125,
+        options=EngineOptions(policy="lru", stream=stream, prefetch=False),
+    )
+    cache = eng.cache
+    per_call: list[int] = []
+    acquire = cache.acquire
+
+    def counting(layer, ex):
+        before = cache.hits
+        out = acquire(layer, ex)
+        per_call.append(cache.hits - before)
+        return out
+
+    cache.acquire = counting
+    try:
+        for b in text:
+            eng.decode(b)
+        cache.check()
+        n_slots = cache.n_slots
+    finally:
+        eng.close()
+    want = _grouped_lru_hits(experts, n_slots, n_experts)
+    assert np.array_equal(np.array(per_call), want)
+    assert want.sum() > 0 and (want < experts.shape[2]).sum() > 0
 
 
 @settings(max_examples=60, deadline=None)

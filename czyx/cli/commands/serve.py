@@ -67,7 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--chat-template",
         metavar="PATH",
         help="tokenizer_config.json (or its checkpoint directory, or a .jinja file) whose "
-        "chat template the chat endpoint renders (default: none; chat answers 400)",
+        "chat template the chat endpoint renders (default: the chat_template of the "
+        "tokenizer_config.json mounted with each checkpoint; without one chat answers 400)",
     )
     p.add_argument(
         "--default-max-tokens", type=int, default=256, help="chat max_tokens when none is given"

@@ -61,3 +61,59 @@ def test_czyx_run_uses_the_mounted_tokenizer(tmp_path, capsys):
     argv = ["run", "tok@v1", "--prompt", "w3 w5 w7", "--max-tokens", "3", "--store", sd]
     assert main(argv) == 0
     assert "tokenizer: tokenizer.json" in capsys.readouterr().err
+
+
+TOKENIZER_CONFIG = (
+    '{\n  "chat_template": "{% for m in messages %}{{ m[\'content\'] }}{% endfor %}",\n'
+    '  "eos_token": "</s>",\n  "model_max_length": 4096\n}\n'
+)
+
+
+def test_side_files_are_kept_and_exported_byte_identical(tmp_path):
+    """Issues 16/19: generation_config.json and tokenizer_config.json travel with the
+    trunk (verified records), come back byte for byte on export, and are content."""
+    import os
+
+    ckpt = make_tiny_checkpoint("mixtral", tmp_path / "ckpt")
+    gen = (ckpt / "generation_config.json").read_bytes()  # written by transformers
+    with Store.open(tmp_path / "s") as st:
+        plain = mount(st, ckpt, "a@v1").selector
+        (ckpt / "tokenizer_config.json").write_text(TOKENIZER_CONFIG)
+        kept = mount(st, ckpt, "b@v1").selector
+        with open_consumer(st, None, "b@v1") as m:
+            assert m.side_file("tokenizer_config.json").decode() == TOKENIZER_CONFIG
+            assert m.side_file("generation_config.json") == gen
+            assert not m.has_trunk("tokenizer_config") and not m.has_trunk("generation_config")
+        with open_consumer(st, None, "a@v1") as m:
+            assert m.side_file("tokenizer_config.json") is None
+            assert m.side_file("generation_config.json") == gen
+        files = export(st, "b@v1", tmp_path / "out")
+        export(st, "a@v1", tmp_path / "out_a")
+    assert plain != kept  # the files are part of the content
+    out = tmp_path / "out"
+    assert (out / "tokenizer_config.json").read_text() == TOKENIZER_CONFIG
+    assert (out / "generation_config.json").read_bytes() == gen
+    assert {out / "tokenizer_config.json", out / "generation_config.json"} <= set(files)
+    assert sorted(os.listdir(tmp_path / "out_a")) == sorted(
+        n for n in os.listdir(ckpt) if n != "tokenizer_config.json"
+    )
+
+
+def test_a_side_file_that_is_not_a_regular_json_file_is_refused(tmp_path):
+    import os
+
+    import pytest
+
+    from czyx.store.models.mount_errors import CheckpointError
+
+    ckpt = make_tiny_checkpoint("mixtral", tmp_path / "ckpt")
+    with Store.open(tmp_path / "s") as st:
+        (ckpt / "tokenizer_config.json").write_text("{not json")
+        with pytest.raises(CheckpointError, match=r"tokenizer_config\.json: not JSON"):
+            mount(st, ckpt, "a@v1")
+        (ckpt / "tokenizer_config.json").unlink()
+        (ckpt / "generation_config.json").unlink()
+        os.mkfifo(ckpt / "generation_config.json")  # must be refused, not waited on
+        with pytest.raises(CheckpointError, match=r"generation_config\.json: not a regular file"):
+            mount(st, ckpt, "a@v1")
+        assert "a@v1" not in st.tags()
