@@ -101,18 +101,18 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
 
     from czyx.inference.engine import Engine
     from czyx.inference.opened import OpenedModel
-    from czyx.inference.streaming import StreamOptions
+    from czyx.inference.options import EngineOptions
 
     threadpool_limits(a.threads)
     t0 = time.perf_counter()
     with OpenedModel(a.store, a.tag, None) as model:
-        stream = StreamOptions(io=a.io, readers=2, prefetch=not a.no_prefetch)
+        opts = EngineOptions(io=a.io, readers=2, prefetch=not a.no_prefetch)
         kw = {"cache_bytes": a.cache_mb << 20} if a.cache_mb else {"cache_fraction": 1.0}
         hot = None
         if a.prewarm:  # every expert read before the first token (a resident run)
             info = model.consumer.info
             hot = [(i, e) for i in range(info.n_layers) for e in range(info.n_experts)]
-        eng = Engine(model.consumer, stream=stream, policy="decay", hot=hot, **kw)
+        eng = Engine(model.consumer, options=opts, hot=hot, threads=a.threads, **kw)
         try:
             load = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -144,6 +144,7 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
                 "bytes_read": st.bytes_read,
                 "hit_rate": st.hit_rate,
                 "decode_read_bytes": r1 - r0,
+                "decode_in_c": bool(eng.model.decode_in_c()),
             }
         finally:
             eng.cache.close()

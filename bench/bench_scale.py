@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         str(a.prompt),
         "--tokens",
         str(a.tokens),
+        "--warmup",
+        str(a.warmup),
         "--threads",
         str(a.threads),
     ]
