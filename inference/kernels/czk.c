@@ -583,89 +583,58 @@ CZK_AVX2 static inline __m256i czk_dot_avx2(__m256i c, __m256i xq, int bits) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(c, xq), _mm256_set1_epi16(1));
 }
 
-/* RB rows at once: each row's operations are those of one row alone (the
+/* The VNNI dot: one vpdpbusd does the whole codes x input product. */
+CZK_VNNI static inline __m256i czk_dot_vnni(__m256i c, __m256i xq, int bits) {
+    (void)bits;
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, xq);
+}
+
+/* One quantized row kernel per instruction set: ATTR is the target attribute
+ * and DOT the 32-code dot product; the rest is the same code, written once.
+ * RB rows at once: each row's operations are those of one row alone (the
  * rows only share the input loads and interleave their dependency chains). */
-CZK_AVX2 static inline __attribute__((always_inline)) void czk_rows_q_avx2_rb(
-    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB) {
-    const int64_t bpg = m->group / 32, G = m->cols / m->group;
-    const int64_t rb = m->cols * m->bits / 8;
-    const int bits = m->bits;
-    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
-    float ds[4][CZK_GMAX / 4], mn[4][CZK_GMAX / 4];
-    const uint8_t *c[4];
-    __m256 acc[4];
-    for (int i = 0; i < RB; i++) {
-        c[i] = (const uint8_t *)m->data + (r + i) * rb;
-        czk_h2f_row(m->scales + (r + i) * G, G, ds[i]);
-        czk_h2f_row(m->mins + (r + i) * G, G, mn[i]);
-        acc[i] = _mm256_setzero_ps();
+#define CZK_ROWS_Q_SIMD(ATTR, NAME, DOT)                                                          \
+    ATTR static inline __attribute__((always_inline)) void NAME##_rb(                             \
+        const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB) {                   \
+        const int64_t bpg = m->group / 32, G = m->cols / m->group;                                \
+        const int64_t rb = m->cols * m->bits / 8;                                                 \
+        const int bits = m->bits;                                                                 \
+        const int8_t *xqb = bits == 4 ? a->q4p : a->q;                                            \
+        float ds[4][CZK_GMAX / 4], mn[4][CZK_GMAX / 4];                                           \
+        const uint8_t *c[4];                                                                      \
+        __m256 acc[4];                                                                            \
+        for (int i = 0; i < RB; i++) {                                                            \
+            c[i] = (const uint8_t *)m->data + (r + i) * rb;                                       \
+            czk_h2f_row(m->scales + (r + i) * G, G, ds[i]);                                       \
+            czk_h2f_row(m->mins + (r + i) * G, G, mn[i]);                                         \
+            acc[i] = _mm256_setzero_ps();                                                         \
+        }                                                                                         \
+        for (int64_t g = 0, b = 0; g < G; g++) {                                                  \
+            for (int64_t e = b + bpg; b < e; b++) {                                               \
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));           \
+                const float sxb = a->sx[b];                                                       \
+                for (int i = 0; i < RB; i++) {                                                    \
+                    const __m256i d = DOT(czk_codes32(c[i], bits, b), xq, bits);                  \
+                    const float s = ds[i][g] * sxb;                                               \
+                    acc[i] = _mm256_add_ps(                                                       \
+                        acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));         \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                                    \
+        for (int64_t g = 0; g < G; g++)                                                           \
+            for (int i = 0; i < RB; i++) t[i] += mn[i][g] * a->gsum[g];                           \
+        for (int i = 0; i < RB; i++) y[r + i] = czk_hsum8(acc[i]) + t[i];                         \
+    }                                                                                             \
+                                                                                                  \
+    ATTR static void NAME(const czk_mat *m, const czk_xq *a, float *y, int64_t r0, int64_t r1) {  \
+        int64_t r = r0;                                                                           \
+        for (; r + 4 <= r1; r += 4) NAME##_rb(m, a, y, r, 4);                                     \
+        for (; r < r1; r++) NAME##_rb(m, a, y, r, 1);                                             \
     }
-    for (int64_t g = 0, b = 0; g < G; g++) {
-        for (int64_t e = b + bpg; b < e; b++) {
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
-            const float sxb = a->sx[b];
-            for (int i = 0; i < RB; i++) {
-                const __m256i d = czk_dot_avx2(czk_codes32(c[i], bits, b), xq, bits);
-                const float s = ds[i][g] * sxb;
-                acc[i] = _mm256_add_ps(acc[i],
-                                       _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
-            }
-        }
-    }
-    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int64_t g = 0; g < G; g++)
-        for (int i = 0; i < RB; i++) t[i] += mn[i][g] * a->gsum[g];
-    for (int i = 0; i < RB; i++) y[r + i] = czk_hsum8(acc[i]) + t[i];
-}
 
-CZK_AVX2 static void czk_rows_q_avx2(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
-                                     int64_t r1) {
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) czk_rows_q_avx2_rb(m, a, y, r, 4);
-    for (; r < r1; r++) czk_rows_q_avx2_rb(m, a, y, r, 1);
-}
-
-/* RB rows at once: each row's operations are those of one row alone (the
- * rows only share the input loads and interleave their dependency chains). */
-CZK_VNNI static inline __attribute__((always_inline)) void czk_rows_q_vnni_rb(
-    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB) {
-    const int64_t bpg = m->group / 32, G = m->cols / m->group;
-    const int64_t rb = m->cols * m->bits / 8;
-    const int bits = m->bits;
-    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
-    float ds[4][CZK_GMAX / 4], mn[4][CZK_GMAX / 4];
-    const uint8_t *c[4];
-    __m256 acc[4];
-    for (int i = 0; i < RB; i++) {
-        c[i] = (const uint8_t *)m->data + (r + i) * rb;
-        czk_h2f_row(m->scales + (r + i) * G, G, ds[i]);
-        czk_h2f_row(m->mins + (r + i) * G, G, mn[i]);
-        acc[i] = _mm256_setzero_ps();
-    }
-    for (int64_t g = 0, b = 0; g < G; g++) {
-        for (int64_t e = b + bpg; b < e; b++) {
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
-            const float sxb = a->sx[b];
-            for (int i = 0; i < RB; i++) {
-                const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), czk_codes32(c[i], bits, b), xq);
-                const float s = ds[i][g] * sxb;
-                acc[i] = _mm256_add_ps(acc[i],
-                                       _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
-            }
-        }
-    }
-    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int64_t g = 0; g < G; g++)
-        for (int i = 0; i < RB; i++) t[i] += mn[i][g] * a->gsum[g];
-    for (int i = 0; i < RB; i++) y[r + i] = czk_hsum8(acc[i]) + t[i];
-}
-
-CZK_VNNI static void czk_rows_q_vnni(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
-                                     int64_t r1) {
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) czk_rows_q_vnni_rb(m, a, y, r, 4);
-    for (; r < r1; r++) czk_rows_q_vnni_rb(m, a, y, r, 1);
-}
+CZK_ROWS_Q_SIMD(CZK_AVX2, czk_rows_q_avx2, czk_dot_avx2)
+CZK_ROWS_Q_SIMD(CZK_VNNI, czk_rows_q_vnni, czk_dot_vnni)
 #endif
 
 /* Rows [r0, r1) of m @ x (x float for float kinds, `a` for quantized ones). */
