@@ -371,6 +371,21 @@ class MoEDecoder:
         """Combine the routed-expert output with anything else the MLP adds (shared expert)."""
         return routed
 
+    def add_ungated_shared(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
+        """``routed`` plus the layer's ungated shared-expert SwiGLU (none: ``routed``).
+
+        The ``routed_extra`` of every architecture whose shared experts are added
+        without a gate (DeepSeek/MLA, GLM-4.5, ERNIE 4.5), written once here.
+        """
+        if lw.shared_gate_proj is None:
+            return routed
+        observe = None
+        if self.observer is not None:
+            observe = self._observe(f"L{lw.index}.shared.down_in")
+        return routed + swiglu(
+            x, lw.shared_gate_proj, lw.shared_up_proj, lw.shared_down_proj, observe
+        )
+
     def route(
         self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
