@@ -222,13 +222,7 @@ def _attention(model, i, lw, x, kvs, starts, positions, offs) -> np.ndarray:
     q = linear_rows(x, lw.q_proj)
     k = linear_rows(x, lw.k_proj)
     v = linear_rows(x, lw.v_proj)
-    if lw.q_bias is not None:
-        q = q + lw.q_bias
-    if lw.k_bias is not None:
-        k = k + lw.k_bias
-    if lw.v_bias is not None:
-        v = v + lw.v_bias
-    q, k, v = model.post_qkv(lw, q, k, v)  # norms and clipping: per row
+    q, k, v = model.finish_qkv(lw, q, k, v)  # biases, norms and clipping: per row
     hd = cfg.head_dim
     out = np.empty((x.shape[0], cfg.n_heads * hd), F32)
     for s, kv in enumerate(kvs):

@@ -367,6 +367,21 @@ class MoEDecoder:
         """Transform the projected ``[T, width]`` q/k/v before RoPE (q/k norms, clipping)."""
         return q, k, v
 
+    def finish_qkv(
+        self, lw: Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The projected ``[T, width]`` q/k/v plus their biases (if any), then :meth:`post_qkv`.
+
+        Row-independent, so the single-sequence and the batched paths share it.
+        """
+        if lw.q_bias is not None:
+            q = q + lw.q_bias
+        if lw.k_bias is not None:
+            k = k + lw.k_bias
+        if lw.v_bias is not None:
+            v = v + lw.v_bias
+        return self.post_qkv(lw, q, k, v)
+
     def routed_extra(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
         """Combine the routed-expert output with anything else the MLP adds (shared expert)."""
         return routed
@@ -528,13 +543,7 @@ class MoEDecoder:
             q = mm_t(x, lw.q_proj)
             k = mm_t(x, lw.k_proj)
             v = mm_t(x, lw.v_proj)
-        if lw.q_bias is not None:
-            q = q + lw.q_bias
-        if lw.k_bias is not None:
-            k = k + lw.k_bias
-        if lw.v_bias is not None:
-            v = v + lw.v_bias
-        q, k, v = self.post_qkv(lw, q, k, v)
+        q, k, v = self.finish_qkv(lw, q, k, v)
         hd = cfg.head_dim
         q = q.reshape(t, cfg.n_heads, hd).transpose(1, 0, 2)
         k = k.reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
