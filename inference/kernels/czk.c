@@ -855,6 +855,17 @@ typedef struct {
     float *scores; /* [n_heads, end] */
 } czk_heads_ctx;
 
+/* s[start, end) <- exp(s - mx) in place, summed in index order; returns 1 / sum.
+ * One scalar loop shared by every attention path, so their softmax agrees. */
+static inline float czk_softmax_span(float *s, int64_t start, int64_t end, float mx) {
+    float sum = 0.0f;
+    for (int64_t j = start; j < end; j++) {
+        s[j] = expf(s[j] - mx);
+        sum += s[j];
+    }
+    return 1.0f / sum;
+}
+
 #if CZK_X86
 /* The same loops with eight-float vectors (head_dim a multiple of 8); the dot
  * product's eight lanes are summed in czk_tree8's order, as the portable path. */
@@ -876,12 +887,7 @@ CZK_AVX2 static void czk_heads_avx2(czk_heads_ctx *c, int64_t t0, int64_t t1) {
             s[j] = t;
             mx = t > mx ? t : mx;
         }
-        float sum = 0.0f;
-        for (int64_t j = c->start; j < c->end; j++) {
-            s[j] = expf(s[j] - mx);
-            sum += s[j];
-        }
-        const float inv = 1.0f / sum;
+        const float inv = czk_softmax_span(s, c->start, c->end, mx);
         float *o = c->out + h * hd;
         for (int i = 0; i < hd; i += 8) {
             __m256 acc = _mm256_setzero_ps();
@@ -922,12 +928,7 @@ static void czk_heads_task(void *ctx_, int64_t t0, int64_t t1) {
             s[j] = t;
             mx = t > mx ? t : mx;
         }
-        float sum = 0.0f;
-        for (int64_t j = c->start; j < c->end; j++) {
-            s[j] = expf(s[j] - mx);
-            sum += s[j];
-        }
-        const float inv = 1.0f / sum;
+        const float inv = czk_softmax_span(s, c->start, c->end, mx);
         float *o = c->out + h * hd;
         for (int i = 0; i < hd; i++) o[i] = 0.0f;
         for (int64_t j = c->start; j < c->end; j++) {
