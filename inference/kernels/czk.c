@@ -60,22 +60,7 @@
 /* Most weight groups per row the SIMD row kernels take (cols <= 32 * CZK_GMAX). */
 #define CZK_GMAX 2048
 
-typedef struct {
-    int kind;
-    int bits;
-    int64_t group;
-    int64_t rows, cols;
-    const void *data;
-    const uint16_t *scales;
-    const uint16_t *mins;
-} czk_mat;
-
-typedef struct {
-    int n_heads, n_kv, head_dim, rot;
-    float eps, scale;
-    czk_mat q, k, v, o;
-    const float *in_norm, *post_norm, *qb, *kb, *vb;
-} czk_attn;
+#include "czk_api.h" /* czk_mat, czk_attn, czk_pool and the entry points */
 
 /* ------------------------------------------------------------ CPU level */
 
@@ -120,7 +105,7 @@ typedef void (*czk_fn)(void *ctx, int64_t t0, int64_t t1);
  * and the others do its share (on a loaded machine a fixed split would wait
  * for it). Which thread runs a chunk does not change a result: every output
  * is computed by one thread with the same instructions. */
-typedef struct czk_pool {
+struct czk_pool {
     int n;
     pthread_t *th;
     pthread_mutex_t mu;
@@ -132,7 +117,7 @@ typedef struct czk_pool {
     czk_fn fn;
     void *ctx;
     int64_t ntasks, chunk;
-} czk_pool;
+};
 
 typedef struct {
     czk_pool *p;
