@@ -256,22 +256,7 @@ static void czk_run(czk_pool *p, czk_fn fn, void *ctx, int64_t ntasks, int64_t w
 
 /* ------------------------------------------------------------ helpers */
 
-static inline float czk_h2f(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-    uint32_t b;
-    float f;
-    if (exp == 0) {
-        f = (float)mant * 5.9604644775390625e-08f;
-        memcpy(&b, &f, 4);
-        b |= sign;
-    } else if (exp == 31) {
-        b = sign | 0x7f800000u | (mant << 13);
-    } else {
-        b = sign | ((exp + 112u) << 23) | (mant << 13);
-    }
-    memcpy(&f, &b, 4);
-    return f;
-}
+#include "half.h" /* czyx_h2f */
 
 static inline float czk_bf2f(uint16_t h) {
     uint32_t b = (uint32_t)h << 16;
@@ -432,7 +417,7 @@ static inline float czk_mterm(const czk_mat *m, int64_t r, const czk_xq *a) {
     const int64_t G = m->cols / m->group;
     const uint16_t *mn = m->mins + r * G;
     float t = 0.0f;
-    for (int64_t g = 0; g < G; g++) t += czk_h2f(mn[g]) * a->gsum[g];
+    for (int64_t g = 0; g < G; g++) t += czyx_h2f(mn[g]) * a->gsum[g];
     return t;
 }
 
@@ -463,7 +448,7 @@ static void czk_rows_q_portable(const czk_mat *m, const czk_xq *a, float *y, int
                 czk_unpack32(c + 4 * m->bits * b, m->bits, u);
                 xq = a->q + 32 * b;
             }
-            const float s = czk_h2f(sc[b / bpg]) * a->sx[b];
+            const float s = czyx_h2f(sc[b / bpg]) * a->sx[b];
             for (int k = 0; k < 8; k++) {
                 int32_t d = 0;
                 for (int i = 0; i < 4; i++) d += (int32_t)u[4 * k + i] * (int32_t)xq[4 * k + i];
@@ -476,7 +461,7 @@ static void czk_rows_q_portable(const czk_mat *m, const czk_xq *a, float *y, int
 }
 
 static inline float czk_wf(const czk_mat *m, int64_t i) {
-    if (m->kind == CZK_F16) return czk_h2f(((const uint16_t *)m->data)[i]);
+    if (m->kind == CZK_F16) return czyx_h2f(((const uint16_t *)m->data)[i]);
     if (m->kind == CZK_BF16) return czk_bf2f(((const uint16_t *)m->data)[i]);
     return ((const float *)m->data)[i];
 }
@@ -534,7 +519,7 @@ CZK_AVX2 static void czk_rows_f_avx2(const czk_mat *m, const float *x, float *y,
     }
 }
 
-/* n halves to floats with F16C (bit-exact, as czk_h2f). */
+/* n halves to floats with F16C (bit-exact, as czyx_h2f). */
 CZK_AVX2 static inline void czk_h2f_row(const uint16_t *h, int64_t n, float *out) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -1051,7 +1036,7 @@ int czk_row(const czk_mat *m, int64_t r, float *out) {
             czk_unpack32(codes + 4 * m->bits * b, m->bits, u);
         }
         const int64_t g = (32 * b) / m->group;
-        const float d = czk_h2f(m->scales[r * G + g]), mn = czk_h2f(m->mins[r * G + g]);
+        const float d = czyx_h2f(m->scales[r * G + g]), mn = czyx_h2f(m->mins[r * G + g]);
         for (int i = 0; i < 32; i++) {
             const float t = d * (float)u[i];
             out[32 * b + i] = t + mn;
