@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from czyx.store.consumer import ExpertExtent, ModelInfo
+from czyx.store.consumer import ExpertExtent, ModelInfo, gate_up_down_views
 from czyx.store.core.blockfile import BlockWriter
 from czyx.store.core.checksum import checksum
 from czyx.store.io.experts import BlockFileExperts, pread_expert
@@ -115,12 +115,7 @@ class SyntheticMoE(BlockFileExperts):
 
     def expert_views(self, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         i, h = self._i, self._h
-        f = slot[: self.info.expert_nbytes].view(self._dtype)
-        return (
-            f[: i * h].reshape(i, h),
-            f[i * h : 2 * i * h].reshape(i, h),
-            f[2 * i * h :].reshape(h, i),
-        )
+        return gate_up_down_views(slot, self.info.expert_nbytes, i, h, self._dtype)
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from czyx.store.consumer import ExpertExtent, ModelInfo
+from czyx.store.consumer import ExpertExtent, ModelInfo, gate_up_down_views
 from czyx.store.models.archs import arch_for_config
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -156,12 +156,7 @@ class StateDictConsumer:
 
     def expert_views(self, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         i, h = self._inter, self._hidden
-        f = slot[: self.info.expert_nbytes].view(np.float32)
-        return (
-            f[: i * h].reshape(i, h),
-            f[i * h : 2 * i * h].reshape(i, h),
-            f[2 * i * h :].reshape(h, i),
-        )
+        return gate_up_down_views(slot, self.info.expert_nbytes, i, h, np.float32)
 
     def close(self) -> None:
         self.closed = True

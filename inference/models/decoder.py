@@ -577,6 +577,12 @@ class MoEDecoder:
             )
         return self.routed_extra(lw, x, self._routed(i, lw, x))
 
+    def count_routes(self, i: int, idx: np.ndarray, w: np.ndarray) -> None:
+        """Add layer ``i``'s routes ``idx [T, k]`` to the counts and the recorder (if any)."""
+        self.route_counts[i] += np.bincount(idx.ravel(), minlength=self.cfg.n_experts)
+        if self.recorder is not None:
+            self.recorder.record(i, idx, w)
+
     def _routed(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
         cfg = self.cfg
         mask = None if self.route_mask is None else self.route_mask[i]
@@ -586,9 +592,7 @@ class MoEDecoder:
         if kern is not None and x is kern.x2 and mask is None and self._plain_routing:
             return self._routed_one(i, lw, kern)
         idx, w = self.route(lw, x, mask)
-        self.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
-        if self.recorder is not None:
-            self.recorder.record(i, idx, w)
+        self.count_routes(i, idx, w)
         t = x.shape[0]
         contrib = np.zeros((t, cfg.top_k, cfg.hidden_size), F32)
         cache = self.experts

@@ -103,9 +103,7 @@ class GptOssDecoder(MoEDecoder):
     def _routed(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
         cfg = self.cfg
         idx, w = self.route(lw, x)
-        self.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
-        if self.recorder is not None:
-            self.recorder.record(i, idx, w)
+        self.count_routes(i, idx, w)
         t = x.shape[0]
         contrib = np.zeros((t, cfg.top_k, cfg.hidden_size), F32)
         cache = self.experts
