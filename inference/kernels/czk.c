@@ -291,6 +291,19 @@ static void czk_xq_bind(czk_xq *a, void *mem, int64_t n) {
 }
 
 /* The group sums for weight groups of `group` columns (before a parallel loop). */
+/* Block b's codes are in a->q: copy them in 4-bit nibble order (even codes,
+ * then odd) to a->q4p and record the block's scale d and sum s. */
+static inline void czk_xq_finish(czk_xq *a, int64_t b, float d, float s) {
+    const int8_t *q = a->q + 32 * b;
+    int8_t *p = a->q4p + 32 * b;
+    for (int i = 0; i < 16; i++) {
+        p[i] = q[2 * i];
+        p[16 + i] = q[2 * i + 1];
+    }
+    a->sx[b] = d;
+    a->bsum[b] = s;
+}
+
 static void czk_xq_groups(czk_xq *a, int64_t group) {
     if (a->ggroup == group) return;
     const int64_t bpg = group / 32, G = a->n / group;
@@ -338,14 +351,8 @@ __attribute__((target("avx2,fma,f16c"))) static void czk_quantize_avx2(const flo
         const __m256i p16b = _mm256_packs_epi32(qi[2], qi[3]);
         __m256i p8 = _mm256_packs_epi16(p16a, p16b);
         p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        int8_t *q = a->q + 32 * b, *p = a->q4p + 32 * b;
-        _mm256_storeu_si256((__m256i *)q, p8);
-        for (int i = 0; i < 16; i++) {
-            p[i] = q[2 * i];
-            p[16 + i] = q[2 * i + 1];
-        }
-        a->sx[b] = d;
-        a->bsum[b] = s;
+        _mm256_storeu_si256((__m256i *)(a->q + 32 * b), p8);
+        czk_xq_finish(a, b, d, s);
     }
     a->ggroup = 0;
 }
@@ -369,18 +376,13 @@ static void czk_quantize(const float *x, czk_xq *a) {
         }
         const float d = amax / 127.0f;
         const float id = d > 0.0f ? 1.0f / d : 0.0f;
-        int8_t *q = a->q + 32 * b, *p = a->q4p + 32 * b;
+        int8_t *q = a->q + 32 * b;
         for (int i = 0; i < 32; i++) {
             float v = nearbyintf(xb[i] * id);
             v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
             q[i] = (int8_t)v;
         }
-        for (int i = 0; i < 16; i++) {
-            p[i] = q[2 * i];
-            p[16 + i] = q[2 * i + 1];
-        }
-        a->sx[b] = d;
-        a->bsum[b] = s;
+        czk_xq_finish(a, b, d, s);
     }
     a->ggroup = 0;
 }
