@@ -22,6 +22,19 @@ from czyx.store.models.archs import arch_for_config
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
+def hf_greedy(model: torch.nn.Module, prompt: list[int] | np.ndarray, steps: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt``: exactly ``steps`` new token ids.
+
+    The reference the engine's greedy generation is compared with in the tests.
+    """
+    ids = torch.as_tensor(np.asarray(prompt, dtype=np.int64))[None]
+    with torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0
+        )
+    return out[0, ids.shape[1] :].tolist()
+
+
 def tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """A tiny fp32 model of ``arch`` with weights large enough for decisive logits."""
     import transformers as T

@@ -43,6 +43,7 @@ from czyx.inference.models.base import (
     KVCache,
     Observe,
     attention,
+    group_by_expert,
     matmul_small,
     rms_norm,
     route_topk,
@@ -603,12 +604,7 @@ class MoEDecoder:
             # Prefill: one fetch and one batched matmul per distinct expert, residents first
             # (so a small budget evicts only after the hits are used). The (token, k) pairs
             # are sorted by expert once; each expert's pairs are then one slice.
-            flat = idx.ravel()
-            pairs = np.argsort(flat, kind="stable")
-            counts = np.bincount(flat, minlength=cfg.n_experts)
-            ends = np.cumsum(counts)
-            uniq = np.flatnonzero(counts)
-            order = uniq[np.argsort(cache.table[i, uniq] < 0, kind="stable")]
+            pairs, counts, ends, order = group_by_expert(idx, cfg.n_experts, cache.table[i])
             wflat = w.reshape(-1)
             cflat = contrib.reshape(t * cfg.top_k, cfg.hidden_size)
             # Tokens as columns, once: each expert gathers its columns from here.
