@@ -32,6 +32,7 @@ with open(_SRC, encoding="utf-8") as fh:
 ffibuilder.set_source(
     "czyx.inference._qkernels",
     _source,
+    include_dirs=[os.path.join(_HERE, "kernels")],
     extra_compile_args=["-O3", "-std=c99", "-fno-strict-aliasing"],
 )
 

@@ -44,6 +44,7 @@ from czyx.inference.models.base import (
     F32,
     KVCache,
     attention,
+    group_by_expert,
     matmul_small,
     rms_norm,
     route_topk,
@@ -222,13 +223,7 @@ def _attention(model, i, lw, x, kvs, starts, positions, offs) -> np.ndarray:
     q = linear_rows(x, lw.q_proj)
     k = linear_rows(x, lw.k_proj)
     v = linear_rows(x, lw.v_proj)
-    if lw.q_bias is not None:
-        q = q + lw.q_bias
-    if lw.k_bias is not None:
-        k = k + lw.k_bias
-    if lw.v_bias is not None:
-        v = v + lw.v_bias
-    q, k, v = model.post_qkv(lw, q, k, v)  # norms and clipping: per row
+    q, k, v = model.finish_qkv(lw, q, k, v)  # biases, norms and clipping: per row
     hd = cfg.head_dim
     out = np.empty((x.shape[0], cfg.n_heads * hd), F32)
     for s, kv in enumerate(kvs):
@@ -261,13 +256,8 @@ def _routed(model, i: int, lw, x: np.ndarray, masks=None) -> np.ndarray:
     model.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
     t = x.shape[0]
     contrib = np.zeros((t, cfg.top_k, cfg.hidden_size), F32)
-    flat = idx.ravel()
-    pairs = np.argsort(flat, kind="stable")
-    counts = np.bincount(flat, minlength=cfg.n_experts)
-    ends = np.cumsum(counts)
-    uniq = np.flatnonzero(counts)
     # Residents first: a small budget then evicts only after the hits are used.
-    order = uniq[np.argsort(cache.table[i, uniq] < 0, kind="stable")]
+    pairs, counts, ends, order = group_by_expert(idx, cfg.n_experts, cache.table[i])
     wflat = w.reshape(-1)
     cflat = contrib.reshape(t * cfg.top_k, cfg.hidden_size)
     chunk = cache.max_acquire

@@ -26,11 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from czyx.store.consumer import ExpertExtent, ModelInfo
+from czyx.store.consumer import ExpertExtent, ModelInfo, gate_up_down_views
 from czyx.store.core.blockfile import BlockWriter
 from czyx.store.core.checksum import checksum
-from czyx.store.errors import ChecksumError, ShortReadError
-from czyx.store.io.experts import BlockFileExperts
+from czyx.store.io.experts import BlockFileExperts, pread_expert
 
 ALIGN = 4096
 _DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
@@ -112,21 +111,11 @@ class SyntheticMoE(BlockFileExperts):
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
         """Buffered read into ``slot``, verified (the reference path the planner replaces)."""
-        ext = self.expert_extent(layer, router_byte)
-        got = os.preadv(self.fd, [memoryview(slot)[: ext.length]], ext.offset)
-        if got != ext.length:
-            raise ShortReadError(str(self.path), ext.offset, ext.length, got)
-        if checksum(slot[: ext.length]) != ext.checksum:
-            raise ChecksumError(f"{self.path}: checksum mismatch at offset {ext.offset}")
+        pread_expert(self.fd, self.path, self.expert_extent(layer, router_byte), slot)
 
     def expert_views(self, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         i, h = self._i, self._h
-        f = slot[: self.info.expert_nbytes].view(self._dtype)
-        return (
-            f[: i * h].reshape(i, h),
-            f[i * h : 2 * i * h].reshape(i, h),
-            f[2 * i * h :].reshape(h, i),
-        )
+        return gate_up_down_views(slot, self.info.expert_nbytes, i, h, self._dtype)
 
     def close(self) -> None:
         if self.fd >= 0:

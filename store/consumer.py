@@ -158,6 +158,24 @@ class ModelConsumer(Protocol):
         ...
 
 
+def gate_up_down_views(
+    slot: np.ndarray, nbytes: int, inter: int, hidden: int, dtype: Any = np.float32
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Zero-copy ``(gate [I,H], up [I,H], down [H,I])`` of a slot's first ``nbytes``.
+
+    The ``expert_views`` of every consumer whose expert extent is the three float
+    matrices back to back in that order (the synthetic and in-memory reference
+    consumers); ``nbytes`` is the extent's length (``ModelInfo.expert_nbytes``).
+    """
+    i, h = inter, hidden
+    f = slot[:nbytes].view(dtype)
+    return (
+        f[: i * h].reshape(i, h),
+        f[i * h : 2 * i * h].reshape(i, h),
+        f[2 * i * h :].reshape(h, i),
+    )
+
+
 # Optional extensions an engine may look for with ``getattr``:
 #   open_expert_reads(slots, *, readers, native, io) -> store.io.experts.ExpertReads
 #       the expert-read interface onto this consumer's block files (consumers

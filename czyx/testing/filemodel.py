@@ -17,9 +17,7 @@ import numpy as np
 
 from czyx.store.consumer import ExpertExtent, ModelInfo
 from czyx.store.core.blockfile import BlockWriter
-from czyx.store.core.checksum import checksum
-from czyx.store.errors import ChecksumError, ShortReadError
-from czyx.store.io.experts import BlockFileExperts
+from czyx.store.io.experts import BlockFileExperts, pread_expert
 
 ALIGN = 4096
 
@@ -103,12 +101,7 @@ class FileConsumer(BlockFileExperts):
         return [self.fd]
 
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
-        ext = self.expert_extent(layer, router_byte)
-        got = os.preadv(self.fd, [memoryview(slot)[: ext.length]], ext.offset)
-        if got != ext.length:
-            raise ShortReadError(str(self.path), ext.offset, ext.length, got)
-        if checksum(slot[: ext.length]) != ext.checksum:
-            raise ChecksumError(f"{self.path}: checksum mismatch at {ext.offset}")
+        pread_expert(self.fd, self.path, self.expert_extent(layer, router_byte), slot)
         self.reads += 1
 
     def expert_views(self, slot: np.ndarray):

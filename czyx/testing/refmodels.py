@@ -16,10 +16,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from czyx.store.consumer import ExpertExtent, ModelInfo
+from czyx.store.consumer import ExpertExtent, ModelInfo, gate_up_down_views
 from czyx.store.models.archs import arch_for_config
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int] | np.ndarray, steps: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt``: exactly ``steps`` new token ids.
+
+    The reference the engine's greedy generation is compared with in the tests.
+    """
+    ids = torch.as_tensor(np.asarray(prompt, dtype=np.int64))[None]
+    with torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0
+        )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -156,12 +169,7 @@ class StateDictConsumer:
 
     def expert_views(self, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         i, h = self._inter, self._hidden
-        f = slot[: self.info.expert_nbytes].view(np.float32)
-        return (
-            f[: i * h].reshape(i, h),
-            f[i * h : 2 * i * h].reshape(i, h),
-            f[2 * i * h :].reshape(h, i),
-        )
+        return gate_up_down_views(slot, self.info.expert_nbytes, i, h, np.float32)
 
     def close(self) -> None:
         self.closed = True

@@ -60,22 +60,7 @@
 /* Most weight groups per row the SIMD row kernels take (cols <= 32 * CZK_GMAX). */
 #define CZK_GMAX 2048
 
-typedef struct {
-    int kind;
-    int bits;
-    int64_t group;
-    int64_t rows, cols;
-    const void *data;
-    const uint16_t *scales;
-    const uint16_t *mins;
-} czk_mat;
-
-typedef struct {
-    int n_heads, n_kv, head_dim, rot;
-    float eps, scale;
-    czk_mat q, k, v, o;
-    const float *in_norm, *post_norm, *qb, *kb, *vb;
-} czk_attn;
+#include "czk_api.h" /* czk_mat, czk_attn, czk_pool and the entry points */
 
 /* ------------------------------------------------------------ CPU level */
 
@@ -120,7 +105,7 @@ typedef void (*czk_fn)(void *ctx, int64_t t0, int64_t t1);
  * and the others do its share (on a loaded machine a fixed split would wait
  * for it). Which thread runs a chunk does not change a result: every output
  * is computed by one thread with the same instructions. */
-typedef struct czk_pool {
+struct czk_pool {
     int n;
     pthread_t *th;
     pthread_mutex_t mu;
@@ -132,7 +117,7 @@ typedef struct czk_pool {
     czk_fn fn;
     void *ctx;
     int64_t ntasks, chunk;
-} czk_pool;
+};
 
 typedef struct {
     czk_pool *p;
@@ -271,22 +256,7 @@ static void czk_run(czk_pool *p, czk_fn fn, void *ctx, int64_t ntasks, int64_t w
 
 /* ------------------------------------------------------------ helpers */
 
-static inline float czk_h2f(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-    uint32_t b;
-    float f;
-    if (exp == 0) {
-        f = (float)mant * 5.9604644775390625e-08f;
-        memcpy(&b, &f, 4);
-        b |= sign;
-    } else if (exp == 31) {
-        b = sign | 0x7f800000u | (mant << 13);
-    } else {
-        b = sign | ((exp + 112u) << 23) | (mant << 13);
-    }
-    memcpy(&f, &b, 4);
-    return f;
-}
+#include "half.h" /* czyx_h2f */
 
 static inline float czk_bf2f(uint16_t h) {
     uint32_t b = (uint32_t)h << 16;
@@ -321,6 +291,19 @@ static void czk_xq_bind(czk_xq *a, void *mem, int64_t n) {
 }
 
 /* The group sums for weight groups of `group` columns (before a parallel loop). */
+/* Block b's codes are in a->q: copy them in 4-bit nibble order (even codes,
+ * then odd) to a->q4p and record the block's scale d and sum s. */
+static inline void czk_xq_finish(czk_xq *a, int64_t b, float d, float s) {
+    const int8_t *q = a->q + 32 * b;
+    int8_t *p = a->q4p + 32 * b;
+    for (int i = 0; i < 16; i++) {
+        p[i] = q[2 * i];
+        p[16 + i] = q[2 * i + 1];
+    }
+    a->sx[b] = d;
+    a->bsum[b] = s;
+}
+
 static void czk_xq_groups(czk_xq *a, int64_t group) {
     if (a->ggroup == group) return;
     const int64_t bpg = group / 32, G = a->n / group;
@@ -368,14 +351,8 @@ __attribute__((target("avx2,fma,f16c"))) static void czk_quantize_avx2(const flo
         const __m256i p16b = _mm256_packs_epi32(qi[2], qi[3]);
         __m256i p8 = _mm256_packs_epi16(p16a, p16b);
         p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        int8_t *q = a->q + 32 * b, *p = a->q4p + 32 * b;
-        _mm256_storeu_si256((__m256i *)q, p8);
-        for (int i = 0; i < 16; i++) {
-            p[i] = q[2 * i];
-            p[16 + i] = q[2 * i + 1];
-        }
-        a->sx[b] = d;
-        a->bsum[b] = s;
+        _mm256_storeu_si256((__m256i *)(a->q + 32 * b), p8);
+        czk_xq_finish(a, b, d, s);
     }
     a->ggroup = 0;
 }
@@ -399,18 +376,13 @@ static void czk_quantize(const float *x, czk_xq *a) {
         }
         const float d = amax / 127.0f;
         const float id = d > 0.0f ? 1.0f / d : 0.0f;
-        int8_t *q = a->q + 32 * b, *p = a->q4p + 32 * b;
+        int8_t *q = a->q + 32 * b;
         for (int i = 0; i < 32; i++) {
             float v = nearbyintf(xb[i] * id);
             v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
             q[i] = (int8_t)v;
         }
-        for (int i = 0; i < 16; i++) {
-            p[i] = q[2 * i];
-            p[16 + i] = q[2 * i + 1];
-        }
-        a->sx[b] = d;
-        a->bsum[b] = s;
+        czk_xq_finish(a, b, d, s);
     }
     a->ggroup = 0;
 }
@@ -447,7 +419,7 @@ static inline float czk_mterm(const czk_mat *m, int64_t r, const czk_xq *a) {
     const int64_t G = m->cols / m->group;
     const uint16_t *mn = m->mins + r * G;
     float t = 0.0f;
-    for (int64_t g = 0; g < G; g++) t += czk_h2f(mn[g]) * a->gsum[g];
+    for (int64_t g = 0; g < G; g++) t += czyx_h2f(mn[g]) * a->gsum[g];
     return t;
 }
 
@@ -478,7 +450,7 @@ static void czk_rows_q_portable(const czk_mat *m, const czk_xq *a, float *y, int
                 czk_unpack32(c + 4 * m->bits * b, m->bits, u);
                 xq = a->q + 32 * b;
             }
-            const float s = czk_h2f(sc[b / bpg]) * a->sx[b];
+            const float s = czyx_h2f(sc[b / bpg]) * a->sx[b];
             for (int k = 0; k < 8; k++) {
                 int32_t d = 0;
                 for (int i = 0; i < 4; i++) d += (int32_t)u[4 * k + i] * (int32_t)xq[4 * k + i];
@@ -491,7 +463,7 @@ static void czk_rows_q_portable(const czk_mat *m, const czk_xq *a, float *y, int
 }
 
 static inline float czk_wf(const czk_mat *m, int64_t i) {
-    if (m->kind == CZK_F16) return czk_h2f(((const uint16_t *)m->data)[i]);
+    if (m->kind == CZK_F16) return czyx_h2f(((const uint16_t *)m->data)[i]);
     if (m->kind == CZK_BF16) return czk_bf2f(((const uint16_t *)m->data)[i]);
     return ((const float *)m->data)[i];
 }
@@ -549,7 +521,7 @@ CZK_AVX2 static void czk_rows_f_avx2(const czk_mat *m, const float *x, float *y,
     }
 }
 
-/* n halves to floats with F16C (bit-exact, as czk_h2f). */
+/* n halves to floats with F16C (bit-exact, as czyx_h2f). */
 CZK_AVX2 static inline void czk_h2f_row(const uint16_t *h, int64_t n, float *out) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -583,89 +555,58 @@ CZK_AVX2 static inline __m256i czk_dot_avx2(__m256i c, __m256i xq, int bits) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(c, xq), _mm256_set1_epi16(1));
 }
 
-/* RB rows at once: each row's operations are those of one row alone (the
+/* The VNNI dot: one vpdpbusd does the whole codes x input product. */
+CZK_VNNI static inline __m256i czk_dot_vnni(__m256i c, __m256i xq, int bits) {
+    (void)bits;
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, xq);
+}
+
+/* One quantized row kernel per instruction set: ATTR is the target attribute
+ * and DOT the 32-code dot product; the rest is the same code, written once.
+ * RB rows at once: each row's operations are those of one row alone (the
  * rows only share the input loads and interleave their dependency chains). */
-CZK_AVX2 static inline __attribute__((always_inline)) void czk_rows_q_avx2_rb(
-    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB) {
-    const int64_t bpg = m->group / 32, G = m->cols / m->group;
-    const int64_t rb = m->cols * m->bits / 8;
-    const int bits = m->bits;
-    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
-    float ds[4][CZK_GMAX / 4], mn[4][CZK_GMAX / 4];
-    const uint8_t *c[4];
-    __m256 acc[4];
-    for (int i = 0; i < RB; i++) {
-        c[i] = (const uint8_t *)m->data + (r + i) * rb;
-        czk_h2f_row(m->scales + (r + i) * G, G, ds[i]);
-        czk_h2f_row(m->mins + (r + i) * G, G, mn[i]);
-        acc[i] = _mm256_setzero_ps();
+#define CZK_ROWS_Q_SIMD(ATTR, NAME, DOT)                                                          \
+    ATTR static inline __attribute__((always_inline)) void NAME##_rb(                             \
+        const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB) {                   \
+        const int64_t bpg = m->group / 32, G = m->cols / m->group;                                \
+        const int64_t rb = m->cols * m->bits / 8;                                                 \
+        const int bits = m->bits;                                                                 \
+        const int8_t *xqb = bits == 4 ? a->q4p : a->q;                                            \
+        float ds[4][CZK_GMAX / 4], mn[4][CZK_GMAX / 4];                                           \
+        const uint8_t *c[4];                                                                      \
+        __m256 acc[4];                                                                            \
+        for (int i = 0; i < RB; i++) {                                                            \
+            c[i] = (const uint8_t *)m->data + (r + i) * rb;                                       \
+            czk_h2f_row(m->scales + (r + i) * G, G, ds[i]);                                       \
+            czk_h2f_row(m->mins + (r + i) * G, G, mn[i]);                                         \
+            acc[i] = _mm256_setzero_ps();                                                         \
+        }                                                                                         \
+        for (int64_t g = 0, b = 0; g < G; g++) {                                                  \
+            for (int64_t e = b + bpg; b < e; b++) {                                               \
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));           \
+                const float sxb = a->sx[b];                                                       \
+                for (int i = 0; i < RB; i++) {                                                    \
+                    const __m256i d = DOT(czk_codes32(c[i], bits, b), xq, bits);                  \
+                    const float s = ds[i][g] * sxb;                                               \
+                    acc[i] = _mm256_add_ps(                                                       \
+                        acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));         \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                                    \
+        for (int64_t g = 0; g < G; g++)                                                           \
+            for (int i = 0; i < RB; i++) t[i] += mn[i][g] * a->gsum[g];                           \
+        for (int i = 0; i < RB; i++) y[r + i] = czk_hsum8(acc[i]) + t[i];                         \
+    }                                                                                             \
+                                                                                                  \
+    ATTR static void NAME(const czk_mat *m, const czk_xq *a, float *y, int64_t r0, int64_t r1) {  \
+        int64_t r = r0;                                                                           \
+        for (; r + 4 <= r1; r += 4) NAME##_rb(m, a, y, r, 4);                                     \
+        for (; r < r1; r++) NAME##_rb(m, a, y, r, 1);                                             \
     }
-    for (int64_t g = 0, b = 0; g < G; g++) {
-        for (int64_t e = b + bpg; b < e; b++) {
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
-            const float sxb = a->sx[b];
-            for (int i = 0; i < RB; i++) {
-                const __m256i d = czk_dot_avx2(czk_codes32(c[i], bits, b), xq, bits);
-                const float s = ds[i][g] * sxb;
-                acc[i] = _mm256_add_ps(acc[i],
-                                       _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
-            }
-        }
-    }
-    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int64_t g = 0; g < G; g++)
-        for (int i = 0; i < RB; i++) t[i] += mn[i][g] * a->gsum[g];
-    for (int i = 0; i < RB; i++) y[r + i] = czk_hsum8(acc[i]) + t[i];
-}
 
-CZK_AVX2 static void czk_rows_q_avx2(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
-                                     int64_t r1) {
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) czk_rows_q_avx2_rb(m, a, y, r, 4);
-    for (; r < r1; r++) czk_rows_q_avx2_rb(m, a, y, r, 1);
-}
-
-/* RB rows at once: each row's operations are those of one row alone (the
- * rows only share the input loads and interleave their dependency chains). */
-CZK_VNNI static inline __attribute__((always_inline)) void czk_rows_q_vnni_rb(
-    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB) {
-    const int64_t bpg = m->group / 32, G = m->cols / m->group;
-    const int64_t rb = m->cols * m->bits / 8;
-    const int bits = m->bits;
-    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
-    float ds[4][CZK_GMAX / 4], mn[4][CZK_GMAX / 4];
-    const uint8_t *c[4];
-    __m256 acc[4];
-    for (int i = 0; i < RB; i++) {
-        c[i] = (const uint8_t *)m->data + (r + i) * rb;
-        czk_h2f_row(m->scales + (r + i) * G, G, ds[i]);
-        czk_h2f_row(m->mins + (r + i) * G, G, mn[i]);
-        acc[i] = _mm256_setzero_ps();
-    }
-    for (int64_t g = 0, b = 0; g < G; g++) {
-        for (int64_t e = b + bpg; b < e; b++) {
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));
-            const float sxb = a->sx[b];
-            for (int i = 0; i < RB; i++) {
-                const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), czk_codes32(c[i], bits, b), xq);
-                const float s = ds[i][g] * sxb;
-                acc[i] = _mm256_add_ps(acc[i],
-                                       _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));
-            }
-        }
-    }
-    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int64_t g = 0; g < G; g++)
-        for (int i = 0; i < RB; i++) t[i] += mn[i][g] * a->gsum[g];
-    for (int i = 0; i < RB; i++) y[r + i] = czk_hsum8(acc[i]) + t[i];
-}
-
-CZK_VNNI static void czk_rows_q_vnni(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
-                                     int64_t r1) {
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) czk_rows_q_vnni_rb(m, a, y, r, 4);
-    for (; r < r1; r++) czk_rows_q_vnni_rb(m, a, y, r, 1);
-}
+CZK_ROWS_Q_SIMD(CZK_AVX2, czk_rows_q_avx2, czk_dot_avx2)
+CZK_ROWS_Q_SIMD(CZK_VNNI, czk_rows_q_vnni, czk_dot_vnni)
 #endif
 
 /* Rows [r0, r1) of m @ x (x float for float kinds, `a` for quantized ones). */
@@ -886,6 +827,17 @@ typedef struct {
     float *scores; /* [n_heads, end] */
 } czk_heads_ctx;
 
+/* s[start, end) <- exp(s - mx) in place, summed in index order; returns 1 / sum.
+ * One scalar loop shared by every attention path, so their softmax agrees. */
+static inline float czk_softmax_span(float *s, int64_t start, int64_t end, float mx) {
+    float sum = 0.0f;
+    for (int64_t j = start; j < end; j++) {
+        s[j] = expf(s[j] - mx);
+        sum += s[j];
+    }
+    return 1.0f / sum;
+}
+
 #if CZK_X86
 /* The same loops with eight-float vectors (head_dim a multiple of 8); the dot
  * product's eight lanes are summed in czk_tree8's order, as the portable path. */
@@ -907,12 +859,7 @@ CZK_AVX2 static void czk_heads_avx2(czk_heads_ctx *c, int64_t t0, int64_t t1) {
             s[j] = t;
             mx = t > mx ? t : mx;
         }
-        float sum = 0.0f;
-        for (int64_t j = c->start; j < c->end; j++) {
-            s[j] = expf(s[j] - mx);
-            sum += s[j];
-        }
-        const float inv = 1.0f / sum;
+        const float inv = czk_softmax_span(s, c->start, c->end, mx);
         float *o = c->out + h * hd;
         for (int i = 0; i < hd; i += 8) {
             __m256 acc = _mm256_setzero_ps();
@@ -953,12 +900,7 @@ static void czk_heads_task(void *ctx_, int64_t t0, int64_t t1) {
             s[j] = t;
             mx = t > mx ? t : mx;
         }
-        float sum = 0.0f;
-        for (int64_t j = c->start; j < c->end; j++) {
-            s[j] = expf(s[j] - mx);
-            sum += s[j];
-        }
-        const float inv = 1.0f / sum;
+        const float inv = czk_softmax_span(s, c->start, c->end, mx);
         float *o = c->out + h * hd;
         for (int i = 0; i < hd; i++) o[i] = 0.0f;
         for (int64_t j = c->start; j < c->end; j++) {
@@ -1096,7 +1038,7 @@ int czk_row(const czk_mat *m, int64_t r, float *out) {
             czk_unpack32(codes + 4 * m->bits * b, m->bits, u);
         }
         const int64_t g = (32 * b) / m->group;
-        const float d = czk_h2f(m->scales[r * G + g]), mn = czk_h2f(m->mins[r * G + g]);
+        const float d = czyx_h2f(m->scales[r * G + g]), mn = czyx_h2f(m->mins[r * G + g]);
         for (int i = 0; i < 32; i++) {
             const float t = d * (float)u[i];
             out[32 * b + i] = t + mn;

@@ -47,25 +47,7 @@
 /* The highest SIMD level used (tests lower it to compare every path). */
 static int qk_simd_cap = 2;
 
-/* IEEE half -> float, exact for every input (subnormals, inf, nan). */
-static inline float qk_h2f(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu;
-    uint32_t mant = h & 0x3ffu;
-    uint32_t bitsv;
-    float f;
-    if (exp == 0) {
-        f = (float)mant * 5.9604644775390625e-08f; /* 2^-24 */
-        memcpy(&bitsv, &f, 4);
-        bitsv |= sign;
-    } else if (exp == 31) {
-        bitsv = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bitsv = sign | ((exp + 112u) << 23) | (mant << 13);
-    }
-    memcpy(&f, &bitsv, 4);
-    return f;
-}
+#include "half.h" /* czyx_h2f: IEEE half -> float, exact for every input */
 
 /* `bits` bytes (<= 8) at p as a little-endian word. Fixed-size copies only:
  * a 3-byte memcpy is not inlined by every compiler and a library call per
@@ -109,8 +91,8 @@ static inline __attribute__((always_inline)) void qk_mv_portable(
     const int64_t G = cols / group, rb = cols * bits / 8, gb = group * bits / 8;
     for (int64_t r = r0; r < r1; r++) {
         for (int64_t gi = 0; gi < G; gi++) {
-            dsc[gi] = qk_h2f(scales[r * G + gi]);
-            mnv[gi] = qk_h2f(mins[r * G + gi]);
+            dsc[gi] = czyx_h2f(scales[r * G + gi]);
+            mnv[gi] = czyx_h2f(mins[r * G + gi]);
         }
         float total = 0.0f;
         for (int64_t gi = 0; gi < G; gi++) {
@@ -166,8 +148,8 @@ static inline __attribute__((always_inline)) void qk_rows_portable(
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *c = codes + r * rb;
         for (int64_t gi = 0; gi < G; gi++) {
-            dsc[gi] = qk_h2f(scales[r * G + gi]);
-            mnv[gi] = qk_h2f(mins[r * G + gi]);
+            dsc[gi] = czyx_h2f(scales[r * G + gi]);
+            mnv[gi] = czyx_h2f(mins[r * G + gi]);
         }
         for (int64_t b = 0; b < nvec; b++) y[b * rows + r] = 0.0f;
         for (int64_t gi = 0; gi < G; gi++) {
@@ -241,7 +223,7 @@ QK_AVX2 static inline void qk_h2f_n(const uint16_t *h, int64_t n, float *out) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-    for (; i < n; i++) out[i] = qk_h2f(h[i]);
+    for (; i < n; i++) out[i] = czyx_h2f(h[i]);
 }
 
 /* matvec on RB rows at once (RB = 2, or 1 for a tail): codes decoded into

@@ -216,6 +216,26 @@ def route_topk(
 # --------------------------------------------------------------------------- rope
 
 
+def group_by_expert(
+    idx: np.ndarray, n_experts: int, resident: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The ``(token, k)`` routes of ``idx [T, k]`` grouped by expert, for one pass per expert.
+
+    Returns ``(pairs, counts, ends, order)``: ``pairs`` the flat route indices sorted
+    (stably) by expert, so expert ``e``'s routes are ``pairs[ends[e] - counts[e] :
+    ends[e]]``; ``order`` the distinct experts, residents first (``resident[e] >= 0``,
+    a layer's row of the cache table), so a small budget evicts only after the hits
+    are used. Shared by the single-sequence and the batched prefill.
+    """
+    flat = idx.ravel()
+    pairs = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=n_experts)
+    ends = np.cumsum(counts)
+    uniq = np.flatnonzero(counts)
+    order = uniq[np.argsort(resident[uniq] < 0, kind="stable")]
+    return pairs, counts, ends, order
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters, normalised from a checkpoint config.

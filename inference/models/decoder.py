@@ -43,6 +43,7 @@ from czyx.inference.models.base import (
     KVCache,
     Observe,
     attention,
+    group_by_expert,
     matmul_small,
     rms_norm,
     route_topk,
@@ -367,9 +368,39 @@ class MoEDecoder:
         """Transform the projected ``[T, width]`` q/k/v before RoPE (q/k norms, clipping)."""
         return q, k, v
 
+    def finish_qkv(
+        self, lw: Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The projected ``[T, width]`` q/k/v plus their biases (if any), then :meth:`post_qkv`.
+
+        Row-independent, so the single-sequence and the batched paths share it.
+        """
+        if lw.q_bias is not None:
+            q = q + lw.q_bias
+        if lw.k_bias is not None:
+            k = k + lw.k_bias
+        if lw.v_bias is not None:
+            v = v + lw.v_bias
+        return self.post_qkv(lw, q, k, v)
+
     def routed_extra(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
         """Combine the routed-expert output with anything else the MLP adds (shared expert)."""
         return routed
+
+    def add_ungated_shared(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
+        """``routed`` plus the layer's ungated shared-expert SwiGLU (none: ``routed``).
+
+        The ``routed_extra`` of every architecture whose shared experts are added
+        without a gate (DeepSeek/MLA, GLM-4.5, ERNIE 4.5), written once here.
+        """
+        if lw.shared_gate_proj is None:
+            return routed
+        observe = None
+        if self.observer is not None:
+            observe = self._observe(f"L{lw.index}.shared.down_in")
+        return routed + swiglu(
+            x, lw.shared_gate_proj, lw.shared_up_proj, lw.shared_down_proj, observe
+        )
 
     def route(
         self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
@@ -513,13 +544,7 @@ class MoEDecoder:
             q = mm_t(x, lw.q_proj)
             k = mm_t(x, lw.k_proj)
             v = mm_t(x, lw.v_proj)
-        if lw.q_bias is not None:
-            q = q + lw.q_bias
-        if lw.k_bias is not None:
-            k = k + lw.k_bias
-        if lw.v_bias is not None:
-            v = v + lw.v_bias
-        q, k, v = self.post_qkv(lw, q, k, v)
+        q, k, v = self.finish_qkv(lw, q, k, v)
         hd = cfg.head_dim
         q = q.reshape(t, cfg.n_heads, hd).transpose(1, 0, 2)
         k = k.reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
@@ -553,6 +578,12 @@ class MoEDecoder:
             )
         return self.routed_extra(lw, x, self._routed(i, lw, x))
 
+    def count_routes(self, i: int, idx: np.ndarray, w: np.ndarray) -> None:
+        """Add layer ``i``'s routes ``idx [T, k]`` to the counts and the recorder (if any)."""
+        self.route_counts[i] += np.bincount(idx.ravel(), minlength=self.cfg.n_experts)
+        if self.recorder is not None:
+            self.recorder.record(i, idx, w)
+
     def _routed(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
         cfg = self.cfg
         mask = None if self.route_mask is None else self.route_mask[i]
@@ -562,9 +593,7 @@ class MoEDecoder:
         if kern is not None and x is kern.x2 and mask is None and self._plain_routing:
             return self._routed_one(i, lw, kern)
         idx, w = self.route(lw, x, mask)
-        self.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
-        if self.recorder is not None:
-            self.recorder.record(i, idx, w)
+        self.count_routes(i, idx, w)
         t = x.shape[0]
         contrib = np.zeros((t, cfg.top_k, cfg.hidden_size), F32)
         cache = self.experts
@@ -575,12 +604,7 @@ class MoEDecoder:
             # Prefill: one fetch and one batched matmul per distinct expert, residents first
             # (so a small budget evicts only after the hits are used). The (token, k) pairs
             # are sorted by expert once; each expert's pairs are then one slice.
-            flat = idx.ravel()
-            pairs = np.argsort(flat, kind="stable")
-            counts = np.bincount(flat, minlength=cfg.n_experts)
-            ends = np.cumsum(counts)
-            uniq = np.flatnonzero(counts)
-            order = uniq[np.argsort(cache.table[i, uniq] < 0, kind="stable")]
+            pairs, counts, ends, order = group_by_expert(idx, cfg.n_experts, cache.table[i])
             wflat = w.reshape(-1)
             cflat = contrib.reshape(t * cfg.top_k, cfg.hidden_size)
             # Tokens as columns, once: each expert gathers its columns from here.

@@ -20,7 +20,7 @@ import numpy as np
 from czyx.inference.errors import MissingTensorError, ScopeRoutingError
 from czyx.inference.kernels.linear import mm_t
 from czyx.inference.models.base import F32, sigmoid
-from czyx.inference.models.decoder import DecoderConfig, Layer
+from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder
 from czyx.inference.models.mla import MLADecoder, mla_config
 from czyx.store.consumer import ModelInfo
 
@@ -79,6 +79,30 @@ def sigmoid_group_topk(
     return idx.astype(np.int64, copy=False), w.astype(F32, copy=False)
 
 
+def sigmoid_group_route(
+    model: MoEDecoder, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`sigmoid_group_topk` of ``x`` with ``model``'s router and config fields.
+
+    The ``route`` of DeepSeek-V3 and GLM-4.5 (same routing, same config keys:
+    ``n_group``, ``topk_group``, ``routed_scaling_factor``); a layer without its
+    ``e_score_correction_bias`` is refused.
+    """
+    c = model.consumer.info.config
+    if lw.router_bias is None:
+        raise MissingTensorError(f"layer {lw.index} has no e_score_correction_bias")
+    return sigmoid_group_topk(
+        mm_t(x, lw.router),
+        lw.router_bias,
+        model.cfg.top_k,
+        int(c.get("n_group") or 1),
+        int(c.get("topk_group") or 1),
+        model.cfg.renormalize,
+        float(c.get("routed_scaling_factor") or 1.0),
+        mask,
+    )
+
+
 class DeepseekV3Decoder(MLADecoder):
     """``DeepseekV3ForCausalLM`` in numpy."""
 
@@ -98,16 +122,4 @@ class DeepseekV3Decoder(MLADecoder):
         self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Sigmoid, group-limited top-k with the selection bias (module docstring)."""
-        c = self.consumer.info.config
-        if lw.router_bias is None:
-            raise MissingTensorError(f"layer {lw.index} has no e_score_correction_bias")
-        return sigmoid_group_topk(
-            mm_t(x, lw.router),
-            lw.router_bias,
-            self.cfg.top_k,
-            int(c.get("n_group") or 1),
-            int(c.get("topk_group") or 1),
-            self.cfg.renormalize,
-            float(c.get("routed_scaling_factor") or 1.0),
-            mask,
-        )
+        return sigmoid_group_route(self, lw, x, mask)

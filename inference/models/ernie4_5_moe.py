@@ -18,7 +18,7 @@ import numpy as np
 
 from czyx.inference.errors import MissingTensorError, ScopeRoutingError
 from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import F32, KVCache, softmax, swiglu
+from czyx.inference.models.base import F32, KVCache, softmax
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
 from czyx.inference.models.deepseek_v3 import top_k_desc
 from czyx.inference.models.rope import Rotary
@@ -79,11 +79,4 @@ class Ernie45MoeDecoder(MoEDecoder):
 
     def routed_extra(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
         """Add the ungated shared experts."""
-        if lw.shared_gate_proj is None:
-            return routed
-        observe = None
-        if self.observer is not None:
-            observe = self._observe(f"L{lw.index}.shared.down_in")
-        return routed + swiglu(
-            x, lw.shared_gate_proj, lw.shared_up_proj, lw.shared_down_proj, observe
-        )
+        return self.add_ungated_shared(lw, x, routed)

@@ -17,11 +17,8 @@ import dataclasses
 
 import numpy as np
 
-from czyx.inference.errors import MissingTensorError
-from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import swiglu
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
-from czyx.inference.models.deepseek_v3 import sigmoid_group_topk
+from czyx.inference.models.deepseek_v3 import sigmoid_group_route
 from czyx.inference.models.qknorm import QKNormDecoder
 from czyx.store.consumer import ModelInfo
 
@@ -65,27 +62,8 @@ class Glm4MoeDecoder(QKNormDecoder):
         self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """DeepSeek-V3's sigmoid group-limited routing."""
-        c = self.consumer.info.config
-        if lw.router_bias is None:
-            raise MissingTensorError(f"layer {lw.index} has no e_score_correction_bias")
-        return sigmoid_group_topk(
-            mm_t(x, lw.router),
-            lw.router_bias,
-            self.cfg.top_k,
-            int(c.get("n_group") or 1),
-            int(c.get("topk_group") or 1),
-            self.cfg.renormalize,
-            float(c.get("routed_scaling_factor") or 1.0),
-            mask,
-        )
+        return sigmoid_group_route(self, lw, x, mask)
 
     def routed_extra(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
         """Add the ungated shared experts."""
-        if lw.shared_gate_proj is None:
-            return routed
-        observe = None
-        if self.observer is not None:
-            observe = self._observe(f"L{lw.index}.shared.down_in")
-        return routed + swiglu(
-            x, lw.shared_gate_proj, lw.shared_up_proj, lw.shared_down_proj, observe
-        )
+        return self.add_ungated_shared(lw, x, routed)

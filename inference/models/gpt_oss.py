@@ -28,6 +28,7 @@ import numpy as np
 from czyx.inference.kernels.linear import mm_t
 from czyx.inference.models.base import F32, KVCache, sigmoid
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
+from czyx.inference.models.granitemoe import softmax_of_top_k
 from czyx.store.consumer import ModelInfo
 
 
@@ -86,15 +87,7 @@ class GptOssDecoder(MoEDecoder):
 
     def route(self, lw: Layer, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Top-k of the biased router logits, softmax over those k."""
-        logits = mm_t(x, lw.router) + lw.router_bias
-        k = self.cfg.top_k
-        part = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
-        vals = np.take_along_axis(logits, part, axis=-1)
-        order = np.lexsort((part, -vals), axis=-1)
-        idx = np.take_along_axis(part, order, axis=-1)
-        top = np.take_along_axis(vals, order, axis=-1)
-        e = np.exp(top - top[:, :1])
-        return idx.astype(np.int64), (e / e.sum(axis=-1, keepdims=True)).astype(F32)
+        return softmax_of_top_k(mm_t(x, lw.router) + lw.router_bias, self.cfg.top_k)
 
     def _expert(self, i: int, e: int, x: np.ndarray, gate_up, down) -> np.ndarray:
         inter = self.gu_bias[i].shape[1] // 2
@@ -110,9 +103,7 @@ class GptOssDecoder(MoEDecoder):
     def _routed(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
         cfg = self.cfg
         idx, w = self.route(lw, x)
-        self.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
-        if self.recorder is not None:
-            self.recorder.record(i, idx, w)
+        self.count_routes(i, idx, w)
         t = x.shape[0]
         contrib = np.zeros((t, cfg.top_k, cfg.hidden_size), F32)
         cache = self.experts

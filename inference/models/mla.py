@@ -32,7 +32,7 @@ import numpy as np
 from czyx.inference.cache import ExpertCache
 from czyx.inference.errors import MissingTensorError, UnsupportedModelError
 from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import F32, KVCache, rms_norm, swiglu
+from czyx.inference.models.base import F32, KVCache, rms_norm
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, eos_ids
 from czyx.inference.models.rope import Rotary, rope_config
 from czyx.store.consumer import ModelConsumer, ModelInfo
@@ -206,14 +206,7 @@ class MLADecoder(MoEDecoder):
 
     def routed_extra(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
         """Add the shared experts (ungated; absent when ``n_shared_experts`` is 0)."""
-        if lw.shared_gate_proj is None:
-            return routed
-        observe = None
-        if self.observer is not None:
-            observe = self._observe(f"L{lw.index}.shared.down_in")
-        return routed + swiglu(
-            x, lw.shared_gate_proj, lw.shared_up_proj, lw.shared_down_proj, observe
-        )
+        return self.add_ungated_shared(lw, x, routed)
 
     def _attention(
         self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray

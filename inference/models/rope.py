@@ -178,10 +178,7 @@ class Rotary(BaseRotary):
         self._grow(initial)
 
     def _grow(self, n: int) -> None:
-        pos = np.arange(n, dtype=F32)
-        freqs = pos[:, None] * self.inv_freq[None, :]
-        self._cos = np.cos(freqs).astype(F32)
-        self._sin = np.sin(freqs).astype(F32)
+        super()._grow(n)  # the unscaled tables of self.inv_freq
         if self.attention_scaling != 1.0:
             self._cos *= F32(self.attention_scaling)
             self._sin *= F32(self.attention_scaling)

@@ -35,6 +35,7 @@ raised by :meth:`ExpertReads.check`, and the slot then holds nothing usable.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -45,7 +46,7 @@ import numpy as np
 from czyx.errors import CzyxError
 from czyx.store.consumer import ExpertExtent
 from czyx.store.core.checksum import checksum
-from czyx.store.errors import ChecksumError, StoreError
+from czyx.store.errors import ChecksumError, ShortReadError, StoreError
 from czyx.store.io import readpool
 from czyx.store.io.iopaths import TransferSource, default_io_path, open_source
 
@@ -442,6 +443,27 @@ class ExpertReads:
 
     # No __del__: owners close it (the planner does in its own close); the native
     # pool and the sources free themselves when collected.
+
+
+def pread_expert(fd: int, path: object, ext: ExpertExtent, slot: np.ndarray) -> None:
+    """Buffered, verified read of extent ``ext`` of the file ``fd`` into ``slot``.
+
+    The plain ``read_expert`` of single-file consumers (the synthetic models):
+    one ``preadv``, then the extent's checksum. ``path`` only names the file in
+    errors.
+
+    Raises
+    ------
+    ShortReadError
+        The file ended before the extent did.
+    ChecksumError
+        The bytes read do not match the extent's checksum.
+    """
+    got = os.preadv(fd, [memoryview(slot)[: ext.length]], ext.offset)
+    if got != ext.length:
+        raise ShortReadError(str(path), ext.offset, ext.length, got)
+    if checksum(slot[: ext.length]) != ext.checksum:
+        raise ChecksumError(f"{path}: checksum mismatch at offset {ext.offset}")
 
 
 class BlockFileExperts:

@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from czyx.store.errors import BlockFileError, ReadIOError, ShortReadError, StoreError
+from czyx.store.io.fdowner import FdOwner, close_fds
 
 try:
     from czyx.store.io import _iopaths as _c
@@ -161,7 +162,7 @@ def drop_file_cache(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-class TransferSource:
+class TransferSource(FdOwner):
     """Fills caller-owned destinations with a file's bytes through one I/O path.
 
     Parameters
@@ -315,21 +316,7 @@ class TransferSource:
 
     def close(self) -> None:
         """Close the descriptors (idempotent)."""
-        for name in ("_dfd", "_fd"):
-            fd = getattr(self, name, -1)
-            if fd >= 0:
-                os.close(fd)
-                setattr(self, name, -1)
-
-    def __enter__(self) -> TransferSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
+        close_fds(self, ("_dfd", "_fd"))
 
 
 class _PreadBase(TransferSource):

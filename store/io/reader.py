@@ -34,6 +34,7 @@ import numpy as np
 from czyx.store.core.checksum import checksum
 from czyx.store.core.records import Extent
 from czyx.store.errors import ChecksumError, ReadIOError, ShortReadError, StoreError
+from czyx.store.io.fdowner import FdOwner, close_fds
 
 try:
     from czyx.store.io import _reader as _c
@@ -89,7 +90,7 @@ def _address(mv: memoryview) -> int:
     return np.frombuffer(mv, np.uint8).__array_interface__["data"][0] if len(mv) else 0
 
 
-class RawReader:
+class RawReader(FdOwner):
     """Positional reads of one block file into caller-owned buffers.
 
     Parameters
@@ -293,22 +294,8 @@ class RawReader:
         if getattr(self, "_map", None) is not None:
             self._map.close()
             self._map = None
-        for name in ("_dfd", "_bfd"):
-            fd = getattr(self, name, -1)
-            if fd >= 0:
-                os.close(fd)
-                setattr(self, name, -1)
+        close_fds(self, ("_dfd", "_bfd"))
         self.fd = -1
-
-    def __enter__(self) -> RawReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
 
 
 def _map_whole_file(fd: int, size: int) -> mmap.mmap:

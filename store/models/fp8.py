@@ -35,7 +35,7 @@ import numpy as np
 
 from czyx.store.models.checkpoint import DTYPES, Checkpoint, TensorInfo, to_float32
 from czyx.store.models.gguf import ConversionPolicyError
-from czyx.store.models.gguf_source import Drift, _to_bf16
+from czyx.store.models.gguf_source import Drift, DriftConversion, _to_bf16
 from czyx.store.models.mount_errors import (
     MissingTensorError,
     ShapeMismatchError,
@@ -239,34 +239,17 @@ class FP8Checkpoint:
         self.close()
 
 
-class FP8Conversion:
-    """The manifest's ``quant`` section of an FP8 mount."""
+class FP8Conversion(DriftConversion):
+    """The manifest's ``quant`` section of an FP8 mount (drift: experts per layer and part)."""
 
     def __init__(self, policy: str, expert_fmt: str) -> None:
-        self.policy, self.expert_fmt = policy, expert_fmt
-        self.trunk_formats: dict[str, str] = {}
-        self.drift: dict[str, Drift] = {}
+        super().__init__(expert_fmt)
+        self.policy = policy
 
-    def manifest(self) -> dict[str, object]:
-        """``policy`` (``fp8:<policy>``), formats, drift per converted tensor (experts per
-        layer and part): ``[source, stored, relative RMS error, max abs error]``."""
-        return {
-            "policy": f"fp8:{self.policy}",
-            "formats": {"expert": self.expert_fmt, **self.trunk_formats},
-            "importance": None,
-            "converted": {
-                n: [d.source, d.target, round(d.rel_rms, 9), round(d.max_abs, 9)]
-                for n, d in sorted(self.drift.items())
-            },
-        }
-
-    def report(self) -> list[str]:
-        """Per converted tensor (group), one line."""
-        return [
-            f"converted {n}: {d.source} -> {d.target}, relative RMS error {d.rel_rms:.3e}, "
-            f"max abs {d.max_abs:.3e}"
-            for n, d in sorted(self.drift.items())
-        ]
+    @property
+    def policy_label(self) -> str:
+        """``fp8:<policy>``."""
+        return f"fp8:{self.policy}"
 
 
 def _as_f32(arr: np.ndarray, dtype: str) -> np.ndarray:

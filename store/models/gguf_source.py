@@ -421,20 +421,29 @@ class Drift:
         return (self.sq_err / self.sq_ref) ** 0.5 if self.sq_ref else 0.0
 
 
-class GGUFConversion:
-    """The manifest's ``quant`` section of a GGUF mount: policy, stored formats, drift."""
+class DriftConversion:
+    """The manifest's ``quant`` section of a converting mount (GGUF, FP8).
 
-    def __init__(self, ckpt: GGUFCheckpoint, expert_fmt: str) -> None:
-        self.ckpt = ckpt
+    Shared by every source that converts tensors on the way in: the stored formats
+    by class and one :class:`Drift` per converted tensor (group). Subclasses name
+    their policy (:attr:`policy_label`).
+    """
+
+    def __init__(self, expert_fmt: str) -> None:
         self.expert_fmt = expert_fmt
         self.trunk_formats: dict[str, str] = {}
         self.drift: dict[str, Drift] = {}
 
+    @property
+    def policy_label(self) -> str:
+        """The manifest's ``policy`` value, ``<source>:<policy>``."""
+        raise NotImplementedError
+
     def manifest(self) -> dict[str, object]:
-        """``policy`` (``gguf:<policy>``), formats by class, and per converted tensor
+        """``policy`` (:attr:`policy_label`), formats by class, and per converted tensor
         ``[source type, stored format, relative RMS error, max abs error]``."""
         return {
-            "policy": f"gguf:{self.ckpt.policy}",
+            "policy": self.policy_label,
             "formats": {"expert": self.expert_fmt, **self.trunk_formats},
             "importance": None,
             "converted": {
@@ -444,12 +453,25 @@ class GGUFConversion:
         }
 
     def report(self) -> list[str]:
-        """One line per converted GGUF tensor (what the CLI prints)."""
+        """One line per converted tensor (group) (what the CLI prints)."""
         return [
             f"converted {n}: {d.source} -> {d.target}, relative RMS error {d.rel_rms:.3e}, "
             f"max abs {d.max_abs:.3e}"
             for n, d in sorted(self.drift.items())
         ]
+
+
+class GGUFConversion(DriftConversion):
+    """The manifest's ``quant`` section of a GGUF mount: policy, stored formats, drift."""
+
+    def __init__(self, ckpt: GGUFCheckpoint, expert_fmt: str) -> None:
+        super().__init__(expert_fmt)
+        self.ckpt = ckpt
+
+    @property
+    def policy_label(self) -> str:
+        """``gguf:<the checkpoint's policy>``."""
+        return f"gguf:{self.ckpt.policy}"
 
 
 class GGUFMountSource(MountSource):

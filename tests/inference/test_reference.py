@@ -16,7 +16,7 @@ import torch
 from czyx.inference.engine import Engine
 from czyx.inference.generate import generate_ids
 from czyx.inference.options import EngineOptions
-from czyx.testing.refmodels import ARCHS, StateDictConsumer, tiny_model
+from czyx.testing.refmodels import ARCHS, StateDictConsumer, hf_greedy, tiny_model
 
 PROMPT = np.random.default_rng(7).integers(0, 256, 14)
 STEPS = 32
@@ -30,14 +30,7 @@ def ref() -> dict:
         model = tiny_model(arch)
         with torch.no_grad():
             logits = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
-            gen = model.generate(
-                torch.tensor(PROMPT)[None],
-                max_new_tokens=STEPS,
-                min_new_tokens=STEPS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        out[arch] = (model, logits, gen[0, len(PROMPT) :].tolist())
+        out[arch] = (model, logits, hf_greedy(model, PROMPT, STEPS))
     return out
 
 

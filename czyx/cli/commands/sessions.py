@@ -59,6 +59,13 @@ def _sessions(args: argparse.Namespace, st):
     return SessionStore.open(st, args.portal, tenant=tenant)
 
 
+def _action_args(q: argparse.ArgumentParser) -> None:
+    """The store, tenant and portal options every session action takes."""
+    _store_arg(q, False)
+    _tenant_arg(q, False)
+    _portal_arg(q)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``sessions`` subcommand and its actions."""
     p = subparsers.add_parser(
@@ -80,34 +87,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     q = sub.add_parser("rm", help="remove a session (every version's tag)")
     q.add_argument("name")
-    _store_arg(q, False)
-    _tenant_arg(q, False)
-    _portal_arg(q)
+    _action_args(q)
     q.set_defaults(func=_rm)
 
     q = sub.add_parser("diff", help="show where two session histories diverge")
     q.add_argument("a")
     q.add_argument("b")
     q.add_argument("--context", type=int, default=8, help="tokens shown after the divergence")
-    _store_arg(q, False)
-    _tenant_arg(q, False)
-    _portal_arg(q)
+    _action_args(q)
     q.set_defaults(func=_diff)
 
     q = sub.add_parser("fork", help="start a session from another one's head")
     q.add_argument("parent")
     q.add_argument("child")
     q.add_argument("--at", type=int, default=None, help="keep only the first N tokens")
-    _store_arg(q, False)
-    _tenant_arg(q, False)
-    _portal_arg(q)
+    _action_args(q)
     q.set_defaults(func=_fork)
 
     q = sub.add_parser("show", help="every saved version of a session")
     q.add_argument("name")
-    _store_arg(q, False)
-    _tenant_arg(q, False)
-    _portal_arg(q)
+    _action_args(q)
     q.set_defaults(func=_show)
 
 

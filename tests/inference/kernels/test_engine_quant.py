@@ -21,7 +21,7 @@ from czyx.inference.engine import Engine
 from czyx.inference.kernels.linear import GateUp
 from czyx.inference.kernels.ops import PackedMatrix
 from czyx.inference.quant_eval import compare_logits, evaluate, window_logits
-from czyx.store.consumer import ModelInfo
+from czyx.store.consumer import ModelInfo, gate_up_down_views
 from czyx.store.quant.extent import ExpertLayout
 from czyx.store.quant.formats import dequantize
 from czyx.store.quant.memory import QuantizedConsumer
@@ -72,12 +72,7 @@ class Dequantized:
 
     def expert_views(self, slot):
         i, h = self.q.layout.inter, self.q.layout.hidden
-        f = slot[: self.info.expert_nbytes].view(np.float32)
-        return (
-            f[: i * h].reshape(i, h),
-            f[i * h : 2 * i * h].reshape(i, h),
-            f[2 * i * h :].reshape(h, i),
-        )
+        return gate_up_down_views(slot, self.info.expert_nbytes, i, h, np.float32)
 
     def close(self):
         pass

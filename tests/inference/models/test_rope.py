@@ -22,7 +22,7 @@ from czyx.inference.models.rope import inv_freq_and_scaling
 from czyx.store import Store
 from czyx.store.models.mount import mount
 from czyx.store.models.rope import UnsupportedRopeError, rope_params
-from czyx.testing.refmodels import StateDictConsumer, tiny_model
+from czyx.testing.refmodels import StateDictConsumer, hf_greedy, tiny_model
 from czyx.testing.tiny_models import make_tiny_checkpoint
 
 HEAD_DIM = 16
@@ -106,17 +106,10 @@ def test_scaled_rope_models_match_transformers(name):
     )
     with torch.no_grad():
         want = model(torch.tensor(PROMPT)[None]).logits[0].numpy()
-        gen = model.generate(
-            torch.tensor(PROMPT)[None],
-            max_new_tokens=STEPS,
-            min_new_tokens=STEPS,
-            do_sample=False,
-            pad_token_id=0,
-        )
     got = Engine(StateDictConsumer(model)).prefill(PROMPT, all_logits=True)
     assert np.abs(got - want).max() < 1e-5
     tokens, _ = generate_ids(Engine(StateDictConsumer(model)), PROMPT.tolist(), STEPS)
-    assert tokens == gen[0, len(PROMPT) :].tolist()
+    assert tokens == hf_greedy(model, PROMPT, STEPS)
 
 
 def test_unsupported_rope_is_refused_at_mount(tmp_path):

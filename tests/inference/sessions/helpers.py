@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from czyx.inference.sessions.format import SessionState
+from czyx.store.consumer import gate_up_down_views
 
 MODEL_A = b"\x07" * 32
 MODEL_B = b"\x08" * 32
@@ -113,12 +114,7 @@ class NumpyConsumer:
 
     def expert_views(self, slot: np.ndarray):
         i, h = self._inter, self._hidden
-        f = slot[: self.info.expert_nbytes].view(np.float32)
-        return (
-            f[: i * h].reshape(i, h),
-            f[i * h : 2 * i * h].reshape(i, h),
-            f[2 * i * h :].reshape(h, i),
-        )
+        return gate_up_down_views(slot, self.info.expert_nbytes, i, h, np.float32)
 
     def close(self) -> None:
         pass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from czyx.store import Store
 from czyx.store.models.gguf import UnsupportedGGUFError
@@ -13,7 +12,7 @@ from czyx.store.models.mount import mount
 from czyx.store.quant.codec import QuantCodec
 from czyx.store.quant.policy import parse_policy
 from czyx.testing.gguf_writer import reference_model, tiny_bpe_tokenizer_json, write_gguf
-from czyx.testing.refmodels import ARCHS
+from czyx.testing.refmodels import ARCHS, hf_greedy
 
 from .test_gguf import gguf_model
 
@@ -22,15 +21,7 @@ STEPS = 8
 
 
 def _greedy_transformers(model) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([PROMPT]),
-            max_new_tokens=STEPS,
-            min_new_tokens=STEPS,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(PROMPT) :].tolist()
+    return hf_greedy(model, PROMPT, STEPS)
 
 
 def _greedy_llama_cpp(path) -> list[int]:

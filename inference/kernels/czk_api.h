@@ -1,0 +1,45 @@
+/* czk's public interface: the one declaration of its structs and entry points.
+ *
+ * Included by czk.c and read verbatim by inference/_czk_build.py as the cffi
+ * cdef, so the C source and the Python binding cannot disagree. cffi parses
+ * it too: keep it to typedefs and prototypes (no preprocessor lines).
+ */
+
+typedef struct {
+    int kind;
+    int bits;
+    int64_t group;
+    int64_t rows, cols;
+    const void *data;
+    const uint16_t *scales;
+    const uint16_t *mins;
+} czk_mat;
+
+typedef struct {
+    int n_heads, n_kv, head_dim, rot;
+    float eps, scale;
+    czk_mat q, k, v, o;
+    const float *in_norm, *post_norm, *qb, *kb, *vb;
+} czk_attn;
+
+typedef struct czk_pool czk_pool;
+
+int czk_level(void);
+void czk_set_cap(int level);
+void czk_set_min_work(int64_t w);
+czk_pool *czk_pool_new(int n);
+int czk_pool_size(const czk_pool *p);
+void czk_pool_free(czk_pool *p);
+void czk_quantize_input(const float *x, int64_t n, int8_t *q, float *sx, float *bsum);
+int64_t czk_work_bytes(int64_t n);
+int czk_matvec(czk_pool *p, const czk_mat *m, const float *x, float *y, void *work);
+int64_t czk_moe_work_bytes(int n, int64_t H, int64_t I);
+int czk_moe(czk_pool *p, int n, const czk_mat *table, const int64_t *slots, const float *w,
+            const float *x, float *y, void *work);
+void czk_rmsnorm(const float *x, const float *w, int64_t n, float eps, float *out);
+int64_t czk_attn_work_bytes(const czk_attn *a, int64_t H, int64_t length);
+int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *x_out,
+                    float *kc, float *vc, int64_t cap, int64_t pos, int64_t window,
+                    const float *cs, const float *sn, void *work);
+int czk_row(const czk_mat *m, int64_t r, float *out);
+int czk_topk(const float *logits, int E, int k, int renorm, int64_t *idx, float *w);
