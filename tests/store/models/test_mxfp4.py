@@ -182,3 +182,35 @@ def test_cli_convert(tmp_path, ckpt, capsys):
     assert main(["mount", str(ckpt), "--as", "m@1", "--store", sd, "--convert", "q8"]) == 0
     assert "MXFP4 -> q8, relative RMS error" in capsys.readouterr().out
     assert json.loads((ckpt / "config.json").read_text())["quantization_config"]
+
+
+def test_published_layout_bf16_trunk_and_shards(tmp_path):
+    """As GPT-OSS ships: bf16 trunk and expert biases, experts MXFP4, sharded with an index."""
+    from safetensors.torch import load_file, save_file
+
+    model = build_tiny_model("gpt_oss", seed=4, intermediate_size=32, dtype="bfloat16")
+    c = write_mxfp4_checkpoint(model, tmp_path / "c")
+    state = load_file(str(c / "model.safetensors"))
+    (c / "model.safetensors").unlink()
+    names = sorted(state)
+    shards = {
+        "model-00001-of-00002.safetensors": [n for n in names if ".layers.0." in n],
+        "model-00002-of-00002.safetensors": [n for n in names if ".layers.0." not in n],
+    }
+    for fname, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(c / fname), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}
+    (c / "model.safetensors.index.json").write_text(json.dumps(index))
+    _, manifest, got = _run(tmp_path, c, "bf16")
+    assert manifest["expert"]["dtype"] == "BF16"
+    want = _logits(mxfp4_reference(model.float(), _merged(c, state)))
+    assert np.abs(got - want).max() < 1e-5 * float(want.max() - want.min())
+
+
+def _merged(c, state):
+    from safetensors.torch import save_file
+
+    out = c.parent / "merged"
+    out.mkdir()
+    save_file(state, str(out / "model.safetensors"))
+    return out
