@@ -214,3 +214,29 @@ def _merged(c, state):
     out.mkdir()
     save_file(state, str(out / "model.safetensors"))
     return out
+
+
+@pytest.mark.parametrize("policy", ["f32", "q8"])
+def test_export_writes_what_transformers_loads(tmp_path, model, ckpt, policy):
+    """Stacked GPT-OSS experts come back stacked (transformers loads no per-expert names)."""
+    from safetensors import safe_open
+    from transformers import GptOssForCausalLM
+
+    from czyx.store.models.export import export
+
+    _, _, got = _run(tmp_path, ckpt, policy)
+    with Store.open(tmp_path / "s") as store:
+        export(store, "m@1", tmp_path / "out", dequantize=policy == "q8")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "np") as f:
+        keys = set(f.keys())
+        history = json.loads(f.metadata()["czyx_format_history"])
+    assert "model.layers.1.mlp.experts.gate_up_proj" in keys
+    assert not any(".experts.0." in k for k in keys)
+    assert [h["step"] for h in history] == ["source", "convert", "mount"]
+    exported = GptOssForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    back = _logits(exported)
+    # the values the version stores (f32: the MXFP4 reference exactly; q8: its dequantization)
+    assert np.abs(back - got).max() < 1e-5 * float(got.max() - got.min())
+    if policy == "f32":
+        want = _logits(mxfp4_reference(model, ckpt))
+        assert np.abs(back - want).max() < 1e-5 * float(want.max() - want.min())
