@@ -274,7 +274,10 @@ def _export_rebuilt(space: ModelSpace, out: Path) -> list[Path]:
             continue
         entries.append((ref.record["src"][1], ref.dtype, ref.shape, ("trunk", ref)))
     shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
-    for layer, e in sorted(space.records):
+    transform = ex.get("transform")
+    if transform is not None:  # stacked in the source's layout (GPT-OSS: nothing per expert)
+        entries += _stacked_entries(space, dtype, inter, hidden)
+    for layer, e in sorted(space.records) if transform is None else ():
         for part in range(3):
             name = expert_tensor_name(root["arch"], layer, e, part)
             entries.append((name, dtype, shapes[part], ("expert", layer, e, part)))
@@ -291,7 +294,12 @@ def _export_rebuilt(space: ModelSpace, out: Path) -> list[Path]:
                 return raw
             values = dequantize_packed(raw, ref.record["qfmt"], tuple(ref.shape))
             return _cast(values, ref.dtype)
+        if what[0] == "stacked":
+            return _stacked(what, dtype, inter, hidden, expert_parts)
         _, layer, e, part = what
+        return expert_parts(layer, e)[part]
+
+    def expert_parts(layer: int, e: int) -> list[np.ndarray]:
         if (layer, e) not in cache:
             cache.clear()
             blk = int(space.blk[layer, e])
@@ -299,7 +307,7 @@ def _export_rebuilt(space: ModelSpace, out: Path) -> list[Path]:
             if checksum(buf) != int(space.sums[layer, e]):
                 raise ChecksumError(f"expert ({layer}, {e}): checksum mismatch")
             cache[(layer, e)] = _expert_parts(buf, fmt, dtype, shapes)
-        return cache[(layer, e)][part]
+        return cache[(layer, e)]
 
     path = out / "model.safetensors"
     try:
@@ -340,6 +348,34 @@ def _export_side_files(space: ModelSpace, out: Path) -> list[Path]:
             (out / name).write_bytes(space.read_trunk_raw(ref).tobytes())
             written.append(out / name)
     return written
+
+
+def _stacked_entries(space: ModelSpace, dtype: str, inter: int, hidden: int) -> list:
+    """GPT-OSS's stacked ``gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]`` per layer."""
+    layers = sorted({layer for layer, _ in space.records})
+    n = {layer: 1 + max(e for lay, e in space.records if lay == layer) for layer in layers}
+    out = []
+    for layer in layers:
+        pre, e = f"model.layers.{layer}.mlp.experts.", n[layer]
+        out.append((pre + "gate_up_proj", dtype, (e, hidden, 2 * inter), ("stacked", layer, 0, e)))
+        out.append((pre + "down_proj", dtype, (e, inter, hidden), ("stacked", layer, 1, e)))
+    return out
+
+
+def _stacked(what: Any, dtype: str, inter: int, hidden: int, parts: Any) -> np.ndarray:
+    """One stacked tensor's bytes: each expert's gate | up | down back to the source layout
+    (``expert_transform.from_contract``, exact)."""
+    _, layer, which, count = what
+    item = DTYPES[dtype][1]
+    n, out = inter * hidden * item, []
+    for e in range(count):
+        gate, up, down = parts(layer, e)
+        ext = np.concatenate(
+            [np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in (gate, up, down)]
+        )
+        src = from_contract(ext, inter, hidden, item)
+        out.append(src[: 2 * n] if which == 0 else src[2 * n :])
+    return np.concatenate(out)
 
 
 def chat_template(root: dict) -> str | None:

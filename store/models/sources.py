@@ -1,11 +1,12 @@
-"""Which reader opens a mount's source: safetensors checkpoint, GGUF file(s), FP8 checkpoint.
+"""Which reader opens a mount's source: safetensors checkpoint, GGUF file(s), FP8 or MXFP4
+checkpoint.
 
 Scope: dispatch only. :func:`open_checkpoint` returns an object with the
 :class:`~store.models.checkpoint.Checkpoint` interface (HF names, float
 dtypes) and :func:`make_source` the matching
 :class:`~store.models.mount_source.MountSource` (the bytes that are stored).
 A source whose format needs a conversion (a GGUF type without a native store
-format, FP8 weights) is converted only under the ``convert`` policy the
+format, FP8 or MXFP4 weights) is converted only under the ``convert`` policy the
 caller names; without one it is refused with a typed error.
 """
 
@@ -28,6 +29,10 @@ def open_checkpoint(path: str | os.PathLike[str], convert: str | None = None) ->
 
     if has_fp8(path):
         return FP8Checkpoint(path, convert)
+    from czyx.store.models.mxfp4 import MXFP4Checkpoint, has_mxfp4
+
+    if has_mxfp4(path):
+        return MXFP4Checkpoint(path, convert)
     if convert not in (None, "native"):
         from czyx.store.models.gguf import ConversionPolicyError
 
@@ -51,6 +56,16 @@ def make_source(ckpt: Any, plan: Any, quant: Any = None, spool_dir: Any = None) 
                 "--quant on an FP8 checkpoint: use --convert q8|q4 (the drift is then reported)"
             )
         return FP8MountSource(ckpt, plan)
+    from czyx.store.models.mxfp4 import MXFP4Checkpoint, MXFP4MountSource
+
+    if isinstance(ckpt, MXFP4Checkpoint):
+        if quant is not None:
+            from czyx.store.models.gguf import ConversionPolicyError
+
+            raise ConversionPolicyError(
+                "--quant on an MXFP4 checkpoint: use --convert q8|q4 (the drift is then reported)"
+            )
+        return MXFP4MountSource(ckpt, plan)
     if isinstance(ckpt, GGUFCheckpoint):
         if quant is None:
             return GGUFMountSource(ckpt, plan)

@@ -61,8 +61,8 @@ def register(subparsers: Any) -> None:
         default=None,
         help=(
             "conversion of source formats with no native store format (GGUF K-quants etc., "
-            "FP8 weights): f32, f16, bf16 (dequantize) or q8, q4 (requantize); the drift of "
-            "each converted tensor is printed and recorded. Default: refuse them"
+            "FP8 and MXFP4 weights): f32, f16, bf16 (dequantize) or q8, q4 (requantize); "
+            "the drift of each converted tensor is printed and recorded. Default: refuse them"
         ),
     )
     p.set_defaults(func=run)
