@@ -40,7 +40,13 @@ import numpy as np
 from czyx.inference.engine import Engine
 from czyx.inference.kernels import fused
 from czyx.inference.kernels.linear import mm_t, take_rows
-from czyx.inference.models.base import F32, rms_norm, swiglu_columns, swiglu_fused
+from czyx.inference.models.base import (
+    F32,
+    group_by_expert,
+    rms_norm,
+    swiglu_columns,
+    swiglu_fused,
+)
 from czyx.inference.models.decoder import MoEDecoder
 from czyx.inference.opened import OpenedModel
 from czyx.inference.options import EngineOptions
@@ -97,7 +103,27 @@ def _class_map(opened: OpenedModel, n_layers: int, n_experts: int) -> np.ndarray
     )
 
 
-class LayerStage:
+class _EngineNode:
+    """What a stage and a shard share: an engine over an opened store, its cache
+    counters and the release order (engine, then store)."""
+
+    engine: Engine
+    opened: OpenedModel
+
+    def _with_cache_counters(self, own: dict[str, int]) -> dict[str, int]:
+        """``own`` counters followed by this node's cache hits and misses."""
+        st = self.engine.stats()
+        return {**own, "hits": st.hits, "misses": st.misses}
+
+    def close(self) -> None:
+        """Release the engine, then the store."""
+        try:
+            self.engine.close()
+        finally:
+            self.opened.close()
+
+
+class LayerStage(_EngineNode):
     """One pipeline stage: layers ``lo..hi-1`` of the model (see the module docstring).
 
     Parameters
@@ -231,21 +257,9 @@ class LayerStage:
 
     def counters(self) -> dict[str, int]:
         """Activation bytes in and out and calls so far, and this stage's cache counters."""
-        st = self.engine.stats()
-        return {
-            "bytes_in": self.bytes_in,
-            "bytes_out": self.bytes_out,
-            "calls": self.calls,
-            "hits": st.hits,
-            "misses": st.misses,
-        }
-
-    def close(self) -> None:
-        """Release the engine, then the store."""
-        try:
-            self.engine.close()
-        finally:
-            self.opened.close()
+        return self._with_cache_counters(
+            {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "calls": self.calls}
+        )
 
 
 def class_owners(class_map: np.ndarray, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
@@ -266,7 +280,7 @@ def class_owners(class_map: np.ndarray, ranges: Sequence[tuple[int, int]]) -> np
     return owner
 
 
-class ExpertShard:
+class ExpertShard(_EngineNode):
     """One expert-parallel node: the whole trunk, the experts of one class range.
 
     Parameters
@@ -368,21 +382,13 @@ class ExpertShard:
 
     def counters(self) -> dict[str, int]:
         """Activation bytes sent to / received from peers, remote calls, cache counters."""
-        st = self.engine.stats()
-        return {
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_received,
-            "remote_calls": self.remote_calls,
-            "hits": st.hits,
-            "misses": st.misses,
-        }
-
-    def close(self) -> None:
-        """Release the engine, then the store."""
-        try:
-            self.engine.close()
-        finally:
-            self.opened.close()
+        return self._with_cache_counters(
+            {
+                "bytes_sent": self.bytes_sent,
+                "bytes_received": self.bytes_received,
+                "remote_calls": self.remote_calls,
+            }
+        )
 
 
 def _make_routed(shard: ExpertShard) -> Callable[..., np.ndarray]:
@@ -399,9 +405,7 @@ def _make_routed(shard: ExpertShard) -> Callable[..., np.ndarray]:
         else:
             idx, w = model.route(lw, x, mask)
             mode = "one" if x.shape[0] == 1 else "batch"
-        model.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
-        if model.recorder is not None:
-            model.recorder.record(i, idx, w)
+        model.count_routes(i, idx, w)
         t, k = idx.shape
         owners = shard.owner[i][idx]  # [t, k]
         jobs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -478,13 +482,10 @@ def _expert_partial(
         order = idx[0][mine[0]]
         js = np.flatnonzero(mine[0])
     else:
-        flat = idx.ravel()
-        pairs = np.argsort(flat, kind="stable")
-        counts = np.bincount(flat, minlength=engine.cfg.n_experts)
-        ends = np.cumsum(counts)
-        uniq = np.flatnonzero(counts)
-        uniq = uniq[owner_row[uniq] == me]
-        order = uniq[np.argsort(cache.table[layer, uniq] < 0, kind="stable")]
+        # Filtering the residents-first order keeps it stable: the same order as
+        # filtering first, then sorting.
+        pairs, counts, ends, order = group_by_expert(idx, engine.cfg.n_experts, cache.table[layer])
+        order = order[owner_row[order] == me]
         wflat = w.reshape(-1)
         xt = np.ascontiguousarray(x.T)
     chunk = cache.max_acquire

@@ -288,6 +288,19 @@ def _column_weights(importance: np.ndarray | None, cols: int) -> np.ndarray | No
     return imp + np.float32(IMPORTANCE_FLOOR * mean) if mean > 0 else None
 
 
+def _checked_matrix(
+    w: np.ndarray, fmt: str | QuantFormat
+) -> tuple[QuantFormat, np.ndarray, int, int]:
+    """``(format, w as an array, rows, cols)``, once ``w`` is a 2-D matrix ``fmt`` can hold."""
+    fmt = get_format(fmt)
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise ShapeError(f"quantize: need a 2-D matrix, got shape {w.shape}")
+    rows, cols = w.shape
+    fmt.check_shape(rows, cols)
+    return fmt, w, rows, cols
+
+
 def quantize(
     w: np.ndarray,
     fmt: str | QuantFormat,
@@ -336,12 +349,7 @@ def quantize(
 
     if method not in ("search", "minmax"):
         raise FormatError(f"fit_groups: unknown method {method!r} (search or minmax)")
-    fmt = get_format(fmt)
-    w = np.asarray(w)
-    if w.ndim != 2:
-        raise ShapeError(f"quantize: need a 2-D matrix, got shape {w.shape}")
-    rows, cols = w.shape
-    fmt.check_shape(rows, cols)
+    fmt, w, rows, cols = _checked_matrix(w, fmt)
     if not native.available():
         import warnings
 
@@ -377,12 +385,7 @@ def quantize_reference(
     """
     from czyx.store.quant.quantizer import fit_groups
 
-    fmt = get_format(fmt)
-    w = np.asarray(w)
-    if w.ndim != 2:
-        raise ShapeError(f"quantize: need a 2-D matrix, got shape {w.shape}")
-    rows, cols = w.shape
-    fmt.check_shape(rows, cols)
+    fmt, w, rows, cols = _checked_matrix(w, fmt)
     g = fmt.group_size
     imp = _column_weights(importance, cols)
     if imp is not None:
