@@ -27,21 +27,20 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from czyx.store.models.checkpoint import DTYPES, Checkpoint, TensorInfo, to_float32
-from czyx.store.models.gguf import ConversionPolicyError
+from czyx.store.models.checkpoint import DTYPES, TensorInfo, to_float32
+from czyx.store.models.converted import ConvertedCheckpoint
 from czyx.store.models.gguf_source import Drift, DriftConversion, _to_bf16
 from czyx.store.models.mount_errors import (
     MissingTensorError,
     ShapeMismatchError,
     UnexpectedTensorError,
 )
-from czyx.store.models.mount_source import MountSource, side_file_bytes, source_manifest
+from czyx.store.models.mount_source import MountSource, side_file_bytes
 from czyx.store.quant.extent import ExpertLayout
 from czyx.store.quant.formats import dequantize, get_format, quantize
 
@@ -108,7 +107,7 @@ def has_fp8(path: str | os.PathLike[str]) -> bool:
     return False
 
 
-class FP8Checkpoint:
+class FP8Checkpoint(ConvertedCheckpoint):
     """An FP8 block-scaled checkpoint seen as its float checkpoint (module docstring).
 
     Raises
@@ -120,19 +119,7 @@ class FP8Checkpoint:
     """
 
     def __init__(self, path: str | os.PathLike[str], policy: str | None) -> None:
-        if policy not in POLICIES:
-            raise ConversionPolicyError(
-                f"{path} holds F8_E4M3 weights, which the store has no kernel for: mount with "
-                f"--convert {'|'.join(POLICIES)} (got {policy!r})"
-            )
-        self.policy = policy
-        self.inner = Checkpoint(path)
-        self.path = self.inner.path
-        self.files = self.inner.files
-        self.index_name = self.inner.index_name
-        cfg = dict(self.inner.config)
-        self.quantization_config = cfg.pop("quantization_config", None) or {}
-        self.config = cfg
+        self._open_inner(path, policy, POLICIES, "F8_E4M3 weights")
         block = self.quantization_config.get("weight_block_size") or [128, 128]
         self.block = (int(block[0]), int(block[1]))
         names = set(self.inner.names())
@@ -208,35 +195,9 @@ class FP8Checkpoint:
         data = np.ascontiguousarray(self.array(name)).reshape(-1).view(np.uint8)
         out.reshape(-1).view(np.uint8)[:] = data[start : start + out.nbytes]
 
-    def source_manifest(self) -> dict[str, Any]:
-        """The safetensors source manifest plus the FP8 facts (block size, quantization_config)."""
-        base = source_manifest(self.inner)
-        base["conversion"] = {
-            "from": "F8_E4M3 block-scaled",
-            "block": list(self.block),
-            "quantization_config": self.quantization_config,
-            "policy": self.policy,
-        }
-        return base
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def close(self) -> None:
-        """Close the underlying checkpoint."""
-        self.inner.close()
-
-    def __enter__(self) -> FP8Checkpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def conversion_facts(self) -> dict[str, Any]:
+        """The source format: F8_E4M3 block-scaled."""
+        return {"from": "F8_E4M3 block-scaled", "block": list(self.block)}
 
 
 class FP8Conversion(DriftConversion):

@@ -33,22 +33,21 @@ import json
 import os
 import stat
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from czyx.store.models.checkpoint import DTYPES, Checkpoint, TensorInfo
+from czyx.store.models.checkpoint import DTYPES, TensorInfo
+from czyx.store.models.converted import ConvertedCheckpoint
 from czyx.store.models.expert_transform import to_contract
-from czyx.store.models.gguf import ConversionPolicyError
-from czyx.store.models.gguf_source import Drift, _to_bf16
+from czyx.store.models.gguf_source import Drift, DriftConversion, _to_bf16
 from czyx.store.models.mount_errors import (
     MissingTensorError,
     ShapeMismatchError,
     UnexpectedTensorError,
 )
-from czyx.store.models.mount_source import MountSource, source_manifest
+from czyx.store.models.mount_source import MountSource
 from czyx.store.quant.extent import ExpertLayout
 from czyx.store.quant.formats import dequantize, get_format, quantize
 
@@ -128,7 +127,7 @@ def has_mxfp4(path: str | os.PathLike[str]) -> bool:
     )
 
 
-class MXFP4Checkpoint:
+class MXFP4Checkpoint(ConvertedCheckpoint):
     """An MXFP4 checkpoint seen as its float checkpoint (module docstring).
 
     Raises
@@ -140,19 +139,7 @@ class MXFP4Checkpoint:
     """
 
     def __init__(self, path: str | os.PathLike[str], policy: str | None) -> None:
-        if policy not in POLICIES:
-            raise ConversionPolicyError(
-                f"{path} holds MXFP4 weights (*_blocks/*_scales), which the store has no kernel "
-                f"for: mount with --convert {'|'.join(POLICIES)} (got {policy!r})"
-            )
-        self.policy = policy
-        self.inner = Checkpoint(path)
-        self.path = self.inner.path
-        self.files = self.inner.files
-        self.index_name = self.inner.index_name
-        cfg = dict(self.inner.config)
-        self.quantization_config = cfg.pop("quantization_config", None) or {}
-        self.config = cfg
+        self._open_inner(path, policy, POLICIES, "MXFP4 weights (*_blocks/*_scales)")
         names = set(self.inner.names())
         #: float name -> (blocks name, scales name)
         self.mx: dict[str, tuple[str, str]] = {}
@@ -261,64 +248,22 @@ class MXFP4Checkpoint:
         skip = start - first * item
         out.reshape(-1).view(np.uint8)[:] = data[skip : skip + out.nbytes]
 
-    def source_manifest(self) -> dict[str, Any]:
-        """The safetensors source manifest plus the MXFP4 facts (quantization_config, policy)."""
-        base = source_manifest(self.inner)
-        base["conversion"] = {
-            "from": "MXFP4 (E2M1 blocks of 32, E8M0 scales)",
-            "block": 32,
-            "quantization_config": self.quantization_config,
-            "policy": self.policy,
-        }
-        return base
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def close(self) -> None:
-        """Close the underlying checkpoint."""
-        self.inner.close()
-
-    def __enter__(self) -> MXFP4Checkpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def conversion_facts(self) -> dict[str, Any]:
+        """The source format: MXFP4 (E2M1 blocks of 32, E8M0 scales)."""
+        return {"from": "MXFP4 (E2M1 blocks of 32, E8M0 scales)", "block": 32}
 
 
-class MXFP4Conversion:
-    """The manifest's ``quant`` section of an MXFP4 mount."""
+class MXFP4Conversion(DriftConversion):
+    """The manifest's ``quant`` section of an MXFP4 mount (drift: experts per layer and part)."""
 
     def __init__(self, policy: str, expert_fmt: str) -> None:
-        self.policy, self.expert_fmt = policy, expert_fmt
-        self.drift: dict[str, Drift] = {}
+        super().__init__(expert_fmt)
+        self.policy = policy
 
-    def manifest(self) -> dict[str, object]:
-        """``policy`` (``mxfp4:<policy>``), formats, drift per expert layer and part:
-        ``[source, stored, relative RMS error, max abs error]``."""
-        return {
-            "policy": f"mxfp4:{self.policy}",
-            "formats": {"expert": self.expert_fmt},
-            "importance": None,
-            "converted": {
-                n: [d.source, d.target, round(d.rel_rms, 9), round(d.max_abs, 9)]
-                for n, d in sorted(self.drift.items())
-            },
-        }
-
-    def report(self) -> list[str]:
-        """Per converted expert layer and part, one line."""
-        return [
-            f"converted {n}: {d.source} -> {d.target}, relative RMS error {d.rel_rms:.3e}, "
-            f"max abs {d.max_abs:.3e}"
-            for n, d in sorted(self.drift.items())
-        ]
+    @property
+    def policy_label(self) -> str:
+        """``mxfp4:<policy>``."""
+        return f"mxfp4:{self.policy}"
 
 
 class MXFP4MountSource(MountSource):
