@@ -68,9 +68,10 @@ class ServerError(CzyxError):
 
 
 def stored_template(consumer: object, ref: str) -> ChatTemplate | None:
-    """The chat template of the ``tokenizer_config.json`` mounted with ``ref``'s checkpoint.
+    """The chat template of the ``tokenizer_config.json`` mounted with ``ref``'s checkpoint
+    (for a GGUF source: the template its metadata carried).
 
-    None when the checkpoint had no such file, or the file names no template
+    None when the checkpoint had neither, or the file names no template
     (chat then answers 400). Read once, when the version is opened.
 
     Raises
@@ -81,6 +82,11 @@ def stored_template(consumer: object, ref: str) -> ChatTemplate | None:
     """
     side_file = getattr(consumer, "side_file", None)
     raw = side_file("tokenizer_config.json") if callable(side_file) else None
+    if raw is None:
+        # A GGUF source carries its template in its metadata instead.
+        gguf_template = getattr(consumer, "gguf_chat_template", None)
+        text = gguf_template() if callable(gguf_template) else None
+        raw = None if text is None else json.dumps({"chat_template": text})
     if raw is None:
         return None
     try:

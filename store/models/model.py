@@ -385,6 +385,13 @@ class StoreModel(BlockFileExperts):
         ref = self._space.trunk.get((role, None))
         return None if ref is None else self._space.read_trunk_raw(ref).tobytes()
 
+    def gguf_chat_template(self) -> str | None:
+        """The chat template a GGUF source carried in its metadata
+        (``tokenizer.chat_template``), or ``None``."""
+        meta = (self._space.root.get("source") or {}).get("metadata") or {}
+        value = meta.get("tokenizer.chat_template")
+        return value if isinstance(value, str) else None
+
     @property
     def lazy_trunk(self) -> bool:
         """Whether per-layer trunk tensors are read on each call (not resident)."""

@@ -153,7 +153,8 @@ def test_tokenizer_travels_from_gguf_metadata(tmp_path):
 
     model = gguf_model("qwen3_moe", vocab_size=320)
     tj = tiny_bpe_tokenizer_json(320)
-    write_gguf(model, tmp_path / "m.gguf", "f32", tokenizer_json=tj)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    write_gguf(model, tmp_path / "m.gguf", "f32", tokenizer_json=tj, chat_template=template)
     with Store.open(tmp_path / "s") as store:
         mount(store, tmp_path / "m.gguf", "m@1")
         token = portals.root_token(store)
@@ -167,6 +168,13 @@ def test_tokenizer_travels_from_gguf_metadata(tmp_path):
         assert ids == src.encode(text, add_special_tokens=False).ids
         assert tok.decode(ids) == src.decode(ids, skip_special_tokens=True)
         assert src.token_to_id("<|endoftext|>") in tok.eos_ids
+        # the chat template travels too: the server renders chat with it
+        from czyx.server.app import stored_template
+
+        assert opened.consumer.gguf_chat_template() == template
+        rendered = stored_template(opened.consumer, "m@1")
+        assert rendered is not None
+        assert rendered.render([{"role": "user", "content": "hi"}]).startswith("<user>hi")
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
