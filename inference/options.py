@@ -77,6 +77,11 @@ class EngineOptions:
 
     def with_(self, **changes: Any) -> EngineOptions:
         """A copy with ``changes`` (old spellings accepted, with a DeprecationWarning)."""
+        if "threads" in changes:
+            # Not the old spelling of `readers` here: `threads` is the engine's kernel
+            # thread count (Engine(threads=)), so mapping it would silently mean another thing.
+            raise TypeError("EngineOptions has no 'threads': reader threads are 'readers', "
+                            "kernel threads are Engine(threads=...)")
         return replace(self, **renamed(changes, stacklevel=3))
 
 

@@ -86,9 +86,14 @@ def stored_template(consumer: object, ref: str) -> ChatTemplate | None:
         # A GGUF source carries its template in its metadata instead.
         gguf_template = getattr(consumer, "gguf_chat_template", None)
         text = gguf_template() if callable(gguf_template) else None
-        raw = None if text is None else json.dumps({"chat_template": text})
-    if raw is None:
-        return None
+        if text is None:
+            return None
+        try:
+            return from_tokenizer_config({"chat_template": text})
+        except TemplateError as exc:
+            raise ServerError(
+                f"{ref}: its GGUF chat template: {exc} (override it with --chat-template)"
+            ) from None
     try:
         config = json.loads(raw)
         if not isinstance(config, dict):

@@ -52,6 +52,9 @@ def test_options_are_validated():
         EngineOptions(lookahead=0, early=False)
     with pytest.raises(ValueError, match="width"):
         EngineOptions(width=0)
+    # `threads` is the engine's kernel thread count, never silently the reader count
+    with pytest.raises(TypeError, match="readers"):
+        DEFAULT_OPTIONS.with_(threads=4)
 
 
 def test_old_spellings_still_work_and_warn(tmp_path):
