@@ -28,6 +28,8 @@ _EXPORTS = {
     "root_token": "czyx.portals.authority",
     "model_spaces": "czyx.portals.model",
     "open_model": "czyx.portals.model",
+    "remove_version": "czyx.portals.model",
+    "Removal": "czyx.portals.model",
     "open_consumer": "czyx.portals.model",
     "GRANT": "czyx.portals.caveats",
     "INFER": "czyx.portals.caveats",

@@ -12,11 +12,14 @@ for every expert space in the chain.
 
 from __future__ import annotations
 
+import pathlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from czyx.portals.caveats import INFER
 from czyx.portals.view import SpaceView
 from czyx.space import SELECTOR_SIZE, Selector
+from czyx.store.errors import SpaceNotFoundError
 from czyx.store.interfaces import StoreInterface
 
 if TYPE_CHECKING:
@@ -50,14 +53,103 @@ def model_spaces(store: StoreInterface, sel: Selector) -> tuple[list[Selector], 
     while cur is not None and cur not in scoped and len(scoped) < MAX_CHAIN:
         scoped.append(cur)
         manifest = store.manifest(cur)
-        extra = manifest.get("spaces")
-        values = list(extra.values()) if isinstance(extra, dict) else list(extra or [])
-        for v in (manifest.get("trunk"), manifest.get("trunk_space"), *values):
-            s = _as_selector(v)
-            if s is not None and s not in whole:
+        for s in _linked(manifest):
+            if s not in whole:
                 whole.append(s)
         cur = _as_selector(manifest.get("base"))
     return scoped, [s for s in whole if s not in scoped]
+
+
+def _linked(manifest: dict) -> list[Selector]:
+    """The spaces a manifest links to and reads whole (trunks, ``spaces``), base excluded."""
+    extra = manifest.get("spaces")
+    values = list(extra.values()) if isinstance(extra, dict) else list(extra or [])
+    out = [_as_selector(v) for v in (manifest.get("trunk"), manifest.get("trunk_space"), *values)]
+    return [s for s in out if s is not None]
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What :func:`remove_version` did.
+
+    Attributes
+    ----------
+    space
+        The space the tag named.
+    deleted
+        The version's spaces deleted (nothing else referred to them).
+    kept
+        The version's spaces kept because another tag or space still uses them.
+    freed
+        Block files removed with the deleted spaces.
+    still_tagged
+        Other tags naming the same space (then nothing is deleted).
+    """
+
+    space: Selector
+    deleted: tuple[Selector, ...]
+    kept: tuple[Selector, ...]
+    freed: tuple[pathlib.Path, ...]
+    still_tagged: tuple[str, ...]
+
+
+def remove_version(store: StoreInterface, tag: str, *, keep_spaces: bool = False) -> Removal:
+    """Remove the tag ``NAME@VERSION`` and every space of its version nothing else uses.
+
+    A version spans several spaces (:func:`model_spaces`); content addressing
+    lets versions share them (the same trunk, an adapter's base). After the
+    tag is gone, each of the version's spaces is deleted unless it is reachable
+    (through ``base``, trunk and ``spaces`` links) from another tag or from a
+    published space outside the version. The version's own space goes first,
+    so a crash part-way leaves only unreferenced spaces behind, never a
+    version with a missing part. A damaged version (a part already missing)
+    can be removed too.
+
+    Raises
+    ------
+    TagNotFoundError
+        No such tag.
+    SpaceInUseError
+        A tag was set on one of the spaces meanwhile (that space is kept).
+    """
+    sel = store.resolve_tag(tag)
+    mine = [sel, *sorted(_reachable(store, {sel}) - {sel}, key=lambda s: s.raw)]
+    still = tuple(sorted(t for t, s in store.tags().items() if s == sel and t != tag))
+    store.remove_tag(tag)
+    if still or keep_spaces:
+        return Removal(sel, (), tuple(mine), (), still)
+    roots = set(store.tags().values()) | {s for s in store.spaces() if s not in mine}
+    used = _reachable(store, roots)
+    deleted, kept, freed = [], [], []
+    for s in mine:
+        if s in used:
+            kept.append(s)
+            continue
+        if not store.has_space(s):
+            continue  # a part of a damaged version, already missing
+        path = store.remove_space(s)
+        deleted.append(s)
+        if path is not None:
+            freed.append(path)
+    return Removal(sel, tuple(deleted), tuple(kept), tuple(freed), ())
+
+
+def _reachable(store: StoreInterface, roots: set[Selector]) -> set[Selector]:
+    """Every space reachable from ``roots`` through base, trunk and ``spaces`` links."""
+    seen: set[Selector] = set()
+    todo = list(roots)
+    while todo:
+        s = todo.pop()
+        if s in seen:
+            continue
+        seen.add(s)
+        try:
+            manifest = store.manifest(s)
+        except SpaceNotFoundError:
+            continue  # a dangling tag or link: it holds nothing
+        base = _as_selector(manifest.get("base"))
+        todo.extend(x for x in (*_linked(manifest), base) if x is not None and x not in seen)
+    return seen
 
 
 def open_model(

@@ -34,6 +34,10 @@ class SpaceNotEmptyError(StoreError):
     """A space being published already holds records written outside the publication."""
 
 
+class SpaceInUseError(StoreError):
+    """A space cannot be removed: a tag still names it, or another space builds on it."""
+
+
 class TagNotFoundError(StoreError, KeyError):
     """No tag of that name exists."""
 

@@ -139,6 +139,10 @@ class StoreInterface(abc.ABC):
         """Every published space, in selector order."""
 
     @abc.abstractmethod
+    def remove_space(self, space: Selector) -> pathlib.Path | None:
+        """Delete a space no tag names, and its block file (``SpaceInUseError`` if tagged)."""
+
+    @abc.abstractmethod
     def block_path(self, space: Selector) -> pathlib.Path:
         """The published space's block file."""
 

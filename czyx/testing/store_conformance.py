@@ -25,6 +25,7 @@ from czyx.store.errors import (
     BlockFileError,
     KeyLengthError,
     SealedSpaceError,
+    SpaceInUseError,
     SpaceNotFoundError,
     TagConflictError,
     TagNotFoundError,
@@ -240,6 +241,26 @@ class StoreConformance:
             store.delete(sp, k)
         assert store.get(sp, Key(200).pack()) is None
         assert store.get(sp, k) is not None
+
+    def test_remove_space(self, store: StoreInterface) -> None:
+        sp, payloads = self._publish(store, 3)
+        keep, _ = self._publish(store, 2)
+        block = store.block_path(sp)
+        store.set_tag("m@1", sp)
+        store.set_tag("m@2", sp)
+        store.remove_tag("m@1")
+        with pytest.raises(SpaceInUseError, match="m@2"):
+            store.remove_space(sp)  # still tagged: nothing changes
+        assert store.has_space(sp) and block.exists()
+        store.remove_tag("m@2")
+        assert store.remove_space(sp) == block
+        assert not block.exists()
+        assert not store.has_space(sp) and sp not in store.spaces()
+        assert list(store.scan(sp)) == []
+        assert all(store.get(sp, k) is None for k in payloads)
+        assert store.remove_space(sp) is None  # idempotent
+        assert store.has_space(keep) and len(list(store.scan(keep))) == 2
+        store.put(sp, Key(1).pack(), {"v": 1})  # the selector is writable again
 
     def test_unknown_space(self, store: StoreInterface) -> None:
         sp = fresh_space()

@@ -95,6 +95,7 @@ from czyx.store.errors import (
     RecordDecodeError,
     ReservedSpaceError,
     SealedSpaceError,
+    SpaceInUseError,
     SpaceNotFoundError,
     StoreError,
     StoreMapFullError,
@@ -740,6 +741,68 @@ class Store(CatalogMixin, StoreInterface):
             for k, v in rows:
                 unseal(SEEDS["spaces"], k, v, "space entry")  # raises, naming the entry
         return [Selector(k) for k, _ in rows]
+
+    def remove_space(self, space: Selector) -> pathlib.Path | None:
+        """Delete a published space that nothing names any more; free its block file.
+
+        The space's records and index entry go in one write transaction, which
+        first checks, inside that transaction, that no tag points at the space.
+        Links between spaces (a model version's trunk, an adapter's base) are
+        the caller's to check: the store does not read manifests (see
+        :func:`czyx.portals.model.remove_version`). The block file is unlinked
+        after the commit, unless another space was published over the same
+        file. A crash between the two leaves an unreferenced block file, which
+        :func:`collect_garbage` removes.
+
+        Returns
+        -------
+        pathlib.Path or None
+            The block file removed; ``None`` if ``space`` was not published (or
+            another space still uses its block file, which then stays).
+
+        Raises
+        ------
+        SpaceInUseError
+            A tag still names ``space``; nothing changes.
+        """
+        sel = check_selector(space)
+
+        def fn(txn: lmdb.Transaction) -> str | None:
+            raw = txn.get(sel, db=self._spaces)
+            if raw is None:
+                return None
+            entry = decode_sealed(SEEDS["spaces"], sel, raw, "space entry")
+            block = BlockIdentity.from_record(entry["block"]).name
+            tags = sorted(
+                k.decode(errors="replace")
+                for k, v in txn.cursor(db=self._db["tags"])
+                if unseal(SEEDS["tags"], k, v, "tag") == sel
+            )
+            if tags:
+                raise SpaceInUseError(f"space {sel.hex()[:16]} is still tagged {', '.join(tags)}")
+            shared = any(
+                BlockIdentity.from_record(
+                    decode_sealed(SEEDS["spaces"], k, v, "space entry")["block"]
+                ).name == block
+                for k, v in txn.cursor(db=self._spaces)
+                if k != sel
+            )
+            with txn.cursor(db=self._records) as cur:
+                if cur.set_range(sel):
+                    while cur.key()[:SELECTOR_SIZE] == sel and cur.delete():
+                        pass
+            txn.delete(sel, db=self._spaces)
+            self._audit_in(txn, "space.remove", {"space": sel.hex(), "block": block})
+            return None if shared else block
+
+        if not self.has_space(sel):
+            return None
+        block = self._write(fn)
+        if block is None:
+            return None
+        path = self.path / "blocks" / block
+        path.unlink(missing_ok=True)
+        return path
 
     def block_identity(self, space: Selector) -> BlockIdentity:
         """The identity recorded for the space's block file at publication."""

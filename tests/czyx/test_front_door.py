@@ -126,6 +126,21 @@ def test_rm_untags(store, capsys) -> None:
     assert main(["ls", "--store", store]) == 0 and "other@v1" not in capsys.readouterr().out
 
 
+def test_rm_frees_the_version(tmp_path, capsys) -> None:
+    d = str(tmp_path / "store")
+    assert main(["mount", str(bundled_model_dir()), "--as", "m@1", "--store", d]) == 0
+    blocks = tmp_path / "store" / "blocks"
+    assert any(blocks.glob("*.blk"))
+    capsys.readouterr()
+    assert main(["rm", "m@1", "--store", d]) == 0
+    assert "deleted" in capsys.readouterr().out
+    assert not any(blocks.glob("*.blk"))
+    assert main(["store", "fsck", "--store", d]) == 0
+    assert main(["run", "m@1", "--store", d, "-n", "1", "x"]) == 1
+    assert main(["mount", str(bundled_model_dir()), "--as", "m@1", "--store", d]) == 0
+    assert main(["run", "m@1", "--store", d, "-n", "1", "x"]) == 0
+
+
 def test_broken_pipe_is_quiet(store) -> None:
     for i in range(30):
         main(["grant", "stdlib@v1", "--tenant", f"t{i}", "--store", store])

@@ -1,9 +1,11 @@
-"""``czyx rm NAME@VERSION``: remove a model version's tag, then collect garbage.
+"""``czyx rm NAME@VERSION``: remove a model version's tag and the spaces only it used, then gc.
 
-The version's space is content-addressed and may be shared (adapters name their
-base, later versions share expert extents), so ``rm`` removes the *name*; the
-space's records stay in the index and its block file stays referenced. ``gc``
-then removes block files nothing refers to (a killed mount's leftovers).
+A version spans several content-addressed spaces that other versions may share
+(another tag on the same space, the same trunk, an adapter's base): those stay,
+the rest are deleted with their block files
+(:func:`czyx.portals.model.remove_version`; ``--keep-space`` removes only the
+name). ``gc`` then removes block files nothing refers to (a killed mount's
+leftovers).
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--grace", type=float, default=3600.0, help="gc grace for orphan block files (s)"
     )
+    p.add_argument(
+        "--keep-space", action="store_true", help="remove only the name; keep the space's bytes"
+    )
     add_store_arg(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Untag and gc; print what was done."""
+    from czyx.portals.model import remove_version
     from czyx.store import Store, collect_garbage
     from czyx.store.models.mount import parse_tag
 
@@ -34,13 +40,15 @@ def run(args: argparse.Namespace) -> int:
     if args.ref.startswith("session:"):
         raise ValueError(f"{args.ref}: a session; use `czyx sessions rm NAME`")
     with Store.open(store_dir(args), create=False) as st:
-        sel = st.resolve_tag(args.ref)  # TagNotFoundError: exit 1
-        st.remove_tag(args.ref)
+        r = remove_version(st, args.ref, keep_spaces=args.keep_space)
         removed = collect_garbage(st, grace_s=args.grace)
-        still = [t for t, s in st.tags().items() if s == sel]
-    print(
-        f"removed {args.ref} (space {sel.hex()[:16]}"
-        + (f", still tagged {', '.join(sorted(still))}" if still else "")
-        + f"); gc removed {len(removed)} orphan block files"
-    )
+    if r.still_tagged:
+        done = f"the space stays, still tagged {', '.join(r.still_tagged)}"
+    elif args.keep_space:
+        done = "its spaces stay (--keep-space)"
+    else:
+        done = f"deleted {len(r.deleted)} spaces ({len(r.freed)} block files)" + (
+            f", kept {len(r.kept)} still used by other versions" if r.kept else ""
+        )
+    print(f"removed {args.ref}: {done}; gc removed {len(removed)} orphan block files")
     return 0
