@@ -65,24 +65,6 @@ def resolve_budget(
     return max(total, floor)
 
 
-def _mask_predictions(cache: StreamingExpertCache, mask: np.ndarray) -> None:
-    """Keep a streaming cache's prefetch inside a scoped portal's experts.
-
-    The routing mask already keeps demand reads inside the grant; predictions
-    (look-ahead, early routing) come from the unmasked routers, so they are
-    filtered here, leaving the streaming module untouched: a prefetch outside the
-    grant would be a read the portal refuses.
-    """
-    predict = cache._predict
-    neg = np.float32(-np.inf)
-
-    def _predict(layer: int, logits: np.ndarray) -> np.ndarray:
-        out = predict(layer, np.where(mask[layer], logits, neg))
-        return out[mask[layer][out]]
-
-    cache._predict = _predict
-
-
 class BlasLimit:
     """A reentrant context that holds every BLAS library to ``n`` threads (threadpoolctl).
 
@@ -254,7 +236,7 @@ class Engine:
         self.route_restriction = describe_restriction(mask, self.cfg)
         if mask is not None:
             if stream:
-                _mask_predictions(self.cache, mask)
+                self.cache.set_route_mask(mask)
             if hot:
                 hot = [(layer, e) for layer, e in hot if mask[layer, e]]
         if pin_classes is not None:

@@ -185,6 +185,7 @@ class StreamingExpertCache(ExpertCache):
         # distinct set to read): a mask, so neither needs a sort or a set operation.
         self._predicted = np.zeros(self.table.shape, bool)
         self._has_prediction = np.zeros(self.table.shape[0], bool)
+        self._route_mask: np.ndarray | None = None
         self.prefetches = self.prefetch_hits = 0
         self.predicted_total = self.predicted_correct = 0
 
@@ -265,18 +266,31 @@ class StreamingExpertCache(ExpertCache):
         width = self.width
         return n_tokens * width <= max(self.max_acquire - self.top_k, width)
 
+    def set_route_mask(self, mask: np.ndarray | None) -> None:
+        """Keep predictions inside ``mask[layer, expert]`` (a scoped portal's experts).
+
+        Demand reads follow the masked router already; predictions come from
+        the unmasked routers, and a prefetch outside the grant would be a read
+        the portal refuses.
+        """
+        self._route_mask = None if mask is None else np.asarray(mask, bool)
+
     def _predict(self, layer: int, logits: np.ndarray) -> np.ndarray:
         """The distinct top-``width`` experts of ``logits`` ``[T, E]``, recorded.
 
         Returns every expert predicted for ``layer`` since its last acquire
         (those already read are resident or in flight, and skipped).
         """
+        if self._route_mask is not None:
+            logits = np.where(self._route_mask[layer], logits, np.float32(-np.inf))
         k = min(self.width, logits.shape[1])
         mask = self._predicted[layer]
         if k == 1:
             mask[logits.argmax(axis=1)] = True
         else:
             mask[np.argpartition(-logits, k - 1, axis=1)[:, :k]] = True
+        if self._route_mask is not None:
+            mask &= self._route_mask[layer]  # fewer permitted experts than the width
         self._has_prediction[layer] = True
         return np.flatnonzero(mask)
 
