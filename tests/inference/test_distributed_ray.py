@@ -120,3 +120,67 @@ def test_cli_run_ray_prints_the_single_process_text(setup, capsys):
     assert main([*base, str(root / "src"), "--ray", "local", "--shape", "experts", *extra]) == 0
     got = capsys.readouterr()
     assert got.out == want and "experts over 2 Ray actors" in got.err
+
+
+def _serve_args(root, tok, shape, *extra):
+    from czyx.cli import build_parser
+
+    names = ["full0", "full1"] if shape == "pipeline" else ["sub0", "sub1"]
+    argv = ["serve", "m@1", "--store", str(root / "src"), "--no-audit"]
+    argv += ["--ray", "local", "--ray-shape", shape, "--ray-nodes", "2", *extra]
+    for n in names:
+        argv += ["--node-store", str(root / n), "--node-portal", tok[n]]
+    if shape == "experts":  # the class ranges the subset stores hold
+        argv += ["--node-classes", "0-5", "--node-classes", "6-255"]
+    return build_parser().parse_args(argv)
+
+
+@pytest.mark.parametrize("shape", ["pipeline", "experts"])
+def test_serve_over_ray_answers_the_single_process_tokens(setup, shape):
+    """``czyx serve --ray``'s options, served on loopback, asked by the real openai client:
+    each request's greedy text is the single-process engine's (several in flight)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from czyx import portals
+    from czyx.cli.commands.serve import serve_options
+    from czyx.server import create_app
+    from czyx.server.threaded import serve_in_thread
+
+    root, tok, refs, _ = setup
+    with Store.open(root / "src") as s:
+        token = portals.root_token(s)
+    opts = serve_options(_serve_args(root, tok, shape, "--ray-in-flight", "3"))
+    app = create_app(str(root / "src"), ["m@1"], opts)
+    served = app.state.czyx.models["m@1"]
+    want = [served.tokenizer.decode(r[0]) for r in refs]
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=token, max_retries=0, timeout=60)
+
+        def ask(p):
+            r = client.completions.create(model="m@1", prompt=p, max_tokens=N, temperature=0)
+            return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(ask, PROMPTS))
+        assert [g[0] for g in got] == want
+        assert all(g[1] == "length" and g[2] == N for g in got)
+        stats = served.scheduler.stats()
+        assert stats.generated == N * len(PROMPTS) and stats.waiting == stats.active == 0
+        if shape == "pipeline":  # sessions live on the actors' side: refused, not ignored
+            with pytest.raises(openai.BadRequestError, match="not served over Ray"):
+                client.completions.create(
+                    model="m@1", prompt=PROMPTS[0], max_tokens=2,
+                    extra_headers={"X-Czyx-Session": "s1"},
+                )  # fmt: skip
+
+
+def test_serve_ray_flags_fail_closed(setup):
+    from czyx.cli.commands.serve import serve_options
+
+    root, tok, _, _ = setup
+    with pytest.raises(ValueError, match="--kv-mb"):
+        serve_options(_serve_args(root, tok, "pipeline", "--kv-mb", "4"))
+    with pytest.raises(ValueError, match="--ray-in-flight"):
+        serve_options(_serve_args(root, tok, "pipeline", "--ray-in-flight", "0"))
