@@ -1,10 +1,14 @@
 """Both sharded shapes on a local Ray cluster against the single-process engine.
 
-Skipped when Ray is not installed (``czyx[ray]``). One Ray instance for the
-module (started here on 127.0.0.1, bounded, shut down at the end); each shape
-runs at full and partial cache, and the pipeline with several requests in
-flight. ``CZYX_RAY_NODES=3`` runs them on a head and two worker nodes instead
-of one node (slower to start).
+Skipped when Ray is not installed (``czyx[ray]``). One Ray cluster for the
+module (the only one that uses Ray): a head and two worker nodes started here
+on this machine (``CZYX_RAY_NODES=1``: one node on 127.0.0.1, quicker to
+start), the sharded actors placed on the worker nodes. Each shape runs at
+full and partial cache, the pipeline with several requests in flight; ``czyx
+run --ray`` and ``czyx serve --ray`` (asked by the real openai client) give
+the single-process text. At the end the cluster is shut down within a bound
+and every Ray process it started is checked gone (leftovers are killed by
+pid and fail the module).
 """
 
 from __future__ import annotations
@@ -64,9 +68,67 @@ def setup(tmp_path_factory):
             refs.append(_single_process(om, p))
     finally:
         om.close()
-    nodes = int(os.environ.get("CZYX_RAY_NODES", "1"))
-    with local_ray(num_cpus=2 if nodes == 1 else 1, nodes=nodes):
+    nodes = int(os.environ.get("CZYX_RAY_NODES", "3"))
+    cluster = local_ray(num_cpus=2 if nodes == 1 else 1, nodes=nodes)
+    cluster.__enter__()
+    try:
         yield root, tok, refs, nodes
+    finally:
+        _shut_down_bounded(cluster)
+
+
+def _ray_descendants() -> dict[int, str]:
+    """This process's descendants whose command line names Ray (raylets, GCS, workers)."""
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            parent[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - found
+        found |= frontier
+    out = {}
+    for pid in found:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "ray" in cmd:
+            out[pid] = cmd[:80]
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _shut_down_bounded(cluster, bound_s: float = 60.0) -> None:
+    """Leave the cluster (``ray.shutdown``, then each node's processes) within ``bound_s``;
+    every Ray process it started must be gone by then (else killed by pid, and fail)."""
+    import signal
+    import threading
+    import time
+
+    procs = _ray_descendants()
+    done = threading.Thread(target=cluster.__exit__, args=(None, None, None), daemon=True)
+    done.start()
+    done.join(bound_s)
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and any(_alive(p) for p in procs):
+        time.sleep(0.2)
+    left = {p: c for p, c in procs.items() if _alive(p)}
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert procs, "no Ray process was found under this test process"
+    assert not done.is_alive(), f"Ray shutdown took longer than {bound_s} s"
+    assert not left, f"Ray processes left after shutdown: {left}"
 
 
 def _spec(root, tok, name, i, nodes):

@@ -70,7 +70,8 @@ def add_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
         "--node-portal",
         action="append",
         metavar="TOKEN",
-        help="each node's portal, once per node (default: --portal)",
+        help="each node's portal, once per node (default: --portal; without one, the node "
+        "store's owner)",
     )
 
 

@@ -5,6 +5,10 @@ A thin layer over :func:`czyx.server.create_app`: the engine flags are those of
 :class:`~czyx.inference.batch.BatchOptions`, and uvicorn serves the app on a
 loopback address (put a TLS-terminating proxy in front to reach it from
 elsewhere: bearer tokens must not cross a network in clear text).
+``--ray ADDRESS --ray-shape pipeline|experts`` serves each version placed over
+a Ray cluster instead of the local engine (:mod:`czyx.cli.commands._ray_run`):
+requests are not batched there, each runs as one sequence with up to
+``--ray-in-flight`` of them in flight.
 """
 
 from __future__ import annotations
