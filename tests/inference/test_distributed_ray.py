@@ -246,3 +246,37 @@ def test_serve_ray_flags_fail_closed(setup):
         serve_options(_serve_args(root, tok, "pipeline", "--kv-mb", "4"))
     with pytest.raises(ValueError, match="--ray-in-flight"):
         serve_options(_serve_args(root, tok, "pipeline", "--ray-in-flight", "0"))
+
+
+def test_serve_over_ray_fails_a_request_closed(setup):
+    """A node that lacks experts it was told to own: the request ends with the error
+    (HTTP 500 naming it), nothing stays in flight, and the server keeps answering."""
+    import httpx
+    import openai
+
+    from czyx import portals
+    from czyx.cli import build_parser
+    from czyx.cli.commands.serve import serve_options
+    from czyx.server import create_app
+    from czyx.server.threaded import serve_in_thread
+
+    root, tok, _, _ = setup
+    with Store.open(root / "src") as s:
+        token = portals.root_token(s)
+    argv = ["serve", "m@1", "--store", str(root / "src"), "--no-audit", "--ray", "local"]
+    argv += ["--ray-shape", "experts", "--ray-nodes", "2"]
+    for n in ("sub0", "sub1"):  # the subsets hold 0-5 / 6-255; the default split is 0-7 / 8-255
+        argv += ["--node-store", str(root / n), "--node-portal", tok[n]]
+    app = create_app(str(root / "src"), ["m@1"], serve_options(build_parser().parse_args(argv)))
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=token, max_retries=0, timeout=60)
+        failed = []
+        for p in PROMPTS:  # a prompt that routes only to experts the nodes hold succeeds
+            try:
+                client.completions.create(model="m@1", prompt=p, max_tokens=N, temperature=0)
+            except openai.InternalServerError as exc:
+                failed.append(str(exc))
+        assert failed and all("no routed expert" in f for f in failed)
+        st = app.state.czyx.models["m@1"].scheduler.stats()
+        assert st.active == 0 and st.waiting == 0
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
