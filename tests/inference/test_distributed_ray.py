@@ -14,6 +14,7 @@ pid and fail the module).
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -114,7 +115,6 @@ def _shut_down_bounded(cluster, bound_s: float = 60.0) -> None:
     every Ray process it started must be gone by then (else killed by pid, and fail)."""
     import signal
     import threading
-    import time
 
     procs = _ray_descendants()
     done = threading.Thread(target=cluster.__exit__, args=(None, None, None), daemon=True)
@@ -230,7 +230,23 @@ def test_serve_over_ray_answers_the_single_process_tokens(setup, shape):
         assert all(g[1] == "length" and g[2] == N for g in got)
         stats = served.scheduler.stats()
         assert stats.generated == N * len(PROMPTS) and stats.waiting == stats.active == 0
-        if shape == "pipeline":  # sessions live on the actors' side: refused, not ignored
+        if shape == "pipeline":
+            stream = client.completions.create(
+                model="m@1", prompt=PROMPTS[1], max_tokens=N, temperature=0, stream=True
+            )
+            assert "".join(c.choices[0].text for c in stream if c.choices) == want[1]
+            # a client leaving mid-stream cancels its request: nothing stays in flight
+            stream = client.completions.create(
+                model="m@1", prompt=PROMPTS[2], max_tokens=200, temperature=0, stream=True
+            )
+            next(iter(stream))
+            stream.close()
+            deadline = time.monotonic() + 30
+            while served.scheduler.stats().active and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert served.scheduler.stats().active == 0
+            assert served.scheduler.stats().generated < N * (len(PROMPTS) + 1) + 200
+            # sessions live on the actors' side: refused, not ignored
             with pytest.raises(openai.BadRequestError, match="not served over Ray"):
                 client.completions.create(
                     model="m@1", prompt=PROMPTS[0], max_tokens=2,
