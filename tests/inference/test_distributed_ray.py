@@ -179,7 +179,7 @@ def test_cli_run_ray_prints_the_single_process_text(setup, capsys):
     extra += ["--node-portal", tok["sub0"], "--node-portal", tok["sub1"]]
     extra += ["--node-classes", "0-5", "--node-classes", "6-255"]
     # --ray local reuses the module's Ray instance (a connected driver is reused)
-    assert main([*base, str(root / "src"), "--ray", "local", "--shape", "experts", *extra]) == 0
+    assert main([*base, str(root / "src"), "--ray", "local", "--ray-shape", "experts", *extra]) == 0
     got = capsys.readouterr()
     assert got.out == want and "experts over 2 Ray actors" in got.err
 
