@@ -278,11 +278,80 @@ def measure(args: argparse.Namespace) -> dict:
                 "x8_vs_x1": statistics.median(rows[8]) / statistics.median(rows[1]),
             }
             print(shape, json.dumps(res[shape]["tok_s"]), flush=True)
+        res["serve"] = _serve(work, spec, args)
+        print("serve", json.dumps(res["serve"]["tok_s"]), flush=True)
     res["loadavg"] = os.getloadavg()
     import shutil
 
     shutil.rmtree(work, ignore_errors=True)
     return res
+
+
+def _serve(work: Path, spec, args: argparse.Namespace) -> dict:
+    """The OpenAI server over the Ray pipeline (``czyx serve --ray``'s scheduler, 8 in
+    flight) against the local batched server, the same 8 completion requests sent
+    1 and 4 at a time, interleaved per repetition; aggregate generated tok/s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from czyx import portals
+    from czyx.inference.batch import BatchOptions
+    from czyx.inference.distributed.ray_cluster import RayPipeline
+    from czyx.inference.distributed.serving import RayScheduler
+    from czyx.server import ServeOptions, create_app
+    from czyx.server.threaded import serve_in_thread
+    from czyx.store import Store
+
+    def root(d: Path) -> str:
+        with Store.open(d, create=False) as s:
+            return portals.root_token(s)
+
+    def sched(ref, engine, batch, on_step):
+        pipe = RayPipeline([spec("full0", 0), spec("full1", 1)], [(0, 2), (2, 4)])
+        return RayScheduler(pipe, engine.cfg.vocab_size, batch, on_step, in_flight=8)
+
+    batch = BatchOptions(max_batch=8, max_queue=64)
+    made = {
+        "ray_pipeline": (work / "src", ServeOptions(batch=batch, audit=False, scheduler=sched)),
+        "local_batched": (work / "full1", ServeOptions(batch=batch, audit=False)),
+    }
+    tokens = {name: root(d) for name, (d, _) in made.items()}
+    apps = {name: create_app(str(d), ["m@1"], o) for name, (d, o) in made.items()}
+    rows: dict = {name: {1: [], 4: []} for name in apps}
+    texts: dict = {}
+    with serve_in_thread(apps["ray_pipeline"]) as u1, serve_in_thread(apps["local_batched"]) as u2:
+        urls = {"ray_pipeline": u1, "local_batched": u2}
+
+        def ask(name: str, prompt: list[int]) -> tuple[int, str]:
+            r = httpx.post(
+                f"{urls[name]}/v1/completions",
+                json={"model": "m@1", "prompt": prompt, "max_tokens": args.tokens,
+                      "temperature": 0},
+                headers={"Authorization": f"Bearer {tokens[name]}"},
+                timeout=120,
+            )  # fmt: skip
+            r.raise_for_status()
+            body = r.json()
+            return body["usage"]["completion_tokens"], body["choices"][0]["text"]
+
+        for name in apps:  # warm: first calls, cache fills
+            ask(name, PROMPTS[0])
+        for _ in range(args.reps):
+            for k in (1, 4):
+                for name in apps:
+                    t0 = time.perf_counter()
+                    with ThreadPoolExecutor(k) as pool:
+                        got = list(pool.map(lambda p, n=name: ask(n, p), PROMPTS))
+                    rows[name][k].append(sum(g[0] for g in got) / (time.perf_counter() - t0))
+                    texts[name] = [g[1] for g in got]
+    return {
+        "tok_s": {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rows.items()},
+        "tok_s_all": rows,
+        "ray_x4_vs_x1": statistics.median(rows["ray_pipeline"][4])
+        / statistics.median(rows["ray_pipeline"][1]),
+        "same_text_as_local_batched": texts["ray_pipeline"] == texts["local_batched"],
+    }
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +134,13 @@ class ServeOptions:
         Seconds a request waits for its next token before it fails (bounds every wait).
     audit
         Append one ``serve.request`` audit entry per request.
+    scheduler
+        Builds a version's request scheduler instead of the local continuous
+        batcher: ``scheduler(ref, engine, batch, on_step)`` returning an object
+        with :class:`~czyx.inference.batch.Scheduler`'s ``submit``, ``stats`` and
+        ``close`` (``czyx serve --ray`` passes one that places the version over a
+        Ray cluster: :class:`~czyx.inference.distributed.serving.RayScheduler`).
+        The local engine then only answers for the config, tokenizer and sessions.
     """
 
     engine: Mapping[str, Any] = field(default_factory=dict)
@@ -145,6 +152,7 @@ class ServeOptions:
     retry_after: int = 1
     event_timeout: float = 120.0
     audit: bool = True
+    scheduler: Callable[..., Any] | None = None
 
 
 class ApiError(Exception):
@@ -236,9 +244,18 @@ class ServedModel:
             if len(ids) == 1:  # the turn-end token the template writes
                 self.chat_eos_ids = tuple(dict.fromkeys((*self.eos_ids, ids[0])))
         self.created = int(time.time())
-        self.scheduler = Scheduler(
-            self.engine.model, options.batch, on_step=lambda n, t, s: on_step(ref, n, t, s)
-        )
+        step = lambda n, t, s: on_step(ref, n, t, s)  # noqa: E731
+        try:
+            if options.scheduler is not None:
+                self.scheduler = options.scheduler(ref, self.engine, options.batch, step)
+            else:
+                self.scheduler = Scheduler(self.engine.model, options.batch, on_step=step)
+        except BaseException:
+            try:
+                self.engine.close()
+            finally:
+                self.consumer.close()
+            raise
 
     def close(self) -> None:
         """Stop the scheduler, then release the engine and consumer."""

@@ -75,8 +75,13 @@ def _token(request: Request) -> str:
     return token.strip()
 
 
-class _Source:
-    """One store served for replication: the open store and the offers' interval cache."""
+class ReplicationSource:
+    """One store as a replication source: the open store and the offers' interval cache.
+
+    The endpoints' work without HTTP: :meth:`offer` and :meth:`block` check the
+    portal exactly as the endpoints do (``czyx sync`` from a local store
+    directory uses them directly, so both sources share one code path).
+    """
 
     def __init__(self, store_dir: str | os.PathLike) -> None:
         if not os.path.isdir(store_dir):
@@ -116,6 +121,7 @@ class _Source:
         return ref, classes, layers
 
     def offer(self, token: str, ref: str, classes: Range | None, layers: Range | None) -> dict:
+        """The offer of ``ref`` (or its subset) to the bearer of ``token`` (``read`` right)."""
         from czyx.portals import open_model
 
         view = open_model(self.store, token, ref, right=READ)
@@ -143,6 +149,7 @@ class _Source:
         start: int,
         end: int,
     ) -> memoryview:
+        """Bytes ``start..end-1`` of block file ``space``, inside the extents offered."""
         from czyx.portals.authority import open_authority
         from czyx.store.models.mount import resolve
 
@@ -173,6 +180,7 @@ class _Source:
         return memoryview(buf)
 
     def close(self) -> None:
+        """Close the store if this source opened it."""
         if self._store is not None and self._owned:
             self._store.close()
         self._store = None
@@ -200,7 +208,7 @@ def routes(store_dir: str | os.PathLike) -> list[Route]:
     StoreError
         No store at ``store_dir``.
     """
-    src = _Source(store_dir)
+    src = ReplicationSource(store_dir)
 
     async def offer(request: Request) -> Response:
         async def go() -> Response:

@@ -229,6 +229,11 @@ class _Driver:
     def _end(self, req: Any) -> None:
         raise NotImplementedError
 
+    def submit(self, req: Any, tokens: Sequence[int] | np.ndarray) -> Any:
+        """Start ``tokens`` for request ``req`` without waiting: a Ray object ref of
+        its last token's logits ``[V]`` (the serving scheduler keeps several in flight)."""
+        return self._submit(req, np.asarray(tokens, np.int64))
+
     def step(self, req: Any, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """Run ``tokens`` for request ``req``; its last token's logits ``[V]``."""
         ray = _ray()

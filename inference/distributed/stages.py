@@ -20,7 +20,13 @@ opening its *own* store through the portal it was handed
   (:meth:`ExpertShard.partial`), which are placed into the fixed
   ``[T, top_k, H]`` buffer and summed in top-k order.
 
-Why the results equal the single-process engine bit for bit: each expert's
+Why the results equal the single-process engine bit for bit: a stage runs
+the engine's own layer-range steps (:meth:`~inference.models.decoder.MoEDecoder.run_layers`
+for several tokens, :meth:`~inference.models.decoder.MoEDecoder.run_layers_one`
+for one token through the C decode kernels), the very code
+:meth:`~inference.models.decoder.MoEDecoder.forward` loops over, so it cannot
+drift from it; only the residual stream crosses between stages. A shard runs
+the engine's whole forward with one step swapped, the routed experts: each expert's
 product runs on the same rows, in the same column form and with the same
 weights as :meth:`~inference.models.decoder.MoEDecoder._routed` (this module
 mirrors its two paths: one token, and a batch grouped by expert), and the
@@ -47,7 +53,6 @@ from czyx.inference.models.base import (
     swiglu_columns,
     swiglu_fused,
 )
-from czyx.inference.models.decoder import MoEDecoder
 from czyx.inference.opened import OpenedModel
 from czyx.inference.options import EngineOptions
 
@@ -199,57 +204,35 @@ class LayerStage(_EngineNode):
         return out
 
     def _forward_batch(self, x: np.ndarray, kv: Any) -> np.ndarray:
-        """Several tokens: the numpy loop of ``MoEDecoder.forward`` over this stage's layers."""
+        """Several tokens: :meth:`MoEDecoder.run_layers` (the engine's own step) over this
+        stage's layers, between the engine's embedding and head."""
         model, cfg = self.engine.model, self.engine.model.cfg
         h = take_rows(model.embed, x.astype(np.int64).reshape(-1)) if self.first else x
         start, t = kv.length, h.shape[0]
-        positions = np.arange(start, start + t)
-        for i in range(self.lo, self.hi):
-            lw = model.layers[i]
-            y = rms_norm(h, lw.input_norm, cfg.rms_eps)
-            h = h + model._attention(i, lw, y, kv, start, positions)
-            y = rms_norm(h, lw.post_attn_norm, cfg.rms_eps)
-            h = h + model._mlp(i, lw, y)
+        h = model.run_layers(h, kv, start, self.lo, self.hi)
         kv.length = start + t
         if self.last:
-            return mm_t(rms_norm(h[-1:], model.final_norm, cfg.rms_eps), model.lm_head)[0]
+            hn = rms_norm(h[-1:], model.final_norm, cfg.rms_eps)
+            return model.finish_logits(mm_t(hn, model.lm_head))[0]
         return h
 
     def _forward_one(self, x: np.ndarray, kv: Any) -> np.ndarray:
-        """One token: ``MoEDecoder._forward_one`` (the C decode kernels) over this
-        stage's layers, the residual stream entering and leaving through ``kern.h``."""
+        """One token: :meth:`MoEDecoder.run_layers_one` (the engine's own C decode step)
+        over this stage's layers, the residual stream entering and leaving through
+        ``kern.h``."""
         model, cfg = self.engine.model, self.engine.model.cfg
         kern = model.kernels()
         start = kv.length
-        h, h2, x2 = kern.h, kern.h2, kern.x2
         if not self.first:
-            np.copyto(h, x.reshape(-1))
-        elif isinstance(model.embed, np.ndarray):
-            np.copyto(h, model.embed[int(x.reshape(-1)[0])])
+            np.copyto(kern.h, x.reshape(-1))
         else:
-            np.copyto(h, take_rows(model.embed, x.astype(np.int64).reshape(-1))[0])
-        cls = type(model)
-        fast_attn = all(getattr(cls, m) is getattr(MoEDecoder, m) for m in model._C_ATTN_BASE)
-        positions = None
-        for i in range(self.lo, self.hi):
-            lw = model.layers[i]
-            if fast_attn:
-                kern.attention(
-                    lw, kv.k[i], kv.v[i], start, cfg.sliding_windows[i], model.rotary,
-                    cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                )  # fmt: skip
-            else:
-                if positions is None:
-                    positions = np.arange(start, start + 1)
-                y = rms_norm(h2, lw.input_norm, cfg.rms_eps)
-                h += model._attention(i, lw, y, kv, start, positions)[0]
-                np.copyto(kern.x, rms_norm(h2, lw.post_attn_norm, cfg.rms_eps)[0])
-            h += model._mlp(i, lw, x2)[0]
+            kern.embed(model.embed, int(x.reshape(-1)[0]))
+        model.run_layers_one(kern, kv, start, self.lo, self.hi)
         kv.length = start + 1
         if self.last:
             kern.head(model.final_norm, model.lm_head, cfg.rms_eps)
-            return kern.logits.copy()
-        return h2.copy()
+            return model.finish_logits(kern.logits.copy())
+        return kern.h2.copy()
 
     def end(self, req: Any) -> None:
         """Forget request ``req`` (its KV cache)."""

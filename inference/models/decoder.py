@@ -440,26 +440,41 @@ class MoEDecoder:
             raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
         start = kv.length
         kv.reserve(start + t)
-        positions = np.arange(start, start + t)
-        h = take_rows(self.embed, tokens)
-        window = self.trunk_window
-        for i, lw in enumerate(self.layers):
-            if window is not None:
-                lw = window.layer(i)  # waits for its read; starts the next one's
-            if self.layer_hook is not None:
-                self.layer_hook(i, h)
-            x = rms_norm(h, lw.input_norm, cfg.rms_eps)
-            h = h + self._attention(i, lw, x, kv, start, positions)
-            x = rms_norm(h, lw.post_attn_norm, cfg.rms_eps)
-            h = h + self._mlp(i, lw, x)
+        h = self.run_layers(take_rows(self.embed, tokens), kv, start, 0, cfg.n_layers)
         kv.length = start + t
         if not all_logits:
             h = h[-1:]
         hn = rms_norm(h, self.final_norm, cfg.rms_eps)
         if self.observer is not None:
             self.observer("lm_head_in", hn)
-        out = mm_t(hn, self.lm_head)
+        out = self.finish_logits(mm_t(hn, self.lm_head))
         return out if all_logits else out[0]
+
+    def finish_logits(self, logits: np.ndarray) -> np.ndarray:
+        """The last step of the head on the LM head's output (identity; an architecture
+        with a logit scale overrides it). Every path that ends in logits calls it."""
+        return logits
+
+    def run_layers(self, h: np.ndarray, kv: KVCache, start: int, lo: int, hi: int) -> np.ndarray:
+        """Layers ``lo..hi-1`` over the residual stream ``h [T, H]`` of the positions from
+        ``start``: the several-token step of :meth:`forward`, also a pipeline stage's
+        (:mod:`inference.distributed.stages`), so both run the very same code.
+
+        Writes those layers' KV at ``start..start+T-1`` (the caller reserved it and
+        advances ``kv.length``); returns the residual stream after layer ``hi - 1``.
+        """
+        cfg = self.cfg
+        positions = np.arange(start, start + h.shape[0])
+        window = self.trunk_window
+        for i in range(lo, hi):
+            lw = window.layer(i) if window is not None else self.layers[i]  # window: waits
+            if self.layer_hook is not None:
+                self.layer_hook(i, h)
+            x = rms_norm(h, lw.input_norm, cfg.rms_eps)
+            h = h + self._attention(i, lw, x, kv, start, positions)
+            x = rms_norm(h, lw.post_attn_norm, cfg.rms_eps)
+            h = h + self._mlp(i, lw, x)
+        return h
 
     # Steps the C decode path implements itself: a subclass overriding any of them
     # (MLA attention and its latent cache, q/k norms, shared experts) decodes in numpy.
@@ -498,12 +513,29 @@ class MoEDecoder:
         cfg = self.cfg
         kern = self.kernels()
         start = kv.length
-        h, h2, x2 = kern.h, kern.h2, kern.x2
         kern.embed(self.embed, token)
+        self.run_layers_one(kern, kv, start, 0, cfg.n_layers)
+        kv.length = start + 1
+        kern.head(self.final_norm, self.lm_head, cfg.rms_eps)
+        out = self.finish_logits(kern.logits.copy())
+        return out[None] if all_logits else out
+
+    def run_layers_one(
+        self, kern: fused.DecodeKernels, kv: KVCache, start: int, lo: int, hi: int
+    ) -> None:
+        """Layers ``lo..hi-1`` for one token at position ``start``, its residual stream in
+        ``kern.h`` (in and out): the C decode step of :meth:`_forward_one`, also a
+        pipeline stage's (:mod:`inference.distributed.stages`).
+
+        Each layer is one attention-block call (numpy attention where the
+        architecture transforms q/k), then :meth:`_mlp` on ``kern.x2``.
+        """
+        cfg = self.cfg
+        h, h2, x2 = kern.h, kern.h2, kern.x2
         fast_attn = self._fast_attn
         window = self.trunk_window
         positions = None
-        for i in range(cfg.n_layers):
+        for i in range(lo, hi):
             lw = window.layer(i) if window is not None else self.layers[i]
             if self.layer_hook is not None:
                 self.layer_hook(i, h2)
@@ -519,10 +551,6 @@ class MoEDecoder:
                 h += self._attention(i, lw, x, kv, start, positions)[0]
                 np.copyto(kern.x, rms_norm(h2, lw.post_attn_norm, cfg.rms_eps)[0])
             h += self._mlp(i, lw, x2)[0]
-        kv.length = start + 1
-        kern.head(self.final_norm, self.lm_head, cfg.rms_eps)
-        out = kern.logits.copy()
-        return out[None] if all_logits else out
 
     def _attention(
         self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray

@@ -81,6 +81,6 @@ class GraniteMoeDecoder(MoEDecoder):
             raise ScopeRoutingError("the portal's classes cannot fill this token's top-k")
         return idx, w
 
-    def forward(self, tokens: np.ndarray, kv: KVCache, all_logits: bool = False) -> np.ndarray:
-        """The base forward, logits divided by ``logits_scaling``."""
-        return super().forward(tokens, kv, all_logits) / self.logits_scaling
+    def finish_logits(self, logits: np.ndarray) -> np.ndarray:
+        """Logits divided by ``logits_scaling``."""
+        return logits / self.logits_scaling

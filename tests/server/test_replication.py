@@ -307,3 +307,55 @@ def test_resume_after_sigkill_does_not_resend(source, server, tmp_path):
     # (a coalesced range carries the padding between its extents, hence >=)
     assert tap.served - before >= res.bytes_fetched
     np.testing.assert_array_equal(_logits(str(dest), "m@1"), source["logits1"])
+
+
+def test_sync_from_url_and_from_directory_share_the_pull(source, server, tmp_path, capsys):
+    """``czyx sync``: from the server (a pull) and from a store directory (the same
+    ReplicationSource without HTTP) give the same verified version; the second
+    version moves only its missing experts; a re-sync moves nothing."""
+    from czyx.cli import main
+    from czyx.cli.commands.pull import sync
+
+    url, tap = server
+    over_http = str(tmp_path / "a")
+    before = tap.served
+    assert main(["sync", url, over_http, "m@1", "--portal", source["read1"]]) == 0
+    assert "pulled m@1" in capsys.readouterr().out and tap.served > before
+    local = str(tmp_path / "b")
+    before = tap.served
+    res = sync(source["dir"], local, "m@1", source["read1"])
+    assert tap.served == before  # no HTTP: read from the directory
+    assert res.spaces_published == 2 and res.bytes_fetched == res.bytes_total > 0
+    res2 = sync(source["dir"], local, "m@2", source["read2"])
+    assert res2.bytes_fetched == 2 * source["nbytes"] and res2.spaces_present == 1
+    # the copy is itself a source: directory to directory again
+    third = str(tmp_path / "c")
+    with Store.open(local, create=False) as s:
+        tok = grant_model(s, "m@2", tenant="t", rights="read").token
+    assert sync(local, third, "m@2", tok).bytes_fetched > 0
+    assert sync(local, third, "m@2", tok).bytes_fetched == 0
+    for d, ref, key in ((over_http, "m@1", "logits1"), (local, "m@1", "logits1"),
+                        (local, "m@2", "logits2"), (third, "m@2", "logits2")):  # fmt: skip
+        with Store.open(d, create=False) as b:
+            for sp in b.spaces():
+                b.verify_space(sp)
+        np.testing.assert_array_equal(_logits(d, ref), source[key])
+
+
+def test_sync_fails_closed(source, server, tmp_path):
+    from czyx.cli import main
+    from czyx.cli.commands.pull import sync
+    from czyx.portals.errors import PortalDenied
+
+    url, _ = server
+    dest = str(tmp_path / "d")
+    with pytest.raises(PortalDenied):  # an infer portal cannot copy weights out
+        sync(source["dir"], dest, "m@1", source["infer"])
+    with pytest.raises(PullError, match="cannot receive a push"):
+        sync(source["dir"], url, "m@1", source["read1"])
+    with pytest.raises(PullError, match="same store"):
+        sync(source["dir"], source["dir"], "m@1", source["read1"])
+    with pytest.raises(PullError, match="HTTP 403"):
+        sync(url, dest, "m@1", source["infer"])
+    assert main(["sync", source["dir"], dest, "m@1", "--portal", "t", "--classes", "9-3"]) == 1
+    assert not os.path.exists(dest)  # nothing created by a refused copy

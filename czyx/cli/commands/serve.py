@@ -5,6 +5,10 @@ A thin layer over :func:`czyx.server.create_app`: the engine flags are those of
 :class:`~czyx.inference.batch.BatchOptions`, and uvicorn serves the app on a
 loopback address (put a TLS-terminating proxy in front to reach it from
 elsewhere: bearer tokens must not cross a network in clear text).
+``--ray ADDRESS --ray-shape pipeline|experts`` serves each version placed over
+a Ray cluster instead of the local engine (:mod:`czyx.cli.commands._ray_run`):
+requests are not batched there, each runs as one sequence with up to
+``--ray-in-flight`` of them in flight.
 """
 
 from __future__ import annotations
@@ -79,6 +83,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also serve the replication endpoints (czyx pull; portals with the read right)",
     )
+    from czyx.cli.commands._ray_run import add_args as _add_ray_args
+
+    _add_ray_args(p, serving=True)
     p.set_defaults(func=run)
 
 
@@ -100,7 +107,13 @@ def serve_options(args: argparse.Namespace):
         kv_bytes=None if args.kv_mb is None else int(args.kv_mb * 2**20),
         prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
     )
+    scheduler = None
+    if getattr(args, "ray", None):  # each version placed over the Ray cluster
+        from czyx.cli.commands._ray_run import scheduler_factory
+
+        scheduler = scheduler_factory(args)
     return ServeOptions(
+        scheduler=scheduler,
         engine=kwargs,
         hot_profile=args.hot,
         batch=batch,
@@ -130,8 +143,21 @@ def run(args: argparse.Namespace) -> int:
         from czyx.server.replication import routes
 
         extra = routes(store_dir(args))
-    app = create_app(store_dir(args), args.refs, options, extra_routes=extra)
-    refs = ", ".join(app.state.czyx.models)
-    print(f"czyx serve: {refs} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    with _ray_connection(args):
+        app = create_app(store_dir(args), args.refs, options, extra_routes=extra)
+        refs = ", ".join(app.state.czyx.models)
+        over = f" over Ray ({args.ray_shape}, {args.ray_nodes} actors)" if args.ray else ""
+        print(f"czyx serve: {refs}{over} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def _ray_connection(args: argparse.Namespace):
+    """Connected to the ``--ray`` cluster while serving (nothing without ``--ray``)."""
+    import contextlib
+
+    if not args.ray:
+        return contextlib.nullcontext()
+    from czyx.cli.commands._ray_run import ray_connection
+
+    return ray_connection(args)
