@@ -30,6 +30,8 @@ path is the single-sequence engine's, this one is the server's.)
 from __future__ import annotations
 
 import collections
+import functools
+import inspect
 import itertools
 import threading
 import time
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from czyx.inference.errors import InferenceError
+from czyx.inference.errors import InferenceError, ScopeRoutingError
 from czyx.inference.kernels.linear import Weight, mm_t, take_rows
 from czyx.inference.models.base import (
     F32,
@@ -47,7 +49,6 @@ from czyx.inference.models.base import (
     group_by_expert,
     matmul_small,
     rms_norm,
-    route_topk,
     silu,
     swiglu_columns,
     swiglu_fused,
@@ -177,44 +178,86 @@ def forward_batch(
     h = take_rows(model.embed, np.concatenate(ids))
     window = model.trunk_window
     lookahead = getattr(model.experts, "lookahead", None)
+    hooks = _hooks(model)
     for i, lw in enumerate(model.layers):
         if window is not None:
             lw = window.layer(i)
         if model.layer_hook is not None:
             model.layer_hook(i, h)
         x = rms_norm(h, lw.input_norm, cfg.rms_eps)
-        h = h + _attention(model, i, lw, x, kvs, starts, positions, offs)
+        if hooks.attention:
+            # The architecture's own attention, one sequence at a time (its rows only,
+            # so a sequence's result does not depend on what it is batched with).
+            h = h + np.concatenate([
+                model._attention(i, lw, x[offs[s] : offs[s + 1]], kv, starts[s], positions[s])
+                for s, kv in enumerate(kvs)
+            ])  # fmt: skip
+        else:
+            h = h + _attention(model, i, lw, x, kvs, starts, positions, offs)
         x = rms_norm(h, lw.post_attn_norm, cfg.rms_eps)
         if not cfg.sparse_layers[i]:
             gate = linear_rows(x, lw.mlp_gate_proj)
             act = silu(gate) * linear_rows(x, lw.mlp_up_proj)
-            h = h + linear_rows(act, lw.mlp_down_proj)
+            h = h + model.mlp_out(linear_rows(act, lw.mlp_down_proj))
             continue
         if lookahead is not None:
             lookahead(i, x)
-        masks = None
-        if allowed is not None and any(a is not None for a in allowed):
-            masks = [
-                (int(offs[j]), int(offs[j + 1]), a[i])
-                for j, a in enumerate(allowed)
-                if a is not None
-            ]
-        routed = _routed(model, i, lw, x, masks)
-        if type(model).routed_extra is not _base_routed_extra():
+        masks = [None if a is None else a[i] for a in allowed] if allowed is not None else None
+        if masks is not None and not hooks.route_mask and any(m is not None for m in masks):
+            raise ScopeRoutingError(
+                f"{type(model).__name__} cannot route under a scoped portal (its router has "
+                "no mask)"
+            )
+        routed = _routed(model, i, lw, x, offs, masks, hooks.expert)
+        if hooks.routed_extra:
             routed = _blockwise(lambda a, b, lw=lw: model.routed_extra(lw, a, b), x, routed)
-        h = h + routed
+        h = h + model.mlp_out(routed)
     for kv, s, n in zip(kvs, starts, lens, strict=True):
         kv.length = s + n
     last = h[offs[1:] - 1]
     hn = rms_norm(last, model.final_norm, cfg.rms_eps)
-    out = linear_rows(hn, model.lm_head)
+    out = model.finish_logits(linear_rows(hn, model.lm_head))
     return [out[j] for j in range(len(ids))]
 
 
-def _base_routed_extra():
+@dataclass(frozen=True)
+class _Hooks:
+    """Which steps of a decoder its architecture overrides (the batch then calls them)."""
+
+    attention: bool
+    expert: bool
+    routed_extra: bool
+    route_mask: bool  # its route() takes a scoped portal's mask
+
+
+def _hooks(model) -> _Hooks:
+    return _class_hooks(type(model))
+
+
+@functools.cache
+def _class_hooks(cls: type) -> _Hooks:
+    """The steps decoder class ``cls`` overrides; refuses one the batch cannot reproduce.
+
+    The batched step re-implements the base decoder's layer with row-independent
+    products and calls the architecture's own hooks for what it changes
+    (attention, routing, one expert's MLP, the shared experts, the MLP output
+    scale, the logits). An override of a step it cannot call per row group
+    would be silently skipped, so it is refused instead.
+    """
     from czyx.inference.models.decoder import MoEDecoder
 
-    return MoEDecoder.routed_extra
+    def over(name: str) -> bool:
+        return getattr(cls, name, None) is not getattr(MoEDecoder, name, None)
+
+    unsupported = [n for n in ("_mlp", "run_layers", "forward") if over(n)]
+    if over("_routed") and not hasattr(cls, "_expert"):
+        unsupported.append("_routed")
+    if unsupported:
+        raise BatchError(
+            f"{cls.__name__}: batched serving cannot reproduce its {', '.join(unsupported)}"
+        )
+    masks = "mask" in inspect.signature(cls.route).parameters
+    return _Hooks(over("_attention"), hasattr(cls, "_expert"), over("routed_extra"), masks)
 
 
 def _attention(model, i, lw, x, kvs, starts, positions, offs) -> np.ndarray:
@@ -241,19 +284,24 @@ def _attention(model, i, lw, x, kvs, starts, positions, offs) -> np.ndarray:
     return linear_rows(out, lw.o_proj)
 
 
-def _routed(model, i: int, lw, x: np.ndarray, masks=None) -> np.ndarray:
+def _routed(model, i: int, lw, x: np.ndarray, offs, masks, own_expert: bool) -> np.ndarray:
     """The routed experts of every token of the step: each distinct expert acquired once.
 
-    ``masks``: ``(row_lo, row_hi, allowed [n_experts])`` of the sequences whose
-    routing a portal narrows; their other experts' logits are -inf.
+    Routing is the architecture's own (:meth:`route`), per sequence, with that
+    sequence's ``masks`` entry (a scoped portal's permitted experts, or None);
+    ``own_expert``: the architecture computes one expert itself (``_expert``).
     """
     cfg = model.cfg
     cache = model.experts
-    logits = linear_rows(x, lw.router)
-    for lo, hi, ok in masks or ():
-        logits[lo:hi, ~ok] = -np.inf
-    idx, w = route_topk(logits, cfg.top_k, cfg.renormalize)
-    model.route_counts[i] += np.bincount(idx.ravel(), minlength=cfg.n_experts)
+    routes = [
+        model.route(lw, x[offs[s] : offs[s + 1]])
+        if masks is None or masks[s] is None
+        else model.route(lw, x[offs[s] : offs[s + 1]], masks[s])
+        for s in range(len(offs) - 1)
+    ]
+    idx = np.concatenate([r[0] for r in routes])
+    w = np.concatenate([r[1] for r in routes]).astype(F32, copy=False)
+    model.count_routes(i, idx, w)
     t = x.shape[0]
     contrib = np.zeros((t, cfg.top_k, cfg.hidden_size), F32)
     # Residents first: a small budget then evicts only after the hits are used.
@@ -269,7 +317,13 @@ def _routed(model, i: int, lw, x: np.ndarray, masks=None) -> np.ndarray:
                 gate_up, down = cache.weights(s)
                 e = int(group[j])
                 sel = pairs[ends[e] - counts[e] : ends[e]]
-                y = expert_rows(x[sel // cfg.top_k], gate_up, down)
+                xe = x[sel // cfg.top_k]
+                if own_expert:
+                    y = _blockwise(
+                        lambda a, _b, e=e, g=gate_up, d=down: model._expert(i, e, a, g, d), xe, xe
+                    )
+                else:
+                    y = expert_rows(xe, gate_up, down)
                 cflat[sel] = y * wflat[sel, None]
         finally:
             cache.release()
@@ -484,6 +538,7 @@ class Scheduler:
         options: BatchOptions = BatchOptions(),
         on_step: Callable[[int, int, float], None] | None = None,
     ) -> None:
+        _hooks(model)  # an architecture the batched step cannot reproduce: refused now
         self.model = model
         self.options = options
         self.on_step = on_step

@@ -597,14 +597,21 @@ class MoEDecoder:
         if self.observer is not None:
             self.observer(f"L{i}.moe_in", x)
         if not self.cfg.sparse_layers[i]:
-            return swiglu(
-                x,
-                lw.mlp_gate_proj,
-                lw.mlp_up_proj,
-                lw.mlp_down_proj,
-                self._observe(f"L{i}.mlp.down_in"),
+            return self.mlp_out(
+                swiglu(
+                    x,
+                    lw.mlp_gate_proj,
+                    lw.mlp_up_proj,
+                    lw.mlp_down_proj,
+                    self._observe(f"L{i}.mlp.down_in"),
+                )
             )
-        return self.routed_extra(lw, x, self._routed(i, lw, x))
+        return self.mlp_out(self.routed_extra(lw, x, self._routed(i, lw, x)))
+
+    def mlp_out(self, y: np.ndarray) -> np.ndarray:
+        """The MLP block's output before its residual add (identity; an architecture with
+        a residual multiplier overrides it). The batched step calls it too."""
+        return y
 
     def count_routes(self, i: int, idx: np.ndarray, w: np.ndarray) -> None:
         """Add layer ``i``'s routes ``idx [T, k]`` to the counts and the recorder (if any)."""

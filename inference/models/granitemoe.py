@@ -66,8 +66,9 @@ class GraniteMoeDecoder(MoEDecoder):
     ) -> np.ndarray:
         return super()._attention(i, lw, x, kv, start, positions) * self.residual
 
-    def _mlp(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
-        return super()._mlp(i, lw, x) * self.residual
+    def mlp_out(self, y: np.ndarray) -> np.ndarray:
+        """``residual_multiplier`` times the MLP output."""
+        return y * self.residual
 
     def route(
         self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
