@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     scratch = Path(args.dir)
+    shutil.rmtree(scratch, ignore_errors=True)  # a killed run's leftovers (this bench's own dir)
     scratch.mkdir(parents=True, exist_ok=True)
     machine = iobench.machine_description(scratch)
     machine["commit"] = _commit()
