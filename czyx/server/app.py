@@ -548,24 +548,65 @@ class _TextStream:
         return piece
 
 
+class _Channel:
+    """One request's events, handed from the scheduler's thread to the event loop.
+
+    The consumer takes every event that arrived since its last wait at once
+    (:meth:`take`), so a loop that falls behind writes one chunk for several
+    tokens instead of one per token; waiting costs one future and one timer,
+    not a task per event (``asyncio.wait_for``).
+    """
+
+    __slots__ = ("_items", "_loop", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: list[Any] = []
+        self._waiter: asyncio.Future | None = None
+
+    def _deliver(self, evs: list[Any]) -> None:  # on the loop
+        self._items.extend(evs)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def take(self, timeout: float) -> list[Any]:
+        """Every event not yet taken (at least one); TimeoutError after ``timeout`` s."""
+        if not self._items:
+            w = self._waiter = self._loop.create_future()
+            timer = self._loop.call_later(timeout, _expire, w)
+            try:
+                await w
+            finally:
+                timer.cancel()
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
+def _expire(w: asyncio.Future) -> None:
+    if not w.done():
+        w.set_exception(TimeoutError())
+
+
 class _Dispatcher:
     """Hands scheduler events to the event loop: one loop wake-up per burst, not per event.
 
     The scheduler's thread emits one event per sequence per step; waking the
     loop for each would hand the GIL back and forth that many times a step.
     Events queue here and a single drain callback delivers all that arrived
-    before it ran.
+    before it ran, grouped by request.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self._pending: list[tuple[asyncio.Queue, Any]] = []
+        self._pending: list[tuple[_Channel, Any]] = []
         self._scheduled = False
         self._lock = threading.Lock()
 
-    def post(self, q: asyncio.Queue, ev: Any) -> None:
+    def post(self, ch: _Channel, ev: Any) -> None:
         with self._lock:
-            self._pending.append((q, ev))
+            self._pending.append((ch, ev))
             if self._scheduled:
                 return
             self._scheduled = True
@@ -575,8 +616,11 @@ class _Dispatcher:
         with self._lock:
             items, self._pending = self._pending, []
             self._scheduled = False
-        for q, ev in items:
-            q.put_nowait(ev)
+        by: dict[_Channel, list[Any]] = {}
+        for ch, ev in items:
+            by.setdefault(ch, []).append(ev)
+        for ch, evs in by.items():
+            ch._deliver(evs)
 
 
 _DISPATCHERS: dict[int, _Dispatcher] = {}
@@ -598,18 +642,20 @@ async def _events(
     retry_after: int,
     session: _Session | None = None,
     allowed: np.ndarray | None = None,
-) -> AsyncIterator[Token | Done | None]:
-    """None once the request is queued, then the scheduler's events, awaited without
+) -> AsyncIterator[list[Token | Done] | None]:
+    """None once the request is queued, then the scheduler's events in bursts (every
+    event that arrived since the last one; ends with :class:`Done`), awaited without
     blocking the loop.
 
     Raises :class:`ApiError` 429 when the queue is full, 400 when the context
     exceeds the KV budget. Leaving the iterator early cancels the sequence.
     """
-    dispatch = _dispatcher(asyncio.get_running_loop())
-    q: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    dispatch = _dispatcher(loop)
+    ch = _Channel(loop)
 
     def on_event(ev) -> None:
-        dispatch.post(q, ev)
+        dispatch.post(ch, ev)
 
     try:
         handle = served.scheduler.submit(
@@ -638,11 +684,11 @@ async def _events(
         yield None
         while True:
             try:
-                ev = await asyncio.wait_for(q.get(), timeout)
+                evs = await ch.take(timeout)
             except TimeoutError:
                 raise ApiError(504, f"no token in {timeout} s", "server_error") from None
-            yield ev
-            if isinstance(ev, Done):
+            yield evs
+            if isinstance(evs[-1], Done):
                 return
     finally:
         handle.cancel()  # a no-op once done; frees the sequence when the client left early
@@ -949,32 +995,44 @@ class _Api:
             served, ids, req, eos, opts.event_timeout, opts.retry_after, session, allowed
         )
         final = None
+        ttft, itl = metrics.ttft.labels(served.ref), metrics.itl.labels(served.ref)
         try:
-            async for ev in events:
-                if ev is None:
+            async for evs in events:
+                if evs is None:
                     yield "start", None  # submitted: the queue accepted it
                     last = t0
-                elif isinstance(ev, Token):
-                    now = time.perf_counter()
-                    if out.completion_tokens == 0:
-                        metrics.ttft.labels(served.ref).observe(now - t0)
+                    continue
+                # A burst (the loop fell behind): its tokens go out as one piece.
+                pieces, end = [], False
+                for ev in evs:
+                    if isinstance(ev, Token):
+                        # The scheduler's clock: when the token was chosen, not handed over.
+                        if out.completion_tokens == 0:
+                            ttft.observe(ev.time - t0)
+                        else:
+                            itl.observe(ev.time - last)
+                        last = ev.time
+                        out.completion_tokens += 1
+                        piece = stream.push(ev.token)
+                        if piece:
+                            pieces.append(piece)
+                        if stream.stopped:
+                            out.finish = "stop"
+                            end = True
+                            break
                     else:
-                        metrics.itl.labels(served.ref).observe(now - last)
-                    last = now
-                    out.completion_tokens += 1
-                    piece = stream.push(ev.token)
-                    if piece:
-                        out.text += piece
-                        yield "text", piece
-                    if stream.stopped:
-                        out.finish = "stop"
+                        if ev.reason == "error":
+                            out.error = ev.error
+                        out.finish = "stop" if ev.reason in ("stop", "cancelled") else "length"
+                        out.cached_tokens = ev.restored + ev.reused
+                        final = ev.final
+                        end = True
                         break
-                else:
-                    if ev.reason == "error":
-                        out.error = ev.error
-                    out.finish = "stop" if ev.reason in ("stop", "cancelled") else "length"
-                    out.cached_tokens = ev.restored + ev.reused
-                    final = ev.final
+                if pieces:
+                    text = "".join(pieces)
+                    out.text += text
+                    yield "text", text
+                if end:
                     break
         finally:
             await events.aclose()  # cancels the sequence if it is still running
@@ -1028,13 +1086,22 @@ class _Api:
             }
             return f"data: {json.dumps(payload)}\n\n".encode()
 
+        # The per-token chunk is the same JSON every time but for its text: encode the rest
+        # once (json.dumps of the template, split at a placeholder) and only the text per
+        # chunk. Byte-identical to chunk(text, None).
+        mark = "\x00czyx-text\x00"
+        head, tail = chunk(mark, None).decode().split(json.dumps(mark))
+
+        def text_chunk(text: str) -> bytes:
+            return f"{head}{json.dumps(text)}{tail}".encode()
+
         status = 200
         try:
             if chat:
                 yield chunk("", None, role=True)
             async for kind, value in gen:
                 if kind == "text":
-                    yield chunk(value, None)
+                    yield text_chunk(value)
             if out.error is not None:
                 status = out.error_status
                 err = ApiError(status, f"generation failed: {out.error}", "server_error")
