@@ -16,6 +16,11 @@ and ``finish_reason`` ("stop": end-of-sequence token or stop string;
 "length": ``max_tokens``). Unsupported fields that would change the answer
 (``echo``, ``logprobs``, ``best_of`` > 1, tools) are refused with 400, never
 ignored. Errors use the OpenAI error object.
+
+Sessions: a request naming a session, by the ``X-Czyx-Session`` header or
+the OpenAI ``user`` field (the same meaning; both given and different is a
+400), resumes the caller's saved KV state and saves the new one as the
+session's next version, as ``czyx run --session`` does.
 """
 
 from __future__ import annotations
@@ -705,7 +710,27 @@ def _usage(out: _Outcome) -> dict[str, Any]:
     return usage
 
 
-def _open_session(store, tenant: str, name: str, served: ServedModel) -> _Session:
+def _session_name(request: Request, body: dict) -> tuple[str | None, str]:
+    """The session a request names, and where it named it (the error's ``param``).
+
+    The ``X-Czyx-Session`` header or the OpenAI ``user`` field (what OpenAI
+    clients already send per end user), with the same meaning; both given
+    and different is refused rather than guessed between.
+    """
+    header = request.headers.get(SESSION_HEADER)
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or not user):
+        raise _bad("user must be a non-empty string (it names the caller's session)", "user")
+    if header and user and header != user:
+        raise _bad(f"X-Czyx-Session {header!r} and user {user!r} name different sessions", "user")
+    if header:
+        return header, "X-Czyx-Session"
+    return (user, "user") if user else (None, "user")
+
+
+def _open_session(
+    store, tenant: str, name: str, served: ServedModel, param: str = "X-Czyx-Session"
+) -> _Session:
     """The caller's session ``name`` (its head restored as a KV cache), or a new one.
 
     The server acts for the caller's tenant through the store owner's portal
@@ -745,10 +770,10 @@ def _open_session(store, tenant: str, name: str, served: ServedModel) -> _Sessio
         return _Session(name, sessions, head, model, ([int(t) for t in parsed.tokens[:rows]], kv))
     except (serr.WrongTenantError, PortalDenied) as exc:
         raise ApiError(
-            403, f"session {name!r}: {exc}", "permission_error", "session_denied", "X-Czyx-Session"
+            403, f"session {name!r}: {exc}", "permission_error", "session_denied", param
         ) from None
     except (serr.SessionError, ValueError) as exc:
-        raise _bad(f"session {name!r}: {exc}", "X-Czyx-Session") from None
+        raise _bad(f"session {name!r}: {exc}", param) from None
 
 
 def _save_session(session: _Session, final) -> int:
@@ -909,10 +934,10 @@ class _Api:
             served, allowed = self._served(caller, req.model)
             ids = _chat_prompt(body, served) if chat else _completion_prompt(body, served)
             session = None
-            name = request.headers.get(SESSION_HEADER)
+            name, param = _session_name(request, body)
             if name:
                 session = await run_in_threadpool(
-                    _open_session, self.state.store, caller.tenant, name, served
+                    _open_session, self.state.store, caller.tenant, name, served, param
                 )
         except ApiError as exc:
             await self._audit(caller, endpoint, model, exc.status, None)
