@@ -119,7 +119,10 @@ class ServeOptions:
     engine
         Keyword arguments of :class:`~czyx.inference.engine.Engine` (cache
         budget, policy, pinned classes, ``stream`` options, trunk window);
-        ``czyx serve`` builds them from the flags ``czyx run`` has.
+        ``czyx serve`` builds them from the flags ``czyx run`` has. Without
+        ``options``, the engines run with
+        :data:`~czyx.inference.options.BATCHED_OPTIONS` (a batched engine's
+        defaults, the same as ``czyx serve``'s).
     hot_profile
         A routing profile (``czyx profile``) whose hot list is prewarmed.
     batch
@@ -217,7 +220,11 @@ class ServedModel:
             tuple(s.raw for s in whole),
             _expert_classes(store, scoped),
         )
+        from czyx.inference.options import BATCHED_OPTIONS
+
         kwargs = dict(options.engine)
+        if not any(k in kwargs for k in ("options", "policy", "stream")):
+            kwargs["options"] = BATCHED_OPTIONS
         windowed = kwargs.get("trunk_window") is not None
         self.consumer = open_consumer(store, None, ref, direct=True, lazy_trunk=windowed)
         try:
