@@ -55,6 +55,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: Policies replayed on the engine-alone run's acquires (besides the offline optimum).
+REPLAYED = ("lru", "decay", "cyclic")
 REPO = os.path.dirname(HERE)
 PROMPTS = [
     "def main(argv):\n    ",
@@ -89,6 +91,7 @@ class LevelRun:
     load: tuple[float, float] = (0.0, 0.0)
     level_id: int = -1  # engine alone: its acquires in EngineAlone.trace
     step_experts: float = float("nan")  # engine alone: median distinct experts per step
+    replayed: dict = field(default_factory=dict)  # policy -> bytes it reads on the acquires
     optimal_bytes: float = float("nan")  # what Belady's optimum reads on its acquires
 
     @property
@@ -104,14 +107,14 @@ class LevelRun:
         return self.optimal_bytes / self.tokens if self.tokens else float("nan")
 
 
-def belady_misses(trace: list[tuple[int, list[int]]], slots: int) -> dict[int, int]:
+def belady_misses(trace: list[tuple[int, int, list[int]]], slots: int) -> dict[int, int]:
     """Misses per level id of Belady's offline optimum on ``trace`` with ``slots`` slots.
 
     Each entry is one acquire: its experts are held together (none evicts
     another), as in the engine; on a miss the resident expert whose next use
     lies farthest ahead (never: infinitely far) is evicted. Starts cold.
     """
-    flat = [(lid, k) for lid, keys in trace for k in dict.fromkeys(keys)]
+    flat = [(lid, k) for lid, _, keys in trace for k in dict.fromkeys(keys)]
     nxt: dict[int, int] = {}
     next_use = [0] * len(flat)
     for i in range(len(flat) - 1, -1, -1):
@@ -121,7 +124,7 @@ def belady_misses(trace: list[tuple[int, list[int]]], slots: int) -> dict[int, i
     resident: dict[int, int] = {}  # expert -> index of its next use
     misses: dict[int, int] = {}
     i = 0
-    for lid, keys in trace:
+    for lid, _, keys in trace:
         group = list(dict.fromkeys(keys))
         held = set(group)
         for k in group:
@@ -132,6 +135,31 @@ def belady_misses(trace: list[tuple[int, list[int]]], slots: int) -> dict[int, i
                     del resident[victim]
             resident[k] = next_use[i]
             i += 1
+    return misses
+
+
+def replay_misses(trace, slots: int, n_layers: int, n_experts: int, policy: str):
+    """Misses per level id of the engine's own cache with ``policy`` replayed on ``trace``.
+
+    The real :class:`~czyx.inference.cache.ExpertCache` (its acquire rule and the
+    policy class) over a fake consumer: routing does not depend on the cache, so
+    the same acquires show what another policy would have read. Starts cold.
+    """
+    from czyx.inference.cache import ExpertCache
+    from czyx.testing.fakes import FakeConsumer
+
+    cache = ExpertCache(FakeConsumer(n_layers, n_experts), 4096 * slots, 1, policy=policy)
+    misses: dict[int, int] = {}
+    last_step = None
+    for lid, step, keys in trace:
+        if step != last_step:
+            cache.advance(1)
+            last_step = step
+        before = cache.misses
+        layer = keys[0] // n_experts
+        cache.acquire(layer, np.array([k % n_experts for k in keys]))
+        cache.release()
+        misses[lid] = misses.get(lid, 0) + cache.misses - before
     return misses
 
 
@@ -247,6 +275,7 @@ def start_server(store_dir, ref, port, args) -> subprocess.Popen:
         "--no-audit",
     ]
     cmd.append("--no-prefetch" if args.prefetch == "off" else "--prefetch")
+    cmd += ["--policy", args.policy]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     import httpx
 
@@ -360,36 +389,41 @@ class EngineAlone:
     def __init__(self, store_dir, ref, args) -> None:
         from czyx.inference.batch import BatchOptions, Scheduler
         from czyx.inference.engine import Engine
-        from czyx.inference.streaming import StreamOptions
+        from czyx.inference.options import BATCHED_OPTIONS
         from czyx.portals import open_consumer
         from czyx.store import Store
         from czyx.store.io.iopaths import default_io_path
 
         self.store = Store.open(store_dir, create=False)
         self.consumer = open_consumer(self.store, None, ref, direct=True)
-        # The options czyx serve derives from its flags (those of czyx run).
+        # The options czyx serve derives from its flags (BATCHED_OPTIONS, then the flags).
         self.engine = Engine(
             self.consumer,
             cache_fraction=args.cache_fraction,
-            policy="decay",
-            stream=StreamOptions(io=default_io_path(), prefetch=args.prefetch == "on"),
+            options=BATCHED_OPTIONS.with_(
+                io=default_io_path(), prefetch=args.prefetch == "on", policy=args.policy
+            ),
         )
         self.sched = Scheduler(
             self.engine.model, BatchOptions(max_batch=16, max_queue=64, prefill_chunk=32)
         )
         # Every acquire, in order (for the offline optimum); the level that made it.
         cache = self.engine.model.experts
-        self.trace: list[tuple[int, list[int]]] = []
+        self.trace: list[tuple[int, int, list[int]]] = []  # (level id, step, keys)
         self.step_experts: dict[int, list[int]] = {}  # level id -> distinct experts per step
         self.level_id = -1
+        self.steps = 0
         acquire, advance, n_exp = cache.acquire, cache.advance, cache.n_experts
+        self.n_layers, self.n_experts = cache.n_layers, n_exp
 
         def recorded(layer, experts):
-            self.trace.append((self.level_id, [layer * n_exp + int(e) for e in experts]))
+            keys = [layer * n_exp + int(e) for e in experts]
+            self.trace.append((self.level_id, self.steps, keys))
             self.step_experts.setdefault(self.level_id, [0])[-1] += len(experts)
             return acquire(layer, experts)
 
         def stepped(n_tokens):
+            self.steps += 1
             self.step_experts.setdefault(self.level_id, []).append(0)
             return advance(n_tokens)
 
@@ -458,6 +492,9 @@ def summarize(runs: dict[str, dict[int, list[LevelRun]]], levels):
                 "engine_bpt": statistics.median(r.bytes_per_token for r in eng),
                 "optimal_bpt": statistics.median(r.optimal_bytes_per_token for r in eng),
                 "step_experts": statistics.median(r.step_experts for r in eng),
+                "replayed": {
+                    p: statistics.median(x.replayed[p] / x.tokens for x in eng) for p in REPLAYED
+                },
                 "ttft50": statistics.median(_pct(r.ttft, 50) for r in srv),
                 "ttft99": statistics.median(_pct(r.ttft, 99) for r in srv),
                 "itl50": statistics.median(_pct(r.itl, 50) for r in srv),
@@ -507,6 +544,29 @@ def table(rows) -> str:
         f"{r['load']:.1f} |"
         for r in rows
     ]
+    return head + "\n".join(lines) + "\n"
+
+
+def policy_table(rows) -> str:
+    """Bytes per token each policy reads on the engine-alone run's acquires (replayed)."""
+    head = (
+        "| clients | experts / step | "
+        + " | ".join(f"{p} kB/token (x 1 client)" for p in REPLAYED)
+        + " | optimal kB/token (x 1 client) |\n|"
+        + "---:|" * (len(REPLAYED) + 3)
+        + "\n"
+    )
+    base = rows[0]
+    lines = []
+    for r in rows:
+        cells = [
+            f"{r['replayed'][p] / 1e3:.1f} ({r['replayed'][p] / base['replayed'][p]:.2f})"
+            if base["replayed"][p]
+            else f"{r['replayed'][p] / 1e3:.1f}"
+            for p in REPLAYED
+        ]
+        cells.append(f"{r['optimal_bpt'] / 1e3:.1f} ({r['opt_ratio']:.2f})")
+        lines.append(f"| {r['clients']} | {r['step_experts']:.0f} | " + " | ".join(cells) + " |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -621,10 +681,15 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
             except subprocess.TimeoutExpired:
                 p.kill()
     misses = belady_misses(alone.trace, capacity)
+    replays = {
+        p: replay_misses(alone.trace, capacity, alone.n_layers, alone.n_experts, p)
+        for p in REPLAYED
+    }
     for rs in runs["engine"].values():
         for r in rs:
             r.optimal_bytes = misses.get(r.level_id, 0) * slot_bytes
             r.step_experts = float(np.median(alone.step_experts.get(r.level_id, [0])))
+            r.replayed = {p: m.get(r.level_id, 0) * slot_bytes for p, m in replays.items()}
     return summarize(runs, levels), slots
 
 
@@ -642,6 +707,11 @@ def main() -> int:
         help="look-ahead expert prefetch in both the server and the engine alone",
     )
     ap.add_argument(
+        "--policy",
+        default=None,
+        help="eviction policy of both (default: czyx serve's, BATCHED_OPTIONS.policy)",
+    )
+    ap.add_argument(
         "--llama",
         choices=["auto", "on", "off"],
         default="auto",
@@ -650,6 +720,10 @@ def main() -> int:
     ap.add_argument("--level-budget", type=float, default=120.0, help="seconds per level at most")
     ap.add_argument("--out", default=os.path.join(HERE, "SERVE.md"))
     args = ap.parse_args()
+    if args.policy is None:
+        from czyx.inference.options import BATCHED_OPTIONS
+
+        args.policy = BATCHED_OPTIONS.policy
     levels = [int(x) for x in args.levels.split(",")]
     sys.path.insert(0, HERE)
     from _engine_fixtures import mount_checkpoint, synthetic_config, write_synthetic_checkpoint
@@ -698,7 +772,7 @@ def main() -> int:
         f"{(time.time() - started) / 60:.1f} min; load average at the end "
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}",
         f"- Each level: N clients, each one streamed greedy request of {args.tokens} tokens; "
-        f"expert cache at {args.cache_fraction:.0%} of the expert bytes (policy decay, "
+        f"expert cache at {args.cache_fraction:.0%} of the expert bytes (policy {args.policy}, "
         f"streaming reads, look-ahead prefetch {args.prefetch}, the same in both); medians over "
         f"{args.rounds} interleaved rounds. Server: `czyx serve` in a subprocess, clients are "
         "httpx threads in the bench process (they share the same CPUs). Engine alone: the "
@@ -709,6 +783,11 @@ def main() -> int:
     for label, rows in results.items():
         parts.append(f"## {label}\n")
         parts.append(table(rows))
+        parts.append(
+            "Every policy on the same acquires (the engine-alone run's, replayed from a cold "
+            "cache through the real ExpertCache; medians over the rounds):\n"
+        )
+        parts.append(policy_table(rows))
         r1 = rows[0]
         r8 = next((r for r in rows if r["clients"] == 8), None)
         if r8 is not None:
