@@ -138,12 +138,14 @@ def belady_misses(trace: list[tuple[int, int, list[int]]], slots: int) -> dict[i
     return misses
 
 
-def replay_misses(trace, slots: int, n_layers: int, n_experts: int, policy: str):
+def replay_misses(trace, step_tokens, slots: int, n_layers: int, n_experts: int, policy: str):
     """Misses per level id of the engine's own cache with ``policy`` replayed on ``trace``.
 
     The real :class:`~czyx.inference.cache.ExpertCache` (its acquire rule and the
     policy class) over a fake consumer: routing does not depend on the cache, so
-    the same acquires show what another policy would have read. Starts cold.
+    the same acquires show what another policy would have read. Each step
+    advances the cache's token clock by the tokens it carried, as the engine
+    does. Starts cold.
     """
     from czyx.inference.cache import ExpertCache
     from czyx.testing.fakes import FakeConsumer
@@ -153,7 +155,7 @@ def replay_misses(trace, slots: int, n_layers: int, n_experts: int, policy: str)
     last_step = None
     for lid, step, keys in trace:
         if step != last_step:
-            cache.advance(1)
+            cache.advance(step_tokens.get(step, 1))
             last_step = step
         before = cache.misses
         layer = keys[0] // n_experts
@@ -413,6 +415,7 @@ class EngineAlone:
         self.step_experts: dict[int, list[int]] = {}  # level id -> distinct experts per step
         self.level_id = -1
         self.steps = 0
+        self.step_tokens: dict[int, int] = {}  # step -> tokens it carried (policy clocks)
         acquire, advance, n_exp = cache.acquire, cache.advance, cache.n_experts
         self.n_layers, self.n_experts = cache.n_layers, n_exp
 
@@ -424,6 +427,7 @@ class EngineAlone:
 
         def stepped(n_tokens):
             self.steps += 1
+            self.step_tokens[self.steps] = int(n_tokens)
             self.step_experts.setdefault(self.level_id, []).append(0)
             return advance(n_tokens)
 
@@ -682,7 +686,9 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
                 p.kill()
     misses = belady_misses(alone.trace, capacity)
     replays = {
-        p: replay_misses(alone.trace, capacity, alone.n_layers, alone.n_experts, p)
+        p: replay_misses(
+            alone.trace, alone.step_tokens, capacity, alone.n_layers, alone.n_experts, p
+        )
         for p in REPLAYED
     }
     for rs in runs["engine"].values():

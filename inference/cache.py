@@ -4,7 +4,7 @@ Scope: one aligned arena of equal slots sized by a byte budget; a lookup
 table ``(layer, router byte) -> slot`` kept as a numpy int32 array; hits are
 zero-copy views of a slot; misses are one ``consumer.read_expert`` into a free
 or evicted slot; eviction behind :class:`EvictionPolicy` (LRU, LFU, and the
-decaying-frequency and segmented-LRU policies of :mod:`inference.eviction`,
+decaying-frequency, segmented-LRU and layer-cycle policies of :mod:`inference.eviction`,
 selected by name through :data:`POLICIES`); a token clock for policies that
 decay with time; a hot list prewarmed at start; a pinned hot set selected by
 class range or prefix.
@@ -278,7 +278,7 @@ class ExpertCache:
         ``n_layers * n_experts``.
     policy
         A name in :data:`POLICIES` (``"lru"``, ``"lfu"``, ``"decay"``,
-        ``"slru"``) or an :class:`EvictionPolicy` instance.
+        ``"slru"``, ``"cyclic"``) or an :class:`EvictionPolicy` instance.
 
     ``bytes_read`` counts a whole slot per miss (what the arena receives; the
     store may read the padded stride in direct mode).

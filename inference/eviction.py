@@ -13,7 +13,11 @@ access for access:
   slot promotes it, overflowing protected demotes its LRU slot to probation's
   most recent end; victims come from probation first.
 
-Both keep their state in preallocated arrays: a use is O(1) scalar work, a
+and one the replay study does not have, for the batched engine:
+:class:`CyclicPolicy` (``"cyclic"``), decaying frequency over forward steps
+divided by how many layers ahead the expert's layer comes.
+
+All three keep their state in preallocated arrays: a use is O(1) scalar work, a
 victim query a few vector operations over the slots into scratch buffers,
 with no allocation and no dictionary. The only difference from the replay is
 the one the engine requires: a slot held by the layer being computed (or
