@@ -440,8 +440,7 @@ class ExpertCache:
         return self._out[: len(experts)]
 
     def _hold_layer(self, layer: int, experts: np.ndarray, fill, on_hit=None) -> None:
-        """Hold ``experts`` of ``layer`` (their slots into ``self._out``): the acquire rule
-        every cache shares.
+        """Hold ``experts`` of ``layer``, their slots into ``self._out``: the shared acquire rule.
 
         Hits first, all held before any miss is filled: a miss must never evict an
         expert this same call still needs (it would be read back at once). ``fill(layer,
