@@ -82,8 +82,13 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_gguf(tm, cfg: dict, path: str, qtype_name: str) -> None:
-    """Write the transformers Mixtral ``tm`` as a llama.cpp GGUF in ``qtype_name``."""
+def write_gguf(tm, cfg: dict, path: str, qtype_name: str, byte_bpe: bool = False) -> None:
+    """Write the transformers Mixtral ``tm`` as a llama.cpp GGUF in ``qtype_name``.
+
+    ``byte_bpe``: a GPT-2-style byte vocabulary without merges instead of
+    sentencepiece byte tokens, so llama.cpp's own tokenizer maps text to one
+    id per byte as czyx does (needed where text, not ids, goes in: its server).
+    """
     import gguf
     from gguf.quants import quantize
 
@@ -114,11 +119,26 @@ def write_gguf(tm, cfg: dict, path: str, qtype_name: str) -> None:
             qtype_name, gguf.LlamaFileType.MOSTLY_Q4_0
         )
     )
-    # A byte vocabulary (sentencepiece byte tokens): ids are bytes, as for czyx.
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"<0x{i:02X}>" for i in range(cfg["vocab_size"])])
-    w.add_token_scores([0.0] * cfg["vocab_size"])
-    w.add_token_types([gguf.TokenType.BYTE] * cfg["vocab_size"])
+    if byte_bpe:  # byte-level BPE, no merges: each byte is its own token, id = byte
+        # GPT-2's bytes_to_unicode: printable bytes stand for themselves, the rest
+        # are shifted above U+0100 in order.
+        keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+        b2u, extra = {b: chr(b) for b in keep}, 0
+        for b in range(256):
+            if b not in b2u:
+                b2u[b], extra = chr(256 + extra), extra + 1
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list([b2u[i] for i in range(cfg["vocab_size"])])
+        w.add_token_types([gguf.TokenType.NORMAL] * cfg["vocab_size"])
+        # llama.cpp refuses a BPE vocabulary without merges: one that never applies
+        # (two NUL bytes; text never holds them).
+        w.add_token_merges([f"{b2u[0]} {b2u[0]}"])
+    else:  # A byte vocabulary (sentencepiece byte tokens): ids are bytes, as for czyx.
+        w.add_tokenizer_model("llama")
+        w.add_token_list([f"<0x{i:02X}>" for i in range(cfg["vocab_size"])])
+        w.add_token_scores([0.0] * cfg["vocab_size"])
+        w.add_token_types([gguf.TokenType.BYTE] * cfg["vocab_size"])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     w.add_add_bos_token(False)

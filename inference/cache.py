@@ -4,7 +4,7 @@ Scope: one aligned arena of equal slots sized by a byte budget; a lookup
 table ``(layer, router byte) -> slot`` kept as a numpy int32 array; hits are
 zero-copy views of a slot; misses are one ``consumer.read_expert`` into a free
 or evicted slot; eviction behind :class:`EvictionPolicy` (LRU, LFU, and the
-decaying-frequency and segmented-LRU policies of :mod:`inference.eviction`,
+decaying-frequency, segmented-LRU and layer-cycle policies of :mod:`inference.eviction`,
 selected by name through :data:`POLICIES`); a token clock for policies that
 decay with time; a hot list prewarmed at start; a pinned hot set selected by
 class range or prefix.
@@ -36,7 +36,7 @@ from typing import Protocol
 import numpy as np
 
 from czyx.inference.errors import CacheBudgetError, SlotInUseError, UnsupportedModelError
-from czyx.inference.eviction import DecayPolicy, SLRUPolicy
+from czyx.inference.eviction import CyclicPolicy, DecayPolicy, SLRUPolicy
 from czyx.inference.kernels.linear import packed_expert_from_views
 from czyx.store.consumer import ModelConsumer
 from czyx.store.io.widen import widen_into
@@ -92,7 +92,9 @@ class EvictionPolicy(Protocol):
 
     A policy that decays with time may also define ``set_token(token)``;
     the cache calls it from :meth:`ExpertCache.advance` with the index of
-    the token (of the last token, for a batch) being computed.
+    the token (of the last token, for a batch) being computed. A policy that
+    weighs the layer cycle may define ``set_layout(n_layers, n_experts)``
+    (called once) and ``set_layer(layer)`` (called at each acquire).
     """
 
     name: str
@@ -178,7 +180,13 @@ class LFUPolicy:
 
 
 #: Eviction policies by name (``czyx run --policy``): each is built as ``cls(n_slots, n_keys)``.
-POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "decay": DecayPolicy, "slru": SLRUPolicy}
+POLICIES = {
+    "lru": LRUPolicy,
+    "lfu": LFUPolicy,
+    "decay": DecayPolicy,
+    "slru": SLRUPolicy,
+    "cyclic": CyclicPolicy,
+}
 
 
 def class_prefix_range(prefix: int, bits: int) -> tuple[int, int]:
@@ -270,7 +278,7 @@ class ExpertCache:
         ``n_layers * n_experts``.
     policy
         A name in :data:`POLICIES` (``"lru"``, ``"lfu"``, ``"decay"``,
-        ``"slru"``) or an :class:`EvictionPolicy` instance.
+        ``"slru"``, ``"cyclic"``) or an :class:`EvictionPolicy` instance.
 
     ``bytes_read`` counts a whole slot per miss (what the arena receives; the
     store may read the padded stride in direct mode).
@@ -338,6 +346,12 @@ class ExpertCache:
             policy = POLICIES[policy](n_slots, self.n_layers * self.n_experts)
         self.policy = policy
         self._set_token = getattr(policy, "set_token", None)
+        # A policy that knows the layer cycle (CyclicPolicy) learns the layout once and
+        # the layer being filled at each acquire.
+        self._set_layer = getattr(policy, "set_layer", None)
+        set_layout = getattr(policy, "set_layout", None)
+        if set_layout is not None:
+            set_layout(self.n_layers, self.n_experts)
         self.tokens = 0  # tokens computed so far (advance): the decay policies' clock
         self.hits = self.misses = self.evictions = self.bytes_read = 0
         self.read_seconds = 0.0
@@ -422,24 +436,40 @@ class ExpertCache:
         SlotInUseError
             When a miss finds every slot pinned or held.
         """
+        self._hold_layer(layer, experts, self._fill)
+        return self._out[: len(experts)]
+
+    def _hold_layer(self, layer: int, experts: np.ndarray, fill, on_hit=None) -> None:
+        """Hold ``experts`` of ``layer``, their slots into ``self._out``: the shared acquire rule.
+
+        Hits first, all held before any miss is filled: a miss must never evict an
+        expert this same call still needs (it would be read back at once). ``fill(layer,
+        expert)`` makes a miss resident and returns its slot (the plain cache reads it,
+        the streaming cache claims a transfer); ``on_hit(slot)`` sees each hit. Every
+        slot is touched in the policy once per use; a policy that weighs the layer cycle
+        is told the layer first.
+        """
+        if self._set_layer is not None:
+            self._set_layer(layer)
         row = self.table[layer]
         out = self._out
         blocked = self.blocked
+        touch = self.policy.touch
         ex = experts.tolist()
         misses = []
-        # Hits first, all held before any miss is filled: a miss must never evict an
-        # expert this same call still needs (it would be read back at once).
         for j, e in enumerate(ex):
             s = int(row[e])
             if s < 0:
                 misses.append(j)
                 continue
             self.hits += 1
+            if on_hit is not None:
+                on_hit(s)
             if not blocked[s]:
                 blocked[s] = True
                 self._busy[self._n_busy] = s
                 self._n_busy += 1
-            self.policy.touch(s)
+            touch(s)
             out[j] = s
         for j in misses:
             e = ex[j]
@@ -447,14 +477,13 @@ class ExpertCache:
             if s >= 0:  # the same expert twice in one call: filled just before
                 self.hits += 1
             else:
-                s = self._fill(layer, e)
+                s = fill(layer, e)
             if not blocked[s]:
                 blocked[s] = True
                 self._busy[self._n_busy] = s
                 self._n_busy += 1
-            self.policy.touch(s)
+            touch(s)
             out[j] = s
-        return out[: len(ex)]
 
     def release(self) -> None:
         """End the current layer's hold: its slots become evictable (unless pinned)."""

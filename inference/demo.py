@@ -296,6 +296,7 @@ def _policy_words(policy: str) -> str:
         "lru": "least recently used",
         "lfu": "least frequently used",
         "slru": "segmented LRU",
+        "cyclic": "decaying frequency weighed by how soon the layer cycle returns",
     }
     return words.get(policy, policy)
 

@@ -13,7 +13,11 @@ access for access:
   slot promotes it, overflowing protected demotes its LRU slot to probation's
   most recent end; victims come from probation first.
 
-Both keep their state in preallocated arrays: a use is O(1) scalar work, a
+and one the replay study does not have, for the batched engine:
+:class:`CyclicPolicy` (``"cyclic"``), decaying frequency over forward steps
+divided by how many layers ahead the expert's layer comes.
+
+All three keep their state in preallocated arrays: a use is O(1) scalar work, a
 victim query a few vector operations over the slots into scratch buffers,
 with no allocation and no dictionary. The only difference from the replay is
 the one the engine requires: a slot held by the layer being computed (or
@@ -170,4 +174,110 @@ class SLRUPolicy:
         np.add(sc, _EPOCH, out=sc, where=self.protected)
         np.putmask(sc, blocked, _NEVER)
         s = int(sc.argmin())
+        return -1 if blocked[s] else s
+
+
+#: Forward steps after which a :class:`CyclicPolicy` score halves.
+HALF_LIFE_STEPS = 4.0
+
+
+class CyclicPolicy:
+    """Decaying frequency weighted by how soon the layer cycle comes back to an expert.
+
+    A forward step visits the sparse layers in order, so when layer ``L`` is
+    being filled, an expert of layer ``L + 1`` that is used again is used
+    within this very step, while an expert of layer ``L - 1`` (just computed)
+    is not needed before the next step reaches it again, ``n_layers - 1``
+    layers later. Frequency alone (:class:`DecayPolicy`) ignores that and
+    LRU inverts it (its oldest slots are the next layers' of the previous
+    step: exactly the next ones needed). This policy approximates Belady's
+    choice of the expert whose next use lies farthest: it evicts the lowest
+    ``score / distance``, where ``score`` is the expert's use count decayed
+    over forward steps (halving every ``half_life`` steps) and ``distance``
+    is how many layers ahead its layer comes (1 for the next layer,
+    ``n_layers`` for the current one's other experts).
+
+    It matters most where a step's experts do not all fit: a batch of
+    sequences whose union of routed experts exceeds the slots
+    (``bench/SERVE.md`` replays it against the offline optimum).
+
+    Time is counted in forward steps (one per :meth:`set_token`, which the
+    cache calls once per step), the period of the layer cycle, whatever the
+    number of tokens a step carries. The cache tells the policy its layout
+    (:meth:`set_layout`) and the layer it is filling (:meth:`set_layer`).
+
+    Parameters
+    ----------
+    n_slots
+        Cache slots.
+    n_keys
+        Experts (``n_layers * n_experts``).
+    half_life
+        Forward steps after which a score halves.
+    """
+
+    name = "cyclic"
+
+    def __init__(self, n_slots: int, n_keys: int, half_life: float = HALF_LIFE_STEPS) -> None:
+        if not half_life > 0:
+            raise ValueError(f"cyclic half_life {half_life} is not positive")
+        self.half_life = float(half_life)
+        self.rate = math.log(2.0) / self.half_life
+        self.lv = np.full(n_keys, -np.inf)  # log-domain score per (layer, expert)
+        self.key = np.zeros(n_slots, np.int64)
+        self.slot_layer = np.zeros(n_slots, np.int64)
+        self.n_layers = 1
+        self.n_experts = max(n_keys, 1)
+        self._log_dist = np.zeros(1)  # log(distance) by (slot layer - current layer) mod n_layers
+        self.layer = 0
+        self._steps = -1
+        self._now = 0.0
+        self._score = np.empty(n_slots)
+        self._off = np.empty(n_slots, np.int64)
+        self._ld = np.empty(n_slots)
+        self._tie = np.empty(n_slots, np.int64)
+        self._not_min = np.empty(n_slots, bool)
+
+    def set_layout(self, n_layers: int, n_experts: int) -> None:
+        """Keys are ``layer * n_experts + expert`` over ``n_layers`` layers."""
+        self.n_layers, self.n_experts = int(n_layers), int(n_experts)
+        dist = np.arange(self.n_layers, dtype=np.float64)
+        dist[0] = self.n_layers  # the current layer's other experts: the next step
+        self._log_dist = np.log(dist)
+
+    def set_layer(self, layer: int) -> None:
+        """The cache is filling ``layer`` now."""
+        self.layer = int(layer)
+
+    def set_token(self, token: int) -> None:
+        """A forward step starts (the token index itself is not used: time is steps)."""
+        self._steps += 1
+        self._now = self._steps * self.rate
+
+    def filled(self, slot: int, key: int) -> None:
+        """``slot`` now holds expert ``key``."""
+        self.key[slot] = key
+        self.slot_layer[slot] = key // self.n_experts
+
+    def touch(self, slot: int) -> None:
+        """One use of the slot's expert now: decay its score to now, add 1."""
+        k = self.key[slot]
+        old = self.lv[k]
+        now = self._now
+        s = math.exp(old - now) if old > -np.inf else 0.0
+        self.lv[k] = math.log(s + 1.0) + now
+
+    def victim(self, blocked: np.ndarray) -> int:
+        """The unblocked slot with the lowest score / distance (ties: lowest key), or -1."""
+        score, off = self._score, self._off
+        np.take(self.lv, self.key, out=score)
+        np.subtract(self.slot_layer, self.layer, out=off)
+        np.remainder(off, self.n_layers, out=off)
+        np.take(self._log_dist, off, out=self._ld)
+        score -= self._ld
+        np.putmask(score, blocked, np.inf)
+        np.not_equal(score, score.min(), out=self._not_min)
+        np.copyto(self._tie, self.key)
+        np.putmask(self._tie, self._not_min, _NEVER)
+        s = int(self._tie.argmin())
         return -1 if blocked[s] else s

@@ -10,6 +10,10 @@ once (``readers``, ``lookahead``, ``width``), and the CLI flag spells the same n
 The defaults are the configuration the engine benchmarks measured best at a partial
 budget (``bench/ENGINE.md``, ``bench/STREAMING.md``): decaying-frequency eviction, reads
 through the transfer planner with look-ahead and early routing.
+
+A batched engine (one that steps many sequences together: ``czyx serve``,
+:func:`czyx.server.create_app`) has its own measured defaults,
+:data:`BATCHED_OPTIONS`, defined here and only here.
 """
 
 from __future__ import annotations
@@ -106,3 +110,13 @@ def renamed(kwargs: dict[str, Any], *, stacklevel: int = 2) -> dict[str, Any]:
 
 
 DEFAULT_OPTIONS = EngineOptions()
+
+#: The defaults of a batched engine (``czyx serve``, :func:`czyx.server.create_app`), where
+#: a step acquires the union of many sequences' experts. No look-ahead prefetch: a batch's
+#: predictions cover most of a layer and, read into a partial budget, evict the experts
+#: the batch needs (it read more bytes per token with prefetch than without,
+#: ``bench/SERVE-prefetch.md`` against ``bench/SERVE.md``). Eviction by
+#: :class:`~czyx.inference.eviction.CyclicPolicy`: once a batch's union exceeds the slots,
+#: which layer comes next decides what is needed soonest (``bench/SERVE.md`` replays
+#: every policy and the offline optimum on the same acquires).
+BATCHED_OPTIONS = EngineOptions(policy="cyclic", prefetch=False)

@@ -347,62 +347,40 @@ class StreamingExpertCache(ExpertCache):
             self.predicted_correct += int(mask[experts].sum())
             mask[:] = False
             self._has_prediction[layer] = False
-        row = self.table[layer]
-        out = self._out
-        blocked = self.blocked
         waits: list[Transfer] = []
-        ex = experts.tolist()
-        misses: list[int] = []
+
+        def on_hit(s: int) -> None:  # resident or in flight: wait for an unused transfer
+            t = self._xfer[s]
+            if t is not None and not t.used:
+                waits.append(t)
+                if t.kind == PREFETCH:
+                    self.prefetch_hits += 1
+
+        def fill(layer: int, e: int) -> int:
+            s = self._victim()
+            if s < 0 and self.inflight.any():
+                self._settle()  # in-flight slots become evictable once complete
+                s = self._victim()
+            if s < 0:
+                raise SlotInUseError(
+                    f"no evictable slot for layer {layer} expert {e}: all "
+                    f"{self.n_slots} slots are pinned or held"
+                )
+            waits.append(self._claim(layer, e, s, DEMAND))
+            self.misses += 1
+            return s
+
         try:
-            # Hits (resident or in flight) first, all held before any miss is filled: a
-            # miss must never evict an expert this same call still needs.
-            for j, e in enumerate(ex):
-                s = int(row[e])
-                if s < 0:
-                    misses.append(j)
-                    continue
-                self.hits += 1
-                t = self._xfer[s]
-                if t is not None and not t.used:
-                    waits.append(t)
-                    if t.kind == PREFETCH:
-                        self.prefetch_hits += 1
-                if not blocked[s]:
-                    blocked[s] = True
-                    self._busy[self._n_busy] = s
-                    self._n_busy += 1
-                self.policy.touch(s)
-                out[j] = s
-            for j in misses:
-                e = ex[j]
-                s = int(row[e])
-                if s >= 0:  # the same expert twice in one call: claimed just before
-                    self.hits += 1
-                else:
-                    s = self._victim()
-                    if s < 0 and self.inflight.any():
-                        self._settle()  # in-flight slots become evictable once complete
-                        s = self._victim()
-                    if s < 0:
-                        raise SlotInUseError(
-                            f"no evictable slot for layer {layer} expert {e}: all "
-                            f"{self.n_slots} slots are pinned or held"
-                        )
-                    waits.append(self._claim(layer, e, s, DEMAND))
-                    self.misses += 1
-                if not blocked[s]:
-                    blocked[s] = True
-                    self._busy[self._n_busy] = s
-                    self._n_busy += 1
-                self.policy.touch(s)
-                out[j] = s
+            # The shared rule (ExpertCache._hold_layer): hits, resident or in flight, are
+            # all held before any miss picks a victim.
+            self._hold_layer(layer, experts, fill, on_hit)
             self._issue_prefetch()
             for t in waits:
                 self._wait(t)
         except BaseException:
             self.release()
             raise
-        return out[: len(ex)]
+        return self._out[: len(experts)]
 
     def _victim(self) -> int:
         if self._n_filled < self.n_slots:

@@ -16,6 +16,11 @@ and ``finish_reason`` ("stop": end-of-sequence token or stop string;
 "length": ``max_tokens``). Unsupported fields that would change the answer
 (``echo``, ``logprobs``, ``best_of`` > 1, tools) are refused with 400, never
 ignored. Errors use the OpenAI error object.
+
+Sessions: a request naming a session, by the ``X-Czyx-Session`` header or
+the OpenAI ``user`` field (the same meaning; both given and different is a
+400), resumes the caller's saved KV state and saves the new one as the
+session's next version, as ``czyx run --session`` does.
 """
 
 from __future__ import annotations
@@ -114,7 +119,10 @@ class ServeOptions:
     engine
         Keyword arguments of :class:`~czyx.inference.engine.Engine` (cache
         budget, policy, pinned classes, ``stream`` options, trunk window);
-        ``czyx serve`` builds them from the flags ``czyx run`` has.
+        ``czyx serve`` builds them from the flags ``czyx run`` has. Without
+        ``options``, the engines run with
+        :data:`~czyx.inference.options.BATCHED_OPTIONS` (a batched engine's
+        defaults, the same as ``czyx serve``'s).
     hot_profile
         A routing profile (``czyx profile``) whose hot list is prewarmed.
     batch
@@ -220,7 +228,11 @@ class ServedModel:
             tuple(s.raw for s in whole),
             _expert_classes(store, scoped),
         )
+        from czyx.inference.options import BATCHED_OPTIONS
+
         kwargs = dict(options.engine)
+        if not any(k in kwargs for k in ("options", "policy", "stream")):
+            kwargs["options"] = BATCHED_OPTIONS
         windowed = kwargs.get("trunk_window") is not None
         self.consumer = open_consumer(store, None, ref, direct=True, lazy_trunk=windowed)
         try:
@@ -565,24 +577,65 @@ class _TextStream:
         return piece
 
 
+class _Channel:
+    """One request's events, handed from the scheduler's thread to the event loop.
+
+    The consumer takes every event that arrived since its last wait at once
+    (:meth:`take`), so a loop that falls behind writes one chunk for several
+    tokens instead of one per token; waiting costs one future and one timer,
+    not a task per event (``asyncio.wait_for``).
+    """
+
+    __slots__ = ("_items", "_loop", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: list[Any] = []
+        self._waiter: asyncio.Future | None = None
+
+    def _deliver(self, evs: list[Any]) -> None:  # on the loop
+        self._items.extend(evs)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def take(self, timeout: float) -> list[Any]:
+        """Every event not yet taken (at least one); TimeoutError after ``timeout`` s."""
+        if not self._items:
+            w = self._waiter = self._loop.create_future()
+            timer = self._loop.call_later(timeout, _expire, w)
+            try:
+                await w
+            finally:
+                timer.cancel()
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
+def _expire(w: asyncio.Future) -> None:
+    if not w.done():
+        w.set_exception(TimeoutError())
+
+
 class _Dispatcher:
     """Hands scheduler events to the event loop: one loop wake-up per burst, not per event.
 
     The scheduler's thread emits one event per sequence per step; waking the
     loop for each would hand the GIL back and forth that many times a step.
     Events queue here and a single drain callback delivers all that arrived
-    before it ran.
+    before it ran, grouped by request.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self._pending: list[tuple[asyncio.Queue, Any]] = []
+        self._pending: list[tuple[_Channel, Any]] = []
         self._scheduled = False
         self._lock = threading.Lock()
 
-    def post(self, q: asyncio.Queue, ev: Any) -> None:
+    def post(self, ch: _Channel, ev: Any) -> None:
         with self._lock:
-            self._pending.append((q, ev))
+            self._pending.append((ch, ev))
             if self._scheduled:
                 return
             self._scheduled = True
@@ -592,8 +645,11 @@ class _Dispatcher:
         with self._lock:
             items, self._pending = self._pending, []
             self._scheduled = False
-        for q, ev in items:
-            q.put_nowait(ev)
+        by: dict[_Channel, list[Any]] = {}
+        for ch, ev in items:
+            by.setdefault(ch, []).append(ev)
+        for ch, evs in by.items():
+            ch._deliver(evs)
 
 
 _DISPATCHERS: dict[int, _Dispatcher] = {}
@@ -615,18 +671,20 @@ async def _events(
     retry_after: int,
     session: _Session | None = None,
     allowed: np.ndarray | None = None,
-) -> AsyncIterator[Token | Done | None]:
-    """None once the request is queued, then the scheduler's events, awaited without
+) -> AsyncIterator[list[Token | Done] | None]:
+    """None once the request is queued, then the scheduler's events in bursts (every
+    event that arrived since the last one; ends with :class:`Done`), awaited without
     blocking the loop.
 
     Raises :class:`ApiError` 429 when the queue is full, 400 when the context
     exceeds the KV budget. Leaving the iterator early cancels the sequence.
     """
-    dispatch = _dispatcher(asyncio.get_running_loop())
-    q: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    dispatch = _dispatcher(loop)
+    ch = _Channel(loop)
 
     def on_event(ev) -> None:
-        dispatch.post(q, ev)
+        dispatch.post(ch, ev)
 
     try:
         handle = served.scheduler.submit(
@@ -655,11 +713,11 @@ async def _events(
         yield None
         while True:
             try:
-                ev = await asyncio.wait_for(q.get(), timeout)
+                evs = await ch.take(timeout)
             except TimeoutError:
                 raise ApiError(504, f"no token in {timeout} s", "server_error") from None
-            yield ev
-            if isinstance(ev, Done):
+            yield evs
+            if isinstance(evs[-1], Done):
                 return
     finally:
         handle.cancel()  # a no-op once done; frees the sequence when the client left early
@@ -676,7 +734,27 @@ def _usage(out: _Outcome) -> dict[str, Any]:
     return usage
 
 
-def _open_session(store, tenant: str, name: str, served: ServedModel) -> _Session:
+def _session_name(request: Request, body: dict) -> tuple[str | None, str]:
+    """The session a request names, and where it named it (the error's ``param``).
+
+    The ``X-Czyx-Session`` header or the OpenAI ``user`` field (what OpenAI
+    clients already send per end user), with the same meaning; both given
+    and different is refused rather than guessed between.
+    """
+    header = request.headers.get(SESSION_HEADER)
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or not user):
+        raise _bad("user must be a non-empty string (it names the caller's session)", "user")
+    if header and user and header != user:
+        raise _bad(f"X-Czyx-Session {header!r} and user {user!r} name different sessions", "user")
+    if header:
+        return header, "X-Czyx-Session"
+    return (user, "user") if user else (None, "user")
+
+
+def _open_session(
+    store, tenant: str, name: str, served: ServedModel, param: str = "X-Czyx-Session"
+) -> _Session:
     """The caller's session ``name`` (its head restored as a KV cache), or a new one.
 
     The server acts for the caller's tenant through the store owner's portal
@@ -716,10 +794,10 @@ def _open_session(store, tenant: str, name: str, served: ServedModel) -> _Sessio
         return _Session(name, sessions, head, model, ([int(t) for t in parsed.tokens[:rows]], kv))
     except (serr.WrongTenantError, PortalDenied) as exc:
         raise ApiError(
-            403, f"session {name!r}: {exc}", "permission_error", "session_denied", "X-Czyx-Session"
+            403, f"session {name!r}: {exc}", "permission_error", "session_denied", param
         ) from None
     except (serr.SessionError, ValueError) as exc:
-        raise _bad(f"session {name!r}: {exc}", "X-Czyx-Session") from None
+        raise _bad(f"session {name!r}: {exc}", param) from None
 
 
 def _save_session(session: _Session, final) -> int:
@@ -880,10 +958,10 @@ class _Api:
             served, allowed = self._served(caller, req.model)
             ids = _chat_prompt(body, served) if chat else _completion_prompt(body, served)
             session = None
-            name = request.headers.get(SESSION_HEADER)
+            name, param = _session_name(request, body)
             if name:
                 session = await run_in_threadpool(
-                    _open_session, self.state.store, caller.tenant, name, served
+                    _open_session, self.state.store, caller.tenant, name, served, param
                 )
         except ApiError as exc:
             await self._audit(caller, endpoint, model, exc.status, None)
@@ -966,32 +1044,44 @@ class _Api:
             served, ids, req, eos, opts.event_timeout, opts.retry_after, session, allowed
         )
         final = None
+        ttft, itl = metrics.ttft.labels(served.ref), metrics.itl.labels(served.ref)
         try:
-            async for ev in events:
-                if ev is None:
+            async for evs in events:
+                if evs is None:
                     yield "start", None  # submitted: the queue accepted it
                     last = t0
-                elif isinstance(ev, Token):
-                    now = time.perf_counter()
-                    if out.completion_tokens == 0:
-                        metrics.ttft.labels(served.ref).observe(now - t0)
+                    continue
+                # A burst (the loop fell behind): its tokens go out as one piece.
+                pieces, end = [], False
+                for ev in evs:
+                    if isinstance(ev, Token):
+                        # The scheduler's clock: when the token was chosen, not handed over.
+                        if out.completion_tokens == 0:
+                            ttft.observe(ev.time - t0)
+                        else:
+                            itl.observe(ev.time - last)
+                        last = ev.time
+                        out.completion_tokens += 1
+                        piece = stream.push(ev.token)
+                        if piece:
+                            pieces.append(piece)
+                        if stream.stopped:
+                            out.finish = "stop"
+                            end = True
+                            break
                     else:
-                        metrics.itl.labels(served.ref).observe(now - last)
-                    last = now
-                    out.completion_tokens += 1
-                    piece = stream.push(ev.token)
-                    if piece:
-                        out.text += piece
-                        yield "text", piece
-                    if stream.stopped:
-                        out.finish = "stop"
+                        if ev.reason == "error":
+                            out.error = ev.error
+                        out.finish = "stop" if ev.reason in ("stop", "cancelled") else "length"
+                        out.cached_tokens = ev.restored + ev.reused
+                        final = ev.final
+                        end = True
                         break
-                else:
-                    if ev.reason == "error":
-                        out.error = ev.error
-                    out.finish = "stop" if ev.reason in ("stop", "cancelled") else "length"
-                    out.cached_tokens = ev.restored + ev.reused
-                    final = ev.final
+                if pieces:
+                    text = "".join(pieces)
+                    out.text += text
+                    yield "text", text
+                if end:
                     break
         finally:
             await events.aclose()  # cancels the sequence if it is still running
@@ -1045,13 +1135,22 @@ class _Api:
             }
             return f"data: {json.dumps(payload)}\n\n".encode()
 
+        # The per-token chunk is the same JSON every time but for its text: encode the rest
+        # once (json.dumps of the template, split at a placeholder) and only the text per
+        # chunk. Byte-identical to chunk(text, None).
+        mark = "\x00czyx-text\x00"
+        head, tail = chunk(mark, None).decode().split(json.dumps(mark))
+
+        def text_chunk(text: str) -> bytes:
+            return f"{head}{json.dumps(text)}{tail}".encode()
+
         status = 200
         try:
             if chat:
                 yield chunk("", None, role=True)
             async for kind, value in gen:
                 if kind == "text":
-                    yield chunk(value, None)
+                    yield text_chunk(value)
             if out.error is not None:
                 status = out.error_status
                 err = ApiError(status, f"generation failed: {out.error}", "server_error")

@@ -8,6 +8,7 @@ import argparse
 import pytest
 
 from czyx.cli import build_parser, main
+from czyx.inference.options import BATCHED_OPTIONS, DEFAULT_OPTIONS
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -44,11 +45,16 @@ def test_flags_build_serve_options():
     assert engine_opts.prefetch is False and engine_opts.io == "pread" and engine_opts.readers == 1
     assert opts.batch.kv_bytes == 2 * 2**20 and opts.batch.max_batch == 4
     assert opts.batch.max_queue == 3 and opts.batch.prefill_chunk == 8
-    assert serve_options(_args()).engine["options"].prefetch is False  # serving default
+    # Serving defaults: a batched engine's, defined once (BATCHED_OPTIONS).
+    served = serve_options(_args()).engine["options"]
+    assert (served.prefetch, served.policy) == (BATCHED_OPTIONS.prefetch, BATCHED_OPTIONS.policy)
     assert serve_options(_args("--prefetch")).engine["options"].prefetch is True
-    # The run command parses the very same flags.
+    # The run command parses the very same flags, with the single-sequence defaults.
     run = build_parser().parse_args(["run", "a@1", "--prompt", "x", "--cache-fraction", "0.5"])
-    assert run.cache_fraction == 0.5 and run.policy == "decay"
+    assert run.cache_fraction == 0.5 and run.policy == DEFAULT_OPTIONS.policy
+    assert run.no_prefetch is (not DEFAULT_OPTIONS.prefetch)
+    run = build_parser().parse_args(["run", "a@1", "--prompt", "x", "--no-prefetch"])
+    assert run.no_prefetch is True
 
 
 def test_bad_flags_fail_closed(capsys):

@@ -64,3 +64,50 @@ def test_other_tenants_sessions_are_refused(served):
     assert _post(url, mallory, P2, "mallory-notes").status_code == 200  # her own: fine
     r = _post(url, tokens["alice"], P1, "bad name!")
     assert r.status_code == 400 and r.json()["error"]["param"] == "X-Czyx-Session"
+
+
+def test_user_field_names_the_session(served):
+    """The OpenAI ``user`` field resumes and saves a session exactly as the header does."""
+    url, tokens, *_ = served
+    c = openai.OpenAI(base_url=url + "/v1", api_key=tokens["alice"], max_retries=0)
+    a = c.completions.create(
+        model="stdlib@1", prompt=P1, max_tokens=8, temperature=0, user="by-user"
+    )
+    b = c.completions.with_raw_response.create(
+        model="stdlib@1", prompt=P2, max_tokens=8, temperature=0, user="by-user"
+    )
+    assert b.headers["x-czyx-session-version"] == "2"
+    second = b.parse()
+    assert second.usage.prompt_tokens == len(P2)
+    assert second.usage.prompt_tokens_details.cached_tokens == len(P1) + 8
+    # The header names the same session: it continues from version 2.
+    h = _post(url, tokens["alice"], P2, "by-user")
+    assert h.status_code == 200 and h.headers["x-czyx-session-version"] == "3"
+    # Same text as the whole conversation without a session.
+    whole = c.completions.create(
+        model="stdlib@1", prompt=P1 + a.choices[0].text + P2, max_tokens=8, temperature=0
+    )
+    assert second.choices[0].text == whole.choices[0].text
+    # Streamed, with the real client too: the last chunk reports the version it saved.
+    stream = c.completions.create(
+        model="stdlib@1", prompt=P1, max_tokens=4, temperature=0, user="by-user-2", stream=True
+    )
+    saved = [ch.model_extra.get("czyx_session_version") for ch in stream]
+    assert saved[-1] == 1
+
+
+def test_user_field_is_checked(served):
+    url, tokens, *_ = served
+    c = openai.OpenAI(base_url=url + "/v1", api_key=tokens["alice"], max_retries=0)
+    try:
+        c.completions.create(model="stdlib@1", prompt=P1, max_tokens=2, user="bad name!")
+        raise AssertionError("a bad session name was accepted")
+    except openai.BadRequestError as exc:
+        assert exc.body["param"] == "user"
+    headers = {"Authorization": f"Bearer {tokens['alice']}", "X-Czyx-Session": "one"}
+    body = {"model": "stdlib@1", "prompt": P1, "max_tokens": 2, "user": "two"}
+    r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "user"
+    body["user"] = 7
+    r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "user"

@@ -15,8 +15,9 @@ from czyx.inference.options import DEFAULT_OPTIONS as DEFAULTS
 from czyx.inference.options import EngineOptions
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Add the engine flags of ``czyx run`` to ``p``."""
+def add_engine_args(p: argparse.ArgumentParser, defaults: EngineOptions = DEFAULTS) -> None:
+    """Add the engine flags of ``czyx run`` to ``p``, defaulting to ``defaults``' fields
+    (``czyx serve`` passes :data:`~czyx.inference.options.BATCHED_OPTIONS`)."""
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--cache-mb", type=float, help="expert slot budget in MiB")
     budget.add_argument(
@@ -24,10 +25,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--policy",
-        choices=["lru", "lfu", "decay", "slru"],
-        default=DEFAULTS.policy,
-        help=f"expert eviction policy (default {DEFAULTS.policy}; decay: decaying frequency, "
-        "half-life 32 tokens; slru: segmented LRU, 80%% protected)",
+        choices=["lru", "lfu", "decay", "slru", "cyclic"],
+        default=defaults.policy,
+        help=f"expert eviction policy (default {defaults.policy}; decay: decaying frequency, "
+        "half-life 32 tokens; slru: segmented LRU, 80%% protected; cyclic: decaying frequency "
+        "over forward steps divided by how many layers ahead the expert's layer comes)",
     )
     p.add_argument(
         "--pin-classes",
@@ -46,17 +48,29 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--readers",
         type=int,
-        default=DEFAULTS.readers,
-        help=f"expert reader threads (default {DEFAULTS.readers})",
+        default=defaults.readers,
+        help=f"expert reader threads (default {defaults.readers})",
     )
-    p.add_argument(
-        "--no-prefetch", action="store_true", help="no look-ahead: read experts on demand only"
+    prefetch = p.add_mutually_exclusive_group()
+    prefetch.add_argument(
+        "--no-prefetch",
+        dest="no_prefetch",
+        action="store_true",
+        default=not defaults.prefetch,
+        help="no look-ahead: read experts on demand only"
+        + ("" if defaults.prefetch else " (the default here)"),
+    )
+    prefetch.add_argument(
+        "--prefetch",
+        dest="no_prefetch",
+        action="store_false",
+        help="look-ahead expert prefetch" + (" (the default)" if defaults.prefetch else ""),
     )
     p.add_argument(
         "--lookahead",
         type=int,
-        default=DEFAULTS.lookahead,
-        help=f"sparse layers predicted ahead (default {DEFAULTS.lookahead}; 0: early routing "
+        default=defaults.lookahead,
+        help=f"sparse layers predicted ahead (default {defaults.lookahead}; 0: early routing "
         "alone)",
     )
     p.add_argument(
@@ -70,7 +84,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--prefetch-width",
         dest="width",
         type=int,
-        default=DEFAULTS.width,
+        default=defaults.width,
         help="predicted experts read per token and layer (default: top-k; --prefetch-width "
         "is its old spelling)",
     )

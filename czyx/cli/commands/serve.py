@@ -18,6 +18,7 @@ import sys
 
 from czyx.cli.commands._engineargs import add_engine_args, check_engine_args, engine_kwargs
 from czyx.cli.commands._storearg import add_store_arg, store_dir
+from czyx.inference.options import BATCHED_OPTIONS
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 SWITCH_INTERVAL = 0.0005  # seconds (CPython's default is 0.005)
@@ -37,18 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="loopback address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free)")
     add_store_arg(p)
-    add_engine_args(p)
-    # Serving defaults to no look-ahead prefetch: a batched step's predictions evict the
-    # experts the batch needs, and it read more bytes per token with it than without
-    # (bench/SERVE-prefetch.md against bench/SERVE.md, same run settings).
-    p.set_defaults(no_prefetch=True)
-    p.add_argument(
-        "--prefetch",
-        dest="no_prefetch",
-        action="store_false",
-        help="look-ahead expert prefetch (default off when serving: batched steps read more "
-        "with it, bench/SERVE-prefetch.md)",
-    )
+    # A batched engine's defaults (inference.options.BATCHED_OPTIONS, measured there).
+    add_engine_args(p, BATCHED_OPTIONS)
     p.add_argument(
         "--kv-mb", type=float, default=None, help="KV memory budget over active sequences (MiB)"
     )
