@@ -36,7 +36,7 @@ FP16_SAFE = 60000.0
 _F16 = np.float16
 _F32 = np.float32
 # The candidate grid (llama.cpp's make_qkx2_quants values for K-quants).
-_RMIN, _RDELTA, _NSTEP = -1.0, 0.1, 20
+_RMIN, _RDELTA, _NSTEP = -1.0, 0.5, 4
 _REFINE_ROUNDS = 2
 _CHUNK_ELEMS = 1 << 20
 
