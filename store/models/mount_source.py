@@ -162,9 +162,11 @@ class MountSource:
     packed where the policy says so (``stored_tensor``). A mount reads every
     tensor twice (hash pass, then write pass); quantizing is the expensive part,
     so each tensor is quantized once, in the hash pass, and its packed bytes are
-    kept in a spool file (an unlinked temporary file in ``spool_dir``, at most
-    the version's stored size) that the write pass reads back. Nothing but one
-    tensor at a time is held in memory.
+    kept in a spool file (:class:`Spool`: an unlinked temporary file in
+    ``spool_dir``, at most the version's stored size, direct I/O where the file
+    system allows) that the write pass reads back. Nothing but one tensor (or,
+    in the pipelined hash pass of :meth:`expert_hashes`, a few experts) at a
+    time is held in memory.
     """
 
     def __init__(
