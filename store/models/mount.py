@@ -249,8 +249,8 @@ def _mount(
     source_total += len(keys) * plan.expert_nbytes
     bar = _bar(progress, source_total, "hash")
     expert_hash = {}
-    for k in keys:
-        expert_hash[k] = src.expert_hash(k)
+    for k, digest in src.expert_hashes(keys):
+        expert_hash[k] = digest
         bar.update(plan.expert_nbytes)
     trunk_hash: dict[str, str] = {}
     trunk_qfmt: dict[str, str | None] = {}

@@ -8,9 +8,13 @@ tokenizer). Publishing those bytes as spaces is :mod:`store.mount`.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import queue
 import tempfile
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,114 @@ def round_up(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
+class Spool:
+    """An unlinked temporary file of byte entries, written once and read back.
+
+    The quantizing mount's packed tensors between its hash pass and its write
+    pass (:class:`MountSource`). Where the file system allows it the file is
+    written and read with ``O_DIRECT`` through an aligned bounce buffer: the
+    spool is read exactly once and soon, so passing it through the page cache
+    only costs copies, page allocation and dirty-page throttling (and evicts
+    the checkpoint being read). Entries start at multiples of the direct-I/O
+    alignment. Elsewhere (``O_DIRECT`` refused at open or at the first write)
+    it is an ordinary buffered file with the same entries.
+
+    Parameters
+    ----------
+    directory : path or None
+        Where the file lives (the store's directory; ``None``: the system's
+        temporary directory).
+    chunk : int
+        Bounce buffer size (rounded up to the alignment).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, chunk: int = 8 << 20):
+        from czyx.store.core.blockfile import dio_alignment
+
+        # closed by close(); unlinked at once, so nothing outlives the process
+        self._fh = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115
+        self.align = dio_alignment(
+            Path(directory) if directory is not None else tempfile.gettempdir()
+        )
+        self._direct: int | None = None
+        try:
+            self._direct = os.open(
+                f"/proc/self/fd/{self._fh.fileno()}", os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC
+            )
+        except (OSError, AttributeError):  # no O_DIRECT here: buffered
+            self._direct = None
+        chunk = -(-chunk // self.align) * self.align
+        self._raw = np.empty(chunk + self.align, np.uint8)
+        start = -self._raw.ctypes.data % self.align
+        self._bounce = self._raw[start : start + chunk]
+        self.end = 0
+
+    @property
+    def direct(self) -> bool:
+        """Whether entries go through ``O_DIRECT``."""
+        return self._direct is not None
+
+    def close(self) -> None:
+        """Close the file (its space returns to the file system)."""
+        if self._direct is not None:
+            os.close(self._direct)
+            self._direct = None
+        self._fh.close()
+
+    def _fallback(self) -> None:
+        assert self._direct is not None
+        os.close(self._direct)
+        self._direct = None
+
+    def append(self, data: np.ndarray) -> int:
+        """Write contiguous ``uint8`` ``data`` as a new entry; returns its offset."""
+        base = self.end = round_up(self.end, self.align)
+        n, chunk = data.nbytes, self._bounce.nbytes
+        pos = 0
+        while pos < n:
+            m = min(chunk, n - pos)
+            if self._direct is not None:
+                span = round_up(m, self.align)
+                self._bounce[:m] = data[pos : pos + m]
+                self._bounce[m:span] = 0
+                try:
+                    got = os.pwrite(self._direct, memoryview(self._bounce[:span]), base + pos)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._fallback()  # the file system refused direct writes: buffered
+                    continue
+                if got != span:
+                    raise OSError(f"spool: short write of {got} of {span} bytes")
+            else:
+                m = n - pos
+                got = os.pwrite(self._fh.fileno(), memoryview(data[pos:]), base + pos)
+                if got != m:
+                    raise OSError(f"spool: short write of {got} of {m} bytes")
+            pos += m
+        self.end = base + n
+        return base
+
+    def read(self, offset: int, out: np.ndarray) -> None:
+        """Fill contiguous ``uint8`` ``out`` with the entry bytes at ``offset``."""
+        n, chunk = out.nbytes, self._bounce.nbytes
+        pos = 0
+        while pos < n:
+            if self._direct is not None:
+                m = min(chunk, n - pos)
+                span = round_up(m, self.align)
+                got = os.preadv(self._direct, [memoryview(self._bounce[:span])], offset + pos)
+                if got < m:
+                    raise OSError(f"spool: short read of {got} of {m} bytes")
+                out[pos : pos + m] = self._bounce[:m]
+            else:
+                m = n - pos
+                got = os.preadv(self._fh.fileno(), [memoryview(out[pos:])], offset + pos)
+                if got != m:
+                    raise OSError(f"spool: short read of {got} of {m} bytes")
+            pos += m
+
+
 class MountSource:
     """Byte access to the plan's tensors for hashing and writing, through one reused buffer.
 
@@ -50,9 +162,11 @@ class MountSource:
     packed where the policy says so (``stored_tensor``). A mount reads every
     tensor twice (hash pass, then write pass); quantizing is the expensive part,
     so each tensor is quantized once, in the hash pass, and its packed bytes are
-    kept in a spool file (an unlinked temporary file in ``spool_dir``, at most
-    the version's stored size) that the write pass reads back. Nothing but one
-    tensor at a time is held in memory.
+    kept in a spool file (:class:`Spool`: an unlinked temporary file in
+    ``spool_dir``, at most the version's stored size, direct I/O where the file
+    system allows) that the write pass reads back. Nothing but one tensor (or,
+    in the pipelined hash pass of :meth:`expert_hashes`, a few experts) at a
+    time is held in memory.
     """
 
     def __init__(
@@ -72,9 +186,8 @@ class MountSource:
         self.tokenizer = tokenizer_bytes(ckpt)
         self.side_files = side_file_bytes(ckpt)
         # closed by close() (MountSource is itself the context manager)
-        self._spool = None if codec is None else tempfile.TemporaryFile(dir=spool_dir)  # noqa: SIM115
+        self._spool = None if codec is None else Spool(spool_dir)
         self._spooled: dict[Any, tuple[int, int, str | None]] = {}
-        self._spool_end = 0
 
     # A subclass that overrides assemble/stored_tensor (GGUF, FP8 sources) spools nothing.
     _spool = None
@@ -95,20 +208,15 @@ class MountSource:
 
     def _put(self, key: Any, data: np.ndarray, fmt: str | None) -> None:
         assert self._spool is not None
-        n = os.pwrite(self._spool.fileno(), memoryview(np.ascontiguousarray(data)), self._spool_end)
-        if n != data.nbytes:
-            raise OSError(f"spool: short write of {n} of {data.nbytes} bytes")
-        self._spooled[key] = (self._spool_end, data.nbytes, fmt)
-        self._spool_end += data.nbytes
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        self._spooled[key] = (self._spool.append(data), data.nbytes, fmt)
 
     def _get(self, key: Any, out: np.ndarray | None = None) -> tuple[np.ndarray, str | None]:
         assert self._spool is not None
         off, n, fmt = self._spooled[key]
         if out is None:
             out = np.empty(n, np.uint8)
-        got = os.preadv(self._spool.fileno(), [memoryview(out[:n])], off)
-        if got != n:
-            raise OSError(f"spool: short read of {got} of {n} bytes")
+        self._spool.read(off, out[:n])
         return out, fmt
 
     def assemble(self, key: tuple[int, int], out: np.ndarray) -> None:
@@ -132,7 +240,7 @@ class MountSource:
             if self.qlayout is None:
                 out[:] = raw
         if self.qlayout is not None:
-            out[:] = self.codec.encode_expert_raw(self.qlayout, *key, raw, self.plan.dtype)
+            self.codec.encode_expert_raw(self.qlayout, *key, raw, self.plan.dtype, out=out)
             self._put(("expert", key), out, None)
 
     def stored_tensor(self, t: Any) -> tuple[np.ndarray, str | None]:
@@ -153,6 +261,103 @@ class MountSource:
         self.assemble(key, self.buf)
         return content_hash(self.buf)
 
+    def expert_hashes(
+        self, keys: Sequence[tuple[int, int]]
+    ) -> Iterator[tuple[tuple[int, int], str]]:
+        """``(key, content hash)`` of each expert of ``keys``, in order: the hash pass.
+
+        The same hashes and spooled bytes as :meth:`expert_hash` key by key. With a
+        quantizing codec (and this class's own reading) the pass is a pipeline of
+        three threads: one reads the next experts' source bytes, one quantizes
+        them (the C quantizer, itself threaded), and the caller's thread spools
+        and hashes each packed expert. Reads, the quantizer and the hash release
+        the GIL, so the stages overlap; bounded rings of buffers (two source, three
+        packed) keep memory at a few experts. An error in a stage is raised here;
+        the stages stop when the caller stops iterating.
+        """
+        pipelined = (
+            self.qlayout is not None
+            and self._spool is not None
+            and type(self).assemble is MountSource.assemble
+        )
+        if not pipelined:
+            for k in keys:
+                yield k, self.expert_hash(k)
+            return
+        keys = list(keys)
+        stop = threading.Event()
+        raw_free: queue.Queue[np.ndarray] = queue.Queue()
+        out_free: queue.Queue[np.ndarray] = queue.Queue()
+        for _ in range(2):
+            raw_free.put(np.empty(self.plan.expert_nbytes, np.uint8))
+        for _ in range(3):
+            out_free.put(np.empty(self.expert_nbytes, np.uint8))
+        raws: queue.Queue[Any] = queue.Queue()
+        outs: queue.Queue[Any] = queue.Queue()
+
+        def take(q: queue.Queue[Any]) -> Any:
+            while not stop.is_set():
+                try:
+                    return q.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+            raise _Stopped
+
+        def reader() -> None:
+            try:
+                for k in keys:
+                    raw = take(raw_free)
+                    raws.put((k, raw, self._read_source(k, raw)))
+            except _Stopped:
+                return
+            except BaseException as exc:  # handed to the caller's thread
+                raws.put((None, None, exc))
+
+        def quantizer() -> None:
+            try:
+                for _ in keys:
+                    k, raw, data = take(raws)
+                    if k is None:
+                        outs.put((None, data))
+                        return
+                    out = take(out_free)
+                    self.codec.encode_expert_raw(self.qlayout, *k, data, self.plan.dtype, out=out)
+                    raw_free.put(raw)
+                    outs.put((k, out))
+            except _Stopped:
+                return
+            except BaseException as exc:
+                outs.put((None, exc))
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (reader, quantizer)]
+        for t in threads:
+            t.start()
+        try:
+            for _ in keys:
+                k, out = outs.get()
+                if k is None:
+                    raise out
+                self._put(("expert", k), out, None)
+                digest = content_hash(out)
+                out_free.put(out)
+                yield k, digest
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+
+    def _read_source(self, key: tuple[int, int], raw: np.ndarray) -> np.ndarray:
+        """Expert ``key``'s source bytes as gate | up | down (``raw`` or a transformed copy)."""
+        pos = 0
+        for p in self.plan.experts[key]:
+            self.ckpt.read_into(p.tensor, p.start, raw[pos : pos + p.nbytes])
+            pos += p.nbytes
+        transform = self.plan.expert_transform
+        if transform is None:
+            return raw[: self.plan.expert_nbytes]
+        item = DTYPES[self.plan.dtype][1]
+        return to_contract(raw[: self.plan.expert_nbytes], self.plan.inter, self.plan.hidden, item)
+
     def tensor(self, name: str) -> np.ndarray:
         """The whole tensor ``name``'s bytes, in a scratch buffer valid until the next call."""
         n = self.ckpt.info(name).nbytes
@@ -161,6 +366,10 @@ class MountSource:
         out = self._scratch[:n]
         self.ckpt.read_into(name, 0, out)
         return out
+
+
+class _Stopped(Exception):
+    """A pipeline stage saw the stop flag (the consumer stopped iterating)."""
 
 
 def tokenizer_bytes(ckpt: Checkpoint) -> bytes | None:

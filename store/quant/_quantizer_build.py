@@ -6,9 +6,10 @@ dtype (f32, f16 or bf16, widened exactly), chooses every group's fp16 scale and
 offset with the importance-weighted search of :mod:`czyx.store.quant.quantizer`
 and writes the planar packed buffer of :mod:`czyx.store.quant.formats`.
 
-Why C: the numpy search runs two dozen passes of a dozen array operations over
+Why C: the numpy search runs a dozen passes of a dozen array operations over
 every group, each pass a full memory round trip and a Python call; in C a
-group's 32-128 weights stay in L1 for the whole search.
+group's 32-128 weights stay in L1 for the whole search, sixteen groups at a
+time in vector lanes, and nothing per weight is stored until the end.
 
 Same bytes as the numpy reference. Every operation mirrors the reference's in
 order and precision: float32 element products and sums evaluated exactly as
@@ -48,7 +49,9 @@ SOURCE = r"""
 #include <string.h>
 
 #define SAFE 60000.0
-#define NSTEP 20
+#define NSTEP 4
+#define RMIN -1.0
+#define RDELTA 0.5
 #define REFINE 2
 #define INL static inline __attribute__((always_inline))
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -256,7 +259,7 @@ INL void fit_impl(scratch *s, const float *w, int g, int qmax, int search, uint1
         for (int i = 0; i < g; i++) s->t1[i] = (double)s->wx[i];
         b.sx = pw(s->t1, g);
         for (int k = 0; k <= NSTEP; k++) {
-            float isc = (float)(((double)qmax + -1.0) + 0.1 * (double)k) * inv;
+            float isc = (float)(((double)qmax + RMIN) + RDELTA * (double)k) * inv;
             for (int i = 0; i < g; i++) s->cand[i] = clipq(rintf(isc * s->sh[i]), qm);
             try_codes(s, w, g, qm, s->cand, &b);
         }
@@ -271,22 +274,35 @@ INL void fit_impl(scratch *s, const float *w, int g, int qmax, int search, uint1
 
 /* ------------------------------------------------ sixteen groups at once
    The same search with the groups in vector lanes ("structure of arrays"):
-   element i of lane l is a[i][l]. Every per-group scalar step of fit_impl (the
+   element i of lane l is x[i][l]. Every per-group scalar step of fit_impl (the
    pairwise sums' accumulators, the 2x2 solve, the fp16 rounding, the
    comparisons) becomes a loop over lanes that the compiler vectorises, and each
    lane performs exactly fit_impl's operations in fit_impl's order, so the
    bytes are the same. Used for groups of up to 128 (numpy's pairwise sum is
-   then one level of 8 accumulators, accumulated here as the terms are made). */
+   then one level of 8 accumulators: accumulator j takes the terms j, j + 8,
+   j + 16, ... in order, so each is summed in registers, j by j).
+
+   Nothing per element is stored during the search: a lane's best codes are
+   always assign(x, best d, best m) (the reference keeps exactly those codes),
+   so candidates are tracked by their (d, m, error) and the codes are made once
+   at the end; the refinement recomputes its candidate codes the same way.
+   Without importance every error weight is one: the multiplications by one are
+   skipped (exact), and the code sums (integers below 2^24 for groups of up to
+   128 codes of up to 255) are exact in float32, hence equal to numpy's float64
+   sums in any order. */
 #define L 16
 #define MAXG 128
 typedef struct {
-    float x[MAXG][L], w[MAXG][L], sh[MAXG][L], wx[MAXG][L], c[MAXG][L], q[MAXG][L],
-        bq[MAXG][L];
+    float x[MAXG][L], w[MAXG][L], sh[MAXG][L], wx[MAXG][L];
     double a0[8][L], a1[8][L], a2[8][L];
-    float inv[L], df[L], mf[L];
-    double sw[L], sx[L], berr[L], err[L], d[L], m[L];
-    int32_t ok[L], better[L];
+    float df[L], mf[L], inv[L], bdf[L], bmf[L], binv[L], isc[L];
+    double sw[L], sx[L], berr[L], err[L];
+    union { double d[L]; uint64_t du[L]; };
+    union { double m[L]; uint64_t mu[L]; };
+    uint64_t dh64[L], mh64[L];
+    int32_t ok[L];
     uint32_t bd[L], bm[L], dh[L], mh[L];
+    uint8_t cq[MAXG][L];
 } soa_t;
 
 INL float h2f_l(uint32_t h) { /* branchless h2f for finite halves */
@@ -298,70 +314,127 @@ INL float h2f_l(uint32_t h) { /* branchless h2f for finite halves */
     return e == 0 ? sv : nv;
 }
 
-INL uint32_t d2h_l(double v) { /* branchless d2h for finite doubles */
-    uint64_t b;
-    memcpy(&b, &v, 8);
+/* d2h on a double's bits, in operations a compiler vectorises (no variable shift of a
+   constant, no comparison feeding arithmetic): finite inputs, same results as d2h */
+INL uint64_t d2h_l(uint64_t b) {
     uint64_t sign = (b >> 48) & 0x8000u;
     b &= 0x7fffffffffffffffull;
-    int64_t e = (int64_t)(b >> 52) - 1023;
+    uint64_t ex = b >> 52; /* biased exponent */
     uint64_t M = (b & 0x000fffffffffffffull) | 0x0010000000000000ull;
-    int64_t shift = e >= -14 ? 42 : 28 - e;
+    uint64_t nrm = ex >= 1009; /* an fp16 normal (e >= -14), else subnormal or zero */
+    uint64_t shift = nrm ? 42 : 1051 - ex;
     shift = shift > 63 ? 63 : shift;
-    uint64_t R = M >> shift;
-    uint64_t rem = M & ((1ull << shift) - 1), half = 1ull << (shift - 1);
-    R += (uint64_t)((rem > half) | ((rem == half) & (R & 1)));
-    uint64_t hn = ((uint64_t)(e + 15) << 10) + R - 1024;
-    uint64_t h = e >= -14 ? hn : R;
-    h = (e > 15 || h >= 0x7c00u) ? 0x7c00u : h;
-    h = e < -25 ? 0 : h;
-    return (uint32_t)(sign | h);
-}
-
-/* codes q[][] of every lane for (dh, mh); then the weighted error into err[] */
-INL void soa_assign_err(soa_t *S, int g, float qm, const uint32_t *dh, const uint32_t *mh,
-                        float (*q)[L]) {
-    for (int l = 0; l < L; l++) {
-        S->df[l] = h2f_l(dh[l]);
-        S->mf[l] = h2f_l(mh[l]);
-        S->inv[l] = S->df[l] > 0.0f ? 1.0f / S->df[l] : 0.0f;
-    }
-    for (int i = 0; i < g; i++) {
-        for (int l = 0; l < L; l++) {
-            float t = rintf((S->x[i][l] - S->mf[l]) * S->inv[l]);
-            t = t > 0.0f ? t : 0.0f;
-            t = t < qm ? t : qm;
-            q[i][l] = t;
-            float r = t * S->df[l] + S->mf[l] - S->x[i][l];
-            double e = (double)((r * r) * S->w[i][l]);
-            if (i < 8) S->a0[i][l] = e;
-            else S->a0[i & 7][l] += e;
-        }
-    }
-    for (int l = 0; l < L; l++)
-        S->err[l] = ((S->a0[0][l] + S->a0[1][l]) + (S->a0[2][l] + S->a0[3][l])) +
-                    ((S->a0[4][l] + S->a0[5][l]) + (S->a0[6][l] + S->a0[7][l]));
+    uint64_t R2 = M >> (shift - 1), R = R2 >> 1; /* R2 keeps the round bit */
+    uint64_t s = M << (65 - shift);              /* the bits below the round bit */
+    uint64_t sticky = (s | (0 - s)) >> 63;
+    R += R2 & 1 & (sticky | (R & 1)); /* nearest, ties to even */
+    uint64_t h = R + (nrm ? ((ex - 1008) << 10) - 1024 : 0);
+    h = h < 0x7c00u ? h : 0x7c00u; /* overflow: infinity */
+    return sign | h;
 }
 
 #define COMB(A, l) \
     (((A[0][l] + A[1][l]) + (A[2][l] + A[3][l])) + ((A[4][l] + A[5][l]) + (A[6][l] + A[7][l])))
 
-INL void soa_try(soa_t *S, int g, float qm, float (*c)[L]) {
-    for (int i = 0; i < g; i++) {
-        for (int l = 0; l < L; l++) {
-            float wq = S->w[i][l] * c[i][l];
-            double t0 = (double)wq, t1 = (double)(wq * c[i][l]);
-            double t2 = (double)(S->wx[i][l] * c[i][l]);
-            if (i < 8) {
-                S->a0[i][l] = t0;
-                S->a1[i][l] = t1;
-                S->a2[i][l] = t2;
-            } else {
-                S->a0[i & 7][l] += t0;
-                S->a1[i & 7][l] += t1;
-                S->a2[i & 7][l] += t2;
+/* float32 (d, m) and 1/d of fp16 pairs, as assign() makes them */
+INL void soa_grid(const uint32_t *dh, const uint32_t *mh, float *df, float *mf, float *inv) {
+    for (int l = 0; l < L; l++) {
+        df[l] = h2f_l(dh[l]);
+        mf[l] = h2f_l(mh[l]);
+        inv[l] = df[l] > 0.0f ? 1.0f / df[l] : 0.0f;
+    }
+}
+
+/* the nearest code of x[i][l] on the grid (mf, inv): assign() */
+INL float soa_code(const soa_t *S, int i, int l, float qm, const float *mf, const float *inv) {
+    float t = rintf((S->x[i][l] - mf[l]) * inv[l]);
+    t = t > 0.0f ? t : 0.0f;
+    return t < qm ? t : qm;
+}
+
+/* one weighted squared residual of the grid (df, mf, inv), widened: werr()'s term */
+INL double soa_eterm(const soa_t *S, int i, int l, float qm, const float *df, const float *mf,
+                     const float *inv, int wt) {
+    float t = soa_code(S, i, l, qm, mf, inv);
+    float r = t * df[l] + mf[l] - S->x[i][l];
+    float rr = r * r;
+    if (wt) rr = rr * S->w[i][l];
+    return (double)rr;
+}
+
+/* err[] of every lane for the grid in (df, mf, inv) */
+INL void soa_err(soa_t *S, int g, float qm, const float *df, const float *mf, const float *inv,
+                 int wt) {
+    for (int j = 0; j < 8; j++) {
+        double acc[L];
+        for (int l = 0; l < L; l++) acc[l] = soa_eterm(S, j, l, qm, df, mf, inv, wt);
+        for (int i = j + 8; i < g; i += 8)
+            for (int l = 0; l < L; l++) acc[l] += soa_eterm(S, i, l, qm, df, mf, inv, wt);
+        for (int l = 0; l < L; l++) S->a0[j][l] = acc[l];
+    }
+    for (int l = 0; l < L; l++) S->err[l] = COMB(S->a0, l);
+}
+
+/* candidate code i of lane l: the grid step's (mode 0) or the best grid's (mode 1) */
+INL float soa_cand(const soa_t *S, int i, int l, float qm, int mode) {
+    if (mode == 1) return soa_code(S, i, l, qm, S->bmf, S->binv);
+    float t = rintf(S->isc[l] * S->sh[i][l]);
+    t = t > 0.0f ? t : 0.0f;
+    return t < qm ? t : qm;
+}
+
+/* the three code sums of try_codes into a0, a1, a2 (accumulator j, lane l) */
+INL void soa_sums(soa_t *S, int g, float qm, int mode, int wt) {
+    for (int j = 0; j < 8; j++) {
+        if (wt) {
+            double s0[L], s1[L], s2[L];
+            for (int l = 0; l < L; l++) {
+                float c = soa_cand(S, j, l, qm, mode), wq = S->w[j][l] * c;
+                s0[l] = (double)wq;
+                s1[l] = (double)(wq * c);
+                s2[l] = (double)(S->wx[j][l] * c);
+            }
+            for (int i = j + 8; i < g; i += 8)
+                for (int l = 0; l < L; l++) {
+                    float c = soa_cand(S, i, l, qm, mode), wq = S->w[i][l] * c;
+                    s0[l] += (double)wq;
+                    s1[l] += (double)(wq * c);
+                    s2[l] += (double)(S->wx[i][l] * c);
+                }
+            for (int l = 0; l < L; l++) {
+                S->a0[j][l] = s0[l];
+                S->a1[j][l] = s1[l];
+                S->a2[j][l] = s2[l];
+            }
+        } else { /* exact integer sums in float32; x * c as the weighted path's wx * c */
+            float s0[L], s1[L];
+            double s2[L];
+            for (int l = 0; l < L; l++) {
+                float c = soa_cand(S, j, l, qm, mode);
+                s0[l] = c;
+                s1[l] = c * c;
+                s2[l] = (double)(S->x[j][l] * c);
+            }
+            for (int i = j + 8; i < g; i += 8)
+                for (int l = 0; l < L; l++) {
+                    float c = soa_cand(S, i, l, qm, mode);
+                    s0[l] += c;
+                    s1[l] += c * c;
+                    s2[l] += (double)(S->x[i][l] * c);
+                }
+            for (int l = 0; l < L; l++) {
+                S->a0[j][l] = (double)s0[l];
+                S->a1[j][l] = (double)s1[l];
+                S->a2[j][l] = s2[l];
             }
         }
     }
+}
+
+/* try_codes on all lanes: least squares for the candidate codes, fp16 snap, reassign,
+   keep (d, m, error) where strictly better */
+INL void soa_try(soa_t *S, int g, float qm, int mode, int wt) {
+    soa_sums(S, g, qm, mode, wt);
     for (int l = 0; l < L; l++) { /* simple lane loops: each one vectorises */
         double sl = COMB(S->a0, l), sll = COMB(S->a1, l), slx = COMB(S->a2, l);
         double sw = S->sw[l], sx = S->sx[l];
@@ -376,35 +449,107 @@ INL void soa_try(soa_t *S, int g, float qm, float (*c)[L]) {
         S->m[l] = ok ? m : 0.0;
         S->ok[l] = ok;
     }
-    for (int l = 0; l < L; l++) S->dh[l] = d2h_l(S->d[l]);
-    for (int l = 0; l < L; l++) S->mh[l] = d2h_l(S->m[l]);
+    for (int l = 0; l < L; l++) S->dh64[l] = d2h_l(S->du[l]);
+    for (int l = 0; l < L; l++) S->mh64[l] = d2h_l(S->mu[l]);
+    for (int l = 0; l < L; l++) {
+        S->dh[l] = (uint32_t)S->dh64[l];
+        S->mh[l] = (uint32_t)S->mh64[l];
+    }
     int any = 0;
     for (int l = 0; l < L; l++) {
         S->ok[l] = S->ok[l] & (h2f_l(S->dh[l]) > 0.0f);
         any |= S->ok[l];
     }
     if (!any) return;
-    soa_assign_err(S, g, qm, S->dh, S->mh, S->q);
-    any = 0;
+    soa_grid(S->dh, S->mh, S->df, S->mf, S->inv);
+    soa_err(S, g, qm, S->df, S->mf, S->inv, wt);
     for (int l = 0; l < L; l++) {
-        S->better[l] = S->ok[l] & (S->err[l] < S->berr[l]);
-        any |= S->better[l];
+        int better = S->ok[l] & (S->err[l] < S->berr[l]);
+        S->bd[l] = better ? S->dh[l] : S->bd[l];
+        S->bm[l] = better ? S->mh[l] : S->bm[l];
+        S->berr[l] = better ? S->err[l] : S->berr[l];
     }
-    if (!any) return;
-    for (int l = 0; l < L; l++) {
-        S->bd[l] = S->better[l] ? S->dh[l] : S->bd[l];
-        S->bm[l] = S->better[l] ? S->mh[l] : S->bm[l];
-        S->berr[l] = S->better[l] ? S->err[l] : S->berr[l];
-    }
-    for (int i = 0; i < g; i++)
-        for (int l = 0; l < L; l++) S->bq[i][l] = S->better[l] ? S->q[i][l] : S->bq[i][l];
+    soa_grid(S->bd, S->bm, S->bdf, S->bmf, S->binv);
 }
 
-/* S->x and S->w (ones without importance) hold 16 groups; results in bq, bd, bm */
-INL void soa_fit_impl(soa_t *S, int g, int qmax, int search) {
+/* h_next on all lanes (finite halves): one fp16 step down (up = 0) or up */
+INL uint32_t h_next_l(uint32_t x, int up) {
+    uint32_t zero = (x & 0x7fffu) == 0, neg = (x & 0x8000u) != 0;
+    uint32_t away = up ? !neg : neg; /* away from zero: the magnitude grows */
+    uint32_t stepped = away ? x + 1 : x - 1;
+    return zero ? (up ? 0x0001u : 0x8001u) : stepped;
+}
+
+/* the min-max start of fit_impl on all lanes: m <= xmin, d * qmax + m >= xmax, fp16 */
+INL void soa_minmax_start(soa_t *S, float qm, const float *xmin, const float *xmax) {
+    union { double d[L]; uint64_t u[L]; } U;
+    uint64_t h[L];
+    float mf[L];
+    for (int l = 0; l < L; l++) U.d[l] = (double)xmin[l];
+    for (int l = 0; l < L; l++) h[l] = d2h_l(U.u[l]);
+    for (int l = 0; l < L; l++) {
+        uint32_t m = (uint32_t)h[l];
+        m = h2f_l(m) > xmin[l] ? h_next_l(m, 0) : m;
+        S->bm[l] = m;
+        mf[l] = h2f_l(m);
+        U.d[l] = (double)((xmax[l] - mf[l]) / qm);
+    }
+    for (int l = 0; l < L; l++) h[l] = d2h_l(U.u[l]);
+    for (int l = 0; l < L; l++) S->bd[l] = (uint32_t)h[l];
+    for (int r = 0; r < 4; r++) /* a lane once long enough stays so: no early exit needed */
+        for (int l = 0; l < L; l++) {
+            uint32_t d = S->bd[l];
+            S->bd[l] = h2f_l(d) * qm + mf[l] < xmax[l] ? h_next_l(d, 1) : d;
+        }
+}
+
+/* the grid search and refinement from the min-max start in bd, bm */
+INL void soa_search(soa_t *S, int g, int qmax, int wt, const float *xmin, const float *xmax) {
+    float qm = (float)qmax;
+    soa_err(S, g, qm, S->bdf, S->bmf, S->binv, wt);
+    for (int l = 0; l < L; l++) S->berr[l] = S->err[l];
+    float inv[L];
+    for (int l = 0; l < L; l++) {
+        float rng = xmax[l] - xmin[l];
+        inv[l] = rng > 0.0f ? 1.0f / rng : 0.0f;
+    }
+    for (int i = 0; i < g; i++)
+        for (int l = 0; l < L; l++) {
+            S->sh[i][l] = S->x[i][l] - xmin[l];
+            S->wx[i][l] = wt ? S->w[i][l] * S->x[i][l] : S->x[i][l];
+        }
+    for (int j = 0; j < 8; j++) { /* sw, sx: numpy's pairwise order, as the other sums */
+        double a[L], b[L];
+        for (int l = 0; l < L; l++) {
+            a[l] = wt ? (double)S->w[j][l] : 1.0;
+            b[l] = (double)S->wx[j][l];
+        }
+        for (int i = j + 8; i < g; i += 8)
+            for (int l = 0; l < L; l++) {
+                a[l] += wt ? (double)S->w[i][l] : 1.0;
+                b[l] += (double)S->wx[i][l];
+            }
+        for (int l = 0; l < L; l++) {
+            S->a0[j][l] = a[l];
+            S->a1[j][l] = b[l];
+        }
+    }
+    for (int l = 0; l < L; l++) {
+        S->sw[l] = wt ? COMB(S->a0, l) : (double)g;
+        S->sx[l] = COMB(S->a1, l);
+    }
+    for (int k = 0; k <= NSTEP; k++) {
+        float f = (float)(((double)qmax + RMIN) + RDELTA * (double)k);
+        for (int l = 0; l < L; l++) S->isc[l] = f * inv[l];
+        soa_try(S, g, qm, 0, wt);
+    }
+    for (int r = 0; r < REFINE; r++) soa_try(S, g, qm, 1, wt);
+}
+
+/* S->x (and S->w with importance) hold 16 groups; results in bd, bm and the codes cq */
+INL void soa_fit_impl(soa_t *S, int g, int qmax, int search, int wt) {
     float qm = (float)qmax;
     float xmin[L], xmax[L];
-    uint32_t d0[L], m0[L];
     for (int l = 0; l < L; l++) {
         xmin[l] = S->x[0][l];
         xmax[l] = S->x[0][l];
@@ -414,70 +559,70 @@ INL void soa_fit_impl(soa_t *S, int g, int qmax, int search) {
             xmin[l] = S->x[i][l] < xmin[l] ? S->x[i][l] : xmin[l];
             xmax[l] = S->x[i][l] > xmax[l] ? S->x[i][l] : xmax[l];
         }
-    for (int l = 0; l < L; l++) { /* the min-max start, as fit_impl */
-        uint16_t m = d2h((double)xmin[l]);
-        if (h2f(m) > xmin[l]) m = h_next(m, 0);
-        float mf = h2f(m);
-        uint16_t d = d2h((double)((xmax[l] - mf) / qm));
-        for (int r = 0; r < 4; r++) {
-            if (!(h2f(d) * qm + mf < xmax[l])) break;
-            d = h_next(d, 1);
+    soa_minmax_start(S, qm, xmin, xmax);
+    soa_grid(S->bd, S->bm, S->bdf, S->bmf, S->binv);
+    if (search) soa_search(S, g, qmax, wt, xmin, xmax);
+    for (int i = 0; i < g; i++) /* the codes of the best grid, vectorised here */
+        for (int l = 0; l < L; l++) S->cq[i][l] = (uint8_t)soa_code(S, i, l, qm, S->bmf, S->binv);
+}
+
+/* group elements [e0, e0 + g) of the source into lane l, widened exactly */
+INL void load_lane(soa_t *S, const void *src, int dtype, int64_t e0, int g, int l) {
+    if (dtype == 0) {
+        const float *f = (const float *)src + e0;
+        for (int i = 0; i < g; i++) S->x[i][l] = f[i];
+    } else if (dtype == 1) {
+        const uint16_t *h = (const uint16_t *)src + e0;
+        for (int i = 0; i < g; i++) S->x[i][l] = h2f(h[i]);
+    } else {
+        const uint16_t *h = (const uint16_t *)src + e0;
+        for (int i = 0; i < g; i++) {
+            uint32_t b = (uint32_t)h[i] << 16;
+            float v;
+            memcpy(&v, &b, 4);
+            S->x[i][l] = v;
         }
-        d0[l] = d;
-        m0[l] = m;
-    }
-    soa_assign_err(S, g, qm, d0, m0, S->bq);
-    for (int l = 0; l < L; l++) {
-        S->bd[l] = d0[l];
-        S->bm[l] = m0[l];
-        S->berr[l] = S->err[l];
-    }
-    if (!search) return;
-    float inv[L];
-    for (int l = 0; l < L; l++) {
-        float rng = xmax[l] - xmin[l];
-        inv[l] = rng > 0.0f ? 1.0f / rng : 0.0f;
-    }
-    for (int i = 0; i < g; i++)
-        for (int l = 0; l < L; l++) {
-            S->sh[i][l] = S->x[i][l] - xmin[l];
-            S->wx[i][l] = S->w[i][l] * S->x[i][l];
-            double a = (double)S->w[i][l], b = (double)S->wx[i][l];
-            if (i < 8) {
-                S->a0[i][l] = a;
-                S->a1[i][l] = b;
-            } else {
-                S->a0[i & 7][l] += a;
-                S->a1[i & 7][l] += b;
-            }
-        }
-    for (int l = 0; l < L; l++) {
-        S->sw[l] = COMB(S->a0, l);
-        S->sx[l] = COMB(S->a1, l);
-    }
-    for (int k = 0; k <= NSTEP; k++) {
-        float f = (float)(((double)qmax + -1.0) + 0.1 * (double)k);
-        float isc[L];
-        for (int l = 0; l < L; l++) isc[l] = f * inv[l];
-        for (int i = 0; i < g; i++)
-            for (int l = 0; l < L; l++) {
-                float t = rintf(isc[l] * S->sh[i][l]);
-                t = t > 0.0f ? t : 0.0f;
-                S->c[i][l] = t < qm ? t : qm;
-            }
-        soa_try(S, g, qm, S->c);
-    }
-    for (int r = 0; r < REFINE; r++) {
-        memcpy(S->c, S->bq, sizeof(float) * L * (size_t)g);
-        soa_try(S, g, qm, S->c);
     }
 }
 
-CLONES static void soa_fit32(soa_t *S, int qmax, int search) { soa_fit_impl(S, 32, qmax, search); }
-CLONES static void soa_fit64(soa_t *S, int qmax, int search) { soa_fit_impl(S, 64, qmax, search); }
-CLONES static void soa_fit_any(soa_t *S, int g, int qmax, int search) {
-    soa_fit_impl(S, g, qmax, search);
+/* groups [g0, g0 + n) of the matrix, 16 at a time: codes (contiguous by group), scales, mins */
+INL void soa_groups_impl(soa_t *S, const void *src, int dtype, const float *imp, int64_t ngr,
+                         int g, int64_t g0, int64_t n, int qmax, int search, int wt,
+                         uint8_t *codes, uint16_t *scales, uint16_t *mins) {
+    for (int64_t b0 = 0; b0 < n; b0 += L) {
+        for (int l = 0; l < L; l++) { /* lanes past the end repeat the last group */
+            int64_t G = g0 + (b0 + l < n ? b0 + l : n - 1);
+            load_lane(S, src, dtype, G * g, g, l);
+            if (wt) {
+                const float *w = imp + (G % ngr) * g;
+                for (int i = 0; i < g; i++) S->w[i][l] = w[i];
+            }
+        }
+        soa_fit_impl(S, g, qmax, search, wt);
+        for (int l = 0; l < L && b0 + l < n; l++) {
+            uint8_t *dst = codes + (b0 + l) * g;
+            for (int i = 0; i < g; i++) dst[i] = S->cq[i][l];
+            scales[g0 + b0 + l] = (uint16_t)S->bd[l];
+            mins[g0 + b0 + l] = (uint16_t)S->bm[l];
+        }
+    }
 }
+
+/* soa_groups_impl with the common group sizes and the weighting as constants */
+CLONES static void soa_groups(soa_t *S, const void *src, int dtype, const float *imp,
+                              int64_t ngr, int g, int64_t g0, int64_t n, int qmax, int search,
+                              uint8_t *codes, uint16_t *scales, uint16_t *mins) {
+#define SOA_CALL(G, W) \
+    soa_groups_impl(S, src, dtype, imp, ngr, G, g0, n, qmax, search, W, codes, scales, mins)
+    if (g == 32 && !imp) SOA_CALL(32, 0);
+    else if (g == 32) SOA_CALL(32, 1);
+    else if (g == 64 && !imp) SOA_CALL(64, 0);
+    else if (g == 64) SOA_CALL(64, 1);
+    else if (!imp) SOA_CALL(g, 0);
+    else SOA_CALL(g, 1);
+#undef SOA_CALL
+}
+
 CLONES static void fit_any(scratch *s, const float *w, int g, int qmax, int search,
                            uint16_t *d, uint16_t *m) {
     fit_impl(s, w, g, qmax, search, d, m);
@@ -503,6 +648,23 @@ static inline float load(const void *src, int dtype, int64_t i) {
     float v;
     memcpy(&v, &b, 4);
     return v;
+}
+
+/* whether every element of [i0, i1) is finite and within SAFE (one branch-free pass;
+   the exact first bad index is looked for only when this fails) */
+static int block_ok(const void *src, int dtype, int64_t i0, int64_t i1) {
+    int bad = 0;
+    if (dtype == 0) {
+        const float *f = (const float *)src;
+        for (int64_t i = i0; i < i1; i++) bad |= !(fabsf(f[i]) <= (float)SAFE);
+    } else if (dtype == 1) { /* fp16: |v| > SAFE or inf/nan <=> magnitude bits above SAFE's */
+        const uint16_t *h = (const uint16_t *)src;
+        for (int64_t i = i0; i < i1; i++) bad |= (h[i] & 0x7fffu) > 0x7b53u;
+    } else { /* bf16: the magnitude bits order as the values */
+        const uint16_t *h = (const uint16_t *)src;
+        for (int64_t i = i0; i < i1; i++) bad |= (h[i] & 0x7fffu) > 0x476au;
+    }
+    return !bad;
 }
 
 static void pack_row(const uint8_t *c, int64_t cols, int bits, uint8_t *dst) {
@@ -557,38 +719,21 @@ static void *worker(void *arg) {
         int64_t r0 = blk * J->block, r1 = r0 + J->block;
         if (r1 > J->rows) r1 = J->rows;
         /* validate the block (the smallest bad index wins, as numpy reports) */
-        for (int64_t i = r0 * cols; i < r1 * cols; i++) {
-            float v = load(J->src, J->dtype, i);
-            if (!isfinite(v)) {
-                note_bad(&my_nf, i);
-                break;
+        if (!block_ok(J->src, J->dtype, r0 * cols, r1 * cols)) {
+            for (int64_t i = r0 * cols; i < r1 * cols; i++) {
+                float v = load(J->src, J->dtype, i);
+                if (!isfinite(v)) {
+                    note_bad(&my_nf, i);
+                    break;
+                }
+                if (fabsf(v) > (float)SAFE) note_bad(&my_mag, i);
             }
-            if (fabsf(v) > (float)SAFE) note_bad(&my_mag, i);
         }
         if (my_nf >= 0 || my_mag >= 0) continue; /* failing: only look for bad values */
         int64_t n_groups = (r1 - r0) * ngr, g0 = r0 * ngr;
         if (soa) {
-            for (int64_t b0 = 0; b0 < n_groups; b0 += L) {
-                for (int l = 0; l < L; l++) { /* lanes past the end repeat the last group */
-                    int64_t G = g0 + (b0 + l < n_groups ? b0 + l : n_groups - 1);
-                    int64_t gi = G % ngr;
-                    const float *w = J->imp ? J->imp + gi * g : NULL;
-                    for (int i = 0; i < g; i++) {
-                        S->x[i][l] = load(J->src, J->dtype, G * g + i);
-                        S->w[i][l] = w ? w[i] : 1.0f;
-                    }
-                }
-                if (g == 32) soa_fit32(S, J->qmax, J->search);
-                else if (g == 64) soa_fit64(S, J->qmax, J->search);
-                else soa_fit_any(S, g, J->qmax, J->search);
-                for (int l = 0; l < L && b0 + l < n_groups; l++) {
-                    int64_t G = g0 + b0 + l, r = G / ngr, gi = G % ngr;
-                    uint8_t *dst = codes + (r - r0) * cols + gi * g;
-                    for (int i = 0; i < g; i++) dst[i] = (uint8_t)S->bq[i][l];
-                    scales[G] = (uint16_t)S->bd[l];
-                    mins[G] = (uint16_t)S->bm[l];
-                }
-            }
+            soa_groups(S, J->src, J->dtype, J->imp, ngr, g, g0, n_groups, J->qmax, J->search,
+                       codes, scales, mins);
         } else {
             for (int64_t G = g0; G < g0 + n_groups; G++) {
                 int64_t r = G / ngr, gi = G % ngr;

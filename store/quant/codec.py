@@ -80,11 +80,18 @@ class QuantCodec:
         )
 
     def encode_expert_raw(
-        self, layout: ExpertLayout, layer: int, expert: int, raw: np.ndarray, dtype: str
+        self,
+        layout: ExpertLayout,
+        layer: int,
+        expert: int,
+        raw: np.ndarray,
+        dtype: str,
+        out: np.ndarray | None = None,
     ) -> np.ndarray:
         """:meth:`encode_expert` from the source extent's bytes (gate | up | down in ``dtype``,
         a safetensors dtype name such as ``"F16"``), read in that dtype by the C
-        quantizer: no float32 copy of the expert is made."""
+        quantizer: no float32 copy of the expert is made. ``out``: the extent
+        buffer to fill (``uint8 [layout.nbytes]``), else a new one."""
         f, dtype = _source(raw, dtype)
         n = layout.inter * layout.hidden
         ih, hi = (layout.inter, layout.hidden), (layout.hidden, layout.inter)
@@ -97,6 +104,7 @@ class QuantCodec:
             self._imp(layer, "gate_proj", expert),
             self._imp(layer, "down_proj", expert),
             dtype=dtype,
+            out=out,
         )
 
     def encode_trunk_raw(

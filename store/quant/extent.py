@@ -96,6 +96,7 @@ def pack_expert(
     importance_down: np.ndarray | None = None,
     *,
     dtype: str | None = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Quantize one expert into its extent bytes (``uint8 [ExpertLayout.nbytes]``).
 
@@ -111,6 +112,9 @@ def pack_expert(
     dtype : {"F32", "F16", "BF16"} or None
         Read the matrices' elements as this safetensors dtype (see
         :func:`~czyx.store.quant.formats.quantize`); ``None``: their numpy dtype.
+    out : numpy.ndarray or None
+        A contiguous ``uint8 [ExpertLayout.nbytes]`` buffer to fill and return
+        (each part is quantized in place); else a new one.
     """
     fmt = get_format(fmt)
     inter, hidden = np.shape(gate)
@@ -120,12 +124,15 @@ def pack_expert(
             f"are not [I, H], [I, H], [H, I]"
         )
     lay = ExpertLayout(fmt, inter, hidden)
-    out = np.empty(lay.nbytes, np.uint8)
+    if out is None:
+        out = np.empty(lay.nbytes, np.uint8)
+    elif out.dtype != np.uint8 or out.shape != (lay.nbytes,) or not out.flags.c_contiguous:
+        raise ShapeError(f"pack_expert: out must be contiguous uint8 x {lay.nbytes}")
     parts = lay.split(out)
     for mat, imp, dst in zip(
         (gate, up, down), (importance_in, importance_in, importance_down), parts
     ):
-        dst[:] = quantize(mat, fmt, imp, dtype=dtype)
+        quantize(mat, fmt, imp, dtype=dtype, out=dst)
     return out
 
 

@@ -309,6 +309,7 @@ def quantize(
     method: str = "search",
     dtype: str | None = None,
     threads: int | None = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Quantize a float matrix into the planar packed buffer of ``fmt``.
 
@@ -339,6 +340,9 @@ def quantize(
     threads : int or None
         Threads of the C quantizer (default: the cores the process may use);
         the bytes do not depend on it.
+    out : numpy.ndarray or None
+        A contiguous ``uint8 [fmt.nbytes(R, C)]`` buffer to fill and return
+        (an expert's part of its extent, so that no copy is made); else a new one.
 
     Returns
     -------
@@ -358,7 +362,13 @@ def quantize(
             from czyx.store.models.checkpoint import to_float32
 
             w = to_float32(w, dtype)
-        return quantize_reference(w, fmt, importance, method=method)
+        ref = quantize_reference(w, fmt, importance, method=method)
+        if out is None:
+            return ref
+        if out.dtype != np.uint8 or out.shape != ref.shape:
+            raise ShapeError(f"quantize: out must be uint8 x {ref.size}")
+        out[:] = ref
+        return out
     weights = _column_weights(importance, cols)
     return native.quantize_native(
         w,
@@ -369,6 +379,7 @@ def quantize(
         search=method == "search",
         dtype=dtype,
         threads=threads,
+        out=out,
     )
 
 

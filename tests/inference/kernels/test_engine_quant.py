@@ -183,4 +183,5 @@ def test_quantized_tiered_runs_are_bit_identical_to_resident(bases):
     assert small.cache.n_slots < resident.cache.n_slots
     assert np.array_equal(small.prefill(TOKENS, all_logits=True), full)
     assert np.array_equal(small.decode(5), resident.decode(5))
-    assert small.stats().misses > resident.stats().misses
+    s, r = small.stats(), resident.stats()
+    assert s.evictions > 0 and s.bytes_read > r.bytes_read  # it ran tiered: evicted, re-read

@@ -39,6 +39,22 @@ def test_pack_expert_parts_are_the_quantized_matrices():
         pack_expert(gate, up, down.T, fmt)
 
 
+def test_pack_expert_fills_a_given_buffer_in_place():
+    rng = np.random.default_rng(1)
+    inter, hidden = 32, 64
+    gate, up = (rng.standard_normal((inter, hidden)).astype(np.float32) for _ in range(2))
+    down = rng.standard_normal((hidden, inter)).astype(np.float32)
+    lay = ExpertLayout(get_format("q8"), inter, hidden)
+    out = np.full(lay.nbytes, 0xAB, np.uint8)
+    got = pack_expert(gate, up, down, "q8", out=out)
+    assert got is out
+    np.testing.assert_array_equal(out, pack_expert(gate, up, down, "q8"))
+    with pytest.raises(ShapeError):
+        pack_expert(gate, up, down, "q8", out=np.empty(lay.nbytes - 4, np.uint8))
+    with pytest.raises(ShapeError):
+        quantize(gate, "q8", out=np.empty(7, np.uint8))
+
+
 def test_expert_format_must_divide_both_dimensions():
     sel = POLICIES["selective"]
     assert expert_format(sel, 128, 64).name == "q2"
