@@ -25,15 +25,28 @@
  * rint(x / sx_b) in [-127, 127] (round half to even), plus the float32 sum of
  * each block (sequential). A row is then
  *     y = sum_b (d_g(b) * sx_b) * dot_b(q, xq)  +  sum_g m_g * sum_{b in g} xsum_b
- * where dot_b is an exact integer dot product of the codes with xq, taken as
- * eight partial sums of four consecutive products (AVX-512 VNNI vpdpbusd, or
- * AVX2 vpmaddubsw/vpmaddwd, or plain C: the same integers), converted to
- * float and accumulated per lane in block order with a separate multiply and
- * add, then the eight lanes summed in a fixed tree. Every path therefore gives
- * the same bits, and a numpy reference performing the same float32 operations
- * reproduces them exactly (tests/inference/kernels/test_czk.py). The only
- * approximation against float weights is the 8-bit input (relative error of
- * an input at most 1/254 of its block's largest magnitude).
+ * taken over pairs of blocks (2p, 2p + 1): the pair's 64 codes, in the order
+ * of its input (column order; for 4-bit codes the even codes of both blocks,
+ * then the odd ones, the order the nibbles unpack in), give sixteen exact
+ * integer lanes of four consecutive products (AVX-512 VNNI: one vpdpbusd per
+ * row and pair; AVX2: vpmaddubsw/vpmaddwd; plain C: the same integers). Lane l
+ * is converted to float and accumulated into float32 lane l with a fused
+ * multiply-add by the scale s_b = d_g(b) * sx_b (a float32 product) of its
+ * block, pairs in order; the sixteen lanes are summed in a fixed tree (lane k
+ * with lane k + 8, then czk_tree8). The m-term likewise: group g into lane
+ * g mod 16 with a fused multiply-add, the same tree; then the two sums added.
+ * A missing second block (an odd block count) adds exact zeros. Every path
+ * therefore gives the same bits, and a numpy reference performing the same
+ * float32 operations reproduces them exactly (tests/inference/kernels/
+ * test_czk.py). The only approximation against float weights is the 8-bit
+ * input (relative error of an input at most 1/254 of its block's largest
+ * magnitude).
+ *
+ * Speed: a row is read once per call and each 64-code input pair is loaded
+ * once for four rows (AVX-512) or two (AVX2); the block scales of sixteen
+ * blocks are expanded per row once (one F16C conversion and one product) and
+ * picked per pair with a permute, so the inner loop is a load, an integer dot,
+ * a conversion, a permute and one multiply-add per row and 64 codes.
  *
  * Dispatch: AVX-512 VNNI+VL, AVX2+FMA+F16C or portable C, chosen once at run
  * time with __builtin_cpu_supports; hot functions carry target attributes and
@@ -57,8 +70,8 @@
 #define CZK_F16 1
 #define CZK_BF16 2
 #define CZK_Q 3
-/* Most weight groups per row the SIMD row kernels take (cols <= 32 * CZK_GMAX). */
-#define CZK_GMAX 2048
+/* Most routed experts one czk_moe call takes. */
+#define CZK_MAXK 256
 
 #include "czk_api.h" /* czk_mat, czk_attn, czk_pool and the entry points */
 
@@ -265,53 +278,73 @@ static inline float czk_bf2f(uint16_t h) {
     return f;
 }
 
-/* The quantized input of a product: blocks of 32 (see the header). q4p holds
- * each block's codes in the nibble order of 4-bit rows: even then odd. */
+/* The quantized input of a product: blocks of 32 (see the header), zero
+ * padded to a multiple of CZK_PADN values so the row kernels take blocks in
+ * pairs and scales sixteen at a time without a tail (a padded block has
+ * codes 0 and scale 0, so it adds exact zeros). q4p holds each pair of blocks
+ * (2p, 2p + 1) in the order of 4-bit code bytes: the even codes of 2p, the
+ * even codes of 2p + 1, the odd codes of 2p, the odd codes of 2p + 1. */
+#define CZK_PADN 512
 typedef struct {
-    int64_t n;
-    int8_t *q;
-    int8_t *q4p;
-    float *sx;
-    float *bsum;
+    int64_t n, npad;
+    int8_t *q;     /* npad codes in column order */
+    int8_t *q4p;   /* npad codes in 4-bit pair order */
+    float *sx;     /* npad / 32 block scales */
+    float *bsum;   /* npad / 32 block sums */
     float *gsum;   /* per weight group of `ggroup` columns: sum of its block sums, in order */
     int64_t ggroup;
 } czk_xq;
 
-static size_t czk_xq_bytes(int64_t n) { return (size_t)(2 * n + 12 * (n / 32)) + 64; }
+static int64_t czk_padn(int64_t n) { return (n + CZK_PADN - 1) / CZK_PADN * CZK_PADN; }
+
+static size_t czk_xq_bytes(int64_t n) {
+    const int64_t np = czk_padn(n);
+    return (size_t)(2 * np + 12 * (np / 32)) + 64;
+}
 
 static void czk_xq_bind(czk_xq *a, void *mem, int64_t n) {
     uint8_t *m = (uint8_t *)mem;
+    const int64_t np = czk_padn(n), nbp = np / 32;
     a->n = n;
+    a->npad = np;
     a->sx = (float *)m;
-    a->bsum = a->sx + n / 32;
-    a->gsum = a->bsum + n / 32;
+    a->bsum = a->sx + nbp;
+    a->gsum = a->bsum + nbp;
     a->ggroup = 0;
-    a->q = (int8_t *)(a->gsum + n / 32);
-    a->q4p = a->q + n;
+    a->q = (int8_t *)(a->gsum + nbp);
+    a->q4p = a->q + np;
 }
 
-/* The group sums for weight groups of `group` columns (before a parallel loop). */
-/* Block b's codes are in a->q: copy them in 4-bit nibble order (even codes,
- * then odd) to a->q4p and record the block's scale d and sum s. */
-static inline void czk_xq_finish(czk_xq *a, int64_t b, float d, float s) {
-    const int8_t *q = a->q + 32 * b;
-    int8_t *p = a->q4p + 32 * b;
-    for (int i = 0; i < 16; i++) {
-        p[i] = q[2 * i];
-        p[16 + i] = q[2 * i + 1];
+/* After the blocks' codes, scales and sums are in place: zero the padding and
+ * lay out q4p. */
+static void czk_xq_finish(czk_xq *a) {
+    const int64_t nb = a->n / 32, nbp = a->npad / 32;
+    memset(a->q + a->n, 0, (size_t)(a->npad - a->n));
+    for (int64_t b = nb; b < nbp; b++) a->sx[b] = a->bsum[b] = 0.0f;
+    for (int64_t p = 0; p < a->npad / 64; p++) {
+        const int8_t *q = a->q + 64 * p;
+        int8_t *o = a->q4p + 64 * p;
+        for (int i = 0; i < 16; i++) {
+            o[i] = q[2 * i];
+            o[16 + i] = q[32 + 2 * i];
+            o[32 + i] = q[2 * i + 1];
+            o[48 + i] = q[32 + 2 * i + 1];
+        }
     }
-    a->sx[b] = d;
-    a->bsum[b] = s;
+    a->ggroup = 0;
 }
 
+/* The group sums for weight groups of `group` columns (before a parallel
+ * loop), zero past the last group. */
 static void czk_xq_groups(czk_xq *a, int64_t group) {
     if (a->ggroup == group) return;
-    const int64_t bpg = group / 32, G = a->n / group;
+    const int64_t bpg = group / 32, G = a->n / group, nbp = a->npad / 32;
     for (int64_t g = 0; g < G; g++) {
         float gs = 0.0f;
         for (int64_t b = 0; b < bpg; b++) gs += a->bsum[g * bpg + b];
         a->gsum[g] = gs;
     }
+    for (int64_t g = G; g < nbp; g++) a->gsum[g] = 0.0f;
     a->ggroup = group;
 }
 
@@ -352,9 +385,10 @@ __attribute__((target("avx2,fma,f16c"))) static void czk_quantize_avx2(const flo
         __m256i p8 = _mm256_packs_epi16(p16a, p16b);
         p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(a->q + 32 * b), p8);
-        czk_xq_finish(a, b, d, s);
+        a->sx[b] = d;
+        a->bsum[b] = s;
     }
-    a->ggroup = 0;
+    czk_xq_finish(a);
 }
 #endif
 
@@ -382,9 +416,10 @@ static void czk_quantize(const float *x, czk_xq *a) {
             v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
             q[i] = (int8_t)v;
         }
-        czk_xq_finish(a, b, d, s);
+        a->sx[b] = d;
+        a->bsum[b] = s;
     }
-    a->ggroup = 0;
+    czk_xq_finish(a);
 }
 
 /* Exported for the tests: the quantized input exactly as the kernels use it. */
@@ -414,51 +449,69 @@ static inline void czk_unpack32(const uint8_t *c, int bits, uint8_t *out) {
     }
 }
 
-/* The m-term of a row: sum_g m_g * gsum_g, in order (gsum: czk_xq_groups). */
-static inline float czk_mterm(const czk_mat *m, int64_t r, const czk_xq *a) {
-    const int64_t G = m->cols / m->group;
-    const uint16_t *mn = m->mins + r * G;
-    float t = 0.0f;
-    for (int64_t g = 0; g < G; g++) t += czyx_h2f(mn[g]) * a->gsum[g];
-    return t;
+/* Sixteen lanes summed in a fixed tree: lane k with lane k + 8, then czk_tree8. */
+static inline float czk_tree16(const float *a) {
+    float t[8];
+    for (int k = 0; k < 8; k++) t[k] = a[k] + a[k + 8];
+    return czk_tree8(t);
 }
 
-/* ------------------------------------------------------------ portable rows */
+/* The 64 code bytes of the block pair (2p, 2p + 1) of a row in the order of
+ * its input (8, 3 and 2 bits: column order; 4 bits: czk_xq's pair order);
+ * zeros for block 2p + 1 when the row has no such block (full == 0). */
+static inline void czk_pair_codes(const uint8_t *c, int bits, int64_t p, int full,
+                                  uint8_t *u) {
+    if (bits == 8) {
+        memcpy(u, c + 64 * p, full ? 64 : 32);
+        if (!full) memset(u + 32, 0, 32);
+    } else if (bits == 4) {
+        const uint8_t *v = c + 32 * p;
+        const int nbytes = full ? 32 : 16;
+        for (int i = 0; i < 32; i++) {
+            const uint8_t t = i < nbytes ? v[i] : 0;
+            u[i] = t & 15u;
+            u[32 + i] = t >> 4;
+        }
+    } else {
+        czk_unpack32(c + 4 * bits * (2 * p), bits, u);
+        if (full)
+            czk_unpack32(c + 4 * bits * (2 * p + 1), bits, u + 32);
+        else
+            memset(u + 32, 0, 32);
+    }
+}
 
+/* The quantized row kernel in plain C: the definition every SIMD path
+ * reproduces bit for bit (see the header). */
 static void czk_rows_q_portable(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
                                 int64_t r1) {
     const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
     const int64_t rb = m->cols * m->bits / 8;
+    const int bits = m->bits;
     const uint8_t *codes = (const uint8_t *)m->data;
-    uint8_t u[32];
+    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
+    uint8_t u[64];
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *c = codes + r * rb;
-        const uint16_t *sc = m->scales + r * G;
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int64_t b = 0; b < nb; b++) {
-            const int8_t *xq;
-            if (m->bits == 4) {
-                for (int i = 0; i < 16; i++) {
-                    u[i] = c[16 * b + i] & 15u;
-                    u[16 + i] = c[16 * b + i] >> 4;
-                }
-                xq = a->q4p + 32 * b;
-            } else if (m->bits == 8) {
-                memcpy(u, c + 32 * b, 32);
-                xq = a->q + 32 * b;
-            } else {
-                czk_unpack32(c + 4 * m->bits * b, m->bits, u);
-                xq = a->q + 32 * b;
-            }
-            const float s = czyx_h2f(sc[b / bpg]) * a->sx[b];
-            for (int k = 0; k < 8; k++) {
+        const uint16_t *sc = m->scales + r * G, *mn = m->mins + r * G;
+        float acc[16], mt[16];
+        for (int l = 0; l < 16; l++) acc[l] = mt[l] = 0.0f;
+        for (int64_t p = 0; 2 * p < nb; p++) {
+            const int full = 2 * p + 1 < nb;
+            czk_pair_codes(c, bits, p, full, u);
+            const int8_t *xq = xqb + 64 * p;
+            float s[2];
+            s[0] = czyx_h2f(sc[(2 * p) / bpg]) * a->sx[2 * p];
+            s[1] = full ? czyx_h2f(sc[(2 * p + 1) / bpg]) * a->sx[2 * p + 1] : 0.0f;
+            for (int l = 0; l < 16; l++) {
                 int32_t d = 0;
-                for (int i = 0; i < 4; i++) d += (int32_t)u[4 * k + i] * (int32_t)xq[4 * k + i];
-                float t = (float)d * s;
-                acc[k] = acc[k] + t;
+                for (int i = 0; i < 4; i++) d += (int32_t)u[4 * l + i] * (int32_t)xq[4 * l + i];
+                const int blk = bits == 4 ? (l >> 2) & 1 : l >> 3;
+                acc[l] = fmaf((float)d, s[blk], acc[l]);
             }
         }
-        y[r] = czk_tree8(acc) + czk_mterm(m, r, a);
+        for (int64_t g = 0; g < G; g++) mt[g & 15] = fmaf(czyx_h2f(mn[g]), a->gsum[g], mt[g & 15]);
+        y[r] = czk_tree16(acc) + czk_tree16(mt);
     }
 }
 
@@ -529,19 +582,6 @@ CZK_AVX2 static inline void czk_h2f_row(const uint16_t *h, int64_t n, float *out
     for (; i < n; i++) out[i] = _cvtsh_ss(h[i]);
 }
 
-/* The 32 code bytes of block b in the order of its xq (4-bit: low nibbles then high). */
-CZK_AVX2 static inline __m256i czk_codes32(const uint8_t *c, int bits, int64_t b) {
-    if (bits == 4) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(c + 16 * b));
-        const __m128i m4 = _mm_set1_epi8(15);
-        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-    }
-    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(c + 32 * b));
-    uint8_t u[32];
-    czk_unpack32(c + 4 * bits * b, bits, u);
-    return _mm256_loadu_si256((const __m256i *)u);
-}
-
 /* Eight lanes, lane k = sum of products 4k..4k+3 (codes unsigned, xq signed). */
 CZK_AVX2 static inline __m256i czk_dot_avx2(__m256i c, __m256i xq, int bits) {
     if (bits == 8) { /* 255 * 127 * 2 overflows vpmaddubsw's int16: widen instead */
@@ -555,58 +595,248 @@ CZK_AVX2 static inline __m256i czk_dot_avx2(__m256i c, __m256i xq, int bits) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(c, xq), _mm256_set1_epi16(1));
 }
 
-/* The VNNI dot: one vpdpbusd does the whole codes x input product. */
-CZK_VNNI static inline __m256i czk_dot_vnni(__m256i c, __m256i xq, int bits) {
-    (void)bits;
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, xq);
+/* Whether the SIMD row kernels take m: weight groups of a power-of-two number
+ * of blocks (their scale expansion); others take the portable kernel. */
+static inline int czk_simd_fits(const czk_mat *m) {
+    const int64_t bpg = m->group / 32;
+    return (bpg & (bpg - 1)) == 0;
 }
 
-/* One quantized row kernel per instruction set: ATTR is the target attribute
- * and DOT the 32-code dot product; the rest is the same code, written once.
- * RB rows at once: each row's operations are those of one row alone (the
- * rows only share the input loads and interleave their dependency chains). */
-#define CZK_ROWS_Q_SIMD(ATTR, NAME, DOT)                                                          \
-    ATTR static inline __attribute__((always_inline)) void NAME##_rb(                             \
-        const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB) {                   \
-        const int64_t bpg = m->group / 32, G = m->cols / m->group;                                \
-        const int64_t rb = m->cols * m->bits / 8;                                                 \
-        const int bits = m->bits;                                                                 \
-        const int8_t *xqb = bits == 4 ? a->q4p : a->q;                                            \
-        float ds[4][CZK_GMAX / 4], mn[4][CZK_GMAX / 4];                                           \
-        const uint8_t *c[4];                                                                      \
-        __m256 acc[4];                                                                            \
-        for (int i = 0; i < RB; i++) {                                                            \
-            c[i] = (const uint8_t *)m->data + (r + i) * rb;                                       \
-            czk_h2f_row(m->scales + (r + i) * G, G, ds[i]);                                       \
-            czk_h2f_row(m->mins + (r + i) * G, G, mn[i]);                                         \
-            acc[i] = _mm256_setzero_ps();                                                         \
-        }                                                                                         \
-        for (int64_t g = 0, b = 0; g < G; g++) {                                                  \
-            for (int64_t e = b + bpg; b < e; b++) {                                               \
-                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));           \
-                const float sxb = a->sx[b];                                                       \
-                for (int i = 0; i < RB; i++) {                                                    \
-                    const __m256i d = DOT(czk_codes32(c[i], bits, b), xq, bits);                  \
-                    const float s = ds[i][g] * sxb;                                               \
-                    acc[i] = _mm256_add_ps(                                                       \
-                        acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));         \
-                }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                                    \
-        for (int64_t g = 0; g < G; g++)                                                           \
-            for (int i = 0; i < RB; i++) t[i] += mn[i][g] * a->gsum[g];                           \
-        for (int i = 0; i < RB; i++) y[r + i] = czk_hsum8(acc[i]) + t[i];                         \
-    }                                                                                             \
-                                                                                                  \
-    ATTR static void NAME(const czk_mat *m, const czk_xq *a, float *y, int64_t r0, int64_t r1) {  \
-        int64_t r = r0;                                                                           \
-        for (; r + 4 <= r1; r += 4) NAME##_rb(m, a, y, r, 4);                                     \
-        for (; r < r1; r++) NAME##_rb(m, a, y, r, 1);                                             \
-    }
+/* --- AVX2: a row's sixteen lanes as two eight-float registers (lo, hi). */
 
-CZK_ROWS_Q_SIMD(CZK_AVX2, czk_rows_q_avx2, czk_dot_avx2)
-CZK_ROWS_Q_SIMD(CZK_VNNI, czk_rows_q_vnni, czk_dot_vnni)
+/* The block scales d_g(b) * sx_b of blocks b0 .. b0 + 7 of row r (0 past the row). */
+CZK_AVX2 static inline __m256 czk_scales8(const czk_mat *m, int64_t r, int64_t b0, int64_t nb,
+                                          int64_t bpg, int64_t G, const float *sx) {
+    const uint16_t *sc = m->scales + r * G;
+    __m128i h;
+    if (bpg == 1 && b0 + 8 <= nb) {
+        h = _mm_loadu_si128((const __m128i *)(sc + b0));
+    } else {
+        uint16_t t[8];
+        for (int l = 0; l < 8; l++) t[l] = b0 + l < nb ? sc[(b0 + l) / bpg] : 0;
+        h = _mm_loadu_si128((const __m128i *)t);
+    }
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(sx + b0));
+}
+
+/* The m-term's sixteen lanes over the groups of row r, summed (czk_tree16). */
+CZK_AVX2 static inline float czk_mterm_avx2(const czk_mat *m, int64_t r, int64_t G,
+                                            const float *gsum) {
+    const uint16_t *mn = m->mins + r * G;
+    __m256 lo = _mm256_setzero_ps(), hi = lo;
+    for (int64_t g = 0; g < G; g += 16) {
+        __m128i h0, h1;
+        if (g + 16 <= G) {
+            h0 = _mm_loadu_si128((const __m128i *)(mn + g));
+            h1 = _mm_loadu_si128((const __m128i *)(mn + g + 8));
+        } else {
+            uint16_t t[16];
+            for (int l = 0; l < 16; l++) t[l] = g + l < G ? mn[g + l] : 0;
+            h0 = _mm_loadu_si128((const __m128i *)t);
+            h1 = _mm_loadu_si128((const __m128i *)(t + 8));
+        }
+        lo = _mm256_fmadd_ps(_mm256_cvtph_ps(h0), _mm256_loadu_ps(gsum + g), lo);
+        hi = _mm256_fmadd_ps(_mm256_cvtph_ps(h1), _mm256_loadu_ps(gsum + g + 8), hi);
+    }
+    return czk_hsum8(_mm256_add_ps(lo, hi));
+}
+
+/* Codes of the pair p as two 32-byte halves in input order (see czk_pair_codes). */
+CZK_AVX2 static inline void czk_pair_avx2(const uint8_t *c, int bits, int64_t p, int full,
+                                          __m256i *lo, __m256i *hi) {
+    if (bits == 8) {
+        *lo = _mm256_loadu_si256((const __m256i *)(c + 64 * p));
+        *hi = full ? _mm256_loadu_si256((const __m256i *)(c + 64 * p + 32))
+                   : _mm256_setzero_si256();
+    } else if (bits == 4) {
+        const __m256i v =
+            full ? _mm256_loadu_si256((const __m256i *)(c + 32 * p))
+                 : _mm256_inserti128_si256(_mm256_setzero_si256(),
+                                           _mm_loadu_si128((const __m128i *)(c + 32 * p)), 0);
+        const __m256i m4 = _mm256_set1_epi8(15);
+        *lo = _mm256_and_si256(v, m4);
+        *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    } else {
+        uint8_t u[64];
+        czk_pair_codes(c, bits, p, full, u);
+        *lo = _mm256_loadu_si256((const __m256i *)u);
+        *hi = _mm256_loadu_si256((const __m256i *)(u + 32));
+    }
+}
+
+/* RB rows from r: per pair of blocks, the input loaded once for the RB rows;
+ * per row two integer dots, converted, one fused multiply-add per half. */
+CZK_AVX2 static inline __attribute__((always_inline)) void czk_rows_q_avx2_rb(
+    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB, const int bits) {
+    const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
+    const int64_t rb = m->cols * bits / 8, pfull = nb / 2;
+    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
+    const uint8_t *c[4];
+    __m256 lo[4], hi[4];
+    for (int i = 0; i < RB; i++) {
+        c[i] = (const uint8_t *)m->data + (r + i) * rb;
+        lo[i] = hi[i] = _mm256_setzero_ps();
+    }
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+        __m256 S[4];
+        for (int i = 0; i < RB; i++) S[i] = czk_scales8(m, r + i, b0, nb, bpg, G, a->sx);
+        const int64_t p1 = b0 / 2 + 4;
+        for (int64_t p = b0 / 2; p < p1 && 2 * p < nb; p++) {
+            const int full = p < pfull;
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xqb + 64 * p));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xqb + 64 * p + 32));
+            const int k = (int)(2 * p - b0);
+            const __m256i i0 = bits == 4 ? _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, k + 1)
+                                         : _mm256_set1_epi32(k);
+            const __m256i i1 = bits == 4 ? i0 : _mm256_set1_epi32(k + 1);
+            for (int i = 0; i < RB; i++) {
+                __m256i cl, ch;
+                czk_pair_avx2(c[i], bits, p, full, &cl, &ch);
+                const __m256 d0 = _mm256_cvtepi32_ps(czk_dot_avx2(cl, x0, bits));
+                const __m256 d1 = _mm256_cvtepi32_ps(czk_dot_avx2(ch, x1, bits));
+                lo[i] = _mm256_fmadd_ps(d0, _mm256_permutevar8x32_ps(S[i], i0), lo[i]);
+                hi[i] = _mm256_fmadd_ps(d1, _mm256_permutevar8x32_ps(S[i], i1), hi[i]);
+            }
+        }
+    }
+    for (int i = 0; i < RB; i++)
+        y[r + i] = czk_hsum8(_mm256_add_ps(lo[i], hi[i])) + czk_mterm_avx2(m, r + i, G, a->gsum);
+}
+
+CZK_AVX2 static void czk_rows_q_avx2_bits(const czk_mat *m, const czk_xq *a, float *y,
+                                          int64_t r0, int64_t r1, const int bits) {
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) czk_rows_q_avx2_rb(m, a, y, r, 2, bits);
+    for (; r < r1; r++) czk_rows_q_avx2_rb(m, a, y, r, 1, bits);
+}
+
+CZK_AVX2 static void czk_rows_q_avx2(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
+                                     int64_t r1) {
+    switch (m->bits) {
+    case 8: czk_rows_q_avx2_bits(m, a, y, r0, r1, 8); break;
+    case 4: czk_rows_q_avx2_bits(m, a, y, r0, r1, 4); break;
+    case 3: czk_rows_q_avx2_bits(m, a, y, r0, r1, 3); break;
+    default: czk_rows_q_avx2_bits(m, a, y, r0, r1, 2); break;
+    }
+}
+
+/* --- AVX-512 VNNI: a row's sixteen lanes are one register; one vpdpbusd per
+ * row and pair of blocks. */
+
+CZK_VNNI static inline float czk_hsum16(__m512 v) {
+    return czk_hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+
+/* The block scales of blocks b0 .. b0 + 15 of row r (0 past the row). */
+CZK_VNNI static inline __m512 czk_scales16(const czk_mat *m, int64_t r, int64_t b0, int64_t nb,
+                                           int64_t bpg, int64_t G, const float *sx) {
+    const uint16_t *sc = m->scales + r * G;
+    __m512 ds;
+    if (bpg == 1) {
+        const int64_t n = nb - b0 < 16 ? nb - b0 : 16;
+        const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), sc + b0);
+        ds = _mm512_cvtph_ps(h);
+    } else {
+        const int64_t g0 = b0 / bpg, per = bpg < 16 ? 16 / bpg : 1;
+        const int64_t n = G - g0 < per ? G - g0 : per;
+        const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), sc + g0);
+        const int sh = __builtin_ctzll((unsigned long long)bpg);
+        const __m512i idx = _mm512_srli_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), sh);
+        ds = _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(h));
+    }
+    return _mm512_mul_ps(ds, _mm512_loadu_ps(sx + b0));
+}
+
+CZK_VNNI static inline float czk_mterm_vnni(const czk_mat *m, int64_t r, int64_t G,
+                                            const float *gsum) {
+    const uint16_t *mn = m->mins + r * G;
+    __m512 t = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g += 16) {
+        const int64_t n = G - g < 16 ? G - g : 16;
+        const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), mn + g);
+        t = _mm512_fmadd_ps(_mm512_cvtph_ps(h), _mm512_loadu_ps(gsum + g), t);
+    }
+    return czk_hsum16(t);
+}
+
+CZK_VNNI static inline __m512i czk_pair512(const uint8_t *c, int bits, int64_t p, int full) {
+    if (bits == 8)
+        return full ? _mm512_loadu_si512((const void *)(c + 64 * p))
+                    : _mm512_maskz_loadu_epi8(0xffffffffULL, c + 64 * p);
+    if (bits == 4) {
+        const __m256i v = full ? _mm256_loadu_si256((const __m256i *)(c + 32 * p))
+                               : _mm256_maskz_loadu_epi8(0xffffu, c + 32 * p);
+        const __m256i m4 = _mm256_set1_epi8(15);
+        return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
+                                  _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
+    }
+    uint8_t u[64];
+    czk_pair_codes(c, bits, p, full, u);
+    return _mm512_loadu_si512((const void *)u);
+}
+
+CZK_VNNI static inline __attribute__((always_inline)) void czk_rows_q_vnni_rb(
+    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB, const int bits) {
+    const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
+    const int64_t rb = m->cols * bits / 8, pfull = nb / 2;
+    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
+    /* lane -> block of the pair: 4-bit order interleaves the blocks by four lanes */
+    const __m512i pat = bits == 4
+                            ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
+                            : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const uint8_t *c[4];
+    __m512 acc[4];
+    for (int i = 0; i < RB; i++) {
+        c[i] = (const uint8_t *)m->data + (r + i) * rb;
+        acc[i] = _mm512_setzero_ps();
+    }
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        __m512 S[4];
+        for (int i = 0; i < RB; i++) S[i] = czk_scales16(m, r + i, b0, nb, bpg, G, a->sx);
+        int64_t p = b0 / 2;
+        const int64_t pe = pfull < p + 8 ? pfull : p + 8;
+        for (; p < pe; p++) {
+            const __m512i xq = _mm512_loadu_si512((const void *)(xqb + 64 * p));
+            const __m512i idx = _mm512_add_epi32(pat, _mm512_set1_epi32((int)(2 * p - b0)));
+            for (int i = 0; i < RB; i++) {
+                const __m512i d =
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), czk_pair512(c[i], bits, p, 1), xq);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, S[i]),
+                                         acc[i]);
+            }
+        }
+        if (p < b0 / 2 + 8 && 2 * p < nb) { /* the last block alone */
+            const __m512i xq = _mm512_loadu_si512((const void *)(xqb + 64 * p));
+            const __m512i idx = _mm512_add_epi32(pat, _mm512_set1_epi32((int)(2 * p - b0)));
+            for (int i = 0; i < RB; i++) {
+                const __m512i d =
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), czk_pair512(c[i], bits, p, 0), xq);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, S[i]),
+                                         acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < RB; i++)
+        y[r + i] = czk_hsum16(acc[i]) + czk_mterm_vnni(m, r + i, G, a->gsum);
+}
+
+CZK_VNNI static void czk_rows_q_vnni_bits(const czk_mat *m, const czk_xq *a, float *y,
+                                          int64_t r0, int64_t r1, const int bits) {
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) czk_rows_q_vnni_rb(m, a, y, r, 4, bits);
+    for (; r < r1; r++) czk_rows_q_vnni_rb(m, a, y, r, 1, bits);
+}
+
+CZK_VNNI static void czk_rows_q_vnni(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
+                                     int64_t r1) {
+    switch (m->bits) {
+    case 8: czk_rows_q_vnni_bits(m, a, y, r0, r1, 8); break;
+    case 4: czk_rows_q_vnni_bits(m, a, y, r0, r1, 4); break;
+    case 3: czk_rows_q_vnni_bits(m, a, y, r0, r1, 3); break;
+    default: czk_rows_q_vnni_bits(m, a, y, r0, r1, 2); break;
+    }
+}
 #endif
 
 /* Rows [r0, r1) of m @ x (x float for float kinds, `a` for quantized ones). */
@@ -615,7 +845,7 @@ static void czk_rows(const czk_mat *m, const float *x, const czk_xq *a, float *y
     const int lvl = czk_level();
     if (m->kind == CZK_Q) {
 #if CZK_X86
-        if (m->cols / m->group > CZK_GMAX / 4) return czk_rows_q_portable(m, a, y, r0, r1);
+        if (!czk_simd_fits(m)) return czk_rows_q_portable(m, a, y, r0, r1);
         if (lvl == 2) return czk_rows_q_vnni(m, a, y, r0, r1);
         if (lvl == 1) return czk_rows_q_avx2(m, a, y, r0, r1);
 #endif
@@ -712,18 +942,7 @@ static void czk_moe_down_task(void *ctx_, int64_t t0, int64_t t1) {
     for (int64_t r = t0; r < t1; r += 64) {
         const int64_t e = r + 64 < t1 ? r + 64 : t1;
         for (int j = 0; j < c->n; j++) {
-            const czk_xq *aj = NULL;
-            czk_xq sub;
-            if (c->aact) { /* expert j's slice of the quantized activations */
-                sub.n = c->I;
-                sub.q = c->aact->q + j * c->I;
-                sub.q4p = c->aact->q4p + j * c->I;
-                sub.sx = c->aact->sx + j * (c->I / 32);
-                sub.bsum = c->aact->bsum + j * (c->I / 32);
-                sub.ggroup = c->aact->ggroup;
-                sub.gsum = c->aact->gsum + j * (c->I / c->aact->ggroup);
-                aj = &sub;
-            }
+            const czk_xq *aj = c->aact ? &c->aact[j] : NULL;
             czk_rows(&c->mats[3 * c->slots[j] + 2], c->act + j * c->I, aj, d - r, r, e);
             const float wj = c->w[j];
             if (j == 0)
@@ -737,7 +956,7 @@ static void czk_moe_down_task(void *ctx_, int64_t t0, int64_t t1) {
 /* Scratch bytes of czk_moe for n experts of hidden H and intermediate I. */
 int64_t czk_moe_work_bytes(int n, int64_t H, int64_t I) {
     return (int64_t)(sizeof(float) * (size_t)(n * I)) + 64 + czk_work_bytes(H) +
-           czk_work_bytes((int64_t)n * I) + 64;
+           (int64_t)n * czk_work_bytes(I) + 64;
 }
 
 /* One token through n routed experts: y = sum_j w[j] * down_j(silu(gate_j x) * up_j x),
@@ -746,7 +965,7 @@ int64_t czk_moe_work_bytes(int n, int64_t H, int64_t I) {
  * Returns 0, or -1 on inconsistent shapes or formats. */
 int czk_moe(czk_pool *p, int n, const czk_mat *table, const int64_t *slots, const float *w,
             const float *x, float *y, void *work) {
-    if (n <= 0) return -1;
+    if (n <= 0 || n > CZK_MAXK) return -1;
     const czk_mat *mats = table;
     const int64_t I = table[3 * slots[0]].rows, H = table[3 * slots[0]].cols;
     const int kind0 = table[3 * slots[0]].kind;
@@ -767,20 +986,25 @@ int czk_moe(czk_pool *p, int n, const czk_mat *table, const int64_t *slots, cons
     uint8_t *m = (uint8_t *)czk_align(work);
     float *act = (float *)m;
     m = (uint8_t *)czk_align(m + sizeof(float) * (size_t)(n * I));
-    czk_xq ax, aact;
+    czk_xq ax, aact[CZK_MAXK];
     if (quant) {
         czk_xq_bind(&ax, m, H);
         m = (uint8_t *)czk_align(m + czk_xq_bytes(H));
-        czk_xq_bind(&aact, m, (int64_t)n * I);
+        for (int j = 0; j < n; j++) {
+            czk_xq_bind(&aact[j], m, I);
+            m = (uint8_t *)czk_align(m + czk_xq_bytes(I));
+        }
         czk_quantize(x, &ax);
         czk_xq_groups(&ax, table[3 * slots[0]].group);
     }
     czk_moe_ctx c = {n, H, I, mats, slots, w, x, quant ? &ax : NULL, act, NULL, y};
     czk_run(p, czk_moe_gu_task, &c, (int64_t)n * I, 2 * (int64_t)n * I * H);
     if (quant) {
-        czk_quantize(act, &aact);
-        czk_xq_groups(&aact, table[3 * slots[0] + 2].group);
-        c.aact = &aact;
+        for (int j = 0; j < n; j++) {
+            czk_quantize(act + (int64_t)j * I, &aact[j]);
+            czk_xq_groups(&aact[j], table[3 * slots[0] + 2].group);
+        }
+        c.aact = aact;
     }
     czk_run(p, czk_moe_down_task, &c, H, (int64_t)n * I * H);
     return 0;
