@@ -1169,7 +1169,9 @@ int64_t czk_attn_work_bytes(const czk_attn *a, int64_t H, int64_t length) {
 }
 
 /* The attention half of a decoder layer for one token at position pos:
- *   x = rmsnorm(h) * in_norm; q, k, v = x @ W.T (+ biases); RoPE on q and k
+ *   x = rmsnorm(h) * in_norm; q, k, v = x @ W.T (+ biases); q/k RMS norms
+ *   (qk_norm 1: over all heads at once, OLMoE; 2: per head; 0: none); q, k, v
+ *   clamped to [-clip, clip] (clip > 0); RoPE on q and k
  *   (cos/sin: the position's half-width tables); k, v written at pos of the
  *   layer's cache [n_kv, cap, head_dim]; grouped-query attention over the
  *   positions max(0, pos - window + 1) .. pos (window 0: all); h += o_proj(out);
@@ -1182,6 +1184,7 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
     const int64_t nq = (int64_t)a->n_heads * hd, nkv = (int64_t)a->n_kv * hd;
     if (a->n_kv <= 0 || a->n_heads % a->n_kv || pos < 0 || pos >= cap) return -1;
     if (a->rot <= 0 || a->rot > hd || a->rot % 2) return -1;
+    if (a->qk_norm < 0 || a->qk_norm > 2 || (a->qk_norm && (!a->q_norm || !a->k_norm))) return -1;
     const czk_mat *ms[4] = {&a->q, &a->k, &a->v, &a->o};
     for (int i = 0; i < 4; i++)
         if (!czk_check(ms[i])) return -1;
@@ -1214,6 +1217,24 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
         for (int64_t i = 0; i < nkv; i++) k[i] += a->kb[i];
     if (a->vb)
         for (int64_t i = 0; i < nkv; i++) v[i] += a->vb[i];
+    if (a->qk_norm == 1) { /* one RMS norm over all query heads, one over all key heads */
+        czk_rms(q, a->q_norm, nq, a->eps, q);
+        czk_rms(k, a->k_norm, nkv, a->eps, k);
+    } else if (a->qk_norm == 2) { /* per head, weights of width head_dim */
+        for (int i = 0; i < a->n_heads; i++) {
+            float *qi = q + (int64_t)i * hd;
+            czk_rms(qi, a->q_norm, hd, a->eps, qi);
+        }
+        for (int i = 0; i < a->n_kv; i++) {
+            float *ki = k + (int64_t)i * hd;
+            czk_rms(ki, a->k_norm, hd, a->eps, ki);
+        }
+    }
+    if (a->clip > 0.0f) {
+        const float c = a->clip;
+        for (int64_t i = 0; i < nq + 2 * nkv; i++)
+            qkv[i] = qkv[i] > c ? c : (qkv[i] < -c ? -c : qkv[i]);
+    }
     czk_rope(q, a->n_heads, hd, a->rot, cs, sn);
     czk_rope(k, a->n_kv, hd, a->rot, cs, sn);
     for (int g = 0; g < a->n_kv; g++) {

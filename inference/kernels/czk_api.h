@@ -20,6 +20,9 @@ typedef struct {
     float eps, scale;
     czk_mat q, k, v, o;
     const float *in_norm, *post_norm, *qb, *kb, *vb;
+    int qk_norm;
+    float clip;
+    const float *q_norm, *k_norm;
 } czk_attn;
 
 typedef struct czk_pool czk_pool;

@@ -260,13 +260,20 @@ class DecodeKernels:
         n_heads: int,
         n_kv: int,
         head_dim: int,
+        qk_norm: int = 0,
+        clip: float | None = None,
     ) -> None:
         """The attention half of layer ``lw`` on :attr:`h` (in place); :attr:`x` gets the
         post-attention RMSNorm of the new ``h``. ``kcache``/``vcache``: the layer's
-        ``[n_kv, capacity, head_dim]`` float32 caches."""
+        ``[n_kv, capacity, head_dim]`` float32 caches. ``qk_norm``: RMS norms of q and k
+        with the layer's ``q_norm``/``k_norm`` after the projections (1: over all heads
+        at once, as OLMoE; 2: per head; 0: none); ``clip``: q, k and v clamped to
+        ``[-clip, clip]`` after them (None: no clamp)."""
         d = self._attn.get(id(lw))
         if d is None or d.layer is not lw:
-            d = self._describe_attn(lw, eps, n_heads, n_kv, head_dim, rotary.rotary_dim)
+            d = self._describe_attn(
+                lw, eps, n_heads, n_kv, head_dim, rotary.rotary_dim, qk_norm, clip
+            )
         if d.kc is not kcache or d.vc is not vcache:
             d.kc, d.vc = kcache, vcache
             d.pk, d.pv = _fptr(kcache), _fptr(vcache)
@@ -292,21 +299,40 @@ class DecodeKernels:
             raise KernelError(f"czk_attn_decode refused layer {lw.index} at position {pos}")
 
     def _describe_attn(
-        self, lw: Any, eps: float, n_heads: int, n_kv: int, head_dim: int, rot: int
+        self,
+        lw: Any,
+        eps: float,
+        n_heads: int,
+        n_kv: int,
+        head_dim: int,
+        rot: int,
+        qk_norm: int,
+        clip: float | None,
     ) -> _AttnDesc:
+        if qk_norm not in (0, 1, 2):
+            raise KernelError(f"qk_norm must be 0, 1 or 2, got {qk_norm!r}")
+        if clip is not None and not clip > 0:
+            raise KernelError(f"clip must be positive, got {clip!r}")
         s = _ffi.new("czk_attn *")
         keep: list[Any] = []
         s.n_heads, s.n_kv, s.head_dim, s.rot = n_heads, n_kv, head_dim, rot
         s.eps = eps
         s.scale = F32(head_dim**-0.5)
+        s.qk_norm = qk_norm
+        s.clip = 0.0 if clip is None else float(clip)
         for name in ("q", "k", "v", "o"):
             keep += describe(getattr(lw, f"{name}_proj"), getattr(s, name))
+        norms = (lw.q_norm, lw.k_norm) if qk_norm else (None, None)
+        if qk_norm and (norms[0] is None or norms[1] is None):
+            raise KernelError(f"layer {lw.index} has no q_norm/k_norm for qk_norm={qk_norm}")
         for field, arr in (
             ("in_norm", lw.input_norm),
             ("post_norm", lw.post_attn_norm),
             ("qb", lw.q_bias),
             ("kb", lw.k_bias),
             ("vb", lw.v_bias),
+            ("q_norm", norms[0]),
+            ("k_norm", norms[1]),
         ):
             if arr is None:
                 setattr(s, field, _ffi.NULL)

@@ -374,10 +374,13 @@ def test_embedding_row_is_exactly_dequantize(name):
         ("mixtral", dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e4))),
         ("qwen2_moe", dict(use_sliding_window=True, sliding_window=5, max_window_layers=3)),
         ("mixtral", dict(num_attention_heads=6, num_key_value_heads=3)),
+        ("olmoe", {}),
+        ("olmoe", dict(clip_qkv=0.5, num_attention_heads=4, num_key_value_heads=2)),
     ],
 )
 def test_decode_block_matches_transformers_on_config_variants(arch, overrides):
-    """The C attention block (sliding window, linear RoPE, biases, GQA) vs transformers."""
+    """The C attention block (sliding window, linear RoPE, biases, GQA, OLMoE's
+    full-width q/k norms and clamp) vs transformers."""
     import torch
 
     from czyx.inference.engine import Engine
@@ -427,3 +430,38 @@ def test_half_precision_slots_are_computed_as_stored(tmp_path, dtype, kind):
         runs.append(np.stack(logits))
     want = runs[1]
     assert np.abs(runs[0] - want).max() <= 1e-4 * float(want.max() - want.min())
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_olmoe_decodes_in_c_as_its_numpy_attention(clip):
+    """OLMoE's q/k norms in czk_attn_decode against the decoder's numpy attention."""
+    from czyx.inference.engine import Engine
+    from czyx.testing.refmodels import StateDictConsumer, tiny_model
+
+    prompt = np.random.default_rng(12).integers(0, 256, 10)
+    model = tiny_model("olmoe", seed=6, clip_qkv=clip)
+    logits = []
+    for fast in (True, False):
+        eng = Engine(StateDictConsumer(model), threads=1)
+        assert eng.model.decode_in_c()
+        eng.model._fast_attn = fast  # False: numpy attention, the rest unchanged
+        out = [eng.prefill(prompt[:3])]
+        out += [eng.decode(int(t)) for t in prompt[3:]]
+        logits.append(np.stack(out))
+    c, ref = logits
+    assert np.abs(c - ref).max() <= 1e-5 * float(ref.max() - ref.min())
+
+
+def test_attention_refuses_a_bad_qk_norm_mode():
+    from czyx.inference.engine import Engine
+    from czyx.testing.refmodels import StateDictConsumer, tiny_model
+
+    eng = Engine(StateDictConsumer(tiny_model("olmoe", seed=6)), threads=1)
+    m, kern = eng.model, eng.model.kernels()
+    cfg = m.cfg
+    kv = np.zeros((cfg.n_kv_heads, 8, cfg.head_dim), F32)
+    with pytest.raises(fused.KernelError, match="qk_norm"):
+        kern.attention(
+            m.layers[0], kv, kv.copy(), 0, None, m.rotary, cfg.rms_eps,
+            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 3,
+        )  # fmt: skip
