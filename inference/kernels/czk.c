@@ -70,8 +70,14 @@
 #define CZK_F16 1
 #define CZK_BF16 2
 #define CZK_Q 3
+/* Bytes ahead of its reads a row kernel prefetches each row (four row streams
+ * at once are more than the hardware prefetchers follow at full rate). */
+#define CZK_PREFETCH 4096
 /* Most routed experts one czk_moe call takes. */
 #define CZK_MAXK 256
+
+
+
 
 #include "czk_api.h" /* czk_mat, czk_attn, czk_pool and the entry points */
 
@@ -764,12 +770,12 @@ CZK_VNNI static inline __m512i czk_pair512(const uint8_t *c, int bits, int64_t p
     if (bits == 8)
         return full ? _mm512_loadu_si512((const void *)(c + 64 * p))
                     : _mm512_maskz_loadu_epi8(0xffffffffULL, c + 64 * p);
-    if (bits == 4) {
+    if (bits == 4) { /* the 32 bytes in both halves, the upper shifted: low nibbles | high */
         const __m256i v = full ? _mm256_loadu_si256((const __m256i *)(c + 32 * p))
                                : _mm256_maskz_loadu_epi8(0xffffu, c + 32 * p);
-        const __m256i m4 = _mm256_set1_epi8(15);
-        return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
-                                  _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
+        const __m512i w = _mm512_srlv_epi64(_mm512_broadcast_i64x4(v),
+                                            _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4));
+        return _mm512_and_si512(w, _mm512_set1_epi8(15));
     }
     uint8_t u[64];
     czk_pair_codes(c, bits, p, full, u);
@@ -800,6 +806,7 @@ CZK_VNNI static inline __attribute__((always_inline)) void czk_rows_q_vnni_rb(
             const __m512i xq = _mm512_loadu_si512((const void *)(xqb + 64 * p));
             const __m512i idx = _mm512_add_epi32(pat, _mm512_set1_epi32((int)(2 * p - b0)));
             for (int i = 0; i < RB; i++) {
+                _mm_prefetch((const char *)(c[i] + (bits * 8) * p + CZK_PREFETCH), _MM_HINT_T0);
                 const __m512i d =
                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), czk_pair512(c[i], bits, p, 1), xq);
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, S[i]),
