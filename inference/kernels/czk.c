@@ -42,11 +42,14 @@
  * input (relative error of an input at most 1/254 of its block's largest
  * magnitude).
  *
- * Speed: a row is read once per call and each 64-code input pair is loaded
- * once for four rows (AVX-512) or two (AVX2); the block scales of sixteen
- * blocks are expanded per row once (one F16C conversion and one product) and
- * picked per pair with a permute, so the inner loop is a load, an integer dot,
- * a conversion, a permute and one multiply-add per row and 64 codes.
+ * Speed: a row is read once per call, prefetched ahead, and each 64-code
+ * input pair is loaded once for two rows; the block scales of eight blocks are
+ * expanded per row once (one F16C conversion and one product) and picked per
+ * half pair with a permute, so the inner loop per row and 32 codes is a load,
+ * an integer dot (one vpdpbusd with AVX-512 VNNI+VL on 256-bit registers, which
+ * measured faster than 512-bit ones on the double-pumped AMD Zen 4 these
+ * benchmarks ran on; with AVX2, codes - 128 through vpmaddubsw plus a per-call
+ * input term, for 8-bit codes), a conversion, a permute and one multiply-add.
  *
  * Dispatch: AVX-512 VNNI+VL, AVX2+FMA+F16C or portable C, chosen once at run
  * time with __builtin_cpu_supports; hot functions carry target attributes and
@@ -298,6 +301,7 @@ typedef struct {
     float *sx;     /* npad / 32 block scales */
     float *bsum;   /* npad / 32 block sums */
     float *gsum;   /* per weight group of `ggroup` columns: sum of its block sums, in order */
+    int32_t *xs4;  /* npad / 4: 128 times the sum of each four consecutive codes */
     int64_t ggroup;
 } czk_xq;
 
@@ -305,7 +309,7 @@ static int64_t czk_padn(int64_t n) { return (n + CZK_PADN - 1) / CZK_PADN * CZK_
 
 static size_t czk_xq_bytes(int64_t n) {
     const int64_t np = czk_padn(n);
-    return (size_t)(2 * np + 12 * (np / 32)) + 64;
+    return (size_t)(3 * np + 12 * (np / 32)) + 64;
 }
 
 static void czk_xq_bind(czk_xq *a, void *mem, int64_t n) {
@@ -319,6 +323,7 @@ static void czk_xq_bind(czk_xq *a, void *mem, int64_t n) {
     a->ggroup = 0;
     a->q = (int8_t *)(a->gsum + nbp);
     a->q4p = a->q + np;
+    a->xs4 = (int32_t *)(a->q4p + np);
 }
 
 /* After the blocks' codes, scales and sums are in place: zero the padding and
@@ -337,6 +342,8 @@ static void czk_xq_finish(czk_xq *a) {
             o[48 + i] = q[32 + 2 * i + 1];
         }
     }
+    for (int64_t i = 0; i < a->npad / 4; i++)
+        a->xs4[i] = 128 * ((int32_t)a->q[4 * i] + a->q[4 * i + 1] + a->q[4 * i + 2] + a->q[4 * i + 3]);
     a->ggroup = 0;
 }
 
@@ -601,6 +608,15 @@ CZK_AVX2 static inline __m256i czk_dot_avx2(__m256i c, __m256i xq, int bits) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(c, xq), _mm256_set1_epi16(1));
 }
 
+/* The same eight lanes for 8-bit codes from codes - 128 (signed, so vpmaddubsw
+ * cannot saturate: |c - 128| <= 128, |xq| <= 127), plus xs = 128 * the lane's
+ * input sum: the same integers, fewer instructions than widening to 16 bits. */
+CZK_AVX2 static inline __m256i czk_dot8_avx2(__m256i c, __m256i xq, __m256i xs) {
+    const __m256i cs = _mm256_xor_si256(c, _mm256_set1_epi8((char)0x80));
+    const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(cs), _mm256_sign_epi8(xq, cs));
+    return _mm256_add_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)), xs);
+}
+
 /* Whether the SIMD row kernels take m: weight groups of a power-of-two number
  * of blocks (their scale expansion); others take the portable kernel. */
 static inline int czk_simd_fits(const czk_mat *m) {
@@ -672,178 +688,87 @@ CZK_AVX2 static inline void czk_pair_avx2(const uint8_t *c, int bits, int64_t p,
 
 /* RB rows from r: per pair of blocks, the input loaded once for the RB rows;
  * per row two integer dots, converted, one fused multiply-add per half. */
-CZK_AVX2 static inline __attribute__((always_inline)) void czk_rows_q_avx2_rb(
-    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB, const int bits) {
-    const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
-    const int64_t rb = m->cols * bits / 8, pfull = nb / 2;
-    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
-    const uint8_t *c[4];
-    __m256 lo[4], hi[4];
-    for (int i = 0; i < RB; i++) {
-        c[i] = (const uint8_t *)m->data + (r + i) * rb;
-        lo[i] = hi[i] = _mm256_setzero_ps();
-    }
-    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
-        __m256 S[4];
-        for (int i = 0; i < RB; i++) S[i] = czk_scales8(m, r + i, b0, nb, bpg, G, a->sx);
-        const int64_t p1 = b0 / 2 + 4;
-        for (int64_t p = b0 / 2; p < p1 && 2 * p < nb; p++) {
-            const int full = p < pfull;
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xqb + 64 * p));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xqb + 64 * p + 32));
-            const int k = (int)(2 * p - b0);
-            const __m256i i0 = bits == 4 ? _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, k + 1)
-                                         : _mm256_set1_epi32(k);
-            const __m256i i1 = bits == 4 ? i0 : _mm256_set1_epi32(k + 1);
-            for (int i = 0; i < RB; i++) {
-                __m256i cl, ch;
-                czk_pair_avx2(c[i], bits, p, full, &cl, &ch);
-                const __m256 d0 = _mm256_cvtepi32_ps(czk_dot_avx2(cl, x0, bits));
-                const __m256 d1 = _mm256_cvtepi32_ps(czk_dot_avx2(ch, x1, bits));
-                lo[i] = _mm256_fmadd_ps(d0, _mm256_permutevar8x32_ps(S[i], i0), lo[i]);
-                hi[i] = _mm256_fmadd_ps(d1, _mm256_permutevar8x32_ps(S[i], i1), hi[i]);
-            }
-        }
-    }
-    for (int i = 0; i < RB; i++)
-        y[r + i] = czk_hsum8(_mm256_add_ps(lo[i], hi[i])) + czk_mterm_avx2(m, r + i, G, a->gsum);
+/* The eight-lane row kernel, written once for AVX2 (DOT8: czk_dot8_avx2, DOTQ:
+ * czk_dot_avx2) and for 256-bit VNNI (both one vpdpbusd). */
+#define CZK_ROWS_Q8LANE(ATTR, NAME, DOT8, DOTQ) \
+ATTR static inline __attribute__((always_inline)) void NAME##_rb(                                  \
+    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB, const int bits) {        \
+    const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;                  \
+    const int64_t rb = m->cols * bits / 8, pfull = nb / 2;                                         \
+    const int8_t *xqb = bits == 4 ? a->q4p : a->q;                                                 \
+    const uint8_t *c[4];                                                                           \
+    __m256 lo[4], hi[4];                                                                           \
+    for (int i = 0; i < RB; i++) {                                                                 \
+        c[i] = (const uint8_t *)m->data + (r + i) * rb;                                            \
+        lo[i] = hi[i] = _mm256_setzero_ps();                                                       \
+    }                                                                                              \
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {                                                       \
+        __m256 S[4];                                                                               \
+        for (int i = 0; i < RB; i++) S[i] = czk_scales8(m, r + i, b0, nb, bpg, G, a->sx);          \
+        const int64_t p1 = b0 / 2 + 4;                                                             \
+        for (int64_t p = b0 / 2; p < p1 && 2 * p < nb; p++) {                                      \
+            const int full = p < pfull;                                                            \
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xqb + 64 * p));                \
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xqb + 64 * p + 32));           \
+            const int k = (int)(2 * p - b0);                                                       \
+            const __m256i i0 = bits == 4 ? _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, k + 1) \
+                                         : _mm256_set1_epi32(k);                                   \
+            const __m256i i1 = bits == 4 ? i0 : _mm256_set1_epi32(k + 1);                          \
+            const __m256i s0 = _mm256_loadu_si256((const __m256i *)(a->xs4 + 16 * p));             \
+            const __m256i s1 = _mm256_loadu_si256((const __m256i *)(a->xs4 + 16 * p + 8));         \
+            for (int i = 0; i < RB; i++) {                                                         \
+                __m256i cl, ch;                                                                    \
+                _mm_prefetch((const char *)(c[i] + (bits * 8) * p + CZK_PREFETCH), _MM_HINT_T0);   \
+                czk_pair_avx2(c[i], bits, p, full, &cl, &ch);                                      \
+                __m256 d0, d1;                                                                     \
+                if (bits == 8) {                                                                   \
+                    d0 = _mm256_cvtepi32_ps(DOT8(cl, x0, s0));                                     \
+                    d1 = _mm256_cvtepi32_ps(DOT8(ch, x1, s1));                                     \
+                } else {                                                                           \
+                    d0 = _mm256_cvtepi32_ps(DOTQ(cl, x0, bits));                                   \
+                    d1 = _mm256_cvtepi32_ps(DOTQ(ch, x1, bits));                                   \
+                }                                                                                  \
+                lo[i] = _mm256_fmadd_ps(d0, _mm256_permutevar8x32_ps(S[i], i0), lo[i]);            \
+                hi[i] = _mm256_fmadd_ps(d1, _mm256_permutevar8x32_ps(S[i], i1), hi[i]);            \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    for (int i = 0; i < RB; i++)                                                                   \
+        y[r + i] = czk_hsum8(_mm256_add_ps(lo[i], hi[i])) + czk_mterm_avx2(m, r + i, G, a->gsum);  \
+}                                                                                                  \
+                                                                                                   \
+ATTR static void NAME##_bits(const czk_mat *m, const czk_xq *a, float *y,                          \
+                                          int64_t r0, int64_t r1, const int bits) {                \
+    int64_t r = r0;                                                                                \
+    for (; r + 2 <= r1; r += 2) NAME##_rb(m, a, y, r, 2, bits);                                    \
+    for (; r < r1; r++) NAME##_rb(m, a, y, r, 1, bits);                                            \
+}                                                                                                  \
+                                                                                                   \
+ATTR static void NAME(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,                     \
+                                     int64_t r1) {                                                 \
+    switch (m->bits) {                                                                             \
+    case 8: NAME##_bits(m, a, y, r0, r1, 8); break;                                                \
+    case 4: NAME##_bits(m, a, y, r0, r1, 4); break;                                                \
+    case 3: NAME##_bits(m, a, y, r0, r1, 3); break;                                                \
+    default: NAME##_bits(m, a, y, r0, r1, 2); break;                                               \
+    }                                                                                              \
+}                                                                                                  \
+
+CZK_ROWS_Q8LANE(CZK_AVX2, czk_rows_q_avx2, czk_dot8_avx2, czk_dot_avx2)
+
+/* 256-bit VNNI: vpdpbusd takes unsigned codes times signed inputs directly. */
+CZK_VNNI static inline __m256i czk_dot8_vnni256(__m256i c, __m256i xq, __m256i xs) {
+    (void)xs;
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, xq);
 }
 
-CZK_AVX2 static void czk_rows_q_avx2_bits(const czk_mat *m, const czk_xq *a, float *y,
-                                          int64_t r0, int64_t r1, const int bits) {
-    int64_t r = r0;
-    for (; r + 2 <= r1; r += 2) czk_rows_q_avx2_rb(m, a, y, r, 2, bits);
-    for (; r < r1; r++) czk_rows_q_avx2_rb(m, a, y, r, 1, bits);
+CZK_VNNI static inline __m256i czk_dotq_vnni256(__m256i c, __m256i xq, int bits) {
+    (void)bits;
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, xq);
 }
 
-CZK_AVX2 static void czk_rows_q_avx2(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
-                                     int64_t r1) {
-    switch (m->bits) {
-    case 8: czk_rows_q_avx2_bits(m, a, y, r0, r1, 8); break;
-    case 4: czk_rows_q_avx2_bits(m, a, y, r0, r1, 4); break;
-    case 3: czk_rows_q_avx2_bits(m, a, y, r0, r1, 3); break;
-    default: czk_rows_q_avx2_bits(m, a, y, r0, r1, 2); break;
-    }
-}
+CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256)
 
-/* --- AVX-512 VNNI: a row's sixteen lanes are one register; one vpdpbusd per
- * row and pair of blocks. */
-
-CZK_VNNI static inline float czk_hsum16(__m512 v) {
-    return czk_hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
-}
-
-/* The block scales of blocks b0 .. b0 + 15 of row r (0 past the row). */
-CZK_VNNI static inline __m512 czk_scales16(const czk_mat *m, int64_t r, int64_t b0, int64_t nb,
-                                           int64_t bpg, int64_t G, const float *sx) {
-    const uint16_t *sc = m->scales + r * G;
-    __m512 ds;
-    if (bpg == 1) {
-        const int64_t n = nb - b0 < 16 ? nb - b0 : 16;
-        const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), sc + b0);
-        ds = _mm512_cvtph_ps(h);
-    } else {
-        const int64_t g0 = b0 / bpg, per = bpg < 16 ? 16 / bpg : 1;
-        const int64_t n = G - g0 < per ? G - g0 : per;
-        const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), sc + g0);
-        const int sh = __builtin_ctzll((unsigned long long)bpg);
-        const __m512i idx = _mm512_srli_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), sh);
-        ds = _mm512_permutexvar_ps(idx, _mm512_cvtph_ps(h));
-    }
-    return _mm512_mul_ps(ds, _mm512_loadu_ps(sx + b0));
-}
-
-CZK_VNNI static inline float czk_mterm_vnni(const czk_mat *m, int64_t r, int64_t G,
-                                            const float *gsum) {
-    const uint16_t *mn = m->mins + r * G;
-    __m512 t = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g += 16) {
-        const int64_t n = G - g < 16 ? G - g : 16;
-        const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), mn + g);
-        t = _mm512_fmadd_ps(_mm512_cvtph_ps(h), _mm512_loadu_ps(gsum + g), t);
-    }
-    return czk_hsum16(t);
-}
-
-CZK_VNNI static inline __m512i czk_pair512(const uint8_t *c, int bits, int64_t p, int full) {
-    if (bits == 8)
-        return full ? _mm512_loadu_si512((const void *)(c + 64 * p))
-                    : _mm512_maskz_loadu_epi8(0xffffffffULL, c + 64 * p);
-    if (bits == 4) { /* the 32 bytes in both halves, the upper shifted: low nibbles | high */
-        const __m256i v = full ? _mm256_loadu_si256((const __m256i *)(c + 32 * p))
-                               : _mm256_maskz_loadu_epi8(0xffffu, c + 32 * p);
-        const __m512i w = _mm512_srlv_epi64(_mm512_broadcast_i64x4(v),
-                                            _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4));
-        return _mm512_and_si512(w, _mm512_set1_epi8(15));
-    }
-    uint8_t u[64];
-    czk_pair_codes(c, bits, p, full, u);
-    return _mm512_loadu_si512((const void *)u);
-}
-
-CZK_VNNI static inline __attribute__((always_inline)) void czk_rows_q_vnni_rb(
-    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB, const int bits) {
-    const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
-    const int64_t rb = m->cols * bits / 8, pfull = nb / 2;
-    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
-    /* lane -> block of the pair: 4-bit order interleaves the blocks by four lanes */
-    const __m512i pat = bits == 4
-                            ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
-                            : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const uint8_t *c[4];
-    __m512 acc[4];
-    for (int i = 0; i < RB; i++) {
-        c[i] = (const uint8_t *)m->data + (r + i) * rb;
-        acc[i] = _mm512_setzero_ps();
-    }
-    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
-        __m512 S[4];
-        for (int i = 0; i < RB; i++) S[i] = czk_scales16(m, r + i, b0, nb, bpg, G, a->sx);
-        int64_t p = b0 / 2;
-        const int64_t pe = pfull < p + 8 ? pfull : p + 8;
-        for (; p < pe; p++) {
-            const __m512i xq = _mm512_loadu_si512((const void *)(xqb + 64 * p));
-            const __m512i idx = _mm512_add_epi32(pat, _mm512_set1_epi32((int)(2 * p - b0)));
-            for (int i = 0; i < RB; i++) {
-                _mm_prefetch((const char *)(c[i] + (bits * 8) * p + CZK_PREFETCH), _MM_HINT_T0);
-                const __m512i d =
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), czk_pair512(c[i], bits, p, 1), xq);
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, S[i]),
-                                         acc[i]);
-            }
-        }
-        if (p < b0 / 2 + 8 && 2 * p < nb) { /* the last block alone */
-            const __m512i xq = _mm512_loadu_si512((const void *)(xqb + 64 * p));
-            const __m512i idx = _mm512_add_epi32(pat, _mm512_set1_epi32((int)(2 * p - b0)));
-            for (int i = 0; i < RB; i++) {
-                const __m512i d =
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), czk_pair512(c[i], bits, p, 0), xq);
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, S[i]),
-                                         acc[i]);
-            }
-        }
-    }
-    for (int i = 0; i < RB; i++)
-        y[r + i] = czk_hsum16(acc[i]) + czk_mterm_vnni(m, r + i, G, a->gsum);
-}
-
-CZK_VNNI static void czk_rows_q_vnni_bits(const czk_mat *m, const czk_xq *a, float *y,
-                                          int64_t r0, int64_t r1, const int bits) {
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) czk_rows_q_vnni_rb(m, a, y, r, 4, bits);
-    for (; r < r1; r++) czk_rows_q_vnni_rb(m, a, y, r, 1, bits);
-}
-
-CZK_VNNI static void czk_rows_q_vnni(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
-                                     int64_t r1) {
-    switch (m->bits) {
-    case 8: czk_rows_q_vnni_bits(m, a, y, r0, r1, 8); break;
-    case 4: czk_rows_q_vnni_bits(m, a, y, r0, r1, 4); break;
-    case 3: czk_rows_q_vnni_bits(m, a, y, r0, r1, 3); break;
-    default: czk_rows_q_vnni_bits(m, a, y, r0, r1, 2); break;
-    }
-}
 #endif
 
 /* Rows [r0, r1) of m @ x (x float for float kinds, `a` for quantized ones). */
@@ -853,7 +778,7 @@ static void czk_rows(const czk_mat *m, const float *x, const czk_xq *a, float *y
     if (m->kind == CZK_Q) {
 #if CZK_X86
         if (!czk_simd_fits(m)) return czk_rows_q_portable(m, a, y, r0, r1);
-        if (lvl == 2) return czk_rows_q_vnni(m, a, y, r0, r1);
+        if (lvl == 2) return czk_rows_q_vnni256(m, a, y, r0, r1);
         if (lvl == 1) return czk_rows_q_avx2(m, a, y, r0, r1);
 #endif
         return czk_rows_q_portable(m, a, y, r0, r1);
