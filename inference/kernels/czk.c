@@ -769,6 +769,81 @@ CZK_VNNI static inline __m256i czk_dotq_vnni256(__m256i c, __m256i xq, int bits)
 
 CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256)
 
+/* Several input vectors against one row (a prefill's tokens): the row's codes
+ * are loaded once per pair for NV <= 4 vectors; each (row, vector) output gets
+ * exactly the operations of the one-vector kernel, so a token's result does not
+ * depend on the batch it came in. */
+#define CZK_ROWS_QNV(ATTR, NAME, DOT8, DOTQ)                                                      \
+    ATTR static inline __attribute__((always_inline)) void NAME##_nv(                             \
+        const czk_mat *m, const czk_xq *av, float *y, int64_t ystride, int64_t r, const int NV,   \
+        const int bits) {                                                                         \
+        const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;            \
+        const int64_t rb = m->cols * bits / 8, pfull = nb / 2;                                    \
+        const uint8_t *c = (const uint8_t *)m->data + r * rb;                                     \
+        __m256 lo[4], hi[4];                                                                      \
+        for (int v = 0; v < NV; v++) lo[v] = hi[v] = _mm256_setzero_ps();                         \
+        for (int64_t b0 = 0; b0 < nb; b0 += 8) {                                                  \
+            __m256 S[4];                                                                          \
+            for (int v = 0; v < NV; v++) S[v] = czk_scales8(m, r, b0, nb, bpg, G, av[v].sx);      \
+            const int64_t p1 = b0 / 2 + 4;                                                        \
+            for (int64_t p = b0 / 2; p < p1 && 2 * p < nb; p++) {                                 \
+                const int full = p < pfull;                                                       \
+                const int k = (int)(2 * p - b0);                                                  \
+                const __m256i i0 = bits == 4 ? _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, \
+                                                                 k + 1)                           \
+                                             : _mm256_set1_epi32(k);                              \
+                const __m256i i1 = bits == 4 ? i0 : _mm256_set1_epi32(k + 1);                     \
+                __m256i cl, ch;                                                                   \
+                _mm_prefetch((const char *)(c + (bits * 8) * p + CZK_PREFETCH), _MM_HINT_T0);     \
+                czk_pair_avx2(c, bits, p, full, &cl, &ch);                                        \
+                for (int v = 0; v < NV; v++) {                                                    \
+                    const int8_t *xqb = bits == 4 ? av[v].q4p : av[v].q;                          \
+                    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xqb + 64 * p));       \
+                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xqb + 64 * p + 32));  \
+                    __m256 d0, d1;                                                                \
+                    if (bits == 8) {                                                              \
+                        const __m256i s0 = _mm256_loadu_si256((const __m256i *)(av[v].xs4 + 16 * p)); \
+                        const __m256i s1 =                                                        \
+                            _mm256_loadu_si256((const __m256i *)(av[v].xs4 + 16 * p + 8));        \
+                        d0 = _mm256_cvtepi32_ps(DOT8(cl, x0, s0));                                \
+                        d1 = _mm256_cvtepi32_ps(DOT8(ch, x1, s1));                                \
+                    } else {                                                                      \
+                        d0 = _mm256_cvtepi32_ps(DOTQ(cl, x0, bits));                              \
+                        d1 = _mm256_cvtepi32_ps(DOTQ(ch, x1, bits));                              \
+                    }                                                                             \
+                    lo[v] = _mm256_fmadd_ps(d0, _mm256_permutevar8x32_ps(S[v], i0), lo[v]);       \
+                    hi[v] = _mm256_fmadd_ps(d1, _mm256_permutevar8x32_ps(S[v], i1), hi[v]);       \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int v = 0; v < NV; v++)                                                              \
+            y[v * ystride + r] =                                                                  \
+                czk_hsum8(_mm256_add_ps(lo[v], hi[v])) + czk_mterm_avx2(m, r, G, av[v].gsum);     \
+    }                                                                                             \
+                                                                                                  \
+    ATTR static void NAME##_nvbits(const czk_mat *m, const czk_xq *av, int nv, float *y,          \
+                                   int64_t ystride, int64_t r0, int64_t r1, const int bits) {     \
+        for (int64_t r = r0; r < r1; r++) switch (nv) {                                           \
+            case 4: NAME##_nv(m, av, y, ystride, r, 4, bits); break;                              \
+            case 3: NAME##_nv(m, av, y, ystride, r, 3, bits); break;                              \
+            case 2: NAME##_nv(m, av, y, ystride, r, 2, bits); break;                              \
+            default: NAME##_nv(m, av, y, ystride, r, 1, bits); break;                             \
+            }                                                                                     \
+    }                                                                                             \
+                                                                                                  \
+    ATTR static void NAME##_multi(const czk_mat *m, const czk_xq *av, int nv, float *y,           \
+                                  int64_t ystride, int64_t r0, int64_t r1) {                      \
+        switch (m->bits) {                                                                        \
+        case 8: NAME##_nvbits(m, av, nv, y, ystride, r0, r1, 8); break;                           \
+        case 4: NAME##_nvbits(m, av, nv, y, ystride, r0, r1, 4); break;                           \
+        case 3: NAME##_nvbits(m, av, nv, y, ystride, r0, r1, 3); break;                           \
+        default: NAME##_nvbits(m, av, nv, y, ystride, r0, r1, 2); break;                          \
+        }                                                                                         \
+    }
+
+CZK_ROWS_QNV(CZK_AVX2, czk_rows_q_avx2, czk_dot8_avx2, czk_dot_avx2)
+CZK_ROWS_QNV(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256)
+
 #endif
 
 /* Rows [r0, r1) of m @ x (x float for float kinds, `a` for quantized ones). */
@@ -830,6 +905,60 @@ int czk_matvec(czk_pool *p, const czk_mat *m, const float *x, float *y, void *wo
     }
     czk_mv_ctx c = {m, x, &a, y};
     czk_run(p, czk_mv_task, &c, m->rows, m->rows * m->cols);
+    return 0;
+}
+
+/* ------------------------------------------------------------ several vectors */
+
+typedef struct {
+    const czk_mat *m;
+    const czk_xq *av; /* nvec quantized inputs */
+    int64_t nvec;
+    float *y; /* [nvec, rows] */
+} czk_mm_ctx;
+
+static void czk_mm_task(void *ctx_, int64_t t0, int64_t t1) {
+    czk_mm_ctx *c = (czk_mm_ctx *)ctx_;
+    const czk_mat *m = c->m;
+    for (int64_t v0 = 0; v0 < c->nvec; v0 += 4) {
+        const int nv = c->nvec - v0 < 4 ? (int)(c->nvec - v0) : 4;
+        float *y = c->y + v0 * m->rows;
+#if CZK_X86
+        const int lvl = czk_level();
+        if (czk_simd_fits(m) && lvl == 2) {
+            czk_rows_q_vnni256_multi(m, c->av + v0, nv, y, m->rows, t0, t1);
+            continue;
+        }
+        if (czk_simd_fits(m) && lvl == 1) {
+            czk_rows_q_avx2_multi(m, c->av + v0, nv, y, m->rows, t0, t1);
+            continue;
+        }
+#endif
+        for (int v = 0; v < nv; v++) czk_rows_q_portable(m, c->av + v0 + v, y + v * m->rows, t0, t1);
+    }
+}
+
+/* Scratch bytes of czk_matmul for nvec inputs of n floats. */
+int64_t czk_matmul_work_bytes(int64_t nvec, int64_t n) {
+    return nvec * ((int64_t)czk_xq_bytes(n) + 64) + (int64_t)sizeof(czk_xq) * nvec + 64;
+}
+
+/* y[v] = m @ x[v] for nvec inputs (x [nvec, cols], y [nvec, rows]) of a quantized
+ * m, each output exactly as czk_matvec computes it. Returns 0, or -1. */
+int czk_matmul(czk_pool *p, const czk_mat *m, const float *x, int64_t nvec, float *y,
+               void *work) {
+    if (!czk_check(m) || m->kind != CZK_Q || nvec <= 0) return -1;
+    uint8_t *w = (uint8_t *)czk_align(work);
+    czk_xq *av = (czk_xq *)w;
+    w = (uint8_t *)czk_align(w + sizeof(czk_xq) * (size_t)nvec);
+    for (int64_t v = 0; v < nvec; v++) {
+        czk_xq_bind(&av[v], w, m->cols);
+        w = (uint8_t *)czk_align(w + czk_xq_bytes(m->cols));
+        czk_quantize(x + v * m->cols, &av[v]);
+        czk_xq_groups(&av[v], m->group);
+    }
+    czk_mm_ctx c = {m, av, nvec, y};
+    czk_run(p, czk_mm_task, &c, m->rows, nvec * m->rows * m->cols);
     return 0;
 }
 
@@ -1102,7 +1231,7 @@ int64_t czk_attn_work_bytes(const czk_attn *a, int64_t H, int64_t length) {
 
 /* The attention half of a decoder layer for one token at position pos:
  *   x = rmsnorm(h) * in_norm; q, k, v = x @ W.T (+ biases); q/k RMS norms
- *   (qk_norm 1: over all heads at once, OLMoE; 2: per head; 0: none); q, k, v
+ *   (qk_norm 1: over all heads at once, as OLMoE; 0: none); q, k, v
  *   clamped to [-clip, clip] (clip > 0); RoPE on q and k
  *   (cos/sin: the position's half-width tables); k, v written at pos of the
  *   layer's cache [n_kv, cap, head_dim]; grouped-query attention over the
@@ -1116,7 +1245,7 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
     const int64_t nq = (int64_t)a->n_heads * hd, nkv = (int64_t)a->n_kv * hd;
     if (a->n_kv <= 0 || a->n_heads % a->n_kv || pos < 0 || pos >= cap) return -1;
     if (a->rot <= 0 || a->rot > hd || a->rot % 2) return -1;
-    if (a->qk_norm < 0 || a->qk_norm > 2 || (a->qk_norm && (!a->q_norm || !a->k_norm))) return -1;
+    if (a->qk_norm < 0 || a->qk_norm > 1 || (a->qk_norm && (!a->q_norm || !a->k_norm))) return -1;
     const czk_mat *ms[4] = {&a->q, &a->k, &a->v, &a->o};
     for (int i = 0; i < 4; i++)
         if (!czk_check(ms[i])) return -1;
@@ -1152,15 +1281,6 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
     if (a->qk_norm == 1) { /* one RMS norm over all query heads, one over all key heads */
         czk_rms(q, a->q_norm, nq, a->eps, q);
         czk_rms(k, a->k_norm, nkv, a->eps, k);
-    } else if (a->qk_norm == 2) { /* per head, weights of width head_dim */
-        for (int i = 0; i < a->n_heads; i++) {
-            float *qi = q + (int64_t)i * hd;
-            czk_rms(qi, a->q_norm, hd, a->eps, qi);
-        }
-        for (int i = 0; i < a->n_kv; i++) {
-            float *ki = k + (int64_t)i * hd;
-            czk_rms(ki, a->k_norm, hd, a->eps, ki);
-        }
     }
     if (a->clip > 0.0f) {
         const float c = a->clip;

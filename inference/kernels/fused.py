@@ -267,7 +267,7 @@ class DecodeKernels:
         post-attention RMSNorm of the new ``h``. ``kcache``/``vcache``: the layer's
         ``[n_kv, capacity, head_dim]`` float32 caches. ``qk_norm``: RMS norms of q and k
         with the layer's ``q_norm``/``k_norm`` after the projections (1: over all heads
-        at once, as OLMoE; 2: per head; 0: none); ``clip``: q, k and v clamped to
+        at once, as OLMoE; 0: none); ``clip``: q, k and v clamped to
         ``[-clip, clip]`` after them (None: no clamp)."""
         d = self._attn.get(id(lw))
         if d is None or d.layer is not lw:
@@ -309,8 +309,8 @@ class DecodeKernels:
         qk_norm: int,
         clip: float | None,
     ) -> _AttnDesc:
-        if qk_norm not in (0, 1, 2):
-            raise KernelError(f"qk_norm must be 0, 1 or 2, got {qk_norm!r}")
+        if qk_norm not in (0, 1):
+            raise KernelError(f"qk_norm must be 0 or 1, got {qk_norm!r}")
         if clip is not None and not clip > 0:
             raise KernelError(f"clip must be positive, got {clip!r}")
         s = _ffi.new("czk_attn *")
@@ -394,3 +394,37 @@ class DecodeKernels:
             hit = self._mats[id(final_norm)] = (final_norm, _fptr(final_norm))
         _lib.czk_rmsnorm(self._ph, hit[1], self.hidden, eps, self._px)
         self._matvec(m, self._px, self._plog)
+
+
+def quant_matmul(w: PackedMatrix, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``x @ w.T`` for ``x float32 [T, cols]`` with the decode kernel's int8 inputs (one thread).
+
+    Every row of the result is exactly what :meth:`DecodeKernels.matvec` gives for
+    that row of ``x`` (each token quantized on its own, the same operations per
+    output), so a token's product does not depend on the batch it came in; the
+    matrix's codes are loaded once per four tokens.
+
+    Raises
+    ------
+    KernelError
+        For a weight that is not a :class:`PackedMatrix` or mismatched shapes.
+    """
+    if not isinstance(w, PackedMatrix):
+        raise KernelError(f"quant_matmul takes a packed matrix, got {type(w).__name__}")
+    rows, cols = w.shape
+    x = np.ascontiguousarray(x, dtype=F32)
+    if x.ndim != 2 or x.shape[1] != cols:
+        raise KernelError(f"quant_matmul: x shape {x.shape} != (T, {cols})")
+    t = x.shape[0]
+    if out is None:
+        out = np.empty((t, rows), F32)
+    elif out.shape != (t, rows) or out.dtype != F32 or not out.flags.c_contiguous:
+        raise KernelError(f"quant_matmul: out must be float32 C-contiguous ({t}, {rows})")
+    if t == 0 or rows == 0:
+        return out
+    m = _ffi.new("czk_mat *")
+    describe(w, m)
+    work = np.empty(int(_lib.czk_matmul_work_bytes(t, cols)), np.uint8)
+    if _lib.czk_matmul(_ffi.NULL, m, _fptr(x), t, _fptr(out), _ptr(work)):
+        raise KernelError(f"czk_matmul refused a [{rows}, {cols}] {w.fmt.name} weight")
+    return out

@@ -465,3 +465,27 @@ def test_attention_refuses_a_bad_qk_norm_mode():
             m.layers[0], kv, kv.copy(), 0, None, m.rotary, cfg.rms_eps,
             cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 3,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["q8", "q4", "q2", "q4g64"])
+def test_quantized_matmul_rows_are_exactly_the_matvec(level, split_loops, name):
+    """czk_matmul (a prefill's tokens) gives each token exactly czk_matvec's result."""
+    fmt = get_format(name)
+    rng = np.random.default_rng(3)
+    rows, cols = 13, 7 * fmt.group_size
+    buf = quantize(rng.standard_normal((rows, cols)).astype(F32), fmt, method="minmax")
+    w = prepare(buf, fmt, (rows, cols))
+    x = rng.standard_normal((6, cols)).astype(F32)  # a chunk of four, then two
+    k = _kern(threads=2)
+    want = np.zeros((6, rows), F32)
+    for t in range(6):
+        k.matvec(w, x[t], want[t])
+    got = fused.quant_matmul(w, x)
+    assert np.array_equal(got, want)
+    assert np.array_equal(fused.quant_matmul(w, x[4:5]), want[4:5])
+    k.close()
+
+
+def test_quant_matmul_refuses_float_weights():
+    with pytest.raises(fused.KernelError):
+        fused.quant_matmul(np.zeros((4, 32), F32), np.zeros((1, 32), F32))
