@@ -5,8 +5,10 @@
  * scales | fp16 mins, w = d * q + m), and the calls one decode step needs:
  * a matvec, a whole MoE layer (every routed expert: gate and up, SwiGLU, down,
  * the routing weight, the sum), the attention block of one token (RMSNorm,
- * q/k/v, RoPE, KV write, grouped-query attention, o_proj, residual, the
- * post-attention RMSNorm) and softmax top-k routing. Weights are read in place
+ * q/k/v, q/k norms, RoPE, KV write, grouped-query attention, o_proj, residual,
+ * the post-attention RMSNorm) and softmax top-k routing; and, for a prompt's
+ * tokens, a quantized matrix against several vectors (czk_matmul), each token
+ * computed exactly as czk_matvec computes it. Weights are read in place
  * (a slot's bytes, a trunk array): nothing is widened into a float32 copy.
  *
  * Threads: a pool of pthreads owned by the engine (czk_pool_new). Every
