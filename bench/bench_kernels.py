@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             f"| {lv} | {f} | {R} x {C} | {nb / 1e6:.0f} | {gb:.2f} | {gn:.2f} | "
             f"**{gn / gb:.2f}x** | {d:.1e} |"
         )
-    lines += ["", f"Command: `{cmd}`", ""]
+    lines += ["", f"Command: `{cmd.strip()}`", ""]
     Path(a.md).write_text("\n".join(lines))
     print(f"wrote {a.md}")
 

@@ -179,7 +179,7 @@ def report(rows: list[dict], fmts: list[dict], a: argparse.Namespace, argv: list
                 f"{x.get('decode_in_c', '-')} |"
             )
     cmd = "python bench/bench_resident.py " + " ".join(shlex.quote(x) for x in argv)
-    lines += ["", f"Command: `{cmd}`", ""]
+    lines += ["", f"Command: `OPENBLAS_NUM_THREADS=1 {cmd.strip()}`", ""]
     return "\n".join(lines)
 
 

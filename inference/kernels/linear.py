@@ -77,7 +77,9 @@ INT8_MAX_TOKENS = 256
 
 
 def _int8_inputs(w: PackedMatrix, x: np.ndarray) -> bool:
-    return x.shape[0] <= INT8_MAX_TOKENS and fused.have_czk()
+    # groups of a power-of-two number of 32-column blocks: the kernels' SIMD paths
+    blocks = w.fmt.group_size // 32
+    return x.shape[0] <= INT8_MAX_TOKENS and fused.have_czk() and blocks & (blocks - 1) == 0
 
 
 def take_rows(w: Weight, idx: np.ndarray) -> np.ndarray:
