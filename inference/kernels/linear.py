@@ -14,6 +14,8 @@ which decodes each group once for every token.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +76,23 @@ def mm_t(x: np.ndarray, w: Weight | GateUp) -> np.ndarray:
 #: float small matmul at every token count tried (bench/RESIDENT.md); the bound
 #: caps its per-call scratch (three bytes per input value).
 INT8_MAX_TOKENS = 256
+
+
+@contextmanager
+def float_inputs() -> Iterator[None]:
+    """Within the block, quantized products take float inputs at every token count.
+
+    For checks of a stored version's weight values against a float reference
+    (conversion and export fidelity): the 8-bit inputs of the short-prompt
+    kernels would add their own rounding to what is being compared. Not thread
+    safe (it sets :data:`INT8_MAX_TOKENS` for the process); tests only.
+    """
+    global INT8_MAX_TOKENS
+    saved, INT8_MAX_TOKENS = INT8_MAX_TOKENS, 0
+    try:
+        yield
+    finally:
+        INT8_MAX_TOKENS = saved
 
 
 def _int8_inputs(w: PackedMatrix, x: np.ndarray) -> bool:
