@@ -95,10 +95,21 @@ def float_inputs() -> Iterator[None]:
         INT8_MAX_TOKENS = saved
 
 
+#: Columns from which the int8-input path is taken: on narrow matrices its fixed
+#: per-token costs (quantizing the input, the call) outweigh the faster dot
+#: products, and the float small matmul measured faster (bench/RESIDENT.md).
+INT8_MIN_COLS = 1024
+
+
 def _int8_inputs(w: PackedMatrix, x: np.ndarray) -> bool:
     # groups of a power-of-two number of 32-column blocks: the kernels' SIMD paths
     blocks = w.fmt.group_size // 32
-    return x.shape[0] <= INT8_MAX_TOKENS and fused.have_czk() and blocks & (blocks - 1) == 0
+    return (
+        x.shape[0] <= INT8_MAX_TOKENS
+        and w.shape[1] >= INT8_MIN_COLS
+        and fused.have_czk()
+        and blocks & (blocks - 1) == 0
+    )
 
 
 def take_rows(w: Weight, idx: np.ndarray) -> np.ndarray:
