@@ -14,7 +14,10 @@ gives per (format, threads) the median tokens/s of each engine over the rounds
 and the median of the per-round ratios, with the load average before each round.
 
 Writes ``--md`` (``bench/RESIDENT.md``) with the machine, every round's figures
-and the command that reproduces it.
+and the command that reproduces it. The committed report ran on the OLMoE-shape
+model at 4 of 16 layers: ``/work/data/rs`` (``realshape.py gen --scale 0.25``, q8)
+and a directory holding the same ``hf/`` checkpoint with the q4 files
+(``realshape.py gen --out DIR --scale 0.25 --gguf q4_0 --czyx q4``).
 """
 
 from __future__ import annotations
