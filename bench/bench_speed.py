@@ -508,7 +508,9 @@ def _report(args, med, toks, load0, load1, simd: str, breakdown: dict) -> list[s
         "model the kernels dominate).",
         "- The quantized decode kernels quantize each product's input to 8 bits per block "
         "of 32 and use integer dot products, as llama.cpp does; prefill products on "
-        "quantized weights keep float inputs (the older kernels).",
+        "quantized weights run the same kernels (one thread, each token as a decode step "
+        "computes it) on matrices of at least inference.kernels.linear.INT8_MIN_COLS "
+        "columns, so not on this model's: they keep float inputs.",
         "",
     ]
     out.append(

@@ -5,8 +5,10 @@
  * scales | fp16 mins, w = d * q + m), and the calls one decode step needs:
  * a matvec, a whole MoE layer (every routed expert: gate and up, SwiGLU, down,
  * the routing weight, the sum), the attention block of one token (RMSNorm,
- * q/k/v, RoPE, KV write, grouped-query attention, o_proj, residual, the
- * post-attention RMSNorm) and softmax top-k routing. Weights are read in place
+ * q/k/v, q/k norms, RoPE, KV write, grouped-query attention, o_proj, residual,
+ * the post-attention RMSNorm) and softmax top-k routing; and, for a prompt's
+ * tokens, a quantized matrix against several vectors (czk_matmul), each token
+ * computed exactly as czk_matvec computes it. Weights are read in place
  * (a slot's bytes, a trunk array): nothing is widened into a float32 copy.
  *
  * Threads: a pool of pthreads owned by the engine (czk_pool_new). Every
@@ -25,15 +27,31 @@
  * rint(x / sx_b) in [-127, 127] (round half to even), plus the float32 sum of
  * each block (sequential). A row is then
  *     y = sum_b (d_g(b) * sx_b) * dot_b(q, xq)  +  sum_g m_g * sum_{b in g} xsum_b
- * where dot_b is an exact integer dot product of the codes with xq, taken as
- * eight partial sums of four consecutive products (AVX-512 VNNI vpdpbusd, or
- * AVX2 vpmaddubsw/vpmaddwd, or plain C: the same integers), converted to
- * float and accumulated per lane in block order with a separate multiply and
- * add, then the eight lanes summed in a fixed tree. Every path therefore gives
- * the same bits, and a numpy reference performing the same float32 operations
- * reproduces them exactly (tests/inference/kernels/test_czk.py). The only
- * approximation against float weights is the 8-bit input (relative error of
- * an input at most 1/254 of its block's largest magnitude).
+ * taken over pairs of blocks (2p, 2p + 1): the pair's 64 codes, in the order
+ * of its input (column order; for 4-bit codes the even codes of both blocks,
+ * then the odd ones, the order the nibbles unpack in), give sixteen exact
+ * integer lanes of four consecutive products (AVX-512 VNNI: one vpdpbusd per
+ * row and pair; AVX2: vpmaddubsw/vpmaddwd; plain C: the same integers). Lane l
+ * is converted to float and accumulated into float32 lane l with a fused
+ * multiply-add by the scale s_b = d_g(b) * sx_b (a float32 product) of its
+ * block, pairs in order; the sixteen lanes are summed in a fixed tree (lane k
+ * with lane k + 8, then czk_tree8). The m-term likewise: group g into lane
+ * g mod 16 with a fused multiply-add, the same tree; then the two sums added.
+ * A missing second block (an odd block count) adds exact zeros. Every path
+ * therefore gives the same bits, and a numpy reference performing the same
+ * float32 operations reproduces them exactly (tests/inference/kernels/
+ * test_czk.py). The only approximation against float weights is the 8-bit
+ * input (relative error of an input at most 1/254 of its block's largest
+ * magnitude).
+ *
+ * Speed: a row is read once per call, prefetched ahead, and each 64-code
+ * input pair is loaded once for two rows; the block scales of eight blocks are
+ * expanded per row once (one F16C conversion and one product) and picked per
+ * half pair with a permute, so the inner loop per row and 32 codes is a load,
+ * an integer dot (one vpdpbusd with AVX-512 VNNI+VL on 256-bit registers, which
+ * measured faster than 512-bit ones on the double-pumped AMD Zen 4 these
+ * benchmarks ran on; with AVX2, codes - 128 through vpmaddubsw plus a per-call
+ * input term, for 8-bit codes), a conversion, a permute and one multiply-add.
  *
  * Dispatch: AVX-512 VNNI+VL, AVX2+FMA+F16C or portable C, chosen once at run
  * time with __builtin_cpu_supports; hot functions carry target attributes and
@@ -57,8 +75,14 @@
 #define CZK_F16 1
 #define CZK_BF16 2
 #define CZK_Q 3
-/* Most weight groups per row the SIMD row kernels take (cols <= 32 * CZK_GMAX). */
-#define CZK_GMAX 2048
+/* Bytes ahead of its reads a row kernel prefetches each row (four row streams
+ * at once are more than the hardware prefetchers follow at full rate). */
+#define CZK_PREFETCH 4096
+/* Most routed experts one czk_moe call takes. */
+#define CZK_MAXK 256
+
+
+
 
 #include "czk_api.h" /* czk_mat, czk_attn, czk_pool and the entry points */
 
@@ -265,53 +289,77 @@ static inline float czk_bf2f(uint16_t h) {
     return f;
 }
 
-/* The quantized input of a product: blocks of 32 (see the header). q4p holds
- * each block's codes in the nibble order of 4-bit rows: even then odd. */
+/* The quantized input of a product: blocks of 32 (see the header), zero
+ * padded to a multiple of CZK_PADN values so the row kernels take blocks in
+ * pairs and scales sixteen at a time without a tail (a padded block has
+ * codes 0 and scale 0, so it adds exact zeros). q4p holds each pair of blocks
+ * (2p, 2p + 1) in the order of 4-bit code bytes: the even codes of 2p, the
+ * even codes of 2p + 1, the odd codes of 2p, the odd codes of 2p + 1. */
+#define CZK_PADN 512
 typedef struct {
-    int64_t n;
-    int8_t *q;
-    int8_t *q4p;
-    float *sx;
-    float *bsum;
+    int64_t n, npad;
+    int8_t *q;     /* npad codes in column order */
+    int8_t *q4p;   /* npad codes in 4-bit pair order */
+    float *sx;     /* npad / 32 block scales */
+    float *bsum;   /* npad / 32 block sums */
     float *gsum;   /* per weight group of `ggroup` columns: sum of its block sums, in order */
+    int32_t *xs4;  /* npad / 4: 128 times the sum of each four consecutive codes */
     int64_t ggroup;
 } czk_xq;
 
-static size_t czk_xq_bytes(int64_t n) { return (size_t)(2 * n + 12 * (n / 32)) + 64; }
+static int64_t czk_padn(int64_t n) { return (n + CZK_PADN - 1) / CZK_PADN * CZK_PADN; }
+
+static size_t czk_xq_bytes(int64_t n) {
+    const int64_t np = czk_padn(n);
+    return (size_t)(3 * np + 12 * (np / 32)) + 64;
+}
 
 static void czk_xq_bind(czk_xq *a, void *mem, int64_t n) {
     uint8_t *m = (uint8_t *)mem;
+    const int64_t np = czk_padn(n), nbp = np / 32;
     a->n = n;
+    a->npad = np;
     a->sx = (float *)m;
-    a->bsum = a->sx + n / 32;
-    a->gsum = a->bsum + n / 32;
+    a->bsum = a->sx + nbp;
+    a->gsum = a->bsum + nbp;
     a->ggroup = 0;
-    a->q = (int8_t *)(a->gsum + n / 32);
-    a->q4p = a->q + n;
+    a->q = (int8_t *)(a->gsum + nbp);
+    a->q4p = a->q + np;
+    a->xs4 = (int32_t *)(a->q4p + np);
 }
 
-/* The group sums for weight groups of `group` columns (before a parallel loop). */
-/* Block b's codes are in a->q: copy them in 4-bit nibble order (even codes,
- * then odd) to a->q4p and record the block's scale d and sum s. */
-static inline void czk_xq_finish(czk_xq *a, int64_t b, float d, float s) {
-    const int8_t *q = a->q + 32 * b;
-    int8_t *p = a->q4p + 32 * b;
-    for (int i = 0; i < 16; i++) {
-        p[i] = q[2 * i];
-        p[16 + i] = q[2 * i + 1];
+/* After the blocks' codes, scales and sums are in place: zero the padding and
+ * lay out q4p. */
+static void czk_xq_finish(czk_xq *a) {
+    const int64_t nb = a->n / 32, nbp = a->npad / 32;
+    memset(a->q + a->n, 0, (size_t)(a->npad - a->n));
+    for (int64_t b = nb; b < nbp; b++) a->sx[b] = a->bsum[b] = 0.0f;
+    for (int64_t p = 0; p < a->npad / 64; p++) {
+        const int8_t *q = a->q + 64 * p;
+        int8_t *o = a->q4p + 64 * p;
+        for (int i = 0; i < 16; i++) {
+            o[i] = q[2 * i];
+            o[16 + i] = q[32 + 2 * i];
+            o[32 + i] = q[2 * i + 1];
+            o[48 + i] = q[32 + 2 * i + 1];
+        }
     }
-    a->sx[b] = d;
-    a->bsum[b] = s;
+    for (int64_t i = 0; i < a->npad / 4; i++)
+        a->xs4[i] = 128 * ((int32_t)a->q[4 * i] + a->q[4 * i + 1] + a->q[4 * i + 2] + a->q[4 * i + 3]);
+    a->ggroup = 0;
 }
 
+/* The group sums for weight groups of `group` columns (before a parallel
+ * loop), zero past the last group. */
 static void czk_xq_groups(czk_xq *a, int64_t group) {
     if (a->ggroup == group) return;
-    const int64_t bpg = group / 32, G = a->n / group;
+    const int64_t bpg = group / 32, G = a->n / group, nbp = a->npad / 32;
     for (int64_t g = 0; g < G; g++) {
         float gs = 0.0f;
         for (int64_t b = 0; b < bpg; b++) gs += a->bsum[g * bpg + b];
         a->gsum[g] = gs;
     }
+    for (int64_t g = G; g < nbp; g++) a->gsum[g] = 0.0f;
     a->ggroup = group;
 }
 
@@ -352,9 +400,10 @@ __attribute__((target("avx2,fma,f16c"))) static void czk_quantize_avx2(const flo
         __m256i p8 = _mm256_packs_epi16(p16a, p16b);
         p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(a->q + 32 * b), p8);
-        czk_xq_finish(a, b, d, s);
+        a->sx[b] = d;
+        a->bsum[b] = s;
     }
-    a->ggroup = 0;
+    czk_xq_finish(a);
 }
 #endif
 
@@ -382,9 +431,10 @@ static void czk_quantize(const float *x, czk_xq *a) {
             v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
             q[i] = (int8_t)v;
         }
-        czk_xq_finish(a, b, d, s);
+        a->sx[b] = d;
+        a->bsum[b] = s;
     }
-    a->ggroup = 0;
+    czk_xq_finish(a);
 }
 
 /* Exported for the tests: the quantized input exactly as the kernels use it. */
@@ -414,51 +464,69 @@ static inline void czk_unpack32(const uint8_t *c, int bits, uint8_t *out) {
     }
 }
 
-/* The m-term of a row: sum_g m_g * gsum_g, in order (gsum: czk_xq_groups). */
-static inline float czk_mterm(const czk_mat *m, int64_t r, const czk_xq *a) {
-    const int64_t G = m->cols / m->group;
-    const uint16_t *mn = m->mins + r * G;
-    float t = 0.0f;
-    for (int64_t g = 0; g < G; g++) t += czyx_h2f(mn[g]) * a->gsum[g];
-    return t;
+/* Sixteen lanes summed in a fixed tree: lane k with lane k + 8, then czk_tree8. */
+static inline float czk_tree16(const float *a) {
+    float t[8];
+    for (int k = 0; k < 8; k++) t[k] = a[k] + a[k + 8];
+    return czk_tree8(t);
 }
 
-/* ------------------------------------------------------------ portable rows */
+/* The 64 code bytes of the block pair (2p, 2p + 1) of a row in the order of
+ * its input (8, 3 and 2 bits: column order; 4 bits: czk_xq's pair order);
+ * zeros for block 2p + 1 when the row has no such block (full == 0). */
+static inline void czk_pair_codes(const uint8_t *c, int bits, int64_t p, int full,
+                                  uint8_t *u) {
+    if (bits == 8) {
+        memcpy(u, c + 64 * p, full ? 64 : 32);
+        if (!full) memset(u + 32, 0, 32);
+    } else if (bits == 4) {
+        const uint8_t *v = c + 32 * p;
+        const int nbytes = full ? 32 : 16;
+        for (int i = 0; i < 32; i++) {
+            const uint8_t t = i < nbytes ? v[i] : 0;
+            u[i] = t & 15u;
+            u[32 + i] = t >> 4;
+        }
+    } else {
+        czk_unpack32(c + 4 * bits * (2 * p), bits, u);
+        if (full)
+            czk_unpack32(c + 4 * bits * (2 * p + 1), bits, u + 32);
+        else
+            memset(u + 32, 0, 32);
+    }
+}
 
+/* The quantized row kernel in plain C: the definition every SIMD path
+ * reproduces bit for bit (see the header). */
 static void czk_rows_q_portable(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,
                                 int64_t r1) {
     const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
     const int64_t rb = m->cols * m->bits / 8;
+    const int bits = m->bits;
     const uint8_t *codes = (const uint8_t *)m->data;
-    uint8_t u[32];
+    const int8_t *xqb = bits == 4 ? a->q4p : a->q;
+    uint8_t u[64];
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *c = codes + r * rb;
-        const uint16_t *sc = m->scales + r * G;
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int64_t b = 0; b < nb; b++) {
-            const int8_t *xq;
-            if (m->bits == 4) {
-                for (int i = 0; i < 16; i++) {
-                    u[i] = c[16 * b + i] & 15u;
-                    u[16 + i] = c[16 * b + i] >> 4;
-                }
-                xq = a->q4p + 32 * b;
-            } else if (m->bits == 8) {
-                memcpy(u, c + 32 * b, 32);
-                xq = a->q + 32 * b;
-            } else {
-                czk_unpack32(c + 4 * m->bits * b, m->bits, u);
-                xq = a->q + 32 * b;
-            }
-            const float s = czyx_h2f(sc[b / bpg]) * a->sx[b];
-            for (int k = 0; k < 8; k++) {
+        const uint16_t *sc = m->scales + r * G, *mn = m->mins + r * G;
+        float acc[16], mt[16];
+        for (int l = 0; l < 16; l++) acc[l] = mt[l] = 0.0f;
+        for (int64_t p = 0; 2 * p < nb; p++) {
+            const int full = 2 * p + 1 < nb;
+            czk_pair_codes(c, bits, p, full, u);
+            const int8_t *xq = xqb + 64 * p;
+            float s[2];
+            s[0] = czyx_h2f(sc[(2 * p) / bpg]) * a->sx[2 * p];
+            s[1] = full ? czyx_h2f(sc[(2 * p + 1) / bpg]) * a->sx[2 * p + 1] : 0.0f;
+            for (int l = 0; l < 16; l++) {
                 int32_t d = 0;
-                for (int i = 0; i < 4; i++) d += (int32_t)u[4 * k + i] * (int32_t)xq[4 * k + i];
-                float t = (float)d * s;
-                acc[k] = acc[k] + t;
+                for (int i = 0; i < 4; i++) d += (int32_t)u[4 * l + i] * (int32_t)xq[4 * l + i];
+                const int blk = bits == 4 ? (l >> 2) & 1 : l >> 3;
+                acc[l] = fmaf((float)d, s[blk], acc[l]);
             }
         }
-        y[r] = czk_tree8(acc) + czk_mterm(m, r, a);
+        for (int64_t g = 0; g < G; g++) mt[g & 15] = fmaf(czyx_h2f(mn[g]), a->gsum[g], mt[g & 15]);
+        y[r] = czk_tree16(acc) + czk_tree16(mt);
     }
 }
 
@@ -529,19 +597,6 @@ CZK_AVX2 static inline void czk_h2f_row(const uint16_t *h, int64_t n, float *out
     for (; i < n; i++) out[i] = _cvtsh_ss(h[i]);
 }
 
-/* The 32 code bytes of block b in the order of its xq (4-bit: low nibbles then high). */
-CZK_AVX2 static inline __m256i czk_codes32(const uint8_t *c, int bits, int64_t b) {
-    if (bits == 4) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(c + 16 * b));
-        const __m128i m4 = _mm_set1_epi8(15);
-        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-    }
-    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(c + 32 * b));
-    uint8_t u[32];
-    czk_unpack32(c + 4 * bits * b, bits, u);
-    return _mm256_loadu_si256((const __m256i *)u);
-}
-
 /* Eight lanes, lane k = sum of products 4k..4k+3 (codes unsigned, xq signed). */
 CZK_AVX2 static inline __m256i czk_dot_avx2(__m256i c, __m256i xq, int bits) {
     if (bits == 8) { /* 255 * 127 * 2 overflows vpmaddubsw's int16: widen instead */
@@ -555,58 +610,242 @@ CZK_AVX2 static inline __m256i czk_dot_avx2(__m256i c, __m256i xq, int bits) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(c, xq), _mm256_set1_epi16(1));
 }
 
-/* The VNNI dot: one vpdpbusd does the whole codes x input product. */
-CZK_VNNI static inline __m256i czk_dot_vnni(__m256i c, __m256i xq, int bits) {
+/* The same eight lanes for 8-bit codes from codes - 128 (signed, so vpmaddubsw
+ * cannot saturate: |c - 128| <= 128, |xq| <= 127), plus xs = 128 * the lane's
+ * input sum: the same integers, fewer instructions than widening to 16 bits. */
+CZK_AVX2 static inline __m256i czk_dot8_avx2(__m256i c, __m256i xq, __m256i xs) {
+    const __m256i cs = _mm256_xor_si256(c, _mm256_set1_epi8((char)0x80));
+    const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(cs), _mm256_sign_epi8(xq, cs));
+    return _mm256_add_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)), xs);
+}
+
+/* Whether the SIMD row kernels take m: weight groups of a power-of-two number
+ * of blocks (their scale expansion); others take the portable kernel. */
+static inline int czk_simd_fits(const czk_mat *m) {
+    const int64_t bpg = m->group / 32;
+    return (bpg & (bpg - 1)) == 0;
+}
+
+/* --- AVX2: a row's sixteen lanes as two eight-float registers (lo, hi). */
+
+/* The block scales d_g(b) * sx_b of blocks b0 .. b0 + 7 of row r (0 past the row). */
+CZK_AVX2 static inline __m256 czk_scales8(const czk_mat *m, int64_t r, int64_t b0, int64_t nb,
+                                          int64_t bpg, int64_t G, const float *sx) {
+    const uint16_t *sc = m->scales + r * G;
+    __m128i h;
+    if (bpg == 1 && b0 + 8 <= nb) {
+        h = _mm_loadu_si128((const __m128i *)(sc + b0));
+    } else {
+        uint16_t t[8];
+        for (int l = 0; l < 8; l++) t[l] = b0 + l < nb ? sc[(b0 + l) / bpg] : 0;
+        h = _mm_loadu_si128((const __m128i *)t);
+    }
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(sx + b0));
+}
+
+/* The m-term's sixteen lanes over the groups of row r, summed (czk_tree16). */
+CZK_AVX2 static inline float czk_mterm_avx2(const czk_mat *m, int64_t r, int64_t G,
+                                            const float *gsum) {
+    const uint16_t *mn = m->mins + r * G;
+    __m256 lo = _mm256_setzero_ps(), hi = lo;
+    for (int64_t g = 0; g < G; g += 16) {
+        __m128i h0, h1;
+        if (g + 16 <= G) {
+            h0 = _mm_loadu_si128((const __m128i *)(mn + g));
+            h1 = _mm_loadu_si128((const __m128i *)(mn + g + 8));
+        } else {
+            uint16_t t[16];
+            for (int l = 0; l < 16; l++) t[l] = g + l < G ? mn[g + l] : 0;
+            h0 = _mm_loadu_si128((const __m128i *)t);
+            h1 = _mm_loadu_si128((const __m128i *)(t + 8));
+        }
+        lo = _mm256_fmadd_ps(_mm256_cvtph_ps(h0), _mm256_loadu_ps(gsum + g), lo);
+        hi = _mm256_fmadd_ps(_mm256_cvtph_ps(h1), _mm256_loadu_ps(gsum + g + 8), hi);
+    }
+    return czk_hsum8(_mm256_add_ps(lo, hi));
+}
+
+/* Codes of the pair p as two 32-byte halves in input order (see czk_pair_codes). */
+CZK_AVX2 static inline void czk_pair_avx2(const uint8_t *c, int bits, int64_t p, int full,
+                                          __m256i *lo, __m256i *hi) {
+    if (bits == 8) {
+        *lo = _mm256_loadu_si256((const __m256i *)(c + 64 * p));
+        *hi = full ? _mm256_loadu_si256((const __m256i *)(c + 64 * p + 32))
+                   : _mm256_setzero_si256();
+    } else if (bits == 4) {
+        const __m256i v =
+            full ? _mm256_loadu_si256((const __m256i *)(c + 32 * p))
+                 : _mm256_inserti128_si256(_mm256_setzero_si256(),
+                                           _mm_loadu_si128((const __m128i *)(c + 32 * p)), 0);
+        const __m256i m4 = _mm256_set1_epi8(15);
+        *lo = _mm256_and_si256(v, m4);
+        *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    } else {
+        uint8_t u[64];
+        czk_pair_codes(c, bits, p, full, u);
+        *lo = _mm256_loadu_si256((const __m256i *)u);
+        *hi = _mm256_loadu_si256((const __m256i *)(u + 32));
+    }
+}
+
+/* RB rows from r: per pair of blocks, the input loaded once for the RB rows;
+ * per row two integer dots, converted, one fused multiply-add per half. */
+/* The eight-lane row kernel, written once for AVX2 (DOT8: czk_dot8_avx2, DOTQ:
+ * czk_dot_avx2) and for 256-bit VNNI (both one vpdpbusd). */
+#define CZK_ROWS_Q8LANE(ATTR, NAME, DOT8, DOTQ) \
+ATTR static inline __attribute__((always_inline)) void NAME##_rb(                                  \
+    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB, const int bits) {        \
+    const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;                  \
+    const int64_t rb = m->cols * bits / 8, pfull = nb / 2;                                         \
+    const int8_t *xqb = bits == 4 ? a->q4p : a->q;                                                 \
+    const uint8_t *c[4];                                                                           \
+    __m256 lo[4], hi[4];                                                                           \
+    for (int i = 0; i < RB; i++) {                                                                 \
+        c[i] = (const uint8_t *)m->data + (r + i) * rb;                                            \
+        lo[i] = hi[i] = _mm256_setzero_ps();                                                       \
+    }                                                                                              \
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {                                                       \
+        __m256 S[4];                                                                               \
+        for (int i = 0; i < RB; i++) S[i] = czk_scales8(m, r + i, b0, nb, bpg, G, a->sx);          \
+        const int64_t p1 = b0 / 2 + 4;                                                             \
+        for (int64_t p = b0 / 2; p < p1 && 2 * p < nb; p++) {                                      \
+            const int full = p < pfull;                                                            \
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xqb + 64 * p));                \
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xqb + 64 * p + 32));           \
+            const int k = (int)(2 * p - b0);                                                       \
+            const __m256i i0 = bits == 4 ? _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, k + 1) \
+                                         : _mm256_set1_epi32(k);                                   \
+            const __m256i i1 = bits == 4 ? i0 : _mm256_set1_epi32(k + 1);                          \
+            const __m256i s0 = _mm256_loadu_si256((const __m256i *)(a->xs4 + 16 * p));             \
+            const __m256i s1 = _mm256_loadu_si256((const __m256i *)(a->xs4 + 16 * p + 8));         \
+            for (int i = 0; i < RB; i++) {                                                         \
+                __m256i cl, ch;                                                                    \
+                _mm_prefetch((const char *)(c[i] + (bits * 8) * p + CZK_PREFETCH), _MM_HINT_T0);   \
+                czk_pair_avx2(c[i], bits, p, full, &cl, &ch);                                      \
+                __m256 d0, d1;                                                                     \
+                if (bits == 8) {                                                                   \
+                    d0 = _mm256_cvtepi32_ps(DOT8(cl, x0, s0));                                     \
+                    d1 = _mm256_cvtepi32_ps(DOT8(ch, x1, s1));                                     \
+                } else {                                                                           \
+                    d0 = _mm256_cvtepi32_ps(DOTQ(cl, x0, bits));                                   \
+                    d1 = _mm256_cvtepi32_ps(DOTQ(ch, x1, bits));                                   \
+                }                                                                                  \
+                lo[i] = _mm256_fmadd_ps(d0, _mm256_permutevar8x32_ps(S[i], i0), lo[i]);            \
+                hi[i] = _mm256_fmadd_ps(d1, _mm256_permutevar8x32_ps(S[i], i1), hi[i]);            \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    for (int i = 0; i < RB; i++)                                                                   \
+        y[r + i] = czk_hsum8(_mm256_add_ps(lo[i], hi[i])) + czk_mterm_avx2(m, r + i, G, a->gsum);  \
+}                                                                                                  \
+                                                                                                   \
+ATTR static void NAME##_bits(const czk_mat *m, const czk_xq *a, float *y,                          \
+                                          int64_t r0, int64_t r1, const int bits) {                \
+    int64_t r = r0;                                                                                \
+    for (; r + 2 <= r1; r += 2) NAME##_rb(m, a, y, r, 2, bits);                                    \
+    for (; r < r1; r++) NAME##_rb(m, a, y, r, 1, bits);                                            \
+}                                                                                                  \
+                                                                                                   \
+ATTR static void NAME(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,                     \
+                                     int64_t r1) {                                                 \
+    switch (m->bits) {                                                                             \
+    case 8: NAME##_bits(m, a, y, r0, r1, 8); break;                                                \
+    case 4: NAME##_bits(m, a, y, r0, r1, 4); break;                                                \
+    case 3: NAME##_bits(m, a, y, r0, r1, 3); break;                                                \
+    default: NAME##_bits(m, a, y, r0, r1, 2); break;                                               \
+    }                                                                                              \
+}                                                                                                  \
+
+CZK_ROWS_Q8LANE(CZK_AVX2, czk_rows_q_avx2, czk_dot8_avx2, czk_dot_avx2)
+
+/* 256-bit VNNI: vpdpbusd takes unsigned codes times signed inputs directly. */
+CZK_VNNI static inline __m256i czk_dot8_vnni256(__m256i c, __m256i xq, __m256i xs) {
+    (void)xs;
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, xq);
+}
+
+CZK_VNNI static inline __m256i czk_dotq_vnni256(__m256i c, __m256i xq, int bits) {
     (void)bits;
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, xq);
 }
 
-/* One quantized row kernel per instruction set: ATTR is the target attribute
- * and DOT the 32-code dot product; the rest is the same code, written once.
- * RB rows at once: each row's operations are those of one row alone (the
- * rows only share the input loads and interleave their dependency chains). */
-#define CZK_ROWS_Q_SIMD(ATTR, NAME, DOT)                                                          \
-    ATTR static inline __attribute__((always_inline)) void NAME##_rb(                             \
-        const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB) {                   \
-        const int64_t bpg = m->group / 32, G = m->cols / m->group;                                \
-        const int64_t rb = m->cols * m->bits / 8;                                                 \
-        const int bits = m->bits;                                                                 \
-        const int8_t *xqb = bits == 4 ? a->q4p : a->q;                                            \
-        float ds[4][CZK_GMAX / 4], mn[4][CZK_GMAX / 4];                                           \
-        const uint8_t *c[4];                                                                      \
-        __m256 acc[4];                                                                            \
-        for (int i = 0; i < RB; i++) {                                                            \
-            c[i] = (const uint8_t *)m->data + (r + i) * rb;                                       \
-            czk_h2f_row(m->scales + (r + i) * G, G, ds[i]);                                       \
-            czk_h2f_row(m->mins + (r + i) * G, G, mn[i]);                                         \
-            acc[i] = _mm256_setzero_ps();                                                         \
-        }                                                                                         \
-        for (int64_t g = 0, b = 0; g < G; g++) {                                                  \
-            for (int64_t e = b + bpg; b < e; b++) {                                               \
-                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xqb + 32 * b));           \
-                const float sxb = a->sx[b];                                                       \
-                for (int i = 0; i < RB; i++) {                                                    \
-                    const __m256i d = DOT(czk_codes32(c[i], bits, b), xq, bits);                  \
-                    const float s = ds[i][g] * sxb;                                               \
-                    acc[i] = _mm256_add_ps(                                                       \
-                        acc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s)));         \
+CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256)
+
+/* Several input vectors against one row (a prefill's tokens): the row's codes
+ * are loaded once per pair for NV <= 4 vectors; each (row, vector) output gets
+ * exactly the operations of the one-vector kernel, so a token's result does not
+ * depend on the batch it came in. */
+#define CZK_ROWS_QNV(ATTR, NAME, DOT8, DOTQ)                                                      \
+    ATTR static inline __attribute__((always_inline)) void NAME##_nv(                             \
+        const czk_mat *m, const czk_xq *av, float *y, int64_t ystride, int64_t r, const int NV,   \
+        const int bits) {                                                                         \
+        const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;            \
+        const int64_t rb = m->cols * bits / 8, pfull = nb / 2;                                    \
+        const uint8_t *c = (const uint8_t *)m->data + r * rb;                                     \
+        __m256 lo[4], hi[4];                                                                      \
+        for (int v = 0; v < NV; v++) lo[v] = hi[v] = _mm256_setzero_ps();                         \
+        for (int64_t b0 = 0; b0 < nb; b0 += 8) {                                                  \
+            __m256 S[4];                                                                          \
+            for (int v = 0; v < NV; v++) S[v] = czk_scales8(m, r, b0, nb, bpg, G, av[v].sx);      \
+            const int64_t p1 = b0 / 2 + 4;                                                        \
+            for (int64_t p = b0 / 2; p < p1 && 2 * p < nb; p++) {                                 \
+                const int full = p < pfull;                                                       \
+                const int k = (int)(2 * p - b0);                                                  \
+                const __m256i i0 = bits == 4 ? _mm256_setr_epi32(k, k, k, k, k + 1, k + 1, k + 1, \
+                                                                 k + 1)                           \
+                                             : _mm256_set1_epi32(k);                              \
+                const __m256i i1 = bits == 4 ? i0 : _mm256_set1_epi32(k + 1);                     \
+                __m256i cl, ch;                                                                   \
+                _mm_prefetch((const char *)(c + (bits * 8) * p + CZK_PREFETCH), _MM_HINT_T0);     \
+                czk_pair_avx2(c, bits, p, full, &cl, &ch);                                        \
+                for (int v = 0; v < NV; v++) {                                                    \
+                    const int8_t *xqb = bits == 4 ? av[v].q4p : av[v].q;                          \
+                    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xqb + 64 * p));       \
+                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xqb + 64 * p + 32));  \
+                    __m256 d0, d1;                                                                \
+                    if (bits == 8) {                                                              \
+                        const __m256i s0 = _mm256_loadu_si256((const __m256i *)(av[v].xs4 + 16 * p)); \
+                        const __m256i s1 =                                                        \
+                            _mm256_loadu_si256((const __m256i *)(av[v].xs4 + 16 * p + 8));        \
+                        d0 = _mm256_cvtepi32_ps(DOT8(cl, x0, s0));                                \
+                        d1 = _mm256_cvtepi32_ps(DOT8(ch, x1, s1));                                \
+                    } else {                                                                      \
+                        d0 = _mm256_cvtepi32_ps(DOTQ(cl, x0, bits));                              \
+                        d1 = _mm256_cvtepi32_ps(DOTQ(ch, x1, bits));                              \
+                    }                                                                             \
+                    lo[v] = _mm256_fmadd_ps(d0, _mm256_permutevar8x32_ps(S[v], i0), lo[v]);       \
+                    hi[v] = _mm256_fmadd_ps(d1, _mm256_permutevar8x32_ps(S[v], i1), hi[v]);       \
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
-        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                                    \
-        for (int64_t g = 0; g < G; g++)                                                           \
-            for (int i = 0; i < RB; i++) t[i] += mn[i][g] * a->gsum[g];                           \
-        for (int i = 0; i < RB; i++) y[r + i] = czk_hsum8(acc[i]) + t[i];                         \
+        for (int v = 0; v < NV; v++)                                                              \
+            y[v * ystride + r] =                                                                  \
+                czk_hsum8(_mm256_add_ps(lo[v], hi[v])) + czk_mterm_avx2(m, r, G, av[v].gsum);     \
     }                                                                                             \
                                                                                                   \
-    ATTR static void NAME(const czk_mat *m, const czk_xq *a, float *y, int64_t r0, int64_t r1) {  \
-        int64_t r = r0;                                                                           \
-        for (; r + 4 <= r1; r += 4) NAME##_rb(m, a, y, r, 4);                                     \
-        for (; r < r1; r++) NAME##_rb(m, a, y, r, 1);                                             \
+    ATTR static void NAME##_nvbits(const czk_mat *m, const czk_xq *av, int nv, float *y,          \
+                                   int64_t ystride, int64_t r0, int64_t r1, const int bits) {     \
+        for (int64_t r = r0; r < r1; r++) switch (nv) {                                           \
+            case 4: NAME##_nv(m, av, y, ystride, r, 4, bits); break;                              \
+            case 3: NAME##_nv(m, av, y, ystride, r, 3, bits); break;                              \
+            case 2: NAME##_nv(m, av, y, ystride, r, 2, bits); break;                              \
+            default: NAME##_nv(m, av, y, ystride, r, 1, bits); break;                             \
+            }                                                                                     \
+    }                                                                                             \
+                                                                                                  \
+    ATTR static void NAME##_multi(const czk_mat *m, const czk_xq *av, int nv, float *y,           \
+                                  int64_t ystride, int64_t r0, int64_t r1) {                      \
+        switch (m->bits) {                                                                        \
+        case 8: NAME##_nvbits(m, av, nv, y, ystride, r0, r1, 8); break;                           \
+        case 4: NAME##_nvbits(m, av, nv, y, ystride, r0, r1, 4); break;                           \
+        case 3: NAME##_nvbits(m, av, nv, y, ystride, r0, r1, 3); break;                           \
+        default: NAME##_nvbits(m, av, nv, y, ystride, r0, r1, 2); break;                          \
+        }                                                                                         \
     }
 
-CZK_ROWS_Q_SIMD(CZK_AVX2, czk_rows_q_avx2, czk_dot_avx2)
-CZK_ROWS_Q_SIMD(CZK_VNNI, czk_rows_q_vnni, czk_dot_vnni)
+CZK_ROWS_QNV(CZK_AVX2, czk_rows_q_avx2, czk_dot8_avx2, czk_dot_avx2)
+CZK_ROWS_QNV(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256)
+
 #endif
 
 /* Rows [r0, r1) of m @ x (x float for float kinds, `a` for quantized ones). */
@@ -615,8 +854,8 @@ static void czk_rows(const czk_mat *m, const float *x, const czk_xq *a, float *y
     const int lvl = czk_level();
     if (m->kind == CZK_Q) {
 #if CZK_X86
-        if (m->cols / m->group > CZK_GMAX / 4) return czk_rows_q_portable(m, a, y, r0, r1);
-        if (lvl == 2) return czk_rows_q_vnni(m, a, y, r0, r1);
+        if (!czk_simd_fits(m)) return czk_rows_q_portable(m, a, y, r0, r1);
+        if (lvl == 2) return czk_rows_q_vnni256(m, a, y, r0, r1);
         if (lvl == 1) return czk_rows_q_avx2(m, a, y, r0, r1);
 #endif
         return czk_rows_q_portable(m, a, y, r0, r1);
@@ -671,6 +910,60 @@ int czk_matvec(czk_pool *p, const czk_mat *m, const float *x, float *y, void *wo
     return 0;
 }
 
+/* ------------------------------------------------------------ several vectors */
+
+typedef struct {
+    const czk_mat *m;
+    const czk_xq *av; /* nvec quantized inputs */
+    int64_t nvec;
+    float *y; /* [nvec, rows] */
+} czk_mm_ctx;
+
+static void czk_mm_task(void *ctx_, int64_t t0, int64_t t1) {
+    czk_mm_ctx *c = (czk_mm_ctx *)ctx_;
+    const czk_mat *m = c->m;
+    for (int64_t v0 = 0; v0 < c->nvec; v0 += 4) {
+        const int nv = c->nvec - v0 < 4 ? (int)(c->nvec - v0) : 4;
+        float *y = c->y + v0 * m->rows;
+#if CZK_X86
+        const int lvl = czk_level();
+        if (czk_simd_fits(m) && lvl == 2) {
+            czk_rows_q_vnni256_multi(m, c->av + v0, nv, y, m->rows, t0, t1);
+            continue;
+        }
+        if (czk_simd_fits(m) && lvl == 1) {
+            czk_rows_q_avx2_multi(m, c->av + v0, nv, y, m->rows, t0, t1);
+            continue;
+        }
+#endif
+        for (int v = 0; v < nv; v++) czk_rows_q_portable(m, c->av + v0 + v, y + v * m->rows, t0, t1);
+    }
+}
+
+/* Scratch bytes of czk_matmul for nvec inputs of n floats. */
+int64_t czk_matmul_work_bytes(int64_t nvec, int64_t n) {
+    return nvec * ((int64_t)czk_xq_bytes(n) + 64) + (int64_t)sizeof(czk_xq) * nvec + 64;
+}
+
+/* y[v] = m @ x[v] for nvec inputs (x [nvec, cols], y [nvec, rows]) of a quantized
+ * m, each output exactly as czk_matvec computes it. Returns 0, or -1. */
+int czk_matmul(czk_pool *p, const czk_mat *m, const float *x, int64_t nvec, float *y,
+               void *work) {
+    if (!czk_check(m) || m->kind != CZK_Q || nvec <= 0) return -1;
+    uint8_t *w = (uint8_t *)czk_align(work);
+    czk_xq *av = (czk_xq *)w;
+    w = (uint8_t *)czk_align(w + sizeof(czk_xq) * (size_t)nvec);
+    for (int64_t v = 0; v < nvec; v++) {
+        czk_xq_bind(&av[v], w, m->cols);
+        w = (uint8_t *)czk_align(w + czk_xq_bytes(m->cols));
+        czk_quantize(x + v * m->cols, &av[v]);
+        czk_xq_groups(&av[v], m->group);
+    }
+    czk_mm_ctx c = {m, av, nvec, y};
+    czk_run(p, czk_mm_task, &c, m->rows, nvec * m->rows * m->cols);
+    return 0;
+}
+
 /* ------------------------------------------------------------ MoE layer */
 
 typedef struct {
@@ -712,18 +1005,7 @@ static void czk_moe_down_task(void *ctx_, int64_t t0, int64_t t1) {
     for (int64_t r = t0; r < t1; r += 64) {
         const int64_t e = r + 64 < t1 ? r + 64 : t1;
         for (int j = 0; j < c->n; j++) {
-            const czk_xq *aj = NULL;
-            czk_xq sub;
-            if (c->aact) { /* expert j's slice of the quantized activations */
-                sub.n = c->I;
-                sub.q = c->aact->q + j * c->I;
-                sub.q4p = c->aact->q4p + j * c->I;
-                sub.sx = c->aact->sx + j * (c->I / 32);
-                sub.bsum = c->aact->bsum + j * (c->I / 32);
-                sub.ggroup = c->aact->ggroup;
-                sub.gsum = c->aact->gsum + j * (c->I / c->aact->ggroup);
-                aj = &sub;
-            }
+            const czk_xq *aj = c->aact ? &c->aact[j] : NULL;
             czk_rows(&c->mats[3 * c->slots[j] + 2], c->act + j * c->I, aj, d - r, r, e);
             const float wj = c->w[j];
             if (j == 0)
@@ -737,7 +1019,7 @@ static void czk_moe_down_task(void *ctx_, int64_t t0, int64_t t1) {
 /* Scratch bytes of czk_moe for n experts of hidden H and intermediate I. */
 int64_t czk_moe_work_bytes(int n, int64_t H, int64_t I) {
     return (int64_t)(sizeof(float) * (size_t)(n * I)) + 64 + czk_work_bytes(H) +
-           czk_work_bytes((int64_t)n * I) + 64;
+           (int64_t)n * czk_work_bytes(I) + 64;
 }
 
 /* One token through n routed experts: y = sum_j w[j] * down_j(silu(gate_j x) * up_j x),
@@ -746,7 +1028,7 @@ int64_t czk_moe_work_bytes(int n, int64_t H, int64_t I) {
  * Returns 0, or -1 on inconsistent shapes or formats. */
 int czk_moe(czk_pool *p, int n, const czk_mat *table, const int64_t *slots, const float *w,
             const float *x, float *y, void *work) {
-    if (n <= 0) return -1;
+    if (n <= 0 || n > CZK_MAXK) return -1;
     const czk_mat *mats = table;
     const int64_t I = table[3 * slots[0]].rows, H = table[3 * slots[0]].cols;
     const int kind0 = table[3 * slots[0]].kind;
@@ -767,20 +1049,25 @@ int czk_moe(czk_pool *p, int n, const czk_mat *table, const int64_t *slots, cons
     uint8_t *m = (uint8_t *)czk_align(work);
     float *act = (float *)m;
     m = (uint8_t *)czk_align(m + sizeof(float) * (size_t)(n * I));
-    czk_xq ax, aact;
+    czk_xq ax, aact[CZK_MAXK];
     if (quant) {
         czk_xq_bind(&ax, m, H);
         m = (uint8_t *)czk_align(m + czk_xq_bytes(H));
-        czk_xq_bind(&aact, m, (int64_t)n * I);
+        for (int j = 0; j < n; j++) {
+            czk_xq_bind(&aact[j], m, I);
+            m = (uint8_t *)czk_align(m + czk_xq_bytes(I));
+        }
         czk_quantize(x, &ax);
         czk_xq_groups(&ax, table[3 * slots[0]].group);
     }
     czk_moe_ctx c = {n, H, I, mats, slots, w, x, quant ? &ax : NULL, act, NULL, y};
     czk_run(p, czk_moe_gu_task, &c, (int64_t)n * I, 2 * (int64_t)n * I * H);
     if (quant) {
-        czk_quantize(act, &aact);
-        czk_xq_groups(&aact, table[3 * slots[0] + 2].group);
-        c.aact = &aact;
+        for (int j = 0; j < n; j++) {
+            czk_quantize(act + (int64_t)j * I, &aact[j]);
+            czk_xq_groups(&aact[j], table[3 * slots[0] + 2].group);
+        }
+        c.aact = aact;
     }
     czk_run(p, czk_moe_down_task, &c, H, (int64_t)n * I * H);
     return 0;
@@ -945,7 +1232,9 @@ int64_t czk_attn_work_bytes(const czk_attn *a, int64_t H, int64_t length) {
 }
 
 /* The attention half of a decoder layer for one token at position pos:
- *   x = rmsnorm(h) * in_norm; q, k, v = x @ W.T (+ biases); RoPE on q and k
+ *   x = rmsnorm(h) * in_norm; q, k, v = x @ W.T (+ biases); q/k RMS norms
+ *   (qk_norm 1: over all heads at once, as OLMoE; 0: none); q, k, v
+ *   clamped to [-clip, clip] (clip > 0); RoPE on q and k
  *   (cos/sin: the position's half-width tables); k, v written at pos of the
  *   layer's cache [n_kv, cap, head_dim]; grouped-query attention over the
  *   positions max(0, pos - window + 1) .. pos (window 0: all); h += o_proj(out);
@@ -958,6 +1247,7 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
     const int64_t nq = (int64_t)a->n_heads * hd, nkv = (int64_t)a->n_kv * hd;
     if (a->n_kv <= 0 || a->n_heads % a->n_kv || pos < 0 || pos >= cap) return -1;
     if (a->rot <= 0 || a->rot > hd || a->rot % 2) return -1;
+    if (a->qk_norm < 0 || a->qk_norm > 1 || (a->qk_norm && (!a->q_norm || !a->k_norm))) return -1;
     const czk_mat *ms[4] = {&a->q, &a->k, &a->v, &a->o};
     for (int i = 0; i < 4; i++)
         if (!czk_check(ms[i])) return -1;
@@ -990,6 +1280,15 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
         for (int64_t i = 0; i < nkv; i++) k[i] += a->kb[i];
     if (a->vb)
         for (int64_t i = 0; i < nkv; i++) v[i] += a->vb[i];
+    if (a->qk_norm == 1) { /* one RMS norm over all query heads, one over all key heads */
+        czk_rms(q, a->q_norm, nq, a->eps, q);
+        czk_rms(k, a->k_norm, nkv, a->eps, k);
+    }
+    if (a->clip > 0.0f) {
+        const float c = a->clip;
+        for (int64_t i = 0; i < nq + 2 * nkv; i++)
+            qkv[i] = qkv[i] > c ? c : (qkv[i] < -c ? -c : qkv[i]);
+    }
     czk_rope(q, a->n_heads, hd, a->rot, cs, sn);
     czk_rope(k, a->n_kv, hd, a->rot, cs, sn);
     for (int g = 0; g < a->n_kv; g++) {

@@ -20,6 +20,9 @@ typedef struct {
     float eps, scale;
     czk_mat q, k, v, o;
     const float *in_norm, *post_norm, *qb, *kb, *vb;
+    int qk_norm;
+    float clip;
+    const float *q_norm, *k_norm;
 } czk_attn;
 
 typedef struct czk_pool czk_pool;
@@ -33,6 +36,9 @@ void czk_pool_free(czk_pool *p);
 void czk_quantize_input(const float *x, int64_t n, int8_t *q, float *sx, float *bsum);
 int64_t czk_work_bytes(int64_t n);
 int czk_matvec(czk_pool *p, const czk_mat *m, const float *x, float *y, void *work);
+int64_t czk_matmul_work_bytes(int64_t nvec, int64_t n);
+int czk_matmul(czk_pool *p, const czk_mat *m, const float *x, int64_t nvec, float *y,
+               void *work);
 int64_t czk_moe_work_bytes(int n, int64_t H, int64_t I);
 int czk_moe(czk_pool *p, int n, const czk_mat *table, const int64_t *slots, const float *w,
             const float *x, float *y, void *work);

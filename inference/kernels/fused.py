@@ -260,13 +260,20 @@ class DecodeKernels:
         n_heads: int,
         n_kv: int,
         head_dim: int,
+        qk_norm: int = 0,
+        clip: float | None = None,
     ) -> None:
         """The attention half of layer ``lw`` on :attr:`h` (in place); :attr:`x` gets the
         post-attention RMSNorm of the new ``h``. ``kcache``/``vcache``: the layer's
-        ``[n_kv, capacity, head_dim]`` float32 caches."""
+        ``[n_kv, capacity, head_dim]`` float32 caches. ``qk_norm``: RMS norms of q and k
+        with the layer's ``q_norm``/``k_norm`` after the projections (1: over all heads
+        at once, as OLMoE; 0: none); ``clip``: q, k and v clamped to
+        ``[-clip, clip]`` after them (None: no clamp)."""
         d = self._attn.get(id(lw))
         if d is None or d.layer is not lw:
-            d = self._describe_attn(lw, eps, n_heads, n_kv, head_dim, rotary.rotary_dim)
+            d = self._describe_attn(
+                lw, eps, n_heads, n_kv, head_dim, rotary.rotary_dim, qk_norm, clip
+            )
         if d.kc is not kcache or d.vc is not vcache:
             d.kc, d.vc = kcache, vcache
             d.pk, d.pv = _fptr(kcache), _fptr(vcache)
@@ -292,21 +299,40 @@ class DecodeKernels:
             raise KernelError(f"czk_attn_decode refused layer {lw.index} at position {pos}")
 
     def _describe_attn(
-        self, lw: Any, eps: float, n_heads: int, n_kv: int, head_dim: int, rot: int
+        self,
+        lw: Any,
+        eps: float,
+        n_heads: int,
+        n_kv: int,
+        head_dim: int,
+        rot: int,
+        qk_norm: int,
+        clip: float | None,
     ) -> _AttnDesc:
+        if qk_norm not in (0, 1):
+            raise KernelError(f"qk_norm must be 0 or 1, got {qk_norm!r}")
+        if clip is not None and not clip > 0:
+            raise KernelError(f"clip must be positive, got {clip!r}")
         s = _ffi.new("czk_attn *")
         keep: list[Any] = []
         s.n_heads, s.n_kv, s.head_dim, s.rot = n_heads, n_kv, head_dim, rot
         s.eps = eps
         s.scale = F32(head_dim**-0.5)
+        s.qk_norm = qk_norm
+        s.clip = 0.0 if clip is None else float(clip)
         for name in ("q", "k", "v", "o"):
             keep += describe(getattr(lw, f"{name}_proj"), getattr(s, name))
+        norms = (lw.q_norm, lw.k_norm) if qk_norm else (None, None)
+        if qk_norm and (norms[0] is None or norms[1] is None):
+            raise KernelError(f"layer {lw.index} has no q_norm/k_norm for qk_norm={qk_norm}")
         for field, arr in (
             ("in_norm", lw.input_norm),
             ("post_norm", lw.post_attn_norm),
             ("qb", lw.q_bias),
             ("kb", lw.k_bias),
             ("vb", lw.v_bias),
+            ("q_norm", norms[0]),
+            ("k_norm", norms[1]),
         ):
             if arr is None:
                 setattr(s, field, _ffi.NULL)
@@ -368,3 +394,37 @@ class DecodeKernels:
             hit = self._mats[id(final_norm)] = (final_norm, _fptr(final_norm))
         _lib.czk_rmsnorm(self._ph, hit[1], self.hidden, eps, self._px)
         self._matvec(m, self._px, self._plog)
+
+
+def quant_matmul(w: PackedMatrix, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``x @ w.T`` for ``x float32 [T, cols]`` with the decode kernel's int8 inputs (one thread).
+
+    Every row of the result is exactly what :meth:`DecodeKernels.matvec` gives for
+    that row of ``x`` (each token quantized on its own, the same operations per
+    output), so a token's product does not depend on the batch it came in; the
+    matrix's codes are loaded once per four tokens.
+
+    Raises
+    ------
+    KernelError
+        For a weight that is not a :class:`PackedMatrix` or mismatched shapes.
+    """
+    if not isinstance(w, PackedMatrix):
+        raise KernelError(f"quant_matmul takes a packed matrix, got {type(w).__name__}")
+    rows, cols = w.shape
+    x = np.ascontiguousarray(x, dtype=F32)
+    if x.ndim != 2 or x.shape[1] != cols:
+        raise KernelError(f"quant_matmul: x shape {x.shape} != (T, {cols})")
+    t = x.shape[0]
+    if out is None:
+        out = np.empty((t, rows), F32)
+    elif out.shape != (t, rows) or out.dtype != F32 or not out.flags.c_contiguous:
+        raise KernelError(f"quant_matmul: out must be float32 C-contiguous ({t}, {rows})")
+    if t == 0 or rows == 0:
+        return out
+    m = _ffi.new("czk_mat *")
+    describe(w, m)
+    work = np.empty(int(_lib.czk_matmul_work_bytes(t, cols)), np.uint8)
+    if _lib.czk_matmul(_ffi.NULL, m, _fptr(x), t, _fptr(out), _ptr(work)):
+        raise KernelError(f"czk_matmul refused a [{rows}, {cols}] {w.fmt.name} weight")
+    return out

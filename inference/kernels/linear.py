@@ -6,16 +6,21 @@ models: ``x @ W.T`` (:func:`mm_t`), an embedding gather (:func:`take_rows`)
 and wrapping a packed buffer, or a quantized expert's three packed parts,
 into kernel-ready :class:`~inference.kernels.ops.PackedMatrix` objects.
 
-A single token (decode) runs the matvec kernel; several run the small-matmul
-kernel, which decodes each group once for every token.
+Up to :data:`INT8_MAX_TOKENS` tokens (decode, a short prompt, an expert's
+share of a prompt) run the decode kernels' int8-input product, each token
+exactly as a decode step computes it; more run the float small-matmul kernel,
+which decodes each group once for every token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
+from czyx.inference.kernels import fused
 from czyx.inference.kernels.ops import PackedMatrix, prepare
 from czyx.store.quant.errors import QuantError
 from czyx.store.quant.extent import ExpertLayout
@@ -46,18 +51,65 @@ def mm_t(x: np.ndarray, w: Weight | GateUp) -> np.ndarray:
     if isinstance(w, GateUp):
         inter = w.gate.shape[0]
         out = np.empty((x.shape[0], 2 * inter), np.float32)
-        if x.shape[0] == 1:  # row slices of a single row are contiguous: no copy
+        if _int8_inputs(w.gate, x):
+            out[:, :inter] = fused.quant_matmul(w.gate, x)
+            out[:, inter:] = fused.quant_matmul(w.up, x)
+        elif x.shape[0] == 1:  # row slices of a single row are contiguous: no copy
             w.gate.matvec(x[0], out=out[0, :inter])
             w.up.matvec(x[0], out=out[0, inter:])
         else:
             out[:, :inter] = w.gate.matmul(x)
             out[:, inter:] = w.up.matmul(x)
         return out
+    if _int8_inputs(w, x):
+        return fused.quant_matmul(w, x)
     if x.shape[0] == 1:
         out = np.empty((1, w.shape[0]), np.float32)
         w.matvec(x.reshape(-1), out=out.reshape(-1))
         return out
     return w.matmul(x)
+
+
+#: Tokens up to which a quantized product runs the decode kernels' int8-input
+#: path (:func:`~czyx.inference.kernels.fused.quant_matmul`: integer dot
+#: products, the codes loaded once per four tokens). It measured faster than the
+#: float small matmul at every token count tried (bench/RESIDENT.md); the bound
+#: caps its per-call scratch (three bytes per input value).
+INT8_MAX_TOKENS = 256
+
+
+@contextmanager
+def float_inputs() -> Iterator[None]:
+    """Within the block, quantized products take float inputs at every token count.
+
+    For checks of a stored version's weight values against a float reference
+    (conversion and export fidelity): the 8-bit inputs of the short-prompt
+    kernels would add their own rounding to what is being compared. Not thread
+    safe (it sets :data:`INT8_MAX_TOKENS` for the process); tests only.
+    """
+    global INT8_MAX_TOKENS
+    saved, INT8_MAX_TOKENS = INT8_MAX_TOKENS, 0
+    try:
+        yield
+    finally:
+        INT8_MAX_TOKENS = saved
+
+
+#: Columns from which the int8-input path is taken: on narrow matrices its fixed
+#: per-token costs (quantizing the input, the call) outweigh the faster dot
+#: products, and the float small matmul measured faster (bench/RESIDENT.md).
+INT8_MIN_COLS = 1024
+
+
+def _int8_inputs(w: PackedMatrix, x: np.ndarray) -> bool:
+    # groups of a power-of-two number of 32-column blocks: the kernels' SIMD paths
+    blocks = w.fmt.group_size // 32
+    return (
+        x.shape[0] <= INT8_MAX_TOKENS
+        and w.shape[1] >= INT8_MIN_COLS
+        and fused.have_czk()
+        and blocks & (blocks - 1) == 0
+    )
 
 
 def take_rows(w: Weight, idx: np.ndarray) -> np.ndarray:

@@ -258,12 +258,16 @@ class MoEDecoder:
         self._czk = fused.have_czk()
         cls = type(self)
         # Whether a one-token step needs no numpy product (see decode_in_c).
-        self._all_c = (
-            self._czk
-            and all(getattr(cls, m) is getattr(MoEDecoder, m) for m in self._C_DECODE_BASE)
-            and all(cfg.sparse_layers)
-        )
-        self._fast_attn = all(getattr(cls, m) is getattr(MoEDecoder, m) for m in self._C_ATTN_BASE)
+        # How the C attention call reproduces post_qkv (None: it cannot).
+        self._c_qkv = self.c_post_qkv()
+
+        def in_c(m: str) -> bool:
+            if m == "post_qkv":
+                return self._c_qkv is not None
+            return getattr(cls, m) is getattr(MoEDecoder, m)
+
+        self._all_c = self._czk and all(map(in_c, self._C_DECODE_BASE)) and all(cfg.sparse_layers)
+        self._fast_attn = all(map(in_c, self._C_ATTN_BASE))
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
@@ -367,6 +371,17 @@ class MoEDecoder:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Transform the projected ``[T, width]`` q/k/v before RoPE (q/k norms, clipping)."""
         return q, k, v
+
+    def c_post_qkv(self) -> tuple[int, float | None] | None:
+        """How the C attention call reproduces :meth:`post_qkv`, or None when it cannot.
+
+        Returns ``(qk_norm, clip)`` for :meth:`DecodeKernels.attention
+        <czyx.inference.kernels.fused.DecodeKernels.attention>`: the base's
+        identity is ``(0, None)``. A subclass whose :meth:`post_qkv` the kernel
+        implements overrides both together; one that overrides
+        :meth:`post_qkv` alone gets None here, and numpy attention.
+        """
+        return (0, None) if type(self).post_qkv is MoEDecoder.post_qkv else None
 
     def finish_qkv(
         self, lw: Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray
@@ -477,7 +492,8 @@ class MoEDecoder:
         return h
 
     # Steps the C decode path implements itself: a subclass overriding any of them
-    # (MLA attention and its latent cache, q/k norms, shared experts) decodes in numpy.
+    # (MLA attention and its latent cache, shared experts) decodes in numpy; post_qkv
+    # counts as implemented when c_post_qkv describes it (OLMoE's q/k norms).
     _C_DECODE_BASE = ("post_qkv", "routed_extra", "_attention", "new_kv")
     # The subset the C attention call implements (others run numpy attention per layer).
     _C_ATTN_BASE = ("post_qkv", "_attention", "new_kv")
@@ -542,7 +558,7 @@ class MoEDecoder:
             if fast_attn:
                 kern.attention(
                     lw, kv.k[i], kv.v[i], start, cfg.sliding_windows[i], self.rotary,
-                    cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                    cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, *self._c_qkv,
                 )  # fmt: skip
             else:
                 if positions is None:

@@ -38,3 +38,9 @@ class OlmoeDecoder(QKNormDecoder):
         if clip is not None:
             q, k, v = (np.clip(a, -clip, clip) for a in (q, k, v))
         return q, k, v
+
+    def c_post_qkv(self) -> tuple[int, float | None] | None:
+        """Full-width q/k norms and the optional clamp, as the C attention call does them."""
+        if type(self).post_qkv is not OlmoeDecoder.post_qkv:
+            return None
+        return (1, self.cfg.clip_qkv)

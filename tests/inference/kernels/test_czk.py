@@ -1,9 +1,11 @@
 """The decode kernels (inference/kernels/czk.c) against numpy references of the same format.
 
 * Quantized rows: a numpy reference that performs the kernel's stated
-  operations (8-bit input blocks, exact integer dot products in eight lanes of
-  four, float32 lane accumulation in block order, the fixed lane tree, the
-  m-term) reproduces every SIMD path bit for bit.
+  operations (8-bit input blocks, exact integer dot products in sixteen lanes
+  of four per pair of blocks, float32 fused multiply-add accumulation per lane
+  in pair order, the fixed lane tree, the m-term in sixteen lanes) reproduces
+  every SIMD path bit for bit; its fused multiply-add is checked against exact
+  rational arithmetic.
 * Float rows (f32, f16, bf16), the MoE layer and the attention block: against
   float64 references, within float32 rounding bounds stated per test.
 * Thread counts: every kernel and a whole engine give bit-identical results
@@ -51,33 +53,96 @@ def ref_quantize_input(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return q.reshape(-1), d, bsum
 
 
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """``a * b + c`` rounded once to float32, as a fused multiply-add, for float32 inputs.
+
+    The float64 product of two float32 is exact; TwoSum gives the float64 sum
+    ``s`` and its exact error ``e``. Rounding ``s`` to float32 is then correct
+    unless ``s`` lies exactly halfway between two float32 and ``e`` is not
+    zero: then the exact value lies on ``e``'s side of the tie.
+    """
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c64 = np.broadcast_to(c, p.shape).astype(np.float64)
+    s = p + c64
+    bb = s - p
+    e = (p - (s - bb)) + (c64 - bb)
+    r = s.astype(F32)
+    r64 = r.astype(np.float64)
+    toward = np.where(s > r64, F32(np.inf), F32(-np.inf)).astype(F32)
+    other = np.nextafter(r, toward)
+    tie = (r64 != s) & ((r64 + other.astype(np.float64)) / 2 == s) & (e != 0)
+    pick_other = tie & (np.sign(e) == np.sign(other.astype(np.float64) - s))
+    return np.where(pick_other, other, r).astype(F32)
+
+
+def tree16(acc: np.ndarray) -> np.ndarray:
+    """The kernels' fixed sum of sixteen lanes: lane k with lane k + 8, then a tree of eight."""
+    t = acc[:, :8] + acc[:, 8:]
+    return ((t[:, 0] + t[:, 4]) + (t[:, 2] + t[:, 6])) + ((t[:, 1] + t[:, 5]) + (t[:, 3] + t[:, 7]))
+
+
 def ref_rows_q(buf: np.ndarray, fmt, shape, x: np.ndarray) -> np.ndarray:
     """The quantized matvec exactly as czk.c states it, in numpy float32 operations."""
     rows, cols = shape
     pm = prepare(buf, fmt, shape)
-    codes = unpack_codes(pm.codes, fmt.bits, cols).astype(np.int32)  # [R, C]
-    q, sx, bsum = ref_quantize_input(x)
     nb, bpg = cols // 32, fmt.group_size // 32
-    prod = (codes * q.astype(np.int32)[None]).reshape(rows, nb, 32)
-    if fmt.bits == 4:  # the kernel pairs low nibbles (even codes) then high (odd)
-        prod = prod[..., np.r_[0:32:2, 1:32:2]]
-    lanes = prod.reshape(rows, nb, 8, 4).sum(axis=-1).astype(F32)  # exact integers
+    npair = (nb + 1) // 2
+    codes = np.zeros((rows, 64 * npair), np.int32)
+    codes[:, :cols] = unpack_codes(pm.codes, fmt.bits, cols)
+    q, sx, bsum = ref_quantize_input(x)
+    qp = np.zeros(64 * npair, np.int32)
+    qp[:cols] = q
+    if fmt.bits == 4:  # pair order: even codes of both blocks, then odd codes of both
+        order = np.r_[0:32:2, 32:64:2, 1:32:2, 33:64:2]
+        blk = (np.arange(16) >> 2) & 1
+    else:
+        order = np.arange(64)
+        blk = np.arange(16) >> 3
     scales = pm.scales.astype(F32)
     mins = pm.mins.astype(F32)
-    acc = np.zeros((rows, 8), F32)
-    for b in range(nb):
-        s = scales[:, b // bpg] * sx[b]
-        acc = acc + lanes[:, b] * s[:, None]
-    tree = ((acc[:, 0] + acc[:, 4]) + (acc[:, 2] + acc[:, 6])) + (
-        (acc[:, 1] + acc[:, 5]) + (acc[:, 3] + acc[:, 7])
-    )
-    t = np.zeros(rows, F32)
+    acc = np.zeros((rows, 16), F32)
+    for p in range(npair):
+        c = codes[:, 64 * p : 64 * p + 64][:, order]
+        xq = qp[64 * p : 64 * p + 64][order]
+        lanes = (c * xq[None]).reshape(rows, 16, 4).sum(axis=-1).astype(F32)  # exact integers
+        s = np.zeros((rows, 2), F32)
+        for j in range(2):
+            b = 2 * p + j
+            if b < nb:
+                s[:, j] = scales[:, b // bpg] * sx[b]
+        acc = fma32(lanes, s[:, blk], acc)
+    mt = np.zeros((rows, 16), F32)
     for g in range(cols // fmt.group_size):
         gs = F32(0)
         for b in range(g * bpg, (g + 1) * bpg):
             gs = F32(gs + bsum[b])
-        t = t + mins[:, g] * gs
-    return tree + t
+        mt[:, g % 16] = fma32(mins[:, g], np.full(rows, gs, F32), mt[:, g % 16])
+    return tree16(acc) + tree16(mt)
+
+
+def test_fma32_is_a_fused_multiply_add():
+    """The reference's emulation against exact rational arithmetic, ties included."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(5)
+    a = rng.integers(-(2**17), 2**17, 4000).astype(F32)
+    b = (rng.standard_normal(4000) * 2.0 ** rng.integers(-20, 5, 4000)).astype(F32)
+    c = (rng.standard_normal(4000) * 2.0 ** rng.integers(-20, 20, 4000)).astype(F32)
+    # ties: c + a*b exactly halfway between two float32 (a*b half an ulp of c)
+    a[:50], b[:50] = F32(1), F32(1)
+    ulp = np.spacing(np.abs(c[:50])).astype(np.float64)
+    b[:50] = (ulp / 2).astype(F32)
+    got = fma32(a, b, c)
+    for i in range(4000):
+        exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
+        lo = np.float32(float(exact))  # float() rounds to nearest double, then to float32
+        cands = [lo, np.nextafter(lo, F32(np.inf)), np.nextafter(lo, F32(-np.inf))]
+        errs = [abs(Fraction(float(v)) - exact) for v in cands]
+        best = min(errs)
+        ok = [v for v, e in zip(cands, errs, strict=True) if e == best]
+        if len(ok) > 1:  # a tie: round half to even
+            ok = [v for v in ok if int(np.array(v).view(np.uint32)) % 2 == 0]
+        assert got[i] == ok[0], (i, a[i], b[i], c[i])
 
 
 def _kern(threads: int = 1, hidden: int = 64) -> fused.DecodeKernels:
@@ -102,10 +167,13 @@ def test_input_quantization_matches_numpy(level):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_quantized_matvec_is_exactly_its_numpy_reference(level, name):
+@pytest.mark.parametrize("wide", [False, True])
+def test_quantized_matvec_is_exactly_its_numpy_reference(level, name, wide):
     fmt = get_format(name)
     rng = np.random.default_rng(1)
-    rows, cols = 37, 3 * max(fmt.group_size, 64)
+    # wide: an odd block count for 32-column groups (a pair's second block missing),
+    # more than one input padding unit (512 columns) and a row count below four
+    rows, cols = (9, 21 * fmt.group_size) if wide else (37, 3 * max(fmt.group_size, 64))
     w = rng.standard_normal((rows, cols)).astype(F32)
     buf = quantize(w, fmt, method="minmax")
     x = rng.standard_normal(cols).astype(F32)
@@ -306,10 +374,13 @@ def test_embedding_row_is_exactly_dequantize(name):
         ("mixtral", dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e4))),
         ("qwen2_moe", dict(use_sliding_window=True, sliding_window=5, max_window_layers=3)),
         ("mixtral", dict(num_attention_heads=6, num_key_value_heads=3)),
+        ("olmoe", {}),
+        ("olmoe", dict(clip_qkv=0.5, num_attention_heads=4, num_key_value_heads=2)),
     ],
 )
 def test_decode_block_matches_transformers_on_config_variants(arch, overrides):
-    """The C attention block (sliding window, linear RoPE, biases, GQA) vs transformers."""
+    """The C attention block (sliding window, linear RoPE, biases, GQA, OLMoE's
+    full-width q/k norms and clamp) vs transformers."""
     import torch
 
     from czyx.inference.engine import Engine
@@ -359,3 +430,62 @@ def test_half_precision_slots_are_computed_as_stored(tmp_path, dtype, kind):
         runs.append(np.stack(logits))
     want = runs[1]
     assert np.abs(runs[0] - want).max() <= 1e-4 * float(want.max() - want.min())
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_olmoe_decodes_in_c_as_its_numpy_attention(clip):
+    """OLMoE's q/k norms in czk_attn_decode against the decoder's numpy attention."""
+    from czyx.inference.engine import Engine
+    from czyx.testing.refmodels import StateDictConsumer, tiny_model
+
+    prompt = np.random.default_rng(12).integers(0, 256, 10)
+    model = tiny_model("olmoe", seed=6, clip_qkv=clip)
+    logits = []
+    for fast in (True, False):
+        eng = Engine(StateDictConsumer(model), threads=1)
+        assert eng.model.decode_in_c()
+        eng.model._fast_attn = fast  # False: numpy attention, the rest unchanged
+        out = [eng.prefill(prompt[:3])]
+        out += [eng.decode(int(t)) for t in prompt[3:]]
+        logits.append(np.stack(out))
+    c, ref = logits
+    assert np.abs(c - ref).max() <= 1e-5 * float(ref.max() - ref.min())
+
+
+def test_attention_refuses_a_bad_qk_norm_mode():
+    from czyx.inference.engine import Engine
+    from czyx.testing.refmodels import StateDictConsumer, tiny_model
+
+    eng = Engine(StateDictConsumer(tiny_model("olmoe", seed=6)), threads=1)
+    m, kern = eng.model, eng.model.kernels()
+    cfg = m.cfg
+    kv = np.zeros((cfg.n_kv_heads, 8, cfg.head_dim), F32)
+    with pytest.raises(fused.KernelError, match="qk_norm"):
+        kern.attention(
+            m.layers[0], kv, kv.copy(), 0, None, m.rotary, cfg.rms_eps,
+            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 3,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["q8", "q4", "q2", "q4g64"])
+def test_quantized_matmul_rows_are_exactly_the_matvec(level, split_loops, name):
+    """czk_matmul (a prefill's tokens) gives each token exactly czk_matvec's result."""
+    fmt = get_format(name)
+    rng = np.random.default_rng(3)
+    rows, cols = 13, 7 * fmt.group_size
+    buf = quantize(rng.standard_normal((rows, cols)).astype(F32), fmt, method="minmax")
+    w = prepare(buf, fmt, (rows, cols))
+    x = rng.standard_normal((6, cols)).astype(F32)  # a chunk of four, then two
+    k = _kern(threads=2)
+    want = np.zeros((6, rows), F32)
+    for t in range(6):
+        k.matvec(w, x[t], want[t])
+    got = fused.quant_matmul(w, x)
+    assert np.array_equal(got, want)
+    assert np.array_equal(fused.quant_matmul(w, x[4:5]), want[4:5])
+    k.close()
+
+
+def test_quant_matmul_refuses_float_weights():
+    with pytest.raises(fused.KernelError):
+        fused.quant_matmul(np.zeros((4, 32), F32), np.zeros((1, 32), F32))

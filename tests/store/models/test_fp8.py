@@ -13,6 +13,7 @@ import torch
 
 from czyx import portals
 from czyx.inference.engine import Engine
+from czyx.inference.kernels.linear import float_inputs
 from czyx.inference.opened import OpenedModel
 from czyx.store import Store
 from czyx.store.models.fp8 import dequantize_fp8, e4m3_table
@@ -32,7 +33,7 @@ def _run(tmp_path, arch, policy, block=(32, 32)):
         result = mount(store, ckpt, "m@1", convert=policy)
         manifest = store.manifest(result.selector)
         token = portals.root_token(store)
-    with OpenedModel(str(tmp_path / "s"), "m@1", token) as opened:
+    with OpenedModel(str(tmp_path / "s"), "m@1", token) as opened, float_inputs():
         got = Engine(opened.consumer).prefill(PROMPT, all_logits=True)
     with torch.no_grad():
         want = fp8_reference(model, ckpt)(torch.tensor(PROMPT)[None]).logits[0].numpy()

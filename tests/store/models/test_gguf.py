@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from czyx import portals
 from czyx.inference.engine import Engine
+from czyx.inference.kernels.linear import float_inputs
 from czyx.inference.opened import OpenedModel
 from czyx.inference.tokenizer import tokenizer_for
 from czyx.store import Store
@@ -46,7 +47,7 @@ def gguf_model(arch: str, **kw):
 
 
 def _logits(store_dir, tag, token) -> np.ndarray:
-    with OpenedModel(str(store_dir), tag, token) as opened:
+    with OpenedModel(str(store_dir), tag, token) as opened, float_inputs():
         return Engine(opened.consumer).prefill(PROMPT, all_logits=True)
 
 

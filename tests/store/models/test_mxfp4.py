@@ -17,6 +17,7 @@ import torch
 
 from czyx import portals
 from czyx.inference.engine import Engine
+from czyx.inference.kernels.linear import float_inputs
 from czyx.inference.opened import OpenedModel
 from czyx.store import Store
 from czyx.store.models.gguf import ConversionPolicyError
@@ -54,7 +55,7 @@ def _run(tmp_path, ckpt, policy):
         result = mount(store, ckpt, "m@1", convert=policy)
         manifest = store.manifest(result.selector)
         token = portals.root_token(store)
-    with OpenedModel(str(tmp_path / "s"), "m@1", token) as opened:
+    with OpenedModel(str(tmp_path / "s"), "m@1", token) as opened, float_inputs():
         got = Engine(opened.consumer).prefill(PROMPT, all_logits=True)
     return result, manifest, got
 

@@ -1,0 +1,164 @@
+"""The quantized decode kernels alone: czk's matvec against a base revision's, interleaved.
+
+Scope: one question, how fast ``czk_matvec`` (``inference/kernels/czk.c``) reads a
+quantized matrix too big for the caches, per SIMD path, against the same kernel
+built from another git revision (``--base``, default the commit before the
+pair-of-blocks rewrite) in the same process. The base's ``czk.c`` and headers are
+taken with ``git show``, built with cffi into a temporary directory and loaded
+under another module name; both then run the same calls, alternating, and the
+thread CPU time of each call is recorded (the machine is shared: CPU time is less
+disturbed by other jobs than wall time, and the product is single-threaded).
+
+The matrix: ``--rows-base`` rows of random weights quantized by the store's
+quantizer, tiled ``--tile`` times (codes, scales and mins; 113 MB in q8 and 63 MB
+in q4 by default), so every call streams from memory. Reported per path and format:
+GB/s of packed bytes (median over ``--reps``), the speedup, and the largest
+difference between the two kernels' outputs relative to the output's magnitude
+(the numerics changed: see czk.c's header). Writes ``--md`` (``bench/KERNELS.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from bench_scale import machine  # noqa: E402
+
+BASE = "51b1d95"
+
+
+def build_base(rev: str, tmp: Path) -> object:
+    """The base revision's ``_czk`` extension, built in ``tmp`` and imported as ``basek._czk``."""
+    kdir = tmp / "kernels"
+    kdir.mkdir()
+    for name in ("czk.c", "czk_api.h", "half.h"):
+        src = subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{rev}:inference/kernels/{name}"],
+            capture_output=True, check=True,
+        ).stdout  # fmt: skip
+        (kdir / name).write_bytes(src)
+    from cffi import FFI
+
+    ffi = FFI()
+    ffi.cdef((kdir / "czk_api.h").read_text())
+    ffi.set_source(
+        "basek._czk",
+        (kdir / "czk.c").read_text(),
+        include_dirs=[str(kdir)],
+        extra_compile_args=["-O3", "-std=gnu99", "-ffp-contract=off", "-fno-strict-aliasing"],
+        libraries=["m", "pthread"],
+    )
+    so = ffi.compile(tmpdir=str(tmp / "build"))
+    spec = importlib.util.spec_from_file_location("basek._czk", so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fused_with(ext: object) -> object:
+    """A private copy of ``czyx.inference.kernels.fused`` bound to extension ``ext``."""
+    from czyx.inference.kernels import fused
+
+    spec = importlib.util.spec_from_file_location("basefused", fused.__file__)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod._lib, mod._ffi = ext.lib, ext.ffi
+    return mod
+
+
+def big_matrix(fmt_name: str, rows: int, cols: int, tile: int):
+    """A packed matrix of ``rows * tile`` rows (one quantized block of rows, tiled)."""
+    from czyx.inference.kernels.ops import prepare
+    from czyx.store.quant.formats import get_format, quantize, views
+
+    fmt = get_format(fmt_name)
+    w = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32) * 0.02
+    c, s, m = views(quantize(w, fmt), fmt, (rows, cols))
+    parts = [np.tile(np.asarray(a).reshape(rows, -1), (tile, 1)).reshape(-1) for a in (c, s, m)]
+    buf = np.concatenate([p.view(np.uint8) for p in parts])
+    return prepare(buf, fmt, (rows * tile, cols)), buf.nbytes
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", default=BASE, help="git revision of the baseline kernels")
+    ap.add_argument("--formats", nargs="+", default=["q8", "q4"])
+    ap.add_argument("--rows-base", type=int, default=4096)
+    ap.add_argument("--cols", type=int, default=2048)
+    ap.add_argument("--tile", type=int, default=12)
+    ap.add_argument("--reps", type=int, default=11)
+    ap.add_argument("--md", default=str(REPO / "bench" / "KERNELS.md"))
+    a = ap.parse_args(argv)
+    from czyx.inference.kernels import fused as new
+
+    load0 = os.getloadavg()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        base = fused_with(build_base(a.base, Path(tmp)))
+        levels = [lv for lv in new.LEVELS[1:] if new.LEVELS.index(lv) <= new._lib.czk_level()]
+        for fmt_name in a.formats:
+            pm, nbytes = big_matrix(fmt_name, a.rows_base, a.cols, a.tile)
+            R, C = pm.shape
+            x = np.random.default_rng(1).standard_normal(C, dtype=np.float32)
+            for lv in levels:
+                runs = {}
+                for name, mod in (("base", base), ("new", new)):
+                    runs[name] = (mod, mod.DecodeKernels(C, R, 8, 1), np.zeros(R, np.float32), [])
+                for _ in range(a.reps):
+                    for mod, k, y, ts in runs.values():
+                        mod._lib.czk_set_cap(mod.LEVELS.index(lv))
+                        t = time.thread_time()
+                        k.matvec(pm, x, y)
+                        ts.append(time.thread_time() - t)
+                gbs = {n: nbytes / np.median(r[3]) / 1e9 for n, r in runs.items()}
+                yb, yn = runs["base"][2], runs["new"][2]
+                diff = float(np.abs(yn - yb).max() / np.abs(yb).max())
+                rows.append((lv, fmt_name, R, C, nbytes, gbs["base"], gbs["new"], diff))
+                print(f"{lv} {fmt_name}: base {gbs['base']:.2f} GB/s, new {gbs['new']:.2f} GB/s "
+                      f"({gbs['new'] / gbs['base']:.2f}x)", flush=True)  # fmt: skip
+                for mod, k, _, _ in runs.values():
+                    mod._lib.czk_set_cap(len(mod.LEVELS) - 1)
+                    k.close()
+    load1 = os.getloadavg()
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    cmd = "python bench/bench_kernels.py " + " ".join(
+        shlex.quote(v) for v in (argv if argv is not None else sys.argv[1:])
+    )
+    lines = [
+        "# czk quantized matvec: this tree vs a base revision",
+        "",
+        f"Generated by `bench/bench_kernels.py` ({stamp}); its docstring states the method.",
+        "",
+        f"- machine: {machine()}",
+        f"- base: `{a.base}`; one thread; median of {a.reps} interleaved calls each, thread CPU "
+        "time; GB/s of packed bytes (codes, fp16 scales and mins)",
+        f"- load average before: {' '.join(f'{v:.2f}' for v in load0)}; after: "
+        f"{' '.join(f'{v:.2f}' for v in load1)}",
+        "",
+        "| SIMD path | format | matrix | MB | base GB/s | this tree GB/s | speedup "
+        "| max abs diff / max abs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for lv, f, R, C, nb, gb, gn, d in rows:
+        lines.append(
+            f"| {lv} | {f} | {R} x {C} | {nb / 1e6:.0f} | {gb:.2f} | {gn:.2f} | "
+            f"**{gn / gb:.2f}x** | {d:.1e} |"
+        )
+    lines += ["", f"Command: `{cmd.strip()}`", ""]
+    Path(a.md).write_text("\n".join(lines))
+    print(f"wrote {a.md}")
+
+
+if __name__ == "__main__":
+    main()
