@@ -164,7 +164,7 @@ def row_sustained(scratch: Path, mib: int, io: str) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=str(ROOT / "bench" / ".evidence"), help="scratch directory")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "EVIDENCE.md"))
+    ap.add_argument("--out", default=None, help="default bench/EVIDENCE.md (-full.md with --full)")
     ap.add_argument("--full", action="store_true", help="the design's sizes (minutes, GBs)")
     ap.add_argument(
         "--io", default=None, help="I/O path for the streaming rows (default: fastest measured)"
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{load0[0]:.2f} at start, {load1[0]:.2f} at end (1-minute; other users share "
         f"these {os.cpu_count()} CPUs, so timings carry their noise)"
     )
-    out = Path(args.out)
+    out = Path(args.out or ROOT / "bench" / ("EVIDENCE-full.md" if args.full else "EVIDENCE.md"))
     out.write_text(render(rows, details, machine, io, args, elapsed))
     print(f"wrote {out} in {elapsed:.0f} s")
     return 0
