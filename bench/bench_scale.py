@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -109,6 +110,45 @@ def run(args: list[str], cap: int | None, name: str) -> dict:
     return res
 
 
+def one_round(a, llama: list[str], czyx: list[str], files, stored: int, capped_ok: bool):
+    """Resident, capped and dial runs once, each engine a fresh process, files evicted first."""
+    res_l = run(llama, None, "llama-resident")
+    res_c = run([*czyx, "--prewarm"], None, "czyx-resident")
+    print(fmt_row("llama resident", res_l), flush=True)
+    print(fmt_row("czyx resident", res_c), flush=True)
+    # what czyx holds besides its expert slots, from its resident run
+    other = res_c.get("vm_hwm", 0) - res_c.get("expert_bytes", 0)
+    capped = []
+    for r in a.ratios if capped_ok else []:
+        cap = int(stored / r)
+        budget_mb = int((cap * (1 - a.margin) - other) / 2**20)
+        evict(files)
+        rl = run(llama, cap, f"llama-{r}")
+        print(fmt_row(f"llama cap {cap / 2**20:.0f} MiB", rl), flush=True)
+        evict(files)
+        if budget_mb <= 0:
+            rc = {"rc": -1, "stderr": f"no room for slots: {other / 2**20:.0f} MiB besides"}
+        else:
+            rc = run([*czyx, "--cache-mb", str(budget_mb)], cap, f"czyx-{r}")
+        print(fmt_row(f"czyx cap {cap / 2**20:.0f} MiB ({budget_mb} MiB slots)", rc), flush=True)
+        capped.append((r, cap, rl, rc, budget_mb))
+    dial = []
+    exp_mb = res_c.get("expert_bytes", 0) / 2**20
+    for f in a.dial:
+        mb = max(1, int(exp_mb * f))
+        evict(files)
+        rd = run([*czyx, "--cache-mb", str(mb)], None, f"dial-{f}")
+        print(fmt_row(f"czyx dial {f:.3f} ({mb} MiB)", rd), flush=True)
+        dial.append((f, mb, rd))
+    return res_l, res_c, capped, dial
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median decode speed (a failed run counts as the slowest)."""
+    order = sorted(runs, key=lambda r: r.get("decode_tok_s", -1.0) if r.get("rc") == 0 else -1.0)
+    return order[(len(order) - 1) // 2]
+
+
 def machine() -> str:
     cpu = next(
         (
@@ -153,6 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--margin", type=float, default=0.1, help="czyx cap headroom fraction")
     ap.add_argument("--md", default=str(HERE / "SCALE.md"))
     ap.add_argument("--stats-tokens", type=int, default=256)
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="interleaved rounds; each row is its median round"
+    )
     a = ap.parse_args(argv)
     out = Path(a.out)
     store = Path(a.store) if a.store else out / "store"
@@ -186,43 +229,34 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[tuple[str, dict]] = []
     print(f"model: {shape['arch']} {shape['layers']} layers, q8_0 GGUF {stored / 1e9:.2f} GB")
 
-    res_l = run(llama, None, "llama-resident")
-    res_c = run([*czyx, "--prewarm"], None, "czyx-resident")
-    rows += [("llama.cpp q8_0, resident", res_l), ("czyx q8, resident", res_c)]
-    print(fmt_row("llama resident", res_l), flush=True)
-    print(fmt_row("czyx resident", res_c), flush=True)
-    # what czyx holds besides its expert slots, from its resident run
-    other = res_c.get("vm_hwm", 0) - res_c.get("expert_bytes", 0)
-
     why = cgroups_writable()
-    capped: list[tuple[float, int, dict, dict, int]] = []
-    if why is None:
-        for r in a.ratios:
-            cap = int(stored / r)
-            budget_mb = int((cap * (1 - a.margin) - other) / 2**20)
-            evict(files)
-            rl = run(llama, cap, f"llama-{r}")
-            print(fmt_row(f"llama cap {cap / 2**20:.0f} MiB", rl), flush=True)
-            evict(files)
-            if budget_mb <= 0:
-                rc = {"rc": -1, "stderr": f"no room for slots: {other / 2**20:.0f} MiB besides"}
-            else:
-                rc = run([*czyx, "--cache-mb", str(budget_mb)], cap, f"czyx-{r}")
-            print(
-                fmt_row(f"czyx cap {cap / 2**20:.0f} MiB ({budget_mb} MiB slots)", rc), flush=True
-            )
-            capped.append((r, cap, rl, rc, budget_mb))
-    else:
+    if why is not None:
         print(f"skipping the capped runs: {why}")
-
-    dial = []
-    exp_mb = res_c.get("expert_bytes", 0) / 2**20
-    for f in a.dial:
-        mb = max(1, int(exp_mb * f))
-        evict(files)
-        rd = run([*czyx, "--cache-mb", str(mb)], None, f"dial-{f}")
-        print(fmt_row(f"czyx dial {f:.3f} ({mb} MiB)", rd), flush=True)
-        dial.append((f, mb, rd))
+    rounds = []
+    for k in range(a.rounds):
+        print(f"round {k + 1} of {a.rounds} (load {os.getloadavg()[0]:.1f})", flush=True)
+        rounds.append(one_round(a, llama, czyx, files, stored, why is None))
+    res_l = _median_run([r[0] for r in rounds])
+    res_c = _median_run([r[1] for r in rounds])
+    rows += [("llama.cpp q8_0, resident", res_l), ("czyx q8, resident", res_c)]
+    capped = [
+        (*rounds[0][2][j][:2], _median_run([r[2][j][2] for r in rounds]),
+         _median_run([r[2][j][3] for r in rounds]), rounds[0][2][j][4])
+        for j in range(len(rounds[0][2]))
+    ]  # fmt: skip
+    dial = [
+        (*rounds[0][3][j][:2], _median_run([r[3][j][2] for r in rounds]))
+        for j in range(len(rounds[0][3]))
+    ]
+    # Ratios per round (both engines of a round ran back to back), then their median.
+    ratios = []
+    for j, (r, *_rest) in enumerate(capped):
+        vs_llama, vs_res = [], []
+        for rl0, rc0, rr in ((x[2][j][2], x[2][j][3], x[1]) for x in rounds):
+            if rl0.get("rc") == 0 and rc0.get("rc") == 0 and rr.get("rc") == 0:
+                vs_llama.append(rc0["decode_tok_s"] / rl0["decode_tok_s"])
+                vs_res.append(rc0["decode_tok_s"] / rr["decode_tok_s"])
+        ratios.append((r, vs_llama, vs_res))
     load1 = os.getloadavg()
 
     cmd = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
@@ -246,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
         f"czyx: `{a.tag}` (q8 experts and matrices, routers float; O_DIRECT slot cache, "
         f"prefetch). {a.prompt}-token prompt, {a.warmup} untimed then {a.tokens} timed "
         f"teacher-forced decode tokens (the resident czyx run prewarms every expert), "
-        f"{a.threads} threads each, one run per row (wall clock).",
+        f"{a.threads} threads each, wall clock; {a.rounds} interleaved round(s), each row "
+        "the round with the median decode speed.",
         "",
         f"## Routing ({a.stats_tokens} tokens of `{TEXT.relative_to(HERE.parent)}`, "
         "czyx prefill, resident)",
@@ -267,13 +302,14 @@ def main(argv: list[str] | None = None) -> None:
         md.append(
             fmt_row(f"czyx, cap {cap / 2**20:.0f} MiB (stored {r}x cap), {budget_mb} MiB slots", rc)
         )
-    md += ["", "Ratios (decode tok/s):", ""]
-    for r, _cap, rl, rc, _ in capped:
-        if rl.get("rc") == 0 and rc.get("rc") == 0 and res_c.get("rc") == 0:
+    md += ["", f"Ratios (decode tok/s; median of the {a.rounds} rounds' own ratios):", ""]
+    for r, vs_llama, vs_res in ratios:
+        if vs_llama:
+            each = ", ".join(f"{x:.2f}" for x in vs_llama)
             md.append(
-                f"- stored {r}x cap: czyx / llama.cpp = "
-                f"{rc['decode_tok_s'] / rl['decode_tok_s']:.2f}x; czyx capped / czyx resident = "
-                f"{rc['decode_tok_s'] / res_c['decode_tok_s']:.2f}x"
+                f"- stored {r}x cap: czyx / llama.cpp = {statistics.median(vs_llama):.2f}x "
+                f"(rounds: {each}); czyx capped / czyx resident = "
+                f"{statistics.median(vs_res):.2f}x"
             )
         else:
             md.append(f"- stored {r}x cap: a run failed (see the table)")
