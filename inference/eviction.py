@@ -67,7 +67,7 @@ class DecayPolicy:
 
     def __init__(self, n_slots: int, n_keys: int, half_life: float = HALF_LIFE_TOKENS) -> None:
         if not half_life > 0:
-            raise ValueError(f"decay half_life {half_life} is not positive")
+            raise ValueError(f"{self.name} half_life {half_life} is not positive")
         self.half_life = float(half_life)
         self.rate = math.log(2.0) / self.half_life
         self.lv = np.full(n_keys, -np.inf)  # log-domain score per (layer, expert)
@@ -181,7 +181,7 @@ class SLRUPolicy:
 HALF_LIFE_STEPS = 4.0
 
 
-class CyclicPolicy:
+class CyclicPolicy(DecayPolicy):
     """Decaying frequency weighted by how soon the layer cycle comes back to an expert.
 
     A forward step visits the sparse layers in order, so when layer ``L`` is
@@ -219,24 +219,15 @@ class CyclicPolicy:
     name = "cyclic"
 
     def __init__(self, n_slots: int, n_keys: int, half_life: float = HALF_LIFE_STEPS) -> None:
-        if not half_life > 0:
-            raise ValueError(f"cyclic half_life {half_life} is not positive")
-        self.half_life = float(half_life)
-        self.rate = math.log(2.0) / self.half_life
-        self.lv = np.full(n_keys, -np.inf)  # log-domain score per (layer, expert)
-        self.key = np.zeros(n_slots, np.int64)
+        super().__init__(n_slots, n_keys, half_life)  # scores and touch() as decay's
         self.slot_layer = np.zeros(n_slots, np.int64)
         self.n_layers = 1
         self.n_experts = max(n_keys, 1)
         self._log_dist = np.zeros(1)  # log(distance) by (slot layer - current layer) mod n_layers
         self.layer = 0
         self._steps = -1
-        self._now = 0.0
-        self._score = np.empty(n_slots)
         self._off = np.empty(n_slots, np.int64)
         self._ld = np.empty(n_slots)
-        self._tie = np.empty(n_slots, np.int64)
-        self._not_min = np.empty(n_slots, bool)
 
     def set_layout(self, n_layers: int, n_experts: int) -> None:
         """Keys are ``layer * n_experts + expert`` over ``n_layers`` layers."""
@@ -258,14 +249,6 @@ class CyclicPolicy:
         """``slot`` now holds expert ``key``."""
         self.key[slot] = key
         self.slot_layer[slot] = key // self.n_experts
-
-    def touch(self, slot: int) -> None:
-        """One use of the slot's expert now: decay its score to now, add 1."""
-        k = self.key[slot]
-        old = self.lv[k]
-        now = self._now
-        s = math.exp(old - now) if old > -np.inf else 0.0
-        self.lv[k] = math.log(s + 1.0) + now
 
     def victim(self, blocked: np.ndarray) -> int:
         """The unblocked slot with the lowest score / distance (ties: lowest key), or -1."""

@@ -356,6 +356,21 @@ def _per_expert_sources(
     return out[0], out[1], out[2]
 
 
+def _gate_up_down(
+    ckpt: Checkpoint, layer: int, parts: dict[str, str], kind: str
+) -> tuple[str, str]:
+    """The ``gate_up`` and ``down`` tensor names of a layer's stacked experts (or refused)."""
+    for part in ("gate_up", "down"):
+        if part not in parts:
+            other = next(iter(parts.values()))
+            raise MissingTensorError(
+                f"{kind} experts of layer {layer} lack {part}_proj",
+                file=str(ckpt.info(other).file),
+                tensor=other,
+            )
+    return parts["gate_up"], parts["down"]
+
+
 def _fused_sources(
     ckpt: Checkpoint,
     layer: int,
@@ -365,15 +380,7 @@ def _fused_sources(
     inter: int,
     dtypes: set[str],
 ) -> list[tuple[PartSource, PartSource, PartSource]]:
-    for part in ("gate_up", "down"):
-        if part not in parts:
-            other = next(iter(parts.values()))
-            raise MissingTensorError(
-                f"fused experts of layer {layer} lack {part}_proj",
-                file=str(ckpt.info(other).file),
-                tensor=other,
-            )
-    gu, dn = parts["gate_up"], parts["down"]
+    gu, dn = _gate_up_down(ckpt, layer, parts, "fused")
     size = _check_shape(ckpt, gu, (n_experts, 2 * inter, hidden), dtypes)
     _check_shape(ckpt, dn, (n_experts, hidden, inter), dtypes)
     m = inter * hidden * size  # bytes of one [I, H] matrix
@@ -397,15 +404,7 @@ def _transposed_sources(
     dtypes: set[str],
 ) -> list[tuple[PartSource, PartSource]]:
     """GPT-OSS: ``gate_up [E, H, 2I]`` (interleaved) and ``down [E, I, H]``, two blocks each."""
-    for part in ("gate_up", "down"):
-        if part not in parts:
-            other = next(iter(parts.values()))
-            raise MissingTensorError(
-                f"stacked experts of layer {layer} lack {part}_proj",
-                file=str(ckpt.info(other).file),
-                tensor=other,
-            )
-    gu, dn = parts["gate_up"], parts["down"]
+    gu, dn = _gate_up_down(ckpt, layer, parts, "stacked")
     size = _check_shape(ckpt, gu, (n_experts, hidden, 2 * inter), dtypes)
     _check_shape(ckpt, dn, (n_experts, inter, hidden), dtypes)
     m = inter * hidden * size

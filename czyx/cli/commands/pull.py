@@ -214,21 +214,25 @@ def pull(
     ReplicationError, StagingError
         The offer does not verify, or an extent stays bad after retries.
     """
-    if not is_url(url):
-        raise PullError(f"{url!r} is not an http:// or https:// URL (czyx sync copies from a dir)")
     return sync(
-        url, dest_dir, ref, token,
+        _require_url(url), dest_dir, ref, token,
         classes=classes, layers=layers, tag=tag, workers=workers, max_range=max_range,
     )  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> int:
-    """Pull and print the one-line summary."""
-    res = pull(
-        args.url,
+def _require_url(url: str) -> str:
+    if not is_url(url):
+        raise PullError(f"{url!r} is not an http:// or https:// URL (czyx sync copies from a dir)")
+    return url
+
+
+def copy_and_report(args: argparse.Namespace, source: str, dest: str) -> int:
+    """:func:`sync` with the options of :func:`add_copy_args`; print the summary."""
+    res = sync(
+        source,
+        dest,
         args.ref,
         args.portal,
-        store_dir(args),
         classes=args.classes,
         layers=args.layers,
         tag=args.tag,
@@ -237,3 +241,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(res.summary())
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Pull and print the one-line summary."""
+    return copy_and_report(args, _require_url(args.url), store_dir(args))

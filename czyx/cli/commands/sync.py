@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from czyx.cli.commands.pull import add_copy_args, sync
+from czyx.cli.commands.pull import add_copy_args, copy_and_report
 
 
 def register(subparsers: Any) -> None:
@@ -33,16 +33,4 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Copy and print the one-line summary."""
-    res = sync(
-        args.source,
-        args.dest,
-        args.ref,
-        args.portal,
-        classes=args.classes,
-        layers=args.layers,
-        tag=args.tag,
-        workers=args.workers,
-        max_range=args.max_range,
-    )
-    print(res.summary())
-    return 0
+    return copy_and_report(args, args.source, args.dest)
