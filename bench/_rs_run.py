@@ -78,6 +78,8 @@ def run_llama(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: l
 
     llm.eval(prompt)
     prefill = time.perf_counter() - t0
+    if a.logits:
+        np.save(a.logits, last_logits())
     for tok in warm:  # not timed: fills llama.cpp's page cache / czyx's slots
         llm.eval([tok])
     toks = []
@@ -124,6 +126,8 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
             t0 = time.perf_counter()
             logits = eng.prefill(prompt)
             prefill = time.perf_counter() - t0
+            if a.logits:
+                np.save(a.logits, np.asarray(logits, dtype=np.float32))
             for tok in warm:  # not timed
                 logits = eng.decode(tok)
             s0 = eng.stats()
@@ -177,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--warm-prefill", action="store_true", help="an untimed prefill of the prompt first"
     )
+    ap.add_argument("--logits", default=None, help="save the prompt's last logits (.npy)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     ids = text_ids(Path(a.text).read_bytes(), a.vocab, a.prompt + a.warmup + a.tokens)

@@ -553,6 +553,8 @@ def cmd_check(a: argparse.Namespace) -> None:
                 *common,
                 "--json",
                 "/tmp/rs-check-l.json",
+                "--logits",
+                "/tmp/rs-check-l.npy",
             ],
             check=True,
             env=env,
@@ -571,6 +573,8 @@ def cmd_check(a: argparse.Namespace) -> None:
                 *common,
                 "--json",
                 "/tmp/rs-check-c.json",
+                "--logits",
+                "/tmp/rs-check-c.npy",
             ],
             check=True,
             env=env,
@@ -579,6 +583,15 @@ def cmd_check(a: argparse.Namespace) -> None:
         tc = json.loads(Path("/tmp/rs-check-c.json").read_text())["tokens"]
         same = next((i for i, (x, y) in enumerate(zip(tl, tc)) if x != y), len(tl))
         print(f"czyx {cz} vs llama.cpp {gg}: {same}/{len(tl)} greedy tokens identical")
+        # Greedy tokens of a random model part at near-ties; the prompt's logits say
+        # whether the engines compute the same function or merely round differently.
+        lg, cg = (np.load(f"/tmp/rs-check-{e}.npy").astype(np.float64) for e in "lc")
+        top = np.sort(lg)[::-1]
+        print(
+            f"  prompt logits: correlation {np.corrcoef(lg, cg)[0, 1]:.5f}, max abs diff "
+            f"{np.abs(lg - cg).max():.3f} (std {lg.std():.3f}); llama.cpp's top-2 margin "
+            f"{top[0] - top[1]:.3f}"
+        )
         print(f"  llama.cpp {tl}\n  czyx      {tc}")
 
 
