@@ -38,7 +38,11 @@ instead of ``off``. Trunk (key ``Key(role index, layer or 0)``): ``off``,
 Failure: everything is validated and hashed before the first byte is
 written; a tag that already points elsewhere is refused before writing; a
 failure while writing aborts the space writer, so no partial version is ever
-visible. A trunk space published just before a failed expert space stays as an
+visible. A quantizing mount into a :class:`~czyx.store.core.lmdb_store.Store`
+runs in one pass instead (:func:`_mount_one_pass`: quantizing is the expensive
+part, so each packed tensor is written into a pending block file as it is
+hashed): there a refused tag or a failure deletes the pending files, and
+still nothing new is visible. A trunk space published just before a failed expert space stays as an
 untagged, content-addressed space that the next attempt reuses.
 
 Reading and hashing the checkpoint's bytes is :mod:`store.mount_source`.

@@ -160,7 +160,10 @@ class MountSource:
 
     With a quantizing ``codec`` (``store.quant.codec.QuantCodec``) the bytes are
     the stored ones: experts packed in the codec's extent layout, trunk tensors
-    packed where the policy says so (``stored_tensor``). A mount reads every
+    packed where the policy says so (``stored_tensor``). A one-pass mount
+    (:func:`czyx.store.models.mount._mount_one_pass`) stores each packed tensor
+    itself as it is made (``spool=False``, and a ``sink`` for
+    :meth:`expert_hashes`). A two-pass mount reads every
     tensor twice (hash pass, then write pass); quantizing is the expensive part,
     so each tensor is quantized once, in the hash pass, and its packed bytes are
     kept in a spool file (:class:`Spool`: an unlinked temporary file in
