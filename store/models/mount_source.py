@@ -187,6 +187,7 @@ class MountSource:
         self.buf = np.empty(self.expert_nbytes, np.uint8)
         self._float = np.empty(plan.expert_nbytes if self.qlayout else 0, np.uint8)
         self._scratch = np.empty(0, np.uint8)
+        self._packed = np.empty(0, np.uint8)  # a one-pass mount's packed trunk tensor
         # Read once: the manifest's hash and the stored extent are of the same bytes.
         self.tokenizer = tokenizer_bytes(ckpt)
         self.side_files = side_file_bytes(ckpt)
@@ -196,6 +197,7 @@ class MountSource:
 
     # A subclass that overrides assemble/stored_tensor (GGUF, FP8 sources) spools nothing.
     _spool = None
+    _packed = np.empty(0, np.uint8)  # replaced per instance when it grows
     #: Side files (name -> bytes) kept beside the tokenizer; none unless a source reads them.
     side_files: dict[str, bytes] = {}  # noqa: RUF012 (never mutated: replaced per instance)
 
@@ -250,14 +252,24 @@ class MountSource:
             self._put(("expert", key), out, None)
 
     def stored_tensor(self, t: Any) -> tuple[np.ndarray, str | None]:
-        """``(bytes to store, quantized format or None)`` of trunk entry ``t``."""
+        """``(bytes to store, quantized format or None)`` of trunk entry ``t``.
+
+        The bytes may sit in a scratch buffer: valid until the next call."""
         if self._spool is not None and ("trunk", t.tensor) in self._spooled:
             return self._get(("trunk", t.tensor))
         raw = self.tensor(t.tensor)
         if self.codec is None or t.role == MTP_ROLE:  # kept tensors are stored as they are
             return raw, None
         info = self.ckpt.info(t.tensor)
-        data, fmt = self.codec.encode_trunk_raw(t.role, t.layer, raw, info.dtype, info.shape)
+        scratch = None
+        if self._spool is None:  # one pass: stored at once, so the packed buffer is reused
+            # a packed format never takes more bytes per weight than a float source
+            if self._packed.nbytes < info.nbytes:
+                self._packed = np.empty(info.nbytes, np.uint8)
+            scratch = self._packed
+        data, fmt = self.codec.encode_trunk_raw(
+            t.role, t.layer, raw, info.dtype, info.shape, scratch=scratch
+        )
         if fmt is not None:
             self._put(("trunk", t.tensor), data, fmt)
         return data, fmt

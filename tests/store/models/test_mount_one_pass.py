@@ -248,3 +248,37 @@ def test_pending_space_writes_any_extent_and_publishes(tmp_path, monkeypatch):
             assert not ps2.path.exists()
             assert block_names(store) == published_names(store)
     assert results[0] == results[1]
+
+
+def test_pending_space_falls_back_when_direct_writes_are_refused(tmp_path, monkeypatch):
+    """A file system that opens O_DIRECT but refuses the writes (EINVAL): buffered, same bytes."""
+    from czyx.key import Key
+    from czyx.space import Selector
+    from czyx.store.core import writer
+
+    real_pwrite = os.pwrite
+    direct_fds = set()
+    real_open = os.open
+
+    def track_open(p, flags, *a):
+        fd = real_open(p, flags, *a)
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    def refuse(fd, data, offset):
+        if fd in direct_fds:
+            raise OSError(22, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(writer.os, "open", track_open)
+    monkeypatch.setattr(writer.os, "pwrite", refuse)
+    blob = np.random.default_rng(5).integers(0, 256, 10000, dtype=np.uint8)
+    with Store.open(tmp_path / "s") as store:
+        ps = PendingSpace(store)
+        assert not ps.direct  # the header's write already fell back
+        ext = ps.append(blob)
+        sel = Selector.from_name("refused")
+        with ps.publish(sel, {"kind": "test"}) as w:
+            w.put(Key(0).pack(), ext.record())
+        assert snapshot(store, [sel])[sel][2] == {Key(0).pack(): blob.tobytes()}
