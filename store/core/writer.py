@@ -31,6 +31,7 @@ other means is never published (the publication fails with
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import time
@@ -42,9 +43,23 @@ import lmdb
 import numpy as np
 
 from czyx.space import Selector
-from czyx.store.core.blockfile import BlockIdentity, BlockWriter, dio_alignment, fsync_dir
-from czyx.store.core.checksum import CHECKSUM_NAME
-from czyx.store.core.records import SEEDS, Extent, check_key, decode_sealed, encode, seal
+from czyx.store.core.blockfile import (
+    BlockIdentity,
+    BlockWriter,
+    dio_alignment,
+    encode_header,
+    fsync_dir,
+)
+from czyx.store.core.checksum import CHECKSUM_NAME, checksum
+from czyx.store.core.records import (
+    SEEDS,
+    Extent,
+    check_key,
+    check_selector,
+    decode_sealed,
+    encode,
+    seal,
+)
 from czyx.store.errors import (
     BlockFileError,
     SealedSpaceError,
@@ -381,3 +396,211 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class PendingSpace:
+    """A space's block file written before its selector is known.
+
+    For content-addressed publishing in one pass (a quantizing mount): the
+    selector is a hash of what is being written, so it exists only once every
+    extent has been produced. The file is created in ``blocks/`` under a
+    private ``pending-<generation>.blk.<pid>.part`` name with a placeholder
+    header (a zero selector), so no published file is ever touched, a killed
+    writer leaves only a ``.part`` file that :func:`collect_garbage` removes once
+    the process is gone, and the shared gc lock is held from creation on, as
+    :class:`SpaceWriter` holds it. Extents are written at explicit aligned
+    offsets (:meth:`write_at`) or appended (:meth:`append`); :meth:`publish`
+    writes the real header and hands the file to :meth:`SpaceWriter.adopt`,
+    which publishes it by the ordinary protocol (``fsync``, rename, one LMDB
+    transaction); :meth:`abort` deletes it.
+
+    Where the file system accepts it the file is written with ``O_DIRECT``: its
+    bytes are written once and not read back by the writer, so the page cache
+    would only add a copy, page allocation and dirty-page throttling. A caller
+    that hands :meth:`write_at` an aligned buffer padded to the alignment is
+    written without a copy; anything else goes through an aligned bounce
+    buffer. Where ``O_DIRECT`` is refused (at open or at the first write) the
+    same bytes are written through the page cache.
+
+    Parameters
+    ----------
+    store
+        The :class:`~store.core.lmdb_store.Store` the space will be published in.
+    chunk
+        Bounce buffer size in bytes (rounded up to the alignment).
+    """
+
+    def __init__(self, store: Store, chunk: int = 8 << 20) -> None:
+        self._store = store
+        blocks = store.path / "blocks"
+        blocks.mkdir(parents=True, exist_ok=True)
+        self._blocks = blocks
+        self.alignment = align = dio_alignment(blocks)
+        self._gen = os.urandom(16)
+        self.path = blocks / f"pending-{self._gen.hex()}.blk.{os.getpid()}.part"
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._lockfd: int | None = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(self._lockfd, fcntl.LOCK_SH)
+        self._direct: int | None = None
+        try:
+            self._direct = os.open(self.path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+        except (OSError, AttributeError):  # no O_DIRECT here: through the page cache
+            self._direct = None
+        chunk = -(-chunk // align) * align
+        self._raw = np.empty(chunk + align, np.uint8)
+        start = -self._raw.ctypes.data % align
+        self._bounce = self._raw[start : start + chunk]
+        self.data_start = align
+        self._end = align  # the header's unit
+        self._state = "open"
+        self._write_header(bytes(32))
+
+    @property
+    def direct(self) -> bool:
+        """Whether extents go through ``O_DIRECT``."""
+        return self._direct is not None
+
+    @property
+    def size(self) -> int:
+        """The file's size so far (a multiple of the alignment)."""
+        return self._end
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise StoreError(f"{self.path}: pending space is {self._state}")
+
+    def _write_header(self, selector: bytes) -> None:
+        head = np.frombuffer(encode_header(selector, self._gen, self.alignment), np.uint8)
+        self._pwrite(head, 0)
+
+    def _pwrite_fd(self, fd: int, mv: memoryview, offset: int) -> None:
+        done, n = 0, len(mv)
+        while done < n:
+            try:
+                got = os.pwrite(fd, mv[done:], offset + done)
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                raise StoreError(
+                    f"{self.path}: write of {n} bytes at offset {offset} failed "
+                    f"([errno {exc.errno}] {exc.strerror})"
+                ) from exc
+            if got <= 0:
+                raise StoreError(f"{self.path}: write at offset {offset + done} made no progress")
+            done += got
+
+    def _direct_ok(self, data: np.ndarray) -> bool:
+        a = self.alignment
+        return self._direct is not None and data.ctypes.data % a == 0 and data.nbytes % a == 0
+
+    def _pwrite(self, data: np.ndarray, offset: int) -> None:
+        """Write ``data`` (``uint8``, padded to the alignment by the caller) at ``offset``."""
+        if self._direct is not None:
+            try:
+                if self._direct_ok(data):
+                    self._pwrite_fd(self._direct, memoryview(data), offset)
+                    return
+                pos, n, chunk = 0, data.nbytes, self._bounce.nbytes
+                while pos < n:
+                    m = min(chunk, n - pos)
+                    span = -(-m // self.alignment) * self.alignment
+                    self._bounce[:m] = data[pos : pos + m]
+                    self._bounce[m:span] = 0
+                    self._pwrite_fd(self._direct, memoryview(self._bounce[:span]), offset + pos)
+                    pos += m
+                return
+            except StoreError as exc:
+                if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno != errno.EINVAL:
+                    raise
+                os.close(self._direct)  # the file system refused direct writes: buffered
+                self._direct = None
+        self._pwrite_fd(self._fd, memoryview(data), offset)
+
+    def write_at(self, offset: int, data: np.ndarray, padded: np.ndarray | None = None) -> Extent:
+        """Write ``data`` as the extent at ``offset`` (aligned, at or after :attr:`data_start`).
+
+        ``padded``, when given, is an aligned buffer that begins with ``data`` and
+        runs to the next multiple of the alignment with zeros: it is written as
+        it is (no copy). Returns the extent (its checksum over ``data`` only).
+        """
+        self._check_open()
+        a = self.alignment
+        if offset % a or offset < self.data_start:
+            raise ValueError(f"{self.path}: write_at({offset}): not an aligned extent offset")
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        n = data.nbytes
+        span = -(-n // a) * a
+        ext = Extent(offset, n, checksum(data))
+        if (
+            padded is not None
+            and padded.nbytes == span
+            and padded.ctypes.data == data.ctypes.data
+            and self._direct_ok(padded)
+        ):
+            self._pwrite(padded, offset)  # aligned and padded by the caller: no copy
+        else:
+            self._pwrite(data, offset)  # direct: the bounce buffer pads with zeros
+            if self._direct is None and span > n:
+                self._pwrite(np.zeros(span - n, np.uint8), offset + n)
+        self._end = max(self._end, offset + span)
+        return ext
+
+    def append(self, data: np.ndarray | bytes) -> Extent:
+        """Write ``data`` as a new extent at the end of the file."""
+        if isinstance(data, bytes | bytearray | memoryview):
+            data = np.frombuffer(data, np.uint8)
+        return self.write_at(self._end, data)
+
+    def publish(self, sel: Selector | bytes, manifest: dict) -> SpaceWriter:
+        """Seal the file as space ``sel``'s and return the writer that publishes it.
+
+        Writes the real header, then hands the file to :meth:`SpaceWriter.adopt`:
+        :meth:`SpaceWriter.put` the records, then :meth:`SpaceWriter.commit` (or
+        use it as a context manager). Nothing can be written here afterwards.
+        """
+        self._check_open()
+        try:
+            raw = check_selector(sel)
+            self._write_header(raw)
+            os.ftruncate(self._fd, self._end)  # holes at the end (a layout's last gaps)
+            w = SpaceWriter.adopt(
+                self._store, raw, manifest, self.path, self._gen, self.alignment, self._end
+            )
+        except BaseException:
+            self.abort()
+            raise
+        self._close_fds()
+        self._state = "published"
+        self._unlock()  # the adopted writer holds its own lock on the same file now
+        return w
+
+    def _close_fds(self) -> None:
+        for fd in (self._direct, self._fd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self._direct, self._fd = None, -1
+
+    def _unlock(self) -> None:
+        if self._lockfd is not None:
+            os.close(self._lockfd)
+            self._lockfd = None
+
+    def abort(self) -> None:
+        """Delete the file (idempotent; nothing after :meth:`publish`)."""
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        self._close_fds()
+        self.path.unlink(missing_ok=True)
+        self._unlock()
+
+    def __enter__(self) -> PendingSpace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if self._state == "open" and os.getpid() == self._store._pid:
+                self.abort()

@@ -38,7 +38,11 @@ instead of ``off``. Trunk (key ``Key(role index, layer or 0)``): ``off``,
 Failure: everything is validated and hashed before the first byte is
 written; a tag that already points elsewhere is refused before writing; a
 failure while writing aborts the space writer, so no partial version is ever
-visible. A trunk space published just before a failed expert space stays as an
+visible. A quantizing mount into a :class:`~czyx.store.core.lmdb_store.Store`
+runs in one pass instead (:func:`_mount_one_pass`: quantizing is the expensive
+part, so each packed tensor is written into a pending block file as it is
+hashed): there a refused tag or a failure deletes the pending files, and
+still nothing new is visible. A trunk space published just before a failed expert space stays as an
 untagged, content-addressed space that the next attempt reuses.
 
 Reading and hashing the checkpoint's bytes is :mod:`store.mount_source`.
@@ -203,8 +207,15 @@ def mount(
         plan = plan_checkpoint(ckpt, partial=adapter_of is not None)
         if quant is not None and adapter_of is not None:
             raise MountError("a quantized adapter is not supported: quantize the base instead")
-        src = make_source(ckpt, plan, quant, spool_dir=getattr(store, "path", None))
+        one_pass = quant is not None and _can_write_pending(store)
+        src = make_source(
+            ckpt, plan, quant, spool_dir=getattr(store, "path", None), spool=not one_pass
+        )
         with src:
+            if one_pass:
+                return _mount_one_pass(
+                    store, ckpt, plan, src, tag, name, outer, class_perm, progress, quant, t0
+                )
             return _mount(
                 store,
                 ckpt,
@@ -316,6 +327,208 @@ def _mount(
         time.perf_counter() - t0,
         conversions=tuple(conversion_report(src)),
     )
+
+
+def _can_write_pending(store: Any) -> bool:
+    """Whether ``store`` takes a block file written before its selector is known."""
+    from czyx.store.core.lmdb_store import Store
+
+    return isinstance(store, Store)
+
+
+def _mount_one_pass(
+    store: Any,
+    ckpt: Checkpoint,
+    plan: ModelPlan,
+    src: MountSource,
+    tag: str,
+    name: str,
+    outer: str,
+    class_perm: Sequence[Sequence[int]] | None,
+    progress: bool,
+    quant: Any,
+    t0: float,
+) -> MountResult:
+    """A quantizing mount in one pass over the checkpoint.
+
+    Each tensor is read, quantized, hashed and written into a pending block file
+    (:class:`~czyx.store.core.writer.PendingSpace`) at the offset the layout gives
+    it, in the same pass; only the space's header and records wait for the
+    selector (a hash over every extent's hash). The bytes, offsets, records and
+    selectors are those of the two-pass mount (:func:`_mount`), which a float
+    mount still uses: there the hash pass only reads, and a mount of content
+    already published writes nothing. Here the pending files of content already
+    published are deleted, and the published version is repaired from this
+    source as by the two-pass mount. A failure, or a kill, at any point leaves
+    no new space visible: the pending files are deleted (or, after a kill,
+    collected as ``.part`` files of a dead process).
+    """
+    from contextlib import ExitStack
+
+    from czyx.store.core.writer import PendingSpace
+
+    layout = make_layout(plan.n_layers, plan.n_experts, outer, class_perm)
+    keys = sorted(plan.experts, key=lambda k: layout.ordinal(*k))
+    stride = round_up(src.expert_nbytes, EXTENT_ALIGN)
+    shared_index = _shared_index(store, name, None)
+    source_total = sum(ckpt.info(t.tensor).nbytes for t in plan.trunk)
+    source_total += len(keys) * plan.expert_nbytes
+    with ExitStack() as stack:
+        px = stack.enter_context(PendingSpace(store))
+        pt = stack.enter_context(PendingSpace(store)) if plan.trunk else None
+        if stride % px.alignment:
+            raise MountError(f"block alignment {px.alignment} does not divide stride {stride}")
+        bar = _bar(progress, source_total, "mount")
+        expert_hash: dict[tuple[int, int], str] = {}
+        expert_ext: dict[tuple[int, int], Any] = {}
+
+        def sink(k: tuple[int, int], digest: str, data: np.ndarray, padded: Any) -> None:
+            if digest in shared_index:  # an earlier version holds these bytes
+                return
+            at = px.data_start + layout.ordinal(*k) * stride
+            expert_ext[k] = px.write_at(at, data, padded)
+
+        for k, digest in src.expert_hashes(keys, sink=sink, align=px.alignment):
+            expert_hash[k] = digest
+            bar.update(plan.expert_nbytes)
+        trunk_hash: dict[str, str] = {}
+        trunk_qfmt: dict[str, str | None] = {}
+        trunk_recs: list[tuple[bytes, dict[str, Any]]] = []
+        trunk_total = 0
+        for t in plan.trunk:
+            assert pt is not None
+            data, qfmt = src.stored_tensor(t)
+            digest = content_hash(data)
+            trunk_hash[t.tensor], trunk_qfmt[t.tensor] = digest, qfmt
+            ext = pt.append(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+            trunk_recs.append(_trunk_record(ckpt, t, ext, digest, qfmt))
+            trunk_total += data.nbytes
+            bar.update(ckpt.info(t.tensor).nbytes)
+        bar.close()
+        if pt is not None:  # the kept files are trunk records too
+            for key, rec, blob in _file_records(src):
+                ext = pt.append(np.frombuffer(blob, np.uint8))
+                trunk_recs.append((key, {**ext.record(), **rec}))
+                trunk_total += len(blob)
+        total = trunk_total + len(keys) * src.expert_nbytes
+
+        trunk_manifest = _trunk_manifest(
+            ckpt, plan, trunk_hash, src.tokenizer, trunk_qfmt, quant, src.side_files
+        )
+        trunk_sel = (
+            Selector.from_content(canonical_manifest(trunk_manifest)) if plan.trunk else None
+        )
+        manifest = _model_manifest_for(ckpt, plan, layout, expert_hash, trunk_sel, None, None, src)
+        sel = Selector.from_content(canonical_manifest(manifest))
+        _check_tag_free(store, tag, sel)
+        if store.has_space(sel):  # as in _mount: repair what is damaged, then tag
+            from czyx.store.models.repair import repair_version
+
+            own = [sel] + (
+                [trunk_sel] if trunk_sel is not None and store.has_space(trunk_sel) else []
+            )
+            fixed = repair_version(store, src, own)
+            store.set_tag(tag, sel)
+            if fixed:
+                store.audit("model.repair", tag=tag, space=sel.hex(), extents=fixed)
+            return MountResult(
+                tag, sel, trunk_sel, False, len(ckpt), total, 0, 0, time.perf_counter() - t0,
+                conversions=tuple(conversion_report(src)),
+                repaired=fixed,
+            )
+        written = 0
+        if pt is not None and trunk_sel is not None and not store.has_space(trunk_sel):
+            with pt.publish(trunk_sel, trunk_manifest) as w:
+                w.put_many(trunk_recs)
+            written += trunk_total
+        nbytes, fmt = manifest["expert"]["nbytes"], manifest["expert"]["format"]
+        new = shared = 0
+        with px.publish(sel, manifest) as w:
+            for layer, e in keys:
+                digest = expert_hash[(layer, e)]
+                rec = _expert_record(src, layer, e, digest, fmt)
+                ext = expert_ext.get((layer, e))
+                if ext is None:
+                    rec.update(shared_index[digest])
+                    shared += nbytes
+                else:
+                    rec.update(ext.record())
+                    new += nbytes
+                w.put(Key(layout.class_of(layer, e), layer).pack(), rec)
+    store.set_tag(tag, sel)
+    store.audit("model.mount", tag=tag, space=sel.hex(), written=written + new, shared=shared)
+    return MountResult(
+        tag,
+        sel,
+        trunk_sel,
+        True,
+        len(ckpt),
+        total,
+        written + new,
+        shared,
+        time.perf_counter() - t0,
+        conversions=tuple(conversion_report(src)),
+    )
+
+
+def _trunk_record(
+    ckpt: Checkpoint, t: Any, ext: Any, digest: str, qfmt: str | None
+) -> tuple[bytes, dict[str, Any]]:
+    """``(key, record)`` of trunk tensor ``t`` stored as extent ``ext``."""
+    info = ckpt.info(t.tensor)
+    rec = {
+        **ext.record(),
+        "role": t.role,
+        "layer": t.layer,
+        "dtype": info.dtype,
+        "shape": list(info.shape),
+        "hash": digest,
+        "src": [info.file.name, t.tensor],
+    }
+    if qfmt is not None:  # packed in this format (store.quant); dtype is the source's
+        rec["qfmt"] = qfmt
+    return Key(ROLE_INDEX[t.role], 0 if t.layer is None else t.layer).pack(), rec
+
+
+def _file_records(src: MountSource) -> list[tuple[bytes, dict[str, Any], bytes]]:
+    """``(key, record without its extent, bytes)`` of the kept files (tokenizer, side
+    files), in the order the trunk space stores them."""
+    out = []
+    if src.tokenizer is not None:
+        out.append((
+            Key(TOKENIZER_CLASS).pack(),
+            {
+                "role": TOKENIZER_ROLE,
+                "layer": None,
+                "hash": content_hash(np.frombuffer(src.tokenizer, np.uint8)),
+                "src": [TOKENIZER_FILE, None],
+            },
+            src.tokenizer,
+        ))
+    for name, blob in sorted(src.side_files.items()):
+        role, cls = SIDE_FILES[name]
+        rec = {
+            "role": role,
+            "layer": None,
+            "hash": content_hash(np.frombuffer(blob, np.uint8)),
+            "src": [name, None],
+        }
+        out.append((Key(cls).pack(), rec, blob))
+    return out
+
+
+def _expert_record(src: MountSource, layer: int, e: int, digest: str, fmt: str) -> dict:
+    """Expert ``(layer, e)``'s record fields, without its extent's location."""
+    return {
+        "layer": layer,
+        "expert": e,
+        "hash": digest,
+        "fmt": fmt,
+        "src": [
+            [src.ckpt.info(p.tensor).file.name, p.tensor, p.start, p.nbytes]
+            for p in src.plan.experts[(layer, e)]
+        ],
+    }
 
 
 class _NoBar:

@@ -14,13 +14,14 @@ import os
 import queue
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import blake3
 import numpy as np
 
+from czyx.store.io.reader import aligned_empty
 from czyx.store.models.archs import MTP_ROLE, SIDE_FILE_MAX, SIDE_FILES, TOKENIZER_FILE
 from czyx.store.models.checkpoint import DTYPES, Checkpoint
 from czyx.store.models.expert_transform import to_contract
@@ -159,7 +160,10 @@ class MountSource:
 
     With a quantizing ``codec`` (``store.quant.codec.QuantCodec``) the bytes are
     the stored ones: experts packed in the codec's extent layout, trunk tensors
-    packed where the policy says so (``stored_tensor``). A mount reads every
+    packed where the policy says so (``stored_tensor``). A one-pass mount
+    (:func:`czyx.store.models.mount._mount_one_pass`) stores each packed tensor
+    itself as it is made (``spool=False``, and a ``sink`` for
+    :meth:`expert_hashes`). A two-pass mount reads every
     tensor twice (hash pass, then write pass); quantizing is the expensive part,
     so each tensor is quantized once, in the hash pass, and its packed bytes are
     kept in a spool file (:class:`Spool`: an unlinked temporary file in
@@ -175,6 +179,7 @@ class MountSource:
         plan: ModelPlan,
         codec: Any = None,
         spool_dir: str | os.PathLike[str] | None = None,
+        spool: bool = True,
     ) -> None:
         self.ckpt, self.plan, self.codec = ckpt, plan, codec
         self.qlayout = None if codec is None else codec.expert_layout(plan.inter, plan.hidden)
@@ -182,15 +187,17 @@ class MountSource:
         self.buf = np.empty(self.expert_nbytes, np.uint8)
         self._float = np.empty(plan.expert_nbytes if self.qlayout else 0, np.uint8)
         self._scratch = np.empty(0, np.uint8)
+        self._packed = np.empty(0, np.uint8)  # a one-pass mount's packed trunk tensor
         # Read once: the manifest's hash and the stored extent are of the same bytes.
         self.tokenizer = tokenizer_bytes(ckpt)
         self.side_files = side_file_bytes(ckpt)
         # closed by close() (MountSource is itself the context manager)
-        self._spool = None if codec is None else Spool(spool_dir)
+        self._spool = None if codec is None or not spool else Spool(spool_dir)
         self._spooled: dict[Any, tuple[int, int, str | None]] = {}
 
     # A subclass that overrides assemble/stored_tensor (GGUF, FP8 sources) spools nothing.
     _spool = None
+    _packed = np.empty(0, np.uint8)  # replaced per instance when it grows
     #: Side files (name -> bytes) kept beside the tokenizer; none unless a source reads them.
     side_files: dict[str, bytes] = {}  # noqa: RUF012 (never mutated: replaced per instance)
 
@@ -207,7 +214,8 @@ class MountSource:
         self.close()
 
     def _put(self, key: Any, data: np.ndarray, fmt: str | None) -> None:
-        assert self._spool is not None
+        if self._spool is None:  # a one-pass mount stores the bytes itself
+            return
         data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         self._spooled[key] = (self._spool.append(data), data.nbytes, fmt)
 
@@ -221,7 +229,7 @@ class MountSource:
 
     def assemble(self, key: tuple[int, int], out: np.ndarray) -> None:
         """Read expert ``key``'s gate, up and down back to back into ``out`` (as stored)."""
-        if self.qlayout is not None and ("expert", key) in self._spooled:
+        if self._spool is not None and ("expert", key) in self._spooled:
             self._get(("expert", key), out)
             return
         transform = self.plan.expert_transform
@@ -244,14 +252,24 @@ class MountSource:
             self._put(("expert", key), out, None)
 
     def stored_tensor(self, t: Any) -> tuple[np.ndarray, str | None]:
-        """``(bytes to store, quantized format or None)`` of trunk entry ``t``."""
-        if self.codec is not None and ("trunk", t.tensor) in self._spooled:
+        """``(bytes to store, quantized format or None)`` of trunk entry ``t``.
+
+        The bytes may sit in a scratch buffer: valid until the next call."""
+        if self._spool is not None and ("trunk", t.tensor) in self._spooled:
             return self._get(("trunk", t.tensor))
         raw = self.tensor(t.tensor)
         if self.codec is None or t.role == MTP_ROLE:  # kept tensors are stored as they are
             return raw, None
         info = self.ckpt.info(t.tensor)
-        data, fmt = self.codec.encode_trunk_raw(t.role, t.layer, raw, info.dtype, info.shape)
+        scratch = None
+        if self._spool is None:  # one pass: stored at once, so the packed buffer is reused
+            # a packed format never takes more bytes per weight than a float source
+            if self._packed.nbytes < info.nbytes:
+                self._packed = np.empty(info.nbytes, np.uint8)
+            scratch = self._packed
+        data, fmt = self.codec.encode_trunk_raw(
+            t.role, t.layer, raw, info.dtype, info.shape, scratch=scratch
+        )
         if fmt is not None:
             self._put(("trunk", t.tensor), data, fmt)
         return data, fmt
@@ -262,7 +280,10 @@ class MountSource:
         return content_hash(self.buf)
 
     def expert_hashes(
-        self, keys: Sequence[tuple[int, int]]
+        self,
+        keys: Sequence[tuple[int, int]],
+        sink: Callable[[tuple[int, int], str, np.ndarray, np.ndarray | None], None] | None = None,
+        align: int = 4096,
     ) -> Iterator[tuple[tuple[int, int], str]]:
         """``(key, content hash)`` of each expert of ``keys``, in order: the hash pass.
 
@@ -274,15 +295,25 @@ class MountSource:
         the GIL, so the stages overlap; bounded rings of buffers (two source, three
         packed) keep memory at a few experts. An error in a stage is raised here;
         the stages stop when the caller stops iterating.
+
+        ``sink(key, digest, data, padded)``, when given, receives each expert's
+        stored bytes ``data`` (valid only during the call) before its key is
+        yielded, and nothing is spooled: a one-pass mount writes them into the
+        block file there. ``padded`` is ``None`` or a buffer aligned to ``align``
+        that starts with ``data`` and runs, zero-filled, to the next multiple of
+        ``align`` (so it can be written with ``O_DIRECT`` without a copy).
         """
         pipelined = (
             self.qlayout is not None
-            and self._spool is not None
+            and (self._spool is not None or sink is not None)
             and type(self).assemble is MountSource.assemble
         )
         if not pipelined:
             for k in keys:
-                yield k, self.expert_hash(k)
+                digest = self.expert_hash(k)
+                if sink is not None:
+                    sink(k, digest, self.buf, None)
+                yield k, digest
             return
         keys = list(keys)
         stop = threading.Event()
@@ -290,8 +321,12 @@ class MountSource:
         out_free: queue.Queue[np.ndarray] = queue.Queue()
         for _ in range(2):
             raw_free.put(np.empty(self.plan.expert_nbytes, np.uint8))
+        n = self.expert_nbytes
+        span = round_up(n, align)
         for _ in range(3):
-            out_free.put(np.empty(self.expert_nbytes, np.uint8))
+            padded = aligned_empty(span, align)
+            padded[n:] = 0
+            out_free.put(padded)
         raws: queue.Queue[Any] = queue.Queue()
         outs: queue.Queue[Any] = queue.Queue()
 
@@ -321,7 +356,9 @@ class MountSource:
                         outs.put((None, data))
                         return
                     out = take(out_free)
-                    self.codec.encode_expert_raw(self.qlayout, *k, data, self.plan.dtype, out=out)
+                    self.codec.encode_expert_raw(
+                        self.qlayout, *k, data, self.plan.dtype, out=out[:n]
+                    )
                     raw_free.put(raw)
                     outs.put((k, out))
             except _Stopped:
@@ -337,8 +374,11 @@ class MountSource:
                 k, out = outs.get()
                 if k is None:
                     raise out
-                self._put(("expert", k), out, None)
-                digest = content_hash(out)
+                digest = content_hash(out[:n])
+                if sink is None:
+                    self._put(("expert", k), out[:n], None)
+                else:
+                    sink(k, digest, out[:n], out)
                 out_free.put(out)
                 yield k, digest
         finally:

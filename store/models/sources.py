@@ -42,9 +42,12 @@ def open_checkpoint(path: str | os.PathLike[str], convert: str | None = None) ->
     return Checkpoint(path)
 
 
-def make_source(ckpt: Any, plan: Any, quant: Any = None, spool_dir: Any = None) -> MountSource:
+def make_source(
+    ckpt: Any, plan: Any, quant: Any = None, spool_dir: Any = None, spool: bool = True
+) -> MountSource:
     """The :class:`MountSource` of an opened checkpoint (``quant``: a ``QuantCodec``;
-    ``spool_dir``: where a quantizing source keeps its spool file)."""
+    ``spool_dir``: where a quantizing source keeps its spool file; ``spool=False``:
+    keep none, the caller stores each tensor's bytes as they are made)."""
     from czyx.store.models.fp8 import FP8Checkpoint, FP8MountSource
     from czyx.store.models.gguf_source import GGUFCheckpoint, GGUFMountSource
 
@@ -78,10 +81,10 @@ def make_source(ckpt: Any, plan: Any, quant: Any = None, spool_dir: Any = None) 
                 "--quant on a quantized GGUF would requantize its quantized tensors; "
                 "use --convert q8|q4 (or mount the float GGUF)"
             )
-        src = MountSource(ckpt, plan, quant, spool_dir=spool_dir)
+        src = MountSource(ckpt, plan, quant, spool_dir=spool_dir, spool=spool)
         src.tokenizer = None if ckpt.tokenizer_json is None else ckpt.tokenizer_json.encode()
         return src
-    return MountSource(ckpt, plan, quant, spool_dir=spool_dir)
+    return MountSource(ckpt, plan, quant, spool_dir=spool_dir, spool=spool)
 
 
 def conversion_report(src: MountSource) -> list[str]:

@@ -432,8 +432,8 @@ INL void soa_sums(soa_t *S, int g, float qm, int mode, int wt) {
 }
 
 /* try_codes on all lanes: least squares for the candidate codes, fp16 snap, reassign,
-   keep (d, m, error) where strictly better */
-INL void soa_try(soa_t *S, int g, float qm, int mode, int wt) {
+   keep (d, m, error) where strictly better; returns whether any lane's best changed */
+INL int soa_try(soa_t *S, int g, float qm, int mode, int wt) {
     soa_sums(S, g, qm, mode, wt);
     for (int l = 0; l < L; l++) { /* simple lane loops: each one vectorises */
         double sl = COMB(S->a0, l), sll = COMB(S->a1, l), slx = COMB(S->a2, l);
@@ -460,16 +460,19 @@ INL void soa_try(soa_t *S, int g, float qm, int mode, int wt) {
         S->ok[l] = S->ok[l] & (h2f_l(S->dh[l]) > 0.0f);
         any |= S->ok[l];
     }
-    if (!any) return;
+    if (!any) return 0;
     soa_grid(S->dh, S->mh, S->df, S->mf, S->inv);
     soa_err(S, g, qm, S->df, S->mf, S->inv, wt);
+    int changed = 0;
     for (int l = 0; l < L; l++) {
         int better = S->ok[l] & (S->err[l] < S->berr[l]);
         S->bd[l] = better ? S->dh[l] : S->bd[l];
         S->bm[l] = better ? S->mh[l] : S->bm[l];
         S->berr[l] = better ? S->err[l] : S->berr[l];
+        changed |= better;
     }
     soa_grid(S->bd, S->bm, S->bdf, S->bmf, S->binv);
+    return changed;
 }
 
 /* h_next on all lanes (finite halves): one fp16 step down (up = 0) or up */
@@ -543,7 +546,10 @@ INL void soa_search(soa_t *S, int g, int qmax, int wt, const float *xmin, const 
         for (int l = 0; l < L; l++) S->isc[l] = f * inv[l];
         soa_try(S, g, qm, 0, wt);
     }
-    for (int r = 0; r < REFINE; r++) soa_try(S, g, qm, 1, wt);
+    /* A refinement round's candidates are the codes of the best grid so far: after a
+       round that changed no lane's best, the next would try exactly the same candidates
+       and keep nothing (not strictly better), so it is skipped (same bytes). */
+    for (int r = 0, changed = 1; r < REFINE && changed; r++) changed = soa_try(S, g, qm, 1, wt);
 }
 
 /* S->x (and S->w with importance) hold 16 groups; results in bd, bm and the codes cq */

@@ -108,15 +108,29 @@ class QuantCodec:
         )
 
     def encode_trunk_raw(
-        self, role: str, layer: int | None, raw: np.ndarray, dtype: str, shape: tuple[int, ...]
+        self,
+        role: str,
+        layer: int | None,
+        raw: np.ndarray,
+        dtype: str,
+        shape: tuple[int, ...],
+        scratch: np.ndarray | None = None,
     ) -> tuple[np.ndarray, str | None]:
-        """:meth:`encode_trunk` from a source tensor's bytes; float tensors come back as given."""
+        """:meth:`encode_trunk` from a source tensor's bytes; float tensors come back as given.
+
+        ``scratch``: a contiguous ``uint8`` buffer to pack into when it is large
+        enough (the result is then a view of it), so that a caller storing one
+        tensor after another allocates no fresh pages per tensor."""
         decision = self.policy.decide(role, tuple(shape))
         if decision.fmt is None:
             return raw, None
         arr, src_dtype = _source(raw, dtype)
+        out = None
+        if scratch is not None and len(shape) == 2 and shape[1] % decision.fmt.group_size == 0:
+            n = decision.fmt.nbytes(int(shape[0]), int(shape[1]))
+            out = scratch[:n] if scratch.nbytes >= n else None
         buf = quantize(
-            arr.reshape(shape), decision.fmt, self._imp(layer, role, None), dtype=src_dtype
+            arr.reshape(shape), decision.fmt, self._imp(layer, role, None), dtype=src_dtype, out=out
         )
         return buf, decision.fmt.name
 
