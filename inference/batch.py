@@ -275,6 +275,16 @@ def _forward_c(model, tokens: list[int], kvs: Sequence[KVCache]) -> list[np.ndar
         if lookahead is not None:
             lookahead(i, x)
         model.count_routes(i, idx, w)
+        if n == 1:  # the engine's own acquire: the token's top-k, in its order
+            slots = cache.acquire(i, idx[0])
+            try:
+                np.copyto(kern.x, x[0])
+                kern.moe(cache, slots, w[0])
+                y[0] = kern.y
+            finally:
+                cache.release()
+            h += model.mlp_out(y)
+            continue
         for rows, order in _acquire_groups(idx, cache.table[i], cache.max_acquire):
             slots = cache.acquire(i, order)
             try:
