@@ -420,7 +420,7 @@ def run_llama_level(pool, url, clients, max_tokens, budget_s) -> LevelRun:
 class EngineAlone:
     """The scheduler and engine in this process, with the server's options."""
 
-    def __init__(self, store_dir, ref, args) -> None:
+    def __init__(self, store_dir, ref, args, c_decode: bool = True, store=None) -> None:
         from czyx.inference.batch import BatchOptions, Scheduler
         from czyx.inference.engine import Engine
         from czyx.inference.options import BATCHED_OPTIONS
@@ -428,7 +428,9 @@ class EngineAlone:
         from czyx.store import Store
         from czyx.store.io.iopaths import default_io_path
 
-        self.store = Store.open(store_dir, create=False)
+        # One LMDB environment per process: a second engine alone shares the first's store.
+        self._owns_store = store is None
+        self.store = Store.open(store_dir, create=False) if store is None else store
         self.consumer = open_consumer(self.store, None, ref, direct=True)
         # The options czyx serve derives from its flags (BATCHED_OPTIONS, then the flags).
         self.engine = Engine(
@@ -439,7 +441,8 @@ class EngineAlone:
             ),
         )
         self.sched = Scheduler(
-            self.engine.model, BatchOptions(max_batch=16, max_queue=64, prefill_chunk=32)
+            self.engine.model,
+            BatchOptions(max_batch=16, max_queue=64, prefill_chunk=32, c_decode=c_decode),
         )
         # Every acquire, in order (for the offline optimum); the level that made it.
         cache = self.engine.model.experts
@@ -516,7 +519,8 @@ class EngineAlone:
         self.sched.close()
         self.engine.close()
         self.consumer.close()
-        self.store.close()
+        if self._owns_store:
+            self.store.close()
 
 
 # --------------------------------------------------------------------------- report
@@ -687,6 +691,13 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
 
     pool = [httpx.Client(timeout=args.level_budget) for _ in range(max(levels))]
     alone = EngineAlone(store_dir, ref, args)
+    # The batched path before decode tokens took the engine's C decode (numpy for every
+    # chunk), engine alone at 1 and 8 clients: what the scaling ratio was measured against.
+    numpy_alone = None
+    if args.numpy_baseline:
+        numpy_alone = EngineAlone(store_dir, ref, args, c_decode=False, store=alone.store)
+        numpy_alone.record(False)
+        kinds_np = [c for c in (1, 8) if c in levels]
     llama = None
     kinds = ["server", "engine"]
     if llama_gguf is not None:
@@ -702,6 +713,8 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
         # Warm each (first requests pay imports and cold caches), then interleave.
         run_server_level(pool, url, token, ref, max(levels), 8, args.level_budget)
         alone.level(2, 8, args.level_budget, next(level_ids))
+        if numpy_alone is not None:
+            numpy_alone.level(2, 8, args.level_budget)
         if llama is not None:
             run_llama_level(pool, llama_url, 2, 8, args.level_budget)
         for rnd in range(args.rounds):
@@ -717,6 +730,14 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
                     else:
                         r = run_llama_level(pool, llama_url, c, args.tokens, args.level_budget)
                     runs[kind].setdefault(c, []).append(r)
+                    if kind == "engine" and numpy_alone is not None and c in kinds_np:
+                        rn = numpy_alone.level(c, args.tokens, args.level_budget)
+                        runs.setdefault("numpy", {}).setdefault(c, []).append(rn)
+                        print(
+                            f"{label} round {rnd} numpy  {c:2d} clients: {rn.tps:7.1f} tok/s, "
+                            f"{rn.cpu_per_token * 1e6:6.0f} us CPU/token",
+                            flush=True,
+                        )
                     print(
                         f"{label} round {rnd} {kind:6s} {c:2d} clients: {r.tps:7.1f} tok/s, "
                         f"{r.bytes_per_token / 1e3:8.1f} kB/token, "
@@ -757,6 +778,8 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
             h.close()
         cache = alone.engine.cache
         slots, slot_bytes, capacity = cache.n_slots, cache.slot_nbytes, cache.max_acquire
+        if numpy_alone is not None:
+            numpy_alone.close()
         alone.close()
         for p in (proc, llama):
             if p is None:
@@ -778,7 +801,7 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
             r.optimal_bytes = misses.get(r.level_id, 0) * slot_bytes
             r.step_experts = float(np.median(alone.step_experts.get(r.level_id, [0])))
             r.replayed = {p: m.get(r.level_id, 0) * slot_bytes for p, m in replays.items()}
-    return summarize(runs, levels), slots, overhead_pairs
+    return summarize(runs, levels), slots, overhead_pairs, runs.get("numpy", {})
 
 
 def overhead_line(pairs: list[tuple[LevelRun, LevelRun]], tokens: int) -> str:
@@ -828,6 +851,31 @@ def overhead_line(pairs: list[tuple[LevelRun, LevelRun]], tokens: int) -> str:
     return line
 
 
+def numpy_line(rows, np_runs: dict[int, list[LevelRun]]) -> str:
+    """The engine alone with the numpy decode (the previous batched path) beside the C one."""
+    med = statistics.median
+    by = {r["clients"]: r for r in rows}
+    cells = []
+    for c in sorted(np_runs):
+        tps = med(x.tps for x in np_runs[c])
+        cpu = med(x.cpu_per_token for x in np_runs[c])
+        cells.append(
+            f"{c} client{'s' if c > 1 else ''}: {tps:.1f} tok/s, {cpu * 1e6:.0f} us CPU/token "
+            f"(C decode: {by[c]['engine_tps']:.1f} tok/s, {by[c]['engine_cpu'] * 1e6:.0f} us)"
+        )
+    line = (
+        "Engine alone with every chunk through the numpy step (`BatchOptions(c_decode=False)`, "
+        "the batched path before decode tokens took the engine's C decode), same rounds: "
+        + "; ".join(cells)
+    )
+    if 1 in np_runs and 8 in np_runs:
+        line += (
+            f"; 8 clients / 1 client with it: "
+            f"{med(x.tps for x in np_runs[8]) / med(x.tps for x in np_runs[1]):.2f}x"
+        )
+    return line + ".\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -861,6 +909,12 @@ def main() -> int:
     ap.add_argument("--overhead-tokens", type=int, default=512, help="tokens per overhead pair")
     ap.add_argument("--level-budget", type=float, default=120.0, help="seconds per level at most")
     ap.add_argument("--out", default=os.path.join(HERE, "SERVE.md"))
+    ap.add_argument(
+        "--no-numpy-baseline",
+        dest="numpy_baseline",
+        action="store_false",
+        help="skip the engine alone with the numpy decode at 1 and 8 clients",
+    )
     args = ap.parse_args()
     if args.policy is None:
         from czyx.inference.options import BATCHED_OPTIONS
@@ -888,11 +942,13 @@ def main() -> int:
             if llama_why is None:
                 gguf = os.path.join(work, "stdlib-f32.gguf")
                 write_bundled_gguf(gguf)
-            rows, slots, pairs = bench_model("bundled", store_dir, "stdlib@1", args, levels, gguf)
+            rows, slots, pairs, np_runs = bench_model(
+                "bundled", store_dir, "stdlib@1", args, levels, gguf
+            )
             if gguf is not None:
                 llama_rows = rows
             label = f"bundled czyx-moe-stdlib (4 layers x 16 experts, fp16; {slots} expert slots)"
-            results[label] = (rows, pairs)
+            results[label] = (rows, pairs, np_runs)
         elif not args.synthetic:
             raise SystemExit("--no-bundled needs --synthetic")
         else:
@@ -902,9 +958,11 @@ def main() -> int:
             ckpt = os.path.join(work, "synthetic")
             write_synthetic_checkpoint(ckpt, cfg)
             mount_checkpoint(ckpt, store_dir, "synthetic@1")
-            rows, slots, pairs = bench_model("synthetic", store_dir, "synthetic@1", args, levels)
+            rows, slots, pairs, np_runs = bench_model(
+                "synthetic", store_dir, "synthetic@1", args, levels
+            )
             label = f"synthetic MoE (4 layers x 32 experts, 256 x 512, fp32; {slots} expert slots)"
-            results[label] = (rows, pairs)
+            results[label] = (rows, pairs, np_runs)
     cmd = "OPENBLAS_NUM_THREADS={} python bench/bench_serve.py {}".format(
         os.environ.get("OPENBLAS_NUM_THREADS", "unset"), " ".join(sys.argv[1:])
     ).strip()
@@ -935,7 +993,7 @@ def main() -> int:
         f"so its medians are noisy; the overhead is also measured on {args.overhead_rounds} "
         f"adjacent pairs of {args.overhead_tokens}-token requests per model.\n",
     ]
-    for label, (rows, pairs) in results.items():
+    for label, (rows, pairs, np_runs) in results.items():
         parts.append(f"## {label}\n")
         parts.append(table(rows))
         parts.append(
@@ -945,6 +1003,8 @@ def main() -> int:
         parts.append(policy_table(rows))
         if pairs:
             parts.append(overhead_line(pairs, args.overhead_tokens))
+        if np_runs:
+            parts.append(numpy_line(rows, np_runs))
         r1 = rows[0]
         r8 = next((r for r in rows if r["clients"] == 8), None)
         if r8 is not None:

@@ -148,6 +148,7 @@ def forward_batch(
     chunks: Sequence[np.ndarray],
     kvs: Sequence[KVCache],
     allowed: Sequence[np.ndarray | None] | None = None,
+    c_decode: bool = True,
 ) -> list[np.ndarray]:
     """One forward step over several sequences together.
 
@@ -165,6 +166,9 @@ def forward_batch(
         portal permits. Routing then picks the top-k among them only, the
         softmax (and so the weights) taken over the permitted experts alone
         (a portal's class/layer scope narrows routing, never reads outside it).
+    c_decode
+        Decode tokens take the engine's C decode where the model has it (the
+        default); False runs every chunk through the numpy step (for comparison).
 
     Returns
     -------
@@ -185,7 +189,10 @@ def forward_batch(
     fast = [
         s
         for s, c in enumerate(ids)
-        if c.size == 1 and (allowed is None or allowed[s] is None) and _c_decodes(model)
+        if c_decode
+        and c.size == 1
+        and (allowed is None or allowed[s] is None)
+        and _c_decodes(model)
     ]
     if not fast:
         return _forward_rows(model, ids, kvs, allowed)
@@ -541,6 +548,11 @@ class BatchOptions:
         so the reused positions are exactly those the new sequence would have
         computed (same tokens, same chunk boundaries): results do not change.
         0: no reuse.
+    c_decode
+        Decode tokens take the engine's C decode where the architecture has it
+        (:func:`forward_batch`); False: the numpy step for every chunk (the
+        batched path before it, kept for comparison; results then differ from
+        the engine's decode by float32 rounding, still independent of the batch).
     """
 
     max_batch: int = 16
@@ -549,6 +561,7 @@ class BatchOptions:
     step_tokens: int = 256
     kv_bytes: int | None = None
     prefix_cache_bytes: int = 0
+    c_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -1005,6 +1018,7 @@ class Scheduler:
                 [c for _, c in work],
                 [s.kv for s, _ in work],
                 allowed if any(a is not None for a in allowed) else None,
+                self.options.c_decode,
             )
         except Exception as exc:  # fail closed: every sequence of the step ends with the error
             with self._lock:

@@ -106,8 +106,9 @@ def test_batched_step_matches_the_single_sequence_engine(engine):
     assert toks == ref and done.reason == "length" and done.completion_tokens == 12
 
 
-def test_scheduler_eight_concurrent_equal_solo(engine):
-    opts = BatchOptions(max_batch=8, prefill_chunk=8, step_tokens=40)
+@pytest.mark.parametrize("c_decode", [True, False])
+def test_scheduler_eight_concurrent_equal_solo(engine, c_decode):
+    opts = BatchOptions(max_batch=8, prefill_chunk=8, step_tokens=40, c_decode=c_decode)
     sched = Scheduler(engine.model, opts)
     try:
         solo = [sched.submit(list(p), 10).result(timeout=60)[0] for p in PROMPTS]
