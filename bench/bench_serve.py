@@ -327,6 +327,16 @@ def start_server(store_dir, ref, port, args) -> subprocess.Popen:
     raise RuntimeError("czyx serve did not start in 120 s")
 
 
+def _stop(p: subprocess.Popen) -> None:
+    """Terminate a server subprocess (killed after 30 s)."""
+    p.terminate()
+    try:
+        p.wait(30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(30)
+
+
 # --------------------------------------------------------------------------- llama.cpp
 
 
@@ -689,23 +699,31 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
     url = f"http://127.0.0.1:{port}"
     import httpx
 
-    pool = [httpx.Client(timeout=args.level_budget) for _ in range(max(levels))]
-    alone = EngineAlone(store_dir, ref, args)
-    # The batched path before decode tokens took the engine's C decode (numpy for every
-    # chunk), engine alone at 1 and 8 clients: what the scaling ratio was measured against.
-    numpy_alone = None
-    if args.numpy_baseline:
-        numpy_alone = EngineAlone(store_dir, ref, args, c_decode=False, store=alone.store)
-        numpy_alone.record(False)
-        kinds_np = [c for c in (1, 8) if c in levels]
-    llama = None
-    kinds = ["server", "engine"]
-    if llama_gguf is not None:
-        llama_port = _free_port()
-        # As many threads as czyx's kernels may use (the cores this process may run on).
-        llama = start_llama(llama_gguf, llama_port, default_threads())
-        llama_url = f"http://127.0.0.1:{llama_port}"
-        kinds.append("llama")
+    alone = numpy_alone = llama = None
+    try:
+        pool = [httpx.Client(timeout=args.level_budget) for _ in range(max(levels))]
+        alone = EngineAlone(store_dir, ref, args)
+        # The batched path before decode tokens took the engine's C decode (numpy for every
+        # chunk), engine alone at 1 and 8 clients: what the scaling ratio was measured against.
+        if args.numpy_baseline:
+            numpy_alone = EngineAlone(store_dir, ref, args, c_decode=False, store=alone.store)
+            numpy_alone.record(False)
+            kinds_np = [c for c in (1, 8) if c in levels]
+        kinds = ["server", "engine"]
+        if llama_gguf is not None:
+            llama_port = _free_port()
+            # As many threads as czyx's kernels may use (the cores this process may run on).
+            llama = start_llama(llama_gguf, llama_port, default_threads())
+            llama_url = f"http://127.0.0.1:{llama_port}"
+            kinds.append("llama")
+    except BaseException:  # no server outlives a failed setup
+        for e in (numpy_alone, alone):
+            if e is not None:
+                e.close()
+        for p in (proc, llama):
+            if p is not None:
+                _stop(p)
+        raise
     runs: dict[str, dict[int, list[LevelRun]]] = {k: {} for k in kinds}
     overhead_pairs: list[tuple[LevelRun, LevelRun]] = []  # (server, engine), one client
     level_ids = itertools.count()
@@ -782,13 +800,8 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
             numpy_alone.close()
         alone.close()
         for p in (proc, llama):
-            if p is None:
-                continue
-            p.terminate()
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            if p is not None:
+                _stop(p)
     misses = belady_misses(alone.trace, capacity)
     replays = {
         p: replay_misses(
