@@ -14,7 +14,13 @@ request of ``--tokens`` tokens) it measures, in interleaved rounds:
 - **engine alone**: the same :class:`~czyx.inference.batch.Scheduler` and
   engine options in this process, no HTTP, the clients as threads reading
   the scheduler's events: the baseline the server's overhead is measured
-  against (``server time per token / engine time per token - 1``).
+  against (``server time per token / engine time per token - 1``), in wall
+  time and in CPU time of the serving process per token (every thread of the
+  server process, from the kernel's per-thread accounting; this process's
+  CPU time for the engine alone). The one-client overhead is also measured
+  on adjacent pairs of longer requests after both sides served the same
+  request once; a pair whose sides read different bytes per token (different
+  cache states) is reported, not averaged in silently.
 
 - **llama.cpp's server** (bundled model only, where ``llama-cpp-python[server]``
   is installed): its own FastAPI server (``bench/_llama_server.py``) on the
@@ -32,7 +38,8 @@ Medians over the rounds; the load average is recorded around every level (the
 machine is shared). Every request loop is bounded in count and time and
 targets loopback only. Writes ``bench/SERVE.md`` (machine, commands, tables).
 
-Run: ``OPENBLAS_NUM_THREADS=1 python bench/bench_serve.py [--synthetic] [--rounds 3]``.
+Run: ``OPENBLAS_NUM_THREADS=1 python bench/bench_serve.py --synthetic`` (both models, llama.cpp
+where installed; about 5-8 minutes on 2 vCPUs).
 """
 
 from __future__ import annotations
@@ -89,6 +96,7 @@ class LevelRun:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     load: tuple[float, float] = (0.0, 0.0)
+    cpu: float = float("nan")  # CPU seconds of the serving process (every thread) in the level
     level_id: int = -1  # engine alone: its acquires in EngineAlone.trace
     step_experts: float = float("nan")  # engine alone: median distinct experts per step
     replayed: dict = field(default_factory=dict)  # policy -> bytes it reads on the acquires
@@ -97,6 +105,11 @@ class LevelRun:
     @property
     def tps(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def cpu_per_token(self) -> float:
+        """CPU seconds of the serving process per generated token."""
+        return self.cpu / self.tokens if self.tokens else float("nan")
 
     @property
     def bytes_per_token(self) -> float:
@@ -165,6 +178,20 @@ def replay_misses(trace, step_tokens, slots: int, n_layers: int, n_experts: int,
     return misses
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time of every live thread of process ``pid`` (``/proc/PID/task/*/schedstat``,
+    nanoseconds: the kernel's own accounting, not 10 ms ticks)."""
+    total = 0
+    base = f"/proc/{pid}/task"
+    for tid in os.listdir(base):
+        try:
+            with open(f"{base}/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that ended between the listing and the read
+    return total / 1e9
+
+
 def _prompt(i: int) -> str:
     return PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else str(i))
 
@@ -215,12 +242,16 @@ def _server_client(h, url, token, model, prompt, max_tokens, out, deadline):
     out.append((t0, stamps, usage["completion_tokens"] if usage else len(stamps)))
 
 
-def run_server_level(pool, url, token, model, clients, max_tokens, budget_s) -> LevelRun:
+def run_server_level(
+    pool, url, token, model, clients, max_tokens, budget_s, pid: int | None = None
+) -> LevelRun:
     """One level; ``pool`` holds one persistent HTTP client per client (keep-alive, as a
-    real client; building one costs an SSL context, which is no part of serving)."""
+    real client; building one costs an SSL context, which is no part of serving).
+    ``pid``: the server process, whose CPU time over the level is recorded."""
     import httpx
 
     before = httpx.get(url + "/metrics", timeout=30).text
+    cpu0 = cpu_seconds(pid) if pid else float("nan")
     results: list = []
     deadline = time.monotonic() + budget_s
     load0 = os.getloadavg()[0]
@@ -237,6 +268,7 @@ def run_server_level(pool, url, token, model, clients, max_tokens, budget_s) -> 
     for t in threads:
         t.join(max(deadline - time.monotonic(), 0.1))
     wall = time.perf_counter() - t0
+    cpu = cpu_seconds(pid) - cpu0 if pid else float("nan")
     if len(results) != clients:
         raise RuntimeError(f"{clients - len(results)} clients failed or ran out of time")
     after = httpx.get(url + "/metrics", timeout=30).text
@@ -244,7 +276,7 @@ def run_server_level(pool, url, token, model, clients, max_tokens, budget_s) -> 
         before, "czyx_expert_bytes_read_total"
     )
     run = LevelRun(
-        clients, sum(r[2] for r in results), wall, read, load=(load0, os.getloadavg()[0])
+        clients, sum(r[2] for r in results), wall, read, load=(load0, os.getloadavg()[0]), cpu=cpu
     )
     for start, stamps, _ in results:
         if stamps:
@@ -293,6 +325,16 @@ def start_server(store_dir, ref, port, args) -> subprocess.Popen:
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError("czyx serve did not start in 120 s")
+
+
+def _stop(p: subprocess.Popen) -> None:
+    """Terminate a server subprocess (killed after 30 s)."""
+    p.terminate()
+    try:
+        p.wait(30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(30)
 
 
 # --------------------------------------------------------------------------- llama.cpp
@@ -388,7 +430,7 @@ def run_llama_level(pool, url, clients, max_tokens, budget_s) -> LevelRun:
 class EngineAlone:
     """The scheduler and engine in this process, with the server's options."""
 
-    def __init__(self, store_dir, ref, args) -> None:
+    def __init__(self, store_dir, ref, args, c_decode: bool = True, store=None) -> None:
         from czyx.inference.batch import BatchOptions, Scheduler
         from czyx.inference.engine import Engine
         from czyx.inference.options import BATCHED_OPTIONS
@@ -396,7 +438,9 @@ class EngineAlone:
         from czyx.store import Store
         from czyx.store.io.iopaths import default_io_path
 
-        self.store = Store.open(store_dir, create=False)
+        # One LMDB environment per process: a second engine alone shares the first's store.
+        self._owns_store = store is None
+        self.store = Store.open(store_dir, create=False) if store is None else store
         self.consumer = open_consumer(self.store, None, ref, direct=True)
         # The options czyx serve derives from its flags (BATCHED_OPTIONS, then the flags).
         self.engine = Engine(
@@ -407,7 +451,8 @@ class EngineAlone:
             ),
         )
         self.sched = Scheduler(
-            self.engine.model, BatchOptions(max_batch=16, max_queue=64, prefill_chunk=32)
+            self.engine.model,
+            BatchOptions(max_batch=16, max_queue=64, prefill_chunk=32, c_decode=c_decode),
         )
         # Every acquire, in order (for the offline optimum); the level that made it.
         cache = self.engine.model.experts
@@ -431,7 +476,14 @@ class EngineAlone:
             self.step_experts.setdefault(self.level_id, []).append(0)
             return advance(n_tokens)
 
-        cache.acquire, cache.advance = recorded, stepped
+        self._plain = (acquire, advance)
+        self._recording = (recorded, stepped)
+        self.record(True)
+
+    def record(self, on: bool) -> None:
+        """Record acquires (for the policy replays) or run the cache's own methods."""
+        cache = self.engine.model.experts
+        cache.acquire, cache.advance = self._recording if on else self._plain
 
     def level(self, clients, max_tokens, budget_s, level_id: int = -1) -> LevelRun:
         from czyx.inference.batch import Token
@@ -448,17 +500,24 @@ class EngineAlone:
             results.append((t0, stamps, len(stamps)))
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        cpu0 = time.process_time()
         t0 = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join(budget_s)
         wall = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
         if len(results) != clients:
             raise RuntimeError("engine-alone clients ran out of time")
         read = self.engine.stats().bytes_read - b0
         run = LevelRun(
-            clients, sum(r[2] for r in results), wall, read, load=(load0, os.getloadavg()[0])
+            clients,
+            sum(r[2] for r in results),
+            wall,
+            read,
+            load=(load0, os.getloadavg()[0]),
+            cpu=cpu,
         )
         run.level_id = level_id
         for start, stamps, _ in results:
@@ -470,7 +529,8 @@ class EngineAlone:
         self.sched.close()
         self.engine.close()
         self.consumer.close()
-        self.store.close()
+        if self._owns_store:
+            self.store.close()
 
 
 # --------------------------------------------------------------------------- report
@@ -492,6 +552,8 @@ def summarize(runs: dict[str, dict[int, list[LevelRun]]], levels):
                 "server_tps": s_tps,
                 "engine_tps": e_tps,
                 "overhead": e_tps / s_tps - 1 if s_tps else float("nan"),
+                "server_cpu": statistics.median(r.cpu_per_token for r in srv),
+                "engine_cpu": statistics.median(r.cpu_per_token for r in eng),
                 "server_bpt": statistics.median(r.bytes_per_token for r in srv),
                 "engine_bpt": statistics.median(r.bytes_per_token for r in eng),
                 "optimal_bpt": statistics.median(r.optimal_bytes_per_token for r in eng),
@@ -533,14 +595,17 @@ def summarize(runs: dict[str, dict[int, list[LevelRun]]], levels):
 def table(rows) -> str:
     head = (
         "| clients | server tok/s | x 1 client | engine alone tok/s | server overhead | "
+        "CPU us/token server / engine | "
         "bytes/token (server) | x 1 client | bytes/token (engine) | optimal policy "
         "(engine trace) | x 1 client | experts / step | TTFT p50 / p99 ms | "
         "ITL p50 / p99 ms | engine TTFT / ITL p50 ms | load avg |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = [
         f"| {r['clients']} | {r['server_tps']:.1f} | {r['scale']:.2f} | {r['engine_tps']:.1f} | "
-        f"{r['overhead'] * 100:+.1f}% | {r['server_bpt'] / 1e3:.1f} kB | {r['bpt_ratio']:.2f} | "
+        f"{r['overhead'] * 100:+.1f}% | "
+        f"{r['server_cpu'] * 1e6:.0f} / {r['engine_cpu'] * 1e6:.0f} | "
+        f"{r['server_bpt'] / 1e3:.1f} kB | {r['bpt_ratio']:.2f} | "
         f"{r['engine_bpt'] / 1e3:.1f} kB | {r['optimal_bpt'] / 1e3:.1f} kB | "
         f"{r['opt_ratio']:.2f} | {r['step_experts']:.0f} | "
         f"{r['ttft50']:.1f} / {r['ttft99']:.1f} | "
@@ -634,23 +699,40 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
     url = f"http://127.0.0.1:{port}"
     import httpx
 
-    pool = [httpx.Client(timeout=args.level_budget) for _ in range(max(levels))]
-    alone = EngineAlone(store_dir, ref, args)
-    llama = None
-    kinds = ["server", "engine"]
-    if llama_gguf is not None:
-        llama_port = _free_port()
-        # As many threads as czyx's kernels may use (the cores this process may run on).
-        llama = start_llama(llama_gguf, llama_port, default_threads())
-        llama_url = f"http://127.0.0.1:{llama_port}"
-        kinds.append("llama")
+    alone = numpy_alone = llama = None
+    try:
+        pool = [httpx.Client(timeout=args.level_budget) for _ in range(max(levels))]
+        alone = EngineAlone(store_dir, ref, args)
+        # The batched path before decode tokens took the engine's C decode (numpy for every
+        # chunk), engine alone at 1 and 8 clients: what the scaling ratio was measured against.
+        if args.numpy_baseline:
+            numpy_alone = EngineAlone(store_dir, ref, args, c_decode=False, store=alone.store)
+            numpy_alone.record(False)
+            kinds_np = [c for c in (1, 8) if c in levels]
+        kinds = ["server", "engine"]
+        if llama_gguf is not None:
+            llama_port = _free_port()
+            # As many threads as czyx's kernels may use (the cores this process may run on).
+            llama = start_llama(llama_gguf, llama_port, default_threads())
+            llama_url = f"http://127.0.0.1:{llama_port}"
+            kinds.append("llama")
+    except BaseException:  # no server outlives a failed setup
+        for e in (numpy_alone, alone):
+            if e is not None:
+                e.close()
+        for p in (proc, llama):
+            if p is not None:
+                _stop(p)
+        raise
     runs: dict[str, dict[int, list[LevelRun]]] = {k: {} for k in kinds}
-    overhead_pairs: list[tuple[float, float]] = []  # (server, engine) tok/s, one client
+    overhead_pairs: list[tuple[LevelRun, LevelRun]] = []  # (server, engine), one client
     level_ids = itertools.count()
     try:
         # Warm each (first requests pay imports and cold caches), then interleave.
         run_server_level(pool, url, token, ref, max(levels), 8, args.level_budget)
         alone.level(2, 8, args.level_budget, next(level_ids))
+        if numpy_alone is not None:
+            numpy_alone.level(2, 8, args.level_budget)
         if llama is not None:
             run_llama_level(pool, llama_url, 2, 8, args.level_budget)
         for rnd in range(args.rounds):
@@ -659,51 +741,67 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
                 for kind in order:
                     if kind == "server":
                         r = run_server_level(
-                            pool, url, token, ref, c, args.tokens, args.level_budget
+                            pool, url, token, ref, c, args.tokens, args.level_budget, proc.pid
                         )
                     elif kind == "engine":
                         r = alone.level(c, args.tokens, args.level_budget, next(level_ids))
                     else:
                         r = run_llama_level(pool, llama_url, c, args.tokens, args.level_budget)
                     runs[kind].setdefault(c, []).append(r)
+                    if kind == "engine" and numpy_alone is not None and c in kinds_np:
+                        rn = numpy_alone.level(c, args.tokens, args.level_budget)
+                        runs.setdefault("numpy", {}).setdefault(c, []).append(rn)
+                        print(
+                            f"{label} round {rnd} numpy  {c:2d} clients: {rn.tps:7.1f} tok/s, "
+                            f"{rn.cpu_per_token * 1e6:6.0f} us CPU/token",
+                            flush=True,
+                        )
                     print(
                         f"{label} round {rnd} {kind:6s} {c:2d} clients: {r.tps:7.1f} tok/s, "
-                        f"{r.bytes_per_token / 1e3:8.1f} kB/token, load {r.load[1]:.1f}",
+                        f"{r.bytes_per_token / 1e3:8.1f} kB/token, "
+                        f"{r.cpu_per_token * 1e6:6.0f} us CPU/token, load {r.load[1]:.1f}",
                         flush=True,
                     )
         # The server's own overhead at one client: longer requests, adjacent pairs (the
-        # order alternating), so a pair shares the machine's load of the moment.
+        # order alternating), so a pair shares the machine's load of the moment. Both sides
+        # first serve the same request once (unmeasured): the levels before left their
+        # caches in different states, and a pair must compare the same acquires (each
+        # pair's bytes per token are checked below). The engine-alone side runs without
+        # the acquire recorder (it would add Python per layer to the baseline only).
+        alone.record(False)
+        run_server_level(pool, url, token, ref, 1, args.overhead_tokens, args.level_budget)
+        alone.level(1, args.overhead_tokens, args.level_budget)
         for rnd in range(args.overhead_rounds):
             pair = {}
             for kind in ("server", "engine") if rnd % 2 == 0 else ("engine", "server"):
                 if kind == "server":
                     pair[kind] = run_server_level(
-                        pool, url, token, ref, 1, args.overhead_tokens, args.level_budget
+                        pool, url, token, ref, 1, args.overhead_tokens, args.level_budget, proc.pid
                     )
                 else:
-                    pair[kind] = alone.level(
-                        1, args.overhead_tokens, args.level_budget, next(level_ids)
-                    )
-            overhead_pairs.append((pair["server"].tps, pair["engine"].tps))
+                    pair[kind] = alone.level(1, args.overhead_tokens, args.level_budget)
+            overhead_pairs.append((pair["server"], pair["engine"]))
             print(
-                f"{label} overhead pair {rnd}: server {pair['server'].tps:.1f} tok/s, "
-                f"engine {pair['engine'].tps:.1f} tok/s",
+                f"{label} overhead pair {rnd}: server {pair['server'].tps:.1f} tok/s "
+                f"{pair['server'].cpu_per_token * 1e6:.0f} us CPU/token "
+                f"{pair['server'].bytes_per_token / 1e3:.1f} kB/token, engine "
+                f"{pair['engine'].tps:.1f} tok/s {pair['engine'].cpu_per_token * 1e6:.0f} us "
+                f"CPU/token {pair['engine'].bytes_per_token / 1e3:.1f} kB/token, load "
+                f"{pair['engine'].load[1]:.1f}",
                 flush=True,
             )
+        alone.record(True)
     finally:
         for h in pool:
             h.close()
         cache = alone.engine.cache
         slots, slot_bytes, capacity = cache.n_slots, cache.slot_nbytes, cache.max_acquire
+        if numpy_alone is not None:
+            numpy_alone.close()
         alone.close()
         for p in (proc, llama):
-            if p is None:
-                continue
-            p.terminate()
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            if p is not None:
+                _stop(p)
     misses = belady_misses(alone.trace, capacity)
     replays = {
         p: replay_misses(
@@ -716,31 +814,91 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
             r.optimal_bytes = misses.get(r.level_id, 0) * slot_bytes
             r.step_experts = float(np.median(alone.step_experts.get(r.level_id, [0])))
             r.replayed = {p: m.get(r.level_id, 0) * slot_bytes for p, m in replays.items()}
-    return summarize(runs, levels), slots, overhead_pairs
+    return summarize(runs, levels), slots, overhead_pairs, runs.get("numpy", {})
 
 
-def overhead_line(pairs: list[tuple[float, float]], tokens: int) -> str:
-    """The one-client overhead from adjacent (server, engine) pairs."""
+def overhead_line(pairs: list[tuple[LevelRun, LevelRun]], tokens: int) -> str:
+    """The one-client overhead from adjacent (server, engine alone) pairs: wall and CPU."""
     if not pairs:
         return ""
-    ratios = sorted(e / s_ - 1 for s_, e in pairs)
-    return (
+    wall = sorted(e.tps / s_.tps - 1 for s_, e in pairs)
+    cpu = sorted(s_.cpu_per_token / e.cpu_per_token - 1 for s_, e in pairs)
+    extra = sorted((s_.cpu_per_token - e.cpu_per_token) * 1e6 for s_, e in pairs)
+    # A pair whose two sides read different bytes per token compared different cache
+    # states (not the server's overhead): counted and shown, never silently averaged in.
+    differ = [
+        i
+        for i, (s_, e) in enumerate(pairs)
+        if abs(s_.bytes_read - e.bytes_read) > 0.05 * max(s_.bytes_read, e.bytes_read, 1.0)
+    ]
+    med = statistics.median
+    s_tps, e_tps = med(p[0].tps for p in pairs), med(p[1].tps for p in pairs)
+    s_cpu, e_cpu = med(p[0].cpu_per_token for p in pairs), med(p[1].cpu_per_token for p in pairs)
+    line = (
         f"Server overhead at one client, {len(pairs)} adjacent pairs of one streamed request "
-        f"of {tokens} tokens (server, then engine alone, or the reverse): median server "
-        f"{statistics.median(p[0] for p in pairs):.1f} tok/s, engine alone "
-        f"{statistics.median(p[1] for p in pairs):.1f} tok/s; per pair engine / server - 1: "
-        f"median {statistics.median(ratios) * 100:+.1f}% (from {ratios[0] * 100:+.1f}% to "
-        f"{ratios[-1] * 100:+.1f}%; goal <= 10%).\n"
+        f"of {tokens} tokens (server, then engine alone, or the reverse; both sides first "
+        f"served the same request once, unmeasured): median server {s_tps:.1f} "
+        f"tok/s, engine alone {e_tps:.1f} tok/s; per pair, wall "
+        f"(engine tok/s / server tok/s - 1): median {med(wall) * 100:+.1f}% (from "
+        f"{wall[0] * 100:+.1f}% to {wall[-1] * 100:+.1f}%); CPU of the serving process per "
+        f"token (server process / engine-alone process - 1): median {med(cpu) * 100:+.1f}% "
+        f"(from {cpu[0] * 100:+.1f}% to {cpu[-1] * 100:+.1f}%), i.e. "
+        f"{med(extra):+.0f} us per token (server {s_cpu * 1e6:.0f}, "
+        f"engine alone {e_cpu * 1e6:.0f} us); bytes read per "
+        f"token server {med(p[0].bytes_per_token for p in pairs) / 1e3:.1f} kB, engine alone "
+        f"{med(p[1].bytes_per_token for p in pairs) / 1e3:.1f} kB; goal <= 10%.\n"
     )
+    load = med(p[1].load[1] for p in pairs)
+    cpus = os.cpu_count() or 1
+    if load > cpus:
+        line += (
+            f"\nThe load average during the pairs ({load:.1f}) exceeded the {cpus} CPUs: the wall "
+            "figures are contended (see above); the CPU figure is the one to read.\n"
+        )
+    if differ:
+        line += (
+            f"\n**Warning**: {len(differ)} of {len(pairs)} pairs read bytes per token that "
+            f"differ by more than 5% between the two sides (pairs {differ}): their caches were "
+            "not in the same state, so those pairs measure I/O, not the server.\n"
+        )
+    return line
+
+
+def numpy_line(rows, np_runs: dict[int, list[LevelRun]]) -> str:
+    """The engine alone with the numpy decode (the previous batched path) beside the C one."""
+    med = statistics.median
+    by = {r["clients"]: r for r in rows}
+    cells = []
+    for c in sorted(np_runs):
+        tps = med(x.tps for x in np_runs[c])
+        cpu = med(x.cpu_per_token for x in np_runs[c])
+        cells.append(
+            f"{c} client{'s' if c > 1 else ''}: {tps:.1f} tok/s, {cpu * 1e6:.0f} us CPU/token "
+            f"(C decode: {by[c]['engine_tps']:.1f} tok/s, {by[c]['engine_cpu'] * 1e6:.0f} us)"
+        )
+    line = (
+        "Engine alone with every chunk through the numpy step (`BatchOptions(c_decode=False)`, "
+        "the batched path before decode tokens took the engine's C decode), same rounds: "
+        + "; ".join(cells)
+    )
+    if 1 in np_runs and 8 in np_runs:
+        line += (
+            f"; 8 clients / 1 client with it: "
+            f"{med(x.tps for x in np_runs[8]) / med(x.tps for x in np_runs[1]):.2f}x"
+        )
+    return line + ".\n"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=48, help="tokens per request")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per request")
     ap.add_argument("--levels", default="1,2,4,8,16")
     ap.add_argument("--cache-fraction", type=float, default=0.25)
     ap.add_argument("--synthetic", action="store_true", help="also a random MoE over the cache")
+    ap.add_argument(
+        "--no-bundled", action="store_true", help="skip the bundled model (with --synthetic)"
+    )
     ap.add_argument(
         "--prefetch",
         choices=["on", "off"],
@@ -758,10 +916,18 @@ def main() -> int:
         default="auto",
         help="llama.cpp's server on the bundled model (auto: where llama-cpp-python[server] is)",
     )
-    ap.add_argument("--overhead-rounds", type=int, default=6, help="one-client server/engine pairs")
-    ap.add_argument("--overhead-tokens", type=int, default=256, help="tokens per overhead pair")
+    ap.add_argument(
+        "--overhead-rounds", type=int, default=10, help="one-client server/engine pairs"
+    )
+    ap.add_argument("--overhead-tokens", type=int, default=512, help="tokens per overhead pair")
     ap.add_argument("--level-budget", type=float, default=120.0, help="seconds per level at most")
     ap.add_argument("--out", default=os.path.join(HERE, "SERVE.md"))
+    ap.add_argument(
+        "--no-numpy-baseline",
+        dest="numpy_baseline",
+        action="store_false",
+        help="skip the engine alone with the numpy decode at 1 and 8 clients",
+    )
     args = ap.parse_args()
     if args.policy is None:
         from czyx.inference.options import BATCHED_OPTIONS
@@ -783,26 +949,33 @@ def main() -> int:
     llama_rows = None
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as work:
         store_dir = os.path.join(work, "store")
-        mount_checkpoint(str(bundled_model_dir()), store_dir, "stdlib@1")
-        gguf = None
-        if llama_why is None:
-            gguf = os.path.join(work, "stdlib-f32.gguf")
-            write_bundled_gguf(gguf)
-        rows, slots, pairs = bench_model("bundled", store_dir, "stdlib@1", args, levels, gguf)
-        if gguf is not None:
-            llama_rows = rows
-        results[f"bundled czyx-moe-stdlib (4 layers x 16 experts, fp16; {slots} expert slots)"] = (
-            rows,
-            pairs,
-        )
+        if not args.no_bundled:
+            mount_checkpoint(str(bundled_model_dir()), store_dir, "stdlib@1")
+            gguf = None
+            if llama_why is None:
+                gguf = os.path.join(work, "stdlib-f32.gguf")
+                write_bundled_gguf(gguf)
+            rows, slots, pairs, np_runs = bench_model(
+                "bundled", store_dir, "stdlib@1", args, levels, gguf
+            )
+            if gguf is not None:
+                llama_rows = rows
+            label = f"bundled czyx-moe-stdlib (4 layers x 16 experts, fp16; {slots} expert slots)"
+            results[label] = (rows, pairs, np_runs)
+        elif not args.synthetic:
+            raise SystemExit("--no-bundled needs --synthetic")
+        else:
+            llama_why = "not run (--no-bundled)"
         if args.synthetic:
             cfg = synthetic_config(256, 512, 4, 32, vocab=512)
             ckpt = os.path.join(work, "synthetic")
             write_synthetic_checkpoint(ckpt, cfg)
             mount_checkpoint(ckpt, store_dir, "synthetic@1")
-            rows, slots, pairs = bench_model("synthetic", store_dir, "synthetic@1", args, levels)
+            rows, slots, pairs, np_runs = bench_model(
+                "synthetic", store_dir, "synthetic@1", args, levels
+            )
             label = f"synthetic MoE (4 layers x 32 experts, 256 x 512, fp32; {slots} expert slots)"
-            results[label] = (rows, pairs)
+            results[label] = (rows, pairs, np_runs)
     cmd = "OPENBLAS_NUM_THREADS={} python bench/bench_serve.py {}".format(
         os.environ.get("OPENBLAS_NUM_THREADS", "unset"), " ".join(sys.argv[1:])
     ).strip()
@@ -822,12 +995,18 @@ def main() -> int:
         "httpx threads in the bench process (they share the same CPUs). Engine alone: the "
         "same Scheduler and engine options in-process, no HTTP.",
         "- Server overhead = engine-alone tok/s / server tok/s - 1 (per-token time the "
-        "HTTP, JSON and SSE path adds, client-side parsing included). A level at one client "
-        "lasts well under a second on the bundled model, so on this shared machine its "
-        f"medians are noisy; the overhead is also measured on {args.overhead_rounds} adjacent "
-        f"pairs of {args.overhead_tokens}-token requests per model.\n",
+        "HTTP, JSON and SSE path adds, client-side parsing included). Beside it, the CPU "
+        "time of the serving process per generated token (every thread: the kernel's "
+        "per-thread accounting, /proc/PID/task/*/schedstat for the server, process time for "
+        "the engine alone), which the machine's other load does not inflate the way it "
+        "inflates wall time: where the load average exceeds the CPUs, the server's extra "
+        "runnable threads (event loop, and the bench's client parsing its stream) take "
+        "CPU share from its batch thread, so wall overhead there overstates the work the "
+        "server adds. A level at one client lasts well under a second on the bundled model, "
+        f"so its medians are noisy; the overhead is also measured on {args.overhead_rounds} "
+        f"adjacent pairs of {args.overhead_tokens}-token requests per model.\n",
     ]
-    for label, (rows, pairs) in results.items():
+    for label, (rows, pairs, np_runs) in results.items():
         parts.append(f"## {label}\n")
         parts.append(table(rows))
         parts.append(
@@ -837,6 +1016,8 @@ def main() -> int:
         parts.append(policy_table(rows))
         if pairs:
             parts.append(overhead_line(pairs, args.overhead_tokens))
+        if np_runs:
+            parts.append(numpy_line(rows, np_runs))
         r1 = rows[0]
         r8 = next((r for r in rows if r["clients"] == 8), None)
         if r8 is not None:
@@ -849,7 +1030,12 @@ def main() -> int:
                 f"measured); server overhead in the level runs at one client "
                 f"{r1['overhead'] * 100:+.1f}%, at 8 clients {r8['overhead'] * 100:+.1f}% "
                 f"(goal <= 10%; short levels: see the paired figure above). One client: "
-                f"{r1['server_tps']:.1f} tok/s.\n"
+                f"{r1['server_tps']:.1f} tok/s. CPU of the engine alone per generated token "
+                f"at 1 client {r1['engine_cpu'] * 1e6:.0f} us, at 8 clients "
+                f"{r8['engine_cpu'] * 1e6:.0f} us: a decode token costs the same kernel work "
+                "whatever the batch (each token is the engine's own C decode); what a batch "
+                "shares is the step's fixed work and each expert's acquire, and at this cache "
+                "budget the union's misses add reads per token (bytes columns).\n"
             )
     parts.append(
         "Reading the bytes columns: a step acquires, layer by layer, the union of the experts "

@@ -25,6 +25,18 @@ that sequence alone. A sequence's logits are then bit-identical whichever
 sequences share its steps, and so are its greedy tokens. (They are not
 bit-identical to :meth:`Engine.decode`, which multiplies one column: that
 path is the single-sequence engine's, this one is the server's.)
+
+Decode tokens (a sequence's one-token chunk) take the single-sequence
+engine's C path instead where the architecture decodes in C (see
+:meth:`MoEDecoder.decode_in_c`) and the sequence's routing is unrestricted:
+per token, the attention block, the routing and the MoE layer are one C call
+each (:mod:`czyx.inference.kernels.fused`), exactly as :meth:`Engine.decode`
+computes them, while each layer still acquires the union of the step's
+experts once. Each such token is computed on its own, so its logits are
+bit-identical to the same token decoded alone (batched or by the engine); a
+step costs a few C calls per token and layer instead of numpy products, row
+slicing and Python per sequence. Whether a chunk takes this path depends on
+its own length and portal only, never on the other sequences.
 """
 
 from __future__ import annotations
@@ -136,6 +148,7 @@ def forward_batch(
     chunks: Sequence[np.ndarray],
     kvs: Sequence[KVCache],
     allowed: Sequence[np.ndarray | None] | None = None,
+    c_decode: bool = True,
 ) -> list[np.ndarray]:
     """One forward step over several sequences together.
 
@@ -153,6 +166,9 @@ def forward_batch(
         portal permits. Routing then picks the top-k among them only, the
         softmax (and so the weights) taken over the permitted experts alone
         (a portal's class/layer scope narrows routing, never reads outside it).
+    c_decode
+        Decode tokens take the engine's C decode where the model has it (the
+        default); False runs every chunk through the numpy step (for comparison).
 
     Returns
     -------
@@ -168,13 +184,178 @@ def forward_batch(
             raise ValueError("forward_batch: a chunk is empty")
         if c.min() < 0 or c.max() >= cfg.vocab_size:
             raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
+    if allowed is not None and len(allowed) != len(ids):
+        raise ValueError("forward_batch needs one allowed-experts entry per chunk")
+    fast = [
+        s
+        for s, c in enumerate(ids)
+        if c_decode
+        and c.size == 1
+        and (allowed is None or allowed[s] is None)
+        and _c_decodes(model)
+    ]
+    if not fast:
+        return _forward_rows(model, ids, kvs, allowed)
+    model.experts.advance(sum(int(c.size) for c in ids))
+    out: list[np.ndarray | None] = [None] * len(ids)
+    got = _forward_c(model, [int(ids[s][0]) for s in fast], [kvs[s] for s in fast])
+    for s, lg in zip(fast, got, strict=True):
+        out[s] = lg
+    rest = [s for s in range(len(ids)) if out[s] is None]
+    if rest:
+        sub = None if allowed is None else [allowed[s] for s in rest]
+        got = _forward_rows(model, [ids[s] for s in rest], [kvs[s] for s in rest], sub, False)
+        for s, lg in zip(rest, got, strict=True):
+            out[s] = lg
+    return out  # type: ignore[return-value]
+
+
+def _c_decodes(model) -> bool:
+    """Whether ``model`` decodes a token in the C kernels exactly as its engine does."""
+    return (
+        model.decode_in_c()
+        and getattr(model, "_plain_routing", False)
+        and model.route_mask is None
+        and type(model).mlp_out is _base_mlp_out()
+        and type(model).finish_logits is _base_finish_logits()
+    )
+
+
+@functools.cache
+def _base_mlp_out():
+    from czyx.inference.models.decoder import MoEDecoder
+
+    return MoEDecoder.mlp_out
+
+
+@functools.cache
+def _base_finish_logits():
+    from czyx.inference.models.decoder import MoEDecoder
+
+    return MoEDecoder.finish_logits
+
+
+def _forward_c(model, tokens: list[int], kvs: Sequence[KVCache]) -> list[np.ndarray]:
+    """Decode tokens (one per sequence) through the engine's C kernels, each on its own.
+
+    Per layer: each token's attention block and routing (one C call each, its
+    own KV cache and position), then the union of the tokens' experts
+    acquired once (residents first; in groups of tokens whose union fits the
+    cache's :attr:`max_acquire` when it does not) and each token's MoE layer
+    over its top-k in its own order (one C call). The arithmetic per token is
+    :meth:`MoEDecoder._forward_one`'s, so the logits are the engine's.
+    """
+    cfg = model.cfg
+    kern = model.kernels()
+    n = len(tokens)
+    hsz = cfg.hidden_size
+    h = np.empty((n, hsz), F32)
+    x = np.empty((n, hsz), F32)
+    y = np.empty((n, hsz), F32)
+    idx = np.empty((n, cfg.top_k), np.int64)
+    w = np.empty((n, cfg.top_k), F32)
+    starts = [kv.length for kv in kvs]
+    for r, (tok, kv) in enumerate(zip(tokens, kvs, strict=True)):
+        kv.reserve(starts[r] + 1)
+        kern.embed(model.embed, tok)
+        h[r] = kern.h
+    cache = model.experts
+    window = model.trunk_window
+    lookahead = getattr(cache, "lookahead", None)
+    qkv = model._c_qkv
+    for i in range(cfg.n_layers):
+        lw = window.layer(i) if window is not None else model.layers[i]
+        if model.layer_hook is not None:
+            model.layer_hook(i, h)
+        sw = cfg.sliding_windows[i]
+        for r in range(n):
+            np.copyto(kern.h, h[r])
+            kern.attention(
+                lw, kvs[r].k[i], kvs[r].v[i], starts[r], sw, model.rotary, cfg.rms_eps,
+                cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, *qkv,
+            )  # fmt: skip
+            h[r] = kern.h
+            x[r] = kern.x
+            kern.route(lw.router, cfg.top_k, cfg.renormalize)
+            idx[r] = kern.idx
+            w[r] = kern.w
+        if lookahead is not None:
+            lookahead(i, x)
+        model.count_routes(i, idx, w)
+        if n == 1:  # the engine's own acquire: the token's top-k, in its order
+            slots = cache.acquire(i, idx[0])
+            try:
+                np.copyto(kern.x, x[0])
+                kern.moe(cache, slots, w[0])
+                y[0] = kern.y
+            finally:
+                cache.release()
+            h += model.mlp_out(y)
+            continue
+        for rows, order in _acquire_groups(idx, cache.table[i], cache.max_acquire):
+            slots = cache.acquire(i, order)
+            try:
+                slot_of = np.full(cfg.n_experts, -1, np.int64)
+                slot_of[order] = slots
+                for r in rows:
+                    np.copyto(kern.x, x[r])
+                    kern.moe(cache, np.ascontiguousarray(slot_of[idx[r]]), w[r])
+                    y[r] = kern.y
+            finally:
+                cache.release()
+        h += model.mlp_out(y)
+    out = []
+    for r, kv in enumerate(kvs):
+        kv.length = starts[r] + 1
+        np.copyto(kern.h, h[r])
+        kern.head(model.final_norm, model.lm_head, cfg.rms_eps)
+        out.append(model.finish_logits(kern.logits.copy()))
+    return out
+
+
+def _acquire_groups(idx: np.ndarray, resident: np.ndarray, cap: int):
+    """Rows of ``idx [n, k]`` in groups whose distinct experts fit ``cap`` slots, with
+    each group's experts in acquire order (residents first, then by expert id).
+
+    One group (every row) when the step's union fits; otherwise consecutive
+    rows while their union still fits, so every token holds its whole top-k
+    together.
+    """
+    uniq = np.unique(idx)
+    if uniq.size <= cap:
+        yield range(idx.shape[0]), uniq[np.argsort(resident[uniq] < 0, kind="stable")]
+        return
+    rows: list[int] = []
+    held: set[int] = set()
+    for r in range(idx.shape[0]):
+        mine = set(idx[r].tolist())
+        if rows and len(held | mine) > cap:
+            g = np.array(sorted(held), np.int64)
+            yield rows, g[np.argsort(resident[g] < 0, kind="stable")]
+            rows, held = [], set()
+        rows.append(r)
+        held |= mine
+    g = np.array(sorted(held), np.int64)
+    yield rows, g[np.argsort(resident[g] < 0, kind="stable")]
+
+
+def _forward_rows(
+    model,
+    ids: list[np.ndarray],
+    kvs: Sequence[KVCache],
+    allowed: Sequence[np.ndarray | None] | None,
+    advance: bool = True,
+) -> list[np.ndarray]:
+    """The numpy step over ``ids`` (row-independent products in :data:`BLOCK` columns)."""
+    cfg = model.cfg
     lens = [int(c.size) for c in ids]
     offs = np.concatenate([[0], np.cumsum(lens)]).astype(int)
     starts = [kv.length for kv in kvs]
     for kv, s, n in zip(kvs, starts, lens, strict=True):
         kv.reserve(s + n)
     positions = [np.arange(s, s + n) for s, n in zip(starts, lens, strict=True)]
-    model.experts.advance(int(offs[-1]))
+    if advance:
+        model.experts.advance(int(offs[-1]))
     h = take_rows(model.embed, np.concatenate(ids))
     window = model.trunk_window
     lookahead = getattr(model.experts, "lookahead", None)
@@ -367,6 +548,11 @@ class BatchOptions:
         so the reused positions are exactly those the new sequence would have
         computed (same tokens, same chunk boundaries): results do not change.
         0: no reuse.
+    c_decode
+        Decode tokens take the engine's C decode where the architecture has it
+        (:func:`forward_batch`); False: the numpy step for every chunk (the
+        batched path before it, kept for comparison; results then differ from
+        the engine's decode by float32 rounding, still independent of the batch).
     """
 
     max_batch: int = 16
@@ -375,6 +561,7 @@ class BatchOptions:
     step_tokens: int = 256
     kv_bytes: int | None = None
     prefix_cache_bytes: int = 0
+    c_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -831,6 +1018,7 @@ class Scheduler:
                 [c for _, c in work],
                 [s.kv for s, _ in work],
                 allowed if any(a is not None for a in allowed) else None,
+                self.options.c_decode,
             )
         except Exception as exc:  # fail closed: every sequence of the step ends with the error
             with self._lock:

@@ -582,16 +582,19 @@ class _Channel:
 
     The consumer takes every event that arrived since its last wait at once
     (:meth:`take`), so a loop that falls behind writes one chunk for several
-    tokens instead of one per token; waiting costs one future and one timer,
-    not a task per event (``asyncio.wait_for``).
+    tokens instead of one per token. A wait costs one future: its timeout is a
+    deadline the channel's single timer checks when it fires (re-armed then,
+    only while a wait is pending), not a timer armed and cancelled per token.
     """
 
-    __slots__ = ("_items", "_loop", "_waiter")
+    __slots__ = ("_deadline", "_items", "_loop", "_timer", "_waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._items: list[Any] = []
         self._waiter: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
 
     def _deliver(self, evs: list[Any]) -> None:  # on the loop
         self._items.extend(evs)
@@ -599,23 +602,38 @@ class _Channel:
         if w is not None and not w.done():
             w.set_result(None)
 
+    def _check(self) -> None:  # on the loop: the timer fired
+        self._timer = None
+        w = self._waiter
+        if w is None or w.done():
+            return  # no wait pending: the next wait re-arms
+        if self._loop.time() >= self._deadline:
+            w.set_exception(TimeoutError())
+        else:
+            self._timer = self._loop.call_at(self._deadline, self._check)
+
     async def take(self, timeout: float) -> list[Any]:
         """Every event not yet taken (at least one); TimeoutError after ``timeout`` s."""
         if not self._items:
             w = self._waiter = self._loop.create_future()
-            timer = self._loop.call_later(timeout, _expire, w)
+            self._deadline = self._loop.time() + timeout
+            timer = self._timer
+            if timer is None or timer.when() > self._deadline:  # (a shorter timeout)
+                if timer is not None:
+                    timer.cancel()
+                self._timer = self._loop.call_at(self._deadline, self._check)
             try:
                 await w
             finally:
-                timer.cancel()
                 self._waiter = None
         items, self._items = self._items, []
         return items
 
-
-def _expire(w: asyncio.Future) -> None:
-    if not w.done():
-        w.set_exception(TimeoutError())
+    def close(self) -> None:
+        """Drop the timer (the request is over)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class _Dispatcher:
@@ -720,6 +738,7 @@ async def _events(
             if isinstance(evs[-1], Done):
                 return
     finally:
+        ch.close()
         handle.cancel()  # a no-op once done; frees the sequence when the client left early
 
 

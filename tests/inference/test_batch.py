@@ -106,8 +106,9 @@ def test_batched_step_matches_the_single_sequence_engine(engine):
     assert toks == ref and done.reason == "length" and done.completion_tokens == 12
 
 
-def test_scheduler_eight_concurrent_equal_solo(engine):
-    opts = BatchOptions(max_batch=8, prefill_chunk=8, step_tokens=40)
+@pytest.mark.parametrize("c_decode", [True, False])
+def test_scheduler_eight_concurrent_equal_solo(engine, c_decode):
+    opts = BatchOptions(max_batch=8, prefill_chunk=8, step_tokens=40, c_decode=c_decode)
     sched = Scheduler(engine.model, opts)
     try:
         solo = [sched.submit(list(p), 10).result(timeout=60)[0] for p in PROMPTS]
@@ -196,3 +197,50 @@ def test_tiered_streaming_batch_equals_resident(engine):
         sched.close()
         small.close()
     assert got == want and misses > 0
+
+
+def _copy(model, kv):
+    out = model.new_kv(kv.capacity)
+    for i in range(len(kv.k)):
+        out.k[i][:] = kv.k[i]
+        out.v[i][:] = kv.v[i]
+    out.length = kv.length
+    return out
+
+
+@pytest.mark.parametrize("fraction", [None, 0.1])
+def test_decode_tokens_are_the_engines_own_decode(engine, fraction):
+    """A batch's decode tokens take the engine's C decode: each token's logits are exactly
+    what Engine.decode (MoEDecoder.forward of one token) gives for it, with every expert
+    resident and at a tenth of the expert bytes, where a layer's experts for the step
+    exceed the slots and are acquired in groups of tokens."""
+    from czyx.inference.options import BATCHED_OPTIONS
+
+    eng = engine
+    if fraction is not None:
+        eng = Engine(engine.consumer, cache_fraction=fraction, options=BATCHED_OPTIONS)
+    model = eng.model
+    try:
+        assert model.decode_in_c()
+        calls = []
+        acquire = model.experts.acquire
+        model.experts.acquire = lambda i, e: calls.append(len(e)) or acquire(i, e)
+        kvs = [model.new_kv() for _ in PROMPTS]
+        first = forward_batch(model, [np.frombuffer(p, np.uint8) for p in PROMPTS], kvs)
+        toks = [int(np.argmax(lg)) for lg in first]
+        for _ in range(3):
+            want = [model.forward(np.array([t]), _copy(model, kv)) for t, kv in zip(toks, kvs)]
+            calls.clear()
+            got = forward_batch(model, [np.array([t]) for t in toks], kvs)
+            groups = len(calls)
+            for a, b in zip(want, got, strict=True):
+                assert np.array_equal(a, b)
+            toks = [int(np.argmax(lg)) for lg in got]
+        n_layers = model.cfg.n_layers
+        assert groups == n_layers if fraction is None else groups > n_layers
+        if fraction is not None:
+            assert eng.stats().misses > 0
+    finally:
+        model.experts.__dict__.pop("acquire", None)
+        if eng is not engine:
+            eng.close()

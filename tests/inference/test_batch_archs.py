@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from czyx.inference.batch import BatchError, Scheduler, forward_batch
+from czyx.inference.batch import BatchError, Scheduler, _c_decodes, forward_batch
 from czyx.inference.engine import Engine
 from czyx.inference.models.decoder import MoEDecoder
 from czyx.inference.opened import OpenedModel
@@ -45,7 +45,19 @@ def test_batched_step_matches_the_engine(tmp_path, arch) -> None:
         for s, t, got in zip(SEQS, nxt, step, strict=True):
             kv = model.new_kv()
             forward_batch(model, [np.array(s)], [kv])
+            engine_kv = model.new_kv(kv.capacity)
+            for i in range(len(kv.k)):
+                engine_kv.k[i][:] = kv.k[i]
+                engine_kv.v[i][:] = kv.v[i]
+            engine_kv.length = kv.length
             assert np.array_equal(forward_batch(model, [np.array([t])], [kv])[0], got)
+            # The engine's own decode of the same token after the same positions: exactly
+            # it where the batch decodes in C, to float32 rounding where it runs numpy.
+            one = model.forward(np.array([t]), engine_kv)
+            if _c_decodes(model):
+                assert np.array_equal(one, got), arch
+            else:
+                assert np.abs(one - got).max() <= 1e-5 * float(one.max() - one.min()), arch
         eng.close()
     for w, a, b in zip(want, alone, together, strict=True):
         assert np.array_equal(a, b)  # independent of what it is batched with
