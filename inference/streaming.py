@@ -514,21 +514,17 @@ class StreamingExpertCache(ExpertCache):
 def attach(model, cache: StreamingExpertCache) -> None:
     """Connect a decoder to a streaming cache's look-ahead.
 
-    Gives the cache the decoder's routers and wraps the decoder's routed-MLP
-    step so that, when layer L routes on its hidden state ``x``, the cache
-    first records its prediction for the next sparse layer (issued by the
-    next :meth:`StreamingExpertCache.acquire`, after L's own slots are held).
-    The decoder's arithmetic is untouched: the wrapper only observes ``x``.
+    Gives the cache the decoder's routers and sets the decoder's hooks: when
+    the residual stream enters layer L (``layer_hook``) the cache reads L's
+    predicted experts (early routing), and when layer L routes on its hidden
+    state ``x`` (``route_hook``) the cache first records its prediction for
+    the next sparse layer (issued by the next
+    :meth:`StreamingExpertCache.acquire`, after L's own slots are held). The
+    decoder's arithmetic is untouched: the hooks only observe.
     """
     cache.set_routers(
         [getattr(lw, "router", None) for lw in model.layers],
         [getattr(lw, "post_attn_norm", None) for lw in model.layers],
     )
     model.layer_hook = cache.preroute
-    routed = model._routed
-
-    def _routed(i: int, lw, x: np.ndarray) -> np.ndarray:
-        cache.lookahead(i, x)
-        return routed(i, lw, x)
-
-    model._routed = _routed
+    model.route_hook = cache.lookahead

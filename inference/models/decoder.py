@@ -241,12 +241,19 @@ class MoEDecoder:
         self.observer: Callable[[str, np.ndarray], None] | None = None
         # Top-k selections per (layer, expert): the routing profile of everything run.
         self.route_counts = np.zeros((cfg.n_layers, cfg.n_experts), np.int64)
+        # Its rows, for the decode step's count: a row view indexed by the top-k is a
+        # fraction of the cost of the two-dimensional fancy index.
+        self._count_rows = list(self.route_counts)
         # Optional per-token recorder (czyx profile): None on the ordinary path.
         self.recorder: RouteRecorder | None = None
         # Called as layer_hook(i, h) with the residual stream entering layer i, before
         # its attention (the streaming cache predicts layer i's experts from it while
         # the attention computes); None on the ordinary path.
         self.layer_hook: Callable[[int, np.ndarray], None] | None = None
+        # Called as route_hook(i, x) with the input of layer i's routed experts, before
+        # they are routed (the streaming cache's look-ahead predicts the next sparse
+        # layer from it); None on the ordinary path.
+        self.route_hook: Callable[[int, np.ndarray], None] | None = None
         # bool [n_layers, n_experts] of the experts a scoped portal permits, or None
         # (everything): routing then picks its top-k among the permitted only.
         self.route_mask: np.ndarray | None = routing_mask(consumer, cfg)
@@ -268,6 +275,15 @@ class MoEDecoder:
 
         self._all_c = self._czk and all(map(in_c, self._C_DECODE_BASE)) and all(cfg.sparse_layers)
         self._fast_attn = all(map(in_c, self._C_ATTN_BASE))
+        # Whether a decode layer may go straight from the attention call to the routed
+        # call (_routed_one), skipping the _mlp -> _routed dispatch that, for this
+        # class, would arrive there anyway (checked per step: no mask, no observer,
+        # no instance override of _routed).
+        self._direct_moe = (
+            self._plain_routing
+            and all(cfg.sparse_layers)
+            and all(getattr(cls, m) is getattr(MoEDecoder, m) for m in self._DIRECT_BASE)
+        )
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
@@ -497,6 +513,8 @@ class MoEDecoder:
     _C_DECODE_BASE = ("post_qkv", "routed_extra", "_attention", "new_kv")
     # The subset the C attention call implements (others run numpy attention per layer).
     _C_ATTN_BASE = ("post_qkv", "_attention", "new_kv")
+    # The steps a decode layer skips when it calls _routed_one directly.
+    _DIRECT_BASE = ("_mlp", "_routed", "_routed_one", "mlp_out", "routed_extra")
 
     def decode_in_c(self) -> bool:
         """Whether a one-token step runs in the C kernels only (no numpy product, no BLAS).
@@ -547,14 +565,21 @@ class MoEDecoder:
         architecture transforms q/k), then :meth:`_mlp` on ``kern.x2``.
         """
         cfg = self.cfg
-        h, h2, x2 = kern.h, kern.h2, kern.x2
+        h, h2, x2, y = kern.h, kern.h2, kern.x2, kern.y
         fast_attn = self._fast_attn
         window = self.trunk_window
+        layer_hook, route_hook = self.layer_hook, self.route_hook
+        direct = (
+            self._direct_moe
+            and self.route_mask is None
+            and self.observer is None
+            and "_routed" not in self.__dict__  # a pipeline stage's or test's own routing
+        )
         positions = None
         for i in range(lo, hi):
             lw = window.layer(i) if window is not None else self.layers[i]
-            if self.layer_hook is not None:
-                self.layer_hook(i, h2)
+            if layer_hook is not None:
+                layer_hook(i, h2)
             if fast_attn:
                 kern.attention(
                     lw, kv.k[i], kv.v[i], start, cfg.sliding_windows[i], self.rotary,
@@ -566,7 +591,13 @@ class MoEDecoder:
                 x = rms_norm(h2, lw.input_norm, cfg.rms_eps)
                 h += self._attention(i, lw, x, kv, start, positions)[0]
                 np.copyto(kern.x, rms_norm(h2, lw.post_attn_norm, cfg.rms_eps)[0])
-            h += self._mlp(i, lw, x2)[0]
+            if direct:  # what _mlp -> _routed would do, without the dispatch
+                if route_hook is not None:
+                    route_hook(i, x2)
+                self._routed_one(i, lw, kern)
+                h += y
+            else:
+                h += self._mlp(i, lw, x2)[0]
 
     def _attention(
         self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
@@ -636,6 +667,8 @@ class MoEDecoder:
             self.recorder.record(i, idx, w)
 
     def _routed(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
+        if self.route_hook is not None:
+            self.route_hook(i, x)
         cfg = self.cfg
         mask = None if self.route_mask is None else self.route_mask[i]
         kern = self._kernels
@@ -701,7 +734,7 @@ class MoEDecoder:
         cfg = self.cfg
         kern.route(lw.router, cfg.top_k, cfg.renormalize)
         idx = kern.idx
-        self.route_counts[i, idx] += 1  # a token's top-k experts are distinct
+        self._count_rows[i][idx] += 1  # a token's top-k experts are distinct
         if self.recorder is not None:
             self.recorder.record(i, idx[None].copy(), kern.w[None].copy())
         cache = self.experts
