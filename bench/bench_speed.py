@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--out", default=str(Path(__file__).with_name("SPEED.md")))
-    ap.add_argument("--no-sync", action="store_true", help="skip the synchronous-cache czyx engines")
+    ap.add_argument("--no-sync", action="store_true", help="skip the sync-cache czyx engines")
     args = ap.parse_args(argv)
 
     from czyx.inference.kernels import fused
@@ -502,13 +502,20 @@ def _report(args, med, toks, load0, load1, simd: str, breakdown: dict) -> list[s
         "expert, each expert runs once as one matrix product over its tokens, and when a "
         "layer touches more experts than the cache may hold at once they run in waves of "
         "that many (residents first), so each expert is read at most once per batch.",
-        "- What stays in Python per layer of a decode step: the expert cache's acquire and "
-        "release (slot table lookup, eviction-policy touch, hit/miss counters, the "
-        "streaming cache's look-ahead), the routing-count update and the calls' argument "
-        "conversion. They stay in Python because the cache, its policies and its planner "
-        "are Python objects other parts of czyx extend; moving them into C is the next "
-        "step if the per-layer figure above matters for a model this small (for a real "
-        "model the kernels dominate).",
+        "- The streaming cache under a budget that holds every expert (`czyx run`'s "
+        "default): nothing is ever evicted, so once the experts a layer asks for are "
+        "resident and verified its acquire is one table read (no hold, no policy touch, "
+        "no reader-thread round-trip), and a layer whose experts were all resident is not "
+        "predicted (no look-ahead product) until it has to read again. Warm, czyx and "
+        "czyx-sync run the same per-layer work; a partial budget keeps the full "
+        "streaming path (look-ahead, early routing, policy touches).",
+        "- What stays in Python per layer of a warm decode step: the layer loop, the "
+        "three kernel calls' wrappers (descriptor lookup, pointer casts), the routing "
+        "count, that table read and the residual add. They stay in Python because the "
+        "cache and its policies are Python objects other parts of czyx extend; one C "
+        "call per layer (attention, routing, MoE together) is the next step if the "
+        "per-layer figure above matters for a model this small (for a real model the "
+        "kernels dominate).",
         "- The quantized decode kernels quantize each product's input to 8 bits per block "
         "of 32 and use integer dot products, as llama.cpp does; prefill products on "
         "quantized weights run the same kernels (one thread, each token as a decode step "

@@ -235,6 +235,10 @@ class MoEDecoder:
                 cfg.n_layers, trunk_window, self._window_layer, self._window_nbytes
             )
         self.rotary = Rotary(cfg.rope)
+        # Rope types whose tables depend on the length reached (dynamic NTK, LongRoPE):
+        # numpy attention updates them in Rotary.apply; the C attention call reads the
+        # tables as they are, so the decode step updates them first.
+        self._length_rope = self.rotary.params.rope_type in ("dynamic", "longrope")
         # Calibration hook: called as observer(input name, rows) with the input of
         # every matrix product (names of store.quant.names.input_key); None in
         # normal runs, so the forward pass pays one attribute test per product.
@@ -271,6 +275,8 @@ class MoEDecoder:
         def in_c(m: str) -> bool:
             if m == "post_qkv":
                 return self._c_qkv is not None
+            if m == "_attention" and cls._attention is cls.c_attention:
+                return True  # an override the C attention call reproduces (an o_bias)
             return getattr(cls, m) is getattr(MoEDecoder, m)
 
         self._all_c = self._czk and all(map(in_c, self._C_DECODE_BASE)) and all(cfg.sparse_layers)
@@ -507,9 +513,14 @@ class MoEDecoder:
             h = h + self._mlp(i, lw, x)
         return h
 
+    #: An override of ``_attention`` that the C attention call reproduces (it adds
+    #: the layer's ``o_bias`` after the output projection): a subclass whose override
+    #: only adds that bias sets ``c_attention = _attention``. None: the base's alone.
+    c_attention: ClassVar[Callable[..., np.ndarray] | None] = None
+
     # Steps the C decode path implements itself: a subclass overriding any of them
     # (MLA attention and its latent cache, shared experts) decodes in numpy; post_qkv
-    # counts as implemented when c_post_qkv describes it (OLMoE's q/k norms).
+    # counts as implemented when c_post_qkv describes it (OLMoE's and Qwen3-MoE's q/k norms).
     _C_DECODE_BASE = ("post_qkv", "routed_extra", "_attention", "new_kv")
     # The subset the C attention call implements (others run numpy attention per layer).
     _C_ATTN_BASE = ("post_qkv", "_attention", "new_kv")
@@ -576,6 +587,8 @@ class MoEDecoder:
             and "_routed" not in self.__dict__  # a pipeline stage's or test's own routing
         )
         positions = None
+        if fast_attn and self._length_rope:
+            self.rotary._update(start + 1)  # what Rotary.apply does for numpy attention
         for i in range(lo, hi):
             lw = window.layer(i) if window is not None else self.layers[i]
             if layer_hook is not None:
