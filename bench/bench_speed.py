@@ -480,7 +480,7 @@ def _report(args, med, toks, load0, load1, simd: str, breakdown: dict) -> list[s
         "",
         "The step replayed as its C calls alone (per layer: attention block, routing, MoE; "
         "then the head) against the whole step; the difference is Python: the cache's "
-        "acquire/release and policy touch, the call wrappers, the layer loop.",
+        "acquire (a table read, warm), the call wrappers, the routing count, the layer loop.",
         "",
         "| format | whole step | C kernel calls | Python around them | per layer |",
         "|---|---|---|---|---|",

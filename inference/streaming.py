@@ -429,7 +429,7 @@ class StreamingExpertCache(ExpertCache):
         old = int(self.owner[s])
         if old >= 0:
             self.table.flat[old] = -1
-            self._ready.flat[old] = -1
+            self._unready(old)
             self.evictions += 1
             evicted, reason = (old // self.n_experts, old % self.n_experts), self.policy.name
         self.owner[s] = -1  # unowned while written: a failed read leaves no mapping
@@ -460,7 +460,7 @@ class StreamingExpertCache(ExpertCache):
             self.inflight[t.slot] = self.planner.inflight[t.slot] is not None
             self.read_seconds += t.exposed_ns / 1e9
         if self.never_evicts and self._xfer[t.slot] is t:
-            self._ready[t.layer, t.expert] = t.slot  # verified: the fast path may use it
+            self._ready[t.layer][t.expert] = t.slot  # verified: the fast path may use it
 
     def _drop(self, t: Transfer) -> None:
         """Unmap a failed transfer's slot (if it still belongs to that transfer)."""
@@ -468,7 +468,7 @@ class StreamingExpertCache(ExpertCache):
             key = int(self.owner[t.slot])
             if key >= 0:
                 self.table.flat[key] = -1
-                self._ready.flat[key] = -1
+                self._unready(key)
             self.owner[t.slot] = -1
             self._xfer[t.slot] = None
 
