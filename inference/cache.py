@@ -599,6 +599,7 @@ class ExpertCache:
         for layer, expert in new:
             slot = int(self.acquire(layer, np.array([expert]))[0])
             self.pinned[slot] = True
+            self.blocked[slot] = True  # a resident fast-path acquire holds nothing itself
             self.release()
 
     def pin_classes(self, lo: int, hi: int, layers: Iterable[int] | None = None) -> int:

@@ -179,3 +179,17 @@ def test_an_eviction_after_a_failed_read_leaves_no_stale_fast_path():
     assert owner_value(cache, s) == 0 and cache.misses == 9
     cache.check()
     cache.close()
+
+
+def test_pinning_a_ready_expert_blocks_its_slot():
+    """A pin acquired through the resident fast path is still never a victim."""
+    fake = FakeConsumer(n_layers=1, n_experts=4)
+    cache = ExpertCache(fake, 4 * 4096, 2)
+    assert cache.never_evicts
+    cache.acquire(0, np.array([0, 1]))
+    cache.release()
+    cache.pin([(0, 1)])  # (0, 1) is ready: the fast path
+    s = int(cache.table[0, 1])
+    assert cache.pinned[s] and cache.blocked[s] and cache.n_pinned == 1
+    cache.check()
+    cache.close()
