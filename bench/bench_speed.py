@@ -8,7 +8,7 @@ The model: ``inference/assets/czyx-moe-stdlib`` (a byte-level Mixtral: hidden
   --quant`` stores) as q8 and q4 on every matrix but the router, run by
   :class:`czyx.inference.engine.Engine` as ``czyx run`` builds it (streaming
   cache, everything resident), and also with the synchronous cache
-  (``stream=None``);
+  (``EngineOptions(stream=False)``);
 * llama.cpp (``llama-cpp-python`` built from source, CPU): GGUF files written
   here with the ``gguf`` package the way llama.cpp's converter writes a
   Mixtral (architecture ``llama``; q/k rows permuted to its rope layout;
@@ -252,9 +252,10 @@ class CzyxRunner:
 
     def __init__(self, consumer, threads: int, stream: bool) -> None:
         from czyx.inference.engine import Engine
+        from czyx.inference.options import EngineOptions
 
-        kw = {} if stream else {"stream": None}
-        self.eng = Engine(consumer, threads=threads, **kw)
+        options = None if stream else EngineOptions(stream=False)
+        self.eng = Engine(consumer, threads=threads, options=options)
 
     def run(self, prompt: list[int], n: int) -> tuple[float, float, list[int], float]:
         eng = self.eng
@@ -292,15 +293,17 @@ def step_breakdown(consumer, prompt: list[int], reps: int = 400) -> dict[str, fl
     The kernel calls are replayed on the engine's own buffers and weights in
     the step's order (per layer: attention block, routing, MoE; then the
     head), so ``step - kernels`` is what the Python around them costs (the
-    cache's acquire/release, the calls' wrappers, the loop). One thread,
-    synchronous cache, so nothing else runs.
+    cache's acquire/release, the calls' wrappers, the loop). One thread, the
+    engine as ``czyx run`` builds it (streaming cache, all resident), every
+    expert read and verified first, so no read runs during the step.
     """
     from czyx.inference.engine import Engine
 
-    eng = Engine(consumer, threads=1, stream=None)
+    eng = Engine(consumer, threads=1)
     m = eng.model
     cfg = m.cfg
-    eng.cache.prewarm([(i, e) for i in range(cfg.n_layers) for e in range(cfg.n_experts)])
+    every = [(i, e) for i in range(cfg.n_layers) for e in range(cfg.n_experts)]
+    eng.cache.prewarm(every)
     eng.prefill(prompt)
     pos = eng.position
     tok = 65
@@ -346,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--out", default=str(Path(__file__).with_name("SPEED.md")))
-    ap.add_argument("--no-sync", action="store_true", help="skip the stream=None czyx engines")
+    ap.add_argument("--no-sync", action="store_true", help="skip the sync-cache czyx engines")
     args = ap.parse_args(argv)
 
     from czyx.inference.kernels import fused
@@ -433,7 +436,7 @@ def _report(args, med, toks, load0, load1, simd: str, breakdown: dict) -> list[s
         f"- model: inference/assets/czyx-moe-stdlib; prompt {PROMPT_BYTES} bytes, "
         f"{N_DECODE} greedy tokens; medians of {args.rounds} interleaved rounds (wall time)",
         "- czyx: `Engine` as `czyx run` builds it (streaming cache, all resident); "
-        "czyx-sync: `Engine(stream=None)`",
+        "czyx-sync: `Engine(options=EngineOptions(stream=False))`",
         "",
     ]
     out += _table(
@@ -473,11 +476,11 @@ def _report(args, med, toks, load0, load1, simd: str, breakdown: dict) -> list[s
     )
     out += [
         "",
-        "## Where a czyx decode step goes (CPU us per token, 1 thread, synchronous cache)",
+        "## Where a czyx decode step goes (CPU us per token, 1 thread, `czyx run`'s engine, warm)",
         "",
         "The step replayed as its C calls alone (per layer: attention block, routing, MoE; "
         "then the head) against the whole step; the difference is Python: the cache's "
-        "acquire/release and policy touch, the call wrappers, the layer loop.",
+        "acquire (a table read, warm), the call wrappers, the routing count, the layer loop.",
         "",
         "| format | whole step | C kernel calls | Python around them | per layer |",
         "|---|---|---|---|---|",
@@ -499,13 +502,20 @@ def _report(args, med, toks, load0, load1, simd: str, breakdown: dict) -> list[s
         "expert, each expert runs once as one matrix product over its tokens, and when a "
         "layer touches more experts than the cache may hold at once they run in waves of "
         "that many (residents first), so each expert is read at most once per batch.",
-        "- What stays in Python per layer of a decode step: the expert cache's acquire and "
-        "release (slot table lookup, eviction-policy touch, hit/miss counters, the "
-        "streaming cache's look-ahead), the routing-count update and the calls' argument "
-        "conversion. They stay in Python because the cache, its policies and its planner "
-        "are Python objects other parts of czyx extend; moving them into C is the next "
-        "step if the per-layer figure above matters for a model this small (for a real "
-        "model the kernels dominate).",
+        "- The streaming cache under a budget that holds every expert (`czyx run`'s "
+        "default): nothing is ever evicted, so once the experts a layer asks for are "
+        "resident and verified its acquire is one table read (no hold, no policy touch, "
+        "no reader-thread round-trip), and a layer whose experts were all resident is not "
+        "predicted (no look-ahead product) until it has to read again. Warm, czyx and "
+        "czyx-sync run the same per-layer work; a partial budget keeps the full "
+        "streaming path (look-ahead, early routing, policy touches).",
+        "- What stays in Python per layer of a warm decode step: the layer loop, the "
+        "three kernel calls' wrappers (descriptor lookup, pointer casts), the routing "
+        "count, that table read and the residual add. They stay in Python because the "
+        "cache and its policies are Python objects other parts of czyx extend; one C "
+        "call per layer (attention, routing, MoE together) is the next step if the "
+        "per-layer figure above matters for a model this small (for a real model the "
+        "kernels dominate).",
         "- The quantized decode kernels quantize each product's input to 8 bits per block "
         "of 32 and use integer dot products, as llama.cpp does; prefill products on "
         "quantized weights run the same kernels (one thread, each token as a decode step "

@@ -21,7 +21,9 @@ Invariants (tested):
 
 The per-fetch path does no dictionary lookup, no LMDB access and no
 allocation: one table read, and on a miss one policy query over preallocated
-arrays and one raw read into a precomputed slot view.
+arrays and one raw read into a precomputed slot view. When the budget holds
+every routed expert (:attr:`ExpertCache.never_evicts`), an acquire whose
+experts are all resident is a lookup in a table of ready slots.
 """
 
 from __future__ import annotations
@@ -355,6 +357,15 @@ class ExpertCache:
         self.tokens = 0  # tokens computed so far (advance): the decay policies' clock
         self.hits = self.misses = self.evictions = self.bytes_read = 0
         self.read_seconds = 0.0
+        #: Whether the budget holds every routed expert: then no miss ever has to evict
+        #: (every expert owns a slot once read), and an acquire whose experts are all
+        #: resident and ready is a table read (:meth:`_acquire_ready`).
+        self.never_evicts = n_slots >= total
+        # The slot of each expert resident and ready to use (verified, for the streaming
+        # cache), -1 otherwise, per layer; kept only when the budget never evicts. Python
+        # lists: for a top-k of a few experts, indexing them is several times cheaper
+        # than a numpy gather and reduction.
+        self._ready = [[-1] * self.n_experts for _ in range(self.n_layers)]
 
     def _make_weights(self, s: int) -> tuple[np.ndarray, np.ndarray] | None:
         views = self.consumer.expert_views(self._slot_views[s])
@@ -436,8 +447,34 @@ class ExpertCache:
         SlotInUseError
             When a miss finds every slot pinned or held.
         """
+        if self.never_evicts:
+            out = self._acquire_ready(layer, experts)
+            if out is not None:
+                return out
         self._hold_layer(layer, experts, self._fill)
         return self._out[: len(experts)]
+
+    def _acquire_ready(self, layer: int, experts: np.ndarray) -> np.ndarray | None:
+        """The slots of ``experts`` when every one is resident and ready, else None.
+
+        Only for a budget that holds every expert: no miss can then pick a victim
+        while the layer computes, so the slots need no hold, and the policy no
+        touch (it orders evictions, and there are none to order). The hit
+        counters are the general path's.
+        """
+        row = self._ready[layer]
+        slots = [row[e] for e in experts.tolist()]
+        if -1 in slots:
+            return None
+        k = len(slots)
+        out = self._out[:k]
+        out[:] = slots
+        self.hits += k
+        return out
+
+    def _unready(self, key: int) -> None:
+        """Expert ``key`` (``layer * n_experts + expert``) left its slot."""
+        self._ready[key // self.n_experts][key % self.n_experts] = -1
 
     def _hold_layer(self, layer: int, experts: np.ndarray, fill, on_hit=None) -> None:
         """Hold ``experts`` of ``layer``, their slots into ``self._out``: the shared acquire rule.
@@ -509,6 +546,7 @@ class ExpertCache:
             old = int(self.owner[s])
             if old >= 0:
                 self.table.flat[old] = -1
+                self._unready(old)
                 self.evictions += 1
         # The slot is unowned while it is written: a failed read leaves no stale mapping.
         self.owner[s] = -1
@@ -519,6 +557,8 @@ class ExpertCache:
         self.bytes_read += self.slot_nbytes
         self.owner[s] = layer * self.n_experts + expert
         self.table[layer, expert] = s
+        if self.never_evicts:
+            self._ready[layer][expert] = s
         self.policy.filled(s, layer * self.n_experts + expert)
         return s
 
@@ -559,6 +599,7 @@ class ExpertCache:
         for layer, expert in new:
             slot = int(self.acquire(layer, np.array([expert]))[0])
             self.pinned[slot] = True
+            self.blocked[slot] = True  # a resident fast-path acquire holds nothing itself
             self.release()
 
     def pin_classes(self, lo: int, hi: int, layers: Iterable[int] | None = None) -> int:

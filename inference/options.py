@@ -48,6 +48,8 @@ class EngineOptions:
         False, Python threads.
     prefetch
         Issue predicted reads ahead of use (False: every read is a demand read).
+        Under a budget that holds every routed expert, a layer is predicted only
+        while it still has to read (:mod:`czyx.inference.streaming`).
     lookahead
         Sparse layers predicted ahead (0: early routing alone).
     width

@@ -29,6 +29,13 @@ Ordering inside :meth:`StreamingExpertCache.acquire` (why it is safe):
 
 Bytes are exactly what the store holds whichever path brought them, so the
 outputs equal the fully resident run's for any thread count (tested).
+
+A budget that holds every routed expert (``czyx run``'s default) never
+evicts, so each expert is read at most once: once every expert an acquire
+asks for is resident and verified, that acquire is a table read (no hold,
+no policy touch, no planner round-trip), and a layer whose last acquire was
+such a read is not predicted (nothing is left to hide) until one of its
+acquires has to read again. Warm, that engine pays nothing for streaming.
 """
 
 from __future__ import annotations
@@ -152,6 +159,11 @@ class StreamingExpertCache(ExpertCache):
         # time is I/O, not first-touch faults (zeroing huge pages) of the arena.
         self.arena[:, ::4096] = 0
         self.prefetch_enabled = prefetch
+        # Under a budget that holds every expert each is read at most once, so a layer's
+        # predictions only matter while it is still reading: a layer is "settled" by an
+        # acquire whose experts were all resident and verified, and predicted again after
+        # one that had to read (or wait). A partial budget predicts every layer always.
+        self._warm = [True] * self.n_layers
         if lookahead < 0 or (lookahead == 0 and not early):
             raise ValueError(f"lookahead: {lookahead} (0 only with early routing, else >= 1)")
         #: Sparse layers predicted ahead (the ``lookahead`` option).
@@ -226,13 +238,17 @@ class StreamingExpertCache(ExpertCache):
         """
         if not self.prefetch_enabled or layer >= len(self._next_sparse):
             return
-        if not self._predictable(x.shape[0]):
-            return
-        nxt = layer
+        nxt, checked = layer, False
         for _ in range(self.depth):
             nxt = self._next_sparse[nxt]
             if nxt < 0:
                 return
+            if not self._warm[nxt]:
+                continue  # settled: every expert it used lately was resident
+            if not checked:
+                if not self._predictable(x.shape[0]):
+                    return
+                checked = True
             # mm_t: the router may be packed (a quantized trunk); for float32 it is x @ r.T.
             self._pending.append((nxt, self._predict(nxt, mm_t(x, self.routers[nxt]))))
 
@@ -245,6 +261,8 @@ class StreamingExpertCache(ExpertCache):
         """
         if not (self.prefetch_enabled and self.early) or layer >= len(self._early_routers):
             return
+        if not self._warm[layer]:
+            return  # settled (a budget that holds every expert): nothing left to hide
         folded = self._early_routers[layer]
         if folded is None or not self._predictable(h.shape[0]):
             return
@@ -340,13 +358,18 @@ class StreamingExpertCache(ExpertCache):
         ShortReadError, ReadIOError, ChecksumError, StaleSourceError, DeadlineMissedError
             A transfer this layer depends on failed (its slot is unmapped first).
         """
+        if self.never_evicts and not self._pending:
+            out = self._acquire_ready(layer, experts)
+            if out is not None:
+                # Resident and verified, nothing to issue: no hold, no planner round-trip.
+                if self._has_prediction[layer]:
+                    self._score_prediction(layer, experts)
+                self._warm[layer] = False
+                return out
+            self._warm[layer] = True
         self._reap()
         if self._has_prediction[layer]:
-            mask = self._predicted[layer]
-            self.predicted_total += len(experts)
-            self.predicted_correct += int(mask[experts].sum())
-            mask[:] = False
-            self._has_prediction[layer] = False
+            self._score_prediction(layer, experts)
         waits: list[Transfer] = []
 
         def on_hit(s: int) -> None:  # resident or in flight: wait for an unused transfer
@@ -382,6 +405,14 @@ class StreamingExpertCache(ExpertCache):
             raise
         return self._out[: len(experts)]
 
+    def _score_prediction(self, layer: int, experts: np.ndarray) -> None:
+        """Count how many of ``experts`` were predicted for ``layer`` (recall); clear it."""
+        mask = self._predicted[layer]
+        self.predicted_total += len(experts)
+        self.predicted_correct += int(mask[experts].sum())
+        mask[:] = False
+        self._has_prediction[layer] = False
+
     def _victim(self) -> int:
         if self._n_filled < self.n_slots:
             return self._n_filled
@@ -398,6 +429,7 @@ class StreamingExpertCache(ExpertCache):
         old = int(self.owner[s])
         if old >= 0:
             self.table.flat[old] = -1
+            self._unready(old)
             self.evictions += 1
             evicted, reason = (old // self.n_experts, old % self.n_experts), self.policy.name
         self.owner[s] = -1  # unowned while written: a failed read leaves no mapping
@@ -427,6 +459,8 @@ class StreamingExpertCache(ExpertCache):
         finally:
             self.inflight[t.slot] = self.planner.inflight[t.slot] is not None
             self.read_seconds += t.exposed_ns / 1e9
+        if self.never_evicts and self._xfer[t.slot] is t:
+            self._ready[t.layer][t.expert] = t.slot  # verified: the fast path may use it
 
     def _drop(self, t: Transfer) -> None:
         """Unmap a failed transfer's slot (if it still belongs to that transfer)."""
@@ -434,6 +468,7 @@ class StreamingExpertCache(ExpertCache):
             key = int(self.owner[t.slot])
             if key >= 0:
                 self.table.flat[key] = -1
+                self._unready(key)
             self.owner[t.slot] = -1
             self._xfer[t.slot] = None
 
@@ -479,21 +514,17 @@ class StreamingExpertCache(ExpertCache):
 def attach(model, cache: StreamingExpertCache) -> None:
     """Connect a decoder to a streaming cache's look-ahead.
 
-    Gives the cache the decoder's routers and wraps the decoder's routed-MLP
-    step so that, when layer L routes on its hidden state ``x``, the cache
-    first records its prediction for the next sparse layer (issued by the
-    next :meth:`StreamingExpertCache.acquire`, after L's own slots are held).
-    The decoder's arithmetic is untouched: the wrapper only observes ``x``.
+    Gives the cache the decoder's routers and sets the decoder's hooks: when
+    the residual stream enters layer L (``layer_hook``) the cache reads L's
+    predicted experts (early routing), and when layer L routes on its hidden
+    state ``x`` (``route_hook``) the cache first records its prediction for
+    the next sparse layer (issued by the next
+    :meth:`StreamingExpertCache.acquire`, after L's own slots are held). The
+    decoder's arithmetic is untouched: the hooks only observe.
     """
     cache.set_routers(
         [getattr(lw, "router", None) for lw in model.layers],
         [getattr(lw, "post_attn_norm", None) for lw in model.layers],
     )
     model.layer_hook = cache.preroute
-    routed = model._routed
-
-    def _routed(i: int, lw, x: np.ndarray) -> np.ndarray:
-        cache.lookahead(i, x)
-        return routed(i, lw, x)
-
-    model._routed = _routed
+    model.route_hook = cache.lookahead

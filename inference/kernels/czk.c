@@ -1203,12 +1203,16 @@ typedef struct {
     const czk_xq *ax;
     float *tmp;
     float *h;
+    const float *bias;
 } czk_res_ctx;
 
 static void czk_res_task(void *ctx_, int64_t t0, int64_t t1) {
     czk_res_ctx *c = (czk_res_ctx *)ctx_;
     czk_rows(c->m, c->x, c->ax, c->tmp, t0, t1);
-    for (int64_t r = t0; r < t1; r++) c->h[r] += c->tmp[r];
+    if (c->bias) /* (o_proj(out) + bias), then the residual add: numpy's order */
+        for (int64_t r = t0; r < t1; r++) c->h[r] += c->tmp[r] + c->bias[r];
+    else
+        for (int64_t r = t0; r < t1; r++) c->h[r] += c->tmp[r];
 }
 
 static void czk_rope(float *v, int heads, int hd, int rot, const float *cs, const float *sn) {
@@ -1233,11 +1237,13 @@ int64_t czk_attn_work_bytes(const czk_attn *a, int64_t H, int64_t length) {
 
 /* The attention half of a decoder layer for one token at position pos:
  *   x = rmsnorm(h) * in_norm; q, k, v = x @ W.T (+ biases); q/k RMS norms
- *   (qk_norm 1: over all heads at once, as OLMoE; 0: none); q, k, v
- *   clamped to [-clip, clip] (clip > 0); RoPE on q and k
+ *   (qk_norm 1: over all heads at once, as OLMoE, weights nq / nkv wide;
+ *   2: each head on its own, as Qwen3-MoE, weights head_dim wide; 0: none);
+ *   q, k, v clamped to [-clip, clip] (clip > 0); RoPE on q and k
  *   (cos/sin: the position's half-width tables); k, v written at pos of the
  *   layer's cache [n_kv, cap, head_dim]; grouped-query attention over the
- *   positions max(0, pos - window + 1) .. pos (window 0: all); h += o_proj(out);
+ *   positions max(0, pos - window + 1) .. pos (window 0: all);
+ *   h += o_proj(out) (+ ob, the o_proj bias, when not NULL);
  *   x_out = rmsnorm(h) * post_norm.
  * Returns 0, or -1 on inconsistent shapes. */
 int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *x_out,
@@ -1247,7 +1253,7 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
     const int64_t nq = (int64_t)a->n_heads * hd, nkv = (int64_t)a->n_kv * hd;
     if (a->n_kv <= 0 || a->n_heads % a->n_kv || pos < 0 || pos >= cap) return -1;
     if (a->rot <= 0 || a->rot > hd || a->rot % 2) return -1;
-    if (a->qk_norm < 0 || a->qk_norm > 1 || (a->qk_norm && (!a->q_norm || !a->k_norm))) return -1;
+    if (a->qk_norm < 0 || a->qk_norm > 2 || (a->qk_norm && (!a->q_norm || !a->k_norm))) return -1;
     const czk_mat *ms[4] = {&a->q, &a->k, &a->v, &a->o};
     for (int i = 0; i < 4; i++)
         if (!czk_check(ms[i])) return -1;
@@ -1283,6 +1289,15 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
     if (a->qk_norm == 1) { /* one RMS norm over all query heads, one over all key heads */
         czk_rms(q, a->q_norm, nq, a->eps, q);
         czk_rms(k, a->k_norm, nkv, a->eps, k);
+    } else if (a->qk_norm == 2) { /* each head its own RMS norm, one head_dim weight */
+        for (int j = 0; j < a->n_heads; j++) {
+            float *qj = q + (int64_t)j * hd;
+            czk_rms(qj, a->q_norm, hd, a->eps, qj);
+        }
+        for (int g = 0; g < a->n_kv; g++) {
+            float *kg = k + (int64_t)g * hd;
+            czk_rms(kg, a->k_norm, hd, a->eps, kg);
+        }
     }
     if (a->clip > 0.0f) {
         const float c = a->clip;
@@ -1304,7 +1319,7 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
         czk_quantize(att, &ax);
         czk_xq_groups(&ax, a->o.group);
     }
-    czk_res_ctx rc = {&a->o, att, &ax, tmp, h};
+    czk_res_ctx rc = {&a->o, att, &ax, tmp, h, a->ob};
     czk_run(p, czk_res_task, &rc, H, H * nq);
     czk_rms(h, a->post_norm, H, a->eps, x_out);
     return 0;

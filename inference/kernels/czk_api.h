@@ -23,6 +23,7 @@ typedef struct {
     int qk_norm;
     float clip;
     const float *q_norm, *k_norm;
+    const float *ob;
 } czk_attn;
 
 typedef struct czk_pool czk_pool;

@@ -267,8 +267,9 @@ class DecodeKernels:
         post-attention RMSNorm of the new ``h``. ``kcache``/``vcache``: the layer's
         ``[n_kv, capacity, head_dim]`` float32 caches. ``qk_norm``: RMS norms of q and k
         with the layer's ``q_norm``/``k_norm`` after the projections (1: over all heads
-        at once, as OLMoE; 0: none); ``clip``: q, k and v clamped to
-        ``[-clip, clip]`` after them (None: no clamp)."""
+        at once, as OLMoE; 2: each head on its own, as Qwen3-MoE; 0: none); ``clip``:
+        q, k and v clamped to ``[-clip, clip]`` after them (None: no clamp). The
+        layer's ``o_bias``, when it has one, is added to the output projection."""
         d = self._attn.get(id(lw))
         if d is None or d.layer is not lw:
             d = self._describe_attn(
@@ -309,8 +310,8 @@ class DecodeKernels:
         qk_norm: int,
         clip: float | None,
     ) -> _AttnDesc:
-        if qk_norm not in (0, 1):
-            raise KernelError(f"qk_norm must be 0 or 1, got {qk_norm!r}")
+        if qk_norm not in (0, 1, 2):
+            raise KernelError(f"qk_norm must be 0, 1 or 2, got {qk_norm!r}")
         if clip is not None and not clip > 0:
             raise KernelError(f"clip must be positive, got {clip!r}")
         s = _ffi.new("czk_attn *")
@@ -333,6 +334,7 @@ class DecodeKernels:
             ("vb", lw.v_bias),
             ("q_norm", norms[0]),
             ("k_norm", norms[1]),
+            ("ob", lw.o_bias),
         ):
             if arr is None:
                 setattr(s, field, _ffi.NULL)

@@ -235,18 +235,29 @@ class MoEDecoder:
                 cfg.n_layers, trunk_window, self._window_layer, self._window_nbytes
             )
         self.rotary = Rotary(cfg.rope)
+        # Rope types whose tables depend on the length reached (dynamic NTK, LongRoPE):
+        # numpy attention updates them in Rotary.apply; the C attention call reads the
+        # tables as they are, so the decode step updates them first.
+        self._length_rope = self.rotary.params.rope_type in ("dynamic", "longrope")
         # Calibration hook: called as observer(input name, rows) with the input of
         # every matrix product (names of store.quant.names.input_key); None in
         # normal runs, so the forward pass pays one attribute test per product.
         self.observer: Callable[[str, np.ndarray], None] | None = None
         # Top-k selections per (layer, expert): the routing profile of everything run.
         self.route_counts = np.zeros((cfg.n_layers, cfg.n_experts), np.int64)
+        # Its rows, for the decode step's count: a row view indexed by the top-k is a
+        # fraction of the cost of the two-dimensional fancy index.
+        self._count_rows = list(self.route_counts)
         # Optional per-token recorder (czyx profile): None on the ordinary path.
         self.recorder: RouteRecorder | None = None
         # Called as layer_hook(i, h) with the residual stream entering layer i, before
         # its attention (the streaming cache predicts layer i's experts from it while
         # the attention computes); None on the ordinary path.
         self.layer_hook: Callable[[int, np.ndarray], None] | None = None
+        # Called as route_hook(i, x) with the input of layer i's routed experts, before
+        # they are routed (the streaming cache's look-ahead predicts the next sparse
+        # layer from it); None on the ordinary path.
+        self.route_hook: Callable[[int, np.ndarray], None] | None = None
         # bool [n_layers, n_experts] of the experts a scoped portal permits, or None
         # (everything): routing then picks its top-k among the permitted only.
         self.route_mask: np.ndarray | None = routing_mask(consumer, cfg)
@@ -264,10 +275,21 @@ class MoEDecoder:
         def in_c(m: str) -> bool:
             if m == "post_qkv":
                 return self._c_qkv is not None
+            if m == "_attention" and cls._attention is cls.c_attention:
+                return True  # an override the C attention call reproduces (an o_bias)
             return getattr(cls, m) is getattr(MoEDecoder, m)
 
         self._all_c = self._czk and all(map(in_c, self._C_DECODE_BASE)) and all(cfg.sparse_layers)
         self._fast_attn = all(map(in_c, self._C_ATTN_BASE))
+        # Whether a decode layer may go straight from the attention call to the routed
+        # call (_routed_one), skipping the _mlp -> _routed dispatch that, for this
+        # class, would arrive there anyway (checked per step: no mask, no observer,
+        # no instance override of _routed).
+        self._direct_moe = (
+            self._plain_routing
+            and all(cfg.sparse_layers)
+            and all(getattr(cls, m) is getattr(MoEDecoder, m) for m in self._DIRECT_BASE)
+        )
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
@@ -491,12 +513,19 @@ class MoEDecoder:
             h = h + self._mlp(i, lw, x)
         return h
 
+    #: An override of ``_attention`` that the C attention call reproduces (it adds
+    #: the layer's ``o_bias`` after the output projection): a subclass whose override
+    #: only adds that bias sets ``c_attention = _attention``. None: the base's alone.
+    c_attention: ClassVar[Callable[..., np.ndarray] | None] = None
+
     # Steps the C decode path implements itself: a subclass overriding any of them
     # (MLA attention and its latent cache, shared experts) decodes in numpy; post_qkv
-    # counts as implemented when c_post_qkv describes it (OLMoE's q/k norms).
+    # counts as implemented when c_post_qkv describes it (OLMoE's and Qwen3-MoE's q/k norms).
     _C_DECODE_BASE = ("post_qkv", "routed_extra", "_attention", "new_kv")
     # The subset the C attention call implements (others run numpy attention per layer).
     _C_ATTN_BASE = ("post_qkv", "_attention", "new_kv")
+    # The steps a decode layer skips when it calls _routed_one directly.
+    _DIRECT_BASE = ("_mlp", "_routed", "_routed_one", "mlp_out", "routed_extra")
 
     def decode_in_c(self) -> bool:
         """Whether a one-token step runs in the C kernels only (no numpy product, no BLAS).
@@ -547,14 +576,23 @@ class MoEDecoder:
         architecture transforms q/k), then :meth:`_mlp` on ``kern.x2``.
         """
         cfg = self.cfg
-        h, h2, x2 = kern.h, kern.h2, kern.x2
+        h, h2, x2, y = kern.h, kern.h2, kern.x2, kern.y
         fast_attn = self._fast_attn
         window = self.trunk_window
+        layer_hook, route_hook = self.layer_hook, self.route_hook
+        direct = (
+            self._direct_moe
+            and self.route_mask is None
+            and self.observer is None
+            and "_routed" not in self.__dict__  # a pipeline stage's or test's own routing
+        )
         positions = None
+        if fast_attn and self._length_rope:
+            self.rotary._update(start + 1)  # what Rotary.apply does for numpy attention
         for i in range(lo, hi):
             lw = window.layer(i) if window is not None else self.layers[i]
-            if self.layer_hook is not None:
-                self.layer_hook(i, h2)
+            if layer_hook is not None:
+                layer_hook(i, h2)
             if fast_attn:
                 kern.attention(
                     lw, kv.k[i], kv.v[i], start, cfg.sliding_windows[i], self.rotary,
@@ -566,7 +604,13 @@ class MoEDecoder:
                 x = rms_norm(h2, lw.input_norm, cfg.rms_eps)
                 h += self._attention(i, lw, x, kv, start, positions)[0]
                 np.copyto(kern.x, rms_norm(h2, lw.post_attn_norm, cfg.rms_eps)[0])
-            h += self._mlp(i, lw, x2)[0]
+            if direct:  # what _mlp -> _routed would do, without the dispatch
+                if route_hook is not None:
+                    route_hook(i, x2)
+                self._routed_one(i, lw, kern)
+                h += y
+            else:
+                h += self._mlp(i, lw, x2)[0]
 
     def _attention(
         self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
@@ -636,6 +680,8 @@ class MoEDecoder:
             self.recorder.record(i, idx, w)
 
     def _routed(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
+        if self.route_hook is not None:
+            self.route_hook(i, x)
         cfg = self.cfg
         mask = None if self.route_mask is None else self.route_mask[i]
         kern = self._kernels
@@ -701,7 +747,7 @@ class MoEDecoder:
         cfg = self.cfg
         kern.route(lw.router, cfg.top_k, cfg.renormalize)
         idx = kern.idx
-        self.route_counts[i, idx] += 1  # a token's top-k experts are distinct
+        self._count_rows[i][idx] += 1  # a token's top-k experts are distinct
         if self.recorder is not None:
             self.recorder.record(i, idx[None].copy(), kern.w[None].copy())
         cache = self.experts

@@ -101,6 +101,8 @@ class GptOssDecoder(MoEDecoder):
         return mm_t(act, down) + layer.expert_down_bias[e]
 
     def _routed(self, i: int, lw: Layer, x: np.ndarray) -> np.ndarray:
+        if self.route_hook is not None:
+            self.route_hook(i, x)
         cfg = self.cfg
         idx, w = self.route(lw, x)
         self.count_routes(i, idx, w)

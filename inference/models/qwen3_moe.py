@@ -45,8 +45,18 @@ class Qwen3MoeDecoder(QKNormDecoder):
         q, k = self.norm_qk(lw, q, k)
         return q, k, v
 
+    def c_post_qkv(self) -> tuple[int, float | None] | None:
+        """Per-head q/k norms, as the C attention call does them (its mode 2)."""
+        if type(self).post_qkv is not Qwen3MoeDecoder.post_qkv:
+            return None
+        return (2, None)
+
     def _attention(
         self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
     ) -> np.ndarray:
         out = super()._attention(i, lw, x, kv, start, positions)
         return out if lw.o_bias is None else out + lw.o_bias
+
+    # The C attention call adds the layer's o_bias itself (after the output
+    # projection, before the residual add): it reproduces this override.
+    c_attention = _attention
