@@ -287,20 +287,7 @@ def _mount(
     _check_tag_free(store, tag, sel)
     n_tensors = len(ckpt)
     if store.has_space(sel):
-        # Same content already published: check its own block files and rewrite
-        # what is damaged from this source (store.models.repair), then tag.
-        from czyx.store.models.repair import repair_version
-
-        own = [sel] + ([trunk_sel] if trunk_sel is not None and store.has_space(trunk_sel) else [])
-        fixed = repair_version(store, src, own)
-        store.set_tag(tag, sel)
-        if fixed:
-            store.audit("model.repair", tag=tag, space=sel.hex(), extents=fixed)
-        return MountResult(
-            tag, sel, trunk_sel, False, n_tensors, total, 0, 0, time.perf_counter() - t0,
-            conversions=tuple(conversion_report(src)),
-            repaired=fixed,
-        )
+        return _tag_published(store, src, tag, sel, trunk_sel, n_tensors, total, t0)
 
     bar = _bar(progress, total, "write")
     written = 0
@@ -326,6 +313,36 @@ def _mount(
         shared,
         time.perf_counter() - t0,
         conversions=tuple(conversion_report(src)),
+    )
+
+
+def _tag_published(
+    store: Any,
+    src: MountSource,
+    tag: str,
+    sel: Selector,
+    trunk_sel: Selector | None,
+    n_tensors: int,
+    total: int,
+    t0: float,
+) -> MountResult:
+    """Tag a version whose content is already published, after repairing it.
+
+    Its own block files are checked and what is damaged is rewritten from this
+    source (:mod:`czyx.store.models.repair`), so mounting a checkpoint again is
+    also how a damaged version is mended.
+    """
+    from czyx.store.models.repair import repair_version
+
+    own = [sel] + ([trunk_sel] if trunk_sel is not None and store.has_space(trunk_sel) else [])
+    fixed = repair_version(store, src, own)
+    store.set_tag(tag, sel)
+    if fixed:
+        store.audit("model.repair", tag=tag, space=sel.hex(), extents=fixed)
+    return MountResult(
+        tag, sel, trunk_sel, False, n_tensors, total, 0, 0, time.perf_counter() - t0,
+        conversions=tuple(conversion_report(src)),
+        repaired=fixed,
     )
 
 
@@ -421,21 +438,8 @@ def _mount_one_pass(
         manifest = _model_manifest_for(ckpt, plan, layout, expert_hash, trunk_sel, None, None, src)
         sel = Selector.from_content(canonical_manifest(manifest))
         _check_tag_free(store, tag, sel)
-        if store.has_space(sel):  # as in _mount: repair what is damaged, then tag
-            from czyx.store.models.repair import repair_version
-
-            own = [sel] + (
-                [trunk_sel] if trunk_sel is not None and store.has_space(trunk_sel) else []
-            )
-            fixed = repair_version(store, src, own)
-            store.set_tag(tag, sel)
-            if fixed:
-                store.audit("model.repair", tag=tag, space=sel.hex(), extents=fixed)
-            return MountResult(
-                tag, sel, trunk_sel, False, len(ckpt), total, 0, 0, time.perf_counter() - t0,
-                conversions=tuple(conversion_report(src)),
-                repaired=fixed,
-            )
+        if store.has_space(sel):
+            return _tag_published(store, src, tag, sel, trunk_sel, len(ckpt), total, t0)
         written = 0
         if pt is not None and trunk_sel is not None and not store.has_space(trunk_sel):
             with pt.publish(trunk_sel, trunk_manifest) as w:
