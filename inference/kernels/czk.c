@@ -75,9 +75,15 @@
 #define CZK_F16 1
 #define CZK_BF16 2
 #define CZK_Q 3
-/* Bytes ahead of its reads a row kernel prefetches each row (four row streams
- * at once are more than the hardware prefetchers follow at full rate). */
-#define CZK_PREFETCH 4096
+/* Bytes ahead of its reads a row kernel prefetches each row, and into which
+ * cache level: into L2 (T1), far ahead. The hardware prefetchers stop at 4 KiB
+ * page boundaries and prefetches into L1 hold its few miss buffers, so neither
+ * keeps enough lines in flight for one thread to stream a matrix from memory
+ * (bench/KERNELS.md measures it). */
+#ifndef CZK_PREFETCH
+#define CZK_PREFETCH 8192
+#endif
+#define CZK_PFHINT _MM_HINT_T1
 /* Most routed experts one czk_moe call takes. */
 #define CZK_MAXK 256
 
@@ -720,7 +726,7 @@ ATTR static inline __attribute__((always_inline)) void NAME##_rb(               
             const __m256i s1 = _mm256_loadu_si256((const __m256i *)(a->xs4 + 16 * p + 8));         \
             for (int i = 0; i < RB; i++) {                                                         \
                 __m256i cl, ch;                                                                    \
-                _mm_prefetch((const char *)(c[i] + (bits * 8) * p + CZK_PREFETCH), _MM_HINT_T0);   \
+                _mm_prefetch((const char *)(c[i] + (bits * 8) * p + CZK_PREFETCH), CZK_PFHINT);   \
                 czk_pair_avx2(c[i], bits, p, full, &cl, &ch);                                      \
                 __m256 d0, d1;                                                                     \
                 if (bits == 8) {                                                                   \
@@ -796,7 +802,7 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
                                              : _mm256_set1_epi32(k);                              \
                 const __m256i i1 = bits == 4 ? i0 : _mm256_set1_epi32(k + 1);                     \
                 __m256i cl, ch;                                                                   \
-                _mm_prefetch((const char *)(c + (bits * 8) * p + CZK_PREFETCH), _MM_HINT_T0);     \
+                _mm_prefetch((const char *)(c + (bits * 8) * p + CZK_PREFETCH), CZK_PFHINT);     \
                 czk_pair_avx2(c, bits, p, full, &cl, &ch);                                        \
                 for (int v = 0; v < NV; v++) {                                                    \
                     const int8_t *xqb = bits == 4 ? av[v].q4p : av[v].q;                          \
