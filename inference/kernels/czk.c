@@ -140,6 +140,7 @@ struct czk_pool {
     pthread_t *th;
     pthread_mutex_t mu;
     pthread_cond_t cv;
+    pthread_mutex_t run; /* held by the one caller whose loop the pool is running */
     int64_t gen;   /* bumped per loop (wakes sleepers); guarded by mu */
     int64_t claim; /* atomic: (gen << 32) | chunks not yet claimed */
     int64_t done;  /* atomic: chunks finished */
@@ -215,6 +216,7 @@ czk_pool *czk_pool_new(int n) {
     p->n = n;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
+    pthread_mutex_init(&p->run, NULL);
     p->th = (pthread_t *)calloc((size_t)n, sizeof(pthread_t));
     if (!p->th) {
         free(p);
@@ -247,19 +249,22 @@ void czk_pool_free(czk_pool *p) {
     for (int i = 1; i < p->n; i++) pthread_join(p->th[i], NULL);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
+    pthread_mutex_destroy(&p->run);
     free(p->th);
     free(p);
 }
 
 /* Run fn over tasks [0, ntasks); `work` is the loop's multiply-adds (it decides
- * whether waking workers is worth it, and how many chunks to cut). */
+ * whether waking workers is worth it, and how many chunks to cut). A pool runs
+ * one caller's loop at a time: a second caller (another Python thread sharing
+ * the engine's pool) runs its loop on its own thread, with the same results. */
 static void czk_run(czk_pool *p, czk_fn fn, void *ctx, int64_t ntasks, int64_t work) {
     if (ntasks <= 0) return;
     int64_t used = p ? p->n : 1;
     const int64_t by_work = work / czk_min_work;
     if (by_work < used) used = by_work < 1 ? 1 : by_work;
     if (used > ntasks) used = ntasks;
-    if (used <= 1) {
+    if (used <= 1 || pthread_mutex_trylock(&p->run) != 0) {
         fn(ctx, 0, ntasks);
         return;
     }
@@ -282,6 +287,7 @@ static void czk_run(czk_pool *p, czk_fn fn, void *ctx, int64_t ntasks, int64_t w
         czk_relax();
         if ((i & 255) == 255) sched_yield();
     }
+    pthread_mutex_unlock(&p->run);
 }
 
 /* ------------------------------------------------------------ helpers */
