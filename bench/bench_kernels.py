@@ -2,8 +2,8 @@
 
 Scope: one question, how fast ``czk_matvec`` (``inference/kernels/czk.c``) reads a
 quantized matrix too big for the caches, per SIMD path, against the same kernel
-built from another git revision (``--base``, default the commit before the
-pair-of-blocks rewrite) in the same process. The base's ``czk.c`` and headers are
+built from another git revision (``--base``, default the tree this round of
+kernel work started from) in the same process. The base's ``czk.c`` and headers are
 taken with ``git show``, built with cffi into a temporary directory and loaded
 under another module name; both then run the same calls, alternating, and the
 thread CPU time of each call is recorded (the machine is shared: CPU time is less
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from bench_scale import machine  # noqa: E402
 
-BASE = "51b1d95"
+BASE = "472b784"
 
 
 def build_base(rev: str, tmp: Path) -> object:
