@@ -44,14 +44,17 @@
  * input (relative error of an input at most 1/254 of its block's largest
  * magnitude).
  *
- * Speed: a row is read once per call, prefetched ahead, and each 64-code
- * input pair is loaded once for two rows; the block scales of eight blocks are
- * expanded per row once (one F16C conversion and one product) and picked per
- * half pair with a permute, so the inner loop per row and 32 codes is a load,
- * an integer dot (one vpdpbusd with AVX-512 VNNI+VL on 256-bit registers, which
- * measured faster than 512-bit ones on the double-pumped AMD Zen 4 these
- * benchmarks ran on; with AVX2, codes - 128 through vpmaddubsw plus a per-call
- * input term, for 8-bit codes), a conversion, a permute and one multiply-add.
+ * Speed: a row is read once per call, prefetched far ahead into L2 (see
+ * CZK_PREFETCH), and each 64-code input pair is loaded once for two rows; the
+ * block scales of eight blocks are expanded per row once (one F16C conversion
+ * and one product) and picked per half pair with a permute, so the inner
+ * loop per row and 32 codes is a load, an integer dot (one vpdpbusd with
+ * AVX-512 VNNI+VL on 256-bit registers, which measured faster than 512-bit
+ * ones on the double-pumped AMD Zen 4 these benchmarks ran on; with AVX2,
+ * codes - 128 through vpmaddubsw plus a per-call input term, for 8-bit
+ * codes), a conversion, a permute and one multiply-add. czk_matmul splits
+ * its rows over the pool like czk_matvec (a prompt's products on the
+ * engine's threads).
  *
  * Dispatch: AVX-512 VNNI+VL, AVX2+FMA+F16C or portable C, chosen once at run
  * time with __builtin_cpu_supports; hot functions carry target attributes and
@@ -79,7 +82,7 @@
  * cache level: into L2 (T1), far ahead. The hardware prefetchers stop at 4 KiB
  * page boundaries and prefetches into L1 hold its few miss buffers, so neither
  * keeps enough lines in flight for one thread to stream a matrix from memory
- * (bench/KERNELS.md measures it). */
+ * at the rate the kernels compute (bench/KERNELS.md compares). */
 #ifndef CZK_PREFETCH
 #define CZK_PREFETCH 8192
 #endif
