@@ -87,6 +87,9 @@
 #define CZK_PREFETCH 8192
 #endif
 #define CZK_PFHINT _MM_HINT_T1
+#ifndef CZK_Q8NV512
+#define CZK_Q8NV512 1
+#endif
 /* Most routed experts one czk_moe call takes. */
 #define CZK_MAXK 256
 
@@ -861,6 +864,89 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
 CZK_ROWS_QNV(CZK_AVX2, czk_rows_q_avx2, czk_dot8_avx2, czk_dot_avx2)
 CZK_ROWS_QNV(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256)
 
+/* 8-bit codes against NV <= 4 inputs with 512-bit VNNI: a pair of blocks is one
+ * register, lanes 0-7 block 2p and lanes 8-15 block 2p + 1, so each lane gets
+ * exactly the operations of the 256-bit kernel's lo and hi lanes (the same
+ * integer dot, conversion, scale and fused multiply-add, pairs in order) in
+ * half the instructions; the sum is the same lo + hi and tree. A prompt's
+ * products are compute-bound, unlike decode's, so the wider registers pay. */
+CZK_VNNI static inline __attribute__((always_inline)) void czk_q8nv512_row(
+    const czk_mat *m, const czk_xq *av, float *y, int64_t ystride, int64_t r, const int NV) {
+    const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
+    const int64_t pfull = nb / 2;
+    const uint8_t *c = (const uint8_t *)m->data + r * m->cols;
+    __m512 acc[4];
+    for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+        /* czk_scales8's halves, converted once for the NV inputs */
+        const uint16_t *sc = m->scales + r * G;
+        __m128i h;
+        if (bpg == 1 && b0 + 8 <= nb) {
+            h = _mm_loadu_si128((const __m128i *)(sc + b0));
+        } else {
+            uint16_t t[8];
+            for (int l = 0; l < 8; l++) t[l] = b0 + l < nb ? sc[(b0 + l) / bpg] : 0;
+            h = _mm_loadu_si128((const __m128i *)t);
+        }
+        const __m256 dw = _mm256_cvtph_ps(h);
+        __m512 S[4];
+        for (int v = 0; v < NV; v++)
+            S[v] = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(av[v].sx + b0)));
+        const int64_t p1 = b0 / 2 + 4;
+        for (int64_t p = b0 / 2; p < p1 && 2 * p < nb; p++) {
+            const int k = (int)(2 * p - b0);
+            const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(k), _mm256_set1_epi32(k + 1), 1);
+            _mm_prefetch((const char *)(c + 64 * p + CZK_PREFETCH), CZK_PFHINT);
+            const __m512i cc =
+                p < pfull ? _mm512_loadu_si512((const void *)(c + 64 * p))
+                          : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(c + 64 * p)));
+            for (int v = 0; v < NV; v++) {
+                const __m512i xx = _mm512_loadu_si512((const void *)(av[v].q + 64 * p));
+                const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), cc, xx);
+                acc[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, S[v]),
+                                         acc[v]);
+            }
+        }
+    }
+    /* czk_mterm_avx2 for the NV inputs, each group's mins converted once */
+    const uint16_t *mn = m->mins + r * G;
+    __m256 mlo[4], mhi[4];
+    for (int v = 0; v < NV; v++) mlo[v] = mhi[v] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g += 16) {
+        __m128i h0, h1;
+        if (g + 16 <= G) {
+            h0 = _mm_loadu_si128((const __m128i *)(mn + g));
+            h1 = _mm_loadu_si128((const __m128i *)(mn + g + 8));
+        } else {
+            uint16_t t[16];
+            for (int l = 0; l < 16; l++) t[l] = g + l < G ? mn[g + l] : 0;
+            h0 = _mm_loadu_si128((const __m128i *)t);
+            h1 = _mm_loadu_si128((const __m128i *)(t + 8));
+        }
+        const __m256 f0 = _mm256_cvtph_ps(h0), f1 = _mm256_cvtph_ps(h1);
+        for (int v = 0; v < NV; v++) {
+            mlo[v] = _mm256_fmadd_ps(f0, _mm256_loadu_ps(av[v].gsum + g), mlo[v]);
+            mhi[v] = _mm256_fmadd_ps(f1, _mm256_loadu_ps(av[v].gsum + g + 8), mhi[v]);
+        }
+    }
+    for (int v = 0; v < NV; v++) {
+        const __m256 lo = _mm512_castps512_ps256(acc[v]);
+        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[v]), 1));
+        y[v * ystride + r] = czk_hsum8(_mm256_add_ps(lo, hi)) +
+                             czk_hsum8(_mm256_add_ps(mlo[v], mhi[v]));
+    }
+}
+
+CZK_VNNI static void czk_q8nv512(const czk_mat *m, const czk_xq *av, int nv, float *y,
+                                 int64_t ystride, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) switch (nv) {
+        case 4: czk_q8nv512_row(m, av, y, ystride, r, 4); break;
+        case 3: czk_q8nv512_row(m, av, y, ystride, r, 3); break;
+        case 2: czk_q8nv512_row(m, av, y, ystride, r, 2); break;
+        default: czk_q8nv512_row(m, av, y, ystride, r, 1); break;
+        }
+}
+
 #endif
 
 /* Rows [r0, r1) of m @ x (x float for float kinds, `a` for quantized ones). */
@@ -942,6 +1028,10 @@ static void czk_mm_task(void *ctx_, int64_t t0, int64_t t1) {
         float *y = c->y + v0 * m->rows;
 #if CZK_X86
         const int lvl = czk_level();
+        if (czk_simd_fits(m) && lvl == 2 && m->bits == 8 && CZK_Q8NV512) {
+            czk_q8nv512(m, c->av + v0, nv, y, m->rows, t0, t1);
+            continue;
+        }
         if (czk_simd_fits(m) && lvl == 2) {
             czk_rows_q_vnni256_multi(m, c->av + v0, nv, y, m->rows, t0, t1);
             continue;

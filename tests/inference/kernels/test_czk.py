@@ -467,7 +467,7 @@ def test_attention_refuses_a_bad_qk_norm_mode():
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["q8", "q4", "q2", "q4g64"])
+@pytest.mark.parametrize("name", ["q8", "q4", "q2", "q4g64", "q8g64"])
 def test_quantized_matmul_rows_are_exactly_the_matvec(level, split_loops, name):
     """czk_matmul (a prefill's tokens) gives each token exactly czk_matvec's result."""
     fmt = get_format(name)
@@ -539,3 +539,20 @@ def test_a_pool_shared_by_two_threads_gives_each_its_own_results(split_loops):
         t.join()
     pool.close()
     assert bad == []
+
+
+@pytest.mark.parametrize("cols", [608, 1024])
+def test_q8_prompt_kernel_is_exactly_the_matvec_on_wide_rows(level, cols):
+    """Rows of several scale chunks and m-term lane groups (an odd block count at 608):
+    the 8-bit prompt kernel's outputs are the decode kernel's, bit for bit."""
+    fmt = get_format("q8")
+    rng = np.random.default_rng(13)
+    w = prepare(quantize(rng.standard_normal((21, cols)).astype(F32), fmt, method="minmax"),
+                fmt, (21, cols))  # fmt: skip
+    x = rng.standard_normal((5, cols)).astype(F32)
+    k = _kern(threads=1)
+    want = np.zeros((5, 21), F32)
+    for t in range(5):
+        k.matvec(w, x[t], want[t])
+    k.close()
+    assert np.array_equal(fused.quant_matmul(w, x), want)
