@@ -646,9 +646,9 @@ static inline int czk_simd_fits(const czk_mat *m) {
 
 /* --- AVX2: a row's sixteen lanes as two eight-float registers (lo, hi). */
 
-/* The block scales d_g(b) * sx_b of blocks b0 .. b0 + 7 of row r (0 past the row). */
-CZK_AVX2 static inline __m256 czk_scales8(const czk_mat *m, int64_t r, int64_t b0, int64_t nb,
-                                          int64_t bpg, int64_t G, const float *sx) {
+/* The weight scales d_g(b) of blocks b0 .. b0 + 7 of row r as floats (0 past the row). */
+CZK_AVX2 static inline __m256 czk_wscales8(const czk_mat *m, int64_t r, int64_t b0, int64_t nb,
+                                           int64_t bpg, int64_t G) {
     const uint16_t *sc = m->scales + r * G;
     __m128i h;
     if (bpg == 1 && b0 + 8 <= nb) {
@@ -658,7 +658,13 @@ CZK_AVX2 static inline __m256 czk_scales8(const czk_mat *m, int64_t r, int64_t b
         for (int l = 0; l < 8; l++) t[l] = b0 + l < nb ? sc[(b0 + l) / bpg] : 0;
         h = _mm_loadu_si128((const __m128i *)t);
     }
-    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(sx + b0));
+    return _mm256_cvtph_ps(h);
+}
+
+/* The block scales d_g(b) * sx_b of blocks b0 .. b0 + 7 of row r (0 past the row). */
+CZK_AVX2 static inline __m256 czk_scales8(const czk_mat *m, int64_t r, int64_t b0, int64_t nb,
+                                          int64_t bpg, int64_t G, const float *sx) {
+    return _mm256_mul_ps(czk_wscales8(m, r, b0, nb, bpg, G), _mm256_loadu_ps(sx + b0));
 }
 
 /* The m-term's sixteen lanes over the groups of row r, summed (czk_tree16). */
@@ -681,6 +687,32 @@ CZK_AVX2 static inline float czk_mterm_avx2(const czk_mat *m, int64_t r, int64_t
         hi = _mm256_fmadd_ps(_mm256_cvtph_ps(h1), _mm256_loadu_ps(gsum + g + 8), hi);
     }
     return czk_hsum8(_mm256_add_ps(lo, hi));
+}
+
+/* czk_mterm_avx2 for NV <= 4 inputs of one row (each group's mins converted once). */
+CZK_AVX2 static inline __attribute__((always_inline)) void czk_mterm_nv(
+    const czk_mat *m, int64_t r, int64_t G, const czk_xq *av, const int NV, float *out) {
+    const uint16_t *mn = m->mins + r * G;
+    __m256 lo[4], hi[4];
+    for (int v = 0; v < NV; v++) lo[v] = hi[v] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g += 16) {
+        __m128i h0, h1;
+        if (g + 16 <= G) {
+            h0 = _mm_loadu_si128((const __m128i *)(mn + g));
+            h1 = _mm_loadu_si128((const __m128i *)(mn + g + 8));
+        } else {
+            uint16_t t[16];
+            for (int l = 0; l < 16; l++) t[l] = g + l < G ? mn[g + l] : 0;
+            h0 = _mm_loadu_si128((const __m128i *)t);
+            h1 = _mm_loadu_si128((const __m128i *)(t + 8));
+        }
+        const __m256 f0 = _mm256_cvtph_ps(h0), f1 = _mm256_cvtph_ps(h1);
+        for (int v = 0; v < NV; v++) {
+            lo[v] = _mm256_fmadd_ps(f0, _mm256_loadu_ps(av[v].gsum + g), lo[v]);
+            hi[v] = _mm256_fmadd_ps(f1, _mm256_loadu_ps(av[v].gsum + g + 8), hi[v]);
+        }
+    }
+    for (int v = 0; v < NV; v++) out[v] = czk_hsum8(_mm256_add_ps(lo[v], hi[v]));
 }
 
 /* Codes of the pair p as two 32-byte halves in input order (see czk_pair_codes). */
@@ -804,7 +836,8 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
         for (int v = 0; v < NV; v++) lo[v] = hi[v] = _mm256_setzero_ps();                         \
         for (int64_t b0 = 0; b0 < nb; b0 += 8) {                                                  \
             __m256 S[4];                                                                          \
-            for (int v = 0; v < NV; v++) S[v] = czk_scales8(m, r, b0, nb, bpg, G, av[v].sx);      \
+            const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G);                                 \
+            for (int v = 0; v < NV; v++) S[v] = _mm256_mul_ps(dw, _mm256_loadu_ps(av[v].sx + b0)); \
             const int64_t p1 = b0 / 2 + 4;                                                        \
             for (int64_t p = b0 / 2; p < p1 && 2 * p < nb; p++) {                                 \
                 const int full = p < pfull;                                                       \
@@ -836,9 +869,10 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
+        float mt[4];                                                                              \
+        czk_mterm_nv(m, r, G, av, NV, mt);                                                        \
         for (int v = 0; v < NV; v++)                                                              \
-            y[v * ystride + r] =                                                                  \
-                czk_hsum8(_mm256_add_ps(lo[v], hi[v])) + czk_mterm_avx2(m, r, G, av[v].gsum);     \
+            y[v * ystride + r] = czk_hsum8(_mm256_add_ps(lo[v], hi[v])) + mt[v];                  \
     }                                                                                             \
                                                                                                   \
     ATTR static void NAME##_nvbits(const czk_mat *m, const czk_xq *av, int nv, float *y,          \
@@ -878,17 +912,7 @@ CZK_VNNI static inline __attribute__((always_inline)) void czk_q8nv512_row(
     __m512 acc[4];
     for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
-        /* czk_scales8's halves, converted once for the NV inputs */
-        const uint16_t *sc = m->scales + r * G;
-        __m128i h;
-        if (bpg == 1 && b0 + 8 <= nb) {
-            h = _mm_loadu_si128((const __m128i *)(sc + b0));
-        } else {
-            uint16_t t[8];
-            for (int l = 0; l < 8; l++) t[l] = b0 + l < nb ? sc[(b0 + l) / bpg] : 0;
-            h = _mm_loadu_si128((const __m128i *)t);
-        }
-        const __m256 dw = _mm256_cvtph_ps(h);
+        const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G);
         __m512 S[4];
         for (int v = 0; v < NV; v++)
             S[v] = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(av[v].sx + b0)));
@@ -908,32 +932,12 @@ CZK_VNNI static inline __attribute__((always_inline)) void czk_q8nv512_row(
             }
         }
     }
-    /* czk_mterm_avx2 for the NV inputs, each group's mins converted once */
-    const uint16_t *mn = m->mins + r * G;
-    __m256 mlo[4], mhi[4];
-    for (int v = 0; v < NV; v++) mlo[v] = mhi[v] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g += 16) {
-        __m128i h0, h1;
-        if (g + 16 <= G) {
-            h0 = _mm_loadu_si128((const __m128i *)(mn + g));
-            h1 = _mm_loadu_si128((const __m128i *)(mn + g + 8));
-        } else {
-            uint16_t t[16];
-            for (int l = 0; l < 16; l++) t[l] = g + l < G ? mn[g + l] : 0;
-            h0 = _mm_loadu_si128((const __m128i *)t);
-            h1 = _mm_loadu_si128((const __m128i *)(t + 8));
-        }
-        const __m256 f0 = _mm256_cvtph_ps(h0), f1 = _mm256_cvtph_ps(h1);
-        for (int v = 0; v < NV; v++) {
-            mlo[v] = _mm256_fmadd_ps(f0, _mm256_loadu_ps(av[v].gsum + g), mlo[v]);
-            mhi[v] = _mm256_fmadd_ps(f1, _mm256_loadu_ps(av[v].gsum + g + 8), mhi[v]);
-        }
-    }
+    float mt[4];
+    czk_mterm_nv(m, r, G, av, NV, mt);
     for (int v = 0; v < NV; v++) {
         const __m256 lo = _mm512_castps512_ps256(acc[v]);
         const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[v]), 1));
-        y[v * ystride + r] = czk_hsum8(_mm256_add_ps(lo, hi)) +
-                             czk_hsum8(_mm256_add_ps(mlo[v], mhi[v]));
+        y[v * ystride + r] = czk_hsum8(_mm256_add_ps(lo, hi)) + mt[v];
     }
 }
 
