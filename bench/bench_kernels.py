@@ -1,9 +1,11 @@
-"""The quantized decode kernels alone: czk's matvec against a base revision's, interleaved.
+"""The quantized kernels alone: czk's matvec and matmul against a base revision's, interleaved.
 
-Scope: one question, how fast ``czk_matvec`` (``inference/kernels/czk.c``) reads a
-quantized matrix too big for the caches, per SIMD path, against the same kernel
-built from another git revision (``--base``, default the commit before the
-pair-of-blocks rewrite) in the same process. The base's ``czk.c`` and headers are
+Scope: how fast ``czk_matvec`` (``inference/kernels/czk.c``, a decode step's
+product) reads a quantized matrix too big for the caches, and how fast
+``czk_matmul`` runs ``--prompt`` tokens against it (a prompt's product, one thread),
+per SIMD path, against the same kernels
+built from another git revision (``--base``, default the tree this round of
+kernel work started from) in the same process. The base's ``czk.c`` and headers are
 taken with ``git show``, built with cffi into a temporary directory and loaded
 under another module name; both then run the same calls, alternating, and the
 thread CPU time of each call is recorded (the machine is shared: CPU time is less
@@ -35,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from bench_scale import machine  # noqa: E402
 
-BASE = "51b1d95"
+BASE = "472b784"
 
 
 def build_base(rev: str, tmp: Path) -> object:
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cols", type=int, default=2048)
     ap.add_argument("--tile", type=int, default=12)
     ap.add_argument("--reps", type=int, default=11)
+    ap.add_argument("--prompt", type=int, default=4,
+                    help="tokens of the prompt-kernel rows (quant_matmul); 0: none")  # fmt: skip
     ap.add_argument("--md", default=str(REPO / "bench" / "KERNELS.md"))
     a = ap.parse_args(argv)
     from czyx.inference.kernels import fused as new
@@ -111,22 +115,27 @@ def main(argv: list[str] | None = None) -> None:
             pm, nbytes = big_matrix(fmt_name, a.rows_base, a.cols, a.tile)
             R, C = pm.shape
             x = np.random.default_rng(1).standard_normal(C, dtype=np.float32)
-            for lv in levels:
+            xs = np.random.default_rng(2).standard_normal((max(a.prompt, 1), C), dtype=np.float32)
+            for lv, nv in [(lv, nv) for nv in sorted({1, a.prompt} - {0}) for lv in levels]:
                 runs = {}
                 for name, mod in (("base", base), ("new", new)):
-                    runs[name] = (mod, mod.DecodeKernels(C, R, 8, 1), np.zeros(R, np.float32), [])
+                    runs[name] = [mod, mod.DecodeKernels(C, R, 8, 1), np.zeros(R, np.float32), []]
                 for _ in range(a.reps):
-                    for mod, k, y, ts in runs.values():
+                    for r in runs.values():
+                        mod, k, y, ts = r
                         mod._lib.czk_set_cap(mod.LEVELS.index(lv))
                         t = time.thread_time()
-                        k.matvec(pm, x, y)
+                        if nv == 1:  # decode: czk_matvec
+                            k.matvec(pm, x, y)
+                        else:  # a prompt's tokens: czk_matmul
+                            r[2] = mod.quant_matmul(pm, xs)
                         ts.append(time.thread_time() - t)
                 gbs = {n: nbytes / np.median(r[3]) / 1e9 for n, r in runs.items()}
                 yb, yn = runs["base"][2], runs["new"][2]
                 diff = float(np.abs(yn - yb).max() / np.abs(yb).max())
-                rows.append((lv, fmt_name, R, C, nbytes, gbs["base"], gbs["new"], diff))
-                print(f"{lv} {fmt_name}: base {gbs['base']:.2f} GB/s, new {gbs['new']:.2f} GB/s "
-                      f"({gbs['new'] / gbs['base']:.2f}x)", flush=True)  # fmt: skip
+                rows.append((lv, fmt_name, nv, R, C, nbytes, gbs["base"], gbs["new"], diff))
+                print(f"{lv} {fmt_name} x{nv}: base {gbs['base']:.2f} GB/s, new {gbs['new']:.2f} "
+                      f"GB/s ({gbs['new'] / gbs['base']:.2f}x)", flush=True)  # fmt: skip
                 for mod, k, _, _ in runs.values():
                     mod._lib.czk_set_cap(len(mod.LEVELS) - 1)
                     k.close()
@@ -146,13 +155,17 @@ def main(argv: list[str] | None = None) -> None:
         f"- load average before: {' '.join(f'{v:.2f}' for v in load0)}; after: "
         f"{' '.join(f'{v:.2f}' for v in load1)}",
         "",
-        "| SIMD path | format | matrix | MB | base GB/s | this tree GB/s | speedup "
+        "Inputs 1: the decode product (`czk_matvec`); more: a prompt's tokens against the "
+        "matrix (`czk_matmul` via `quant_matmul`; compute-bound, so GB/s of the matrix per "
+        "call fall with the token count).",
+        "",
+        "| SIMD path | format | inputs | matrix | MB | base GB/s | this tree GB/s | speedup "
         "| max abs diff / max abs |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for lv, f, R, C, nb, gb, gn, d in rows:
+    for lv, f, nv, R, C, nb, gb, gn, d in rows:
         lines.append(
-            f"| {lv} | {f} | {R} x {C} | {nb / 1e6:.0f} | {gb:.2f} | {gn:.2f} | "
+            f"| {lv} | {f} | {nv} | {R} x {C} | {nb / 1e6:.0f} | {gb:.2f} | {gn:.2f} | "
             f"**{gn / gb:.2f}x** | {d:.1e} |"
         )
     lines += ["", f"Command: `{cmd.strip()}`", ""]

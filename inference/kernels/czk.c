@@ -44,14 +44,17 @@
  * input (relative error of an input at most 1/254 of its block's largest
  * magnitude).
  *
- * Speed: a row is read once per call, prefetched ahead, and each 64-code
- * input pair is loaded once for two rows; the block scales of eight blocks are
- * expanded per row once (one F16C conversion and one product) and picked per
- * half pair with a permute, so the inner loop per row and 32 codes is a load,
- * an integer dot (one vpdpbusd with AVX-512 VNNI+VL on 256-bit registers, which
- * measured faster than 512-bit ones on the double-pumped AMD Zen 4 these
- * benchmarks ran on; with AVX2, codes - 128 through vpmaddubsw plus a per-call
- * input term, for 8-bit codes), a conversion, a permute and one multiply-add.
+ * Speed: a row is read once per call, prefetched far ahead into L2 (see
+ * CZK_PREFETCH), and each 64-code input pair is loaded once for two rows; the
+ * block scales of eight blocks are expanded per row once (one F16C conversion
+ * and one product) and picked per half pair with a permute, so the inner
+ * loop per row and 32 codes is a load, an integer dot (one vpdpbusd with
+ * AVX-512 VNNI+VL on 256-bit registers, which measured faster than 512-bit
+ * ones on the double-pumped AMD Zen 4 these benchmarks ran on; with AVX2,
+ * codes - 128 through vpmaddubsw plus a per-call input term, for 8-bit
+ * codes), a conversion, a permute and one multiply-add. czk_matmul splits
+ * its rows over the pool like czk_matvec (a prompt's products on the
+ * engine's threads).
  *
  * Dispatch: AVX-512 VNNI+VL, AVX2+FMA+F16C or portable C, chosen once at run
  * time with __builtin_cpu_supports; hot functions carry target attributes and
@@ -75,9 +78,18 @@
 #define CZK_F16 1
 #define CZK_BF16 2
 #define CZK_Q 3
-/* Bytes ahead of its reads a row kernel prefetches each row (four row streams
- * at once are more than the hardware prefetchers follow at full rate). */
-#define CZK_PREFETCH 4096
+/* Bytes ahead of its reads a row kernel prefetches each row, and into which
+ * cache level: into L2 (T1), far ahead. The hardware prefetchers stop at 4 KiB
+ * page boundaries and prefetches into L1 hold its few miss buffers, so neither
+ * keeps enough lines in flight for one thread to stream a matrix from memory
+ * at the rate the kernels compute (bench/KERNELS.md compares). */
+#ifndef CZK_PREFETCH
+#define CZK_PREFETCH 8192
+#endif
+#define CZK_PFHINT _MM_HINT_T1
+#ifndef CZK_Q8NV512
+#define CZK_Q8NV512 1
+#endif
 /* Most routed experts one czk_moe call takes. */
 #define CZK_MAXK 256
 
@@ -134,6 +146,7 @@ struct czk_pool {
     pthread_t *th;
     pthread_mutex_t mu;
     pthread_cond_t cv;
+    pthread_mutex_t run; /* held by the one caller whose loop the pool is running */
     int64_t gen;   /* bumped per loop (wakes sleepers); guarded by mu */
     int64_t claim; /* atomic: (gen << 32) | chunks not yet claimed */
     int64_t done;  /* atomic: chunks finished */
@@ -209,6 +222,7 @@ czk_pool *czk_pool_new(int n) {
     p->n = n;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
+    pthread_mutex_init(&p->run, NULL);
     p->th = (pthread_t *)calloc((size_t)n, sizeof(pthread_t));
     if (!p->th) {
         free(p);
@@ -241,19 +255,22 @@ void czk_pool_free(czk_pool *p) {
     for (int i = 1; i < p->n; i++) pthread_join(p->th[i], NULL);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
+    pthread_mutex_destroy(&p->run);
     free(p->th);
     free(p);
 }
 
 /* Run fn over tasks [0, ntasks); `work` is the loop's multiply-adds (it decides
- * whether waking workers is worth it, and how many chunks to cut). */
+ * whether waking workers is worth it, and how many chunks to cut). A pool runs
+ * one caller's loop at a time: a second caller (another Python thread sharing
+ * the engine's pool) runs its loop on its own thread, with the same results. */
 static void czk_run(czk_pool *p, czk_fn fn, void *ctx, int64_t ntasks, int64_t work) {
     if (ntasks <= 0) return;
     int64_t used = p ? p->n : 1;
     const int64_t by_work = work / czk_min_work;
     if (by_work < used) used = by_work < 1 ? 1 : by_work;
     if (used > ntasks) used = ntasks;
-    if (used <= 1) {
+    if (used <= 1 || pthread_mutex_trylock(&p->run) != 0) {
         fn(ctx, 0, ntasks);
         return;
     }
@@ -276,6 +293,7 @@ static void czk_run(czk_pool *p, czk_fn fn, void *ctx, int64_t ntasks, int64_t w
         czk_relax();
         if ((i & 255) == 255) sched_yield();
     }
+    pthread_mutex_unlock(&p->run);
 }
 
 /* ------------------------------------------------------------ helpers */
@@ -628,9 +646,9 @@ static inline int czk_simd_fits(const czk_mat *m) {
 
 /* --- AVX2: a row's sixteen lanes as two eight-float registers (lo, hi). */
 
-/* The block scales d_g(b) * sx_b of blocks b0 .. b0 + 7 of row r (0 past the row). */
-CZK_AVX2 static inline __m256 czk_scales8(const czk_mat *m, int64_t r, int64_t b0, int64_t nb,
-                                          int64_t bpg, int64_t G, const float *sx) {
+/* The weight scales d_g(b) of blocks b0 .. b0 + 7 of row r as floats (0 past the row). */
+CZK_AVX2 static inline __m256 czk_wscales8(const czk_mat *m, int64_t r, int64_t b0, int64_t nb,
+                                           int64_t bpg, int64_t G) {
     const uint16_t *sc = m->scales + r * G;
     __m128i h;
     if (bpg == 1 && b0 + 8 <= nb) {
@@ -640,7 +658,13 @@ CZK_AVX2 static inline __m256 czk_scales8(const czk_mat *m, int64_t r, int64_t b
         for (int l = 0; l < 8; l++) t[l] = b0 + l < nb ? sc[(b0 + l) / bpg] : 0;
         h = _mm_loadu_si128((const __m128i *)t);
     }
-    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(sx + b0));
+    return _mm256_cvtph_ps(h);
+}
+
+/* The block scales d_g(b) * sx_b of blocks b0 .. b0 + 7 of row r (0 past the row). */
+CZK_AVX2 static inline __m256 czk_scales8(const czk_mat *m, int64_t r, int64_t b0, int64_t nb,
+                                          int64_t bpg, int64_t G, const float *sx) {
+    return _mm256_mul_ps(czk_wscales8(m, r, b0, nb, bpg, G), _mm256_loadu_ps(sx + b0));
 }
 
 /* The m-term's sixteen lanes over the groups of row r, summed (czk_tree16). */
@@ -663,6 +687,32 @@ CZK_AVX2 static inline float czk_mterm_avx2(const czk_mat *m, int64_t r, int64_t
         hi = _mm256_fmadd_ps(_mm256_cvtph_ps(h1), _mm256_loadu_ps(gsum + g + 8), hi);
     }
     return czk_hsum8(_mm256_add_ps(lo, hi));
+}
+
+/* czk_mterm_avx2 for NV <= 4 inputs of one row (each group's mins converted once). */
+CZK_AVX2 static inline __attribute__((always_inline)) void czk_mterm_nv(
+    const czk_mat *m, int64_t r, int64_t G, const czk_xq *av, const int NV, float *out) {
+    const uint16_t *mn = m->mins + r * G;
+    __m256 lo[4], hi[4];
+    for (int v = 0; v < NV; v++) lo[v] = hi[v] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g += 16) {
+        __m128i h0, h1;
+        if (g + 16 <= G) {
+            h0 = _mm_loadu_si128((const __m128i *)(mn + g));
+            h1 = _mm_loadu_si128((const __m128i *)(mn + g + 8));
+        } else {
+            uint16_t t[16];
+            for (int l = 0; l < 16; l++) t[l] = g + l < G ? mn[g + l] : 0;
+            h0 = _mm_loadu_si128((const __m128i *)t);
+            h1 = _mm_loadu_si128((const __m128i *)(t + 8));
+        }
+        const __m256 f0 = _mm256_cvtph_ps(h0), f1 = _mm256_cvtph_ps(h1);
+        for (int v = 0; v < NV; v++) {
+            lo[v] = _mm256_fmadd_ps(f0, _mm256_loadu_ps(av[v].gsum + g), lo[v]);
+            hi[v] = _mm256_fmadd_ps(f1, _mm256_loadu_ps(av[v].gsum + g + 8), hi[v]);
+        }
+    }
+    for (int v = 0; v < NV; v++) out[v] = czk_hsum8(_mm256_add_ps(lo[v], hi[v]));
 }
 
 /* Codes of the pair p as two 32-byte halves in input order (see czk_pair_codes). */
@@ -720,7 +770,7 @@ ATTR static inline __attribute__((always_inline)) void NAME##_rb(               
             const __m256i s1 = _mm256_loadu_si256((const __m256i *)(a->xs4 + 16 * p + 8));         \
             for (int i = 0; i < RB; i++) {                                                         \
                 __m256i cl, ch;                                                                    \
-                _mm_prefetch((const char *)(c[i] + (bits * 8) * p + CZK_PREFETCH), _MM_HINT_T0);   \
+                _mm_prefetch((const char *)(c[i] + (bits * 8) * p + CZK_PREFETCH), CZK_PFHINT);   \
                 czk_pair_avx2(c[i], bits, p, full, &cl, &ch);                                      \
                 __m256 d0, d1;                                                                     \
                 if (bits == 8) {                                                                   \
@@ -786,7 +836,8 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
         for (int v = 0; v < NV; v++) lo[v] = hi[v] = _mm256_setzero_ps();                         \
         for (int64_t b0 = 0; b0 < nb; b0 += 8) {                                                  \
             __m256 S[4];                                                                          \
-            for (int v = 0; v < NV; v++) S[v] = czk_scales8(m, r, b0, nb, bpg, G, av[v].sx);      \
+            const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G);                                 \
+            for (int v = 0; v < NV; v++) S[v] = _mm256_mul_ps(dw, _mm256_loadu_ps(av[v].sx + b0)); \
             const int64_t p1 = b0 / 2 + 4;                                                        \
             for (int64_t p = b0 / 2; p < p1 && 2 * p < nb; p++) {                                 \
                 const int full = p < pfull;                                                       \
@@ -796,7 +847,7 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
                                              : _mm256_set1_epi32(k);                              \
                 const __m256i i1 = bits == 4 ? i0 : _mm256_set1_epi32(k + 1);                     \
                 __m256i cl, ch;                                                                   \
-                _mm_prefetch((const char *)(c + (bits * 8) * p + CZK_PREFETCH), _MM_HINT_T0);     \
+                _mm_prefetch((const char *)(c + (bits * 8) * p + CZK_PREFETCH), CZK_PFHINT);     \
                 czk_pair_avx2(c, bits, p, full, &cl, &ch);                                        \
                 for (int v = 0; v < NV; v++) {                                                    \
                     const int8_t *xqb = bits == 4 ? av[v].q4p : av[v].q;                          \
@@ -818,9 +869,10 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
+        float mt[4];                                                                              \
+        czk_mterm_nv(m, r, G, av, NV, mt);                                                        \
         for (int v = 0; v < NV; v++)                                                              \
-            y[v * ystride + r] =                                                                  \
-                czk_hsum8(_mm256_add_ps(lo[v], hi[v])) + czk_mterm_avx2(m, r, G, av[v].gsum);     \
+            y[v * ystride + r] = czk_hsum8(_mm256_add_ps(lo[v], hi[v])) + mt[v];                  \
     }                                                                                             \
                                                                                                   \
     ATTR static void NAME##_nvbits(const czk_mat *m, const czk_xq *av, int nv, float *y,          \
@@ -845,6 +897,59 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
 
 CZK_ROWS_QNV(CZK_AVX2, czk_rows_q_avx2, czk_dot8_avx2, czk_dot_avx2)
 CZK_ROWS_QNV(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256)
+
+/* 8-bit codes against NV <= 4 inputs with 512-bit VNNI: a pair of blocks is one
+ * register, lanes 0-7 block 2p and lanes 8-15 block 2p + 1, so each lane gets
+ * exactly the operations of the 256-bit kernel's lo and hi lanes (the same
+ * integer dot, conversion, scale and fused multiply-add, pairs in order) in
+ * half the instructions; the sum is the same lo + hi and tree. A prompt's
+ * products are compute-bound, unlike decode's, so the wider registers pay. */
+CZK_VNNI static inline __attribute__((always_inline)) void czk_q8nv512_row(
+    const czk_mat *m, const czk_xq *av, float *y, int64_t ystride, int64_t r, const int NV) {
+    const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
+    const int64_t pfull = nb / 2;
+    const uint8_t *c = (const uint8_t *)m->data + r * m->cols;
+    __m512 acc[4];
+    for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+        const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G);
+        __m512 S[4];
+        for (int v = 0; v < NV; v++)
+            S[v] = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(av[v].sx + b0)));
+        const int64_t p1 = b0 / 2 + 4;
+        for (int64_t p = b0 / 2; p < p1 && 2 * p < nb; p++) {
+            const int k = (int)(2 * p - b0);
+            const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(k), _mm256_set1_epi32(k + 1), 1);
+            _mm_prefetch((const char *)(c + 64 * p + CZK_PREFETCH), CZK_PFHINT);
+            const __m512i cc =
+                p < pfull ? _mm512_loadu_si512((const void *)(c + 64 * p))
+                          : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(c + 64 * p)));
+            for (int v = 0; v < NV; v++) {
+                const __m512i xx = _mm512_loadu_si512((const void *)(av[v].q + 64 * p));
+                const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), cc, xx);
+                acc[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, S[v]),
+                                         acc[v]);
+            }
+        }
+    }
+    float mt[4];
+    czk_mterm_nv(m, r, G, av, NV, mt);
+    for (int v = 0; v < NV; v++) {
+        const __m256 lo = _mm512_castps512_ps256(acc[v]);
+        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[v]), 1));
+        y[v * ystride + r] = czk_hsum8(_mm256_add_ps(lo, hi)) + mt[v];
+    }
+}
+
+CZK_VNNI static void czk_q8nv512(const czk_mat *m, const czk_xq *av, int nv, float *y,
+                                 int64_t ystride, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) switch (nv) {
+        case 4: czk_q8nv512_row(m, av, y, ystride, r, 4); break;
+        case 3: czk_q8nv512_row(m, av, y, ystride, r, 3); break;
+        case 2: czk_q8nv512_row(m, av, y, ystride, r, 2); break;
+        default: czk_q8nv512_row(m, av, y, ystride, r, 1); break;
+        }
+}
 
 #endif
 
@@ -927,6 +1032,10 @@ static void czk_mm_task(void *ctx_, int64_t t0, int64_t t1) {
         float *y = c->y + v0 * m->rows;
 #if CZK_X86
         const int lvl = czk_level();
+        if (czk_simd_fits(m) && lvl == 2 && m->bits == 8 && CZK_Q8NV512) {
+            czk_q8nv512(m, c->av + v0, nv, y, m->rows, t0, t1);
+            continue;
+        }
         if (czk_simd_fits(m) && lvl == 2) {
             czk_rows_q_vnni256_multi(m, c->av + v0, nv, y, m->rows, t0, t1);
             continue;

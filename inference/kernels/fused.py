@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -398,13 +400,41 @@ class DecodeKernels:
         self._matvec(m, self._px, self._plog)
 
 
+_scope = threading.local()
+
+
+@contextmanager
+def pool_scope(pool: Pool | None) -> Iterator[None]:
+    """Within the block, this thread's :func:`quant_matmul` calls run on ``pool``'s threads.
+
+    The engine enters it around a prompt's layers, so the prefill's products
+    use the threads its decode kernels own (a pool runs one caller's loop at a
+    time; another thread's call meanwhile runs on that thread alone). ``None``:
+    the calling thread only. Results do not depend on the pool.
+    """
+    prev = getattr(_scope, "pool", None)
+    _scope.pool = pool
+    try:
+        yield
+    finally:
+        _scope.pool = prev
+
+
+def _scope_ptr() -> Any:
+    pool = getattr(_scope, "pool", None)
+    ptr = None if pool is None else pool.ptr
+    return _ffi.NULL if ptr is None else ptr
+
+
 def quant_matmul(w: PackedMatrix, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """``x @ w.T`` for ``x float32 [T, cols]`` with the decode kernel's int8 inputs (one thread).
+    """``x @ w.T`` for ``x float32 [T, cols]`` with the decode kernel's int8 inputs.
 
     Every row of the result is exactly what :meth:`DecodeKernels.matvec` gives for
     that row of ``x`` (each token quantized on its own, the same operations per
     output), so a token's product does not depend on the batch it came in; the
-    matrix's codes are loaded once per four tokens.
+    matrix's codes are loaded once per four tokens. Rows are split over the
+    threads of the :func:`pool_scope` in force (one thread without one); the
+    result does not depend on it.
 
     Raises
     ------
@@ -427,6 +457,6 @@ def quant_matmul(w: PackedMatrix, x: np.ndarray, out: np.ndarray | None = None) 
     m = _ffi.new("czk_mat *")
     describe(w, m)
     work = np.empty(int(_lib.czk_matmul_work_bytes(t, cols)), np.uint8)
-    if _lib.czk_matmul(_ffi.NULL, m, _fptr(x), t, _fptr(out), _ptr(work)):
+    if _lib.czk_matmul(_scope_ptr(), m, _fptr(x), t, _fptr(out), _ptr(work)):
         raise KernelError(f"czk_matmul refused a [{rows}, {cols}] {w.fmt.name} weight")
     return out

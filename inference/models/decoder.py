@@ -27,6 +27,7 @@ runs are bit-identical.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -484,8 +485,14 @@ class MoEDecoder:
         hn = rms_norm(h, self.final_norm, cfg.rms_eps)
         if self.observer is not None:
             self.observer("lm_head_in", hn)
-        out = self.finish_logits(mm_t(hn, self.lm_head))
+        with self.kernel_threads():
+            out = self.finish_logits(mm_t(hn, self.lm_head))
         return out if all_logits else out[0]
+
+    def kernel_threads(self) -> AbstractContextManager[None]:
+        """A scope in which this thread's quantized products (a prompt's) run on the
+        decode kernels' threads (:func:`~czyx.inference.kernels.fused.pool_scope`)."""
+        return fused.pool_scope(self.kernels().pool if self._czk else None)
 
     def finish_logits(self, logits: np.ndarray) -> np.ndarray:
         """The last step of the head on the LM head's output (identity; an architecture
@@ -503,14 +510,15 @@ class MoEDecoder:
         cfg = self.cfg
         positions = np.arange(start, start + h.shape[0])
         window = self.trunk_window
-        for i in range(lo, hi):
-            lw = window.layer(i) if window is not None else self.layers[i]  # window: waits
-            if self.layer_hook is not None:
-                self.layer_hook(i, h)
-            x = rms_norm(h, lw.input_norm, cfg.rms_eps)
-            h = h + self._attention(i, lw, x, kv, start, positions)
-            x = rms_norm(h, lw.post_attn_norm, cfg.rms_eps)
-            h = h + self._mlp(i, lw, x)
+        with self.kernel_threads():
+            for i in range(lo, hi):
+                lw = window.layer(i) if window is not None else self.layers[i]  # window: waits
+                if self.layer_hook is not None:
+                    self.layer_hook(i, h)
+                x = rms_norm(h, lw.input_norm, cfg.rms_eps)
+                h = h + self._attention(i, lw, x, kv, start, positions)
+                x = rms_norm(h, lw.post_attn_norm, cfg.rms_eps)
+                h = h + self._mlp(i, lw, x)
         return h
 
     #: An override of ``_attention`` that the C attention call reproduces (it adds

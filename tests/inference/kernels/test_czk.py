@@ -467,7 +467,7 @@ def test_attention_refuses_a_bad_qk_norm_mode():
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["q8", "q4", "q2", "q4g64"])
+@pytest.mark.parametrize("name", ["q8", "q4", "q2", "q4g64", "q8g64"])
 def test_quantized_matmul_rows_are_exactly_the_matvec(level, split_loops, name):
     """czk_matmul (a prefill's tokens) gives each token exactly czk_matvec's result."""
     fmt = get_format(name)
@@ -489,3 +489,70 @@ def test_quantized_matmul_rows_are_exactly_the_matvec(level, split_loops, name):
 def test_quant_matmul_refuses_float_weights():
     with pytest.raises(fused.KernelError):
         fused.quant_matmul(np.zeros((4, 32), F32), np.zeros((1, 32), F32))
+
+
+@pytest.mark.parametrize("name", ["q8", "q4", "q3"])
+def test_quant_matmul_on_a_pool_is_bit_identical_for_every_thread_count(split_loops, name):
+    """A prompt's products split over the engine's threads (pool_scope) give the same bits."""
+    fmt = get_format(name)
+    rng = np.random.default_rng(11)
+    rows, cols = 29, 5 * fmt.group_size
+    buf = quantize(rng.standard_normal((rows, cols)).astype(F32), fmt, method="minmax")
+    w = prepare(buf, fmt, (rows, cols))
+    x = rng.standard_normal((7, cols)).astype(F32)
+    want = fused.quant_matmul(w, x)  # no scope: the calling thread alone
+    for threads in (1, 2, 3):
+        pool = fused.Pool(threads)
+        with fused.pool_scope(pool):
+            got = fused.quant_matmul(w, x)
+        assert np.array_equal(fused.quant_matmul(w, x), want)  # the scope has ended
+        pool.close()
+        assert np.array_equal(got, want)
+
+
+def test_a_pool_shared_by_two_threads_gives_each_its_own_results(split_loops):
+    """Two Python threads using one pool at once: one runs its loop alone, results unchanged."""
+    import threading
+
+    fmt = get_format("q4")
+    rng = np.random.default_rng(12)
+    ws = [
+        prepare(quantize(rng.standard_normal((37, 256)).astype(F32), fmt, method="minmax"),
+                fmt, (37, 256))
+        for _ in range(2)
+    ]  # fmt: skip
+    xs = [rng.standard_normal((5, 256)).astype(F32) for _ in range(2)]
+    wants = [fused.quant_matmul(w, x) for w, x in zip(ws, xs)]
+    pool = fused.Pool(2)
+    bad = []
+
+    def work(j: int) -> None:
+        with fused.pool_scope(pool):
+            for _ in range(200):
+                if not np.array_equal(fused.quant_matmul(ws[j], xs[j]), wants[j]):
+                    bad.append(j)
+
+    threads = [threading.Thread(target=work, args=(j,)) for j in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pool.close()
+    assert bad == []
+
+
+@pytest.mark.parametrize("cols", [608, 1024])
+def test_q8_prompt_kernel_is_exactly_the_matvec_on_wide_rows(level, cols):
+    """Rows of several scale chunks and m-term lane groups (an odd block count at 608):
+    the 8-bit prompt kernel's outputs are the decode kernel's, bit for bit."""
+    fmt = get_format("q8")
+    rng = np.random.default_rng(13)
+    w = prepare(quantize(rng.standard_normal((21, cols)).astype(F32), fmt, method="minmax"),
+                fmt, (21, cols))  # fmt: skip
+    x = rng.standard_normal((5, cols)).astype(F32)
+    k = _kern(threads=1)
+    want = np.zeros((5, 21), F32)
+    for t in range(5):
+        k.matvec(w, x[t], want[t])
+    k.close()
+    assert np.array_equal(fused.quant_matmul(w, x), want)
