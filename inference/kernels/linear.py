@@ -97,8 +97,9 @@ def float_inputs() -> Iterator[None]:
 
 #: Columns from which the int8-input path is taken: on narrow matrices its fixed
 #: per-token costs (quantizing the input, the call) outweigh the faster dot
-#: products, and the float small matmul measured faster (bench/RESIDENT.md).
-INT8_MIN_COLS = 1024
+#: products and the float small matmul measured faster; Qwen3-MoE's 768-column
+#: expert down projections are above it (bench/RESIDENT-qwen3.md).
+INT8_MIN_COLS = 512
 
 
 def _int8_inputs(w: PackedMatrix, x: np.ndarray) -> bool:
