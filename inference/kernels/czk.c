@@ -667,6 +667,20 @@ CZK_AVX2 static inline __m256 czk_scales8(const czk_mat *m, int64_t r, int64_t b
     return _mm256_mul_ps(czk_wscales8(m, r, b0, nb, bpg, G), _mm256_loadu_ps(sx + b0));
 }
 
+/* The fp16 mins of groups g .. g + 15 of a row (0 past its G groups), as two halves. */
+CZK_AVX2 static inline void czk_mins16(const uint16_t *mn, int64_t g, int64_t G, __m128i *h0,
+                                       __m128i *h1) {
+    if (g + 16 <= G) {
+        *h0 = _mm_loadu_si128((const __m128i *)(mn + g));
+        *h1 = _mm_loadu_si128((const __m128i *)(mn + g + 8));
+    } else {
+        uint16_t t[16];
+        for (int l = 0; l < 16; l++) t[l] = g + l < G ? mn[g + l] : 0;
+        *h0 = _mm_loadu_si128((const __m128i *)t);
+        *h1 = _mm_loadu_si128((const __m128i *)(t + 8));
+    }
+}
+
 /* The m-term's sixteen lanes over the groups of row r, summed (czk_tree16). */
 CZK_AVX2 static inline float czk_mterm_avx2(const czk_mat *m, int64_t r, int64_t G,
                                             const float *gsum) {
@@ -674,15 +688,7 @@ CZK_AVX2 static inline float czk_mterm_avx2(const czk_mat *m, int64_t r, int64_t
     __m256 lo = _mm256_setzero_ps(), hi = lo;
     for (int64_t g = 0; g < G; g += 16) {
         __m128i h0, h1;
-        if (g + 16 <= G) {
-            h0 = _mm_loadu_si128((const __m128i *)(mn + g));
-            h1 = _mm_loadu_si128((const __m128i *)(mn + g + 8));
-        } else {
-            uint16_t t[16];
-            for (int l = 0; l < 16; l++) t[l] = g + l < G ? mn[g + l] : 0;
-            h0 = _mm_loadu_si128((const __m128i *)t);
-            h1 = _mm_loadu_si128((const __m128i *)(t + 8));
-        }
+        czk_mins16(mn, g, G, &h0, &h1);
         lo = _mm256_fmadd_ps(_mm256_cvtph_ps(h0), _mm256_loadu_ps(gsum + g), lo);
         hi = _mm256_fmadd_ps(_mm256_cvtph_ps(h1), _mm256_loadu_ps(gsum + g + 8), hi);
     }
@@ -697,15 +703,7 @@ CZK_AVX2 static inline __attribute__((always_inline)) void czk_mterm_nv(
     for (int v = 0; v < NV; v++) lo[v] = hi[v] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g += 16) {
         __m128i h0, h1;
-        if (g + 16 <= G) {
-            h0 = _mm_loadu_si128((const __m128i *)(mn + g));
-            h1 = _mm_loadu_si128((const __m128i *)(mn + g + 8));
-        } else {
-            uint16_t t[16];
-            for (int l = 0; l < 16; l++) t[l] = g + l < G ? mn[g + l] : 0;
-            h0 = _mm_loadu_si128((const __m128i *)t);
-            h1 = _mm_loadu_si128((const __m128i *)(t + 8));
-        }
+        czk_mins16(mn, g, G, &h0, &h1);
         const __m256 f0 = _mm256_cvtph_ps(h0), f1 = _mm256_cvtph_ps(h1);
         for (int v = 0; v < NV; v++) {
             lo[v] = _mm256_fmadd_ps(f0, _mm256_loadu_ps(av[v].gsum + g), lo[v]);

@@ -300,18 +300,26 @@ def _mount(
         store, sel, manifest, src, layout, keys, expert_hash, shared_index, bar
     )
     bar.close()
+    return _tag_new(store, src, tag, sel, trunk_sel, n_tensors, total, written + new, shared, t0)
+
+
+def _tag_new(
+    store: Any,
+    src: MountSource,
+    tag: str,
+    sel: Selector,
+    trunk_sel: Selector | None,
+    n_tensors: int,
+    total: int,
+    written: int,
+    shared: int,
+    t0: float,
+) -> MountResult:
+    """Tag a version just published (``written`` new bytes, ``shared`` reused), audited."""
     store.set_tag(tag, sel)
-    store.audit("model.mount", tag=tag, space=sel.hex(), written=written + new, shared=shared)
+    store.audit("model.mount", tag=tag, space=sel.hex(), written=written, shared=shared)
     return MountResult(
-        tag,
-        sel,
-        trunk_sel,
-        True,
-        n_tensors,
-        total,
-        written + new,
-        shared,
-        time.perf_counter() - t0,
+        tag, sel, trunk_sel, True, n_tensors, total, written, shared, time.perf_counter() - t0,
         conversions=tuple(conversion_report(src)),
     )
 
@@ -459,20 +467,7 @@ def _mount_one_pass(
                     rec.update(ext.record())
                     new += nbytes
                 w.put(Key(layout.class_of(layer, e), layer).pack(), rec)
-    store.set_tag(tag, sel)
-    store.audit("model.mount", tag=tag, space=sel.hex(), written=written + new, shared=shared)
-    return MountResult(
-        tag,
-        sel,
-        trunk_sel,
-        True,
-        len(ckpt),
-        total,
-        written + new,
-        shared,
-        time.perf_counter() - t0,
-        conversions=tuple(conversion_report(src)),
-    )
+    return _tag_new(store, src, tag, sel, trunk_sel, len(ckpt), total, written + new, shared, t0)
 
 
 def _trunk_record(
