@@ -263,6 +263,7 @@ def _forward_c(model, tokens: list[int], kvs: Sequence[KVCache]) -> list[np.ndar
     window = model.trunk_window
     lookahead = getattr(cache, "lookahead", None)
     qkv = model._c_qkv
+    length_rope = model._length_rope
     for i in range(cfg.n_layers):
         lw = window.layer(i) if window is not None else model.layers[i]
         if model.layer_hook is not None:
@@ -270,6 +271,8 @@ def _forward_c(model, tokens: list[int], kvs: Sequence[KVCache]) -> list[np.ndar
         sw = cfg.sliding_windows[i]
         for r in range(n):
             np.copyto(kern.h, h[r])
+            if length_rope:  # tables for this token's own length, as run_layers_one sets
+                model.rotary._update(starts[r] + 1)
             kern.attention(
                 lw, kvs[r].k[i], kvs[r].v[i], starts[r], sw, model.rotary, cfg.rms_eps,
                 cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, *qkv,
