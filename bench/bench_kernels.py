@@ -16,7 +16,10 @@ quantizer, tiled ``--tile`` times (codes, scales and mins; 113 MB in q8 and 63 M
 in q4 by default), so every call streams from memory. Reported per path and format:
 GB/s of packed bytes (median over ``--reps``), the speedup, and the largest
 difference between the two kernels' outputs relative to the output's magnitude
-(the numerics changed: see czk.c's header). Writes ``--md`` (``bench/KERNELS.md``).
+(the numerics changed: see czk.c's header). Then, for this tree alone, the
+decode matvec's wall GB/s on a pool of 1 and of 2 threads (how far a decode
+step's products can scale with threads on this machine's memory). Writes
+``--md`` (``bench/KERNELS.md``).
 """
 
 from __future__ import annotations
@@ -92,6 +95,24 @@ def big_matrix(fmt_name: str, rows: int, cols: int, tile: int):
     return prepare(buf, fmt, (rows * tile, cols)), buf.nbytes
 
 
+def thread_scaling(new, pm, nbytes: int, x: np.ndarray, reps: int) -> dict[str, float]:
+    """Wall GB/s of the decode matvec on a pool of 1 and of 2 threads, interleaved, medians."""
+    R, C = pm.shape
+    ks = {t: new.DecodeKernels(C, R, 8, t) for t in (1, 2)}
+    y = np.zeros(R, np.float32)
+    ts: dict[str, list[float]] = {k: [] for k in ("mv1", "mv2")}
+    for t in (1, 2):  # untimed: first touches, workers started
+        ks[t].matvec(pm, x, y)
+    for _ in range(reps):
+        for t in (1, 2):
+            t0 = time.perf_counter()
+            ks[t].matvec(pm, x, y)
+            ts[f"mv{t}"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+    for k in ks.values():
+        k.close()
+    return {k: float(np.median(v)) for k, v in ts.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", default=BASE, help="git revision of the baseline kernels")
@@ -108,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
 
     load0 = os.getloadavg()
     rows = []
+    scaling = []
     with tempfile.TemporaryDirectory() as tmp:
         base = fused_with(build_base(a.base, Path(tmp)))
         levels = [lv for lv in new.LEVELS[1:] if new.LEVELS.index(lv) <= new._lib.czk_level()]
@@ -139,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
                 for mod, k, _, _ in runs.values():
                     mod._lib.czk_set_cap(len(mod.LEVELS) - 1)
                     k.close()
+            g = thread_scaling(new, pm, nbytes, x, a.reps)
+            scaling.append((fmt_name, g))
+            print(f"{fmt_name} threads: matvec {g['mv1']:.1f} -> {g['mv2']:.1f} GB/s", flush=True)
     load1 = os.getloadavg()
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     cmd = "python bench/bench_kernels.py " + " ".join(
@@ -168,6 +193,19 @@ def main(argv: list[str] | None = None) -> None:
             f"| {lv} | {f} | {nv} | {R} x {C} | {nb / 1e6:.0f} | {gb:.2f} | {gn:.2f} | "
             f"**{gn / gb:.2f}x** | {d:.1e} |"
         )
+    lines += [
+        "",
+        "## One thread and two (wall time, this tree, the best SIMD path)",
+        "",
+        "The decode matvec of the same matrix (from memory) on an engine pool of 1 and of 2 "
+        "threads, medians of interleaved calls: the ceiling a decode step's products give "
+        "its thread scaling on this machine.",
+        "",
+        "| format | 1 thread GB/s | 2 threads GB/s | 2 / 1 |",
+        "|---|---|---|---|",
+    ]
+    for f, g in scaling:
+        lines.append(f"| {f} | {g['mv1']:.1f} | {g['mv2']:.1f} | **{g['mv2'] / g['mv1']:.2f}x** |")
     lines += ["", f"Command: `{cmd.strip()}`", ""]
     Path(a.md).write_text("\n".join(lines))
     print(f"wrote {a.md}")
