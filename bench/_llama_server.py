@@ -2,11 +2,11 @@
 
 ``python bench/_llama_server.py MODEL.gguf PORT THREADS`` runs llama-cpp-python's
 own FastAPI app under uvicorn, exactly as ``python -m llama_cpp.server`` does,
-with two changes: the model is loaded with ``use_extra_bufts=False`` (this
-machine's llama.cpp build crashes in its AMX buffers otherwise; bench_speed.py
-loads it the same way), and a new request waits for the running one instead
-of interrupting it (``interrupt_requests=False``). Loopback only; the bench
-stops it.
+with two changes: the model is loaded with ``use_extra_bufts=False``
+(``_llama.without_extra_bufts``, as every bench loads llama.cpp: this machine's
+build crashes in its AMX buffers otherwise), and a new request waits for the
+running one instead of interrupting it (``interrupt_requests=False``). Loopback
+only; the bench stops it.
 """
 
 from __future__ import annotations
@@ -16,36 +16,29 @@ import sys
 
 def main() -> int:
     path, port, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    import llama_cpp.llama_cpp as ll
     import uvicorn
+    from _llama import without_extra_bufts
     from llama_cpp.server.app import create_app
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-    orig = ll.llama_model_default_params
-
-    def no_extra_bufts():
-        params = orig()
-        params.use_extra_bufts = False
-        return params
-
-    ll.llama_model_default_params = no_extra_bufts
-    app = create_app(
-        # Queue concurrent requests (its default lets a new request cut off the running
-        # stream, which would not be the same load).
-        server_settings=ServerSettings(host="127.0.0.1", port=port, interrupt_requests=False),
-        model_settings=[
-            ModelSettings(
-                model=path,
-                model_alias="llama",
-                n_ctx=2048,
-                n_batch=512,
-                n_threads=threads,
-                n_threads_batch=threads,
-                logits_all=False,
-                verbose=False,
-            )
-        ],
-    )
+    with without_extra_bufts():  # the model loads as the app is made
+        app = create_app(
+            # Queue concurrent requests (its default lets a new request cut off the running
+            # stream, which would not be the same load).
+            server_settings=ServerSettings(host="127.0.0.1", port=port, interrupt_requests=False),
+            model_settings=[
+                ModelSettings(
+                    model=path,
+                    model_alias="llama",
+                    n_ctx=2048,
+                    n_batch=512,
+                    n_threads=threads,
+                    n_threads_batch=threads,
+                    logits_all=False,
+                    verbose=False,
+                )
+            ],
+        )
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
     return 0
 

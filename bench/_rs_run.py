@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _llama import without_extra_bufts
 from realshape import text_ids
 
 
@@ -48,24 +49,17 @@ def run_llama(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: l
     import llama_cpp
     import llama_cpp.llama_cpp as lc
 
-    orig = lc.llama_model_default_params
-
-    def params():  # llama.cpp's AMX repacked buffers crash on q8_0/q4_0 here
-        p = orig()
-        p.use_extra_bufts = False
-        return p
-
-    lc.llama_model_default_params = params
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(
-        model_path=a.model,
-        n_ctx=len(prompt) + len(feed) + 8,
-        n_batch=max(32, len(prompt)),
-        n_threads=a.threads,
-        n_threads_batch=a.threads,
-        use_mmap=True,
-        verbose=False,
-    )
+    with without_extra_bufts():
+        llm = llama_cpp.Llama(
+            model_path=a.model,
+            n_ctx=len(prompt) + len(feed) + 8,
+            n_batch=max(32, len(prompt)),
+            n_threads=a.threads,
+            n_threads_batch=a.threads,
+            use_mmap=True,
+            verbose=False,
+        )
     load = time.perf_counter() - t0
     if a.warm_prefill:  # not timed: the same prompt once (mmap faults, first-call costs)
         llm.eval(prompt)

@@ -310,21 +310,26 @@ def start_server(store_dir, ref, port, args) -> subprocess.Popen:
     ]
     cmd.append("--no-prefetch" if args.prefetch == "off" else "--prefetch")
     cmd += ["--policy", args.policy]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return _started(cmd, f"http://127.0.0.1:{port}/health", "czyx serve")
+
+
+def _started(cmd: list[str], ready_url: str, name: str) -> subprocess.Popen:
+    """Start a server subprocess and wait (at most 120 s) until ``ready_url`` answers 200."""
     import httpx
 
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"czyx serve exited: {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"{name} exited: {proc.stderr.read()[-2000:]}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            if httpx.get(ready_url, timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("czyx serve did not start in 120 s")
+    raise RuntimeError(f"{name} did not start in 120 s")
 
 
 def _stop(p: subprocess.Popen) -> None:
@@ -360,21 +365,7 @@ def write_bundled_gguf(path: str) -> None:
 
 def start_llama(gguf: str, port: int, threads: int) -> subprocess.Popen:
     cmd = [sys.executable, os.path.join(HERE, "_llama_server.py"), gguf, str(port), str(threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    import httpx
-
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama.cpp server exited: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("llama.cpp server did not start in 120 s")
+    return _started(cmd, f"http://127.0.0.1:{port}/v1/models", "llama.cpp server")
 
 
 def _llama_client(h, url, prompt, max_tokens, out, deadline):

@@ -199,16 +199,9 @@ class LlamaRunner:
     def __init__(self, path: str, threads: int, vocab: int) -> None:
         import llama_cpp
         import llama_cpp.llama_cpp as ll
+        from _llama import without_extra_bufts
 
-        orig = ll.llama_model_default_params
-
-        def no_extra_bufts():
-            params = orig()
-            params.use_extra_bufts = False
-            return params
-
-        ll.llama_model_default_params = no_extra_bufts
-        try:
+        with without_extra_bufts():
             self.llm = llama_cpp.Llama(
                 model_path=path,
                 n_ctx=512,
@@ -218,8 +211,6 @@ class LlamaRunner:
                 n_threads_batch=threads,
                 verbose=False,
             )
-        finally:
-            ll.llama_model_default_params = orig
         self._ll = ll
         self.vocab = vocab
 
