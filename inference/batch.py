@@ -195,7 +195,8 @@ def forward_batch(
         and _c_decodes(model)
     ]
     if not fast:
-        return _forward_rows(model, ids, kvs, allowed)
+        with model.kernel_threads():  # a prompt's quantized products on the engine's threads
+            return _forward_rows(model, ids, kvs, allowed)
     model.experts.advance(sum(int(c.size) for c in ids))
     out: list[np.ndarray | None] = [None] * len(ids)
     got = _forward_c(model, [int(ids[s][0]) for s in fast], [kvs[s] for s in fast])
@@ -204,7 +205,8 @@ def forward_batch(
     rest = [s for s in range(len(ids)) if out[s] is None]
     if rest:
         sub = None if allowed is None else [allowed[s] for s in rest]
-        got = _forward_rows(model, [ids[s] for s in rest], [kvs[s] for s in rest], sub, False)
+        with model.kernel_threads():
+            got = _forward_rows(model, [ids[s] for s in rest], [kvs[s] for s in rest], sub, False)
         for s, lg in zip(rest, got, strict=True):
             out[s] = lg
     return out  # type: ignore[return-value]

@@ -163,7 +163,7 @@ class StreamingExpertCache(ExpertCache):
         # predictions only matter while it is still reading: a layer is "settled" by an
         # acquire whose experts were all resident and verified, and predicted again after
         # one that had to read (or wait). A partial budget predicts every layer always.
-        self._warm = [True] * self.n_layers
+        self._reading = [True] * self.n_layers
         if lookahead < 0 or (lookahead == 0 and not early):
             raise ValueError(f"lookahead: {lookahead} (0 only with early routing, else >= 1)")
         #: Sparse layers predicted ahead (the ``lookahead`` option).
@@ -243,7 +243,7 @@ class StreamingExpertCache(ExpertCache):
             nxt = self._next_sparse[nxt]
             if nxt < 0:
                 return
-            if not self._warm[nxt]:
+            if not self._reading[nxt]:
                 continue  # settled: every expert it used lately was resident
             if not checked:
                 if not self._predictable(x.shape[0]):
@@ -261,7 +261,7 @@ class StreamingExpertCache(ExpertCache):
         """
         if not (self.prefetch_enabled and self.early) or layer >= len(self._early_routers):
             return
-        if not self._warm[layer]:
+        if not self._reading[layer]:
             return  # settled (a budget that holds every expert): nothing left to hide
         folded = self._early_routers[layer]
         if folded is None or not self._predictable(h.shape[0]):
@@ -364,9 +364,9 @@ class StreamingExpertCache(ExpertCache):
                 # Resident and verified, nothing to issue: no hold, no planner round-trip.
                 if self._has_prediction[layer]:
                     self._score_prediction(layer, experts)
-                self._warm[layer] = False
+                self._reading[layer] = False
                 return out
-            self._warm[layer] = True
+            self._reading[layer] = True
         self._reap()
         if self._has_prediction[layer]:
             self._score_prediction(layer, experts)
