@@ -96,20 +96,28 @@ def big_matrix(fmt_name: str, rows: int, cols: int, tile: int):
 
 
 def thread_scaling(new, pm, nbytes: int, x: np.ndarray, reps: int) -> dict[str, float]:
-    """Wall GB/s of the decode matvec on a pool of 1 and of 2 threads, interleaved, medians."""
+    """Wall GB/s of the decode matvec on a pool of 1 and of 2 threads, and of a plain read
+    of as many bytes on 1 and 2 threads (``bench/_membw.py``), interleaved, medians."""
+    from _membw import Reader
+
     R, C = pm.shape
     ks = {t: new.DecodeKernels(C, R, 8, t) for t in (1, 2)}
+    reader = Reader(nbytes)
     y = np.zeros(R, np.float32)
-    ts: dict[str, list[float]] = {k: [] for k in ("mv1", "mv2")}
+    ts: dict[str, list[float]] = {k: [] for k in ("mv1", "mv2", "rd1", "rd2")}
     for t in (1, 2):  # untimed: first touches, workers started
         ks[t].matvec(pm, x, y)
-    for _ in range(reps):
-        for t in (1, 2):
-            t0 = time.perf_counter()
-            ks[t].matvec(pm, x, y)
-            ts[f"mv{t}"].append(nbytes / (time.perf_counter() - t0) / 1e9)
-    for k in ks.values():
-        k.close()
+    try:
+        for _ in range(reps):
+            for t in (1, 2):
+                t0 = time.perf_counter()
+                ks[t].matvec(pm, x, y)
+                ts[f"mv{t}"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                ts[f"rd{t}"].append(reader.gbs(t))
+    finally:
+        reader.close()
+        for k in ks.values():
+            k.close()
     return {k: float(np.median(v)) for k, v in ts.items()}
 
 
@@ -163,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
                     k.close()
             g = thread_scaling(new, pm, nbytes, x, a.reps)
             scaling.append((fmt_name, g))
-            print(f"{fmt_name} threads: matvec {g['mv1']:.1f} -> {g['mv2']:.1f} GB/s", flush=True)
+            print(f"{fmt_name} threads: matvec {g['mv1']:.1f} -> {g['mv2']:.1f} GB/s, plain read "
+                  f"{g['rd1']:.1f} -> {g['rd2']:.1f} GB/s", flush=True)  # fmt: skip
     load1 = os.getloadavg()
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     cmd = "python bench/bench_kernels.py " + " ".join(
@@ -198,14 +207,21 @@ def main(argv: list[str] | None = None) -> None:
         "## One thread and two (wall time, this tree, the best SIMD path)",
         "",
         "The decode matvec of the same matrix (from memory) on an engine pool of 1 and of 2 "
-        "threads, medians of interleaved calls: the ceiling a decode step's products give "
-        "its thread scaling on this machine.",
+        "threads, and beside it a plain read of as many bytes split over 1 and 2 threads "
+        "(`bench/_membw.py`: 64-bit loads, prefetched as the row kernels are, no arithmetic), "
+        "medians of interleaved calls: the ceiling a decode step's products give its thread "
+        "scaling on this machine. Where one thread already reads near what two can, the "
+        "second core has no memory bandwidth to add.",
         "",
-        "| format | 1 thread GB/s | 2 threads GB/s | 2 / 1 |",
-        "|---|---|---|---|",
+        "| format | matvec 1 thread GB/s | 2 threads GB/s | 2 / 1 | plain read 1 thread GB/s "
+        "| 2 threads GB/s | 2 / 1 |",
+        "|---|---|---|---|---|---|---|",
     ]
     for f, g in scaling:
-        lines.append(f"| {f} | {g['mv1']:.1f} | {g['mv2']:.1f} | **{g['mv2'] / g['mv1']:.2f}x** |")
+        lines.append(
+            f"| {f} | {g['mv1']:.1f} | {g['mv2']:.1f} | **{g['mv2'] / g['mv1']:.2f}x** | "
+            f"{g['rd1']:.1f} | {g['rd2']:.1f} | **{g['rd2'] / g['rd1']:.2f}x** |"
+        )
     lines += ["", f"Command: `{cmd.strip()}`", ""]
     Path(a.md).write_text("\n".join(lines))
     print(f"wrote {a.md}")
