@@ -1,8 +1,9 @@
 """Loopback load test of ``czyx serve``: continuous batching, latency and the server's overhead.
 
-For each model (the bundled ``czyx-moe-stdlib`` and, with ``--synthetic``, a
-random Mixtral-shaped MoE whose experts exceed the cache), the expert cache is
-held at ``--cache-fraction`` (default 0.25) of the expert bytes, and for each
+For each model (the bundled ``czyx-moe-stdlib``, resident as ``czyx serve`` runs
+it by default and again with its cache at 25 % of its expert bytes
+(``--bundled-fractions``), and, with ``--synthetic``, a random Mixtral-shaped MoE
+whose experts exceed its cache, held at ``--cache-fraction``, default 0.25), and for each
 concurrency level (1, 2, 4, 8, 16 clients; each client one streamed greedy
 request of ``--tokens`` tokens) it measures, in interleaved rounds:
 
@@ -527,6 +528,10 @@ class EngineAlone:
 # --------------------------------------------------------------------------- report
 
 
+def _budget(fraction: float) -> str:
+    return "resident" if fraction >= 1.0 else f"cache at {fraction:.0%} of the expert bytes"
+
+
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
 
@@ -677,8 +682,11 @@ def machine() -> str:
 # --------------------------------------------------------------------------- main
 
 
-def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = None):
-    """Interleaved rounds of the server, the engine alone (and llama.cpp's server)."""
+def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = None, fraction=None):
+    """Interleaved rounds of the server, the engine alone (and llama.cpp's server), with
+    the expert cache at ``fraction`` of the expert bytes (default ``args.cache_fraction``)."""
+    if fraction is not None:
+        args = argparse.Namespace(**{**vars(args), "cache_fraction": fraction})
     from czyx import portals
     from czyx.inference.kernels.fused import default_threads
     from czyx.store import Store
@@ -885,7 +893,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64, help="tokens per request")
     ap.add_argument("--levels", default="1,2,4,8,16")
-    ap.add_argument("--cache-fraction", type=float, default=0.25)
+    ap.add_argument(
+        "--cache-fraction", type=float, default=0.25, help="the synthetic model's cache budget"
+    )
+    ap.add_argument(
+        "--bundled-fractions",
+        default="1.0,0.25",
+        help="the bundled model's cache budgets, one run each (1.0: resident, serve's default)",
+    )
     ap.add_argument("--synthetic", action="store_true", help="also a random MoE over the cache")
     ap.add_argument(
         "--no-bundled", action="store_true", help="skip the bundled model (with --synthetic)"
@@ -946,13 +961,18 @@ def main() -> int:
             if llama_why is None:
                 gguf = os.path.join(work, "stdlib-f32.gguf")
                 write_bundled_gguf(gguf)
-            rows, slots, pairs, np_runs = bench_model(
-                "bundled", store_dir, "stdlib@1", args, levels, gguf
-            )
-            if gguf is not None:
-                llama_rows = rows
-            label = f"bundled czyx-moe-stdlib (4 layers x 16 experts, fp16; {slots} expert slots)"
-            results[label] = (rows, pairs, np_runs)
+            for k, frac in enumerate(float(f) for f in args.bundled_fractions.split(",")):
+                # llama.cpp beside the first budget only (it has no expert cache).
+                rows, slots, pairs, np_runs = bench_model(
+                    "bundled", store_dir, "stdlib@1", args, levels, gguf if k == 0 else None, frac
+                )
+                if gguf is not None and k == 0:
+                    llama_rows = rows
+                label = (
+                    f"bundled czyx-moe-stdlib (4 layers x 16 experts, fp16; {slots} expert "
+                    f"slots: {_budget(frac)})"
+                )
+                results[label] = (rows, pairs, np_runs, frac)
         elif not args.synthetic:
             raise SystemExit("--no-bundled needs --synthetic")
         else:
@@ -965,8 +985,11 @@ def main() -> int:
             rows, slots, pairs, np_runs = bench_model(
                 "synthetic", store_dir, "synthetic@1", args, levels
             )
-            label = f"synthetic MoE (4 layers x 32 experts, 256 x 512, fp32; {slots} expert slots)"
-            results[label] = (rows, pairs, np_runs)
+            label = (
+                "synthetic MoE (4 layers x 32 experts, 256 x 512, fp32; "
+                f"{slots} expert slots: {_budget(args.cache_fraction)})"
+            )
+            results[label] = (rows, pairs, np_runs, args.cache_fraction)
     cmd = "OPENBLAS_NUM_THREADS={} python bench/bench_serve.py {}".format(
         os.environ.get("OPENBLAS_NUM_THREADS", "unset"), " ".join(sys.argv[1:])
     ).strip()
@@ -980,7 +1003,8 @@ def main() -> int:
         f"{(time.time() - started) / 60:.1f} min; load average at the end "
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}",
         f"- Each level: N clients, each one streamed greedy request of {args.tokens} tokens; "
-        f"expert cache at {args.cache_fraction:.0%} of the expert bytes (policy {args.policy}, "
+        "expert cache as each model's heading says (resident: every expert held, as `czyx "
+        f"serve` runs by default; a fraction: policy {args.policy}, "
         f"streaming reads, look-ahead prefetch {args.prefetch}, the same in both); medians over "
         f"{args.rounds} interleaved rounds. Server: `czyx serve` in a subprocess, clients are "
         "httpx threads in the bench process (they share the same CPUs). Engine alone: the "
@@ -997,14 +1021,15 @@ def main() -> int:
         f"so its medians are noisy; the overhead is also measured on {args.overhead_rounds} "
         f"adjacent pairs of {args.overhead_tokens}-token requests per model.\n",
     ]
-    for label, (rows, pairs, np_runs) in results.items():
+    for label, (rows, pairs, np_runs, frac) in results.items():
         parts.append(f"## {label}\n")
         parts.append(table(rows))
-        parts.append(
-            "Every policy on the same acquires (the engine-alone run's, replayed from a cold "
-            "cache through the real ExpertCache; medians over the rounds):\n"
-        )
-        parts.append(policy_table(rows))
+        if frac < 1.0:
+            parts.append(
+                "Every policy on the same acquires (the engine-alone run's, replayed from a "
+                "cold cache through the real ExpertCache; medians over the rounds):\n"
+            )
+            parts.append(policy_table(rows))
         if pairs:
             parts.append(overhead_line(pairs, args.overhead_tokens))
         if np_runs:
@@ -1012,13 +1037,18 @@ def main() -> int:
         r1 = rows[0]
         r8 = next((r for r in rows if r["clients"] == 8), None)
         if r8 is not None:
-            parts.append(
-                f"Goals: aggregate at 8 clients {r8['scale']:.2f}x one client (goal >= 3x); "
+            bytes_goal = (
                 f"bytes read per generated token at 8 clients {r8['bpt_ratio']:.2f}x one client "
                 f"(goal <= 0.5x; with the optimal policy on the same acquires "
                 f"{r8['opt_ratio']:.2f}x the optimum at one client, and the optimum at 8 "
                 f"clients is {r8['optimal_bpt'] / r1['server_bpt']:.2f}x what one client "
-                f"measured); server overhead in the level runs at one client "
+                "measured); "
+                if frac < 1.0
+                else "no expert reads (resident); "
+            )
+            parts.append(
+                f"Goals: aggregate at 8 clients {r8['scale']:.2f}x one client (goal >= 3x); "
+                f"{bytes_goal}server overhead in the level runs at one client "
                 f"{r1['overhead'] * 100:+.1f}%, at 8 clients {r8['overhead'] * 100:+.1f}% "
                 f"(goal <= 10%; short levels: see the paired figure above). One client: "
                 f"{r1['server_tps']:.1f} tok/s. CPU of the engine alone per generated token "
