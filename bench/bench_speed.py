@@ -441,12 +441,17 @@ def _report(args, med, toks, load0, load1, simd: str, breakdown: dict) -> list[s
     )  # fmt: skip
     if len(args.threads) > 1:
         t1, t2 = args.threads[0], args.threads[-1]
-        out += [f"## {t2} threads over {t1} (decode)", "", "| engine | format | ratio |",
-                "|---|---|---|"]  # fmt: skip
+        out += [f"## {t2} threads over {t1} (decode)", "",
+                "Ratio of wall tok/s, and beside it the process's CPU time per token at "
+                f"{t2} threads over {t1} (1.00: the same work; above: work added by the "
+                "second thread, spinning or splitting).", "",
+                "| engine | format | tok/s ratio | CPU per token ratio |",
+                "|---|---|---|---|"]  # fmt: skip
         for e in ["llama.cpp", *engines]:
             for fmt in CZYX_FORMATS:
                 r = med[(e, fmt, t2)][1] / med[(e, fmt, t1)][1]
-                out.append(f"| {e} | {fmt} | {r:.2f}x |")
+                c = med[(e, fmt, t1)][2] / med[(e, fmt, t2)][2]
+                out.append(f"| {e} | {fmt} | {r:.2f}x | {c:.2f}x |")
     out += [
         "",
         "## Greedy-token agreement with llama.cpp (64 tokens, first thread count)",
