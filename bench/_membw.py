@@ -36,6 +36,35 @@ static void *fold(void *a_) {
     a->out = s0 ^ s1 ^ s2 ^ s3 ^ s4 ^ s5 ^ s6 ^ s7;
     return 0;
 }
+typedef float v8 __attribute__((vector_size(32)));
+typedef struct { int64_t n; float out; } spin;
+static void *fmas(void *a_) {
+    /* Eight independent multiply-add chains in registers: no memory traffic at all. */
+    spin *a = (spin *)a_;
+    const v8 m = {0.999999f, 0.999999f, 0.999999f, 0.999999f,
+                  0.999999f, 0.999999f, 0.999999f, 0.999999f};
+    const v8 c = {1e-7f, 1e-7f, 1e-7f, 1e-7f, 1e-7f, 1e-7f, 1e-7f, 1e-7f};
+    v8 x0 = m, x1 = m, x2 = m, x3 = m, x4 = m, x5 = m, x6 = m, x7 = m;
+    for (int64_t i = 0; i < a->n; i++) {
+        x0 = x0 * m + c; x1 = x1 * m + c; x2 = x2 * m + c; x3 = x3 * m + c;
+        x4 = x4 * m + c; x5 = x5 * m + c; x6 = x6 * m + c; x7 = x7 * m + c;
+    }
+    v8 s = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7;
+    a->out = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
+    return 0;
+}
+float membw_fma(int64_t n, int threads) {
+    spin parts[64];
+    pthread_t th[64];
+    if (threads < 1) threads = 1;
+    if (threads > 64) threads = 64;
+    for (int t = 0; t < threads; t++) { parts[t].n = n; parts[t].out = 0; }
+    for (int t = 1; t < threads; t++) pthread_create(&th[t], 0, fmas, &parts[t]);
+    fmas(&parts[0]);
+    float s = parts[0].out;
+    for (int t = 1; t < threads; t++) { pthread_join(th[t], 0); s += parts[t].out; }
+    return s;
+}
 uint64_t membw_read(const uint64_t *p, int64_t n, int threads) {
     part parts[64];
     pthread_t th[64];
@@ -59,7 +88,10 @@ def _build(tmp: Path):
     from cffi import FFI
 
     ffi = FFI()
-    ffi.cdef("uint64_t membw_read(const uint64_t *p, int64_t n, int threads);")
+    ffi.cdef(
+        "uint64_t membw_read(const uint64_t *p, int64_t n, int threads);"
+        "float membw_fma(int64_t n, int threads);"
+    )
     ffi.set_source("_membw_ext", _SRC, extra_compile_args=["-O3", "-march=native"],
                    libraries=["pthread"])  # fmt: skip
     so = ffi.compile(tmpdir=str(tmp))
@@ -93,6 +125,17 @@ class Reader:
             raise RuntimeError("the read kernel's fold does not match numpy's")
         return self.buf.nbytes / dt / 1e9
 
+    def fma_gflops(self, threads: int, n: int = 20_000_000) -> float:
+        """GFLOP/s of ``threads`` threads each running ``n`` rounds of register-only
+        multiply-adds: where two threads give no more than one, the two CPUs share
+        one core's arithmetic (SMT siblings on the host), whatever the guest reports."""
+        t0 = time.perf_counter()
+        got = self.ext.lib.membw_fma(n, threads)
+        dt = time.perf_counter() - t0
+        if not got > 0:
+            raise RuntimeError("the multiply-add loop returned nothing")
+        return n * 8 * 8 * 2 * threads / dt / 1e9
+
     def close(self) -> None:
         self._tmp.cleanup()
 
@@ -115,3 +158,7 @@ if __name__ == "__main__":
 
     r = read_scaling(113 << 20, 21)
     print({t: round(v, 1) for t, v in r.items()}, f"2/1 {r[2] / r[1]:.2f}x", os.getloadavg())
+    rd = Reader(1 << 20)
+    f = {t: float(np.median([rd.fma_gflops(t) for _ in range(7)])) for t in (1, 2)}
+    rd.close()
+    print("fma GFLOP/s", {t: round(v, 1) for t, v in f.items()}, f"2/1 {f[2] / f[1]:.2f}x")
