@@ -26,32 +26,34 @@ session's next version, as ``czyx run --session`` does.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _ascii_json
 from typing import Any
 
 import numpy as np
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from czyx.errors import CzyxError
 from czyx.inference.batch import (
     BatchOptions,
-    Done,
     QueueFull,
     RequestTooLarge,
     Scheduler,
     Token,
 )
 from czyx.inference.sampling import SamplingParams
+from czyx.inference.tokenizer import ByteTokenizer
 from czyx.server.auth import AuthError, Caller, ServedVersion, TokenGate
 from czyx.server.metrics import Metrics
 from czyx.server.template import (
@@ -517,6 +519,9 @@ class _Session:
     history: tuple[list[int], Any] | None  # (tokens, KVCache) of the head, or None (new)
 
 
+_BYTES = [bytes((i,)) for i in range(256)]
+
+
 class _TextStream:
     """Token ids -> text pieces, ending before the first stop string.
 
@@ -527,10 +532,19 @@ class _TextStream:
     with the output. A piece ending in an incomplete UTF-8 sequence waits
     for its next token. Text that could be the start of a stop string is
     held back until it cannot be (or the generation ends).
+
+    A byte tokenizer's ids are UTF-8 bytes with no context rules: they go
+    through an incremental UTF-8 decoder instead (the same text as a full
+    decode, ``errors="replace"``, without two decodes per token).
     """
 
     def __init__(self, tokenizer, stops: tuple[str, ...], eos: frozenset[int]) -> None:
         self.tok = tokenizer
+        self._utf8 = (
+            codecs.getincrementaldecoder("utf-8")("replace")
+            if type(tokenizer) is ByteTokenizer
+            else None
+        )
         self.ids: list[int] = []
         self.prefix = 0  # start of the context window
         self.read = 0  # tokens already turned into text
@@ -552,13 +566,20 @@ class _TextStream:
     def push(self, tok: int) -> str:
         if tok in self.eos:
             return ""
-        self.ids.append(tok)
-        self.text += self._decode_new(final=False)
+        if self._utf8 is not None:
+            if 0 <= tok < 256:  # (ids above are specials: never text)
+                self.text += self._utf8.decode(_BYTES[tok])
+        else:
+            self.ids.append(tok)
+            self.text += self._decode_new(final=False)
         return self._release(final=False)
 
     def finish(self) -> str:
         if not self.stopped:
-            self.text += self._decode_new(final=True)
+            if self._utf8 is not None:
+                self.text += self._utf8.decode(b"", final=True)
+            else:
+                self.text += self._decode_new(final=True)
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
@@ -577,17 +598,23 @@ class _TextStream:
         return piece
 
 
+class _ClientGone(Exception):
+    """The client disconnected (raised by :meth:`_Channel.take` once it is known)."""
+
+
 class _Channel:
     """One request's events, handed from the scheduler's thread to the event loop.
 
     The consumer takes every event that arrived since its last wait at once
-    (:meth:`take`), so a loop that falls behind writes one chunk for several
-    tokens instead of one per token. A wait costs one future: its timeout is a
+    (:meth:`take`), so a loop that falls behind handles several tokens in one
+    wake-up (and one write). A wait costs one future: its timeout is a
     deadline the channel's single timer checks when it fires (re-armed then,
     only while a wait is pending), not a timer armed and cancelled per token.
+    :meth:`fail` ends the current or next wait with an error at once (the
+    request's one disconnect watcher uses it), so no per-token watch is needed.
     """
 
-    __slots__ = ("_deadline", "_items", "_loop", "_timer", "_waiter")
+    __slots__ = ("_deadline", "_error", "_items", "_loop", "_timer", "_waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -595,12 +622,20 @@ class _Channel:
         self._waiter: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
+        self._error: BaseException | None = None
 
     def _deliver(self, evs: list[Any]) -> None:  # on the loop
         self._items.extend(evs)
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
+
+    def fail(self, exc: BaseException) -> None:
+        """End the pending wait (or the next one) with ``exc`` (on the loop)."""
+        self._error = exc
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_exception(exc)
 
     def _check(self) -> None:  # on the loop: the timer fired
         self._timer = None
@@ -613,7 +648,10 @@ class _Channel:
             self._timer = self._loop.call_at(self._deadline, self._check)
 
     async def take(self, timeout: float) -> list[Any]:
-        """Every event not yet taken (at least one); TimeoutError after ``timeout`` s."""
+        """Every event not yet taken (at least one); TimeoutError after ``timeout`` s,
+        the :meth:`fail` error once there is one."""
+        if self._error is not None:
+            raise self._error
         if not self._items:
             w = self._waiter = self._loop.create_future()
             self._deadline = self._loop.time() + timeout
@@ -680,66 +718,172 @@ def _dispatcher(loop: asyncio.AbstractEventLoop) -> _Dispatcher:
     return d
 
 
-async def _events(
-    served: ServedModel,
-    ids: list[int],
-    req: GenRequest,
-    eos: tuple[int, ...],
-    timeout: float,
-    retry_after: int,
-    session: _Session | None = None,
-    allowed: np.ndarray | None = None,
-) -> AsyncIterator[list[Token | Done] | None]:
-    """None once the request is queued, then the scheduler's events in bursts (every
-    event that arrived since the last one; ends with :class:`Done`), awaited without
-    blocking the loop.
+class _Job:
+    """One generation request on the event loop: submitted to its scheduler, its events
+    taken in bursts from a :class:`_Channel`, turned into text pieces.
 
-    Raises :class:`ApiError` 429 when the queue is full, 400 when the context
-    exceeds the KV budget. Leaving the iterator early cancels the sequence.
+    The serving path per token is this object's :meth:`burst`, no chain of async
+    generators: one wake-up of the loop per burst of events (the dispatcher's), one
+    future per wait, the latency histograms fed in bulk.
     """
-    loop = asyncio.get_running_loop()
-    dispatch = _dispatcher(loop)
-    ch = _Channel(loop)
 
-    def on_event(ev) -> None:
-        dispatch.post(ch, ev)
+    def __init__(
+        self,
+        state: ServerState,
+        served: ServedModel,
+        ids: list[int],
+        req: GenRequest,
+        eos: tuple[int, ...],
+        t0: float,
+        session: _Session | None,
+        allowed: np.ndarray | None,
+    ) -> None:
+        self.state = state
+        self.served = served
+        self.ids = ids
+        self.req = req
+        self.eos = eos
+        self.session = session
+        self.allowed = allowed
+        self.out = _Outcome(prompt_tokens=len(ids))
+        self.stream = _TextStream(served.tokenizer, req.stop, frozenset(eos))
+        self.timeout = state.options.event_timeout
+        self.loop = asyncio.get_running_loop()
+        self.ch = _Channel(self.loop)
+        self.handle = None
+        self.final = None
+        self.done = False
+        self._last = t0
+        self._texts: list[str] = []
+        self._ttft = state.metrics.ttft.labels(served.ref)
+        self._itl = state.metrics.itl.labels(served.ref)
 
-    try:
-        handle = served.scheduler.submit(
-            ids,
-            req.max_tokens,
-            req.sampling,
-            eos,
-            on_event,
-            history=None if session is None else session.history,
-            keep_state=session is not None,
-            allowed=allowed,
-        )
-    except QueueFull as exc:
-        raise ApiError(
-            429,
-            f"server busy: {exc}",
-            "rate_limit_error",
-            "rate_limit_exceeded",
-            headers={"Retry-After": str(retry_after)},
-        ) from None
-    except RequestTooLarge as exc:
-        raise _bad(str(exc), "max_tokens") from None
-    except ValueError as exc:
-        raise _bad(str(exc)) from None
-    try:
-        yield None
-        while True:
+    def submit(self) -> None:
+        """Queue the request.
+
+        Raises :class:`ApiError` 429 when the queue is full, 400 when the context
+        exceeds the KV budget or the scheduler refuses the request.
+        """
+        post = _dispatcher(self.loop).post
+        ch = self.ch
+
+        def on_event(ev) -> None:  # on the scheduler's thread
+            post(ch, ev)
+
+        session = self.session
+        try:
+            self.handle = self.served.scheduler.submit(
+                self.ids,
+                self.req.max_tokens,
+                self.req.sampling,
+                self.eos,
+                on_event,
+                history=None if session is None else session.history,
+                keep_state=session is not None,
+                allowed=self.allowed,
+            )
+        except QueueFull as exc:
+            raise ApiError(
+                429,
+                f"server busy: {exc}",
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                headers={"Retry-After": str(self.state.options.retry_after)},
+            ) from None
+        except RequestTooLarge as exc:
+            raise _bad(str(exc), "max_tokens") from None
+        except ValueError as exc:
+            raise _bad(str(exc)) from None
+
+    async def burst(self) -> list[str]:
+        """The text pieces of every event that arrived since the last call (waits for at
+        least one event): one piece per token that released text, in order, and once the
+        generation ended (:attr:`done`) the text the stream held back.
+
+        Raises :class:`ApiError` 504 when no event comes within the event timeout, and
+        :class:`_ClientGone` once the client disconnected.
+        """
+        try:
+            evs = await self.ch.take(self.timeout)
+        except TimeoutError:
+            raise ApiError(504, f"no token in {self.timeout} s", "server_error") from None
+        out, stream = self.out, self.stream
+        pieces: list[str] = []
+        gaps: list[float] = []
+        last = self._last
+        for ev in evs:
+            if type(ev) is Token:
+                # The scheduler's clock: when the token was chosen, not handed over.
+                if out.completion_tokens == 0:
+                    self._ttft.observe(ev.time - last)
+                else:
+                    gaps.append(ev.time - last)
+                last = ev.time
+                out.completion_tokens += 1
+                piece = stream.push(ev.token)
+                if piece:
+                    pieces.append(piece)
+                if stream.stopped:
+                    out.finish = "stop"
+                    self._end()
+                    break
+            else:
+                if ev.reason == "error":
+                    out.error = ev.error
+                out.finish = "stop" if ev.reason in ("stop", "cancelled") else "length"
+                out.cached_tokens = ev.restored + ev.reused
+                self.final = ev.final
+                self._end()
+                break
+        self._last = last
+        if gaps:
+            self._itl.observe_many(gaps)
+        if self.done:
+            rest = stream.finish()
+            if rest:
+                pieces.append(rest)
+        self._texts.extend(pieces)
+        return pieces
+
+    def _end(self) -> None:
+        self.done = True
+        self.close()  # a stop string: the sequence may still run
+
+    async def finish(self) -> _Outcome:
+        """The outcome, once :attr:`done`: the text, and with a session, the finished
+        state saved as its next version."""
+        out = self.out
+        out.text = "".join(self._texts)
+        session, final = self.session, self.final
+        if session is not None and final is not None and out.error is None:
+            self.final = None
             try:
-                evs = await ch.take(timeout)
-            except TimeoutError:
-                raise ApiError(504, f"no token in {timeout} s", "server_error") from None
-            yield evs
-            if isinstance(evs[-1], Done):
-                return
-    finally:
-        ch.close()
-        handle.cancel()  # a no-op once done; frees the sequence when the client left early
+                out.session_version = await run_in_threadpool(_save_session, session, final)
+            except CzyxError as exc:
+                out.error = f"session {session.name!r} not saved: {exc}"
+                out.error_status = 409 if "Conflict" in type(exc).__name__ else 500
+        return out
+
+    def client_gone(self) -> None:
+        """The client disconnected: free the sequence now and end the pending wait."""
+        if self.handle is not None:
+            self.handle.cancel()
+        self.ch.fail(_ClientGone())
+
+    def close(self) -> None:
+        """Cancel the sequence (a no-op once it finished) and drop the channel's timer."""
+        self.ch.close()
+        if self.handle is not None:
+            self.handle.cancel()
+
+
+async def _watch_disconnect(receive, job: _Job) -> None:
+    """The request's one disconnect watcher: tells ``job`` when the client goes away."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            job.client_gone()
+            return
 
 
 def _usage(out: _Outcome) -> dict[str, Any]:
@@ -987,26 +1131,27 @@ class _Api:
             return exc.response()
         eos = served.chat_eos_ids if chat else served.eos_ids
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        out = _Outcome(prompt_tokens=len(ids))  # filled as the generation runs
-        gen = self._run(served, ids, req, eos, time.perf_counter(), session, out, allowed)
-        if req.stream:
-            # The first event decides between an error answer (429, 400) and a stream.
-            try:
-                first = await gen.__anext__()
-            except ApiError as exc:
-                await self._audit(caller, endpoint, model, exc.status, None)
-                return exc.response()
-            return StreamingResponse(
-                self._sse(gen, first, rid, req, chat, caller, endpoint, out),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+        job = _Job(self.state, served, ids, req, eos, time.perf_counter(), session, allowed)
         try:
-            async for _ in _with_disconnect(request, gen):
-                pass
+            job.submit()  # a full queue (429) or a refused request (400) answers at once
         except ApiError as exc:
-            await self._audit(caller, endpoint, model, exc.status, out)
+            await self._audit(caller, endpoint, model, exc.status, None)
             return exc.response()
+        if req.stream:
+            return _SSEResponse(self, job, rid, chat, caller, endpoint)
+        out = job.out
+        watcher = asyncio.ensure_future(_watch_disconnect(request.receive, job))
+        try:
+            while not job.done:
+                await job.burst()
+            await job.finish()
+        except (ApiError, _ClientGone) as exc:
+            err = exc if isinstance(exc, ApiError) else _gone()
+            await self._audit(caller, endpoint, model, err.status, out)
+            return err.response()
+        finally:
+            watcher.cancel()
+            job.close()
         if out.error is not None:
             err = ApiError(out.error_status, f"generation failed: {out.error}", "server_error")
             await self._audit(caller, endpoint, model, out.error_status, out)
@@ -1039,202 +1184,142 @@ class _Api:
             headers=headers,
         )
 
-    async def _run(
-        self,
-        served: ServedModel,
-        ids: list[int],
-        req: GenRequest,
-        eos: tuple[int, ...],
-        t0: float,
-        session: _Session | None = None,
-        out: _Outcome | None = None,
-        allowed: np.ndarray | None = None,
-    ) -> AsyncIterator[tuple[str, Any]]:
-        """Yield ``("start", None)``, then ``("text", piece)``... and ``("done", _Outcome)``.
 
-        With a session, the finished state is saved as its next version before "done".
-        """
-        stream = _TextStream(served.tokenizer, req.stop, frozenset(eos))
-        out = out if out is not None else _Outcome(prompt_tokens=len(ids))
-        metrics = self.state.metrics
-        last = None
-        opts = self.state.options
-        events = _events(
-            served, ids, req, eos, opts.event_timeout, opts.retry_after, session, allowed
-        )
-        final = None
-        ttft, itl = metrics.ttft.labels(served.ref), metrics.itl.labels(served.ref)
-        try:
-            async for evs in events:
-                if evs is None:
-                    yield "start", None  # submitted: the queue accepted it
-                    last = t0
-                    continue
-                # A burst (the loop fell behind): its tokens go out as one piece.
-                pieces, end = [], False
-                for ev in evs:
-                    if isinstance(ev, Token):
-                        # The scheduler's clock: when the token was chosen, not handed over.
-                        if out.completion_tokens == 0:
-                            ttft.observe(ev.time - t0)
-                        else:
-                            itl.observe(ev.time - last)
-                        last = ev.time
-                        out.completion_tokens += 1
-                        piece = stream.push(ev.token)
-                        if piece:
-                            pieces.append(piece)
-                        if stream.stopped:
-                            out.finish = "stop"
-                            end = True
-                            break
-                    else:
-                        if ev.reason == "error":
-                            out.error = ev.error
-                        out.finish = "stop" if ev.reason in ("stop", "cancelled") else "length"
-                        out.cached_tokens = ev.restored + ev.reused
-                        final = ev.final
-                        end = True
-                        break
-                if pieces:
-                    text = "".join(pieces)
-                    out.text += text
-                    yield "text", text
-                if end:
-                    break
-        finally:
-            await events.aclose()  # cancels the sequence if it is still running
-        rest = stream.finish()
-        if rest:
-            out.text += rest
-            yield "text", rest
-        if session is not None and final is not None and out.error is None:
-            try:
-                out.session_version = await run_in_threadpool(_save_session, session, final)
-            except CzyxError as exc:
-                out.error = f"session {session.name!r} not saved: {exc}"
-                out.error_status = 409 if "Conflict" in type(exc).__name__ else 500
-        yield "done", out
+def _gone() -> ApiError:
+    return ApiError(499, "client disconnected", "invalid_request_error")
 
-    async def _sse(
-        self,
-        gen,
-        first,
-        rid: str,
-        req: GenRequest,
-        chat: bool,
-        caller: Caller,
-        endpoint: str,
-        out: _Outcome,
-    ) -> AsyncIterator[bytes]:
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> bytes:
-            if chat:
-                delta: dict[str, Any] = {}
-                if role:
-                    delta["role"] = "assistant"
-                if delta_text is not None:
-                    delta["content"] = delta_text
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {
-                    "index": 0,
-                    "text": delta_text or "",
-                    "logprobs": None,
-                    "finish_reason": finish,
-                }
-            payload = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": req.model,
+class _Chunks:
+    """The SSE events of one stream, encoded.
+
+    A text chunk is the same JSON every time but for its text: the rest is encoded
+    once (``json.dumps`` of the template, split at a placeholder) and each text is
+    escaped by the json module's own C string encoder, so a chunk is byte-identical
+    to ``json.dumps`` of the whole object at a fraction of its cost.
+    """
+
+    def __init__(self, rid: str, model: str, chat: bool) -> None:
+        self.rid = rid
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+        self.obj = "chat.completion.chunk" if chat else "text_completion"
+        mark = "\x00czyx-text\x00"
+        head, tail = self.chunk(mark, None).decode().split(json.dumps(mark))
+        self._head = head.encode()
+        self._tail = tail.encode()
+
+    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> bytes:
+        """One ``data:`` event of the stream (``text`` None: no content)."""
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return self.event(
+            {
+                "id": self.rid,
+                "object": self.obj,
+                "created": self.created,
+                "model": self.model,
                 "choices": [choice],
             }
-            return f"data: {json.dumps(payload)}\n\n".encode()
+        )
 
-        # The per-token chunk is the same JSON every time but for its text: encode the rest
-        # once (json.dumps of the template, split at a placeholder) and only the text per
-        # chunk. Byte-identical to chunk(text, None).
-        mark = "\x00czyx-text\x00"
-        head, tail = chunk(mark, None).decode().split(json.dumps(mark))
+    @staticmethod
+    def event(payload: dict[str, Any]) -> bytes:
+        return f"data: {json.dumps(payload)}\n\n".encode()
 
-        def text_chunk(text: str) -> bytes:
-            return f"{head}{json.dumps(text)}{tail}".encode()
+    def texts(self, pieces: list[str]) -> bytes:
+        """One event per piece, concatenated (equal to ``chunk(piece, None)`` each)."""
+        head, tail = self._head, self._tail
+        return b"".join([head + _ascii_json(p).encode() + tail for p in pieces])
 
+    def usage(self, out: _Outcome) -> bytes:
+        return self.event(
+            {
+                "id": self.rid,
+                "object": self.obj,
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": _usage(out),
+            }
+        )
+
+
+class _SSEResponse(Response):
+    """A streamed generation as server-sent events: one ``data:`` event per text piece,
+    OpenAI's chunk objects, ending with ``data: [DONE]``.
+
+    Every burst of events the loop takes at once is written in one send (each token
+    still its own event: none waits for another). One task per request watches for
+    the client's disconnect; it frees the sequence at once and ends the stream.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, api: _Api, job: _Job, rid: str, chat: bool, caller: Caller, endpoint: str
+    ) -> None:
+        self.api = api
+        self.job = job
+        self.chat = chat
+        self.caller = caller
+        self.endpoint = endpoint
+        self.chunks = _Chunks(rid, job.req.model, chat)
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        job, chunks, out = self.job, self.chunks, self.job.out
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, job))
         status = 200
         try:
-            if chat:
-                yield chunk("", None, role=True)
-            async for kind, value in gen:
-                if kind == "text":
-                    yield text_chunk(value)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            if self.chat:
+                role = chunks.chunk("", None, role=True)
+                await send({"type": "http.response.body", "body": role, "more_body": True})
+            texts = chunks.texts
+            while not job.done:
+                pieces = await job.burst()
+                if pieces:
+                    body = texts(pieces)
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+            await job.finish()
             if out.error is not None:
                 status = out.error_status
                 err = ApiError(status, f"generation failed: {out.error}", "server_error")
-                yield f"data: {json.dumps(err.body())}\n\n".encode()
+                end = chunks.event(err.body()) + b"data: [DONE]\n\n"
             else:
-                last = chunk(None if chat else "", out.finish)
+                last = chunks.chunk(None if self.chat else "", out.finish)
                 if out.session_version is not None:  # the version this stream saved
                     obj_last = json.loads(last[6:])
                     obj_last["czyx_session_version"] = out.session_version
-                    last = f"data: {json.dumps(obj_last)}\n\n".encode()
-                yield last
-                if req.include_usage:
-                    payload = {
-                        "id": rid,
-                        "object": obj,
-                        "created": created,
-                        "model": req.model,
-                        "choices": [],
-                        "usage": _usage(out),
-                    }
-                    yield f"data: {json.dumps(payload)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
+                    last = chunks.event(obj_last)
+                end = last
+                if job.req.include_usage:
+                    end += chunks.usage(out)
+                end += b"data: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": end, "more_body": False})
         except ApiError as exc:
             status = exc.status
-            yield f"data: {json.dumps(exc.body())}\n\n".encode()
+            body = chunks.event(exc.body())
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        except _ClientGone:
+            pass
         finally:
-            await gen.aclose()  # on disconnect too: frees the sequence
+            watcher.cancel()
+            job.close()  # on disconnect too: frees the sequence
             if out.finish is None and status == 200:
                 status = 499  # the client went away before the end
-            await asyncio.shield(self._audit(caller, endpoint, req.model, status, out))
-
-
-async def _with_disconnect(request: Request, gen) -> AsyncIterator[tuple[str, Any]]:
-    """Items of ``gen`` (skipping "start") until it ends or the client disconnects.
-
-    A disconnect closes ``gen`` (cancelling the sequence) and raises a 499 error.
-    """
-
-    async def watch() -> None:
-        while True:
-            msg = await request.receive()
-            if msg["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        while True:
-            nxt = asyncio.ensure_future(gen.__anext__())
-            done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if nxt in done:
-                try:
-                    kind, value = nxt.result()
-                except StopAsyncIteration:
-                    return
-                if kind != "start":
-                    yield kind, value
-                continue
-            nxt.cancel()
-            # The generator must stop running before it can be closed.
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await nxt
-            raise ApiError(499, "client disconnected", "invalid_request_error")
-    finally:
-        watcher.cancel()
-        await gen.aclose()
+            model = job.req.model
+            await asyncio.shield(self.api._audit(self.caller, self.endpoint, model, status, out))
 
 
 # --------------------------------------------------------------------------- factory
