@@ -687,7 +687,9 @@ class Handle:
 
         self.id = rid
         self._scheduler = scheduler
-        self._events: queue.Queue[Event] = queue.Queue()
+        # A SimpleQueue: its put is one C call (no Python condition), and the
+        # scheduler's thread makes one per generated token.
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._on_event = on_event
         self.cancelled = False
         self.submitted = time.perf_counter()
