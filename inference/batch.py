@@ -27,16 +27,19 @@ bit-identical to :meth:`Engine.decode`, which multiplies one column: that
 path is the single-sequence engine's, this one is the server's.)
 
 Decode tokens (a sequence's one-token chunk) take the single-sequence
-engine's C path instead where the architecture decodes in C (see
+engine's C kernels instead where the architecture decodes in C (see
 :meth:`MoEDecoder.decode_in_c`) and the sequence's routing is unrestricted:
-per token, the attention block, the routing and the MoE layer are one C call
-each (:mod:`czyx.inference.kernels.fused`), exactly as :meth:`Engine.decode`
-computes them, while each layer still acquires the union of the step's
-experts once. Each such token is computed on its own, so its logits are
-bit-identical to the same token decoded alone (batched or by the engine); a
-step costs a few C calls per token and layer instead of numpy products, row
-slicing and Python per sequence. Whether a chunk takes this path depends on
-its own length and portal only, never on the other sequences.
+per layer, one C call runs every such token's attention block and routing,
+and (after the union of the step's experts is acquired once) one runs every
+token's MoE layer and residual add (:mod:`czyx.inference.kernels.fused`,
+``DecodeKernels.*_batch``); the embedding and the head are one call each.
+The Python per layer is therefore the same whatever the batch. Each call
+spreads the tokens over the engine's threads, a token per task, and computes
+each token with the one-token kernels exactly as :meth:`Engine.decode` does,
+so its logits are bit-identical to the same token decoded alone (batched or
+by the engine) whatever the batch and the thread count. Whether a chunk
+takes this path depends on its own length and portal only, never on the
+other sequences.
 """
 
 from __future__ import annotations

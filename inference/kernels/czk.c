@@ -8,7 +8,9 @@
  * q/k/v, q/k norms, RoPE, KV write, grouped-query attention, o_proj, residual,
  * the post-attention RMSNorm) and softmax top-k routing; and, for a prompt's
  * tokens, a quantized matrix against several vectors (czk_matmul), each token
- * computed exactly as czk_matvec computes it. Weights are read in place
+ * computed exactly as czk_matvec computes it; and the batched decode step's
+ * entry points (czk_*_batch: many sequences' tokens per call, each token
+ * computed by the one-token calls on one pool thread). Weights are read in place
  * (a slot's bytes, a trunk array): nothing is widened into a float32 copy.
  *
  * Threads: a pool of pthreads owned by the engine (czk_pool_new). Every

@@ -7,7 +7,11 @@ float16 or bfloat16 array, or a packed q2/q3/q4/q8 :class:`PackedMatrix`)
 without copying it; :class:`ExpertTable` describes every slot of an expert
 cache once (a slot's views follow whatever is later read into it);
 :class:`DecodeKernels` holds one decoder's preallocated buffers and runs the
-attention block, the routing, the MoE layer and the head of one token.
+attention block, the routing, the MoE layer and the head of one token, or of
+a batch of tokens each from its own sequence (its ``*_batch`` methods on a
+:class:`DecodeBatch`: one call per layer for the whole batch, each token
+computed by the one-token kernels on one of the pool's threads, so exactly as
+alone).
 
 The numerics of each call are stated in ``czk.c``; results do not depend on
 the thread count. Without the compiled extension :func:`have_czk` is False
