@@ -182,27 +182,26 @@ def forward_batch(
     if len(chunks) != len(kvs) or not chunks:
         raise ValueError("forward_batch needs one KV cache per chunk, and at least one chunk")
     ids = [np.asarray(c, np.int64).reshape(-1) for c in chunks]
-    for c in ids:
-        if c.size == 0:
-            raise ValueError("forward_batch: a chunk is empty")
-        if c.min() < 0 or c.max() >= cfg.vocab_size:
-            raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
+    if any(c.size == 0 for c in ids):
+        raise ValueError("forward_batch: a chunk is empty")
+    every = np.concatenate(ids)  # the step's ids checked at once, whatever the batch
+    if every.min() < 0 or every.max() >= cfg.vocab_size:
+        raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
     if allowed is not None and len(allowed) != len(ids):
         raise ValueError("forward_batch needs one allowed-experts entry per chunk")
-    fast = [
-        s
-        for s, c in enumerate(ids)
-        if c_decode
-        and c.size == 1
-        and (allowed is None or allowed[s] is None)
-        and _c_decodes(model)
-    ]
+    fast = []
+    if c_decode and _c_decodes(model):
+        fast = [
+            s for s, c in enumerate(ids) if c.size == 1 and (allowed is None or allowed[s] is None)
+        ]
     if not fast:
         with model.kernel_threads():  # a prompt's quantized products on the engine's threads
             return _forward_rows(model, ids, kvs, allowed)
-    model.experts.advance(sum(int(c.size) for c in ids))
+    model.experts.advance(int(every.size))
     out: list[np.ndarray | None] = [None] * len(ids)
-    got = _forward_c(model, [int(ids[s][0]) for s in fast], [kvs[s] for s in fast])
+    # (every chunk one token: the concatenation is the tokens, in order)
+    toks = every.tolist() if len(fast) == len(ids) else [int(ids[s][0]) for s in fast]
+    got = _forward_c(model, toks, [kvs[s] for s in fast])
     for s, lg in zip(fast, got, strict=True):
         out[s] = lg
     rest = [s for s in range(len(ids)) if out[s] is None]

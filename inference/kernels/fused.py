@@ -424,9 +424,7 @@ class DecodeKernels:
         bt = self._batch
         if bt is None or bt.cap < n or bt.n_layers != n_layers:
             cap = max(n, 8, 2 * bt.cap if bt is not None else 0)
-            bt = self._batch = DecodeBatch(
-                self.hidden, self.logits.size, self.top_k, n_layers, cap
-            )
+            bt = self._batch = DecodeBatch(self.hidden, self.logits.size, self.top_k, n_layers, cap)
         top = 0
         for r, kv in enumerate(kvs):
             bt.kvp[r] = _kv_pointers(kv, n_layers, n_kv, head_dim)
@@ -649,8 +647,7 @@ def _kv_pointers(kv: Any, n_layers: int, n_kv: int, head_dim: int) -> np.ndarray
     arrs = [*kv.k, *kv.v]
     cap = kv.k[0].shape[1] if kv.k else 0
     if len(arrs) != 2 * n_layers or any(
-        a.dtype != F32 or not a.flags.c_contiguous or a.shape != (n_kv, cap, head_dim)
-        for a in arrs
+        a.dtype != F32 or not a.flags.c_contiguous or a.shape != (n_kv, cap, head_dim) for a in arrs
     ):
         raise KernelError(
             f"a KV cache for the batched decode must hold {n_layers} float32 "
