@@ -1700,71 +1700,286 @@ int czk_union(const int64_t *idx, int64_t n, const int32_t *resident, int E, int
     return m;
 }
 
-static void czk_moe_b_task(void *ctx_, int64_t t0, int64_t t1) {
-    czk_batch_ctx *c = (czk_batch_ctx *)ctx_;
-    int64_t slots[CZK_MAXK];
-    for (int64_t b = t0; b < t1; b++) {
-        const int64_t *e = c->idx + b * c->k;
-        int ok = 1;
-        for (int64_t j = 0; j < c->k; j++) {
-            const int64_t s = e[j] >= 0 && e[j] < c->E ? c->slot_of[e[j]] : -1;
-            ok &= s >= 0;
-            slots[j] = s >= 0 ? s : 0;
+/* Rows [r0, r1) of a float-kind m against nv <= 2 inputs xs[v] into ys[v]: each
+ * (row, input) exactly as czk_rows computes it (czk_rows_f_rb's operations at
+ * the AVX2 level, czk_rows_f_portable's below it), the row's weights loaded
+ * (and widened) once for both inputs. */
+#if CZK_X86
+CZK_AVX2 static inline __attribute__((always_inline)) void czk_rows_f2_kind(
+    const czk_mat *m, const float *const *xs, int nv, float *const *ys, int64_t r0, int64_t r1,
+    const int kind) {
+    const int64_t C = m->cols;
+    czk_mat mk = *m;
+    mk.kind = kind;
+    for (int64_t r = r0; r < r1; r++) {
+        __m256 a0[2], a1[2], a2[2], a3[2];
+        for (int v = 0; v < 2; v++) a0[v] = a1[v] = a2[v] = a3[v] = _mm256_setzero_ps();
+        const int64_t base = r * C;
+        int64_t c = 0;
+        for (; c + 32 <= C; c += 32) {
+            const __m256 w0 = czk_load8(&mk, base + c), w1 = czk_load8(&mk, base + c + 8);
+            const __m256 w2 = czk_load8(&mk, base + c + 16), w3 = czk_load8(&mk, base + c + 24);
+            for (int v = 0; v < nv; v++) {
+                const float *x = xs[v];
+                a0[v] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + c), a0[v]);
+                a1[v] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + c + 8), a1[v]);
+                a2[v] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + c + 16), a2[v]);
+                a3[v] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + c + 24), a3[v]);
+            }
         }
-        float *y = c->y + b * c->H;
-        if (!ok || czk_moe(c->inner, (int)c->k, c->table, slots, c->w + b * c->k,
-                           c->x + b * c->H, y, c->work + b * c->wstride)) {
-            czk_batch_failed(c);
-            continue;
+        for (; c + 8 <= C; c += 8) {
+            const __m256 w0 = czk_load8(&mk, base + c);
+            for (int v = 0; v < nv; v++)
+                a0[v] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs[v] + c), a0[v]);
         }
-        if (c->resid) {
-            float *h = c->resid + b * c->H;
-            for (int64_t i = 0; i < c->H; i++) h[i] += y[i];
+        for (int v = 0; v < nv; v++) {
+            float t = czk_hsum8(_mm256_add_ps(_mm256_add_ps(a0[v], a1[v]), _mm256_add_ps(a2[v], a3[v])));
+            for (int64_t cc = c; cc < C; cc++) t += czk_wf(&mk, base + cc) * xs[v][cc];
+            ys[v][r] = t;
         }
     }
 }
 
+CZK_AVX2 static void czk_rows_f2_avx2(const czk_mat *m, const float *const *xs, int nv,
+                                      float *const *ys, int64_t r0, int64_t r1) {
+    if (m->kind == CZK_F32)
+        czk_rows_f2_kind(m, xs, nv, ys, r0, r1, CZK_F32);
+    else if (m->kind == CZK_F16)
+        czk_rows_f2_kind(m, xs, nv, ys, r0, r1, CZK_F16);
+    else
+        czk_rows_f2_kind(m, xs, nv, ys, r0, r1, CZK_BF16);
+}
+#endif
+
+/* Rows [r0, r1) of m against nv <= 4 inputs, each (row, input) exactly as czk_rows
+ * computes it: float kinds from xs[v] (pairs of inputs share the weight loads),
+ * quantized ones from av[v] (czk_matmul's kernels: the codes loaded once for the
+ * nv inputs). Output v row r at ys[v][r]. */
+static void czk_rows_nv(const czk_mat *m, const float *const *xs, const czk_xq *av, int nv,
+                        float *const *ys, int64_t r0, int64_t r1) {
+    if (m->kind != CZK_Q) {
+#if CZK_X86
+        if (czk_level() >= 1) {
+            for (int v = 0; v < nv; v += 2)
+                czk_rows_f2_avx2(m, xs + v, nv - v < 2 ? nv - v : 2, ys + v, r0, r1);
+            return;
+        }
+#endif
+        for (int v = 0; v < nv; v++) czk_rows_f_portable(m, xs[v], ys[v], r0, r1);
+        return;
+    }
+    /* czk_matmul's kernels write output v row r at y[v * ystride + r]: the outputs
+     * of one call are at a fixed stride apart (the callers' buffers are). */
+    const int64_t ystride = nv > 1 ? ys[1] - ys[0] : 0;
+#if CZK_X86
+    const int lvl = czk_level();
+    if (czk_simd_fits(m) && lvl == 2 && m->bits == 8 && CZK_Q8NV512) {
+        czk_q8nv512(m, av, nv, ys[0], ystride, r0, r1);
+        return;
+    }
+    if (czk_simd_fits(m) && lvl == 2) {
+        czk_rows_q_vnni256_multi(m, av, nv, ys[0], ystride, r0, r1);
+        return;
+    }
+    if (czk_simd_fits(m) && lvl == 1) {
+        czk_rows_q_avx2_multi(m, av, nv, ys[0], ystride, r0, r1);
+        return;
+    }
+#endif
+    for (int v = 0; v < nv; v++) czk_rows_q_portable(m, &av[v], ys[v], r0, r1);
+}
+
+/* The batched MoE layer, expert by expert: the (token, k) pairs grouped by the
+ * expert they chose (pairs of one expert consecutive), each expert's gate, up
+ * and down rows read once for all its pairs; every pair's products, SiLU,
+ * input quantizations and the per-token weighted sum in top-k order are
+ * czk_moe's operations for that token. */
+typedef struct {
+    const czk_mat *table;
+    const int64_t *eslot;  /* [n_held] slot of each held expert */
+    const int32_t *estart; /* [n_held + 1] first pair of each expert */
+    const int32_t *ptok;   /* [P] token of each pair */
+    int64_t H, I;
+    const float *x;        /* [B, H] */
+    const czk_xq *ax;      /* [B] quantized inputs (quantized experts) */
+    float *act;            /* [P, I] */
+    const czk_xq *aact;    /* [P] quantized activations (quantized experts) */
+    float *d;              /* [P, H] */
+} czk_moex_ctx;
+
+static void czk_moex_gu_task(void *ctx_, int64_t t0, int64_t t1) {
+    czk_moex_ctx *c = (czk_moex_ctx *)ctx_;
+    float gb[4 * 64], ub[4 * 64];
+    for (int64_t t = t0; t < t1;) {
+        const int64_t e = t / c->I, r = t % c->I;
+        int64_t end = (e + 1) * c->I;
+        if (end > t1) end = t1;
+        if (end - t > 64) end = t + 64;
+        const int64_t n = end - t;
+        const czk_mat *gm = &c->table[3 * c->eslot[e]], *um = gm + 1;
+        for (int32_t p0 = c->estart[e]; p0 < c->estart[e + 1]; p0 += 4) {
+            const int nv = c->estart[e + 1] - p0 < 4 ? c->estart[e + 1] - p0 : 4;
+            const float *xs[4];
+            float *gs[4], *us[4];
+            czk_xq av[4];
+            for (int v = 0; v < nv; v++) {
+                const int32_t b = c->ptok[p0 + v];
+                xs[v] = c->x + b * c->H;
+                if (c->ax) av[v] = c->ax[b];
+                gs[v] = gb + 64 * v - r;
+                us[v] = ub + 64 * v - r;
+            }
+            czk_rows_nv(gm, xs, av, nv, gs, r, r + n);
+            czk_rows_nv(um, xs, av, nv, us, r, r + n);
+            for (int v = 0; v < nv; v++) {
+                float *act = c->act + (int64_t)(p0 + v) * c->I;
+                const float *g = gb + 64 * v, *u = ub + 64 * v;
+                for (int64_t i = 0; i < n; i++) {
+                    const float gv = g[i];
+                    act[r + i] = gv / (1.0f + expf(-gv)) * u[i];
+                }
+            }
+        }
+        t = end;
+    }
+}
+
+static void czk_moex_down_task(void *ctx_, int64_t t0, int64_t t1) {
+    czk_moex_ctx *c = (czk_moex_ctx *)ctx_;
+    for (int64_t t = t0; t < t1;) {
+        const int64_t e = t / c->H, r = t % c->H;
+        int64_t end = (e + 1) * c->H;
+        if (end > t1) end = t1;
+        const czk_mat *dm = &c->table[3 * c->eslot[e] + 2];
+        for (int32_t p0 = c->estart[e]; p0 < c->estart[e + 1]; p0 += 4) {
+            const int nv = c->estart[e + 1] - p0 < 4 ? c->estart[e + 1] - p0 : 4;
+            const float *xs[4];
+            float *ds[4];
+            for (int v = 0; v < nv; v++) {
+                xs[v] = c->act + (int64_t)(p0 + v) * c->I;
+                ds[v] = c->d + (int64_t)(p0 + v) * c->H;
+            }
+            czk_rows_nv(dm, xs, c->aact ? c->aact + p0 : NULL, nv, ds, r, r + (end - t));
+        }
+        t = end;
+    }
+}
+
+/* Scratch bytes of czk_moe_batch for B rows of top-k over experts of hidden H and
+ * intermediate I (held experts at most B * k). */
+int64_t czk_moe_batch_work_bytes(int B, int k, int64_t H, int64_t I) {
+    const int64_t P = (int64_t)B * k;
+    return 4 * (3 * P + 2) + 8 * P + 4 * P * (I + H) + (int64_t)sizeof(czk_xq) * (B + P) +
+           B * ((int64_t)czk_xq_bytes(H) + 64) + P * ((int64_t)czk_xq_bytes(I) + 64) + 8 * 64;
+}
+
 /* The MoE layer (czk_moe) for B rows, its experts held at slots: row b's
  * experts are idx[b * k .. + k] (ids in [0, E)) in that order, expert
- * experts[j] (j < n_held) at slot slots[j] of the cache's descriptor table of
- * n_slots slots; weights w[b * k ..]; x, y [B, H]; then (resid not NULL)
- * resid[b] += y[b]. A row naming an expert not held, or a slot outside
- * [0, n_slots), refuses the call (that row computes nothing). work: wstride >=
- * czk_moe_work_bytes(k, H, I) bytes per row. */
+ * experts[j] (j < n_held, distinct) at slot slots[j] of the cache's descriptor
+ * table of n_slots slots; weights w[b * k ..]; x, y [B, H]; then (resid not
+ * NULL) resid[b] += y[b]. Each row's y is czk_moe's for that row alone; the
+ * products run expert by expert (each expert's rows read once for the rows
+ * that chose it), split over the pool by output rows. A row naming an expert
+ * not held, a slot outside [0, n_slots) or inconsistent shapes or formats
+ * refuse the call (nothing is computed). work: nwork >=
+ * czk_moe_batch_work_bytes(B, k, H, I) bytes. */
 int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slots,
                   int E, const int64_t *experts, const int64_t *slots, int n_held,
                   const int64_t *idx, const float *w, const float *x, float *y, float *resid,
-                  int64_t H, void *work, int64_t wstride) {
-    if (B <= 0 || k <= 0 || k > CZK_MAXK || n_slots <= 0 || E <= 0 || E > 4096 || n_held < 0)
+                  int64_t H, void *work, int64_t nwork) {
+    if (B <= 0 || k <= 0 || k > CZK_MAXK || n_slots <= 0 || E <= 0 || E > 4096 ||
+        n_held <= 0 || n_held > B * k)
         return -1;
-    int64_t slot_of[4096];
-    for (int e = 0; e < E; e++) slot_of[e] = -1;
+    int32_t pos_of[4096]; /* held position of each expert, -1 if not held */
+    for (int e = 0; e < E; e++) pos_of[e] = -1;
     for (int j = 0; j < n_held; j++) {
-        if (experts[j] < 0 || experts[j] >= E || slots[j] < 0 || slots[j] >= n_slots) return -1;
-        slot_of[experts[j]] = slots[j];
+        if (experts[j] < 0 || experts[j] >= E || slots[j] < 0 || slots[j] >= n_slots ||
+            pos_of[experts[j]] >= 0)
+            return -1;
+        pos_of[experts[j]] = j;
     }
-    czk_batch_ctx c;
-    memset(&c, 0, sizeof c);
-    c.table = table;
-    c.E = E;
-    c.slot_of = slot_of;
-    c.idx = idx;
-    c.k = k;
-    c.w = w;
-    c.x = (float *)x;
-    c.y = y;
-    c.resid = resid;
-    c.H = H;
-    c.work = (uint8_t *)work;
-    c.wstride = wstride;
-    c.inner = B == 1 ? p : NULL;
-    const czk_mat *g = &table[n_held > 0 ? 3 * slots[0] : 0];
-    const int64_t macs = 3 * (int64_t)k * g->rows * g->cols;
-    if (B == 1)
-        czk_moe_b_task(&c, 0, 1);
-    else
-        czk_run(p, czk_moe_b_task, &c, B, macs * B);
-    return c.fail ? -1 : 0;
+    for (int64_t i = 0; i < (int64_t)B * k; i++)
+        if (idx[i] < 0 || idx[i] >= E || pos_of[idx[i]] < 0) return -1;
+    /* The checks czk_moe makes, over every held expert. */
+    const czk_mat *f = &table[3 * slots[0]];
+    const int64_t I = f->rows;
+    if (f->cols != H) return -1;
+    const int kind0 = f->kind;
+    for (int j = 0; j < n_held; j++) {
+        const czk_mat *g = &table[3 * slots[j]], *u = g + 1, *d = g + 2;
+        if (!czk_check(g) || !czk_check(u) || !czk_check(d)) return -1;
+        if (g->rows != I || g->cols != H || u->rows != I || u->cols != H || d->rows != H ||
+            d->cols != I)
+            return -1;
+        if ((g->kind == CZK_Q) != (kind0 == CZK_Q) || u->kind != g->kind || d->kind != g->kind)
+            return -1;
+        if (kind0 == CZK_Q && (g->group != f->group || u->group != g->group ||
+                               d->group != table[3 * slots[0] + 2].group))
+            return -1;
+    }
+    if (kind0 == CZK_Q && I % 32) return -1;
+    if (nwork < czk_moe_batch_work_bytes(B, k, H, I)) return -1;
+    const int quant = kind0 == CZK_Q;
+    const int64_t P = (int64_t)B * k;
+    /* Pairs grouped by held expert (in held order), tokens in order within each. */
+    uint8_t *m = (uint8_t *)czk_align(work);
+    int32_t *estart = (int32_t *)m, *ptok = estart + n_held + 1, *pidx = ptok + P;
+    int64_t *eslot = (int64_t *)czk_align(pidx + P);
+    float *act = (float *)czk_align(eslot + n_held);
+    float *d = (float *)czk_align(act + P * I);
+    czk_xq *ax = (czk_xq *)czk_align(d + P * H);
+    czk_xq *aact = ax + B;
+    m = (uint8_t *)czk_align(aact + P);
+    for (int j = 0; j <= n_held; j++) estart[j] = 0;
+    for (int64_t i = 0; i < P; i++) estart[pos_of[idx[i]] + 1]++;
+    for (int j = 0; j < n_held; j++) {
+        estart[j + 1] += estart[j];
+        eslot[j] = slots[j];
+    }
+    int32_t fill[4096];
+    for (int j = 0; j < n_held; j++) fill[j] = estart[j];
+    for (int64_t i = 0; i < P; i++) {
+        const int32_t q = fill[pos_of[idx[i]]]++;
+        ptok[q] = (int32_t)(i / k);
+        pidx[i] = q;
+    }
+    if (quant) {
+        for (int b = 0; b < B; b++) {
+            czk_xq_bind(&ax[b], m, H);
+            m = (uint8_t *)czk_align(m + czk_xq_bytes(H));
+            czk_quantize(x + (int64_t)b * H, &ax[b]);
+            czk_xq_groups(&ax[b], f->group);
+        }
+    }
+    czk_moex_ctx c = {table, eslot, estart, ptok, H, I, x, quant ? ax : NULL, act, NULL, d};
+    czk_run(p, czk_moex_gu_task, &c, (int64_t)n_held * I, 2 * P * I * H);
+    if (quant) {
+        for (int64_t q = 0; q < P; q++) {
+            czk_xq_bind(&aact[q], m, I);
+            m = (uint8_t *)czk_align(m + czk_xq_bytes(I));
+            czk_quantize(act + q * I, &aact[q]);
+            czk_xq_groups(&aact[q], table[3 * slots[0] + 2].group);
+        }
+        c.aact = aact;
+    }
+    czk_run(p, czk_moex_down_task, &c, (int64_t)n_held * H, P * I * H);
+    /* Each row's weighted sum in its top-k order (czk_moe_down_task's operations). */
+    for (int b = 0; b < B; b++) {
+        float *yb = y + (int64_t)b * H;
+        for (int j = 0; j < k; j++) {
+            const float wj = w[(int64_t)b * k + j];
+            const float *dj = d + (int64_t)pidx[(int64_t)b * k + j] * H;
+            if (j == 0)
+                for (int64_t i = 0; i < H; i++) yb[i] = wj * dj[i];
+            else
+                for (int64_t i = 0; i < H; i++) yb[i] += wj * dj[i];
+        }
+        if (resid) {
+            float *h = resid + (int64_t)b * H;
+            for (int64_t i = 0; i < H; i++) h[i] += yb[i];
+        }
+    }
+    return 0;
 }
 
 static void czk_head_b_task(void *ctx_, int64_t t0, int64_t t1) {

@@ -530,9 +530,10 @@ class DecodeKernels:
             self._reserve(int(_lib.czk_moe_work_bytes(self.top_k, first.cols, first.rows)))
             ex = self._experts = (cache, table, int(cache.n_experts))
         bt = self._batch
-        if bt.moe_table is not ex[1]:
+        if bt.moe_table is not ex[1]:  # scratch for a whole batch of rows (not per row)
             first = ex[1].table[0]
-            bt.reserve_work(int(_lib.czk_moe_work_bytes(self.top_k, first.cols, first.rows)))
+            need = int(_lib.czk_moe_batch_work_bytes(bt.cap, self.top_k, first.cols, first.rows))
+            bt.reserve_work(-(-need // bt.cap))
             bt.moe_table = ex[1]
         if (
             experts.dtype != np.int64
@@ -547,7 +548,7 @@ class DecodeKernels:
             _ffi.cast("int64_t *", _ffi.from_buffer(experts)),
             _ffi.cast("int64_t *", _ffi.from_buffer(slots)), experts.size, bt.p_idx + r0 * k,
             bt.p_w + r0 * k, bt.p_x + r0 * h, bt.p_y + r0 * h,
-            bt.p_h + r0 * h if add else _ffi.NULL, h, bt.p_work, bt.wstride,
+            bt.p_h + r0 * h if add else _ffi.NULL, h, bt.p_work, bt.work.size,
         )  # fmt: skip
         if rc:
             raise KernelError("czk_moe_batch refused the experts (slots, shapes or formats)")

@@ -118,6 +118,40 @@ def test_batched_decode_is_each_sequence_decoded_alone(tmp_path, split_loops, ar
             opened.close()
 
 
+@pytest.fixture(params=fused.LEVELS)
+def level(request):
+    """The kernels capped at each SIMD path the machine has (the others are skipped)."""
+    if fused.LEVELS.index(request.param) > fused._lib.czk_level():
+        pytest.skip(f"no {request.param} on this machine")
+    fused.set_level_cap(request.param)
+    yield request.param
+    fused.set_level_cap("avx512vnni")
+
+
+@pytest.mark.parametrize("fmt", [None, "q8", "q4"])
+def test_every_simd_path_batches_as_it_decodes_alone(split_loops, level, fmt):
+    """The batched MoE shares each expert's rows between the tokens that chose it
+    (czk_matmul's kernels for packed experts, a two-input row kernel for float
+    ones): per SIMD path, still each token's solo decode bit for bit."""
+    base = StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"]))
+    consumer = base if fmt is None else QuantizedConsumer(
+        base, POLICIES["q4-all"] if fmt == "q4" else parse_policy(Q8)
+    )  # fmt: skip
+    eng = Engine(consumer, threads=2)
+    model = eng.model
+    try:
+        rng = np.random.default_rng(5)
+        kvs = [model.new_kv() for _ in range(8)]
+        forward_batch(model, [rng.integers(0, 256, n) for n in LENGTHS], kvs)
+        for _ in range(2):
+            toks = [int(t) for t in rng.integers(0, 4, 8)]  # few distinct: experts shared
+            want = [model.forward(np.array([t]), _copy(model, kv)) for t, kv in zip(toks, kvs)]
+            got = forward_batch(model, [np.array([t]) for t in toks], kvs)
+            assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True)), level
+    finally:
+        eng.close()
+
+
 def test_a_batch_larger_than_the_buffers_grows_them(split_loops):
     eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=2)
     model = eng.model
