@@ -1557,16 +1557,20 @@ int czk_topk(const float *logits, int E, int k, int renorm, int64_t *idx, float 
 /* ------------------------------------------------------------ batched decode
  *
  * One call per layer for B sequences' decode tokens (a continuous-batching
- * step): each sequence is one task of the pool, computed by the one-token
- * entry points above on that task's thread (no nested pool use), with its
- * own KV cache, position and scratch (`work + b * wstride`). A sequence's
- * results are therefore exactly those entry points' with any pool: every
- * product's rows and every head are computed with the same instructions
- * whatever the thread split (see the header), so a token's logits are
- * bit-identical whether it decodes alone or in any batch. With B == 1 the
- * sequence's own loops use the pool instead (the one-token calls as the
- * engine makes them). Each returns 0, or -1 when any sequence's call refused
- * its arguments. */
+ * step). Attention (and routing) and the head: each sequence is one task of
+ * the pool, computed by the one-token entry points above on that task's
+ * thread (no nested pool use), with its own KV cache, position and scratch
+ * (`work + b * wstride`); with B == 1 the sequence's own loops use the pool
+ * instead (the one-token calls as the engine makes them). The MoE layer:
+ * expert by expert, each held expert's rows read once for the tokens that
+ * chose it, split over the pool by output rows, every (token, expert)
+ * product with czk_moe's operations. A sequence's results are therefore
+ * exactly the one-token calls' with any pool and any batch: every product's
+ * rows and every head are computed with the same instructions whatever the
+ * thread split and the other inputs of a multi-input kernel (see the
+ * header), so a token's logits are bit-identical whether it decodes alone or
+ * in any batch. Each returns 0, or -1 when any sequence's call refused its
+ * arguments. */
 
 typedef struct {
     const czk_attn *a;

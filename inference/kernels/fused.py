@@ -522,7 +522,10 @@ class DecodeKernels:
     ) -> None:
         """:meth:`moe` for the batch's rows ``r0 .. r1``: row ``r``'s experts ``idx[r]`` (in
         that order), expert ``experts[j]`` held at ``slots[j]`` (the acquire's result),
-        weights ``w[r]``, into ``y[r]``; ``add``: then ``h[r] += y[r]`` (the residual)."""
+        weights ``w[r]``, into ``y[r]``; ``add``: then ``h[r] += y[r]`` (the residual).
+
+        The products run expert by expert, each expert's rows read once for every row
+        that chose it; each row's result is exactly :meth:`moe`'s for that row alone."""
         ex = self._experts
         if ex is None or ex[0] is not cache:
             table = ExpertTable(cache)
