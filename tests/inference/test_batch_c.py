@@ -38,7 +38,8 @@ SIZES = {
     "olmoe": dict(hidden_size=64, intermediate_size=32),
 }
 # Per case: architecture, then None (float32), "q8" or "q4" (quantized in memory),
-# or "f16-store" (a float16 checkpoint mounted in a store: experts read as float16).
+# or "f16-store" / "bf16-store" (a float16 / bfloat16 checkpoint mounted in a store:
+# experts read as stored).
 CASES = [
     ("mixtral", None),
     ("qwen3_moe", None),
@@ -46,6 +47,7 @@ CASES = [
     ("mixtral", "q4"),
     ("qwen3_moe", "q8"),
     ("mixtral", "f16-store"),
+    ("qwen3_moe", "bf16-store"),
 ]
 # Prompt lengths of eight sequences: all different, some past the sliding window.
 LENGTHS = [1, 12, 5, 17, 3, 9, 2, 14]
@@ -60,10 +62,11 @@ def split_loops():
 
 
 def _consumer(arch: str, fmt: str | None, tmp_path):
-    if fmt == "f16-store":
+    if fmt in ("f16-store", "bf16-store"):
+        sizes = {"moe_intermediate_size": 32} if arch == "qwen3_moe" else {"sliding_window": 9}
         ckpt = make_tiny_checkpoint(
-            arch, tmp_path / "ckpt", dtype="float16", hidden_size=64, intermediate_size=64,
-            sliding_window=9,
+            arch, tmp_path / "ckpt", dtype="float16" if fmt == "f16-store" else "bfloat16",
+            hidden_size=64, intermediate_size=64, **sizes,
         )  # fmt: skip
         with Store.open(tmp_path / "store") as st:
             mount(st, ckpt, "m@1")
@@ -92,8 +95,8 @@ def test_batched_decode_is_each_sequence_decoded_alone(tmp_path, split_loops, ar
     model = eng.model
     try:
         assert _c_decodes(model), (arch, fmt)
-        if fmt == "f16-store":
-            assert str(model.experts.format) == "f16"
+        if fmt in ("f16-store", "bf16-store"):
+            assert str(model.experts.format) == fmt.split("-")[0]
         rng = np.random.default_rng(7)
         vocab = model.cfg.vocab_size
         kvs = [model.new_kv() for _ in LENGTHS]
@@ -111,7 +114,8 @@ def test_batched_decode_is_each_sequence_decoded_alone(tmp_path, split_loops, ar
                         n = kvs[s].length
                         assert np.array_equal(kvs[s].k[i][:, :n], alone[s].k[i][:, :n])
                         assert np.array_equal(kvs[s].v[i][:, :n], alone[s].v[i][:, :n])
-        assert max(kv.length for kv in kvs) > 9  # the sliding window was exceeded
+        if model.cfg.sliding_windows[0]:
+            assert max(kv.length for kv in kvs) > model.cfg.sliding_windows[0]  # exceeded
     finally:
         eng.close()
         if isinstance(opened, OpenedModel):
