@@ -1764,8 +1764,9 @@ static void czk_rows_nv(const czk_mat *m, const float *const *xs, const czk_xq *
     if (m->kind != CZK_Q) {
 #if CZK_X86
         if (czk_level() >= 1) {
-            for (int v = 0; v < nv; v += 2)
-                czk_rows_f2_avx2(m, xs + v, nv - v < 2 ? nv - v : 2, ys + v, r0, r1);
+            int v = 0;
+            for (; v + 2 <= nv; v += 2) czk_rows_f2_avx2(m, xs + v, 2, ys + v, r0, r1);
+            if (v < nv) czk_rows_f_avx2(m, xs[v], ys[v], r0, r1); /* two rows at a time */
             return;
         }
 #endif
