@@ -27,16 +27,19 @@ bit-identical to :meth:`Engine.decode`, which multiplies one column: that
 path is the single-sequence engine's, this one is the server's.)
 
 Decode tokens (a sequence's one-token chunk) take the single-sequence
-engine's C path instead where the architecture decodes in C (see
+engine's C kernels instead where the architecture decodes in C (see
 :meth:`MoEDecoder.decode_in_c`) and the sequence's routing is unrestricted:
-per token, the attention block, the routing and the MoE layer are one C call
-each (:mod:`czyx.inference.kernels.fused`), exactly as :meth:`Engine.decode`
-computes them, while each layer still acquires the union of the step's
-experts once. Each such token is computed on its own, so its logits are
-bit-identical to the same token decoded alone (batched or by the engine); a
-step costs a few C calls per token and layer instead of numpy products, row
-slicing and Python per sequence. Whether a chunk takes this path depends on
-its own length and portal only, never on the other sequences.
+per layer, one C call runs every such token's attention block and routing,
+and (after the union of the step's experts is acquired once) one runs every
+token's MoE layer and residual add (:mod:`czyx.inference.kernels.fused`,
+``DecodeKernels.*_batch``); the embedding and the head are one call each.
+The Python per layer is therefore the same whatever the batch. Each call
+spreads the tokens over the engine's threads, a token per task, and computes
+each token with the one-token kernels exactly as :meth:`Engine.decode` does,
+so its logits are bit-identical to the same token decoded alone (batched or
+by the engine) whatever the batch and the thread count. Whether a chunk
+takes this path depends on its own length and portal only, never on the
+other sequences.
 """
 
 from __future__ import annotations
@@ -179,27 +182,26 @@ def forward_batch(
     if len(chunks) != len(kvs) or not chunks:
         raise ValueError("forward_batch needs one KV cache per chunk, and at least one chunk")
     ids = [np.asarray(c, np.int64).reshape(-1) for c in chunks]
-    for c in ids:
-        if c.size == 0:
-            raise ValueError("forward_batch: a chunk is empty")
-        if c.min() < 0 or c.max() >= cfg.vocab_size:
-            raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
+    if any(c.size == 0 for c in ids):
+        raise ValueError("forward_batch: a chunk is empty")
+    every = np.concatenate(ids)  # the step's ids checked at once, whatever the batch
+    if every.min() < 0 or every.max() >= cfg.vocab_size:
+        raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
     if allowed is not None and len(allowed) != len(ids):
         raise ValueError("forward_batch needs one allowed-experts entry per chunk")
-    fast = [
-        s
-        for s, c in enumerate(ids)
-        if c_decode
-        and c.size == 1
-        and (allowed is None or allowed[s] is None)
-        and _c_decodes(model)
-    ]
+    fast = []
+    if c_decode and _c_decodes(model):
+        fast = [
+            s for s, c in enumerate(ids) if c.size == 1 and (allowed is None or allowed[s] is None)
+        ]
     if not fast:
         with model.kernel_threads():  # a prompt's quantized products on the engine's threads
             return _forward_rows(model, ids, kvs, allowed)
-    model.experts.advance(sum(int(c.size) for c in ids))
+    model.experts.advance(int(every.size))
     out: list[np.ndarray | None] = [None] * len(ids)
-    got = _forward_c(model, [int(ids[s][0]) for s in fast], [kvs[s] for s in fast])
+    # (every chunk one token: the concatenation is the tokens, in order)
+    toks = every.tolist() if len(fast) == len(ids) else [int(ids[s][0]) for s in fast]
+    got = _forward_c(model, toks, [kvs[s] for s in fast])
     for s, lg in zip(fast, got, strict=True):
         out[s] = lg
     rest = [s for s in range(len(ids)) if out[s] is None]
@@ -238,14 +240,68 @@ def _base_finish_logits():
 
 
 def _forward_c(model, tokens: list[int], kvs: Sequence[KVCache]) -> list[np.ndarray]:
-    """Decode tokens (one per sequence) through the engine's C kernels, each on its own.
+    """Decode tokens (one per sequence) through the engine's C kernels, all at once.
 
-    Per layer: each token's attention block and routing (one C call each, its
-    own KV cache and position), then the union of the tokens' experts
-    acquired once (residents first; in groups of tokens whose union fits the
-    cache's :attr:`max_acquire` when it does not) and each token's MoE layer
-    over its top-k in its own order (one C call). The arithmetic per token is
-    :meth:`MoEDecoder._forward_one`'s, so the logits are the engine's.
+    Per layer, whatever the number of tokens: one C call runs every token's
+    attention block (its own KV cache and position), one its routing, then
+    the union of the tokens' experts is acquired once (residents first; in
+    groups of consecutive tokens whose union fits the cache's
+    :attr:`max_acquire` when it does not) and one C call per group runs each
+    token's MoE layer over its top-k in its own order. The embedding and the
+    head are one call each. Each call spreads the tokens over the engine's
+    pool (a token per task) and computes each token with the one-token
+    kernels on that task's thread, so the arithmetic per token is
+    :meth:`MoEDecoder._forward_one`'s and the logits are the engine's, bit for
+    bit, whatever the batch and the thread count.
+    """
+    if model._length_rope:
+        return _forward_c_each(model, tokens, kvs)
+    cfg = model.cfg
+    kern = model.kernels()
+    n = len(tokens)
+    starts = [kv.length for kv in kvs]
+    for kv, s in zip(kvs, starts, strict=True):
+        kv.reserve(s + 1)
+    bt = kern.begin_batch(kvs, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, model.rotary)
+    kern.embed_batch(model.embed, tokens)
+    h, x, idx, w = bt.h[:n], bt.x[:n], bt.idx[:n], bt.w[:n]
+    cache = model.experts
+    table = cache.table
+    cap = cache.max_acquire
+    window = model.trunk_window
+    lookahead = getattr(cache, "lookahead", None)
+    args = (model.rotary, cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, *model._c_qkv)
+    top_k, renorm = cfg.top_k, cfg.renormalize
+    for i in range(cfg.n_layers):
+        lw = window.layer(i) if window is not None else model.layers[i]
+        if model.layer_hook is not None:
+            model.layer_hook(i, h)
+        kern.attention_batch(lw, i, n, cfg.sliding_windows[i], *args, top_k, renorm)
+        if lookahead is not None:
+            lookahead(i, x)
+        model.count_routes(i, idx, w)
+        # The experts to hold: the engine's own acquire for one token (its top-k in
+        # its order), else the union (hits first), in groups when it exceeds the cache.
+        held = idx[0] if n == 1 else kern.union(n, table[i])
+        groups = ((0, n, held),) if held.size <= cap else _acquire_groups(idx, table[i], cap)
+        for r0, r1, experts in groups:
+            slots = cache.acquire(i, experts)
+            try:  # each row's MoE layer, then its residual add (mlp_out is the identity)
+                kern.moe_batch(cache, r0, r1, experts, slots, True)
+            finally:
+                cache.release()
+    for kv, s in zip(kvs, starts, strict=True):
+        kv.length = s + 1
+    logits = kern.head_batch(model.final_norm, model.lm_head, cfg.rms_eps, n).copy()
+    return [model.finish_logits(lg) for lg in logits]
+
+
+def _forward_c_each(model, tokens: list[int], kvs: Sequence[KVCache]) -> list[np.ndarray]:
+    """:func:`_forward_c` one token at a time, for a rope whose tables depend on the
+    length reached (dynamic NTK, LongRoPE): each token's attention runs after its own
+    tables are set (as :meth:`MoEDecoder.run_layers_one` sets them), so per layer
+    each token is one attention, one routing and one MoE call of the one-token
+    kernels. The arithmetic per token is :meth:`MoEDecoder._forward_one`'s.
     """
     cfg = model.cfg
     kern = model.kernels()
@@ -297,12 +353,12 @@ def _forward_c(model, tokens: list[int], kvs: Sequence[KVCache]) -> list[np.ndar
                 cache.release()
             h += model.mlp_out(y)
             continue
-        for rows, order in _acquire_groups(idx, cache.table[i], cache.max_acquire):
+        for r0, r1, order in _acquire_groups(idx, cache.table[i], cache.max_acquire):
             slots = cache.acquire(i, order)
             try:
                 slot_of = np.full(cfg.n_experts, -1, np.int64)
                 slot_of[order] = slots
-                for r in rows:
+                for r in range(r0, r1):
                     np.copyto(kern.x, x[r])
                     kern.moe(cache, np.ascontiguousarray(slot_of[idx[r]]), w[r])
                     y[r] = kern.y
@@ -319,8 +375,9 @@ def _forward_c(model, tokens: list[int], kvs: Sequence[KVCache]) -> list[np.ndar
 
 
 def _acquire_groups(idx: np.ndarray, resident: np.ndarray, cap: int):
-    """Rows of ``idx [n, k]`` in groups whose distinct experts fit ``cap`` slots, with
-    each group's experts in acquire order (residents first, then by expert id).
+    """Rows of ``idx [n, k]`` in groups ``(r0, r1, experts)`` of consecutive rows whose
+    distinct experts fit ``cap`` slots, each group's experts in acquire order
+    (residents first, then by expert id).
 
     One group (every row) when the step's union fits; otherwise consecutive
     rows while their union still fits, so every token holds its whole top-k
@@ -328,20 +385,18 @@ def _acquire_groups(idx: np.ndarray, resident: np.ndarray, cap: int):
     """
     uniq = np.unique(idx)
     if uniq.size <= cap:
-        yield range(idx.shape[0]), uniq[np.argsort(resident[uniq] < 0, kind="stable")]
+        yield 0, idx.shape[0], uniq[np.argsort(resident[uniq] < 0, kind="stable")]
         return
-    rows: list[int] = []
+    r0 = 0
     held: set[int] = set()
-    for r in range(idx.shape[0]):
-        mine = set(idx[r].tolist())
-        if rows and len(held | mine) > cap:
+    for r, row in enumerate(idx.tolist()):
+        if r > r0 and len(held.union(row)) > cap:
             g = np.array(sorted(held), np.int64)
-            yield rows, g[np.argsort(resident[g] < 0, kind="stable")]
-            rows, held = [], set()
-        rows.append(r)
-        held |= mine
+            yield r0, r, g[np.argsort(resident[g] < 0, kind="stable")]
+            r0, held = r, set()
+        held.update(row)
     g = np.array(sorted(held), np.int64)
-    yield rows, g[np.argsort(resident[g] < 0, kind="stable")]
+    yield r0, idx.shape[0], g[np.argsort(resident[g] < 0, kind="stable")]
 
 
 def _forward_rows(
@@ -634,7 +689,9 @@ class Handle:
 
         self.id = rid
         self._scheduler = scheduler
-        self._events: queue.Queue[Event] = queue.Queue()
+        # A SimpleQueue: its put is one C call (no Python condition), and the
+        # scheduler's thread makes one per generated token.
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._on_event = on_event
         self.cancelled = False
         self.submitted = time.perf_counter()

@@ -8,7 +8,9 @@
  * q/k/v, q/k norms, RoPE, KV write, grouped-query attention, o_proj, residual,
  * the post-attention RMSNorm) and softmax top-k routing; and, for a prompt's
  * tokens, a quantized matrix against several vectors (czk_matmul), each token
- * computed exactly as czk_matvec computes it. Weights are read in place
+ * computed exactly as czk_matvec computes it; and the batched decode step's
+ * entry points (czk_*_batch: many sequences' tokens per call, each token
+ * computed by the one-token calls on one pool thread). Weights are read in place
  * (a slot's bytes, a trunk array): nothing is widened into a float32 copy.
  *
  * Threads: a pool of pthreads owned by the engine (czk_pool_new). Every
@@ -573,10 +575,12 @@ static void czk_rows_f_portable(const czk_mat *m, const float *x, float *y, int6
 #define CZK_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define CZK_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
+/* czk_tree8 of the eight lanes, in registers: lanes k and k + 4 added, then
+ * (0, 2) and (1, 3), then those two: the same additions in the same order. */
 CZK_AVX2 static inline float czk_hsum8(__m256 v) {
-    float a[8];
-    _mm256_storeu_ps(a, v);
-    return czk_tree8(a);
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
 CZK_AVX2 static inline __m256 czk_load8(const czk_mat *m, int64_t i) {
@@ -586,25 +590,56 @@ CZK_AVX2 static inline __m256 czk_load8(const czk_mat *m, int64_t i) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+/* One row's sum as czk_rows_f_avx2 defines it (four eight-lane accumulators over
+ * 32-column steps, then eight-column steps into the first, (a0 + a1) + (a2 + a3),
+ * czk_tree8, the scalar tail), for RB rows at once: the rows' chains are
+ * independent, so interleaving them hides the multiply-add latency of short
+ * rows without changing any row's operations. */
+CZK_AVX2 static inline __attribute__((always_inline)) void czk_rows_f_rb(
+    const czk_mat *m, const float *x, float *y, int64_t r, const int RB, const int kind) {
+    const int64_t C = m->cols;
+    __m256 a0[2], a1[2], a2[2], a3[2];
+    for (int i = 0; i < RB; i++) a0[i] = a1[i] = a2[i] = a3[i] = _mm256_setzero_ps();
+    czk_mat mk = *m;
+    mk.kind = kind;
+    int64_t c = 0;
+    for (; c + 32 <= C; c += 32) {
+        const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
+        const __m256 x2 = _mm256_loadu_ps(x + c + 16), x3 = _mm256_loadu_ps(x + c + 24);
+        for (int i = 0; i < RB; i++) {
+            const int64_t base = (r + i) * C + c;
+            a0[i] = _mm256_fmadd_ps(czk_load8(&mk, base), x0, a0[i]);
+            a1[i] = _mm256_fmadd_ps(czk_load8(&mk, base + 8), x1, a1[i]);
+            a2[i] = _mm256_fmadd_ps(czk_load8(&mk, base + 16), x2, a2[i]);
+            a3[i] = _mm256_fmadd_ps(czk_load8(&mk, base + 24), x3, a3[i]);
+        }
+    }
+    for (; c + 8 <= C; c += 8)
+        for (int i = 0; i < RB; i++)
+            a0[i] = _mm256_fmadd_ps(czk_load8(&mk, (r + i) * C + c), _mm256_loadu_ps(x + c),
+                                    a0[i]);
+    for (int i = 0; i < RB; i++) {
+        float t = czk_hsum8(_mm256_add_ps(_mm256_add_ps(a0[i], a1[i]), _mm256_add_ps(a2[i], a3[i])));
+        for (int64_t cc = c; cc < C; cc++) t += czk_wf(&mk, (r + i) * C + cc) * x[cc];
+        y[r + i] = t;
+    }
+}
+
+CZK_AVX2 static inline __attribute__((always_inline)) void czk_rows_f_kind(
+    const czk_mat *m, const float *x, float *y, int64_t r0, int64_t r1, const int kind) {
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) czk_rows_f_rb(m, x, y, r, 2, kind);
+    for (; r < r1; r++) czk_rows_f_rb(m, x, y, r, 1, kind);
+}
+
 CZK_AVX2 static void czk_rows_f_avx2(const czk_mat *m, const float *x, float *y, int64_t r0,
                                      int64_t r1) {
-    const int64_t C = m->cols;
-    for (int64_t r = r0; r < r1; r++) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        const int64_t base = r * C;
-        int64_t c = 0;
-        for (; c + 32 <= C; c += 32) {
-            a0 = _mm256_fmadd_ps(czk_load8(m, base + c), _mm256_loadu_ps(x + c), a0);
-            a1 = _mm256_fmadd_ps(czk_load8(m, base + c + 8), _mm256_loadu_ps(x + c + 8), a1);
-            a2 = _mm256_fmadd_ps(czk_load8(m, base + c + 16), _mm256_loadu_ps(x + c + 16), a2);
-            a3 = _mm256_fmadd_ps(czk_load8(m, base + c + 24), _mm256_loadu_ps(x + c + 24), a3);
-        }
-        for (; c + 8 <= C; c += 8)
-            a0 = _mm256_fmadd_ps(czk_load8(m, base + c), _mm256_loadu_ps(x + c), a0);
-        float t = czk_hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-        for (; c < C; c++) t += czk_wf(m, base + c) * x[c];
-        y[r] = t;
-    }
+    if (m->kind == CZK_F32)
+        czk_rows_f_kind(m, x, y, r0, r1, CZK_F32);
+    else if (m->kind == CZK_F16)
+        czk_rows_f_kind(m, x, y, r0, r1, CZK_F16);
+    else
+        czk_rows_f_kind(m, x, y, r0, r1, CZK_BF16);
 }
 
 /* n halves to floats with F16C (bit-exact, as czyx_h2f). */
@@ -1255,7 +1290,25 @@ CZK_AVX2 static void czk_heads_avx2(czk_heads_ctx *c, int64_t t0, int64_t t1) {
         }
         const float inv = czk_softmax_span(s, c->start, c->end, mx);
         float *o = c->out + h * hd;
-        for (int i = 0; i < hd; i += 8) {
+        /* Each output lane sums p_j * v_j over the positions in order; four
+         * lanes-of-eight at a time (independent chains), the rest eight by eight. */
+        int i = 0;
+        for (; i + 32 <= hd; i += 32) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t j = c->start; j < c->end; j++) {
+                const __m256 pj = _mm256_set1_ps(s[j] * inv);
+                const float *vj = v + j * hd + i;
+                a0 = _mm256_add_ps(a0, _mm256_mul_ps(pj, _mm256_loadu_ps(vj)));
+                a1 = _mm256_add_ps(a1, _mm256_mul_ps(pj, _mm256_loadu_ps(vj + 8)));
+                a2 = _mm256_add_ps(a2, _mm256_mul_ps(pj, _mm256_loadu_ps(vj + 16)));
+                a3 = _mm256_add_ps(a3, _mm256_mul_ps(pj, _mm256_loadu_ps(vj + 24)));
+            }
+            _mm256_storeu_ps(o + i, a0);
+            _mm256_storeu_ps(o + i + 8, a1);
+            _mm256_storeu_ps(o + i + 16, a2);
+            _mm256_storeu_ps(o + i + 24, a3);
+        }
+        for (; i < hd; i += 8) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t j = c->start; j < c->end; j++)
                 acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(s[j] * inv),
@@ -1498,5 +1551,481 @@ int czk_topk(const float *logits, int E, int k, int renorm, int64_t *idx, float 
         for (int j = 0; j < k; j++) s += w[j];
         for (int j = 0; j < k; j++) w[j] = w[j] / s;
     }
+    return 0;
+}
+
+/* ------------------------------------------------------------ batched decode
+ *
+ * One call per layer for B sequences' decode tokens (a continuous-batching
+ * step). Attention (and routing) and the head: each sequence is one task of
+ * the pool, computed by the one-token entry points above on that task's
+ * thread (no nested pool use), with its own KV cache, position and scratch
+ * (`work + b * wstride`); with B == 1 the sequence's own loops use the pool
+ * instead (the one-token calls as the engine makes them). The MoE layer:
+ * expert by expert, each held expert's rows read once for the tokens that
+ * chose it, split over the pool by output rows, every (token, expert)
+ * product with czk_moe's operations. A sequence's results are therefore
+ * exactly the one-token calls' with any pool and any batch: every product's
+ * rows and every head are computed with the same instructions whatever the
+ * thread split and the other inputs of a multi-input kernel (see the
+ * header), so a token's logits are bit-identical whether it decodes alone or
+ * in any batch. Each returns 0, or -1 when any sequence's call refused its
+ * arguments. */
+
+typedef struct {
+    const czk_attn *a;
+    const czk_mat *m;
+    int64_t H, E, k, V;
+    int renorm;
+    float *h, *x, *y, *logits;
+    const float *norm;
+    float eps;
+    const uintptr_t *kp, *vp;
+    int64_t pstride;
+    const int64_t *cap, *pos;
+    int64_t window;
+    const float *cs, *sn;
+    int64_t rope_w, rope_rows;
+    const czk_mat *table;
+    const int64_t *slot_of, *idx;
+    const float *w;
+    int64_t *idx_out;
+    float *w_out;
+    float *resid;
+    uint8_t *work;
+    int64_t wstride;
+    czk_pool *inner;
+    int fail;
+} czk_batch_ctx;
+
+static inline void czk_batch_failed(czk_batch_ctx *c) {
+    __atomic_store_n(&c->fail, 1, __ATOMIC_RELAXED);
+}
+
+static void czk_attn_b_task(void *ctx_, int64_t t0, int64_t t1) {
+    czk_batch_ctx *c = (czk_batch_ctx *)ctx_;
+    for (int64_t b = t0; b < t1; b++) {
+        const int64_t pos = c->pos[b];
+        if (pos < 0 || pos >= c->rope_rows) {
+            czk_batch_failed(c);
+            continue;
+        }
+        const int64_t off = pos * c->rope_w;
+        float *kc = (float *)c->kp[b * c->pstride], *vc = (float *)c->vp[b * c->pstride];
+        float *x = c->x + b * c->H;
+        void *wk = c->work + b * c->wstride;
+        if (!kc || !vc || czk_attn_decode(c->inner, c->a, c->H, c->h + b * c->H, x, kc, vc,
+                                          c->cap[b], pos, c->window, c->cs + off, c->sn + off,
+                                          wk)) {
+            czk_batch_failed(c);
+            continue;
+        }
+        if (!c->m) continue;
+        float *lg = c->logits + b * c->E;
+        if (czk_matvec(c->inner, c->m, x, lg, wk) ||
+            czk_topk(lg, (int)c->E, (int)c->k, c->renorm, c->idx_out + b * c->k,
+                     c->w_out + b * c->k))
+            czk_batch_failed(c);
+    }
+}
+
+/* The attention block (czk_attn_decode) for B tokens, then (router not NULL)
+ * each token's softmax top-k routing on its x_out row (czk_matvec, czk_topk):
+ * token b's residual stream h[b] (in place) and x_out[b] rows of H floats, its
+ * layer caches kp[b * pstride] / vp[b * pstride] (float32 [n_kv, cap[b],
+ * head_dim]) and position pos[b]; the rope tables are [rope_rows, rope_w] (row
+ * pos[b]); router logits into logits [B, E] (E = router rows), the routes
+ * into idx / w [B, k]. work: wstride >= czk_attn_work_bytes(a, H, max pos + 1)
+ * bytes per token (which covers the routing's czk_work_bytes(H)). */
+int czk_attn_decode_batch(czk_pool *p, const czk_attn *a, int64_t H, int B, float *h,
+                          float *x_out, const uintptr_t *kp, const uintptr_t *vp,
+                          int64_t pstride, const int64_t *cap, const int64_t *pos,
+                          int64_t window, const float *cs, const float *sn, int64_t rope_w,
+                          int64_t rope_rows, const czk_mat *router, int k, int renorm,
+                          float *logits, int64_t *idx, float *w, void *work, int64_t wstride) {
+    if (B <= 0 || rope_w <= 0 || wstride <= 0) return -1;
+    if (router && (!czk_check(router) || router->cols != H || router->rows > 4096 || k <= 0 ||
+                   k > router->rows))
+        return -1;
+    czk_batch_ctx c;
+    memset(&c, 0, sizeof c);
+    c.a = a;
+    c.H = H;
+    c.h = h;
+    c.x = x_out;
+    c.kp = kp;
+    c.vp = vp;
+    c.pstride = pstride;
+    c.cap = cap;
+    c.pos = pos;
+    c.window = window;
+    c.cs = cs;
+    c.sn = sn;
+    c.rope_w = rope_w;
+    c.rope_rows = rope_rows;
+    c.m = router;
+    c.E = router ? router->rows : 0;
+    c.k = k;
+    c.renorm = renorm;
+    c.logits = logits;
+    c.idx_out = idx;
+    c.w_out = w;
+    c.work = (uint8_t *)work;
+    c.wstride = wstride;
+    c.inner = B == 1 ? p : NULL;
+    const int64_t nq = (int64_t)a->n_heads * a->head_dim, nkv = (int64_t)a->n_kv * a->head_dim;
+    int64_t macs = (int64_t)B * ((nq + 2 * nkv) * H + H * nq + c.E * H);
+    for (int b = 0; b < B; b++) macs += 2 * nq * (pos[b] + 1);
+    if (B == 1)
+        czk_attn_b_task(&c, 0, 1);
+    else
+        czk_run(p, czk_attn_b_task, &c, B, macs);
+    return c.fail ? -1 : 0;
+}
+
+/* The distinct values of idx[0 .. n) (expert ids in [0, E)), those with
+ * resident[e] >= 0 first, each part in ascending order, into out; returns their
+ * count, or -1 for an id outside [0, E) or E > 4096. (A step's union of routed experts in
+ * the order the cache acquires them: its hits before its misses.) */
+int czk_union(const int64_t *idx, int64_t n, const int32_t *resident, int E, int64_t *out) {
+    if (E <= 0 || E > 4096) return -1;
+    uint8_t seen[4096 / 8];
+    memset(seen, 0, (size_t)(E + 7) / 8);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t e = idx[i];
+        if (e < 0 || e >= E) return -1;
+        seen[e >> 3] |= (uint8_t)(1u << (e & 7));
+    }
+    int m = 0;
+    for (int part = 0; part < 2; part++)
+        for (int e = 0; e < E; e++)
+            if ((seen[e >> 3] >> (e & 7) & 1) && ((resident[e] >= 0) == (part == 0)))
+                out[m++] = e;
+    return m;
+}
+
+/* Rows [r0, r1) of a float-kind m against nv <= 2 inputs xs[v] into ys[v]: each
+ * (row, input) exactly as czk_rows computes it (czk_rows_f_rb's operations at
+ * the AVX2 level, czk_rows_f_portable's below it), the row's weights loaded
+ * (and widened) once for both inputs. */
+#if CZK_X86
+CZK_AVX2 static inline __attribute__((always_inline)) void czk_rows_f2_kind(
+    const czk_mat *m, const float *const *xs, int nv, float *const *ys, int64_t r0, int64_t r1,
+    const int kind) {
+    const int64_t C = m->cols;
+    czk_mat mk = *m;
+    mk.kind = kind;
+    for (int64_t r = r0; r < r1; r++) {
+        __m256 a0[2], a1[2], a2[2], a3[2];
+        for (int v = 0; v < 2; v++) a0[v] = a1[v] = a2[v] = a3[v] = _mm256_setzero_ps();
+        const int64_t base = r * C;
+        int64_t c = 0;
+        for (; c + 32 <= C; c += 32) {
+            const __m256 w0 = czk_load8(&mk, base + c), w1 = czk_load8(&mk, base + c + 8);
+            const __m256 w2 = czk_load8(&mk, base + c + 16), w3 = czk_load8(&mk, base + c + 24);
+            for (int v = 0; v < nv; v++) {
+                const float *x = xs[v];
+                a0[v] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + c), a0[v]);
+                a1[v] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + c + 8), a1[v]);
+                a2[v] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + c + 16), a2[v]);
+                a3[v] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + c + 24), a3[v]);
+            }
+        }
+        for (; c + 8 <= C; c += 8) {
+            const __m256 w0 = czk_load8(&mk, base + c);
+            for (int v = 0; v < nv; v++)
+                a0[v] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs[v] + c), a0[v]);
+        }
+        for (int v = 0; v < nv; v++) {
+            float t = czk_hsum8(_mm256_add_ps(_mm256_add_ps(a0[v], a1[v]), _mm256_add_ps(a2[v], a3[v])));
+            for (int64_t cc = c; cc < C; cc++) t += czk_wf(&mk, base + cc) * xs[v][cc];
+            ys[v][r] = t;
+        }
+    }
+}
+
+CZK_AVX2 static void czk_rows_f2_avx2(const czk_mat *m, const float *const *xs, int nv,
+                                      float *const *ys, int64_t r0, int64_t r1) {
+    if (m->kind == CZK_F32)
+        czk_rows_f2_kind(m, xs, nv, ys, r0, r1, CZK_F32);
+    else if (m->kind == CZK_F16)
+        czk_rows_f2_kind(m, xs, nv, ys, r0, r1, CZK_F16);
+    else
+        czk_rows_f2_kind(m, xs, nv, ys, r0, r1, CZK_BF16);
+}
+#endif
+
+/* Rows [r0, r1) of m against nv <= 4 inputs, each (row, input) exactly as czk_rows
+ * computes it: float kinds from xs[v] (pairs of inputs share the weight loads),
+ * quantized ones from av[v] (czk_matmul's kernels: the codes loaded once for the
+ * nv inputs). Output v row r at ys[v][r]. */
+static void czk_rows_nv(const czk_mat *m, const float *const *xs, const czk_xq *av, int nv,
+                        float *const *ys, int64_t r0, int64_t r1) {
+    if (m->kind != CZK_Q) {
+#if CZK_X86
+        if (czk_level() >= 1) {
+            int v = 0;
+            for (; v + 2 <= nv; v += 2) czk_rows_f2_avx2(m, xs + v, 2, ys + v, r0, r1);
+            if (v < nv) czk_rows_f_avx2(m, xs[v], ys[v], r0, r1); /* two rows at a time */
+            return;
+        }
+#endif
+        for (int v = 0; v < nv; v++) czk_rows_f_portable(m, xs[v], ys[v], r0, r1);
+        return;
+    }
+    /* czk_matmul's kernels write output v row r at y[v * ystride + r]: the outputs
+     * of one call are at a fixed stride apart (the callers' buffers are). */
+    const int64_t ystride = nv > 1 ? ys[1] - ys[0] : 0;
+#if CZK_X86
+    const int lvl = czk_level();
+    if (czk_simd_fits(m) && lvl == 2 && m->bits == 8 && CZK_Q8NV512) {
+        czk_q8nv512(m, av, nv, ys[0], ystride, r0, r1);
+        return;
+    }
+    if (czk_simd_fits(m) && lvl == 2) {
+        czk_rows_q_vnni256_multi(m, av, nv, ys[0], ystride, r0, r1);
+        return;
+    }
+    if (czk_simd_fits(m) && lvl == 1) {
+        czk_rows_q_avx2_multi(m, av, nv, ys[0], ystride, r0, r1);
+        return;
+    }
+#endif
+    for (int v = 0; v < nv; v++) czk_rows_q_portable(m, &av[v], ys[v], r0, r1);
+}
+
+/* The batched MoE layer, expert by expert: the (token, k) pairs grouped by the
+ * expert they chose (pairs of one expert consecutive), each expert's gate, up
+ * and down rows read once for all its pairs; every pair's products, SiLU,
+ * input quantizations and the per-token weighted sum in top-k order are
+ * czk_moe's operations for that token. */
+typedef struct {
+    const czk_mat *table;
+    const int64_t *eslot;  /* [n_held] slot of each held expert */
+    const int32_t *estart; /* [n_held + 1] first pair of each expert */
+    const int32_t *ptok;   /* [P] token of each pair */
+    int64_t H, I;
+    const float *x;        /* [B, H] */
+    const czk_xq *ax;      /* [B] quantized inputs (quantized experts) */
+    float *act;            /* [P, I] */
+    const czk_xq *aact;    /* [P] quantized activations (quantized experts) */
+    float *d;              /* [P, H] */
+} czk_moex_ctx;
+
+static void czk_moex_gu_task(void *ctx_, int64_t t0, int64_t t1) {
+    czk_moex_ctx *c = (czk_moex_ctx *)ctx_;
+    float gb[4 * 64], ub[4 * 64];
+    for (int64_t t = t0; t < t1;) {
+        const int64_t e = t / c->I, r = t % c->I;
+        int64_t end = (e + 1) * c->I;
+        if (end > t1) end = t1;
+        if (end - t > 64) end = t + 64;
+        const int64_t n = end - t;
+        const czk_mat *gm = &c->table[3 * c->eslot[e]], *um = gm + 1;
+        for (int32_t p0 = c->estart[e]; p0 < c->estart[e + 1]; p0 += 4) {
+            const int nv = c->estart[e + 1] - p0 < 4 ? c->estart[e + 1] - p0 : 4;
+            const float *xs[4];
+            float *gs[4], *us[4];
+            czk_xq av[4];
+            for (int v = 0; v < nv; v++) {
+                const int32_t b = c->ptok[p0 + v];
+                xs[v] = c->x + b * c->H;
+                if (c->ax) av[v] = c->ax[b];
+                gs[v] = gb + 64 * v - r;
+                us[v] = ub + 64 * v - r;
+            }
+            czk_rows_nv(gm, xs, av, nv, gs, r, r + n);
+            czk_rows_nv(um, xs, av, nv, us, r, r + n);
+            for (int v = 0; v < nv; v++) {
+                float *act = c->act + (int64_t)(p0 + v) * c->I;
+                const float *g = gb + 64 * v, *u = ub + 64 * v;
+                for (int64_t i = 0; i < n; i++) {
+                    const float gv = g[i];
+                    act[r + i] = gv / (1.0f + expf(-gv)) * u[i];
+                }
+            }
+        }
+        t = end;
+    }
+}
+
+static void czk_moex_down_task(void *ctx_, int64_t t0, int64_t t1) {
+    czk_moex_ctx *c = (czk_moex_ctx *)ctx_;
+    for (int64_t t = t0; t < t1;) {
+        const int64_t e = t / c->H, r = t % c->H;
+        int64_t end = (e + 1) * c->H;
+        if (end > t1) end = t1;
+        const czk_mat *dm = &c->table[3 * c->eslot[e] + 2];
+        for (int32_t p0 = c->estart[e]; p0 < c->estart[e + 1]; p0 += 4) {
+            const int nv = c->estart[e + 1] - p0 < 4 ? c->estart[e + 1] - p0 : 4;
+            const float *xs[4];
+            float *ds[4];
+            for (int v = 0; v < nv; v++) {
+                xs[v] = c->act + (int64_t)(p0 + v) * c->I;
+                ds[v] = c->d + (int64_t)(p0 + v) * c->H;
+            }
+            czk_rows_nv(dm, xs, c->aact ? c->aact + p0 : NULL, nv, ds, r, r + (end - t));
+        }
+        t = end;
+    }
+}
+
+/* Scratch bytes of czk_moe_batch for B rows of top-k over experts of hidden H and
+ * intermediate I (held experts at most B * k). */
+int64_t czk_moe_batch_work_bytes(int B, int k, int64_t H, int64_t I) {
+    const int64_t P = (int64_t)B * k;
+    return 4 * (3 * P + 2) + 8 * P + 4 * P * (I + H) + (int64_t)sizeof(czk_xq) * (B + P) +
+           B * ((int64_t)czk_xq_bytes(H) + 64) + P * ((int64_t)czk_xq_bytes(I) + 64) + 8 * 64;
+}
+
+/* The MoE layer (czk_moe) for B rows, its experts held at slots: row b's
+ * experts are idx[b * k .. + k] (ids in [0, E)) in that order, expert
+ * experts[j] (j < n_held, distinct) at slot slots[j] of the cache's descriptor
+ * table of n_slots slots; weights w[b * k ..]; x, y [B, H]; then (resid not
+ * NULL) resid[b] += y[b]. Each row's y is czk_moe's for that row alone; the
+ * products run expert by expert (each expert's rows read once for the rows
+ * that chose it), split over the pool by output rows. A row naming an expert
+ * not held, a slot outside [0, n_slots) or inconsistent shapes or formats
+ * refuse the call (nothing is computed). work: nwork >=
+ * czk_moe_batch_work_bytes(B, k, H, I) bytes. */
+int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slots,
+                  int E, const int64_t *experts, const int64_t *slots, int n_held,
+                  const int64_t *idx, const float *w, const float *x, float *y, float *resid,
+                  int64_t H, void *work, int64_t nwork) {
+    if (B <= 0 || k <= 0 || k > CZK_MAXK || n_slots <= 0 || E <= 0 || E > 4096 ||
+        n_held <= 0 || n_held > B * k)
+        return -1;
+    int32_t pos_of[4096]; /* held position of each expert, -1 if not held */
+    for (int e = 0; e < E; e++) pos_of[e] = -1;
+    for (int j = 0; j < n_held; j++) {
+        if (experts[j] < 0 || experts[j] >= E || slots[j] < 0 || slots[j] >= n_slots ||
+            pos_of[experts[j]] >= 0)
+            return -1;
+        pos_of[experts[j]] = j;
+    }
+    for (int64_t i = 0; i < (int64_t)B * k; i++)
+        if (idx[i] < 0 || idx[i] >= E || pos_of[idx[i]] < 0) return -1;
+    /* The checks czk_moe makes, over every held expert. */
+    const czk_mat *f = &table[3 * slots[0]];
+    const int64_t I = f->rows;
+    if (f->cols != H) return -1;
+    const int kind0 = f->kind;
+    for (int j = 0; j < n_held; j++) {
+        const czk_mat *g = &table[3 * slots[j]], *u = g + 1, *d = g + 2;
+        if (!czk_check(g) || !czk_check(u) || !czk_check(d)) return -1;
+        if (g->rows != I || g->cols != H || u->rows != I || u->cols != H || d->rows != H ||
+            d->cols != I)
+            return -1;
+        if ((g->kind == CZK_Q) != (kind0 == CZK_Q) || u->kind != g->kind || d->kind != g->kind)
+            return -1;
+        if (kind0 == CZK_Q && (g->group != f->group || u->group != g->group ||
+                               d->group != table[3 * slots[0] + 2].group))
+            return -1;
+    }
+    if (kind0 == CZK_Q && I % 32) return -1;
+    if (nwork < czk_moe_batch_work_bytes(B, k, H, I)) return -1;
+    const int quant = kind0 == CZK_Q;
+    const int64_t P = (int64_t)B * k;
+    /* Pairs grouped by held expert (in held order), tokens in order within each. */
+    uint8_t *m = (uint8_t *)czk_align(work);
+    int32_t *estart = (int32_t *)m, *ptok = estart + n_held + 1, *pidx = ptok + P;
+    int64_t *eslot = (int64_t *)czk_align(pidx + P);
+    float *act = (float *)czk_align(eslot + n_held);
+    float *d = (float *)czk_align(act + P * I);
+    czk_xq *ax = (czk_xq *)czk_align(d + P * H);
+    czk_xq *aact = ax + B;
+    m = (uint8_t *)czk_align(aact + P);
+    for (int j = 0; j <= n_held; j++) estart[j] = 0;
+    for (int64_t i = 0; i < P; i++) estart[pos_of[idx[i]] + 1]++;
+    for (int j = 0; j < n_held; j++) {
+        estart[j + 1] += estart[j];
+        eslot[j] = slots[j];
+    }
+    int32_t fill[4096];
+    for (int j = 0; j < n_held; j++) fill[j] = estart[j];
+    for (int64_t i = 0; i < P; i++) {
+        const int32_t q = fill[pos_of[idx[i]]]++;
+        ptok[q] = (int32_t)(i / k);
+        pidx[i] = q;
+    }
+    if (quant) {
+        for (int b = 0; b < B; b++) {
+            czk_xq_bind(&ax[b], m, H);
+            m = (uint8_t *)czk_align(m + czk_xq_bytes(H));
+            czk_quantize(x + (int64_t)b * H, &ax[b]);
+            czk_xq_groups(&ax[b], f->group);
+        }
+    }
+    czk_moex_ctx c = {table, eslot, estart, ptok, H, I, x, quant ? ax : NULL, act, NULL, d};
+    czk_run(p, czk_moex_gu_task, &c, (int64_t)n_held * I, 2 * P * I * H);
+    if (quant) {
+        for (int64_t q = 0; q < P; q++) {
+            czk_xq_bind(&aact[q], m, I);
+            m = (uint8_t *)czk_align(m + czk_xq_bytes(I));
+            czk_quantize(act + q * I, &aact[q]);
+            czk_xq_groups(&aact[q], table[3 * slots[0] + 2].group);
+        }
+        c.aact = aact;
+    }
+    czk_run(p, czk_moex_down_task, &c, (int64_t)n_held * H, P * I * H);
+    /* Each row's weighted sum in its top-k order (czk_moe_down_task's operations). */
+    for (int b = 0; b < B; b++) {
+        float *yb = y + (int64_t)b * H;
+        for (int j = 0; j < k; j++) {
+            const float wj = w[(int64_t)b * k + j];
+            const float *dj = d + (int64_t)pidx[(int64_t)b * k + j] * H;
+            if (j == 0)
+                for (int64_t i = 0; i < H; i++) yb[i] = wj * dj[i];
+            else
+                for (int64_t i = 0; i < H; i++) yb[i] += wj * dj[i];
+        }
+        if (resid) {
+            float *h = resid + (int64_t)b * H;
+            for (int64_t i = 0; i < H; i++) h[i] += yb[i];
+        }
+    }
+    return 0;
+}
+
+static void czk_head_b_task(void *ctx_, int64_t t0, int64_t t1) {
+    czk_batch_ctx *c = (czk_batch_ctx *)ctx_;
+    for (int64_t b = t0; b < t1; b++) {
+        uint8_t *wk = c->work + b * c->wstride;
+        float *xn = (float *)czk_align(wk);
+        czk_rms(c->h + b * c->H, c->norm, c->H, c->eps, xn);
+        if (czk_matvec(c->inner, c->m, xn, c->logits + b * c->V, czk_align(xn + c->H)))
+            czk_batch_failed(c);
+    }
+}
+
+/* The head for B rows: logits[b] = lm_head @ (rmsnorm(h[b]) * norm), as czk_rmsnorm
+ * then czk_matvec. work: wstride >= 4 * H + 128 + czk_work_bytes(H) bytes per row. */
+int czk_head_batch(czk_pool *p, int B, const float *h, int64_t H, const float *norm, float eps,
+                   const czk_mat *lm_head, float *logits, void *work, int64_t wstride) {
+    if (B <= 0 || !czk_check(lm_head) || lm_head->cols != H) return -1;
+    czk_batch_ctx c;
+    memset(&c, 0, sizeof c);
+    c.h = (float *)h;
+    c.H = H;
+    c.norm = norm;
+    c.eps = eps;
+    c.m = lm_head;
+    c.V = lm_head->rows;
+    c.logits = logits;
+    c.work = (uint8_t *)work;
+    c.wstride = wstride;
+    c.inner = B == 1 ? p : NULL;
+    if (B == 1)
+        czk_head_b_task(&c, 0, 1);
+    else
+        czk_run(p, czk_head_b_task, &c, B, (int64_t)B * lm_head->rows * H);
+    return c.fail ? -1 : 0;
+}
+
+/* Rows tokens[0 .. B) of m into out [B, cols] (czk_row each: an embedding lookup). */
+int czk_rows_take(const czk_mat *m, int B, const int64_t *tokens, float *out) {
+    if (!czk_check(m)) return -1;
+    for (int b = 0; b < B; b++)
+        if (czk_row(m, tokens[b], out + (int64_t)b * m->cols)) return -1;
     return 0;
 }

@@ -50,3 +50,18 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
                     const float *cs, const float *sn, void *work);
 int czk_row(const czk_mat *m, int64_t r, float *out);
 int czk_topk(const float *logits, int E, int k, int renorm, int64_t *idx, float *w);
+int czk_attn_decode_batch(czk_pool *p, const czk_attn *a, int64_t H, int B, float *h,
+                          float *x_out, const uintptr_t *kp, const uintptr_t *vp,
+                          int64_t pstride, const int64_t *cap, const int64_t *pos,
+                          int64_t window, const float *cs, const float *sn, int64_t rope_w,
+                          int64_t rope_rows, const czk_mat *router, int k, int renorm,
+                          float *logits, int64_t *idx, float *w, void *work, int64_t wstride);
+int czk_union(const int64_t *idx, int64_t n, const int32_t *resident, int E, int64_t *out);
+int64_t czk_moe_batch_work_bytes(int B, int k, int64_t H, int64_t I);
+int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slots,
+                  int E, const int64_t *experts, const int64_t *slots, int n_held,
+                  const int64_t *idx, const float *w, const float *x, float *y, float *resid,
+                  int64_t H, void *work, int64_t nwork);
+int czk_head_batch(czk_pool *p, int B, const float *h, int64_t H, const float *norm, float eps,
+                   const czk_mat *lm_head, float *logits, void *work, int64_t wstride);
+int czk_rows_take(const czk_mat *m, int B, const int64_t *tokens, float *out);

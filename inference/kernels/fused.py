@@ -7,7 +7,11 @@ float16 or bfloat16 array, or a packed q2/q3/q4/q8 :class:`PackedMatrix`)
 without copying it; :class:`ExpertTable` describes every slot of an expert
 cache once (a slot's views follow whatever is later read into it);
 :class:`DecodeKernels` holds one decoder's preallocated buffers and runs the
-attention block, the routing, the MoE layer and the head of one token.
+attention block, the routing, the MoE layer and the head of one token, or of
+a batch of tokens each from its own sequence (its ``*_batch`` methods on a
+:class:`DecodeBatch`: one call per layer for the whole batch, each token
+computed by the one-token kernels on one of the pool's threads, so exactly as
+alone).
 
 The numerics of each call are stated in ``czk.c``; results do not depend on
 the thread count. Without the compiled extension :func:`have_czk` is False
@@ -214,8 +218,12 @@ class DecodeKernels:
         self._mats: dict[int, tuple[Any, Any]] = {}
         self._attn: dict[int, _AttnDesc] = {}
         self._attn_len = 0
-        self._experts: tuple[Any, ExpertTable] | None = None
+        self._experts: tuple[Any, ExpertTable, int] | None = None
         self._rope: tuple[Any, Any, Any, int] | None = None
+        self._batch: DecodeBatch | None = None
+        self._batch_top = 0
+        # Scratch per token of the batched head (the normed row, then its quantization).
+        self._head_need = 4 * hidden + 128 + int(_lib.czk_work_bytes(hidden)) if _lib else 0
 
     def close(self) -> None:
         """Join the pool's threads."""
@@ -371,7 +379,7 @@ class DecodeKernels:
             table = ExpertTable(cache)
             first = table.table[0]
             self._reserve(int(_lib.czk_moe_work_bytes(self.top_k, first.cols, first.rows)))
-            ex = self._experts = (cache, table)
+            ex = self._experts = (cache, table, int(cache.n_experts))
         if len(slots) > self.top_k:
             raise KernelError(f"{len(slots)} experts for one token, top-k is {self.top_k}")
         rc = _lib.czk_moe(
@@ -398,6 +406,260 @@ class DecodeKernels:
             hit = self._mats[id(final_norm)] = (final_norm, _fptr(final_norm))
         _lib.czk_rmsnorm(self._ph, hit[1], self.hidden, eps, self._px)
         self._matvec(m, self._px, self._plog)
+
+    # ------------------------------------------------------------ batched decode
+
+    def begin_batch(
+        self, kvs: Any, n_layers: int, n_kv: int, head_dim: int, rotary: Any
+    ) -> DecodeBatch:
+        """Start a batched decode step of one token per KV cache in ``kvs``.
+
+        Each cache must have room for its next position (``kv.reserve``). Fills
+        the step's positions, capacities and KV pointers, grows the rope tables
+        to the furthest position, and returns the buffers (rows ``0 .. len(kvs)``).
+        The rope tables must not depend on the length reached (a dynamic or
+        LongRoPE rope decodes one sequence at a time: :meth:`attention`).
+        """
+        n = len(kvs)
+        bt = self._batch
+        if bt is None or bt.cap < n or bt.n_layers != n_layers:
+            cap = max(n, 8, 2 * bt.cap if bt is not None else 0)
+            bt = self._batch = DecodeBatch(self.hidden, self.logits.size, self.top_k, n_layers, cap)
+        top = 0
+        for r, kv in enumerate(kvs):
+            bt.kvp[r] = _kv_pointers(kv, n_layers, n_kv, head_dim)
+            bt.kvcap[r] = kv.k[0].shape[1]
+            bt.pos[r] = kv.length
+            top = max(top, kv.length)
+        if top >= rotary._cos.shape[0]:
+            rotary._grow(max(top + 1, 2 * rotary._cos.shape[0]))
+        rope = self._rope
+        if rope is None or rope[0] is not rotary._cos:
+            rope = self._rope = (
+                rotary._cos,
+                _fptr(rotary._cos),
+                _fptr(rotary._sin),
+                rotary._cos.shape[1],
+            )
+        self._batch_top = top
+        return bt
+
+    def embed_batch(self, table: np.ndarray | PackedMatrix, tokens: list[int]) -> None:
+        """Rows ``0 .. len(tokens)`` of the batch's ``h`` = the tokens' embedding rows."""
+        bt = self._batch
+        n = len(tokens)
+        if isinstance(table, np.ndarray):
+            bt.h[:n] = table[tokens]  # (float16 rows widened exactly, as embed's copy)
+            return
+        bt.tokens[:n] = tokens
+        if _lib.czk_rows_take(self._desc(table), n, bt.p_tokens, bt.p_h):
+            raise KernelError(f"czk_rows_take refused rows of a {table.shape} table")
+
+    def attention_batch(
+        self,
+        lw: Any,
+        layer: int,
+        n: int,
+        window: int | None,
+        rotary: Any,
+        eps: float,
+        n_heads: int,
+        n_kv: int,
+        head_dim: int,
+        qk_norm: int = 0,
+        clip: float | None = None,
+        top_k: int = 0,
+        renorm: bool = False,
+    ) -> None:
+        """:meth:`attention` then (``top_k`` > 0) :meth:`route` for the batch's first ``n``
+        tokens, in one call: layer ``layer`` of each token's own KV cache at its own
+        position; ``h`` in place, ``x`` the post-attention norm, ``idx`` / ``w`` the
+        routes on ``x`` by ``lw.router``. Each token's arithmetic is those methods'."""
+        d = self._attn.get(id(lw))
+        if d is None or d.layer is not lw:
+            d = self._describe_attn(
+                lw, eps, n_heads, n_kv, head_dim, rotary.rotary_dim, qk_norm, clip
+            )
+        bt = self._batch
+        if bt.attn_len <= self._batch_top:  # scratch holds scores for attn_len positions
+            length = max(2 * self._batch_top, 256)
+            bt.reserve_work(int(_lib.czk_attn_work_bytes(d.struct, self.hidden, length)))
+            bt.attn_len = length
+        router = _ffi.NULL
+        if top_k:
+            router = self._desc(lw.router)
+            if top_k > self.top_k:
+                raise KernelError(f"routing top-{top_k} exceeds the kernels' top-{self.top_k}")
+            bt.reserve_router(router.rows)
+        rope = self._rope
+        nl = bt.n_layers
+        rc = _lib.czk_attn_decode_batch(
+            self.pool.ptr, d.struct, self.hidden, n, bt.p_h, bt.p_x, bt.p_kvp + layer,
+            bt.p_kvp + nl + layer, 2 * nl, bt.p_kvcap, bt.p_pos, window or 0, rope[1], rope[2],
+            rope[3], rope[0].shape[0], router, top_k, int(renorm), bt.p_rl, bt.p_idx, bt.p_w,
+            bt.p_work, bt.wstride,
+        )  # fmt: skip
+        if rc:
+            raise KernelError(f"czk_attn_decode_batch refused layer {lw.index} for {n} tokens")
+
+    def union(self, n: int, resident: np.ndarray) -> np.ndarray:
+        """The distinct experts of the batch's first ``n`` routes, those resident first
+        (``resident``: a cache table's int32 row, slot or -1), each part ascending: the
+        order a step acquires them in. A view of the batch's buffer."""
+        bt = self._batch
+        if resident.dtype != np.int32 or not resident.flags.c_contiguous:
+            raise KernelError("union takes the cache table's int32 row")
+        m = _lib.czk_union(
+            bt.p_idx, n * self.top_k, _ffi.cast("int32_t *", _ffi.from_buffer(resident)),
+            resident.size, bt.p_union,
+        )  # fmt: skip
+        if m < 0:
+            raise KernelError(f"a routed expert outside 0..{resident.size - 1}")
+        return bt.union[:m]
+
+    def moe_batch(
+        self, cache: Any, r0: int, r1: int, experts: np.ndarray, slots: np.ndarray, add: bool
+    ) -> None:
+        """:meth:`moe` for the batch's rows ``r0 .. r1``: row ``r``'s experts ``idx[r]`` (in
+        that order), expert ``experts[j]`` held at ``slots[j]`` (the acquire's result),
+        weights ``w[r]``, into ``y[r]``; ``add``: then ``h[r] += y[r]`` (the residual).
+
+        The products run expert by expert, each expert's rows read once for every row
+        that chose it; each row's result is exactly :meth:`moe`'s for that row alone."""
+        ex = self._experts
+        if ex is None or ex[0] is not cache:
+            table = ExpertTable(cache)
+            first = table.table[0]
+            self._reserve(int(_lib.czk_moe_work_bytes(self.top_k, first.cols, first.rows)))
+            ex = self._experts = (cache, table, int(cache.n_experts))
+        bt = self._batch
+        if bt.moe_table is not ex[1]:  # scratch for a whole batch of rows (not per row)
+            first = ex[1].table[0]
+            need = int(_lib.czk_moe_batch_work_bytes(bt.cap, self.top_k, first.cols, first.rows))
+            bt.reserve_work(-(-need // bt.cap))
+            bt.moe_table = ex[1]
+        if (
+            experts.dtype != np.int64
+            or slots.dtype != np.int64
+            or experts.shape != slots.shape
+            or not (experts.flags.c_contiguous and slots.flags.c_contiguous)
+        ):
+            raise KernelError("moe_batch takes int64 experts and their slots, one each")
+        k, h = self.top_k, self.hidden
+        rc = _lib.czk_moe_batch(
+            self.pool.ptr, r1 - r0, k, ex[1].table, ex[1].n_slots, ex[2],
+            _ffi.cast("int64_t *", _ffi.from_buffer(experts)),
+            _ffi.cast("int64_t *", _ffi.from_buffer(slots)), experts.size, bt.p_idx + r0 * k,
+            bt.p_w + r0 * k, bt.p_x + r0 * h, bt.p_y + r0 * h,
+            bt.p_h + r0 * h if add else _ffi.NULL, h, bt.p_work, bt.work.size,
+        )  # fmt: skip
+        if rc:
+            raise KernelError("czk_moe_batch refused the experts (slots, shapes or formats)")
+
+    def head_batch(
+        self, final_norm: np.ndarray, lm_head: np.ndarray | PackedMatrix, eps: float, n: int
+    ) -> np.ndarray:
+        """:meth:`head` for the batch's first ``n`` rows of ``h``; returns ``logits[:n]``
+        (a view of the batch's buffer, valid until the next batched step)."""
+        m = self._desc(lm_head)
+        hit = self._mats.get(id(final_norm))
+        if hit is None or hit[0] is not final_norm:
+            hit = self._mats[id(final_norm)] = (final_norm, _fptr(final_norm))
+        bt = self._batch
+        if bt.wstride < self._head_need:
+            bt.reserve_work(self._head_need)
+        if _lib.czk_head_batch(
+            self.pool.ptr, n, bt.p_h, self.hidden, hit[1], eps, m, bt.p_logits, bt.p_work,
+            bt.wstride,
+        ):  # fmt: skip
+            raise KernelError(f"czk_head_batch refused a [{m.rows}, {m.cols}] head")
+        return bt.logits[:n]
+
+
+class DecodeBatch:
+    """Buffers of a batched decode step: B tokens (each its own sequence) per call.
+
+    Preallocated for a maximum batch (grown by doubling, never per call): the
+    residual streams :attr:`h`, the MoE inputs :attr:`x` and outputs :attr:`y`
+    ``[B, hidden]``, the routes :attr:`idx` / :attr:`w` ``[B, top_k]``, the
+    logits ``[B, vocab]``, each token's position, KV capacity and KV pointers,
+    and one scratch region per token (``wstride`` bytes each). The batched
+    entry points of ``czk.c`` read and write their first ``n`` rows.
+    """
+
+    def __init__(self, hidden: int, vocab: int, top_k: int, n_layers: int, cap: int) -> None:
+        self.cap = cap
+        self.n_layers = n_layers
+        self.h = np.zeros((cap, hidden), F32)
+        self.x = np.zeros((cap, hidden), F32)
+        self.y = np.zeros((cap, hidden), F32)
+        self.idx = np.zeros((cap, top_k), np.int64)
+        self.w = np.zeros((cap, top_k), F32)
+        self.logits = np.zeros((cap, vocab), F32)
+        self.tokens = np.zeros(cap, np.int64)
+        self.pos = np.zeros(cap, np.int64)
+        self.kvcap = np.zeros(cap, np.int64)
+        self.kvp = np.zeros((cap, 2 * n_layers), np.uintp)
+        self.router_logits = np.zeros(0, F32)
+        self.union = np.zeros(4096, np.int64)
+        self.p_union = _ffi.cast("int64_t *", _ffi.from_buffer(self.union))
+        self.moe_table: Any = None
+        self.p_h, self.p_x, self.p_y = _fptr(self.h), _fptr(self.x), _fptr(self.y)
+        self.p_idx = _ffi.cast("int64_t *", _ffi.from_buffer(self.idx))
+        self.p_w = _fptr(self.w)
+        self.p_logits = _fptr(self.logits)
+        self.p_tokens = _ffi.cast("int64_t *", _ffi.from_buffer(self.tokens))
+        self.p_pos = _ffi.cast("int64_t *", _ffi.from_buffer(self.pos))
+        self.p_kvcap = _ffi.cast("int64_t *", _ffi.from_buffer(self.kvcap))
+        self.p_kvp = _ffi.cast("uintptr_t *", _ffi.from_buffer(self.kvp))
+        self.p_rl: Any = None
+        self.work = np.zeros(0, np.uint8)
+        self.p_work: Any = None
+        self.wstride = 0
+        self.attn_len = 0
+
+    def reserve_work(self, nbytes: int) -> None:
+        """At least ``nbytes`` of scratch per token (rounded to cache lines, doubling)."""
+        if nbytes <= self.wstride:
+            return
+        stride = max(-(-int(nbytes) // 64) * 64, 2 * self.wstride)
+        self.work = np.zeros(self.cap * stride, np.uint8)
+        self.p_work = _ptr(self.work)
+        self.wstride = stride
+
+    def reserve_router(self, n_experts: int) -> None:
+        """Router logits of ``n_experts`` per token."""
+        if self.router_logits.size != self.cap * n_experts:
+            self.router_logits = np.zeros(self.cap * n_experts, F32)
+            self.p_rl = _fptr(self.router_logits)
+
+
+def _kv_pointers(kv: Any, n_layers: int, n_kv: int, head_dim: int) -> np.ndarray:
+    """The addresses of ``kv``'s per-layer K then V arrays (kept on ``kv`` until it grows).
+
+    A :class:`~czyx.inference.models.base.KVCache` replaces every layer's arrays
+    together when it grows, so its first K and last V arrays identify the set.
+
+    Raises
+    ------
+    KernelError
+        For arrays that are not float32 C-contiguous ``[n_kv, capacity, head_dim]``.
+    """
+    hit = getattr(kv, "_czk_ptrs", None)
+    if hit is not None and hit[0] is kv.k[0] and hit[1] is kv.v[-1]:
+        return hit[2]
+    arrs = [*kv.k, *kv.v]
+    cap = kv.k[0].shape[1] if kv.k else 0
+    if len(arrs) != 2 * n_layers or any(
+        a.dtype != F32 or not a.flags.c_contiguous or a.shape != (n_kv, cap, head_dim) for a in arrs
+    ):
+        raise KernelError(
+            f"a KV cache for the batched decode must hold {n_layers} float32 "
+            f"[{n_kv}, capacity, {head_dim}] arrays per K and V"
+        )
+    ptrs = np.array([a.ctypes.data for a in arrs], np.uintp)
+    kv._czk_ptrs = (kv.k[0], kv.v[-1], ptrs)
+    return ptrs
 
 
 _scope = threading.local()

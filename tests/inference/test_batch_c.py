@@ -1,0 +1,218 @@
+"""The batched C decode step (inference.batch._forward_c on kernels.fused.DecodeKernels).
+
+A step's decode tokens run as one C call per layer for every sequence (each
+sequence a task of the engine's pool, computed by the one-token kernels), so
+each sequence's logits must be bit-identical to the same token decoded alone
+by the engine (``MoEDecoder.forward`` of one token: the engine's C decode),
+whatever the batch size, the other sequences' lengths, the weight format
+(float32, float16 store, q8, q4) and the pool's thread count (with loops
+forced to split over two threads). Covered: Mixtral with a sliding window
+shorter than the sequences, Qwen3-MoE (per-head q/k norms), OLMoE (q/k norms
+over all heads). The KV each step writes is the solo decode's too, and the
+kernels refuse a route to an expert the step does not hold.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from czyx.inference.batch import _c_decodes, forward_batch
+from czyx.inference.engine import Engine
+from czyx.inference.kernels import fused
+from czyx.inference.kernels.fused import KernelError
+from czyx.inference.opened import OpenedModel
+from czyx.store import Store
+from czyx.store.models.mount import mount
+from czyx.store.quant.memory import QuantizedConsumer
+from czyx.store.quant.policy import POLICIES, parse_policy
+from czyx.testing.refmodels import StateDictConsumer, tiny_model
+from czyx.testing.tiny_models import make_tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(not fused.have_czk(), reason="the C kernels are not built")
+
+Q8 = "none,expert=q8,attention=q8,router=q8,embed=q8,lm_head=q8"
+SIZES = {
+    "mixtral": dict(hidden_size=64, intermediate_size=64),  # sliding_window=9
+    "qwen3_moe": dict(hidden_size=64, moe_intermediate_size=32),
+    "olmoe": dict(hidden_size=64, intermediate_size=32),
+}
+# Per case: architecture, then None (float32), "q8" or "q4" (quantized in memory),
+# or "f16-store" / "bf16-store" (a float16 / bfloat16 checkpoint mounted in a store:
+# experts read as stored).
+CASES = [
+    ("mixtral", None),
+    ("qwen3_moe", None),
+    ("olmoe", "q8"),
+    ("mixtral", "q4"),
+    ("qwen3_moe", "q8"),
+    ("mixtral", "f16-store"),
+    ("qwen3_moe", "bf16-store"),
+]
+# Prompt lengths of eight sequences: all different, some past the sliding window.
+LENGTHS = [1, 12, 5, 17, 3, 9, 2, 14]
+
+
+@pytest.fixture
+def split_loops():
+    """Every pool loop of more than one task splits over the pool's threads."""
+    fused.set_min_work(1)
+    yield
+    fused.set_min_work(1 << 16)
+
+
+def _consumer(arch: str, fmt: str | None, tmp_path):
+    if fmt in ("f16-store", "bf16-store"):
+        sizes = {"moe_intermediate_size": 32} if arch == "qwen3_moe" else {"sliding_window": 9}
+        ckpt = make_tiny_checkpoint(
+            arch, tmp_path / "ckpt", dtype="float16" if fmt == "f16-store" else "bfloat16",
+            hidden_size=64, intermediate_size=64, **sizes,
+        )  # fmt: skip
+        with Store.open(tmp_path / "store") as st:
+            mount(st, ckpt, "m@1")
+        return OpenedModel(str(tmp_path / "store"), "m@1", None)
+    base = StateDictConsumer(tiny_model(arch, **SIZES[arch]))
+    if fmt is None:
+        return base
+    return QuantizedConsumer(base, POLICIES["q4-all"] if fmt == "q4" else parse_policy(Q8))
+
+
+def _copy(model, kv):
+    out = model.new_kv(kv.capacity)
+    for i in range(len(kv.k)):
+        out.k[i][:] = kv.k[i]
+        out.v[i][:] = kv.v[i]
+    out.length = kv.length
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("arch", "fmt"), CASES)
+def test_batched_decode_is_each_sequence_decoded_alone(tmp_path, split_loops, arch, fmt, threads):
+    opened = _consumer(arch, fmt, tmp_path)
+    consumer = opened.consumer if isinstance(opened, OpenedModel) else opened
+    eng = Engine(consumer, threads=threads)
+    model = eng.model
+    try:
+        assert _c_decodes(model), (arch, fmt)
+        if fmt in ("f16-store", "bf16-store"):
+            assert str(model.experts.format) == fmt.split("-")[0]
+        rng = np.random.default_rng(7)
+        vocab = model.cfg.vocab_size
+        kvs = [model.new_kv() for _ in LENGTHS]
+        forward_batch(model, [rng.integers(0, vocab, n) for n in LENGTHS], kvs)
+        for b in (1, 2, 5, 8):
+            for _ in range(2):  # two steps: every sequence at a new length each time
+                toks = [int(t) for t in rng.integers(0, vocab, b)]
+                alone = [_copy(model, kv) for kv in kvs[:b]]
+                want = [model.forward(np.array([t]), kv) for t, kv in zip(toks, alone)]
+                got = forward_batch(model, [np.array([t]) for t in toks], kvs[:b])
+                for s in range(b):
+                    assert np.array_equal(got[s], want[s]), (arch, fmt, threads, b, s)
+                    assert kvs[s].length == alone[s].length
+                    for i in range(model.cfg.n_layers):
+                        n = kvs[s].length
+                        assert np.array_equal(kvs[s].k[i][:, :n], alone[s].k[i][:, :n])
+                        assert np.array_equal(kvs[s].v[i][:, :n], alone[s].v[i][:, :n])
+        if model.cfg.sliding_windows[0]:
+            assert max(kv.length for kv in kvs) > model.cfg.sliding_windows[0]  # exceeded
+    finally:
+        eng.close()
+        if isinstance(opened, OpenedModel):
+            opened.close()
+
+
+@pytest.fixture(params=fused.LEVELS)
+def level(request):
+    """The kernels capped at each SIMD path the machine has (the others are skipped)."""
+    if fused.LEVELS.index(request.param) > fused._lib.czk_level():
+        pytest.skip(f"no {request.param} on this machine")
+    fused.set_level_cap(request.param)
+    yield request.param
+    fused.set_level_cap("avx512vnni")
+
+
+@pytest.mark.parametrize("fmt", [None, "q8", "q4"])
+def test_every_simd_path_batches_as_it_decodes_alone(split_loops, level, fmt):
+    """The batched MoE shares each expert's rows between the tokens that chose it
+    (czk_matmul's kernels for packed experts, a two-input row kernel for float
+    ones): per SIMD path, still each token's solo decode bit for bit."""
+    base = StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"]))
+    consumer = base if fmt is None else QuantizedConsumer(
+        base, POLICIES["q4-all"] if fmt == "q4" else parse_policy(Q8)
+    )  # fmt: skip
+    eng = Engine(consumer, threads=2)
+    model = eng.model
+    try:
+        rng = np.random.default_rng(5)
+        kvs = [model.new_kv() for _ in range(8)]
+        forward_batch(model, [rng.integers(0, 256, n) for n in LENGTHS], kvs)
+        for _ in range(2):
+            toks = [int(t) for t in rng.integers(0, 4, 8)]  # few distinct: experts shared
+            want = [model.forward(np.array([t]), _copy(model, kv)) for t, kv in zip(toks, kvs)]
+            got = forward_batch(model, [np.array([t]) for t in toks], kvs)
+            assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True)), level
+    finally:
+        eng.close()
+
+
+def test_a_batch_larger_than_the_buffers_grows_them(split_loops):
+    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=2)
+    model = eng.model
+    try:
+        rng = np.random.default_rng(1)
+        for b in (3, 12, 20):  # past the first buffers (8 rows), then past their doubling
+            kvs = [model.new_kv() for _ in range(b)]
+            forward_batch(model, [rng.integers(0, 256, 1 + s % 7) for s in range(b)], kvs)
+            toks = [int(t) for t in rng.integers(0, 256, b)]
+            want = [model.forward(np.array([t]), _copy(model, kv)) for t, kv in zip(toks, kvs)]
+            got = forward_batch(model, [np.array([t]) for t in toks], kvs)
+            assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+            assert model.kernels()._batch.cap >= b
+    finally:
+        eng.close()
+
+
+def test_union_is_the_distinct_experts_residents_first():
+    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=1)
+    model = eng.model
+    try:
+        kern = model.kernels()
+        kv = model.new_kv()
+        bt = kern.begin_batch([kv] * 6, model.cfg.n_layers, model.cfg.n_kv_heads,
+                              model.cfg.head_dim, model.rotary)  # fmt: skip
+        bt.idx[:6] = [[5, 1], [1, 7], [6, 0], [5, 7], [2, 3], [0, 6]]
+        resident = np.array([-1, 4, -1, 0, -1, 2, 7, -1], np.int32)
+        got = kern.union(6, resident)
+        assert got.tolist() == [1, 3, 5, 6, 0, 2, 7]
+        bt.idx[0, 0] = 8  # outside the layer's experts
+        with pytest.raises(KernelError):
+            kern.union(6, resident)
+    finally:
+        eng.close()
+
+
+def test_a_route_to_an_expert_not_held_is_refused():
+    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=1)
+    model = eng.model
+    try:
+        kern = model.kernels()
+        kvs = [model.new_kv() for _ in range(2)]
+        forward_batch(model, [np.array([3, 4]), np.array([5])], kvs)
+        bt = kern.begin_batch(kvs, model.cfg.n_layers, model.cfg.n_kv_heads,
+                              model.cfg.head_dim, model.rotary)  # fmt: skip
+        bt.idx[:2] = [[0, 1], [1, 2]]
+        bt.w[:2] = 0.5
+        cache = model.experts
+        held = np.array([0, 1], np.int64)  # expert 2 is not held
+        slots = cache.acquire(0, held).copy()
+        try:
+            with pytest.raises(KernelError):
+                kern.moe_batch(cache, 0, 2, held, slots, False)
+            kern.moe_batch(cache, 0, 1, held, slots, False)  # the first row's are held
+            with pytest.raises(KernelError):  # a slot outside the cache
+                kern.moe_batch(cache, 0, 1, held, np.array([0, 10**6], np.int64), False)
+        finally:
+            cache.release()
+    finally:
+        eng.close()
