@@ -1164,6 +1164,27 @@ int64_t czk_moe_work_bytes(int n, int64_t H, int64_t I) {
            (int64_t)n * czk_work_bytes(I) + 64;
 }
 
+/* Whether the n experts at slots of a descriptor table are one MoE layer's:
+ * each a valid gate [I, H], up [I, H] and down [H, I] of one kind (float or
+ * packed, with the first expert's group sizes), I a multiple of 32 when packed. */
+static int czk_experts_ok(const czk_mat *table, const int64_t *slots, int n, int64_t H) {
+    const czk_mat *f = &table[3 * slots[0]];
+    const int64_t I = f->rows;
+    const int quant = f->kind == CZK_Q;
+    for (int j = 0; j < n; j++) {
+        const czk_mat *g = &table[3 * slots[j]], *u = g + 1, *d = g + 2;
+        if (!czk_check(g) || !czk_check(u) || !czk_check(d)) return 0;
+        if (g->rows != I || g->cols != H || u->rows != I || u->cols != H || d->rows != H ||
+            d->cols != I)
+            return 0;
+        if ((g->kind == CZK_Q) != quant || u->kind != g->kind || d->kind != g->kind) return 0;
+        if (quant && (g->group != f->group || u->group != g->group ||
+                      d->group != table[3 * slots[0] + 2].group))
+            return 0;
+    }
+    return !(quant && I % 32);
+}
+
 /* One token through n routed experts: y = sum_j w[j] * down_j(silu(gate_j x) * up_j x),
  * summed in j order. Expert j is table entry slots[j]: (gate [I, H], up [I, H],
  * down [H, I]) at table[3 * slots[j]] (a slot cache's descriptors, made once).
@@ -1174,19 +1195,7 @@ int czk_moe(czk_pool *p, int n, const czk_mat *table, const int64_t *slots, cons
     const czk_mat *mats = table;
     const int64_t I = table[3 * slots[0]].rows, H = table[3 * slots[0]].cols;
     const int kind0 = table[3 * slots[0]].kind;
-    for (int j = 0; j < n; j++) {
-        const czk_mat *g = &table[3 * slots[j]], *u = g + 1, *d = g + 2;
-        if (!czk_check(g) || !czk_check(u) || !czk_check(d)) return -1;
-        if (g->rows != I || g->cols != H || u->rows != I || u->cols != H || d->rows != H ||
-            d->cols != I)
-            return -1;
-        if ((g->kind == CZK_Q) != (kind0 == CZK_Q) || u->kind != g->kind || d->kind != g->kind)
-            return -1;
-        if (kind0 == CZK_Q && (g->group != table[3 * slots[0]].group || u->group != g->group ||
-                               d->group != table[3 * slots[0] + 2].group))
-            return -1;
-    }
-    if (kind0 == CZK_Q && I % 32) return -1;
+    if (!czk_experts_ok(table, slots, n, H)) return -1;
     const int quant = kind0 == CZK_Q;
     uint8_t *m = (uint8_t *)czk_align(work);
     float *act = (float *)m;
@@ -1908,21 +1917,8 @@ int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slo
     /* The checks czk_moe makes, over every held expert. */
     const czk_mat *f = &table[3 * slots[0]];
     const int64_t I = f->rows;
-    if (f->cols != H) return -1;
     const int kind0 = f->kind;
-    for (int j = 0; j < n_held; j++) {
-        const czk_mat *g = &table[3 * slots[j]], *u = g + 1, *d = g + 2;
-        if (!czk_check(g) || !czk_check(u) || !czk_check(d)) return -1;
-        if (g->rows != I || g->cols != H || u->rows != I || u->cols != H || d->rows != H ||
-            d->cols != I)
-            return -1;
-        if ((g->kind == CZK_Q) != (kind0 == CZK_Q) || u->kind != g->kind || d->kind != g->kind)
-            return -1;
-        if (kind0 == CZK_Q && (g->group != f->group || u->group != g->group ||
-                               d->group != table[3 * slots[0] + 2].group))
-            return -1;
-    }
-    if (kind0 == CZK_Q && I % 32) return -1;
+    if (!czk_experts_ok(table, slots, n_held, H)) return -1;
     if (nwork < czk_moe_batch_work_bytes(B, k, H, I)) return -1;
     const int quant = kind0 == CZK_Q;
     const int64_t P = (int64_t)B * k;

@@ -258,6 +258,22 @@ class DecodeKernels:
         if _lib.czk_matvec(self.pool.ptr, m, px, py, self._pwork):
             raise KernelError(f"czk_matvec refused a [{m.rows}, {m.cols}] weight")
 
+    def _rope_to(self, rotary: Any, pos: int) -> tuple[Any, Any, Any, int]:
+        """The rotary tables as the C calls take them (cos, its and sin's pointers, row
+        length), grown first to hold position ``pos``; rebuilt only when the tables were
+        replaced."""
+        if pos >= rotary._cos.shape[0]:
+            rotary._grow(max(pos + 1, 2 * rotary._cos.shape[0]))
+        rope = self._rope
+        if rope is None or rope[0] is not rotary._cos:
+            rope = self._rope = (
+                rotary._cos,
+                _fptr(rotary._cos),
+                _fptr(rotary._sin),
+                rotary._cos.shape[1],
+            )
+        return rope
+
     def attention(
         self,
         lw: Any,
@@ -288,16 +304,7 @@ class DecodeKernels:
         if d.kc is not kcache or d.vc is not vcache:
             d.kc, d.vc = kcache, vcache
             d.pk, d.pv = _fptr(kcache), _fptr(vcache)
-        if pos >= rotary._cos.shape[0]:
-            rotary._grow(max(pos + 1, 2 * rotary._cos.shape[0]))
-        rope = self._rope
-        if rope is None or rope[0] is not rotary._cos:
-            rope = self._rope = (
-                rotary._cos,
-                _fptr(rotary._cos),
-                _fptr(rotary._sin),
-                rotary._cos.shape[1],
-            )
+        rope = self._rope_to(rotary, pos)
         if pos >= self._attn_len:
             self._attn_len = max(2 * pos, 256)
             self._reserve(int(_lib.czk_attn_work_bytes(d.struct, self.hidden, self._attn_len)))
@@ -431,16 +438,7 @@ class DecodeKernels:
             bt.kvcap[r] = kv.k[0].shape[1]
             bt.pos[r] = kv.length
             top = max(top, kv.length)
-        if top >= rotary._cos.shape[0]:
-            rotary._grow(max(top + 1, 2 * rotary._cos.shape[0]))
-        rope = self._rope
-        if rope is None or rope[0] is not rotary._cos:
-            rope = self._rope = (
-                rotary._cos,
-                _fptr(rotary._cos),
-                _fptr(rotary._sin),
-                rotary._cos.shape[1],
-            )
+        self._rope_to(rotary, top)
         self._batch_top = top
         return bt
 
