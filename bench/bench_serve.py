@@ -1053,10 +1053,17 @@ def main() -> int:
                 f"(goal <= 10%; short levels: see the paired figure above). One client: "
                 f"{r1['server_tps']:.1f} tok/s. CPU of the engine alone per generated token "
                 f"at 1 client {r1['engine_cpu'] * 1e6:.0f} us, at 8 clients "
-                f"{r8['engine_cpu'] * 1e6:.0f} us: a decode token costs the same kernel work "
-                "whatever the batch (each token is the engine's own C decode); what a batch "
-                "shares is the step's fixed work and each expert's acquire, and at this cache "
-                "budget the union's misses add reads per token (bytes columns).\n"
+                f"{r8['engine_cpu'] * 1e6:.0f} us. A step of several tokens shares the "
+                "step's fixed work, each layer's C calls and each chosen expert's rows (read "
+                "once for every token that chose it); each token's attention, its own "
+                "products with the attention weights and its expert arithmetic are its "
+                "own"
+                + (
+                    ", and at this cache budget the union's misses add reads per token "
+                    "(bytes columns).\n"
+                    if frac < 1.0
+                    else ".\n"
+                )
             )
     parts.append(
         "Reading the bytes columns: a step acquires, layer by layer, the union of the experts "
