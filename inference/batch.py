@@ -779,6 +779,16 @@ class Scheduler:
         :class:`BatchOptions`.
     on_step
         Called (from the worker) after each step with ``(sequences, tokens, seconds)``.
+    driven
+        False (the default): the scheduler steps on a worker thread of its own.
+        True: it starts no thread; its owner calls :meth:`step_once` while there
+        is work (an event loop, say, that would otherwise pay a thread hop per
+        step to receive the events). Events, ``on_step`` and the end of every
+        sequence then happen on the caller's thread, inside :meth:`step_once`.
+    on_wake
+        Called after a change that may give the scheduler work (a submit, a
+        cancel, :meth:`close`), on the thread that made it: a driver's cue to
+        call :meth:`step_once` again. Must not block.
     """
 
     def __init__(
@@ -786,6 +796,9 @@ class Scheduler:
         model,
         options: BatchOptions = BatchOptions(),
         on_step: Callable[[int, int, float], None] | None = None,
+        *,
+        driven: bool = False,
+        on_wake: Callable[[], None] | None = None,
     ) -> None:
         _hooks(model)  # an architecture the batched step cannot reproduce: refused now
         self.model = model
@@ -808,8 +821,11 @@ class Scheduler:
         )
         self._prefix_bytes = 0
         self._prefix_hits = self._prefix_tokens = 0
-        self._thread = threading.Thread(target=self._run, name="czyx-batch", daemon=True)
-        self._thread.start()
+        self.on_wake = on_wake
+        self._thread: threading.Thread | None = None
+        if not driven:
+            self._thread = threading.Thread(target=self._run, name="czyx-batch", daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------------ public
 
@@ -895,6 +911,8 @@ class Scheduler:
             seq.allowed = allowed
             self._waiting.append(seq)
             self._lock.notify_all()
+        if self.on_wake is not None:
+            self.on_wake()
         return h
 
     def stats(self) -> SchedulerStats:
@@ -918,17 +936,49 @@ class Scheduler:
             )
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop: every pending sequence ends "cancelled"; waits for the worker (bounded)."""
+        """Stop: every pending sequence ends "cancelled"; waits for the worker (bounded).
+
+        A driven scheduler ends them now, on the calling thread: call it from the
+        driver's thread (or once the driver stopped), never during its :meth:`step_once`.
+        """
         with self._lock:
             self._closed = True
             self._lock.notify_all()
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        else:
+            self.step_once()
+        if self.on_wake is not None:
+            self.on_wake()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (no request is accepted)."""
+        return self._closed
+
+    def step_once(self) -> bool:
+        """One iteration of the worker's loop, on the calling thread: drop cancelled
+        sequences, admit waiting ones, plan and run one step (its events emitted here).
+
+        For a ``driven`` scheduler (its owner's loop calls it while it returns True;
+        :attr:`on_wake` says when to start again). Returns False when there was no
+        work (nothing active or admissible, or closed: then every pending sequence
+        ended "cancelled"), True when it ran a step.
+        """
+        with self._lock:
+            work = self._take_work()
+        if not work:
+            return False
+        self._step(work)
+        return True
 
     # ------------------------------------------------------------------ worker
 
     def _wake(self) -> None:
         with self._lock:
             self._lock.notify_all()
+        if self.on_wake is not None:
+            self.on_wake()
 
     def _can_admit_now(self, need: int) -> bool:
         """Whether a new request would be admitted at the next step (nothing ahead of it)."""
@@ -1054,18 +1104,25 @@ class Scheduler:
                 budget -= chunk.size
         return work
 
+    def _take_work(self) -> list[tuple[_Seq, np.ndarray]] | None:
+        """Under the lock: reap cancelled sequences, admit, plan. None once closed (every
+        pending sequence then ended "cancelled")."""
+        self._reap_cancelled()
+        if self._closed:
+            for seq in [*self._waiting, *self._active]:
+                self._finish(seq, "cancelled")
+            self._waiting.clear()
+            self._active.clear()
+            return None
+        self._admit()
+        return self._plan()
+
     def _run(self) -> None:
         while True:
             with self._lock:
-                self._reap_cancelled()
-                if self._closed:
-                    for seq in [*self._waiting, *self._active]:
-                        self._finish(seq, "cancelled")
-                    self._waiting.clear()
-                    self._active.clear()
+                work = self._take_work()
+                if work is None:
                     return
-                self._admit()
-                work = self._plan()
                 if not work:
                     self._lock.wait(timeout=1.0)
                     continue

@@ -21,6 +21,14 @@ Sessions: a request naming a session, by the ``X-Czyx-Session`` header or
 the OpenAI ``user`` field (the same meaning; both given and different is a
 400), resumes the caller's saved KV state and saves the new one as the
 session's next version, as ``czyx run --session`` does.
+
+Stepping: each version's scheduler is driven on the event loop itself (one
+task per version calls :meth:`~czyx.inference.batch.Scheduler.step_once`
+while there is work, yielding to the loop between steps), so a step's events
+reach their requests on the loop's own thread: no thread hop, no GIL hand-off
+per step. A step is one batch of decode tokens or prefill chunks, so the loop
+serves accepts, writes and other requests between any two steps.
+``ServeOptions.scheduler_thread`` keeps the scheduler on a thread of its own.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import asyncio
 import codecs
 import contextlib
 import json
+import logging
 import threading
 import time
 import uuid
@@ -151,6 +160,11 @@ class ServeOptions:
         ``close`` (``czyx serve --ray`` passes one that places the version over a
         Ray cluster: :class:`~czyx.inference.distributed.serving.RayScheduler`).
         The local engine then only answers for the config, tokenizer and sessions.
+        Its events may come from any thread (they are handed to the loop).
+    scheduler_thread
+        The local batcher steps on a thread of its own and hands each step's
+        events to the event loop, instead of being driven on the loop (the
+        default; see the module's docstring).
     """
 
     engine: Mapping[str, Any] = field(default_factory=dict)
@@ -163,6 +177,7 @@ class ServeOptions:
     event_timeout: float = 120.0
     audit: bool = True
     scheduler: Callable[..., Any] | None = None
+    scheduler_thread: bool = False
 
 
 class ApiError(Exception):
@@ -259,11 +274,23 @@ class ServedModel:
                 self.chat_eos_ids = tuple(dict.fromkeys((*self.eos_ids, ids[0])))
         self.created = int(time.time())
         step = lambda n, t, s: on_step(ref, n, t, s)  # noqa: E731
+        #: Steps the scheduler on the event loop (None: it runs on its own thread).
+        self.driver: _LoopDriver | None = None
         try:
             if options.scheduler is not None:
                 self.scheduler = options.scheduler(ref, self.engine, options.batch, step)
-            else:
+            elif options.scheduler_thread:
                 self.scheduler = Scheduler(self.engine.model, options.batch, on_step=step)
+            else:
+                self.driver = _LoopDriver(ref)
+                self.scheduler = Scheduler(
+                    self.engine.model,
+                    options.batch,
+                    on_step=step,
+                    driven=True,
+                    on_wake=self.driver.wake,
+                )
+                self.driver.scheduler = self.scheduler
         except BaseException:
             try:
                 self.engine.close()
@@ -630,6 +657,13 @@ class _Channel:
         if w is not None and not w.done():
             w.set_result(None)
 
+    def put(self, ev: Any) -> None:
+        """One event, on the loop (a driven scheduler's ``on_event``)."""
+        self._items.append(ev)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
     def fail(self, exc: BaseException) -> None:
         """End the pending wait (or the next one) with ``exc`` (on the loop)."""
         self._error = exc
@@ -675,7 +709,8 @@ class _Channel:
 
 
 class _Dispatcher:
-    """Hands scheduler events to the event loop: one loop wake-up per burst, not per event.
+    """Hands scheduler events from a scheduler's own thread (``scheduler_thread``, or a
+    ``ServeOptions.scheduler``) to the event loop: one loop wake-up per burst, not per event.
 
     The scheduler's thread emits one event per sequence per step; waking the
     loop for each would hand the GIL back and forth that many times a step.
@@ -718,13 +753,87 @@ def _dispatcher(loop: asyncio.AbstractEventLoop) -> _Dispatcher:
     return d
 
 
+_log = logging.getLogger("czyx.server")
+
+
+class _LoopDriver:
+    """Steps one driven :class:`~czyx.inference.batch.Scheduler` on the event loop.
+
+    One task per served version: it calls ``step_once`` while there is work,
+    yielding to the loop after every step (``asyncio.sleep(0)``: the loop then
+    runs its I/O and every callback that step made ready, so the requests write
+    their tokens, new requests are read and disconnects are seen before the next
+    step), and waits on a loop-local event when idle; the scheduler's
+    ``on_wake`` (a submit, a cancel, a close) sets it. The task starts with the
+    first request on a loop (so an app serves on whichever loop runs it) and
+    :meth:`stop` ends it at the app's shutdown.
+    """
+
+    def __init__(self, ref: str) -> None:
+        self.ref = ref
+        self.scheduler: Scheduler | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tid = 0
+        self._event: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    def wake(self) -> None:
+        """The scheduler may have work (its ``on_wake``; from any thread)."""
+        ev = self._event
+        if ev is None:
+            return  # not started: the task looks for work when it starts
+        if threading.get_ident() == self._tid:
+            ev.set()
+            return
+        loop = self._loop
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to wake
+            loop.call_soon_threadsafe(ev.set)
+
+    def ensure(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the stepping task on ``loop`` (the running one) unless it runs there."""
+        task = self._task
+        if task is not None and not task.done() and self._loop is loop:
+            return
+        self._loop = loop
+        self._tid = threading.get_ident()
+        self._event = asyncio.Event()
+        self._task = loop.create_task(self._drive(), name=f"czyx-steps-{self.ref}")
+
+    async def _drive(self) -> None:
+        sched, ev = self.scheduler, self._event
+        step, sleep = sched.step_once, asyncio.sleep
+        while not sched.closed:
+            ev.clear()  # before looking for work: a wake from here on is not lost
+            try:
+                while step():
+                    await sleep(0)
+            except Exception:  # a bug, not a request's error (the step fails those closed)
+                _log.exception("%s: a scheduler step failed", self.ref)
+                await sleep(0.05)
+                continue
+            if not sched.closed:
+                await ev.wait()
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Close the scheduler (every pending request ends) and end the task (on the loop)."""
+        self.scheduler.close()  # on the loop, between steps: the driven close ends them now
+        task, self._task = self._task, None
+        if task is None or task.done():
+            return
+        try:
+            await asyncio.wait_for(task, timeout)  # (cancelled if it does not end in time)
+        except TimeoutError:
+            _log.error("%s: the stepping task did not stop within %s s", self.ref, timeout)
+
+
 class _Job:
     """One generation request on the event loop: submitted to its scheduler, its events
     taken in bursts from a :class:`_Channel`, turned into text pieces.
 
     The serving path per token is this object's :meth:`burst`, no chain of async
-    generators: one wake-up of the loop per burst of events (the dispatcher's), one
-    future per wait, the latency histograms fed in bulk.
+    generators: one wake-up per burst of events (a driven scheduler's step on the loop,
+    or the dispatcher's from a scheduler's thread), one future per wait, the latency
+    histograms fed in bulk.
     """
 
     def __init__(
@@ -764,11 +873,16 @@ class _Job:
         Raises :class:`ApiError` 429 when the queue is full, 400 when the context
         exceeds the KV budget or the scheduler refuses the request.
         """
-        post = _dispatcher(self.loop).post
-        ch = self.ch
+        driver = self.served.driver
+        if driver is not None:  # stepped on this loop: events come on this thread
+            driver.ensure(self.loop)
+            on_event = self.ch.put
+        else:
+            post = _dispatcher(self.loop).post
+            ch = self.ch
 
-        def on_event(ev) -> None:  # on the scheduler's thread
-            post(ch, ev)
+            def on_event(ev) -> None:  # on the scheduler's thread
+                post(ch, ev)
 
         session = self.session
         try:
@@ -1362,7 +1476,12 @@ def create_app(
         try:
             yield
         finally:
-            await run_in_threadpool(state.close)
+            try:
+                for m in list(state.models.values()):
+                    if m.driver is not None:
+                        await m.driver.stop()
+            finally:
+                await run_in_threadpool(state.close)
 
     routes: list[BaseRoute] = [
         Route("/health", api.health, methods=["GET"]),

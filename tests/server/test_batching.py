@@ -19,6 +19,11 @@ from czyx.server.threaded import serve_in_thread
 from czyx.store import Store
 from czyx.store.models.mount import mount
 
+#: Tokens of a request that must still run while the test acts beside it (it is cancelled at
+#: the end): at well under a millisecond a token, a few hundred could finish first. Within
+#: the "wide" server's KV budget (2048 positions of the bundled model).
+LONG = 2000
+
 PROMPTS = [
     "def main(argv):\n    ",
     "import os\nimport sys\n",
@@ -107,7 +112,13 @@ def test_disconnect_frees_the_sequence(wide):
     store = app.state.czyx.store
     since = _last_seq(store)
     headers = {"Authorization": f"Bearer {token}"}
-    body = {"model": "stdlib@1", "prompt": "x", "max_tokens": 900, "stream": True, "temperature": 0}
+    body = {
+        "model": "stdlib@1",
+        "prompt": "x",
+        "max_tokens": LONG,
+        "stream": True,
+        "temperature": 0,
+    }
     with (
         httpx.Client(timeout=30) as h,
         h.stream("POST", url + "/v1/completions", json=body, headers=headers) as r,
@@ -118,7 +129,7 @@ def test_disconnect_frees_the_sequence(wide):
             next(lines)
     _wait_idle(app)
     last = _next_request_audit(store, since)
-    assert last["status"] == 499 and last["completion_tokens"] < 900
+    assert last["status"] == 499 and last["completion_tokens"] < LONG
     # A non-streaming client that gives up is freed too.
     since = _last_seq(store)
     with pytest.raises(httpx.TimeoutException):
@@ -126,11 +137,11 @@ def test_disconnect_frees_the_sequence(wide):
             url + "/v1/completions",
             headers=headers,
             timeout=0.3,
-            json={"model": "stdlib@1", "prompt": "x", "max_tokens": 900},
+            json={"model": "stdlib@1", "prompt": "x", "max_tokens": LONG},
         )
     _wait_idle(app)
     last = _next_request_audit(store, since)
-    assert last["status"] == 499 and last["completion_tokens"] < 900
+    assert last["status"] == 499 and last["completion_tokens"] < LONG
 
 
 def test_context_over_the_kv_budget_is_400(wide):
@@ -145,7 +156,7 @@ def test_full_queue_is_429_with_retry_after(tmp_path_factory):
         tmp_path_factory, "narrow", BatchOptions(max_batch=1, max_queue=1, prefill_chunk=8)
     )
     headers = {"Authorization": f"Bearer {token}"}
-    body = {"model": "stdlib@1", "prompt": "x", "max_tokens": 900, "stream": True}
+    body = {"model": "stdlib@1", "prompt": "x", "max_tokens": LONG, "stream": True}
     with serve_in_thread(app) as url, httpx.Client(timeout=30) as h:
         with h.stream("POST", url + "/v1/completions", json=body, headers=headers) as a:
             a_lines = a.iter_lines()  # kept: a dropped iterator closes the stream
