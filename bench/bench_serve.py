@@ -13,15 +13,18 @@ request of ``--tokens`` tokens) it measures, in interleaved rounds:
   (from ``/metrics``), p50/p99 time to first token and inter-token latency as
   the client sees them;
 - **engine alone**: the same :class:`~czyx.inference.batch.Scheduler` and
-  engine options in this process, no HTTP, the clients as threads reading
-  the scheduler's events: the baseline the server's overhead is measured
-  against (``server time per token / engine time per token - 1``), in wall
-  time and in CPU time of the serving process per token (every thread of the
-  server process, from the kernel's per-thread accounting; this process's
-  CPU time for the engine alone). The one-client overhead is also measured
-  on adjacent pairs of longer requests after both sides served the same
-  request once; a pair whose sides read different bytes per token (different
-  cache states) is reported, not averaged in silently.
+  engine options in this process, no HTTP, driven as ``czyx serve`` drives it
+  (this thread steps the scheduler and takes each token as it is emitted): the
+  baseline the server's overhead is measured against (``server time per token
+  / engine time per token - 1``), in wall time and in CPU time of the serving
+  process per token (every thread of the server process, from the kernel's
+  per-thread accounting; this process's CPU time for the engine alone). The
+  one-client overhead is also measured on adjacent runs of longer requests
+  after every side served the same request once, beside a second baseline: the
+  engine alone threaded (the scheduler's own thread, the client a thread
+  reading its handle's events, as a script uses the API); a pair whose sides
+  read different bytes per token (different cache states) is reported, not
+  averaged in silently.
 
 - **llama.cpp's server** (bundled model only, where ``llama-cpp-python[server]``
   is installed): its own FastAPI server (``bench/_llama_server.py``) on the
@@ -422,7 +425,9 @@ def run_llama_level(pool, url, clients, max_tokens, budget_s) -> LevelRun:
 class EngineAlone:
     """The scheduler and engine in this process, with the server's options."""
 
-    def __init__(self, store_dir, ref, args, c_decode: bool = True, store=None) -> None:
+    def __init__(
+        self, store_dir, ref, args, c_decode: bool = True, store=None, driven: bool = True
+    ) -> None:
         from czyx.inference.batch import BatchOptions, Scheduler
         from czyx.inference.engine import Engine
         from czyx.inference.options import BATCHED_OPTIONS
@@ -442,9 +447,14 @@ class EngineAlone:
                 io=default_io_path(), prefetch=args.prefetch == "on", policy=args.policy
             ),
         )
+        # driven (czyx serve's mode): this thread steps the scheduler and takes each
+        # event as it is emitted, no thread hop; threaded: the scheduler's own thread,
+        # each client a thread reading its events (a script's use of the API).
+        self.driven = driven
         self.sched = Scheduler(
             self.engine.model,
             BatchOptions(max_batch=16, max_queue=64, prefill_chunk=32, c_decode=c_decode),
+            driven=driven,
         )
         # Every acquire, in order (for the offline optimum); the level that made it.
         cache = self.engine.model.experts
@@ -484,20 +494,23 @@ class EngineAlone:
         b0 = self.engine.stats().bytes_read
         load0 = os.getloadavg()[0]
         results: list = []
-
-        def client(i):
-            t0 = time.perf_counter()
-            h = self.sched.submit(list(_prompt(i).encode()), max_tokens)
-            stamps = [time.perf_counter() for ev in h.events(budget_s) if isinstance(ev, Token)]
-            results.append((t0, stamps, len(stamps)))
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
         cpu0 = time.process_time()
         t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(budget_s)
+        if self.driven:
+            results = self._driven_level(clients, max_tokens, budget_s)
+        else:
+
+            def client(i):
+                t0 = time.perf_counter()
+                h = self.sched.submit(list(_prompt(i).encode()), max_tokens)
+                stamps = [time.perf_counter() for ev in h.events(budget_s) if isinstance(ev, Token)]
+                results.append((t0, stamps, len(stamps)))
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(budget_s)
         wall = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
         if len(results) != clients:
@@ -516,6 +529,29 @@ class EngineAlone:
             run.ttft.append(stamps[0] - start)
             run.itl.extend(np.diff(stamps).tolist())
         return run
+
+    def _driven_level(self, clients, max_tokens, budget_s) -> list:
+        """Every client's request submitted here, then this thread steps the scheduler
+        until all are done (bounded by ``budget_s``), stamping each token as emitted."""
+        from czyx.inference.batch import Done, Token
+
+        deadline = time.perf_counter() + budget_s
+        runs = []
+        for i in range(clients):
+            rec: dict = {"t0": time.perf_counter(), "stamps": [], "done": False}
+
+            def on_event(ev, rec=rec):
+                if isinstance(ev, Token):
+                    rec["stamps"].append(time.perf_counter())
+                elif isinstance(ev, Done):
+                    rec["done"] = True
+
+            self.sched.submit(list(_prompt(i).encode()), max_tokens, on_event=on_event)
+            runs.append(rec)
+        while not all(r["done"] for r in runs) and time.perf_counter() < deadline:
+            if not self.sched.step_once():
+                time.sleep(0.0005)  # a request is queued behind the KV budget: never here
+        return [(r["t0"], r["stamps"], len(r["stamps"])) for r in runs if r["done"]]
 
     def close(self) -> None:
         self.sched.close()
@@ -698,10 +734,14 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
     url = f"http://127.0.0.1:{port}"
     import httpx
 
-    alone = numpy_alone = llama = None
+    alone = numpy_alone = threaded = llama = None
     try:
         pool = [httpx.Client(timeout=args.level_budget) for _ in range(max(levels))]
         alone = EngineAlone(store_dir, ref, args)
+        # The engine alone as a script uses the API (scheduler thread, a thread per client
+        # reading its events): a second baseline for the one-client overhead.
+        threaded = EngineAlone(store_dir, ref, args, store=alone.store, driven=False)
+        threaded.record(False)
         # The batched path before decode tokens took the engine's C decode (numpy for every
         # chunk), engine alone at 1 and 8 clients: what the scaling ratio was measured against.
         if args.numpy_baseline:
@@ -716,7 +756,7 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
             llama_url = f"http://127.0.0.1:{llama_port}"
             kinds.append("llama")
     except BaseException:  # no server outlives a failed setup
-        for e in (numpy_alone, alone):
+        for e in (numpy_alone, threaded, alone):
             if e is not None:
                 e.close()
         for p in (proc, llama):
@@ -724,7 +764,8 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
                 _stop(p)
         raise
     runs: dict[str, dict[int, list[LevelRun]]] = {k: {} for k in kinds}
-    overhead_pairs: list[tuple[LevelRun, LevelRun]] = []  # (server, engine), one client
+    # (server, engine alone driven, engine alone threaded), one client
+    overhead_pairs: list[tuple[LevelRun, LevelRun, LevelRun]] = []
     level_ids = itertools.count()
     try:
         # Warm each (first requests pay imports and cold caches), then interleave.
@@ -770,16 +811,19 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
         alone.record(False)
         run_server_level(pool, url, token, ref, 1, args.overhead_tokens, args.level_budget)
         alone.level(1, args.overhead_tokens, args.level_budget)
+        threaded.level(1, args.overhead_tokens, args.level_budget)
+        sides = ["server", "engine", "threaded"]
         for rnd in range(args.overhead_rounds):
             pair = {}
-            for kind in ("server", "engine") if rnd % 2 == 0 else ("engine", "server"):
+            for kind in sides[rnd % 3 :] + sides[: rnd % 3]:
                 if kind == "server":
                     pair[kind] = run_server_level(
                         pool, url, token, ref, 1, args.overhead_tokens, args.level_budget, proc.pid
                     )
                 else:
-                    pair[kind] = alone.level(1, args.overhead_tokens, args.level_budget)
-            overhead_pairs.append((pair["server"], pair["engine"]))
+                    e = alone if kind == "engine" else threaded
+                    pair[kind] = e.level(1, args.overhead_tokens, args.level_budget)
+            overhead_pairs.append((pair["server"], pair["engine"], pair["threaded"]))
             print(
                 f"{label} overhead pair {rnd}: server {pair['server'].tps:.1f} tok/s "
                 f"{pair['server'].cpu_per_token * 1e6:.0f} us CPU/token "
@@ -797,6 +841,8 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
         slots, slot_bytes, capacity = cache.n_slots, cache.slot_nbytes, cache.max_acquire
         if numpy_alone is not None:
             numpy_alone.close()
+        if threaded is not None:
+            threaded.close()
         alone.close()
         for p in (proc, llama):
             if p is not None:
@@ -816,10 +862,15 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
     return summarize(runs, levels), slots, overhead_pairs, runs.get("numpy", {})
 
 
-def overhead_line(pairs: list[tuple[LevelRun, LevelRun]], tokens: int) -> str:
-    """The one-client overhead from adjacent (server, engine alone) pairs: wall and CPU."""
+def overhead_line(pairs: list[tuple[LevelRun, LevelRun, LevelRun]], tokens: int) -> str:
+    """The one-client overhead from adjacent (server, engine alone driven, engine alone
+    threaded) runs: wall and CPU against the driven engine (the goal's baseline), and the
+    CPU against the threaded one beside it."""
     if not pairs:
         return ""
+    threaded_cpu = sorted(s_.cpu_per_token / t.cpu_per_token - 1 for s_, _, t in pairs)
+    t_cpu = statistics.median(t.cpu_per_token for _, _, t in pairs)
+    pairs = [(s_, e) for s_, e, _ in pairs]
     wall = sorted(e.tps / s_.tps - 1 for s_, e in pairs)
     cpu = sorted(s_.cpu_per_token / e.cpu_per_token - 1 for s_, e in pairs)
     extra = sorted((s_.cpu_per_token - e.cpu_per_token) * 1e6 for s_, e in pairs)
@@ -835,9 +886,9 @@ def overhead_line(pairs: list[tuple[LevelRun, LevelRun]], tokens: int) -> str:
     s_cpu, e_cpu = med(p[0].cpu_per_token for p in pairs), med(p[1].cpu_per_token for p in pairs)
     line = (
         f"Server overhead at one client, {len(pairs)} adjacent pairs of one streamed request "
-        f"of {tokens} tokens (server, then engine alone, or the reverse; both sides first "
-        f"served the same request once, unmeasured): median server {s_tps:.1f} "
-        f"tok/s, engine alone {e_tps:.1f} tok/s; per pair, wall "
+        f"of {tokens} tokens (server, engine alone driven and engine alone threaded, the "
+        "order rotating; every side first served the same request once, unmeasured): "
+        f"median server {s_tps:.1f} tok/s, engine alone {e_tps:.1f} tok/s; per pair, wall "
         f"(engine tok/s / server tok/s - 1): median {med(wall) * 100:+.1f}% (from "
         f"{wall[0] * 100:+.1f}% to {wall[-1] * 100:+.1f}%); CPU of the serving process per "
         f"token (server process / engine-alone process - 1): median {med(cpu) * 100:+.1f}% "
@@ -845,7 +896,13 @@ def overhead_line(pairs: list[tuple[LevelRun, LevelRun]], tokens: int) -> str:
         f"{med(extra):+.0f} us per token (server {s_cpu * 1e6:.0f}, "
         f"engine alone {e_cpu * 1e6:.0f} us); bytes read per "
         f"token server {med(p[0].bytes_per_token for p in pairs) / 1e3:.1f} kB, engine alone "
-        f"{med(p[1].bytes_per_token for p in pairs) / 1e3:.1f} kB; goal <= 10%.\n"
+        f"{med(p[1].bytes_per_token for p in pairs) / 1e3:.1f} kB; goal <= 10%. The engine "
+        "alone here is driven as czyx serve drives it (this thread steps the scheduler and "
+        "takes each event as emitted: no consumer thread to wake). Against the engine alone "
+        "threaded (its own scheduler thread, the client a thread reading the handle's events, "
+        f"as a script uses the API; {t_cpu * 1e6:.0f} us CPU per token) the server costs "
+        f"{med(threaded_cpu) * 100:+.1f}% (from {threaded_cpu[0] * 100:+.1f}% to "
+        f"{threaded_cpu[-1] * 100:+.1f}%).\n"
     )
     load = med(p[1].load[1] for p in pairs)
     cpus = os.cpu_count() or 1
