@@ -118,7 +118,7 @@ def serve_options(args: argparse.Namespace):
         chat_template=args.chat_template,
         default_max_tokens=args.default_max_tokens,
         audit=not args.no_audit,
-        stream_interval=args.stream_interval_ms / 1000.0,
+        stream_interval=getattr(args, "stream_interval_ms", 0.0) / 1000.0,
     )
 
 
