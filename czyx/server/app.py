@@ -714,6 +714,10 @@ class _Channel:
         items, self._items = self._items, []
         return items
 
+    def ready(self) -> bool:
+        """Whether :meth:`take` would return at once (events or an error wait)."""
+        return bool(self._items) or self._error is not None
+
     def close(self) -> None:
         """Drop the timer (the request is over)."""
         if self._timer is not None:
@@ -922,25 +926,16 @@ class _Job:
         except ValueError as exc:
             raise _bad(str(exc)) from None
 
-    async def burst(self, wait: float | None = None) -> list[str]:
+    async def burst(self) -> list[str]:
         """The text pieces of every event that arrived since the last call (waits for at
         least one event): one piece per token that released text, in order, and once the
         generation ended (:attr:`done`) the text the stream held back.
-
-        ``wait`` (seconds, shorter than the event timeout): return ``[]`` when no event
-        came within it (the caller has something to do meanwhile).
 
         Raises :class:`ApiError` 504 when no event comes within the event timeout, and
         :class:`_ClientGone` once the client disconnected.
         """
         try:
-            if wait is not None and wait < self.timeout:
-                try:
-                    evs = await self.ch.take(wait)
-                except TimeoutError:
-                    return []
-            else:
-                evs = await self.ch.take(self.timeout)
+            evs = await self.ch.take(self.timeout)
         except TimeoutError:
             raise ApiError(504, f"no token in {self.timeout} s", "server_error") from None
         out, stream = self.out, self.stream
@@ -1437,15 +1432,23 @@ class _SSEResponse(Response):
                         msg = {"type": _BODY, "body": texts(pieces), "more_body": True}
                         await body_send(msg)
             else:  # a token sooner than the interval after the last write waits for its end
-                clock, written = job.loop.time, -interval
+                clock, written, sleep = job.loop.time, -interval, asyncio.sleep
                 while not job.done:
-                    due = written + interval - clock()
-                    if held and due <= 0:
-                        msg = {"type": _BODY, "body": texts(held), "more_body": True}
-                        held, written = [], clock()
-                        await body_send(msg)
+                    if not held:
+                        held += await burst()
                         continue
-                    held += await burst(due if held else None)
+                    due = written + interval - clock()
+                    if due > 0:
+                        # Sleep through the interval's end (no wake-up per token), then take
+                        # every token that came meanwhile.
+                        await sleep(due)
+                        if job.ch.ready():
+                            held += await burst()
+                            if job.done:
+                                break
+                    msg = {"type": _BODY, "body": texts(held), "more_body": True}
+                    held, written = [], clock()
+                    await body_send(msg)
             await job.finish()
             # (the pieces still held go with the stream's last message)
             tail, held = texts(held), []

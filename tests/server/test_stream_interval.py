@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -23,7 +24,7 @@ from czyx.server.threaded import serve_in_thread
 from czyx.store import Store
 from czyx.store.models.mount import mount
 from tests.server.conftest import make_store
-from tests.server.test_sse import SendCounter
+from tests.server.test_sse import SendCounter, _audit_after
 
 TEXT = "abcdefghij"
 
@@ -42,9 +43,11 @@ class TrickleScheduler:
 
     def __init__(self, gap: float) -> None:
         self.gap = gap
+        self.handles: list[_Handle] = []
 
     def submit(self, ids, max_tokens, sampling, eos, on_event, **_kw):
         h = _Handle()
+        self.handles.append(h)
         data = (TEXT * (max_tokens // len(TEXT) + 1)).encode()[:max_tokens]
 
         def run() -> None:
@@ -54,7 +57,8 @@ class TrickleScheduler:
                     on_event(Done("cancelled", len(ids), i))
                     return
                 on_event(Token(tok, i, time.perf_counter()))
-                time.sleep(self.gap)
+                # (a longer gap after the first token: the first write holds it alone)
+                time.sleep(self.gap if i else 0.1)
             on_event(Done("length", len(ids), len(data)))
 
         threading.Thread(target=run, daemon=True).start()
@@ -116,6 +120,50 @@ def test_interval_batches_writes_one_event_per_token(tmp_path):
     assert log.bodies[0] == 1  # the first token is not held (nothing was written before)
     # Tokens 2 ms apart, written at most every 50 ms: far fewer writes than tokens.
     assert len(log.bodies) < n / 4
+
+
+def test_interval_stream_stops_at_a_stop_string_and_frees_on_disconnect(tmp_path):
+    store_dir, _, tokens, _ = make_store(tmp_path)
+    sched = TrickleScheduler(gap=0.002)
+    opts = ServeOptions(
+        engine={"stream": None},
+        scheduler=lambda *a: sched,
+        event_timeout=30.0,
+        stream_interval=0.05,
+    )
+    app = create_app(str(store_dir), ["stdlib@1"], opts)
+    store = app.state.czyx.store
+    since = max((e["seq"] for e in store.audit_log()), default=0)
+    with serve_in_thread(app) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key=tokens["root"], max_retries=0, timeout=30)
+        chunks = list(
+            c.completions.create(
+                model="stdlib@1", prompt="x", max_tokens=40, stop=["hij"], stream=True
+            )
+        )
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        assert text == "abcdefg"
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert _audit_after(store, since)["status"] == 200
+        # A client that leaves while tokens are held: the sequence is cancelled at once.
+        since = max(e["seq"] for e in store.audit_log())
+        body = {"model": "stdlib@1", "prompt": "x", "max_tokens": 5000, "stream": True}
+        with (
+            httpx.Client(timeout=30) as h,
+            h.stream(
+                "POST",
+                url + "/v1/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {tokens['root']}"},
+            ) as r,
+        ):
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(lines)
+        assert sched.handles[-1].cancelled.wait(10), "not cancelled when the client left"
+        entry = _audit_after(store, since)
+        assert entry["status"] == 499 and 0 < entry["completion_tokens"] < 5000
 
 
 def test_interval_on_the_driven_engine_equals_no_interval(tmp_path):
