@@ -1391,8 +1391,10 @@ class _SSEResponse(Response):
     OpenAI's chunk objects, ending with ``data: [DONE]``.
 
     Every burst of events the loop takes at once is written in one send (each token
-    still its own event: none waits for another). One task per request watches for
-    the client's disconnect; it frees the sequence at once and ends the stream.
+    still its own event: none waits for another), or with a ``stream_interval``, every
+    token that came within the interval after the last write (the first at once). One
+    task per request watches for the client's disconnect; it frees the sequence at once
+    and ends the stream.
     """
 
     media_type = "text/event-stream"
