@@ -165,6 +165,14 @@ class ServeOptions:
         The local batcher steps on a thread of its own and hands each step's
         events to the event loop, instead of being driven on the loop (the
         default; see the module's docstring).
+    stream_interval
+        Seconds a stream may hold a token before writing it (0: every burst of
+        tokens is written as soon as the loop takes it). A token coming sooner
+        than this after the last write waits for the interval's end, written
+        together with the tokens that came meanwhile (each still its own SSE
+        event): one socket write per interval instead of one per token, which
+        the writing process pays for in kernel time, at the cost of up to this
+        much added latency per token.
     """
 
     engine: Mapping[str, Any] = field(default_factory=dict)
@@ -178,6 +186,11 @@ class ServeOptions:
     audit: bool = True
     scheduler: Callable[..., Any] | None = None
     scheduler_thread: bool = False
+    stream_interval: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.stream_interval <= 1.0:
+            raise ServerError(f"stream_interval {self.stream_interval} s is not in [0, 1]")
 
 
 class ApiError(Exception):
@@ -700,6 +713,10 @@ class _Channel:
                 self._waiter = None
         items, self._items = self._items, []
         return items
+
+    def ready(self) -> bool:
+        """Whether :meth:`take` would return at once (events or an error wait)."""
+        return bool(self._items) or self._error is not None
 
     def close(self) -> None:
         """Drop the timer (the request is over)."""
@@ -1366,13 +1383,18 @@ class _Chunks:
         )
 
 
+_BODY = "http.response.body"
+
+
 class _SSEResponse(Response):
     """A streamed generation as server-sent events: one ``data:`` event per text piece,
     OpenAI's chunk objects, ending with ``data: [DONE]``.
 
     Every burst of events the loop takes at once is written in one send (each token
-    still its own event: none waits for another). One task per request watches for
-    the client's disconnect; it frees the sequence at once and ends the stream.
+    still its own event: none waits for another), or with a ``stream_interval``, every
+    token that came within the interval after the last write (the first at once). One
+    task per request watches for the client's disconnect; it frees the sequence at once
+    and ends the stream.
     """
 
     media_type = "text/event-stream"
@@ -1394,36 +1416,62 @@ class _SSEResponse(Response):
         job, chunks, out = self.job, self.chunks, self.job.out
         watcher = asyncio.ensure_future(_watch_disconnect(receive, job))
         status = 200
+        # The body chunks go to the server's own send (the middleware's wrappers around
+        # ``send`` only watch for the response's start, which passes through them).
+        body_send = scope.get(_SERVER_SEND, send)
+        held: list[str] = []  # pieces a stream interval holds back
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             if self.chat:
                 role = chunks.chunk("", None, role=True)
-                await send({"type": "http.response.body", "body": role, "more_body": True})
-            texts = chunks.texts
-            while not job.done:
-                pieces = await job.burst()
-                if pieces:
-                    body = texts(pieces)
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                await body_send({"type": "http.response.body", "body": role, "more_body": True})
+            texts, burst = chunks.texts, job.burst
+            interval = self.api.state.options.stream_interval
+            if not interval:
+                while not job.done:
+                    pieces = await burst()
+                    if pieces:
+                        msg = {"type": _BODY, "body": texts(pieces), "more_body": True}
+                        await body_send(msg)
+            else:  # a token sooner than the interval after the last write waits for its end
+                clock, written, sleep = job.loop.time, -interval, asyncio.sleep
+                while not job.done:
+                    if not held:
+                        held += await burst()
+                        continue
+                    due = written + interval - clock()
+                    if due > 0:
+                        # Sleep through the interval's end (no wake-up per token), then take
+                        # every token that came meanwhile.
+                        await sleep(due)
+                        if job.ch.ready():
+                            held += await burst()
+                            if job.done:
+                                break
+                    msg = {"type": _BODY, "body": texts(held), "more_body": True}
+                    held, written = [], clock()
+                    await body_send(msg)
             await job.finish()
+            # (the pieces still held go with the stream's last message)
+            tail, held = texts(held), []
             if out.error is not None:
                 status = out.error_status
                 err = ApiError(status, f"generation failed: {out.error}", "server_error")
-                end = chunks.event(err.body()) + b"data: [DONE]\n\n"
+                end = tail + chunks.event(err.body()) + b"data: [DONE]\n\n"
             else:
                 last = chunks.chunk(None if self.chat else "", out.finish)
                 if out.session_version is not None:  # the version this stream saved
                     obj_last = json.loads(last[6:])
                     obj_last["czyx_session_version"] = out.session_version
                     last = chunks.event(obj_last)
-                end = last
+                end = tail + last
                 if job.req.include_usage:
                     end += chunks.usage(out)
                 end += b"data: [DONE]\n\n"
             await send({"type": "http.response.body", "body": end, "more_body": False})
         except ApiError as exc:
             status = exc.status
-            body = chunks.event(exc.body())
+            body = chunks.texts(held) + chunks.event(exc.body())
             await send({"type": "http.response.body", "body": body, "more_body": False})
         except _ClientGone:
             pass
@@ -1437,6 +1485,25 @@ class _SSEResponse(Response):
 
 
 # --------------------------------------------------------------------------- factory
+
+#: The scope key under which :class:`_App` keeps the ASGI server's own ``send``.
+_SERVER_SEND = "czyx.server_send"
+
+
+class _App(Starlette):
+    """Starlette keeping the ASGI server's own ``send`` in each request's scope.
+
+    A stream writes one body message per burst of tokens; through the
+    middleware stack each would pass three ``send`` wrappers (the error
+    middleware's, the exception middleware's and the route's), which only
+    record whether the response started. :class:`_SSEResponse` sends its start
+    through them (so error handling knows the response began, as for any
+    response) and its body chunks straight to the server.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        scope[_SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def create_app(
@@ -1500,7 +1567,7 @@ def create_app(
         msg = f"internal error: {type(exc).__name__}: {exc}"
         return ApiError(500, msg, "server_error").response()
 
-    app = Starlette(
+    app = _App(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={404: not_found, Exception: internal},

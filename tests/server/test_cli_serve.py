@@ -49,6 +49,8 @@ def test_flags_build_serve_options():
     served = serve_options(_args()).engine["options"]
     assert (served.prefetch, served.policy) == (BATCHED_OPTIONS.prefetch, BATCHED_OPTIONS.policy)
     assert serve_options(_args("--prefetch")).engine["options"].prefetch is True
+    assert serve_options(_args()).stream_interval == 0.0  # each burst written at once
+    assert serve_options(_args("--stream-interval-ms", "2")).stream_interval == 0.002
     # The run command parses the very same flags, with the single-sequence defaults.
     run = build_parser().parse_args(["run", "a@1", "--prompt", "x", "--cache-fraction", "0.5"])
     assert run.cache_fraction == 0.5 and run.policy == DEFAULT_OPTIONS.policy
@@ -62,5 +64,7 @@ def test_bad_flags_fail_closed(capsys):
     assert "loopback" in capsys.readouterr().err
     assert main(["serve", "--kv-mb", "0", "--store", "/nonexistent"]) == 1
     assert main(["serve", "--max-batch", "0", "--store", "/nonexistent"]) == 1
+    assert main(["serve", "--stream-interval-ms", "-1", "--store", "/nonexistent"]) == 1
+    assert "stream_interval" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _args("--policy", "nope")

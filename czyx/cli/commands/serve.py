@@ -70,6 +70,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-audit", action="store_true", help="no per-request audit entries")
     p.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=0.0,
+        help="a streamed token may wait this long to share a socket write with the next ones "
+        "(default 0: each burst of tokens is written at once)",
+    )
+    p.add_argument(
         "--replicate",
         action="store_true",
         help="also serve the replication endpoints (czyx pull; portals with the read right)",
@@ -111,6 +118,7 @@ def serve_options(args: argparse.Namespace):
         chat_template=args.chat_template,
         default_max_tokens=args.default_max_tokens,
         audit=not args.no_audit,
+        stream_interval=getattr(args, "stream_interval_ms", 0.0) / 1000.0,
     )
 
 
