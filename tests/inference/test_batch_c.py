@@ -9,7 +9,9 @@ whatever the batch size, the other sequences' lengths, the weight format
 forced to split over two threads). Covered: Mixtral with a sliding window
 shorter than the sequences, Qwen3-MoE (per-head q/k norms), OLMoE (q/k norms
 over all heads). The KV each step writes is the solo decode's too, and the
-kernels refuse a route to an expert the step does not hold.
+kernels refuse a route to an expert the step does not hold. The batched
+attention shares each weight row between a group of tokens (and the MoE each
+expert's rows between the tokens that chose it): checked per SIMD path too.
 """
 
 from __future__ import annotations
@@ -214,5 +216,39 @@ def test_a_route_to_an_expert_not_held_is_refused():
                 kern.moe_batch(cache, 0, 1, held, np.array([0, 10**6], np.int64), False)
         finally:
             cache.release()
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("attn", ["f32", "f16"])
+def test_every_simd_path_shares_the_attention_rows_as_each_decodes_alone(
+    split_loops, level, attn, threads
+):
+    """The batched attention reads each q/k/v, o and router row once for a group
+    of up to four tokens (the two-input float kernel; float16 rows widened once
+    per pair): per SIMD path, thread count and batch size (groups of 1 to 4 and
+    a short last group), each token's solo decode bit for bit. Float16 attention
+    weights are set on the layers directly (a store's trunk is widened at load),
+    so the kernels' F16 kind runs in both the solo and the batched call."""
+    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=threads)
+    model = eng.model
+    try:
+        if attn == "f16":
+            for lw in model.layers:
+                for name in ("q_proj", "k_proj", "v_proj", "o_proj", "router"):
+                    setattr(lw, name, np.ascontiguousarray(getattr(lw, name), np.float16))
+        assert _c_decodes(model)
+        rng = np.random.default_rng(11)
+        kvs = [model.new_kv() for _ in LENGTHS]
+        forward_batch(model, [rng.integers(0, 256, n) for n in LENGTHS], kvs)
+        for b in (1, 2, 5, 8):
+            toks = [int(t) for t in rng.integers(0, 256, b)]
+            want = [model.forward(np.array([t]), _copy(model, kv)) for t, kv in zip(toks, kvs)]
+            got = forward_batch(model, [np.array([t]) for t in toks], kvs[:b])
+            for s in range(b):
+                assert np.array_equal(got[s], want[s]), (level, attn, threads, b, s)
+        kinds = {d.struct.q.kind for d in model.kernels()._attn.values()}
+        assert kinds == {fused.KIND_F16 if attn == "f16" else fused.KIND_F32}
     finally:
         eng.close()
