@@ -168,6 +168,13 @@ static int64_t czk_min_work = 1 << 16;
 /* Multiply-adds below which a loop runs on the calling thread only. */
 void czk_set_min_work(int64_t w) { czk_min_work = w < 1 ? 1 : w; }
 
+/* Whether czk_attn_decode_batch shares weight rows between tokens (1, the
+ * default) or runs each token's czk_attn_decode (0): the same results either
+ * way; benchmarks compare the two. */
+static int czk_attn_share = 1;
+
+void czk_set_attn_share(int on) { czk_attn_share = on != 0; }
+
 static inline void czk_relax(void) {
 #if CZK_X86
     _mm_pause();
@@ -1834,7 +1841,7 @@ int czk_attn_decode_batch(czk_pool *p, const czk_attn *a, int64_t H, int B, floa
     const int64_t nq = (int64_t)a->n_heads * a->head_dim, nkv = (int64_t)a->n_kv * a->head_dim;
     int64_t macs = (int64_t)B * ((nq + 2 * nkv) * H + H * nq + c.E * H);
     for (int b = 0; b < B; b++) macs += 2 * nq * (pos[b] + 1);
-    if (B > 1 && wstride % 64 == 0) return czk_attn_shared(p, &c, B, macs);
+    if (B > 1 && wstride % 64 == 0 && czk_attn_share) return czk_attn_shared(p, &c, B, macs);
     if (B == 1)
         czk_attn_b_task(&c, 0, 1);
     else

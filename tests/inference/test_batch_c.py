@@ -252,3 +252,27 @@ def test_every_simd_path_shares_the_attention_rows_as_each_decodes_alone(
         assert kinds == {fused.KIND_F16 if attn == "f16" else fused.KIND_F32}
     finally:
         eng.close()
+
+
+def test_the_per_token_attention_path_still_decodes_as_alone(split_loops):
+    """With sharing off (fused.set_attn_share(False), the benchmarks' baseline) each
+    token runs the one-token kernel: the same logits as alone, and as shared."""
+    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=2)
+    model = eng.model
+    try:
+        rng = np.random.default_rng(3)
+        kvs = [model.new_kv() for _ in range(5)]
+        forward_batch(model, [rng.integers(0, 256, n) for n in LENGTHS[:5]], kvs)
+        toks = [int(t) for t in rng.integers(0, 256, 5)]
+        want = [model.forward(np.array([t]), _copy(model, kv)) for t, kv in zip(toks, kvs)]
+        chunks = [np.array([t]) for t in toks]
+        shared = forward_batch(model, chunks, [_copy(model, kv) for kv in kvs])
+        fused.set_attn_share(False)
+        try:
+            each = forward_batch(model, chunks, kvs)
+        finally:
+            fused.set_attn_share(True)
+        for s in range(5):
+            assert np.array_equal(each[s], want[s]) and np.array_equal(shared[s], want[s]), s
+    finally:
+        eng.close()
