@@ -138,7 +138,9 @@ def level(request):
 def test_every_simd_path_batches_as_it_decodes_alone(split_loops, level, fmt):
     """The batched MoE shares each expert's rows between the tokens that chose it
     (czk_matmul's kernels for packed experts, a two-input row kernel for float
-    ones): per SIMD path, still each token's solo decode bit for bit."""
+    ones), the batched attention each q/k/v, o and router row between a group's
+    tokens (the same kernels, groups of 2 to 4): per SIMD path, still each
+    token's solo decode bit for bit."""
     base = StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"]))
     consumer = base if fmt is None else QuantizedConsumer(
         base, POLICIES["q4-all"] if fmt == "q4" else parse_policy(Q8)
@@ -149,11 +151,11 @@ def test_every_simd_path_batches_as_it_decodes_alone(split_loops, level, fmt):
         rng = np.random.default_rng(5)
         kvs = [model.new_kv() for _ in range(8)]
         forward_batch(model, [rng.integers(0, 256, n) for n in LENGTHS], kvs)
-        for _ in range(2):
-            toks = [int(t) for t in rng.integers(0, 4, 8)]  # few distinct: experts shared
+        for b in (8, 5):  # attention groups of 4 + 4, then 3 + 2 (two threads)
+            toks = [int(t) for t in rng.integers(0, 4, b)]  # few distinct: experts shared
             want = [model.forward(np.array([t]), _copy(model, kv)) for t, kv in zip(toks, kvs)]
-            got = forward_batch(model, [np.array([t]) for t in toks], kvs)
-            assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True)), level
+            got = forward_batch(model, [np.array([t]) for t in toks], kvs[:b])
+            assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True)), (level, b)
     finally:
         eng.close()
 
