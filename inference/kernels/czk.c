@@ -1612,11 +1612,14 @@ int czk_topk(const float *logits, int E, int k, int renorm, int64_t *idx, float 
 /* ------------------------------------------------------------ batched decode
  *
  * One call per layer for B sequences' decode tokens (a continuous-batching
- * step). Attention (and routing) and the head: each sequence is one task of
- * the pool, computed by the one-token entry points above on that task's
- * thread (no nested pool use), with its own KV cache, position and scratch
- * (`work + b * wstride`); with B == 1 the sequence's own loops use the pool
- * instead (the one-token calls as the engine makes them). The MoE layer:
+ * step). Attention (and routing): groups of up to four consecutive
+ * sequences, each group one task of the pool, every weight row of its
+ * products read once for the group (czk_attn_shared), the rest of each
+ * sequence's block computed by the one-token code on that task's thread (no
+ * nested pool use), with its own KV cache, position and scratch (`work + b *
+ * wstride`). The head: each sequence one task running the one-token entry
+ * points. With B == 1 the sequence's own loops use the pool instead (the
+ * one-token calls as the engine makes them). The MoE layer:
  * expert by expert, each held expert's rows read once for the tokens that
  * chose it, split over the pool by output rows, every (token, expert)
  * product with czk_moe's operations. A sequence's results are therefore
