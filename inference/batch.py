@@ -248,9 +248,11 @@ def _forward_c(model, tokens: list[int], kvs: Sequence[KVCache]) -> list[np.ndar
     groups of consecutive tokens whose union fits the cache's
     :attr:`max_acquire` when it does not) and one C call per group runs each
     token's MoE layer over its top-k in its own order. The embedding and the
-    head are one call each. Each call spreads the tokens over the engine's
-    pool (a token per task) and computes each token with the one-token
-    kernels on that task's thread, so the arithmetic per token is
+    head are one call each. The attention call reads each weight row once for
+    a group of up to four tokens, the MoE call each held expert's rows once for
+    the tokens that chose it; every output is computed with the one-token
+    kernels' operations (the multi-input row kernels give each (row, input)
+    exactly the one-input result), so the arithmetic per token is
     :meth:`MoEDecoder._forward_one`'s and the logits are the engine's, bit for
     bit, whatever the batch and the thread count.
     """

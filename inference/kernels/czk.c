@@ -168,6 +168,13 @@ static int64_t czk_min_work = 1 << 16;
 /* Multiply-adds below which a loop runs on the calling thread only. */
 void czk_set_min_work(int64_t w) { czk_min_work = w < 1 ? 1 : w; }
 
+/* Whether czk_attn_decode_batch shares weight rows between tokens (1, the
+ * default) or runs each token's czk_attn_decode (0): the same results either
+ * way; benchmarks compare the two. */
+static int czk_attn_share = 1;
+
+void czk_set_attn_share(int on) { czk_attn_share = on != 0; }
+
 static inline void czk_relax(void) {
 #if CZK_X86
     _mm_pause();
@@ -1404,50 +1411,64 @@ int64_t czk_attn_work_bytes(const czk_attn *a, int64_t H, int64_t length) {
     return (int64_t)sizeof(float) * n + 6 * 64 + czk_work_bytes(big);
 }
 
-/* The attention half of a decoder layer for one token at position pos:
- *   x = rmsnorm(h) * in_norm; q, k, v = x @ W.T (+ biases); q/k RMS norms
- *   (qk_norm 1: over all heads at once, as OLMoE, weights nq / nkv wide;
- *   2: each head on its own, as Qwen3-MoE, weights head_dim wide; 0: none);
- *   q, k, v clamped to [-clip, clip] (clip > 0); RoPE on q and k
- *   (cos/sin: the position's half-width tables); k, v written at pos of the
- *   layer's cache [n_kv, cap, head_dim]; grouped-query attention over the
- *   positions max(0, pos - window + 1) .. pos (window 0: all);
- *   h += o_proj(out) (+ ob, the o_proj bias, when not NULL);
- *   x_out = rmsnorm(h) * post_norm.
- * Returns 0, or -1 on inconsistent shapes. */
-int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *x_out,
-                    float *kc, float *vc, int64_t cap, int64_t pos, int64_t window,
-                    const float *cs, const float *sn, void *work) {
+/* One token's scratch in czk_attn_decode's layout (positions up to end). */
+typedef struct {
+    float *xn, *qkv, *att, *tmp, *scores;
+    void *xqmem;
+} czk_attn_buf;
+
+static void czk_attn_bufs(const czk_attn *a, int64_t H, int64_t end, void *work,
+                          czk_attn_buf *b) {
+    const int64_t nq = (int64_t)a->n_heads * a->head_dim, nkv = (int64_t)a->n_kv * a->head_dim;
+    b->xn = (float *)czk_align(work);
+    b->qkv = (float *)czk_align(b->xn + H);
+    b->att = (float *)czk_align(b->qkv + nq + 2 * nkv);
+    b->tmp = (float *)czk_align(b->att + nq);
+    b->scores = (float *)czk_align(b->tmp + H);
+    b->xqmem = czk_align(b->scores + (int64_t)a->n_heads * end);
+}
+
+/* The shape and format checks of czk_attn_decode (the position's aside). */
+static int czk_attn_ok(const czk_attn *a, int64_t H) {
     const int hd = a->head_dim;
     const int64_t nq = (int64_t)a->n_heads * hd, nkv = (int64_t)a->n_kv * hd;
-    if (a->n_kv <= 0 || a->n_heads % a->n_kv || pos < 0 || pos >= cap) return -1;
-    if (a->rot <= 0 || a->rot > hd || a->rot % 2) return -1;
-    if (a->qk_norm < 0 || a->qk_norm > 2 || (a->qk_norm && (!a->q_norm || !a->k_norm))) return -1;
+    if (a->n_kv <= 0 || a->n_heads % a->n_kv) return 0;
+    if (a->rot <= 0 || a->rot > hd || a->rot % 2) return 0;
+    if (a->qk_norm < 0 || a->qk_norm > 2 || (a->qk_norm && (!a->q_norm || !a->k_norm))) return 0;
     const czk_mat *ms[4] = {&a->q, &a->k, &a->v, &a->o};
     for (int i = 0; i < 4; i++)
-        if (!czk_check(ms[i])) return -1;
+        if (!czk_check(ms[i])) return 0;
     if (a->q.rows != nq || a->k.rows != nkv || a->v.rows != nkv || a->q.cols != H ||
         a->k.cols != H || a->v.cols != H || a->o.rows != H || a->o.cols != nq)
-        return -1;
+        return 0;
     if ((a->q.kind == CZK_Q) != (a->k.kind == CZK_Q) || (a->q.kind == CZK_Q) != (a->v.kind == CZK_Q))
-        return -1;
-    if (a->q.kind == CZK_Q && (a->k.group != a->q.group || a->v.group != a->q.group)) return -1;
-    const int64_t end = pos + 1;
-    float *xn = (float *)czk_align(work);
-    float *qkv = (float *)czk_align(xn + H);
-    float *att = (float *)czk_align(qkv + nq + 2 * nkv);
-    float *tmp = (float *)czk_align(att + nq);
-    float *scores = (float *)czk_align(tmp + H);
-    void *xqmem = czk_align(scores + (int64_t)a->n_heads * end);
-    czk_xq ax;
-    czk_rms(h, a->in_norm, H, a->eps, xn);
+        return 0;
+    if (a->q.kind == CZK_Q && (a->k.group != a->q.group || a->v.group != a->q.group)) return 0;
+    return 1;
+}
+
+/* x = rmsnorm(h) * in_norm into b->xn, quantized into *ax (bound at b->xqmem)
+ * for quantized q/k/v. */
+static void czk_attn_in(const czk_attn *a, int64_t H, const float *h, const czk_attn_buf *b,
+                        czk_xq *ax) {
+    czk_rms(h, a->in_norm, H, a->eps, b->xn);
     if (a->q.kind == CZK_Q) {
-        czk_xq_bind(&ax, xqmem, H);
-        czk_quantize(xn, &ax);
-        czk_xq_groups(&ax, a->q.group);
+        czk_xq_bind(ax, b->xqmem, H);
+        czk_quantize(b->xn, ax);
+        czk_xq_groups(ax, a->q.group);
     }
-    czk_qkv_ctx qc = {a, {&a->q, &a->k, &a->v}, {0, nq, nq + nkv, nq + 2 * nkv}, xn, &ax, qkv};
-    czk_run(p, czk_qkv_task, &qc, nq + 2 * nkv, (nq + 2 * nkv) * H);
+}
+
+/* From the q/k/v products in b->qkv: biases, q/k norms, clip, RoPE, the cache
+ * write at pos, the heads' attention into b->att (over p's threads by head),
+ * then (quantized o) att quantized into *ax (bound at b->xqmem). */
+static void czk_attn_mid(czk_pool *p, const czk_attn *a, const czk_attn_buf *b, float *kc,
+                         float *vc, int64_t cap, int64_t pos, int64_t window, const float *cs,
+                         const float *sn, czk_xq *ax) {
+    const int hd = a->head_dim;
+    const int64_t nq = (int64_t)a->n_heads * hd, nkv = (int64_t)a->n_kv * hd;
+    const int64_t end = pos + 1;
+    float *qkv = b->qkv;
     float *q = qkv, *k = qkv + nq, *v = qkv + nq + nkv;
     if (a->qb)
         for (int64_t i = 0; i < nq; i++) q[i] += a->qb[i];
@@ -1481,14 +1502,39 @@ int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *
     }
     int64_t start = 0;
     if (window > 0 && end - window > 0) start = end - window;
-    czk_heads_ctx hc = {a, q, kc, vc, cap, start, end, att, scores};
+    czk_heads_ctx hc = {a, q, kc, vc, cap, start, end, b->att, b->scores};
     czk_run(p, czk_heads_task, &hc, a->n_heads, (int64_t)a->n_heads * (end - start) * hd * 2);
     if (a->o.kind == CZK_Q) {
-        czk_xq_bind(&ax, xqmem, nq);
-        czk_quantize(att, &ax);
-        czk_xq_groups(&ax, a->o.group);
+        czk_xq_bind(ax, b->xqmem, nq);
+        czk_quantize(b->att, ax);
+        czk_xq_groups(ax, a->o.group);
     }
-    czk_res_ctx rc = {&a->o, att, &ax, tmp, h, a->ob};
+}
+
+/* The attention half of a decoder layer for one token at position pos:
+ *   x = rmsnorm(h) * in_norm; q, k, v = x @ W.T (+ biases); q/k RMS norms
+ *   (qk_norm 1: over all heads at once, as OLMoE, weights nq / nkv wide;
+ *   2: each head on its own, as Qwen3-MoE, weights head_dim wide; 0: none);
+ *   q, k, v clamped to [-clip, clip] (clip > 0); RoPE on q and k
+ *   (cos/sin: the position's half-width tables); k, v written at pos of the
+ *   layer's cache [n_kv, cap, head_dim]; grouped-query attention over the
+ *   positions max(0, pos - window + 1) .. pos (window 0: all);
+ *   h += o_proj(out) (+ ob, the o_proj bias, when not NULL);
+ *   x_out = rmsnorm(h) * post_norm.
+ * Returns 0, or -1 on inconsistent shapes. */
+int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *x_out,
+                    float *kc, float *vc, int64_t cap, int64_t pos, int64_t window,
+                    const float *cs, const float *sn, void *work) {
+    if (pos < 0 || pos >= cap || !czk_attn_ok(a, H)) return -1;
+    const int64_t nq = (int64_t)a->n_heads * a->head_dim, nkv = (int64_t)a->n_kv * a->head_dim;
+    czk_attn_buf b;
+    czk_attn_bufs(a, H, pos + 1, work, &b);
+    czk_xq ax;
+    czk_attn_in(a, H, h, &b, &ax);
+    czk_qkv_ctx qc = {a, {&a->q, &a->k, &a->v}, {0, nq, nq + nkv, nq + 2 * nkv}, b.xn, &ax, b.qkv};
+    czk_run(p, czk_qkv_task, &qc, nq + 2 * nkv, (nq + 2 * nkv) * H);
+    czk_attn_mid(p, a, &b, kc, vc, cap, pos, window, cs, sn, &ax);
+    czk_res_ctx rc = {&a->o, b.att, &ax, b.tmp, h, a->ob};
     czk_run(p, czk_res_task, &rc, H, H * nq);
     czk_rms(h, a->post_norm, H, a->eps, x_out);
     return 0;
@@ -1566,11 +1612,14 @@ int czk_topk(const float *logits, int E, int k, int renorm, int64_t *idx, float 
 /* ------------------------------------------------------------ batched decode
  *
  * One call per layer for B sequences' decode tokens (a continuous-batching
- * step). Attention (and routing) and the head: each sequence is one task of
- * the pool, computed by the one-token entry points above on that task's
- * thread (no nested pool use), with its own KV cache, position and scratch
- * (`work + b * wstride`); with B == 1 the sequence's own loops use the pool
- * instead (the one-token calls as the engine makes them). The MoE layer:
+ * step). Attention (and routing): groups of up to four consecutive
+ * sequences, each group one task of the pool, every weight row of its
+ * products read once for the group (czk_attn_shared), the rest of each
+ * sequence's block computed by the one-token code on that task's thread (no
+ * nested pool use), with its own KV cache, position and scratch (`work + b *
+ * wstride`). The head: each sequence one task running the one-token entry
+ * points. With B == 1 the sequence's own loops use the pool instead (the
+ * one-token calls as the engine makes them). The MoE layer:
  * expert by expert, each held expert's rows read once for the tokens that
  * chose it, split over the pool by output rows, every (token, expert)
  * product with czk_moe's operations. A sequence's results are therefore
@@ -1580,6 +1629,9 @@ int czk_topk(const float *logits, int E, int k, int renorm, int64_t *idx, float 
  * header), so a token's logits are bit-identical whether it decodes alone or
  * in any batch. Each returns 0, or -1 when any sequence's call refused its
  * arguments. */
+
+static void czk_rows_nv(const czk_mat *m, const float *const *xs, const czk_xq *av, int nv,
+                        float *const *ys, int64_t r0, int64_t r1);
 
 typedef struct {
     const czk_attn *a;
@@ -1638,6 +1690,109 @@ static void czk_attn_b_task(void *ctx_, int64_t t0, int64_t t1) {
     }
 }
 
+/* The shared-weight path of czk_attn_decode_batch: the tokens in groups of up
+ * to four consecutive ones, each group one pool task; within a group every
+ * product (q/k/v, o, router) reads each weight row once for the group's tokens
+ * (czk_rows_nv: float kinds two inputs per load, quantized ones czk_matmul's
+ * multi-input kernels; each (row, input) exactly as czk_rows computes it), and
+ * each token's norms, RoPE, cache write, heads, residual and routing are
+ * czk_attn_decode's, czk_matvec's and czk_topk's. One pool dispatch per layer,
+ * as the per-token path: the products of this call are small, a dispatch per
+ * product would cost more than the weight reads it saves. Token b's scratch is
+ * czk_attn_decode's layout at work + b * wstride (wstride a multiple of 64, so
+ * every token's buffers sit at the same offsets and a product's outputs are a
+ * fixed stride apart, as the multi-input kernels write them). */
+typedef struct {
+    czk_batch_ctx *c;
+    int B, G;
+} czk_shared_ctx;
+
+static void czk_attn_group(czk_batch_ctx *c, int b0, int nv) {
+    const czk_attn *a = c->a;
+    const int64_t H = c->H;
+    const int64_t nq = (int64_t)a->n_heads * a->head_dim, nkv = (int64_t)a->n_kv * a->head_dim;
+    czk_attn_buf buf[4];
+    czk_xq ax[4];
+    const float *xs[4];
+    float *ys[4];
+    for (int v = 0; v < nv; v++) {
+        const int64_t b = b0 + v;
+        czk_attn_bufs(a, H, c->pos[b] + 1, c->work + b * c->wstride, &buf[v]);
+        czk_attn_in(a, H, c->h + b * H, &buf[v], &ax[v]);
+    }
+    const czk_mat *qkv[3] = {&a->q, &a->k, &a->v};
+    const int64_t off[3] = {0, nq, nq + nkv};
+    for (int i = 0; i < 3; i++) {
+        for (int v = 0; v < nv; v++) {
+            xs[v] = buf[v].xn;
+            ys[v] = buf[v].qkv + off[i];
+        }
+        czk_rows_nv(qkv[i], xs, ax, nv, ys, 0, qkv[i]->rows);
+    }
+    for (int v = 0; v < nv; v++) {
+        const int64_t b = b0 + v, pos = c->pos[b], roff = pos * c->rope_w;
+        czk_attn_mid(NULL, a, &buf[v], (float *)c->kp[b * c->pstride],
+                     (float *)c->vp[b * c->pstride], c->cap[b], pos, c->window, c->cs + roff,
+                     c->sn + roff, &ax[v]);
+        xs[v] = buf[v].att;
+        ys[v] = buf[v].tmp;
+    }
+    czk_rows_nv(&a->o, xs, ax, nv, ys, 0, H);
+    for (int v = 0; v < nv; v++) { /* czk_res_task's residual add, then the post norm */
+        float *h = c->h + (int64_t)(b0 + v) * H;
+        const float *tmp = buf[v].tmp;
+        if (a->ob)
+            for (int64_t r = 0; r < H; r++) h[r] += tmp[r] + a->ob[r];
+        else
+            for (int64_t r = 0; r < H; r++) h[r] += tmp[r];
+        czk_rms(h, a->post_norm, H, a->eps, c->x + (int64_t)(b0 + v) * H);
+    }
+    if (!c->m) return;
+    const czk_mat *r = c->m; /* the routing: czk_matvec's products, then czk_topk */
+    for (int v = 0; v < nv; v++) {
+        const int64_t b = b0 + v;
+        xs[v] = c->x + b * H;
+        ys[v] = c->logits + b * c->E;
+        if (r->kind == CZK_Q) {
+            czk_xq_bind(&ax[v], buf[v].xqmem, H);
+            czk_quantize(xs[v], &ax[v]);
+            czk_xq_groups(&ax[v], r->group);
+        }
+    }
+    czk_rows_nv(r, xs, ax, nv, ys, 0, c->E);
+    for (int v = 0; v < nv; v++) {
+        const int64_t b = b0 + v;
+        if (czk_topk(ys[v], (int)c->E, (int)c->k, c->renorm, c->idx_out + b * c->k,
+                     c->w_out + b * c->k))
+            czk_batch_failed(c);
+    }
+}
+
+static void czk_attn_g_task(void *ctx_, int64_t t0, int64_t t1) {
+    czk_shared_ctx *s = (czk_shared_ctx *)ctx_;
+    for (int64_t g = t0; g < t1; g++) {
+        const int b0 = (int)g * s->G;
+        czk_attn_group(s->c, b0, s->B - b0 < s->G ? s->B - b0 : s->G);
+    }
+}
+
+static int czk_attn_shared(czk_pool *p, czk_batch_ctx *c, int B, int64_t macs) {
+    if (!czk_attn_ok(c->a, c->H)) return -1;
+    for (int b = 0; b < B; b++) {
+        const int64_t pos = c->pos[b];
+        if (pos < 0 || pos >= c->rope_rows || pos >= c->cap[b] || !c->kp[b * c->pstride] ||
+            !c->vp[b * c->pstride])
+            return -1;
+    }
+    /* groups of G tokens, G as large as four allows while every thread has one */
+    const int n = czk_pool_size(p);
+    int G = (B + n - 1) / n;
+    G = G < 1 ? 1 : (G > 4 ? 4 : G);
+    czk_shared_ctx s = {c, B, G};
+    czk_run(p, czk_attn_g_task, &s, (B + G - 1) / G, macs);
+    return c->fail ? -1 : 0;
+}
+
 /* The attention block (czk_attn_decode) for B tokens, then (router not NULL)
  * each token's softmax top-k routing on its x_out row (czk_matvec, czk_topk):
  * token b's residual stream h[b] (in place) and x_out[b] rows of H floats, its
@@ -1645,7 +1800,11 @@ static void czk_attn_b_task(void *ctx_, int64_t t0, int64_t t1) {
  * head_dim]) and position pos[b]; the rope tables are [rope_rows, rope_w] (row
  * pos[b]); router logits into logits [B, E] (E = router rows), the routes
  * into idx / w [B, k]. work: wstride >= czk_attn_work_bytes(a, H, max pos + 1)
- * bytes per token (which covers the routing's czk_work_bytes(H)). */
+ * bytes per token (which covers the routing's czk_work_bytes(H)). With B > 1
+ * and wstride a multiple of 64, the q/k/v, o and router products read each
+ * weight row once for a group of up to four tokens (czk_attn_shared); otherwise each token
+ * is one pool task running czk_attn_decode. Either way each token's results
+ * are czk_attn_decode's (then czk_matvec's and czk_topk's) bit for bit. */
 int czk_attn_decode_batch(czk_pool *p, const czk_attn *a, int64_t H, int B, float *h,
                           float *x_out, const uintptr_t *kp, const uintptr_t *vp,
                           int64_t pstride, const int64_t *cap, const int64_t *pos,
@@ -1685,6 +1844,7 @@ int czk_attn_decode_batch(czk_pool *p, const czk_attn *a, int64_t H, int B, floa
     const int64_t nq = (int64_t)a->n_heads * a->head_dim, nkv = (int64_t)a->n_kv * a->head_dim;
     int64_t macs = (int64_t)B * ((nq + 2 * nkv) * H + H * nq + c.E * H);
     for (int b = 0; b < B; b++) macs += 2 * nq * (pos[b] + 1);
+    if (B > 1 && wstride % 64 == 0 && czk_attn_share) return czk_attn_shared(p, &c, B, macs);
     if (B == 1)
         czk_attn_b_task(&c, 0, 1);
     else

@@ -31,6 +31,7 @@ typedef struct czk_pool czk_pool;
 int czk_level(void);
 void czk_set_cap(int level);
 void czk_set_min_work(int64_t w);
+void czk_set_attn_share(int on);
 czk_pool *czk_pool_new(int n);
 int czk_pool_size(const czk_pool *p);
 void czk_pool_free(czk_pool *p);

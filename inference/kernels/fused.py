@@ -72,6 +72,12 @@ def set_min_work(macs: int) -> None:
     _lib.czk_set_min_work(int(macs))
 
 
+def set_attn_share(on: bool) -> None:
+    """Whether the batched attention shares weight rows between tokens (the default)
+    or runs each token's one-token kernel: the same results; for benchmarks and tests."""
+    _lib.czk_set_attn_share(int(bool(on)))
+
+
 def default_threads() -> int:
     """The cores this process may run on (its CPU affinity), at least 1."""
     try:

@@ -9,7 +9,9 @@ whatever the batch size, the other sequences' lengths, the weight format
 forced to split over two threads). Covered: Mixtral with a sliding window
 shorter than the sequences, Qwen3-MoE (per-head q/k norms), OLMoE (q/k norms
 over all heads). The KV each step writes is the solo decode's too, and the
-kernels refuse a route to an expert the step does not hold.
+kernels refuse a route to an expert the step does not hold. The batched
+attention shares each weight row between a group of tokens (and the MoE each
+expert's rows between the tokens that chose it): checked per SIMD path too.
 """
 
 from __future__ import annotations
@@ -136,7 +138,9 @@ def level(request):
 def test_every_simd_path_batches_as_it_decodes_alone(split_loops, level, fmt):
     """The batched MoE shares each expert's rows between the tokens that chose it
     (czk_matmul's kernels for packed experts, a two-input row kernel for float
-    ones): per SIMD path, still each token's solo decode bit for bit."""
+    ones), the batched attention each q/k/v, o and router row between a group's
+    tokens (the same kernels, groups of 2 to 4): per SIMD path, still each
+    token's solo decode bit for bit."""
     base = StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"]))
     consumer = base if fmt is None else QuantizedConsumer(
         base, POLICIES["q4-all"] if fmt == "q4" else parse_policy(Q8)
@@ -147,11 +151,11 @@ def test_every_simd_path_batches_as_it_decodes_alone(split_loops, level, fmt):
         rng = np.random.default_rng(5)
         kvs = [model.new_kv() for _ in range(8)]
         forward_batch(model, [rng.integers(0, 256, n) for n in LENGTHS], kvs)
-        for _ in range(2):
-            toks = [int(t) for t in rng.integers(0, 4, 8)]  # few distinct: experts shared
+        for b in (8, 5):  # attention groups of 4 + 4, then 3 + 2 (two threads)
+            toks = [int(t) for t in rng.integers(0, 4, b)]  # few distinct: experts shared
             want = [model.forward(np.array([t]), _copy(model, kv)) for t, kv in zip(toks, kvs)]
-            got = forward_batch(model, [np.array([t]) for t in toks], kvs)
-            assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True)), level
+            got = forward_batch(model, [np.array([t]) for t in toks], kvs[:b])
+            assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True)), (level, b)
     finally:
         eng.close()
 
@@ -214,5 +218,63 @@ def test_a_route_to_an_expert_not_held_is_refused():
                 kern.moe_batch(cache, 0, 1, held, np.array([0, 10**6], np.int64), False)
         finally:
             cache.release()
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("attn", ["f32", "f16"])
+def test_every_simd_path_shares_the_attention_rows_as_each_decodes_alone(
+    split_loops, level, attn, threads
+):
+    """The batched attention reads each q/k/v, o and router row once for a group
+    of up to four tokens (the two-input float kernel; float16 rows widened once
+    per pair): per SIMD path, thread count and batch size (groups of 1 to 4 and
+    a short last group), each token's solo decode bit for bit. Float16 attention
+    weights are set on the layers directly (a store's trunk is widened at load),
+    so the kernels' F16 kind runs in both the solo and the batched call."""
+    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=threads)
+    model = eng.model
+    try:
+        if attn == "f16":
+            for lw in model.layers:
+                for name in ("q_proj", "k_proj", "v_proj", "o_proj", "router"):
+                    setattr(lw, name, np.ascontiguousarray(getattr(lw, name), np.float16))
+        assert _c_decodes(model)
+        rng = np.random.default_rng(11)
+        kvs = [model.new_kv() for _ in LENGTHS]
+        forward_batch(model, [rng.integers(0, 256, n) for n in LENGTHS], kvs)
+        for b in (1, 2, 5, 8):
+            toks = [int(t) for t in rng.integers(0, 256, b)]
+            want = [model.forward(np.array([t]), _copy(model, kv)) for t, kv in zip(toks, kvs)]
+            got = forward_batch(model, [np.array([t]) for t in toks], kvs[:b])
+            for s in range(b):
+                assert np.array_equal(got[s], want[s]), (level, attn, threads, b, s)
+        kinds = {d.struct.q.kind for d in model.kernels()._attn.values()}
+        assert kinds == {fused.KIND_F16 if attn == "f16" else fused.KIND_F32}
+    finally:
+        eng.close()
+
+
+def test_the_per_token_attention_path_still_decodes_as_alone(split_loops):
+    """With sharing off (fused.set_attn_share(False), the benchmarks' baseline) each
+    token runs the one-token kernel: the same logits as alone, and as shared."""
+    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=2)
+    model = eng.model
+    try:
+        rng = np.random.default_rng(3)
+        kvs = [model.new_kv() for _ in range(5)]
+        forward_batch(model, [rng.integers(0, 256, n) for n in LENGTHS[:5]], kvs)
+        toks = [int(t) for t in rng.integers(0, 256, 5)]
+        want = [model.forward(np.array([t]), _copy(model, kv)) for t, kv in zip(toks, kvs)]
+        chunks = [np.array([t]) for t in toks]
+        shared = forward_batch(model, chunks, [_copy(model, kv) for kv in kvs])
+        fused.set_attn_share(False)
+        try:
+            each = forward_batch(model, chunks, kvs)
+        finally:
+            fused.set_attn_share(True)
+        for s in range(5):
+            assert np.array_equal(each[s], want[s]) and np.array_equal(shared[s], want[s]), s
     finally:
         eng.close()
