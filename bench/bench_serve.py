@@ -289,7 +289,9 @@ def run_server_level(
     return run
 
 
-def start_server(store_dir, ref, port, args) -> subprocess.Popen:
+def start_server(store_dir, ref, port, args, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``czyx serve`` with the bench's options (``args``: cache fraction, prefetch,
+    policy) and ``extra`` flags, once it answers /health."""
     cmd = [
         sys.executable,
         "-m",
@@ -313,7 +315,7 @@ def start_server(store_dir, ref, port, args) -> subprocess.Popen:
         "--no-audit",
     ]
     cmd.append("--no-prefetch" if args.prefetch == "off" else "--prefetch")
-    cmd += ["--policy", args.policy]
+    cmd += ["--policy", args.policy, *extra]
     return _started(cmd, f"http://127.0.0.1:{port}/health", "czyx serve")
 
 

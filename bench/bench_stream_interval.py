@@ -39,44 +39,17 @@ sys.path.insert(0, HERE)
 from bench_serve import (  # noqa: E402
     EngineAlone,
     _free_port,
-    _started,
     _stop,
     machine,
     run_server_level,
+    start_server,
 )
 
 
-def start(store_dir: str, ref: str, interval_ms: float):
+def start(store_dir: str, ref: str, interval_ms: float, ns: argparse.Namespace):
     port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "czyx",
-        "serve",
-        ref,
-        "--store",
-        store_dir,
-        "--port",
-        str(port),
-        "--cache-fraction",
-        "1.0",
-        "--max-batch",
-        "16",
-        "--max-queue",
-        "64",
-        "--prefill-chunk",
-        "32",
-        "--prefix-cache-mb",
-        "0",
-        "--no-audit",
-        "--no-prefetch",
-        "--policy",
-        "lru",
-        "--stream-interval-ms",
-        str(interval_ms),
-    ]
-    url = f"http://127.0.0.1:{port}"
-    return _started(cmd, url + "/health", "czyx serve"), url
+    proc = start_server(store_dir, ref, port, ns, ("--stream-interval-ms", str(interval_ms)))
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def main() -> int:
@@ -108,9 +81,10 @@ def main() -> int:
         servers = []
         engine = None
         try:
-            for ms in intervals:
-                servers.append((ms, *start(store_dir, ref, ms)))
+            # The same options for the servers and the engine alone (resident: no reads).
             ns = argparse.Namespace(cache_fraction=1.0, prefetch="off", policy="lru")
+            for ms in intervals:
+                servers.append((ms, *start(store_dir, ref, ms, ns)))
             engine = EngineAlone(store_dir, ref, ns)
             engine.record(False)
             pool = [httpx.Client(timeout=args.budget)]
