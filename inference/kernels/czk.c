@@ -829,8 +829,11 @@ ATTR static inline __attribute__((always_inline)) void NAME##_rb(               
         y[r + i] = czk_hsum8(_mm256_add_ps(lo[i], hi[i])) + czk_mterm_avx2(m, r + i, G, a->gsum);  \
 }                                                                                                  \
                                                                                                    \
-ATTR static void NAME##_bits(const czk_mat *m, const czk_xq *a, float *y,                          \
-                                          int64_t r0, int64_t r1, const int bits) {                \
+/* Inlined into each case of NAME's switch, so every bit width gets its own loop  \
+ * with `bits` a constant: left to the compiler, whether it clones the function  \
+ * per width depends on the rest of the file, and the generic loop is far slower. */\
+ATTR static inline __attribute__((always_inline)) void NAME##_bits(                               \
+    const czk_mat *m, const czk_xq *a, float *y, int64_t r0, int64_t r1, const int bits) {        \
     int64_t r = r0;                                                                                \
     for (; r + 2 <= r1; r += 2) NAME##_rb(m, a, y, r, 2, bits);                                    \
     for (; r < r1; r++) NAME##_rb(m, a, y, r, 1, bits);                                            \
@@ -915,7 +918,8 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
             y[v * ystride + r] = czk_hsum8(_mm256_add_ps(lo[v], hi[v])) + mt[v];                  \
     }                                                                                             \
                                                                                                   \
-    ATTR static void NAME##_nvbits(const czk_mat *m, const czk_xq *av, int nv, float *y,          \
+    ATTR static inline __attribute__((always_inline)) void NAME##_nvbits(                        \
+        const czk_mat *m, const czk_xq *av, int nv, float *y,                                     \
                                    int64_t ystride, int64_t r0, int64_t r1, const int bits) {     \
         for (int64_t r = r0; r < r1; r++) switch (nv) {                                           \
             case 4: NAME##_nv(m, av, y, ystride, r, 4, bits); break;                              \
