@@ -18,6 +18,7 @@ from czyx.inference.batch import (
     QueueFull,
     RequestTooLarge,
     Scheduler,
+    _copy_kv,
     forward_batch,
 )
 from czyx.inference.engine import Engine
@@ -201,10 +202,7 @@ def test_tiered_streaming_batch_equals_resident(engine):
 
 def _copy(model, kv):
     out = model.new_kv(kv.capacity)
-    for i in range(len(kv.k)):
-        out.k[i][:] = kv.k[i]
-        out.v[i][:] = kv.v[i]
-    out.length = kv.length
+    _copy_kv(out, kv, kv.length)  # the scheduler's own copy (sessions, prefix reuse)
     return out
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from czyx.inference.batch import _c_decodes, forward_batch
+from czyx.inference.batch import _c_decodes, _copy_kv, forward_batch
 from czyx.inference.engine import Engine
 from czyx.inference.kernels import fused
 from czyx.inference.kernels.fused import KernelError
@@ -81,10 +81,7 @@ def _consumer(arch: str, fmt: str | None, tmp_path):
 
 def _copy(model, kv):
     out = model.new_kv(kv.capacity)
-    for i in range(len(kv.k)):
-        out.k[i][:] = kv.k[i]
-        out.v[i][:] = kv.v[i]
-    out.length = kv.length
+    _copy_kv(out, kv, kv.length)  # the scheduler's own copy (sessions, prefix reuse)
     return out
 
 

@@ -87,7 +87,9 @@ class BodyLog(SendCounter):
         await super().__call__(scope, receive, logged)
 
 
-def test_interval_batches_writes_one_event_per_token(tmp_path):
+def _trickle(tmp_path):
+    """A store, its tokens, a scheduler handing a token every 2 ms, and serve options that
+    write a stream at most every 50 ms."""
     store_dir, _, tokens, _ = make_store(tmp_path)
     sched = TrickleScheduler(gap=0.002)
     opts = ServeOptions(
@@ -96,6 +98,11 @@ def test_interval_batches_writes_one_event_per_token(tmp_path):
         event_timeout=30.0,
         stream_interval=0.05,
     )
+    return store_dir, tokens, sched, opts
+
+
+def test_interval_batches_writes_one_event_per_token(tmp_path):
+    store_dir, tokens, _, opts = _trickle(tmp_path)
     log = BodyLog(create_app(str(store_dir), ["stdlib@1"], opts))
     n = 60
     with serve_in_thread(log) as url:
@@ -123,14 +130,7 @@ def test_interval_batches_writes_one_event_per_token(tmp_path):
 
 
 def test_interval_stream_stops_at_a_stop_string_and_frees_on_disconnect(tmp_path):
-    store_dir, _, tokens, _ = make_store(tmp_path)
-    sched = TrickleScheduler(gap=0.002)
-    opts = ServeOptions(
-        engine={"stream": None},
-        scheduler=lambda *a: sched,
-        event_timeout=30.0,
-        stream_interval=0.05,
-    )
+    store_dir, tokens, sched, opts = _trickle(tmp_path)
     app = create_app(str(store_dir), ["stdlib@1"], opts)
     store = app.state.czyx.store
     since = max((e["seq"] for e in store.audit_log()), default=0)
