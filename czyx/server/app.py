@@ -1416,15 +1416,12 @@ class _SSEResponse(Response):
         job, chunks, out = self.job, self.chunks, self.job.out
         watcher = asyncio.ensure_future(_watch_disconnect(receive, job))
         status = 200
-        # The body chunks go to the server's own send (the middleware's wrappers around
-        # ``send`` only watch for the response's start, which passes through them).
-        body_send = scope.get(_SERVER_SEND, send)
         held: list[str] = []  # pieces a stream interval holds back
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             if self.chat:
                 role = chunks.chunk("", None, role=True)
-                await body_send({"type": "http.response.body", "body": role, "more_body": True})
+                await send({"type": "http.response.body", "body": role, "more_body": True})
             texts, burst = chunks.texts, job.burst
             interval = self.api.state.options.stream_interval
             if not interval:
@@ -1432,7 +1429,7 @@ class _SSEResponse(Response):
                     pieces = await burst()
                     if pieces:
                         msg = {"type": _BODY, "body": texts(pieces), "more_body": True}
-                        await body_send(msg)
+                        await send(msg)
             else:  # a token sooner than the interval after the last write waits for its end
                 clock, written, sleep = job.loop.time, -interval, asyncio.sleep
                 while not job.done:
@@ -1450,7 +1447,7 @@ class _SSEResponse(Response):
                                 break
                     msg = {"type": _BODY, "body": texts(held), "more_body": True}
                     held, written = [], clock()
-                    await body_send(msg)
+                    await send(msg)
             await job.finish()
             # (the pieces still held go with the stream's last message)
             tail, held = texts(held), []
@@ -1485,25 +1482,6 @@ class _SSEResponse(Response):
 
 
 # --------------------------------------------------------------------------- factory
-
-#: The scope key under which :class:`_App` keeps the ASGI server's own ``send``.
-_SERVER_SEND = "czyx.server_send"
-
-
-class _App(Starlette):
-    """Starlette keeping the ASGI server's own ``send`` in each request's scope.
-
-    A stream writes one body message per burst of tokens; through the
-    middleware stack each would pass three ``send`` wrappers (the error
-    middleware's, the exception middleware's and the route's), which only
-    record whether the response started. :class:`_SSEResponse` sends its start
-    through them (so error handling knows the response began, as for any
-    response) and its body chunks straight to the server.
-    """
-
-    async def __call__(self, scope, receive, send) -> None:
-        scope[_SERVER_SEND] = send
-        await super().__call__(scope, receive, send)
 
 
 def create_app(
@@ -1567,7 +1545,7 @@ def create_app(
         msg = f"internal error: {type(exc).__name__}: {exc}"
         return ApiError(500, msg, "server_error").response()
 
-    app = _App(
+    app = Starlette(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={404: not_found, Exception: internal},
