@@ -26,20 +26,25 @@ sequences share its steps, and so are its greedy tokens. (They are not
 bit-identical to :meth:`Engine.decode`, which multiplies one column: that
 path is the single-sequence engine's, this one is the server's.)
 
-Decode tokens (a sequence's one-token chunk) take the single-sequence
-engine's C kernels instead where the architecture decodes in C (see
-:meth:`MoEDecoder.decode_in_c`) and the sequence's routing is unrestricted:
-per layer, one C call runs every such token's attention block and routing,
-and (after the union of the step's experts is acquired once) one runs every
-token's MoE layer and residual add (:mod:`czyx.inference.kernels.fused`,
-``DecodeKernels.*_batch``); the embedding and the head are one call each.
-The Python per layer is therefore the same whatever the batch. Each call
-spreads the tokens over the engine's threads, a token per task, and computes
-each token with the one-token kernels exactly as :meth:`Engine.decode` does,
-so its logits are bit-identical to the same token decoded alone (batched or
-by the engine) whatever the batch and the thread count. Whether a chunk
-takes this path depends on its own length and portal only, never on the
-other sequences.
+Where the architecture decodes in C (see :meth:`MoEDecoder.decode_in_c`) and
+a sequence's routing is unrestricted, its chunk, a decode token or a prompt
+chunk, takes the single-sequence engine's C kernels instead: every token of
+the step is a row, rows in waves (wave ``j`` the ``j``-th token of every
+chunk that has one), and per layer one C call runs the waves' attention
+blocks and routing one wave after another (so a prompt's token attends to
+the ones before it), then (after the union of the step's experts is
+acquired once) one runs every row's MoE layer and residual add
+(:mod:`czyx.inference.kernels.fused`, ``DecodeKernels.*_batch``); the
+embedding and the head are one call each. The Python per layer is therefore
+the same whatever the batch. Each call spreads the tokens of a wave over
+the engine's threads and computes each token with the one-token kernels
+exactly as :meth:`Engine.decode` does, so a token's logits (and the KV it
+writes) are bit-identical to the same token decoded alone, whatever the
+batch, the chunking of its prompt and the thread count: a prompt's
+prefill is its tokens decoded one by one, at a fraction of the calls. A
+rope whose tables depend on the length reached sends prompt chunks to the
+numpy step. Whether a chunk takes the C path depends on its own portal and
+the model only, never on the other sequences.
 """
 
 from __future__ import annotations
@@ -191,17 +196,18 @@ def forward_batch(
         raise ValueError("forward_batch needs one allowed-experts entry per chunk")
     fast = []
     if c_decode and _c_decodes(model):
+        # Prompt chunks too, unless the rope's tables depend on the length reached.
         fast = [
-            s for s, c in enumerate(ids) if c.size == 1 and (allowed is None or allowed[s] is None)
+            s
+            for s, c in enumerate(ids)
+            if (allowed is None or allowed[s] is None) and (c.size == 1 or not model._length_rope)
         ]
     if not fast:
         with model.kernel_threads():  # a prompt's quantized products on the engine's threads
             return _forward_rows(model, ids, kvs, allowed)
     model.experts.advance(int(every.size))
     out: list[np.ndarray | None] = [None] * len(ids)
-    # (every chunk one token: the concatenation is the tokens, in order)
-    toks = every.tolist() if len(fast) == len(ids) else [int(ids[s][0]) for s in fast]
-    got = _forward_c(model, toks, [kvs[s] for s in fast])
+    got = _forward_c(model, [ids[s] for s in fast], [kvs[s] for s in fast])
     for s, lg in zip(fast, got, strict=True):
         out[s] = lg
     rest = [s for s in range(len(ids)) if out[s] is None]
@@ -239,32 +245,54 @@ def _base_finish_logits():
     return MoEDecoder.finish_logits
 
 
-def _forward_c(model, tokens: list[int], kvs: Sequence[KVCache]) -> list[np.ndarray]:
-    """Decode tokens (one per sequence) through the engine's C kernels, all at once.
+def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[np.ndarray]:
+    """Chunks of tokens (a decode token, or a prompt chunk, per sequence) through the
+    engine's C kernels, all at once.
 
-    Per layer, whatever the number of tokens: one C call runs every token's
-    attention block (its own KV cache and position), one its routing, then
-    the union of the tokens' experts is acquired once (residents first; in
-    groups of consecutive tokens whose union fits the cache's
-    :attr:`max_acquire` when it does not) and one C call per group runs each
-    token's MoE layer over its top-k in its own order. The embedding and the
-    head are one call each. The attention call reads each weight row once for
-    a group of up to four tokens, the MoE call each held expert's rows once for
-    the tokens that chose it; every output is computed with the one-token
-    kernels' operations (the multi-input row kernels give each (row, input)
-    exactly the one-input result), so the arithmetic per token is
-    :meth:`MoEDecoder._forward_one`'s and the logits are the engine's, bit for
-    bit, whatever the batch and the thread count.
+    Every token is a row of the step, rows in waves: wave ``j`` holds the
+    ``j``-th token of every chunk that has one (the first wave is one token per
+    sequence; a decode-only step is that wave alone). Per layer, whatever the
+    number of rows: one C call per wave runs its tokens' attention blocks (each
+    its own KV cache and position; a prompt's tokens one wave after another,
+    so each attends to the ones before it) and routing, then the union of
+    every row's experts is acquired once (residents first; in groups of
+    consecutive rows whose union fits the cache's :attr:`max_acquire` when it
+    does not) and one C call per group runs each row's MoE layer over its
+    top-k in its own order. The embedding and the head are one call each. The
+    attention call reads each weight row once for a group of up to four
+    tokens, the MoE call each held expert's rows once for the rows that chose
+    it; every output is computed with the one-token kernels' operations (the
+    multi-input row kernels give each (row, input) exactly the one-input
+    result), so the arithmetic per token is :meth:`MoEDecoder._forward_one`'s:
+    the logits are the engine's decode, bit for bit, whatever the batch, the
+    chunking of a prompt and the thread count.
     """
-    if model._length_rope:
-        return _forward_c_each(model, tokens, kvs)
+    if model._length_rope:  # (decode tokens only: forward_batch sends chunks elsewhere)
+        return _forward_c_each(model, [int(c[0]) for c in chunks], kvs)
     cfg = model.cfg
     kern = model.kernels()
-    n = len(tokens)
+    lens = [int(c.size) for c in chunks]
     starts = [kv.length for kv in kvs]
-    for kv, s in zip(kvs, starts, strict=True):
-        kv.reserve(s + 1)
-    bt = kern.begin_batch(kvs, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, model.rotary)
+    for kv, s, t in zip(kvs, starts, lens, strict=True):
+        kv.reserve(s + t)
+    if max(lens) == 1:
+        waves = [0, len(chunks)]
+        row_kv, row_pos, tokens = list(kvs), None, [int(c[0]) for c in chunks]
+        last = None
+    else:
+        waves, row_kv, row_pos, tokens = [0], [], [], []
+        last = np.empty(len(chunks), np.int64)  # each chunk's last row
+        for j in range(max(lens)):
+            for q, c in enumerate(chunks):
+                if lens[q] > j:
+                    if lens[q] == j + 1:
+                        last[q] = len(tokens)
+                    row_kv.append(kvs[q])
+                    row_pos.append(starts[q] + j)
+                    tokens.append(int(c[j]))
+            waves.append(len(tokens))
+    n = len(tokens)
+    bt = kern.begin_batch(row_kv, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, model.rotary, row_pos)
     kern.embed_batch(model.embed, tokens)
     h, x, idx, w = bt.h[:n], bt.x[:n], bt.idx[:n], bt.w[:n]
     cache = model.experts
@@ -274,11 +302,12 @@ def _forward_c(model, tokens: list[int], kvs: Sequence[KVCache]) -> list[np.ndar
     lookahead = getattr(cache, "lookahead", None)
     args = (model.rotary, cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, *model._c_qkv)
     top_k, renorm = cfg.top_k, cfg.renormalize
+    wv = None if len(waves) == 2 else np.array(waves, np.int64)
     for i in range(cfg.n_layers):
         lw = window.layer(i) if window is not None else model.layers[i]
         if model.layer_hook is not None:
             model.layer_hook(i, h)
-        kern.attention_batch(lw, i, n, cfg.sliding_windows[i], *args, top_k, renorm)
+        kern.attention_batch(lw, i, n, cfg.sliding_windows[i], *args, top_k, renorm, wv)
         if lookahead is not None:
             lookahead(i, x)
         model.count_routes(i, idx, w)
@@ -292,9 +321,11 @@ def _forward_c(model, tokens: list[int], kvs: Sequence[KVCache]) -> list[np.ndar
                 kern.moe_batch(cache, r0, r1, experts, slots, True)
             finally:
                 cache.release()
-    for kv, s in zip(kvs, starts, strict=True):
-        kv.length = s + 1
-    logits = kern.head_batch(model.final_norm, model.lm_head, cfg.rms_eps, n).copy()
+    for kv, s, t in zip(kvs, starts, lens, strict=True):
+        kv.length = s + t
+    if last is not None:  # each chunk's last row into rows 0 .. len(chunks), for the head
+        bt.h[: len(chunks)] = bt.h[last]
+    logits = kern.head_batch(model.final_norm, model.lm_head, cfg.rms_eps, len(chunks)).copy()
     return [model.finish_logits(lg) for lg in logits]
 
 

@@ -1856,6 +1856,33 @@ int czk_attn_decode_batch(czk_pool *p, const czk_attn *a, int64_t H, int B, floa
     return c.fail ? -1 : 0;
 }
 
+/* czk_attn_decode_batch over rows in waves: wave j is rows [waves[j],
+ * waves[j + 1]) of the same arrays (each row's h, x_out, KV pointers, cap, pos,
+ * logits, routes and scratch at its row), the waves run one after another. A
+ * prompt's tokens are in consecutive waves, so each writes its position before
+ * the next attends to it; the rows of one wave must name different caches. */
+int czk_attn_decode_waves(czk_pool *p, const czk_attn *a, int64_t H, int nwaves,
+                          const int64_t *waves, float *h, float *x_out, const uintptr_t *kp,
+                          const uintptr_t *vp, int64_t pstride, const int64_t *cap,
+                          const int64_t *pos, int64_t window, const float *cs, const float *sn,
+                          int64_t rope_w, int64_t rope_rows, const czk_mat *router, int k,
+                          int renorm, float *logits, int64_t *idx, float *w, void *work,
+                          int64_t wstride) {
+    if (nwaves <= 0 || waves[0] != 0) return -1;
+    const int64_t E = router ? router->rows : 0;
+    for (int j = 0; j < nwaves; j++) {
+        const int64_t r0 = waves[j], n = waves[j + 1] - r0;
+        if (n <= 0 || n > INT32_MAX) return -1;
+        const int rc = czk_attn_decode_batch(
+            p, a, H, (int)n, h + r0 * H, x_out + r0 * H, kp + r0 * pstride, vp + r0 * pstride,
+            pstride, cap + r0, pos + r0, window, cs, sn, rope_w, rope_rows, router, k, renorm,
+            logits ? logits + r0 * E : NULL, idx + r0 * k, w + r0 * k,
+            (uint8_t *)work + r0 * wstride, wstride);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 /* The distinct values of idx[0 .. n) (expert ids in [0, E)), those with
  * resident[e] >= 0 first, each part in ascending order, into out; returns their
  * count, or -1 for an id outside [0, E) or E > 4096. (A step's union of routed experts in

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -423,27 +423,39 @@ class DecodeKernels:
     # ------------------------------------------------------------ batched decode
 
     def begin_batch(
-        self, kvs: Any, n_layers: int, n_kv: int, head_dim: int, rotary: Any
+        self,
+        kvs: Any,
+        n_layers: int,
+        n_kv: int,
+        head_dim: int,
+        rotary: Any,
+        positions: Sequence[int] | None = None,
     ) -> DecodeBatch:
-        """Start a batched decode step of one token per KV cache in ``kvs``.
+        """Start a batched step of one token per row, row ``r`` a token of KV cache ``kvs[r]``.
 
-        Each cache must have room for its next position (``kv.reserve``). Fills
-        the step's positions, capacities and KV pointers, grows the rope tables
-        to the furthest position, and returns the buffers (rows ``0 .. len(kvs)``).
-        The rope tables must not depend on the length reached (a dynamic or
-        LongRoPE rope decodes one sequence at a time: :meth:`attention`).
+        Each cache must have room for its rows' positions (``kv.reserve``). Fills
+        the step's positions (``positions[r]``, default each cache's length: one
+        decode token per sequence), capacities and KV pointers, grows the rope
+        tables to the furthest position, and returns the buffers (rows ``0 ..
+        len(kvs)``). Several rows may share a cache (a prompt chunk's tokens, at
+        consecutive positions): their attention then runs one row after another
+        (:meth:`attention_batch`'s ``r0``). The rope tables must not depend on the
+        length reached (a dynamic or LongRoPE rope decodes one sequence at a time:
+        :meth:`attention`).
         """
         n = len(kvs)
         bt = self._batch
         if bt is None or bt.cap < n or bt.n_layers != n_layers:
             cap = max(n, 8, 2 * bt.cap if bt is not None else 0)
             bt = self._batch = DecodeBatch(self.hidden, self.logits.size, self.top_k, n_layers, cap)
-        top = 0
         for r, kv in enumerate(kvs):
             bt.kvp[r] = _kv_pointers(kv, n_layers, n_kv, head_dim)
             bt.kvcap[r] = kv.k[0].shape[1]
-            bt.pos[r] = kv.length
-            top = max(top, kv.length)
+        if positions is None:
+            bt.pos[:n] = [kv.length for kv in kvs]
+        else:
+            bt.pos[:n] = positions
+        top = int(bt.pos[:n].max())
         self._rope_to(rotary, top)
         self._batch_top = top
         return bt
@@ -474,11 +486,17 @@ class DecodeKernels:
         clip: float | None = None,
         top_k: int = 0,
         renorm: bool = False,
+        waves: np.ndarray | None = None,
     ) -> None:
         """:meth:`attention` then (``top_k`` > 0) :meth:`route` for the batch's first ``n``
         tokens, in one call: layer ``layer`` of each token's own KV cache at its own
         position; ``h`` in place, ``x`` the post-attention norm, ``idx`` / ``w`` the
-        routes on ``x`` by ``lw.router``. Each token's arithmetic is those methods'."""
+        routes on ``x`` by ``lw.router``. Each token's arithmetic is those methods'.
+
+        ``waves`` (int64 row offsets ``[0, ..., n]``): the rows run in waves, one
+        after another, rows ``waves[j] .. waves[j + 1]`` together; a prompt's tokens
+        in consecutive waves (each writes its position before the next attends to
+        it). Without, the ``n`` rows are one wave: they must name different caches."""
         d = self._attn.get(id(lw))
         if d is None or d.layer is not lw:
             d = self._describe_attn(
@@ -497,12 +515,23 @@ class DecodeKernels:
             bt.reserve_router(router.rows)
         rope = self._rope
         nl = bt.n_layers
-        rc = _lib.czk_attn_decode_batch(
-            self.pool.ptr, d.struct, self.hidden, n, bt.p_h, bt.p_x, bt.p_kvp + layer,
-            bt.p_kvp + nl + layer, 2 * nl, bt.p_kvcap, bt.p_pos, window or 0, rope[1], rope[2],
-            rope[3], rope[0].shape[0], router, top_k, int(renorm), bt.p_rl, bt.p_idx, bt.p_w,
-            bt.p_work, bt.wstride,
-        )  # fmt: skip
+        if waves is None:
+            rc = _lib.czk_attn_decode_batch(
+                self.pool.ptr, d.struct, self.hidden, n, bt.p_h, bt.p_x, bt.p_kvp + layer,
+                bt.p_kvp + nl + layer, 2 * nl, bt.p_kvcap, bt.p_pos, window or 0, rope[1],
+                rope[2], rope[3], rope[0].shape[0], router, top_k, int(renorm), bt.p_rl,
+                bt.p_idx, bt.p_w, bt.p_work, bt.wstride,
+            )  # fmt: skip
+        else:
+            if waves.dtype != np.int64 or waves[-1] != n or not waves.flags.c_contiguous:
+                raise KernelError(f"waves must be int64 row offsets ending at {n}")
+            rc = _lib.czk_attn_decode_waves(
+                self.pool.ptr, d.struct, self.hidden, waves.size - 1,
+                _ffi.cast("int64_t *", _ffi.from_buffer(waves)), bt.p_h, bt.p_x,
+                bt.p_kvp + layer, bt.p_kvp + nl + layer, 2 * nl, bt.p_kvcap, bt.p_pos,
+                window or 0, rope[1], rope[2], rope[3], rope[0].shape[0], router, top_k,
+                int(renorm), bt.p_rl, bt.p_idx, bt.p_w, bt.p_work, bt.wstride,
+            )  # fmt: skip
         if rc:
             raise KernelError(f"czk_attn_decode_batch refused layer {lw.index} for {n} tokens")
 

@@ -12,6 +12,9 @@ over all heads). The KV each step writes is the solo decode's too, and the
 kernels refuse a route to an expert the step does not hold. The batched
 attention shares each weight row between a group of tokens (and the MoE each
 expert's rows between the tokens that chose it): checked per SIMD path too.
+A step's prompt chunks run on the same path, their tokens in waves: each
+prompt's KV and logits are its tokens decoded one at a time, however it is
+chunked and batched.
 """
 
 from __future__ import annotations
@@ -115,6 +118,68 @@ def test_batched_decode_is_each_sequence_decoded_alone(tmp_path, split_loops, ar
                         assert np.array_equal(kvs[s].v[i][:, :n], alone[s].v[i][:, :n])
         if model.cfg.sliding_windows[0]:
             assert max(kv.length for kv in kvs) > model.cfg.sliding_windows[0]  # exceeded
+    finally:
+        eng.close()
+        if isinstance(opened, OpenedModel):
+            opened.close()
+
+
+def _decoded_alone(model, tokens):
+    """A prompt fed to the engine's C decode one token at a time: its KV and last logits."""
+    kv = model.new_kv()
+    for t in tokens:
+        logits = model.forward(np.array([int(t)]), kv)
+    return kv, logits
+
+
+@pytest.mark.parametrize(("threads", "fraction"), [(1, None), (2, None), (2, 0.25)])
+@pytest.mark.parametrize(("arch", "fmt"), [c for c in CASES if c[1] != "bf16-store"])
+def test_prompt_chunks_are_the_prompt_decoded_token_by_token(
+    tmp_path, split_loops, arch, fmt, threads, fraction
+):
+    """A step's prompt chunks take the C path too (their tokens in waves, one position
+    after another, beside other sequences' decode tokens): each prompt's KV and logits
+    are exactly its tokens decoded one at a time by the engine, however the prompt is
+    cut into chunks and whatever it is batched with; with the experts over a quarter of
+    their bytes too (a step's union then acquired in groups of rows)."""
+    opened = _consumer(arch, fmt, tmp_path)
+    consumer = opened.consumer if isinstance(opened, OpenedModel) else opened
+    eng = Engine(consumer, threads=threads, cache_fraction=fraction)
+    model = eng.model
+    try:
+        assert _c_decodes(model), (arch, fmt)
+        rng = np.random.default_rng(11)
+        vocab = model.cfg.vocab_size
+        prompts = [rng.integers(0, vocab, n) for n in (13, 1, 6, 20)]
+        alone = [_decoded_alone(model, p) for p in prompts]
+        # Two others already decoding; the prompts arrive in chunks of 5 and 7 beside them.
+        others = [model.new_kv() for _ in range(2)]
+        forward_batch(model, [rng.integers(0, vocab, 4), rng.integers(0, vocab, 9)], others)
+        kvs = [model.new_kv() for _ in prompts]
+        got: list = [None] * len(prompts)
+        done = [0] * len(prompts)
+        for _ in range(4):
+            chunks, seqs, who = [], [], []
+            for s, p in enumerate(prompts):
+                size = 5 if s % 2 == 0 else 7
+                if done[s] < p.size:
+                    chunks.append(p[done[s] : done[s] + size])
+                    seqs.append(kvs[s])
+                    who.append(s)
+                    done[s] = min(p.size, done[s] + size)
+            if not who:
+                break
+            toks = [np.array([int(t)]) for t in rng.integers(0, vocab, 2)]
+            out = forward_batch(model, toks + chunks, others + seqs)
+            for s, lg in zip(who, out[2:], strict=True):
+                got[s] = lg
+        for s, (kv, logits) in enumerate(alone):
+            assert np.array_equal(got[s], logits), (arch, fmt, threads, fraction, s)
+            assert kvs[s].length == kv.length == prompts[s].size
+            n = kv.length
+            for i in range(model.cfg.n_layers):
+                assert np.array_equal(kvs[s].k[i][:, :n], kv.k[i][:, :n])
+                assert np.array_equal(kvs[s].v[i][:, :n], kv.v[i][:, :n])
     finally:
         eng.close()
         if isinstance(opened, OpenedModel):
