@@ -175,8 +175,9 @@ def forward_batch(
         softmax (and so the weights) taken over the permitted experts alone
         (a portal's class/layer scope narrows routing, never reads outside it).
     c_decode
-        Decode tokens take the engine's C decode where the model has it (the
-        default); False runs every chunk through the numpy step (for comparison).
+        Chunks (decode tokens and prompt chunks) take the engine's C decode where
+        the model has it (the default); False runs every chunk through the numpy
+        step (for comparison).
 
     Returns
     -------
@@ -642,8 +643,9 @@ class BatchOptions:
         computed (same tokens, same chunk boundaries): results do not change.
         0: no reuse.
     c_decode
-        Decode tokens take the engine's C decode where the architecture has it
-        (:func:`forward_batch`); False: the numpy step for every chunk (the
+        Decode tokens and prompt chunks take the engine's C decode where the
+        architecture has it (:func:`forward_batch`); False: the numpy step for
+        every chunk (the
         batched path before it, kept for comparison; results then differ from
         the engine's decode by float32 rounding, still independent of the batch).
     """
