@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from czyx.inference.batch import _c_decodes, _copy_kv, forward_batch
 from czyx.inference.engine import Engine
@@ -184,6 +186,54 @@ def test_prompt_chunks_are_the_prompt_decoded_token_by_token(
         eng.close()
         if isinstance(opened, OpenedModel):
             opened.close()
+
+
+@pytest.fixture(scope="module")
+def mixtral_engine():
+    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=2)
+    yield eng
+    eng.close()
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    prompts=st.lists(st.integers(1, 14), min_size=1, max_size=3),
+    sizes=st.lists(st.integers(1, 6), min_size=3, max_size=3),
+    decoding=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_for_all_chunkings_and_batches_a_prompt_is_its_tokens_decoded(
+    split_loops, mixtral_engine, prompts, sizes, decoding, seed
+):
+    """For every set of prompts, every chunk size per prompt and every number of other
+    sequences decoding beside them: each prompt's last logits and KV are its tokens
+    decoded one at a time by the engine."""
+    model = mixtral_engine.model
+    rng = np.random.default_rng(seed)
+    toks = [rng.integers(0, 256, n) for n in prompts]
+    alone = [_decoded_alone(model, p) for p in toks]
+    others = [model.new_kv() for _ in range(decoding)]
+    if others:
+        forward_batch(model, [rng.integers(0, 256, 3) for _ in others], others)
+    kvs = [model.new_kv() for _ in toks]
+    done = [0] * len(toks)
+    got: list = [None] * len(toks)
+    while any(d < p.size for d, p in zip(done, toks, strict=True)):
+        who = [s for s, p in enumerate(toks) if done[s] < p.size]
+        chunks = [toks[s][done[s] : done[s] + sizes[s]] for s in who]
+        step = [np.array([int(t)]) for t in rng.integers(0, 256, len(others))]
+        out = forward_batch(model, step + chunks, others + [kvs[s] for s in who])
+        for s, lg in zip(who, out[len(others) :], strict=True):
+            got[s] = lg
+            done[s] = min(toks[s].size, done[s] + sizes[s])
+    for s, (kv, logits) in enumerate(alone):
+        assert np.array_equal(got[s], logits)
+        n = kv.length
+        for i in range(model.cfg.n_layers):
+            assert np.array_equal(kvs[s].k[i][:, :n], kv.k[i][:, :n])
+            assert np.array_equal(kvs[s].v[i][:, :n], kv.v[i][:, :n])
 
 
 @pytest.fixture(params=fused.LEVELS)
