@@ -250,23 +250,23 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
     """Chunks of tokens (a decode token, or a prompt chunk, per sequence) through the
     engine's C kernels, all at once.
 
-    Every token is a row of the step, rows in waves: wave ``j`` holds the
-    ``j``-th token of every chunk that has one (the first wave is one token per
-    sequence; a decode-only step is that wave alone). Per layer, whatever the
-    number of rows: one C call per wave runs its tokens' attention blocks (each
-    its own KV cache and position; a prompt's tokens one wave after another,
-    so each attends to the ones before it) and routing, then the union of
-    every row's experts is acquired once (residents first; in groups of
-    consecutive rows whose union fits the cache's :attr:`max_acquire` when it
-    does not) and one C call per group runs each row's MoE layer over its
-    top-k in its own order. The embedding and the head are one call each. The
-    attention call reads each weight row once for a group of up to four
-    tokens, the MoE call each held expert's rows once for the rows that chose
-    it; every output is computed with the one-token kernels' operations (the
-    multi-input row kernels give each (row, input) exactly the one-input
-    result), so the arithmetic per token is :meth:`MoEDecoder._forward_one`'s:
-    the logits are the engine's decode, bit for bit, whatever the batch, the
-    chunking of a prompt and the thread count.
+    Every token is a row of the step. Per layer, whatever the number of rows:
+    one C call runs every token's attention block (its own KV cache and
+    position) and routing; a decode-only step's tokens together, a step with
+    prompt chunks in waves of groups (:func:`_waves`: a prompt's tokens four at
+    a time, one wave after another, so each attends to the ones before it).
+    Then the union of every row's experts is acquired once (residents first;
+    in groups of consecutive rows whose union fits the cache's
+    :attr:`max_acquire` when it does not) and one C call per group runs each
+    row's MoE layer over its top-k in its own order. The embedding and the
+    head are one call each. The attention reads each weight row once for a
+    group of up to four tokens, the MoE each held expert's rows once for the
+    rows that chose it; every output is computed with the one-token kernels'
+    operations (the multi-input row kernels give each (row, input) exactly the
+    one-input result), so the arithmetic per token is
+    :meth:`MoEDecoder._forward_one`'s: the logits and the KV written are the
+    engine's decode, bit for bit, whatever the batch, the chunking of a prompt
+    and the thread count.
     """
     if model._length_rope:  # (decode tokens only: forward_batch sends chunks elsewhere)
         return _forward_c_each(model, [int(c[0]) for c in chunks], kvs)
@@ -277,21 +277,11 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
     for kv, s, t in zip(kvs, starts, lens, strict=True):
         kv.reserve(s + t)
     if max(lens) == 1:
-        waves = [0, len(chunks)]
+        waves = None
         row_kv, row_pos, tokens = list(kvs), None, [int(c[0]) for c in chunks]
         last = None
     else:
-        waves, row_kv, row_pos, tokens = [0], [], [], []
-        last = np.empty(len(chunks), np.int64)  # each chunk's last row
-        for j in range(max(lens)):
-            for q, c in enumerate(chunks):
-                if lens[q] > j:
-                    if lens[q] == j + 1:
-                        last[q] = len(tokens)
-                    row_kv.append(kvs[q])
-                    row_pos.append(starts[q] + j)
-                    tokens.append(int(c[j]))
-            waves.append(len(tokens))
+        waves, row_kv, row_pos, tokens, last = _waves(chunks, kvs, starts, kern.pool.threads)
     n = len(tokens)
     bt = kern.begin_batch(row_kv, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, model.rotary, row_pos)
     kern.embed_batch(model.embed, tokens)
@@ -303,12 +293,11 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
     lookahead = getattr(cache, "lookahead", None)
     args = (model.rotary, cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, *model._c_qkv)
     top_k, renorm = cfg.top_k, cfg.renormalize
-    wv = None if len(waves) == 2 else np.array(waves, np.int64)
     for i in range(cfg.n_layers):
         lw = window.layer(i) if window is not None else model.layers[i]
         if model.layer_hook is not None:
             model.layer_hook(i, h)
-        kern.attention_batch(lw, i, n, cfg.sliding_windows[i], *args, top_k, renorm, wv)
+        kern.attention_batch(lw, i, n, cfg.sliding_windows[i], *args, top_k, renorm, waves)
         if lookahead is not None:
             lookahead(i, x)
         model.count_routes(i, idx, w)
@@ -328,6 +317,54 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
         bt.h[: len(chunks)] = bt.h[last]
     logits = kern.head_batch(model.final_norm, model.lm_head, cfg.rms_eps, len(chunks)).copy()
     return [model.finish_logits(lg) for lg in logits]
+
+
+def _waves(chunks: list[np.ndarray], kvs: Sequence[KVCache], starts: list[int], threads: int):
+    """The rows of a step with prompt chunks: ``((waves, groups), row caches, row
+    positions, row tokens, each chunk's last row)``.
+
+    A prompt chunk's tokens go in groups of up to four consecutive ones (a group's
+    rows share each weight row and attend in order), its ``j``-th group in wave
+    ``j``; the first wave also holds the one-token chunks, in groups of up to four
+    sized so every thread has one (the batched decode's grouping). The groups of a
+    wave name different caches, and each token's arithmetic is the one-token
+    kernels' whatever its group: rows, groups and waves change only which weight
+    rows are shared and what runs in parallel.
+    """
+    single = [q for q, c in enumerate(chunks) if c.size == 1]
+    multi = [q for q, c in enumerate(chunks) if c.size > 1]
+    row_kv: list = []
+    row_pos: list[int] = []
+    tokens: list[int] = []
+    last = np.empty(len(chunks), np.int64)
+    groups, waves = [0], [0]
+
+    def put(q: int, j0: int, j1: int) -> None:  # tokens j0 .. j1 of chunk q, as rows
+        for j in range(j0, j1):
+            row_kv.append(kvs[q])
+            row_pos.append(starts[q] + j)
+            tokens.append(int(chunks[q][j]))
+        if j1 == chunks[q].size:
+            last[q] = len(tokens) - 1
+
+    size = min(4, max(1, -(-len(single) // max(threads, 1))))
+    for a in range(0, len(single), size):
+        for q in single[a : a + size]:
+            put(q, 0, 1)
+        groups.append(len(tokens))
+    for w in range(-(-max(chunks[q].size for q in multi) // 4)):
+        for q in multi:
+            if 4 * w < chunks[q].size:
+                put(q, 4 * w, min(4 * w + 4, chunks[q].size))
+                groups.append(len(tokens))
+        waves.append(len(groups) - 1)
+    return (
+        (np.array(waves, np.int64), np.array(groups, np.int64)),
+        row_kv,
+        row_pos,
+        tokens,
+        last,
+    )
 
 
 def _forward_c_each(model, tokens: list[int], kvs: Sequence[KVCache]) -> list[np.ndarray]:

@@ -1723,7 +1723,32 @@ typedef struct {
     int B, G;
 } czk_shared_ctx;
 
-static void czk_attn_group(czk_batch_ctx *c, int b0, int nv) {
+/* czk_rows_nv over all of m's rows, split over pool p (NULL: this thread); a
+ * row's result does not depend on the split. */
+typedef struct {
+    const czk_mat *m;
+    const float *const *xs;
+    const czk_xq *av;
+    int nv;
+    float *const *ys;
+} czk_rows_nv_ctx;
+
+static void czk_rows_nv_task(void *ctx_, int64_t r0, int64_t r1) {
+    const czk_rows_nv_ctx *s = (const czk_rows_nv_ctx *)ctx_;
+    czk_rows_nv(s->m, s->xs, s->av, s->nv, s->ys, r0, r1);
+}
+
+static void czk_rows_nv_on(czk_pool *p, const czk_mat *m, const float *const *xs,
+                           const czk_xq *av, int nv, float *const *ys) {
+    if (!p) {
+        czk_rows_nv(m, xs, av, nv, ys, 0, m->rows);
+        return;
+    }
+    czk_rows_nv_ctx s = {m, xs, av, nv, ys};
+    czk_run(p, czk_rows_nv_task, &s, m->rows, m->rows * m->cols * nv);
+}
+
+static void czk_attn_group(czk_batch_ctx *c, int b0, int nv, czk_pool *p) {
     const czk_attn *a = c->a;
     const int64_t H = c->H;
     const int64_t nq = (int64_t)a->n_heads * a->head_dim, nkv = (int64_t)a->n_kv * a->head_dim;
@@ -1743,7 +1768,7 @@ static void czk_attn_group(czk_batch_ctx *c, int b0, int nv) {
             xs[v] = buf[v].xn;
             ys[v] = buf[v].qkv + off[i];
         }
-        czk_rows_nv(qkv[i], xs, ax, nv, ys, 0, qkv[i]->rows);
+        czk_rows_nv_on(p, qkv[i], xs, ax, nv, ys);
     }
     for (int v = 0; v < nv; v++) {
         const int64_t b = b0 + v, pos = c->pos[b], roff = pos * c->rope_w;
@@ -1753,7 +1778,7 @@ static void czk_attn_group(czk_batch_ctx *c, int b0, int nv) {
         xs[v] = buf[v].att;
         ys[v] = buf[v].tmp;
     }
-    czk_rows_nv(&a->o, xs, ax, nv, ys, 0, H);
+    czk_rows_nv_on(p, &a->o, xs, ax, nv, ys);
     for (int v = 0; v < nv; v++) { /* czk_res_task's residual add, then the post norm */
         float *h = c->h + (int64_t)(b0 + v) * H;
         const float *tmp = buf[v].tmp;
@@ -1775,7 +1800,7 @@ static void czk_attn_group(czk_batch_ctx *c, int b0, int nv) {
             czk_xq_groups(&ax[v], r->group);
         }
     }
-    czk_rows_nv(r, xs, ax, nv, ys, 0, c->E);
+    czk_rows_nv_on(p, r, xs, ax, nv, ys);
     for (int v = 0; v < nv; v++) {
         const int64_t b = b0 + v;
         if (czk_topk(ys[v], (int)c->E, (int)c->k, c->renorm, c->idx_out + b * c->k,
@@ -1788,7 +1813,7 @@ static void czk_attn_g_task(void *ctx_, int64_t t0, int64_t t1) {
     czk_shared_ctx *s = (czk_shared_ctx *)ctx_;
     for (int64_t g = t0; g < t1; g++) {
         const int b0 = (int)g * s->G;
-        czk_attn_group(s->c, b0, s->B - b0 < s->G ? s->B - b0 : s->G);
+        czk_attn_group(s->c, b0, s->B - b0 < s->G ? s->B - b0 : s->G, NULL);
     }
 }
 
@@ -1868,31 +1893,105 @@ int czk_attn_decode_batch(czk_pool *p, const czk_attn *a, int64_t H, int B, floa
     return c.fail ? -1 : 0;
 }
 
-/* czk_attn_decode_batch over rows in waves: wave j is rows [waves[j],
- * waves[j + 1]) of the same arrays (each row's h, x_out, KV pointers, cap, pos,
- * logits, routes and scratch at its row), the waves run one after another. A
- * prompt's tokens are in consecutive waves, so each writes its position before
- * the next attends to it; the rows of one wave must name different caches. */
-int czk_attn_decode_waves(czk_pool *p, const czk_attn *a, int64_t H, int nwaves,
-                          const int64_t *waves, float *h, float *x_out, const uintptr_t *kp,
-                          const uintptr_t *vp, int64_t pstride, const int64_t *cap,
-                          const int64_t *pos, int64_t window, const float *cs, const float *sn,
-                          int64_t rope_w, int64_t rope_rows, const czk_mat *router, int k,
-                          int renorm, float *logits, int64_t *idx, float *w, void *work,
-                          int64_t wstride) {
-    if (nwaves <= 0 || waves[0] != 0) return -1;
-    const int64_t E = router ? router->rows : 0;
-    for (int j = 0; j < nwaves; j++) {
-        const int64_t r0 = waves[j], n = waves[j + 1] - r0;
-        if (n <= 0 || n > INT32_MAX) return -1;
-        const int rc = czk_attn_decode_batch(
-            p, a, H, (int)n, h + r0 * H, x_out + r0 * H, kp + r0 * pstride, vp + r0 * pstride,
-            pstride, cap + r0, pos + r0, window, cs, sn, rope_w, rope_rows, router, k, renorm,
-            logits ? logits + r0 * E : NULL, idx + r0 * k, w + r0 * k,
-            (uint8_t *)work + r0 * wstride, wstride);
-        if (rc) return rc;
+/* czk_attn_decode_batch's work for rows in waves of groups: group g is rows
+ * [groups[g], groups[g + 1]) (at most four), wave j is groups [waves[j],
+ * waves[j + 1]), and the waves run one after another (each row's h, x_out,
+ * KV pointers, cap, pos, logits, routes and scratch at its row, as there). A
+ * group's rows share each weight row of their products (czk_attn_group) and
+ * take their cache writes and attention in row order, so a group may hold
+ * consecutive tokens of one sequence (a prompt's, each attending to the ones
+ * before it); the groups of a wave run as pool tasks and must name different
+ * caches. A wave of one group runs on this thread, its products split over
+ * the pool (one row: czk_attn_decode's own threading). Every token's results
+ * are czk_attn_decode's (then czk_matvec's and czk_topk's) bit for bit. */
+typedef struct {
+    czk_batch_ctx *c;
+    const int64_t *groups;
+} czk_groups_ctx;
+
+static void czk_attn_groups_task(void *ctx_, int64_t g0, int64_t g1) {
+    czk_groups_ctx *s = (czk_groups_ctx *)ctx_;
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t r0 = s->groups[g], r1 = s->groups[g + 1];
+        if (czk_attn_share)
+            czk_attn_group(s->c, (int)r0, (int)(r1 - r0), NULL);
+        else /* (the benchmarks' switch: each row alone, in order) */
+            czk_attn_b_task(s->c, r0, r1);
     }
-    return 0;
+}
+
+int czk_attn_decode_waves(czk_pool *p, const czk_attn *a, int64_t H, int nwaves,
+                          const int64_t *waves, const int64_t *groups, float *h, float *x_out,
+                          const uintptr_t *kp, const uintptr_t *vp, int64_t pstride,
+                          const int64_t *cap, const int64_t *pos, int64_t window,
+                          const float *cs, const float *sn, int64_t rope_w, int64_t rope_rows,
+                          const czk_mat *router, int k, int renorm, float *logits, int64_t *idx,
+                          float *w, void *work, int64_t wstride) {
+    if (nwaves <= 0 || waves[0] != 0 || rope_w <= 0 || wstride <= 0 || wstride % 64 ||
+        groups[0] != 0 || !czk_attn_ok(a, H))
+        return -1;
+    if (router && (!czk_check(router) || router->cols != H || router->rows > 4096 || k <= 0 ||
+                   k > router->rows))
+        return -1;
+    for (int j = 0; j < nwaves; j++)
+        if (waves[j + 1] <= waves[j]) return -1;
+    const int64_t ng = waves[nwaves];
+    for (int64_t g = 0; g < ng; g++) {
+        const int64_t n = groups[g + 1] - groups[g];
+        if (n < 1 || n > 4) return -1;
+    }
+    const int64_t B = groups[ng];
+    if (B > INT32_MAX) return -1;
+    for (int64_t b = 0; b < B; b++)
+        if (pos[b] < 0 || pos[b] >= rope_rows || pos[b] >= cap[b] || !kp[b * pstride] ||
+            !vp[b * pstride])
+            return -1;
+    czk_batch_ctx c;
+    memset(&c, 0, sizeof c);
+    c.a = a;
+    c.H = H;
+    c.h = h;
+    c.x = x_out;
+    c.kp = kp;
+    c.vp = vp;
+    c.pstride = pstride;
+    c.cap = cap;
+    c.pos = pos;
+    c.window = window;
+    c.cs = cs;
+    c.sn = sn;
+    c.rope_w = rope_w;
+    c.rope_rows = rope_rows;
+    c.m = router;
+    c.E = router ? router->rows : 0;
+    c.k = k;
+    c.renorm = renorm;
+    c.logits = logits;
+    c.idx_out = idx;
+    c.w_out = w;
+    c.work = (uint8_t *)work;
+    c.wstride = wstride;
+    const int64_t nq = (int64_t)a->n_heads * a->head_dim, nkv = (int64_t)a->n_kv * a->head_dim;
+    czk_groups_ctx s = {&c, groups};
+    for (int j = 0; j < nwaves && !c.fail; j++) {
+        const int64_t g0 = waves[j], g1 = waves[j + 1];
+        if (g1 - g0 == 1) {
+            const int64_t r0 = groups[g0], n = groups[g1] - r0;
+            if (n == 1 || !czk_attn_share) { /* czk_attn_decode_batch's B == 1 path */
+                c.inner = p;
+                czk_attn_b_task(&c, r0, r0 + n);
+                c.inner = NULL;
+            } else {
+                czk_attn_group(&c, (int)r0, (int)n, p);
+            }
+            continue;
+        }
+        int64_t macs = (groups[g1] - groups[g0]) * ((nq + 2 * nkv) * H + H * nq + c.E * H);
+        for (int64_t b = groups[g0]; b < groups[g1]; b++) macs += 2 * nq * (pos[b] + 1);
+        s.groups = groups + g0;
+        czk_run(p, czk_attn_groups_task, &s, g1 - g0, macs);
+    }
+    return c.fail ? -1 : 0;
 }
 
 /* The distinct values of idx[0 .. n) (expert ids in [0, E)), those with

@@ -58,12 +58,12 @@ int czk_attn_decode_batch(czk_pool *p, const czk_attn *a, int64_t H, int B, floa
                           int64_t rope_rows, const czk_mat *router, int k, int renorm,
                           float *logits, int64_t *idx, float *w, void *work, int64_t wstride);
 int czk_attn_decode_waves(czk_pool *p, const czk_attn *a, int64_t H, int nwaves,
-                          const int64_t *waves, float *h, float *x_out, const uintptr_t *kp,
-                          const uintptr_t *vp, int64_t pstride, const int64_t *cap,
-                          const int64_t *pos, int64_t window, const float *cs, const float *sn,
-                          int64_t rope_w, int64_t rope_rows, const czk_mat *router, int k,
-                          int renorm, float *logits, int64_t *idx, float *w, void *work,
-                          int64_t wstride);
+                          const int64_t *waves, const int64_t *groups, float *h, float *x_out,
+                          const uintptr_t *kp, const uintptr_t *vp, int64_t pstride,
+                          const int64_t *cap, const int64_t *pos, int64_t window,
+                          const float *cs, const float *sn, int64_t rope_w, int64_t rope_rows,
+                          const czk_mat *router, int k, int renorm, float *logits, int64_t *idx,
+                          float *w, void *work, int64_t wstride);
 int czk_union(const int64_t *idx, int64_t n, const int32_t *resident, int E, int64_t *out);
 int64_t czk_moe_batch_work_bytes(int B, int k, int64_t H, int64_t I);
 int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slots,

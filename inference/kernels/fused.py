@@ -486,17 +486,20 @@ class DecodeKernels:
         clip: float | None = None,
         top_k: int = 0,
         renorm: bool = False,
-        waves: np.ndarray | None = None,
+        waves: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """:meth:`attention` then (``top_k`` > 0) :meth:`route` for the batch's first ``n``
         tokens, in one call: layer ``layer`` of each token's own KV cache at its own
         position; ``h`` in place, ``x`` the post-attention norm, ``idx`` / ``w`` the
         routes on ``x`` by ``lw.router``. Each token's arithmetic is those methods'.
 
-        ``waves`` (int64 row offsets ``[0, ..., n]``): the rows run in waves, one
-        after another, rows ``waves[j] .. waves[j + 1]`` together; a prompt's tokens
-        in consecutive waves (each writes its position before the next attends to
-        it). Without, the ``n`` rows are one wave: they must name different caches."""
+        ``waves`` (``(waves, groups)``, int64 offsets): the rows run in groups of at
+        most four, ``groups[g] .. groups[g + 1]``, whose rows share each weight row and
+        attend in row order (so a group may be consecutive tokens of one sequence),
+        and the groups in waves, ``waves[j] .. waves[j + 1]``, one wave after another
+        (a prompt's groups in consecutive waves); the groups of a wave must name
+        different caches. Without, the ``n`` rows are one wave: each names its own
+        cache."""
         d = self._attn.get(id(lw))
         if d is None or d.layer is not lw:
             d = self._describe_attn(
@@ -523,11 +526,19 @@ class DecodeKernels:
                 bt.p_idx, bt.p_w, bt.p_work, bt.wstride,
             )  # fmt: skip
         else:
-            if waves.dtype != np.int64 or waves[-1] != n or not waves.flags.c_contiguous:
-                raise KernelError(f"waves must be int64 row offsets ending at {n}")
+            wv, gr = waves
+            if (
+                wv.dtype != np.int64
+                or gr.dtype != np.int64
+                or not (wv.flags.c_contiguous and gr.flags.c_contiguous)
+                or wv[-1] != gr.size - 1
+                or gr[-1] != n
+            ):
+                raise KernelError(f"waves and groups must be int64 offsets, the rows ending at {n}")
             rc = _lib.czk_attn_decode_waves(
-                self.pool.ptr, d.struct, self.hidden, waves.size - 1,
-                _ffi.cast("int64_t *", _ffi.from_buffer(waves)), bt.p_h, bt.p_x,
+                self.pool.ptr, d.struct, self.hidden, wv.size - 1,
+                _ffi.cast("int64_t *", _ffi.from_buffer(wv)),
+                _ffi.cast("int64_t *", _ffi.from_buffer(gr)), bt.p_h, bt.p_x,
                 bt.p_kvp + layer, bt.p_kvp + nl + layer, 2 * nl, bt.p_kvcap, bt.p_pos,
                 window or 0, rope[1], rope[2], rope[3], rope[0].shape[0], router, top_k,
                 int(renorm), bt.p_rl, bt.p_idx, bt.p_w, bt.p_work, bt.wstride,

@@ -334,6 +334,44 @@ def test_a_route_to_an_expert_not_held_is_refused():
         eng.close()
 
 
+def test_waves_the_kernel_cannot_run_are_refused():
+    """Groups of more than four rows, empty waves or groups, offsets that do not end at
+    the rows, a position past a cache: refused, nothing written."""
+    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=1)
+    model = eng.model
+    cfg = model.cfg
+    try:
+        kern = model.kernels()
+        kv = model.new_kv()
+        kv.reserve(8)
+        bt = kern.begin_batch([kv] * 6, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
+                              model.rotary, list(range(6)))  # fmt: skip
+        kern.embed_batch(model.embed, [1, 2, 3, 4, 5, 6])
+        lw = model.layers[0]
+        args = (None, model.rotary, cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                *model._c_qkv, cfg.top_k, cfg.renormalize)  # fmt: skip
+
+        def waves(w, g):
+            return np.array(w, np.int64), np.array(g, np.int64)
+
+        h0, k0 = bt.h[:6].copy(), kv.k[0].copy()
+        bad = [
+            waves([0, 1], [0, 6]),  # a group of six rows
+            waves([0, 1, 1], [0, 3, 6]),  # an empty wave
+            waves([0, 2], [0, 3, 3]),  # an empty group (and not ending at the rows)
+            waves([0, 2], [0, 3, 5]),  # the groups end before the rows
+        ]
+        for wv in bad:
+            with pytest.raises(KernelError):
+                kern.attention_batch(lw, 0, 6, *args, wv)
+        bt.pos[5] = kv.k[0].shape[1]  # past the cache
+        with pytest.raises(KernelError):
+            kern.attention_batch(lw, 0, 6, *args, waves([0, 1, 2], [0, 3, 6]))
+        assert np.array_equal(bt.h[:6], h0) and np.array_equal(kv.k[0], k0)
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("attn", ["f32", "f16"])
 def test_every_simd_path_shares_the_attention_rows_as_each_decodes_alone(
