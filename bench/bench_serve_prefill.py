@@ -1,0 +1,192 @@
+"""Prefill in the server's batched step: the C path against the numpy step and the engine.
+
+``czyx serve`` prefills a prompt in fixed chunks (``--prefill-chunk``) inside its
+scheduler's steps (``inference.batch.forward_batch``). A chunk takes the engine's C
+kernels (its tokens four at a time, each the one-token decode's arithmetic) where
+the model decodes in C; ``BatchOptions(c_decode=False)`` keeps the numpy step every
+chunk took before. Beside both, the single-sequence engine's own prefill of the
+whole prompt (``Engine.prefill``: grouped by expert, what ``czyx run`` does).
+
+For each model (the bundled one, mounted into a temporary store, and every
+``--model STORE TAG``), one engine with the server's options (``BATCHED_OPTIONS``,
+every expert resident unless ``--cache-fraction``); per round, in rotating order,
+one prompt of ``--tokens`` random ids through each path (the batched ones in chunks
+of ``--chunk``), each path first run once untimed. Reported: tokens/s of each path
+(medians over the rounds), the C path's ratio to each baseline (median of the
+per-round ratios), expert bytes read, and how far each path's last logits are from
+the engine decoding the prompt one token at a time (the C path's: exactly those,
+as ``tests/inference/test_batch_c.py`` checks). Writes ``bench/SERVE_PREFILL.md``.
+
+Run: ``OPENBLAS_NUM_THREADS=1 python bench/bench_serve_prefill.py --model
+/work/data/rs/store rs@q8`` (about 2 minutes on 2 vCPUs with that real-shape store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from bench_scale import machine  # noqa: E402
+
+PATHS = ("c", "numpy", "engine")
+
+
+def _prefill(eng, path: str, prompt: np.ndarray, chunk: int) -> tuple[float, np.ndarray, int]:
+    """Seconds, last logits and expert bytes read of one prefill of ``prompt`` by ``path``."""
+    from czyx.inference.batch import forward_batch
+
+    model = eng.model
+    b0 = eng.stats().bytes_read
+    t0 = time.perf_counter()
+    if path == "engine":
+        eng.reset()
+        logits = eng.prefill([int(t) for t in prompt])
+    else:
+        kv = model.new_kv()
+        for a in range(0, prompt.size, chunk):
+            logits = forward_batch(model, [prompt[a : a + chunk]], [kv], c_decode=path == "c")[0]
+    dt = time.perf_counter() - t0
+    return dt, np.asarray(logits, np.float32), eng.stats().bytes_read - b0
+
+
+def bench_model(label: str, store: str, tag: str, a: argparse.Namespace) -> dict:
+    from czyx.inference.engine import Engine
+    from czyx.inference.opened import OpenedModel
+    from czyx.inference.options import BATCHED_OPTIONS
+
+    with OpenedModel(store, tag, None) as opened:
+        eng = Engine(opened.consumer, options=BATCHED_OPTIONS, cache_fraction=a.cache_fraction)
+        try:
+            vocab = eng.model.cfg.vocab_size
+            rng = np.random.default_rng(0)
+            runs: dict[str, list[tuple[float, int]]] = {p: [] for p in PATHS}
+            for p in PATHS:  # untimed: first touches, first calls
+                _prefill(eng, p, rng.integers(0, vocab, a.tokens), a.chunk)
+            loads = []
+            for rnd in range(a.rounds):
+                prompt = rng.integers(0, vocab, a.tokens)
+                loads.append(os.getloadavg()[0])
+                got = {}
+                order = PATHS[rnd % 3 :] + PATHS[: rnd % 3]
+                for p in order:
+                    dt, logits, nbytes = _prefill(eng, p, prompt, a.chunk)
+                    runs[p].append((a.tokens / dt, nbytes))
+                    got[p] = logits
+                scale = float(np.abs(got["engine"]).max())
+                print(
+                    f"{label} round {rnd}: "
+                    + ", ".join(f"{p} {runs[p][-1][0]:.1f} tok/s" for p in PATHS)
+                    + f", load {loads[-1]:.2f}",
+                    flush=True,
+                )
+            # The last prompt decoded token by token by the engine: the C path's logits
+            # should be these exactly; the other paths' differ by rounding.
+            eng.reset()
+            for t in prompt:
+                step = np.asarray(eng.decode(int(t)), np.float32)
+            tbt = {p: float(np.abs(got[p] - step).max()) / scale for p in PATHS}
+        finally:
+            eng.close()
+    med = statistics.median
+    return {
+        "label": label,
+        "tps": {p: med(r[0] for r in runs[p]) for p in PATHS},
+        "ratio": {
+            p: med(c[0] / b[0] for c, b in zip(runs["c"], runs[p], strict=True))
+            for p in ("numpy", "engine")
+        },
+        "bytes": {p: med(r[1] for r in runs[p]) for p in PATHS},
+        "tbt": tbt,
+        "load": med(loads),
+    }
+
+
+def report(rows: list[dict], a: argparse.Namespace, argv: list[str], minutes: float) -> str:
+    import platform
+
+    lines = [
+        "# czyx serve: prefill in the batched step",
+        "",
+        "Generated by `bench/bench_serve_prefill.py` (its docstring states the method).",
+        "",
+        f"- Machine: {machine()}; Python {platform.python_version()}, numpy {np.__version__}; "
+        f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}",
+        "- Command: `"
+        + " ".join(["OPENBLAS_NUM_THREADS=1 python bench/bench_serve_prefill.py", *argv])
+        + "`",
+        f"- Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {minutes:.1f} min; "
+        f"prompt {a.tokens} random tokens, chunks of {a.chunk} (czyx serve's "
+        f"--prefill-chunk in bench_serve.py); expert cache at {a.cache_fraction:g} of the "
+        f"expert bytes; medians over {a.rounds} rounds, paths in rotating order",
+        "",
+        "| model | C path tok/s | numpy step tok/s | C / numpy | Engine.prefill tok/s | "
+        "C / engine | expert MB read (C / numpy / engine) | logits vs token-by-token "
+        "decode: C / numpy / engine (max diff, of max logit) | load avg |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        t, q, b, d = r["tps"], r["ratio"], r["bytes"], r["tbt"]
+        lines.append(
+            f"| {r['label']} | {t['c']:.1f} | {t['numpy']:.1f} | **{q['numpy']:.2f}x** | "
+            f"{t['engine']:.1f} | **{q['engine']:.2f}x** | {b['c'] / 1e6:.0f} / "
+            f"{b['numpy'] / 1e6:.0f} / {b['engine'] / 1e6:.0f} | {d['c']:.1e} / "
+            f"{d['numpy']:.1e} / {d['engine']:.1e} | {r['load']:.2f} |"
+        )
+    lines += [
+        "",
+        "C path: each chunk through `forward_batch` (the server's step) on the engine's C "
+        "kernels, its tokens four at a time sharing each attention weight row, its experts "
+        "read once for every token that chose them; numpy step: the same chunks with "
+        "`c_decode=False`; Engine.prefill: the whole prompt at once, grouped by expert. "
+        "Logits: each path's for the last round's prompt against the engine decoding that "
+        "prompt one token at a time (`Engine.decode`, the decode every path's generation "
+        "continues with): the C path's are those exactly (0); the numpy step and the "
+        "engine's prefill round differently (float32 order; on quantized weights, how each "
+        "product's input is rounded), and by as much from each other.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--model", nargs=2, action="append", default=[], metavar=("STORE", "TAG"),
+        help="a mounted version to measure beside the bundled model (repeatable)",
+    )  # fmt: skip
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cache-fraction", type=float, default=1.0)
+    ap.add_argument("--out", default=os.path.join(HERE, "SERVE_PREFILL.md"))
+    a = ap.parse_args(argv)
+    from _engine_fixtures import mount_checkpoint
+
+    from czyx.inference.assets import bundled_model_dir
+
+    started = time.time()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-prefill-") as work:
+        store = os.path.join(work, "store")
+        mount_checkpoint(str(bundled_model_dir()), store, "stdlib@1")
+        rows.append(bench_model("bundled czyx-moe-stdlib (fp16)", store, "stdlib@1", a))
+    for store, tag in a.model:
+        rows.append(bench_model(f"{tag} ({store})", store, tag, a))
+    text = report(rows, a, argv, (time.time() - started) / 60)
+    with open(a.out, "w") as f:
+        f.write(text)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
