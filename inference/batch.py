@@ -29,15 +29,14 @@ path is the single-sequence engine's, this one is the server's.)
 Where the architecture decodes in C (see :meth:`MoEDecoder.decode_in_c`) and
 a sequence's routing is unrestricted, its chunk, a decode token or a prompt
 chunk, takes the single-sequence engine's C kernels instead: every token of
-the step is a row, rows in waves (wave ``j`` the ``j``-th token of every
-chunk that has one), and per layer one C call runs the waves' attention
-blocks and routing one wave after another (so a prompt's token attends to
-the ones before it), then (after the union of the step's experts is
-acquired once) one runs every row's MoE layer and residual add
-(:mod:`czyx.inference.kernels.fused`, ``DecodeKernels.*_batch``); the
-embedding and the head are one call each. The Python per layer is therefore
-the same whatever the batch. Each call spreads the tokens of a wave over
-the engine's threads and computes each token with the one-token kernels
+the step is a row, and per layer one C call runs every row's attention block
+and routing (a prompt chunk's tokens four at a time, one group after
+another, so each attends to the ones before it), then (after the union of
+the step's experts is acquired once) one runs every row's MoE layer and
+residual add (:mod:`czyx.inference.kernels.fused`, ``DecodeKernels.*_batch``);
+the embedding and the head are one call each. The Python per layer is
+therefore the same whatever the batch. Each call spreads the rows over the
+engine's threads and computes each token with the one-token kernels
 exactly as :meth:`Engine.decode` does, so a token's logits (and the KV it
 writes) are bit-identical to the same token decoded alone, whatever the
 batch, the chunking of its prompt and the thread count: a prompt's
@@ -682,9 +681,9 @@ class BatchOptions:
     c_decode
         Decode tokens and prompt chunks take the engine's C decode where the
         architecture has it (:func:`forward_batch`); False: the numpy step for
-        every chunk (the
-        batched path before it, kept for comparison; results then differ from
-        the engine's decode by float32 rounding, still independent of the batch).
+        every chunk (the batched path before it, kept for comparison; results
+        then differ from the engine's decode by rounding, still independent of
+        the batch).
     """
 
     max_batch: int = 16

@@ -438,8 +438,8 @@ class DecodeKernels:
         decode token per sequence), capacities and KV pointers, grows the rope
         tables to the furthest position, and returns the buffers (rows ``0 ..
         len(kvs)``). Several rows may share a cache (a prompt chunk's tokens, at
-        consecutive positions): their attention then runs one row after another
-        (:meth:`attention_batch`'s ``r0``). The rope tables must not depend on the
+        consecutive positions): their attention then runs in row order
+        (:meth:`attention_batch`'s ``waves``). The rope tables must not depend on the
         length reached (a dynamic or LongRoPE rope decodes one sequence at a time:
         :meth:`attention`).
         """
