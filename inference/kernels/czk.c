@@ -755,17 +755,6 @@ CZK_AVX2 static inline __attribute__((always_inline)) void czk_mterm_nv(
     for (int v = 0; v < NV; v++) out[v] = czk_hsum8(_mm256_add_ps(lo[v], hi[v]));
 }
 
-/* The scales and mins of row r (a row's codes are prefetched as they are read,
- * CZK_PREFETCH bytes ahead; its scales and mins are separate arrays, as far
- * ahead in rows), when the matrix has that row. */
-static inline void czk_prefetch_sm(const czk_mat *m, int64_t r, int64_t G) {
-    if (r >= m->rows) return;
-    for (int64_t off = 0; off < G; off += 32) {
-        _mm_prefetch((const char *)(m->scales + r * G + off), CZK_PFHINT);
-        if (m->mins) _mm_prefetch((const char *)(m->mins + r * G + off), CZK_PFHINT);
-    }
-}
-
 /* Codes of the pair p as two 32-byte halves in input order (see czk_pair_codes). */
 CZK_AVX2 static inline void czk_pair_avx2(const uint8_t *c, int bits, int64_t p, int full,
                                           __m256i *lo, __m256i *hi) {
@@ -804,7 +793,6 @@ ATTR static inline __attribute__((always_inline)) void NAME##_rb(               
     for (int i = 0; i < RB; i++) {                                                                 \
         c[i] = (const uint8_t *)m->data + (r + i) * rb;                                            \
         lo[i] = hi[i] = _mm256_setzero_ps();                                                       \
-        czk_prefetch_sm(m, r + i + CZK_PREFETCH / rb + 1, G);                                      \
     }                                                                                              \
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {                                                       \
         __m256 S[4];                                                                               \
