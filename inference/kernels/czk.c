@@ -1822,6 +1822,44 @@ static int czk_attn_shared(czk_pool *p, czk_batch_ctx *c, int B, int64_t macs) {
     return c->fail ? -1 : 0;
 }
 
+/* The context of the batched attention entry points from their common arguments
+ * (see czk_attn_decode_batch); -1 for a router they cannot use. */
+static int czk_attn_ctx(czk_batch_ctx *c, const czk_attn *a, int64_t H, float *h, float *x_out,
+                        const uintptr_t *kp, const uintptr_t *vp, int64_t pstride,
+                        const int64_t *cap, const int64_t *pos, int64_t window, const float *cs,
+                        const float *sn, int64_t rope_w, int64_t rope_rows,
+                        const czk_mat *router, int k, int renorm, float *logits, int64_t *idx,
+                        float *w, void *work, int64_t wstride) {
+    if (router && (!czk_check(router) || router->cols != H || router->rows > 4096 || k <= 0 ||
+                   k > router->rows))
+        return -1;
+    memset(c, 0, sizeof *c);
+    c->a = a;
+    c->H = H;
+    c->h = h;
+    c->x = x_out;
+    c->kp = kp;
+    c->vp = vp;
+    c->pstride = pstride;
+    c->cap = cap;
+    c->pos = pos;
+    c->window = window;
+    c->cs = cs;
+    c->sn = sn;
+    c->rope_w = rope_w;
+    c->rope_rows = rope_rows;
+    c->m = router;
+    c->E = router ? router->rows : 0;
+    c->k = k;
+    c->renorm = renorm;
+    c->logits = logits;
+    c->idx_out = idx;
+    c->w_out = w;
+    c->work = (uint8_t *)work;
+    c->wstride = wstride;
+    return 0;
+}
+
 /* The attention block (czk_attn_decode) for B tokens, then (router not NULL)
  * each token's softmax top-k routing on its x_out row (czk_matvec, czk_topk):
  * token b's residual stream h[b] (in place) and x_out[b] rows of H floats, its
@@ -1841,34 +1879,10 @@ int czk_attn_decode_batch(czk_pool *p, const czk_attn *a, int64_t H, int B, floa
                           int64_t rope_rows, const czk_mat *router, int k, int renorm,
                           float *logits, int64_t *idx, float *w, void *work, int64_t wstride) {
     if (B <= 0 || rope_w <= 0 || wstride <= 0) return -1;
-    if (router && (!czk_check(router) || router->cols != H || router->rows > 4096 || k <= 0 ||
-                   k > router->rows))
-        return -1;
     czk_batch_ctx c;
-    memset(&c, 0, sizeof c);
-    c.a = a;
-    c.H = H;
-    c.h = h;
-    c.x = x_out;
-    c.kp = kp;
-    c.vp = vp;
-    c.pstride = pstride;
-    c.cap = cap;
-    c.pos = pos;
-    c.window = window;
-    c.cs = cs;
-    c.sn = sn;
-    c.rope_w = rope_w;
-    c.rope_rows = rope_rows;
-    c.m = router;
-    c.E = router ? router->rows : 0;
-    c.k = k;
-    c.renorm = renorm;
-    c.logits = logits;
-    c.idx_out = idx;
-    c.w_out = w;
-    c.work = (uint8_t *)work;
-    c.wstride = wstride;
+    if (czk_attn_ctx(&c, a, H, h, x_out, kp, vp, pstride, cap, pos, window, cs, sn, rope_w,
+                     rope_rows, router, k, renorm, logits, idx, w, work, wstride))
+        return -1;
     c.inner = B == 1 ? p : NULL;
     const int64_t nq = (int64_t)a->n_heads * a->head_dim, nkv = (int64_t)a->n_kv * a->head_dim;
     int64_t macs = (int64_t)B * ((nq + 2 * nkv) * H + H * nq + c.E * H);
@@ -1918,9 +1932,6 @@ int czk_attn_decode_waves(czk_pool *p, const czk_attn *a, int64_t H, int nwaves,
     if (nwaves <= 0 || waves[0] != 0 || rope_w <= 0 || wstride <= 0 || wstride % 64 ||
         groups[0] != 0 || !czk_attn_ok(a, H))
         return -1;
-    if (router && (!czk_check(router) || router->cols != H || router->rows > 4096 || k <= 0 ||
-                   k > router->rows))
-        return -1;
     for (int j = 0; j < nwaves; j++)
         if (waves[j + 1] <= waves[j]) return -1;
     const int64_t ng = waves[nwaves];
@@ -1935,30 +1946,9 @@ int czk_attn_decode_waves(czk_pool *p, const czk_attn *a, int64_t H, int nwaves,
             !vp[b * pstride])
             return -1;
     czk_batch_ctx c;
-    memset(&c, 0, sizeof c);
-    c.a = a;
-    c.H = H;
-    c.h = h;
-    c.x = x_out;
-    c.kp = kp;
-    c.vp = vp;
-    c.pstride = pstride;
-    c.cap = cap;
-    c.pos = pos;
-    c.window = window;
-    c.cs = cs;
-    c.sn = sn;
-    c.rope_w = rope_w;
-    c.rope_rows = rope_rows;
-    c.m = router;
-    c.E = router ? router->rows : 0;
-    c.k = k;
-    c.renorm = renorm;
-    c.logits = logits;
-    c.idx_out = idx;
-    c.w_out = w;
-    c.work = (uint8_t *)work;
-    c.wstride = wstride;
+    if (czk_attn_ctx(&c, a, H, h, x_out, kp, vp, pstride, cap, pos, window, cs, sn, rope_w,
+                     rope_rows, router, k, renorm, logits, idx, w, work, wstride))
+        return -1;
     const int64_t nq = (int64_t)a->n_heads * a->head_dim, nkv = (int64_t)a->n_kv * a->head_dim;
     czk_groups_ctx s = {&c, groups};
     for (int j = 0; j < nwaves && !c.fail; j++) {
