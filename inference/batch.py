@@ -254,10 +254,11 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
     position) and routing; a decode-only step's tokens together, a step with
     prompt chunks in waves of groups (:func:`_waves`: a prompt's tokens four at
     a time, one wave after another, so each attends to the ones before it).
-    Then the union of every row's experts is acquired once (residents first;
-    in groups of consecutive rows whose union fits the cache's
-    :attr:`max_acquire` when it does not) and one C call per group runs each
-    row's MoE layer over its top-k in its own order. The embedding and the
+    Then the union of every row's experts is acquired, each expert once
+    (residents first; in parts of at most the cache's :attr:`max_acquire` when
+    it exceeds that), and one C call per part runs every row's products with
+    the part's experts, the last one each row's weighted sum over its top-k in
+    its own order. The embedding and the
     head are one call each. The attention reads each weight row once for a
     group of up to four tokens, the MoE each held expert's rows once for the
     rows that chose it; every output is computed with the one-token kernels'
@@ -301,13 +302,16 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
             lookahead(i, x)
         model.count_routes(i, idx, w)
         # The experts to hold: the engine's own acquire for one token (its top-k in
-        # its order), else the union (hits first), in groups when it exceeds the cache.
+        # its order), else the union (hits first), each acquired once for the step:
+        # in parts of at most `cap` when it exceeds the cache, every row's products
+        # with a part's experts kept until the last part sums them.
         held = idx[0] if n == 1 else kern.union(n, table[i])
-        groups = ((0, n, held),) if held.size <= cap else _acquire_groups(idx, table[i], cap)
-        for r0, r1, experts in groups:
+        for c0 in range(0, held.size, cap):
+            experts = held[c0 : c0 + cap]
+            part = None if held.size <= cap else "last" if c0 + cap >= held.size else "part"
             slots = cache.acquire(i, experts)
             try:  # each row's MoE layer, then its residual add (mlp_out is the identity)
-                kern.moe_batch(cache, r0, r1, experts, slots, True)
+                kern.moe_batch(cache, 0, n, experts, slots, True, part)
             finally:
                 cache.release()
     for kv, s, t in zip(kvs, starts, lens, strict=True):

@@ -2163,7 +2163,7 @@ static void czk_moex_down_task(void *ctx_, int64_t t0, int64_t t1) {
  * intermediate I (held experts at most B * k). */
 int64_t czk_moe_batch_work_bytes(int B, int k, int64_t H, int64_t I) {
     const int64_t P = (int64_t)B * k;
-    return 4 * (3 * P + 2) + 8 * P + 4 * P * (I + H) + (int64_t)sizeof(czk_xq) * (B + P) +
+    return 4 * (4 * P + 2) + 8 * P + 4 * P * (I + H) + (int64_t)sizeof(czk_xq) * (B + P) +
            B * ((int64_t)czk_xq_bytes(H) + 64) + P * ((int64_t)czk_xq_bytes(I) + 64) + 8 * 64;
 }
 
@@ -2176,11 +2176,18 @@ int64_t czk_moe_batch_work_bytes(int B, int k, int64_t H, int64_t I) {
  * that chose it), split over the pool by output rows. A row naming an expert
  * not held, a slot outside [0, n_slots) or inconsistent shapes or formats
  * refuse the call (nothing is computed). work: nwork >=
- * czk_moe_batch_work_bytes(B, k, H, I) bytes. */
+ * czk_moe_batch_work_bytes(B, k, H, I) bytes.
+ *
+ * dpairs not NULL ([B * k, H], the caller's): the layer in parts, when the
+ * rows' experts do not fit the cache at once. Each call computes the pairs of
+ * the experts it holds (a row's other experts are skipped, not refused) into
+ * dpairs at the pair's index (b * k + j); the call with finish set then forms
+ * every row's weighted sum from dpairs, in top-k order, so every pair must
+ * have been computed by one of the calls. The same operations as one call. */
 int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slots,
                   int E, const int64_t *experts, const int64_t *slots, int n_held,
                   const int64_t *idx, const float *w, const float *x, float *y, float *resid,
-                  int64_t H, void *work, int64_t nwork) {
+                  int64_t H, void *work, int64_t nwork, float *dpairs, int finish) {
     if (B <= 0 || k <= 0 || k > CZK_MAXK || n_slots <= 0 || E <= 0 || E > 4096 ||
         n_held <= 0 || n_held > B * k)
         return -1;
@@ -2193,7 +2200,7 @@ int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slo
         pos_of[experts[j]] = j;
     }
     for (int64_t i = 0; i < (int64_t)B * k; i++)
-        if (idx[i] < 0 || idx[i] >= E || pos_of[idx[i]] < 0) return -1;
+        if (idx[i] < 0 || idx[i] >= E || (pos_of[idx[i]] < 0 && !dpairs)) return -1;
     /* The checks czk_moe makes, over every held expert. */
     const czk_mat *f = &table[3 * slots[0]];
     const int64_t I = f->rows;
@@ -2205,14 +2212,16 @@ int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slo
     /* Pairs grouped by held expert (in held order), tokens in order within each. */
     uint8_t *m = (uint8_t *)czk_align(work);
     int32_t *estart = (int32_t *)m, *ptok = estart + n_held + 1, *pidx = ptok + P;
-    int64_t *eslot = (int64_t *)czk_align(pidx + P);
+    int32_t *pout = pidx + P;
+    int64_t *eslot = (int64_t *)czk_align(pout + P);
     float *act = (float *)czk_align(eslot + n_held);
     float *d = (float *)czk_align(act + P * I);
     czk_xq *ax = (czk_xq *)czk_align(d + P * H);
     czk_xq *aact = ax + B;
     m = (uint8_t *)czk_align(aact + P);
     for (int j = 0; j <= n_held; j++) estart[j] = 0;
-    for (int64_t i = 0; i < P; i++) estart[pos_of[idx[i]] + 1]++;
+    for (int64_t i = 0; i < P; i++)
+        if (pos_of[idx[i]] >= 0) estart[pos_of[idx[i]] + 1]++;
     for (int j = 0; j < n_held; j++) {
         estart[j + 1] += estart[j];
         eslot[j] = slots[j];
@@ -2220,9 +2229,11 @@ int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slo
     int32_t fill[4096];
     for (int j = 0; j < n_held; j++) fill[j] = estart[j];
     for (int64_t i = 0; i < P; i++) {
+        if (pos_of[idx[i]] < 0) continue; /* (dpairs: another call holds its expert) */
         const int32_t q = fill[pos_of[idx[i]]]++;
         ptok[q] = (int32_t)(i / k);
         pidx[i] = q;
+        pout[q] = (int32_t)i;
     }
     if (quant) {
         for (int b = 0; b < B; b++) {
@@ -2235,7 +2246,7 @@ int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slo
     czk_moex_ctx c = {table, eslot, estart, ptok, H, I, x, quant ? ax : NULL, act, NULL, d};
     czk_run(p, czk_moex_gu_task, &c, (int64_t)n_held * I, 2 * P * I * H);
     if (quant) {
-        for (int64_t q = 0; q < P; q++) {
+        for (int64_t q = 0; q < estart[n_held]; q++) { /* the pairs of the held experts */
             czk_xq_bind(&aact[q], m, I);
             m = (uint8_t *)czk_align(m + czk_xq_bytes(I));
             czk_quantize(act + q * I, &aact[q]);
@@ -2244,12 +2255,18 @@ int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slo
         c.aact = aact;
     }
     czk_run(p, czk_moex_down_task, &c, (int64_t)n_held * H, P * I * H);
+    if (dpairs) { /* (the multi-input kernels write d at a fixed stride: copied after) */
+        for (int64_t q = 0; q < estart[n_held]; q++)
+            memcpy(dpairs + (int64_t)pout[q] * H, d + q * H, (size_t)H * sizeof(float));
+        if (!finish) return 0;
+    }
     /* Each row's weighted sum in its top-k order (czk_moe_down_task's operations). */
     for (int b = 0; b < B; b++) {
         float *yb = y + (int64_t)b * H;
         for (int j = 0; j < k; j++) {
             const float wj = w[(int64_t)b * k + j];
-            const float *dj = d + (int64_t)pidx[(int64_t)b * k + j] * H;
+            const int64_t i = (int64_t)b * k + j;
+            const float *dj = dpairs ? dpairs + i * H : d + (int64_t)pidx[i] * H;
             if (j == 0)
                 for (int64_t i = 0; i < H; i++) yb[i] = wj * dj[i];
             else

@@ -562,14 +562,27 @@ class DecodeKernels:
         return bt.union[:m]
 
     def moe_batch(
-        self, cache: Any, r0: int, r1: int, experts: np.ndarray, slots: np.ndarray, add: bool
+        self,
+        cache: Any,
+        r0: int,
+        r1: int,
+        experts: np.ndarray,
+        slots: np.ndarray,
+        add: bool,
+        part: str | None = None,
     ) -> None:
         """:meth:`moe` for the batch's rows ``r0 .. r1``: row ``r``'s experts ``idx[r]`` (in
         that order), expert ``experts[j]`` held at ``slots[j]`` (the acquire's result),
         weights ``w[r]``, into ``y[r]``; ``add``: then ``h[r] += y[r]`` (the residual).
 
         The products run expert by expert, each expert's rows read once for every row
-        that chose it; each row's result is exactly :meth:`moe`'s for that row alone."""
+        that chose it; each row's result is exactly :meth:`moe`'s for that row alone.
+
+        ``part`` (the rows' experts over several acquires, when they exceed the cache):
+        ``"part"`` computes the (row, expert) products of the experts held now and keeps
+        them, a row's other experts skipped; ``"last"`` does the same, then every row's
+        weighted sum from all the kept products (each must have been held by one of the
+        calls), in top-k order: the operations of one call."""
         ex = self._experts
         if ex is None or ex[0] is not cache:
             table = ExpertTable(cache)
@@ -589,6 +602,8 @@ class DecodeKernels:
             or not (experts.flags.c_contiguous and slots.flags.c_contiguous)
         ):
             raise KernelError("moe_batch takes int64 experts and their slots, one each")
+        if part not in (None, "part", "last"):
+            raise KernelError(f"moe_batch part: None, 'part' or 'last', not {part!r}")
         k, h = self.top_k, self.hidden
         rc = _lib.czk_moe_batch(
             self.pool.ptr, r1 - r0, k, ex[1].table, ex[1].n_slots, ex[2],
@@ -596,6 +611,7 @@ class DecodeKernels:
             _ffi.cast("int64_t *", _ffi.from_buffer(slots)), experts.size, bt.p_idx + r0 * k,
             bt.p_w + r0 * k, bt.p_x + r0 * h, bt.p_y + r0 * h,
             bt.p_h + r0 * h if add else _ffi.NULL, h, bt.p_work, bt.work.size,
+            _ffi.NULL if part is None else bt.pairs(k, h) + r0 * k * h, int(part != "part"),
         )  # fmt: skip
         if rc:
             raise KernelError("czk_moe_batch refused the experts (slots, shapes or formats)")
@@ -645,6 +661,8 @@ class DecodeBatch:
         self.kvcap = np.zeros(cap, np.int64)
         self.kvp = np.zeros((cap, 2 * n_layers), np.uintp)
         self.router_logits = np.zeros(0, F32)
+        self.dpairs = np.zeros(0, F32)
+        self.p_dpairs: Any = None
         self.union = np.zeros(4096, np.int64)
         self.p_union = _ffi.cast("int64_t *", _ffi.from_buffer(self.union))
         self.moe_table: Any = None
@@ -670,6 +688,14 @@ class DecodeBatch:
         self.work = np.zeros(self.cap * stride, np.uint8)
         self.p_work = _ptr(self.work)
         self.wstride = stride
+
+    def pairs(self, top_k: int, hidden: int) -> Any:
+        """The per-(row, expert) products of a MoE layer computed in parts, ``[cap *
+        top_k, hidden]`` (allocated on first use)."""
+        if self.dpairs.size != self.cap * top_k * hidden:
+            self.dpairs = np.zeros(self.cap * top_k * hidden, F32)
+            self.p_dpairs = _fptr(self.dpairs)
+        return self.p_dpairs
 
     def reserve_router(self, n_experts: int) -> None:
         """Router logits of ``n_experts`` per token."""

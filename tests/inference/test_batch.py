@@ -211,7 +211,7 @@ def test_decode_tokens_are_the_engines_own_decode(engine, fraction):
     """A batch's decode tokens take the engine's C decode: each token's logits are exactly
     what Engine.decode (MoEDecoder.forward of one token) gives for it, with every expert
     resident and at a tenth of the expert bytes, where a layer's experts for the step
-    exceed the slots and are acquired in groups of tokens."""
+    exceed the slots and are acquired in parts, each expert once per step."""
     from czyx.inference.options import BATCHED_OPTIONS
 
     eng = engine
@@ -222,7 +222,7 @@ def test_decode_tokens_are_the_engines_own_decode(engine, fraction):
         assert model.decode_in_c()
         calls = []
         acquire = model.experts.acquire
-        model.experts.acquire = lambda i, e: calls.append(len(e)) or acquire(i, e)
+        model.experts.acquire = lambda i, e: calls.append((i, list(e))) or acquire(i, e)
         kvs = [model.new_kv() for _ in PROMPTS]
         first = forward_batch(model, [np.frombuffer(p, np.uint8) for p in PROMPTS], kvs)
         toks = [int(np.argmax(lg)) for lg in first]
@@ -234,6 +234,9 @@ def test_decode_tokens_are_the_engines_own_decode(engine, fraction):
             for a, b in zip(want, got, strict=True):
                 assert np.array_equal(a, b)
             toks = [int(np.argmax(lg)) for lg in got]
+            for layer in range(model.cfg.n_layers):  # each expert acquired once per step
+                held = [e for i, es in calls if i == layer for e in es]
+                assert len(held) == len(set(held)) > 0
         n_layers = model.cfg.n_layers
         assert groups == n_layers if fraction is None else groups > n_layers
         if fraction is not None:
