@@ -60,14 +60,6 @@ CASES = [
 LENGTHS = [1, 12, 5, 17, 3, 9, 2, 14]
 
 
-@pytest.fixture
-def split_loops():
-    """Every pool loop of more than one task splits over the pool's threads."""
-    fused.set_min_work(1)
-    yield
-    fused.set_min_work(1 << 16)
-
-
 def _consumer(arch: str, fmt: str | None, tmp_path):
     if fmt in ("f16-store", "bf16-store"):
         sizes = {"moe_intermediate_size": 32} if arch == "qwen3_moe" else {"sliding_window": 9}
@@ -82,6 +74,11 @@ def _consumer(arch: str, fmt: str | None, tmp_path):
     if fmt is None:
         return base
     return QuantizedConsumer(base, POLICIES["q4-all"] if fmt == "q4" else parse_policy(Q8))
+
+
+def _mixtral(threads: int) -> Engine:
+    """An engine on the tiny float32 Mixtral (sliding window 9) with ``threads`` threads."""
+    return Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=threads)
 
 
 def _copy(model, kv):
@@ -190,7 +187,7 @@ def test_prompt_chunks_are_the_prompt_decoded_token_by_token(
 
 @pytest.fixture(scope="module")
 def mixtral_engine():
-    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=2)
+    eng = _mixtral(2)
     yield eng
     eng.close()
 
@@ -236,16 +233,6 @@ def test_for_all_chunkings_and_batches_a_prompt_is_its_tokens_decoded(
             assert np.array_equal(kvs[s].v[i][:, :n], kv.v[i][:, :n])
 
 
-@pytest.fixture(params=fused.LEVELS)
-def level(request):
-    """The kernels capped at each SIMD path the machine has (the others are skipped)."""
-    if fused.LEVELS.index(request.param) > fused._lib.czk_level():
-        pytest.skip(f"no {request.param} on this machine")
-    fused.set_level_cap(request.param)
-    yield request.param
-    fused.set_level_cap("avx512vnni")
-
-
 @pytest.mark.parametrize("fmt", [None, "q8", "q4"])
 def test_every_simd_path_batches_as_it_decodes_alone(split_loops, level, fmt):
     """The batched MoE shares each expert's rows between the tokens that chose it
@@ -273,7 +260,7 @@ def test_every_simd_path_batches_as_it_decodes_alone(split_loops, level, fmt):
 
 
 def test_a_batch_larger_than_the_buffers_grows_them(split_loops):
-    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=2)
+    eng = _mixtral(2)
     model = eng.model
     try:
         rng = np.random.default_rng(1)
@@ -290,7 +277,7 @@ def test_a_batch_larger_than_the_buffers_grows_them(split_loops):
 
 
 def test_union_is_the_distinct_experts_residents_first():
-    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=1)
+    eng = _mixtral(1)
     model = eng.model
     try:
         kern = model.kernels()
@@ -309,7 +296,7 @@ def test_union_is_the_distinct_experts_residents_first():
 
 
 def test_a_route_to_an_expert_not_held_is_refused():
-    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=1)
+    eng = _mixtral(1)
     model = eng.model
     try:
         kern = model.kernels()
@@ -337,7 +324,7 @@ def test_a_route_to_an_expert_not_held_is_refused():
 def test_waves_the_kernel_cannot_run_are_refused():
     """Groups of more than four rows, empty waves or groups, offsets that do not end at
     the rows, a position past a cache: refused, nothing written."""
-    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=1)
+    eng = _mixtral(1)
     model = eng.model
     cfg = model.cfg
     try:
@@ -383,7 +370,7 @@ def test_every_simd_path_shares_the_attention_rows_as_each_decodes_alone(
     a short last group), each token's solo decode bit for bit. Float16 attention
     weights are set on the layers directly (a store's trunk is widened at load),
     so the kernels' F16 kind runs in both the solo and the batched call."""
-    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=threads)
+    eng = _mixtral(threads)
     model = eng.model
     try:
         if attn == "f16":
@@ -409,7 +396,7 @@ def test_every_simd_path_shares_the_attention_rows_as_each_decodes_alone(
 def test_the_per_token_attention_path_still_decodes_as_alone(split_loops):
     """With sharing off (fused.set_attn_share(False), the benchmarks' baseline) each
     token runs the one-token kernel: the same logits as alone, and as shared."""
-    eng = Engine(StateDictConsumer(tiny_model("mixtral", **SIZES["mixtral"])), threads=2)
+    eng = _mixtral(2)
     model = eng.model
     try:
         rng = np.random.default_rng(3)

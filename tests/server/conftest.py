@@ -55,6 +55,21 @@ def make_store(root):
     return store_dir, cfg, tokens, ids
 
 
+def stream_completion(client, n: int, prompt: str = "x", model: str = "stdlib@1"):
+    """A streamed greedy completion of ``n`` tokens with usage through the ``openai``
+    client: its chunks, and the text of each chunk that carries text."""
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=n,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    return chunks, [ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].text]
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A running server over the store: (base url, tokens, portal ids, app, store dir)."""

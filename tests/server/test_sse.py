@@ -25,7 +25,7 @@ from czyx.server import ServeOptions, create_app
 from czyx.server.app import _Chunks, _TextStream
 from czyx.server.metrics import LATENCY_BUCKETS, BulkHistogram
 from czyx.server.threaded import serve_in_thread
-from tests.server.conftest import make_store
+from tests.server.conftest import make_store, stream_completion
 
 TEXT = "héllo, wörld: the quick brown fox ✓ jumps over the lazy dog.\n"
 BURST = 5  # tokens handed over together
@@ -112,16 +112,7 @@ def test_coalesced_events_parse_token_by_token(bursty):
     whole = c.completions.create(model="stdlib@1", prompt="x", max_tokens=n)
     assert whole.choices[0].text == TEXT * 3 and whole.usage.completion_tokens == n
     counter.sends = counter.events = 0
-    chunks = list(
-        c.completions.create(
-            model="stdlib@1",
-            prompt="x",
-            max_tokens=n,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
-    texts = [ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].text]
+    chunks, texts = stream_completion(c, n)
     assert "".join(texts) == whole.choices[0].text
     # One event per character (a byte tokenizer: a multi-byte character is one piece, once
     # its last byte came), though the bytes came BURST at a time.

@@ -23,7 +23,7 @@ from czyx.server.app import ServerError
 from czyx.server.threaded import serve_in_thread
 from czyx.store import Store
 from czyx.store.models.mount import mount
-from tests.server.conftest import make_store
+from tests.server.conftest import make_store, stream_completion
 from tests.server.test_sse import SendCounter, _audit_after
 
 TEXT = "abcdefghij"
@@ -109,16 +109,7 @@ def test_interval_batches_writes_one_event_per_token(tmp_path):
         c = openai.OpenAI(base_url=url + "/v1", api_key=tokens["root"], max_retries=0, timeout=30)
         whole = c.completions.create(model="stdlib@1", prompt="x", max_tokens=n)
         log.bodies.clear()
-        chunks = list(
-            c.completions.create(
-                model="stdlib@1",
-                prompt="x",
-                max_tokens=n,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-        )
-    texts = [ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].text]
+        chunks, texts = stream_completion(c, n)
     assert whole.choices[0].text == (TEXT * 6)[:n]
     assert texts == list(whole.choices[0].text)  # one event per token
     assert chunks[-1].usage.completion_tokens == n

@@ -26,22 +26,6 @@ F32 = np.float32
 FORMATS = ("q2", "q3", "q4", "q8", "q4g64", "q8g64", "q3g32")
 
 
-@pytest.fixture(params=fused.LEVELS)
-def level(request):
-    if fused.LEVELS.index(request.param) > fused._lib.czk_level():
-        pytest.skip(f"this CPU lacks {request.param}")
-    fused.set_level_cap(request.param)
-    yield request.param
-    fused.set_level_cap("avx512vnni")
-
-
-@pytest.fixture
-def split_loops():
-    fused.set_min_work(1)
-    yield
-    fused.set_min_work(1 << 16)
-
-
 def ref_quantize_input(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Blocks of 32: sx = max|x| / 127, q = rint(x / sx) (via 1/sx), sequential float sums."""
     xb = x.reshape(-1, 32).astype(F32)
