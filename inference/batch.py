@@ -319,6 +319,9 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
     if last is not None:  # each chunk's last row into rows 0 .. len(chunks), for the head
         bt.h[: len(chunks)] = bt.h[last]
     logits = kern.head_batch(model.final_norm, model.lm_head, cfg.rms_eps, len(chunks)).copy()
+    # The step's kernels are done: the pool's workers sleep now rather than spin
+    # through the scheduler's sampling, events and (served) HTTP writes.
+    kern.pool.park()
     return [model.finish_logits(lg) for lg in logits]
 
 

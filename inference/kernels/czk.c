@@ -152,6 +152,7 @@ struct czk_pool {
     int64_t gen;   /* bumped per loop (wakes sleepers); guarded by mu */
     int64_t claim; /* atomic: (gen << 32) | chunks not yet claimed */
     int64_t done;  /* atomic: chunks finished */
+    int64_t parked; /* atomic: gen when the caller last parked the pool (czk_pool_park) */
     int stop;
     czk_fn fn;
     void *ctx;
@@ -205,9 +206,12 @@ static void *czk_worker(void *arg_) {
     free(arg);
     int64_t seen = 0;
     for (;;) {
-        /* Spin briefly (a decode step runs many small loops), then sleep. */
+        /* Spin briefly (a decode step runs many small loops), then sleep; at once
+         * when the caller parked the pool after the last loop (it went off to
+         * other work: spinning would only take a core from it). */
         int64_t g = __atomic_load_n(&p->gen, __ATOMIC_ACQUIRE);
         for (int i = 0; g == seen && i < 20000; i++) {
+            if (__atomic_load_n(&p->parked, __ATOMIC_ACQUIRE) == seen) break;
             czk_relax();
             if ((i & 1023) == 1023) sched_yield();
             g = __atomic_load_n(&p->gen, __ATOMIC_ACQUIRE);
@@ -253,6 +257,14 @@ czk_pool *czk_pool_new(int n) {
 }
 
 int czk_pool_size(const czk_pool *p) { return p ? p->n : 1; }
+
+/* The caller has no loop for the pool soon (a scheduler step ended): workers
+ * still spinning after the last loop go to sleep now. The next loop wakes them
+ * as usual; results never depend on it. */
+void czk_pool_park(czk_pool *p) {
+    if (!p) return;
+    __atomic_store_n(&p->parked, __atomic_load_n(&p->gen, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);
+}
 
 void czk_pool_free(czk_pool *p) {
     if (!p) return;

@@ -34,6 +34,7 @@ void czk_set_min_work(int64_t w);
 void czk_set_attn_share(int on);
 czk_pool *czk_pool_new(int n);
 int czk_pool_size(const czk_pool *p);
+void czk_pool_park(czk_pool *p);
 void czk_pool_free(czk_pool *p);
 void czk_quantize_input(const float *x, int64_t n, int8_t *q, float *sx, float *bsum);
 int64_t czk_work_bytes(int64_t n);

@@ -89,8 +89,9 @@ def default_threads() -> int:
 class Pool:
     """The engine's worker threads (``threads - 1`` pthreads plus the caller).
 
-    Workers spin briefly after each loop, then sleep on a condition variable;
-    :meth:`close` joins them (also at garbage collection).
+    Workers spin briefly after each loop, then sleep on a condition variable
+    (at once after :meth:`park`); :meth:`close` joins them (also at garbage
+    collection).
     """
 
     def __init__(self, threads: int) -> None:
@@ -101,6 +102,13 @@ class Pool:
         self.ptr = _lib.czk_pool_new(self.threads)
         if self.ptr == _ffi.NULL:
             raise MemoryError("czk_pool_new failed")
+
+    def park(self) -> None:
+        """The caller runs no loop on the pool for a while: workers still spinning
+        after the last loop sleep now (the next loop wakes them)."""
+        ptr = self.ptr
+        if ptr is not None:
+            _lib.czk_pool_park(ptr)
 
     def close(self) -> None:
         """Join the workers (idempotent)."""

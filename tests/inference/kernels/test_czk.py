@@ -525,6 +525,28 @@ def test_a_pool_shared_by_two_threads_gives_each_its_own_results(split_loops):
     assert bad == []
 
 
+def test_a_parked_pool_runs_the_next_loops_with_the_same_results(split_loops):
+    """``Pool.park`` between loops (the batched step parks the pool after its kernels):
+    every later loop still runs, split over the woken workers, with the same bits; parking
+    a closed pool does nothing."""
+    fmt = get_format("q8")
+    rng = np.random.default_rng(14)
+    w = prepare(quantize(rng.standard_normal((41, 256)).astype(F32), fmt, method="minmax"),
+                fmt, (41, 256))  # fmt: skip
+    x = rng.standard_normal((6, 256)).astype(F32)
+    want = fused.quant_matmul(w, x)
+    pool = fused.Pool(3)
+    with fused.pool_scope(pool):
+        for i in range(200):
+            assert np.array_equal(fused.quant_matmul(w, x), want)
+            if i % 3:
+                pool.park()
+            if i % 7 == 0:
+                pool.park()  # twice in a row: still the same
+    pool.close()
+    pool.park()
+
+
 @pytest.mark.parametrize("cols", [608, 1024])
 def test_q8_prompt_kernel_is_exactly_the_matvec_on_wide_rows(level, cols):
     """Rows of several scale chunks and m-term lane groups (an odd block count at 608):
