@@ -7,8 +7,9 @@ whose experts exceed its cache, held at ``--cache-fraction``, default 0.25), and
 concurrency level (1, 2, 4, 8, 16 clients; each client one streamed greedy
 request of ``--tokens`` tokens) it measures, in interleaved rounds:
 
-- **server**: ``czyx serve`` in a subprocess on 127.0.0.1, the clients as
-  threads here speaking HTTP + SSE (httpx): aggregate decode tok/s (completion
+- **server**: ``czyx serve`` in a subprocess on 127.0.0.1, the clients in one
+  load-generator process (``bench/_load.py``: asyncio, raw HTTP/1.1 keep-alive
+  connections, each stream parsed once it ended): aggregate decode tok/s (completion
   tokens / wall time of the level), expert bytes read per generated token
   (from ``/metrics``), p50/p99 time to first token and inter-token latency as
   the client sees them;
@@ -50,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
 import re
@@ -64,6 +64,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from _load import LoadGenerator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: Policies replayed on the engine-alone run's acquires (besides the offline optimum).
@@ -101,6 +102,7 @@ class LevelRun:
     itl: list[float] = field(default_factory=list)
     load: tuple[float, float] = (0.0, 0.0)
     cpu: float = float("nan")  # CPU seconds of the serving process (every thread) in the level
+    client_cpu: float = float("nan")  # CPU seconds of the load generator in the level
     level_id: int = -1  # engine alone: its acquires in EngineAlone.trace
     step_experts: float = float("nan")  # engine alone: median distinct experts per step
     replayed: dict = field(default_factory=dict)  # policy -> bytes it reads on the acquires
@@ -216,77 +218,73 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
-def _server_client(h, url, token, model, prompt, max_tokens, out, deadline):
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+def _completion(prompt: str, max_tokens: int, usage: bool) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _level_run(load, port, requests, clients, budget_s, count, who, pid=None) -> LevelRun:
+    """One level through the load generator: ``count(result)`` gives a request's
+    generated tokens; ``pid``: the serving process, whose CPU time is recorded."""
+    cpu0 = cpu_seconds(pid) if pid else float("nan")
+    lcpu0 = cpu_seconds(load.pid)
+    load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
-    stamps, usage = [], None
-    with h.stream(
-        "POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {token}"}
-    ) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"server answered {r.status_code}: {r.read()[:200]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            if obj.get("usage"):
-                usage = obj["usage"]
-            for ch in obj.get("choices", []):
-                if ch.get("text"):
-                    stamps.append(time.perf_counter())
-            if time.monotonic() > deadline:
-                raise RuntimeError("client past its deadline")
-    out.append((t0, stamps, usage["completion_tokens"] if usage else len(stamps)))
+    results = load.level(port, requests, budget_s)
+    wall = time.perf_counter() - t0
+    cpu = cpu_seconds(pid) - cpu0 if pid else float("nan")
+    bad = [r for r in results if r["status"] != 200 or "error" in r]
+    if bad:
+        raise RuntimeError(f"{who}: {len(bad)} of {clients} clients failed: {bad[0]}")
+    run = LevelRun(
+        clients,
+        sum(count(r) for r in results),
+        wall,
+        0.0,
+        load=(load0, os.getloadavg()[0]),
+        cpu=cpu,
+        client_cpu=cpu_seconds(load.pid) - lcpu0,
+    )
+    for r in results:
+        if r["stamps"]:
+            run.ttft.append(r["stamps"][0] - r["t0"])
+            run.itl.extend(np.diff(r["stamps"]).tolist())
+    return run
 
 
 def run_server_level(
-    pool, url, token, model, clients, max_tokens, budget_s, pid: int | None = None
+    load, url, token, model, clients, max_tokens, budget_s, pid: int | None = None
 ) -> LevelRun:
-    """One level; ``pool`` holds one persistent HTTP client per client (keep-alive, as a
-    real client; building one costs an SSL context, which is no part of serving).
-    ``pid``: the server process, whose CPU time over the level is recorded."""
+    """One level: ``clients`` streamed requests at once from the load generator
+    (keep-alive connections, as a real client); ``pid``: the server process, whose
+    CPU time over the level is recorded."""
     import httpx
 
     before = httpx.get(url + "/metrics", timeout=30).text
-    cpu0 = cpu_seconds(pid) if pid else float("nan")
-    results: list = []
-    deadline = time.monotonic() + budget_s
-    load0 = os.getloadavg()[0]
-    threads = [
-        threading.Thread(
-            target=_server_client,
-            args=(pool[i], url, token, model, _prompt(i), max_tokens, results, deadline),
-        )
+    headers = {"Authorization": f"Bearer {token}"}
+    requests = [
+        {
+            "path": "/v1/completions",
+            "headers": headers,
+            "body": {"model": model, **_completion(_prompt(i), max_tokens, usage=True)},
+        }
         for i in range(clients)
     ]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(deadline - time.monotonic(), 0.1))
-    wall = time.perf_counter() - t0
-    cpu = cpu_seconds(pid) - cpu0 if pid else float("nan")
-    if len(results) != clients:
-        raise RuntimeError(f"{clients - len(results)} clients failed or ran out of time")
+    port = int(url.rsplit(":", 1)[1])
+    run = _level_run(load, port, requests, clients, budget_s, _usage_tokens, "czyx", pid)
     after = httpx.get(url + "/metrics", timeout=30).text
-    read = _metric(after, "czyx_expert_bytes_read_total") - _metric(
+    run.bytes_read = _metric(after, "czyx_expert_bytes_read_total") - _metric(
         before, "czyx_expert_bytes_read_total"
     )
-    run = LevelRun(
-        clients, sum(r[2] for r in results), wall, read, load=(load0, os.getloadavg()[0]), cpu=cpu
-    )
-    for start, stamps, _ in results:
-        if stamps:
-            run.ttft.append(stamps[0] - start)
-            run.itl.extend(np.diff(stamps).tolist())
     return run
+
+
+def _usage_tokens(r: dict) -> int:
+    if r["usage"] is None:
+        raise RuntimeError("czyx's stream ended without its usage chunk")
+    return r["usage"]
 
 
 def start_server(store_dir, ref, port, args, extra: tuple[str, ...] = ()) -> subprocess.Popen:
@@ -374,51 +372,16 @@ def start_llama(gguf: str, port: int, threads: int) -> subprocess.Popen:
     return _started(cmd, f"http://127.0.0.1:{port}/v1/models", "llama.cpp server")
 
 
-def _llama_client(h, url, prompt, max_tokens, out, deadline):
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    t0 = time.perf_counter()
-    stamps, text = [], []
-    with h.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"llama.cpp answered {r.status_code}: {r.read()[:200]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for ch in json.loads(line[6:]).get("choices", []):
-                if ch.get("text"):
-                    stamps.append(time.perf_counter())
-                    text.append(ch["text"])
-            if time.monotonic() > deadline:
-                raise RuntimeError("client past its deadline")
-    # A byte vocabulary: one generated token per byte of text (its stream has no usage).
-    out.append((t0, stamps, len("".join(text).encode())))
-
-
-def run_llama_level(pool, url, clients, max_tokens, budget_s) -> LevelRun:
-    results: list = []
-    deadline = time.monotonic() + budget_s
-    load0 = os.getloadavg()[0]
-    threads = [
-        threading.Thread(
-            target=_llama_client,
-            args=(pool[i], url, _prompt(i), max_tokens, results, deadline),
-        )
+def run_llama_level(load, url, clients, max_tokens, budget_s) -> LevelRun:
+    requests = [
+        {"path": "/v1/completions", "body": _completion(_prompt(i), max_tokens, usage=False)}
         for i in range(clients)
     ]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(deadline - time.monotonic(), 0.1))
-    wall = time.perf_counter() - t0
-    if len(results) != clients:
-        raise RuntimeError(f"llama.cpp: {clients - len(results)} clients failed or ran out of time")
-    run = LevelRun(clients, sum(r[2] for r in results), wall, 0.0, load=(load0, os.getloadavg()[0]))
-    for start, stamps, _ in results:
-        if stamps:
-            run.ttft.append(stamps[0] - start)
-            run.itl.extend(np.diff(stamps).tolist())
-    return run
+    port = int(url.rsplit(":", 1)[1])
+    # A byte vocabulary: one generated token per byte of text (its stream has no usage).
+    return _level_run(
+        load, port, requests, clients, budget_s, lambda r: len(r["text"].encode()), "llama.cpp"
+    )
 
 
 # --------------------------------------------------------------------------- engine alone
@@ -588,6 +551,7 @@ def summarize(runs: dict[str, dict[int, list[LevelRun]]], levels):
                 "overhead": e_tps / s_tps - 1 if s_tps else float("nan"),
                 "server_cpu": statistics.median(r.cpu_per_token for r in srv),
                 "engine_cpu": statistics.median(r.cpu_per_token for r in eng),
+                "client_cpu": statistics.median(r.client_cpu / r.tokens for r in srv),
                 "server_bpt": statistics.median(r.bytes_per_token for r in srv),
                 "engine_bpt": statistics.median(r.bytes_per_token for r in eng),
                 "optimal_bpt": statistics.median(r.optimal_bytes_per_token for r in eng),
@@ -629,7 +593,7 @@ def summarize(runs: dict[str, dict[int, list[LevelRun]]], levels):
 def table(rows) -> str:
     head = (
         "| clients | server tok/s | x 1 client | engine alone tok/s | server overhead | "
-        "CPU us/token server / engine | "
+        "CPU us/token server / engine / client | "
         "bytes/token (server) | x 1 client | bytes/token (engine) | optimal policy "
         "(engine trace) | x 1 client | experts / step | TTFT p50 / p99 ms | "
         "ITL p50 / p99 ms | engine TTFT / ITL p50 ms | load avg |\n"
@@ -638,7 +602,8 @@ def table(rows) -> str:
     lines = [
         f"| {r['clients']} | {r['server_tps']:.1f} | {r['scale']:.2f} | {r['engine_tps']:.1f} | "
         f"{r['overhead'] * 100:+.1f}% | "
-        f"{r['server_cpu'] * 1e6:.0f} / {r['engine_cpu'] * 1e6:.0f} | "
+        f"{r['server_cpu'] * 1e6:.0f} / {r['engine_cpu'] * 1e6:.0f} / "
+        f"{r['client_cpu'] * 1e6:.0f} | "
         f"{r['server_bpt'] / 1e3:.1f} kB | {r['bpt_ratio']:.2f} | "
         f"{r['engine_bpt'] / 1e3:.1f} kB | {r['optimal_bpt'] / 1e3:.1f} kB | "
         f"{r['opt_ratio']:.2f} | {r['step_experts']:.0f} | "
@@ -734,11 +699,10 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
     port = _free_port()
     proc = start_server(store_dir, ref, port, args)
     url = f"http://127.0.0.1:{port}"
-    import httpx
 
-    alone = numpy_alone = threaded = llama = None
+    alone = numpy_alone = threaded = llama = pool = None
     try:
-        pool = [httpx.Client(timeout=args.level_budget) for _ in range(max(levels))]
+        pool = LoadGenerator()
         alone = EngineAlone(store_dir, ref, args)
         # The engine alone as a script uses the API (scheduler thread, a thread per client
         # reading its events): a second baseline for the one-client overhead.
@@ -764,6 +728,8 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
         for p in (proc, llama):
             if p is not None:
                 _stop(p)
+        if pool is not None:
+            pool.close()
         raise
     runs: dict[str, dict[int, list[LevelRun]]] = {k: {} for k in kinds}
     # (server, engine alone driven, engine alone threaded), one client
@@ -837,8 +803,8 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
             )
         alone.record(True)
     finally:
-        for h in pool:
-            h.close()
+        if pool is not None:
+            pool.close()
         cache = alone.engine.cache
         slots, slot_bytes, capacity = cache.n_slots, cache.slot_nbytes, cache.max_acquire
         if numpy_alone is not None:
@@ -1065,19 +1031,23 @@ def main() -> int:
         "expert cache as each model's heading says (resident: every expert held, as `czyx "
         f"serve` runs by default; a fraction: policy {args.policy}, "
         f"streaming reads, look-ahead prefetch {args.prefetch}, the same in both); medians over "
-        f"{args.rounds} interleaved rounds. Server: `czyx serve` in a subprocess, clients are "
-        "httpx threads in the bench process (they share the same CPUs). Engine alone: the "
-        "same Scheduler and engine options in-process, no HTTP.",
-        "- Server overhead = engine-alone tok/s / server tok/s - 1 (per-token time the "
-        "HTTP, JSON and SSE path adds, client-side parsing included). Beside it, the CPU "
-        "time of the serving process per generated token (every thread: the kernel's "
-        "per-thread accounting, /proc/PID/task/*/schedstat for the server, process time for "
+        f"{args.rounds} interleaved rounds. Server: `czyx serve` in a subprocess; the clients: "
+        "one load-generator process (`bench/_load.py`: one asyncio loop, a keep-alive "
+        "HTTP/1.1 connection per client, a stream's bytes only received and time-stamped "
+        "while it runs, its events parsed after it ends), on the same CPUs; its CPU time per "
+        "generated token is the 'client' column. Engine alone: the same Scheduler and "
+        "engine options in-process, no HTTP.",
+        "- Server overhead = engine-alone tok/s / server tok/s - 1 (per-token time the HTTP, "
+        "JSON and SSE path adds, the load generator's share of the CPUs included). Beside it,"
+        " the CPU time of the serving process per generated token (every thread: the kernel's"
+        " per-thread accounting, /proc/PID/task/*/schedstat for the server, process time for "
         "the engine alone), which the machine's other load does not inflate the way it "
         "inflates wall time: where the load average exceeds the CPUs, the server's extra "
-        "runnable threads (event loop, and the bench's client parsing its stream) take "
-        "CPU share from its batch thread, so wall overhead there overstates the work the "
-        "server adds. A level at one client lasts well under a second on the bundled model, "
-        f"so its medians are noisy; the overhead is also measured on {args.overhead_rounds} "
+        "runnable threads (event loop, and the load generator reading the streams) take CPU "
+        "share from its batch thread, so wall overhead there overstates the work the server "
+        "adds. A level at one client lasts well under a second on the bundled model, so its "
+        "medians are noisy; the overhead is also measured on "
+        f"{args.overhead_rounds} "
         f"adjacent pairs of {args.overhead_tokens}-token requests per model.\n",
     ]
     for label, (rows, pairs, np_runs, frac) in results.items():

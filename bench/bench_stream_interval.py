@@ -36,6 +36,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from _load import LoadGenerator  # noqa: E402
 from bench_serve import (  # noqa: E402
     EngineAlone,
     _free_port,
@@ -63,7 +64,6 @@ def main() -> int:
     args = ap.parse_args()
     intervals = [float(x) for x in args.intervals.split(",")]
 
-    import httpx
     from _engine_fixtures import mount_checkpoint
 
     from czyx import portals
@@ -79,7 +79,7 @@ def main() -> int:
         with Store.open(store_dir) as st:
             token = portals.root_token(st)
         servers = []
-        engine = None
+        engine = pool = None
         try:
             # The same options for the servers and the engine alone (resident: no reads).
             ns = argparse.Namespace(cache_fraction=1.0, prefetch="off", policy="lru")
@@ -87,7 +87,7 @@ def main() -> int:
                 servers.append((ms, *start(store_dir, ref, ms, ns)))
             engine = EngineAlone(store_dir, ref, ns)
             engine.record(False)
-            pool = [httpx.Client(timeout=args.budget)]
+            pool = LoadGenerator()
             # Every side serves the request once first (unmeasured).
             engine.level(1, args.tokens, args.budget)
             for _, proc, url in servers:
@@ -134,6 +134,8 @@ def main() -> int:
                     flush=True,
                 )
         finally:
+            if pool is not None:
+                pool.close()
             if engine is not None:
                 engine.close()
             for _, proc, _ in servers:

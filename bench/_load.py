@@ -1,0 +1,176 @@
+"""The load generator of ``bench_serve.py``: streamed completions over raw HTTP/1.1.
+
+One process, one asyncio loop, one keep-alive connection per client slot, so the
+clients cost the machine (which they share with the server) as little as a load
+generator can in Python: while a stream runs, a client only receives bytes and
+notes when they came; the chunked body and its server-sent events are parsed
+after the request ends. An event's time is the time of the read that completed it.
+
+Run by :class:`LoadGenerator` (a subprocess speaking JSON lines on stdin/stdout);
+every request is bounded by the level's deadline and targets the given loopback
+port only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+HOST = "127.0.0.1"
+_END = b"\r\n0\r\n\r\n"  # the last chunk of a chunked body (events end in "\n\n")
+
+
+def _sse_events(raw: bytes, reads: list[tuple[int, float]]) -> list[tuple[float, bytes]]:
+    """``(time, data)`` of every ``data:`` event in a chunked HTTP body, ``raw`` being
+    the bytes after the header (``reads``: each read's end offset in ``raw`` and its time)."""
+    out: list[tuple[float, bytes]] = []
+    pos, r = 0, 0
+    while True:
+        eol = raw.index(b"\r\n", pos)
+        size = int(raw[pos:eol].split(b";")[0], 16)
+        if size == 0:
+            return out
+        start, end = eol + 2, eol + 2 + size
+        while reads[r][0] < end:  # the read that completed this chunk
+            r += 1
+        when = reads[r][1]
+        for ev in raw[start:end].replace(b"\r\n", b"\n").split(b"\n\n"):
+            if ev.startswith(b"data: "):
+                out.append((when, ev[6:]))
+        pos = end + 2
+
+
+async def _request(conns: dict, slot: int, port: int, req: dict, deadline: float) -> dict:
+    conn = conns.get((port, slot))
+    if conn is None:
+        conn = conns[(port, slot)] = await asyncio.open_connection(HOST, port)
+    reader, writer = conn
+    body = json.dumps(req["body"]).encode()
+    head = [f"POST {req['path']} HTTP/1.1", f"Host: {HOST}:{port}"]
+    head += [f"{k}: {v}" for k, v in req.get("headers", {}).items()]
+    head += ["Content-Type: application/json", f"Content-Length: {len(body)}", "", ""]
+    t0 = time.perf_counter()
+    writer.write("\r\n".join(head).encode() + body)
+    header = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), deadline - time.monotonic())
+    status = int(header.split(b" ", 2)[1])
+    lower = header.lower()
+    if b"transfer-encoding: chunked" not in lower:  # an error answer: a plain body
+        n = 0
+        if b"content-length:" in lower:
+            n = int(lower.split(b"content-length:")[1].split(b"\r\n")[0])
+        text = await asyncio.wait_for(reader.readexactly(n), deadline - time.monotonic())
+        return {"status": status, "error": text[:300].decode("utf-8", "replace")}
+    chunks: list[bytes] = []
+    reads: list[tuple[int, float]] = []
+    got = 0
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("client past its deadline")
+        data = await asyncio.wait_for(reader.read(1 << 16), left)
+        if not data:
+            raise ConnectionError("the server closed the connection mid-stream")
+        now = time.perf_counter()
+        chunks.append(data)
+        got += len(data)
+        reads.append((got, now))
+        if data.endswith(_END) or (len(data) < len(_END) and b"".join(chunks).endswith(_END)):
+            break
+    raw = b"".join(chunks)
+    stamps, texts, usage = [], [], None
+    for when, ev in _sse_events(raw, reads):
+        if ev == b"[DONE]":
+            continue
+        obj = json.loads(ev)
+        if obj.get("usage"):
+            usage = obj["usage"]["completion_tokens"]
+        for ch in obj.get("choices", []):
+            text = ch.get("text") or (ch.get("delta") or {}).get("content")
+            if text:
+                stamps.append(when)
+                texts.append(text)
+    return {"status": status, "t0": t0, "stamps": stamps, "usage": usage, "text": "".join(texts)}
+
+
+async def _level(conns: dict, cmd: dict) -> list[dict]:
+    deadline = time.monotonic() + cmd["budget"]
+    port = cmd["port"]
+    jobs = [_request(conns, i, port, req, deadline) for i, req in enumerate(cmd["requests"])]
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    out = []
+    for i, res in enumerate(results):
+        if isinstance(res, BaseException):
+            # A connection in an unknown state is not reused.
+            conn = conns.pop((port, i), None)
+            if conn is not None:
+                conn[1].close()
+            res = {"status": 0, "error": f"{type(res).__name__}: {res}"}
+        out.append(res)
+    return out
+
+
+def _serve() -> None:
+    """Read one JSON command per stdin line, answer one JSON line each."""
+    conns: dict = {}
+    loop = asyncio.new_event_loop()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("op") == "close":
+            for ports in list(conns):
+                conns.pop(ports)[1].close()
+            continue
+        out = loop.run_until_complete(_level(conns, cmd))
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.flush()
+    loop.close()
+
+
+class LoadGenerator:
+    """The load process: :meth:`level` runs one level's requests concurrently."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def level(self, port: int, requests: list[dict], budget_s: float) -> list[dict]:
+        """Each request ``{"path", "body", "headers"}`` on its own connection, all at
+        once; one result per request: ``status``, and ``t0`` (request written),
+        ``stamps`` (each text event's time), ``usage`` (completion tokens, or None)
+        and ``text``, or ``error``."""
+        cmd = {"port": port, "requests": requests, "budget": budget_s}
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the load generator exited")
+        return json.loads(line)
+
+    def close_connections(self) -> None:
+        """Drop the keep-alive connections (before a server they point at stops)."""
+        self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+if __name__ == "__main__":
+    _serve()
