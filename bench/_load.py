@@ -45,17 +45,32 @@ def _sse_events(raw: bytes, reads: list[tuple[int, float]]) -> list[tuple[float,
 
 
 async def _request(conns: dict, slot: int, port: int, req: dict, deadline: float) -> dict:
-    conn = conns.get((port, slot))
-    if conn is None:
-        conn = conns[(port, slot)] = await asyncio.open_connection(HOST, port)
-    reader, writer = conn
     body = json.dumps(req["body"]).encode()
     head = [f"POST {req['path']} HTTP/1.1", f"Host: {HOST}:{port}"]
     head += [f"{k}: {v}" for k, v in req.get("headers", {}).items()]
     head += ["Content-Type: application/json", f"Content-Length: {len(body)}", "", ""]
-    t0 = time.perf_counter()
-    writer.write("\r\n".join(head).encode() + body)
-    header = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), deadline - time.monotonic())
+    message = "\r\n".join(head).encode() + body
+    for attempt in (0, 1):
+        conn = conns.get((port, slot))
+        if conn is None or conn[0].at_eof():
+            # (a keep-alive connection the server closed while idle: a new one)
+            if conn is not None:
+                conn[1].close()
+            conn = conns[(port, slot)] = await asyncio.open_connection(HOST, port)
+        reader, writer = conn
+        t0 = time.perf_counter()
+        writer.write(message)
+        try:
+            header = await asyncio.wait_for(
+                reader.readuntil(b"\r\n\r\n"), deadline - time.monotonic()
+            )
+            break
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            # Closed before any answer (the server's idle timeout raced the request):
+            # once more on a new connection, as HTTP clients do.
+            conns.pop((port, slot))[1].close()
+            if attempt or getattr(exc, "partial", b""):
+                raise
     status = int(header.split(b" ", 2)[1])
     lower = header.lower()
     if b"transfer-encoding: chunked" not in lower:  # an error answer: a plain body
