@@ -1,10 +1,11 @@
 """The load generator of ``bench_serve.py``: streamed completions over raw HTTP/1.1.
 
-One process, one asyncio loop, one keep-alive connection per client slot, so the
-clients cost the machine (which they share with the server) as little as a load
-generator can in Python: while a stream runs, a client only receives bytes and
-notes when they came; the chunked body and its server-sent events are parsed
-after the request ends. An event's time is the time of the read that completed it.
+One process, one asyncio loop (uvloop's where installed), one keep-alive connection
+per client slot, so the clients cost the machine (which they share with the server)
+as little as a load generator can in Python: while a stream runs, a client only
+keeps each read with its time (one protocol callback per read); the chunked body
+and its server-sent events are parsed after the request ends. An event's time is
+the time of the read that completed it.
 
 Run by :class:`LoadGenerator` (a subprocess speaking JSON lines on stdin/stdout);
 every request is bounded by the level's deadline and targets the given loopback
@@ -44,60 +45,91 @@ def _sse_events(raw: bytes, reads: list[tuple[int, float]]) -> list[tuple[float,
         pos = end + 2
 
 
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; a response's reads are only kept (with their times)
+    until it is complete: one callback per read, nothing parsed meanwhile."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.reads: list[tuple[float, bytes]] = []
+        self.size = 0
+        self.head = -1  # the header's length once seen
+        self.need = -1  # a plain (not chunked) response's total length
+        self.done: asyncio.Future | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.reads.append((time.perf_counter(), data))
+        self.size += len(data)
+        if self.head < 0:
+            raw = b"".join(d for _, d in self.reads)
+            end = raw.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            self.head = end + 4
+            lower = raw[: self.head].lower()
+            if b"transfer-encoding: chunked" not in lower:  # an error answer: a plain body
+                n = 0
+                if b"content-length:" in lower:
+                    n = int(lower.split(b"content-length:")[1].split(b"\r\n")[0])
+                self.need = self.head + n
+        if self.need >= 0:
+            finished = self.size >= self.need
+        else:
+            finished = data.endswith(_END) or (
+                len(data) < len(_END) and b"".join(d for _, d in self.reads[-2:]).endswith(_END)
+            )
+        if finished and self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("the server closed the connection"))
+
+    def start(self, message: bytes) -> None:
+        self.reads, self.size, self.head, self.need = [], 0, -1, -1
+        self.done = asyncio.get_running_loop().create_future()
+        self.transport.write(message)
+
+
 async def _request(conns: dict, slot: int, port: int, req: dict, deadline: float) -> dict:
     body = json.dumps(req["body"]).encode()
     head = [f"POST {req['path']} HTTP/1.1", f"Host: {HOST}:{port}"]
     head += [f"{k}: {v}" for k, v in req.get("headers", {}).items()]
     head += ["Content-Type: application/json", f"Content-Length: {len(body)}", "", ""]
     message = "\r\n".join(head).encode() + body
+    loop = asyncio.get_running_loop()
     for attempt in (0, 1):
         conn = conns.get((port, slot))
-        if conn is None or conn[0].at_eof():
+        if conn is None or conn.closed:
             # (a keep-alive connection the server closed while idle: a new one)
-            if conn is not None:
-                conn[1].close()
-            conn = conns[(port, slot)] = await asyncio.open_connection(HOST, port)
-        reader, writer = conn
+            _, conn = await loop.create_connection(_Conn, HOST, port)
+            conns[(port, slot)] = conn
         t0 = time.perf_counter()
-        writer.write(message)
+        conn.start(message)
         try:
-            header = await asyncio.wait_for(
-                reader.readuntil(b"\r\n\r\n"), deadline - time.monotonic()
-            )
+            await asyncio.wait_for(conn.done, deadline - time.monotonic())
             break
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+        except ConnectionError:
             # Closed before any answer (the server's idle timeout raced the request):
             # once more on a new connection, as HTTP clients do.
-            conns.pop((port, slot))[1].close()
-            if attempt or getattr(exc, "partial", b""):
+            conns.pop((port, slot), None)
+            if attempt or conn.reads:
                 raise
-    status = int(header.split(b" ", 2)[1])
-    lower = header.lower()
-    if b"transfer-encoding: chunked" not in lower:  # an error answer: a plain body
-        n = 0
-        if b"content-length:" in lower:
-            n = int(lower.split(b"content-length:")[1].split(b"\r\n")[0])
-        text = await asyncio.wait_for(reader.readexactly(n), deadline - time.monotonic())
-        return {"status": status, "error": text[:300].decode("utf-8", "replace")}
-    chunks: list[bytes] = []
-    reads: list[tuple[int, float]] = []
-    got = 0
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("client past its deadline")
-        data = await asyncio.wait_for(reader.read(1 << 16), left)
-        if not data:
-            raise ConnectionError("the server closed the connection mid-stream")
-        now = time.perf_counter()
-        chunks.append(data)
-        got += len(data)
-        reads.append((got, now))
-        if data.endswith(_END) or (len(data) < len(_END) and b"".join(chunks).endswith(_END)):
-            break
-    raw = b"".join(chunks)
+    raw = b"".join(d for _, d in conn.reads)
+    status = int(raw.split(b" ", 2)[1])
+    if conn.need >= 0:
+        return {"status": status, "error": raw[conn.head :][:300].decode("utf-8", "replace")}
+    reads, got = [], -conn.head  # each read's end offset in the body
+    for when, d in conn.reads:
+        got += len(d)
+        reads.append((got, when))
     stamps, texts, usage = [], [], None
-    for when, ev in _sse_events(raw, reads):
+    for when, ev in _sse_events(raw[conn.head :], reads):
         if ev == b"[DONE]":
             continue
         obj = json.loads(ev)
@@ -121,8 +153,8 @@ async def _level(conns: dict, cmd: dict) -> list[dict]:
         if isinstance(res, BaseException):
             # A connection in an unknown state is not reused.
             conn = conns.pop((port, i), None)
-            if conn is not None:
-                conn[1].close()
+            if conn is not None and conn.transport is not None:
+                conn.transport.close()
             res = {"status": 0, "error": f"{type(res).__name__}: {res}"}
         out.append(res)
     return out
@@ -131,12 +163,19 @@ async def _level(conns: dict, cmd: dict) -> list[dict]:
 def _serve() -> None:
     """Read one JSON command per stdin line, answer one JSON line each."""
     conns: dict = {}
-    loop = asyncio.new_event_loop()
+    try:  # uvloop where installed (the serve extra): less CPU per read
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = asyncio.new_event_loop()
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("op") == "close":
-            for ports in list(conns):
-                conns.pop(ports)[1].close()
+            for key in list(conns):
+                conn = conns.pop(key)
+                if conn.transport is not None:
+                    conn.transport.close()
             continue
         out = loop.run_until_complete(_level(conns, cmd))
         sys.stdout.write(json.dumps(out) + "\n")

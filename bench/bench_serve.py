@@ -732,6 +732,7 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
             pool.close()
         raise
     runs: dict[str, dict[int, list[LevelRun]]] = {k: {} for k in kinds}
+    floor: list[float] = []  # CPU per token of the bare stack (http_floor)
     # (server, engine alone driven, engine alone threaded), one client
     overhead_pairs: list[tuple[LevelRun, LevelRun, LevelRun]] = []
     level_ids = itertools.count()
@@ -802,6 +803,10 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
                 flush=True,
             )
         alone.record(True)
+        # The same stack with nothing of czyx: its CPU per streamed token at the engine's pace.
+        if overhead_pairs:
+            pace = statistics.median(e.cpu_per_token for _, e, _ in overhead_pairs) * 1e6
+            floor = http_floor(pool, args.overhead_tokens, pace)
     finally:
         if pool is not None:
             pool.close()
@@ -827,13 +832,38 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
             r.optimal_bytes = misses.get(r.level_id, 0) * slot_bytes
             r.step_experts = float(np.median(alone.step_experts.get(r.level_id, [0])))
             r.replayed = {p: m.get(r.level_id, 0) * slot_bytes for p, m in replays.items()}
-    return summarize(runs, levels), slots, overhead_pairs, runs.get("numpy", {})
+    return summarize(runs, levels), slots, (overhead_pairs, floor), runs.get("numpy", {})
 
 
-def overhead_line(pairs: list[tuple[LevelRun, LevelRun, LevelRun]], tokens: int) -> str:
+def http_floor(load, tokens: int, pace_us: float, requests: int = 5) -> list[float]:
+    """CPU per streamed token of a bare Starlette route on uvicorn (``_sse_floor.py``)
+    writing one czyx-sized event per token, ``pace_us`` of compute between two, beyond
+    that compute: one figure per request (the first, unmeasured, warms it)."""
+    port = _free_port()
+    cmd = [sys.executable, os.path.join(HERE, "_sse_floor.py"), str(port)]
+    proc = _started(cmd, f"http://127.0.0.1:{port}/health", "SSE floor server")
+    out = []
+    try:
+        req = {"path": "/", "body": {"tokens": tokens, "pace_us": pace_us}}
+        for i in range(requests + 1):
+            cpu0 = cpu_seconds(proc.pid)
+            (res,) = load.level(port, [req], 120.0)
+            cpu = cpu_seconds(proc.pid) - cpu0
+            if res["status"] != 200 or len(res.get("stamps", [])) != tokens:
+                raise RuntimeError(f"SSE floor server: {res}")
+            if i:
+                out.append(cpu / tokens - pace_us / 1e6)
+    finally:
+        load.close_connections()
+        _stop(proc)
+    return out
+
+
+def overhead_line(measured, tokens: int) -> str:
     """The one-client overhead from adjacent (server, engine alone driven, engine alone
-    threaded) runs: wall and CPU against the driven engine (the goal's baseline), and the
-    CPU against the threaded one beside it."""
+    threaded) runs: wall and CPU against the driven engine (the goal's baseline), the
+    CPU against the threaded one beside it, and the bare stack's floor (``http_floor``)."""
+    pairs, floor = measured
     if not pairs:
         return ""
     threaded_cpu = sorted(s_.cpu_per_token / t.cpu_per_token - 1 for s_, _, t in pairs)
@@ -872,6 +902,19 @@ def overhead_line(pairs: list[tuple[LevelRun, LevelRun, LevelRun]], tokens: int)
         f"{med(threaded_cpu) * 100:+.1f}% (from {threaded_cpu[0] * 100:+.1f}% to "
         f"{threaded_cpu[-1] * 100:+.1f}%).\n"
     )
+    if floor:
+        f_us = med(floor) * 1e6
+        line += (
+            f"\nThe floor of that overhead on this machine: a bare Starlette route on the same "
+            "uvicorn (uvloop, httptools; `bench/_sse_floor.py`, nothing of czyx) streaming "
+            f"{tokens} events of czyx's chunk size, one write each, with {e_cpu * 1e6:.0f} us of "
+            "compute between two (the engine alone's CPU per token above), costs "
+            f"**{f_us:+.0f} us of CPU per token** beyond that compute (median of {len(floor)} "
+            f"requests, {min(floor) * 1e6:+.0f} to {max(floor) * 1e6:+.0f}), i.e. "
+            f"{f_us / (e_cpu * 1e6) * 100:+.1f}% of the engine's per-token CPU: the cost of "
+            "one streamed event through this stack and the loopback socket, whatever the "
+            f"server does. czyx serve's own share is the rest ({med(extra) - f_us:+.0f} us).\n"
+        )
     load = med(p[1].load[1] for p in pairs)
     cpus = os.cpu_count() or 1
     if load > cpus:
