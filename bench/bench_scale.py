@@ -163,7 +163,12 @@ def machine() -> str:
         for ln in Path("/proc/meminfo").read_text().splitlines()
         if ln.startswith("MemTotal")
     )
-    return f"{cpu}, {os.cpu_count()} vCPUs (shared with other jobs), {int(mem) / 2**20:.1f} GiB RAM"
+    from czyx.inference.kernels.fused import level
+
+    return (
+        f"{cpu}, {os.cpu_count()} vCPUs (shared with other jobs), {int(mem) / 2**20:.1f} GiB RAM, "
+        f"czyx kernels: {level()}"
+    )
 
 
 def fmt_row(label: str, r: dict) -> str:

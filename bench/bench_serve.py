@@ -656,6 +656,8 @@ def llama_table(rows) -> str:
 
 
 def machine() -> str:
+    from czyx.inference.kernels.fused import level
+
     cpu = "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -675,7 +677,8 @@ def machine() -> str:
         ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     return (
-        f"{platform.node()}: {cpu}, {os.cpu_count()} vCPUs, {mem}; {platform.platform()}; "
+        f"{platform.node()}: {cpu}, {os.cpu_count()} vCPUs, {mem}, czyx kernels: {level()}; "
+        f"{platform.platform()}; "
         f"Python {platform.python_version()}, numpy {np.__version__}; "
         f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; "
         f"commit {commit or 'unknown'}"
