@@ -236,6 +236,7 @@ class DecodeKernels:
         self._rope: tuple[Any, Any, Any, int] | None = None
         self._batch: DecodeBatch | None = None
         self._batch_top = 0
+        self._waves_held: tuple | None = None  # (waves, rows, pointers): _wave_pointers
         # Scratch per token of the batched head (the normed row, then its quantization).
         self._head_need = 4 * hidden + 128 + int(_lib.czk_work_bytes(hidden)) if _lib else 0
 
@@ -534,25 +535,39 @@ class DecodeKernels:
                 bt.p_idx, bt.p_w, bt.p_work, bt.wstride,
             )  # fmt: skip
         else:
-            wv, gr = waves
-            if (
-                wv.dtype != np.int64
-                or gr.dtype != np.int64
-                or not (wv.flags.c_contiguous and gr.flags.c_contiguous)
-                or wv[-1] != gr.size - 1
-                or gr[-1] != n
-            ):
-                raise KernelError(f"waves and groups must be int64 offsets, the rows ending at {n}")
+            nw, p_wv, p_gr = self._wave_pointers(waves, n)
             rc = _lib.czk_attn_decode_waves(
-                self.pool.ptr, d.struct, self.hidden, wv.size - 1,
-                _ffi.cast("int64_t *", _ffi.from_buffer(wv)),
-                _ffi.cast("int64_t *", _ffi.from_buffer(gr)), bt.p_h, bt.p_x,
+                self.pool.ptr, d.struct, self.hidden, nw, p_wv, p_gr, bt.p_h, bt.p_x,
                 bt.p_kvp + layer, bt.p_kvp + nl + layer, 2 * nl, bt.p_kvcap, bt.p_pos,
                 window or 0, rope[1], rope[2], rope[3], rope[0].shape[0], router, top_k,
                 int(renorm), bt.p_rl, bt.p_idx, bt.p_w, bt.p_work, bt.wstride,
             )  # fmt: skip
         if rc:
-            raise KernelError(f"czk_attn_decode_batch refused layer {lw.index} for {n} tokens")
+            entry = "czk_attn_decode_batch" if waves is None else "czk_attn_decode_waves"
+            raise KernelError(f"{entry} refused layer {lw.index} for {n} tokens")
+
+    def _wave_pointers(self, waves: tuple[np.ndarray, np.ndarray], n: int) -> tuple:
+        """``(wave count, waves pointer, groups pointer)``, checked once per step: a
+        step passes the same ``waves`` to every layer."""
+        held = self._waves_held
+        if held is not None and held[0] is waves and held[1] == n:
+            return held[2]
+        wv, gr = waves
+        if (
+            wv.dtype != np.int64
+            or gr.dtype != np.int64
+            or not (wv.flags.c_contiguous and gr.flags.c_contiguous)
+            or wv[-1] != gr.size - 1
+            or gr[-1] != n
+        ):
+            raise KernelError(f"waves and groups must be int64 offsets, the rows ending at {n}")
+        ptrs = (
+            wv.size - 1,
+            _ffi.cast("int64_t *", _ffi.from_buffer(wv)),
+            _ffi.cast("int64_t *", _ffi.from_buffer(gr)),
+        )
+        self._waves_held = (waves, n, ptrs)  # (the arrays stay alive with the tuple)
+        return ptrs
 
     def union(self, n: int, resident: np.ndarray) -> np.ndarray:
         """The distinct experts of the batch's first ``n`` routes, those resident first
