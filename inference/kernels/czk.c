@@ -954,6 +954,67 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
 CZK_ROWS_QNV(CZK_AVX2, czk_rows_q_avx2, czk_dot8_avx2, czk_dot_avx2)
 CZK_ROWS_QNV(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256)
 
+/* 8-bit codes against NV <= 4 inputs with AVX2: czk_rows_q_avx2_nv's operations
+ * for bits == 8 (each (row, input) gets the same integer dot, conversion, scale
+ * and fused multiply-add per pair, in order, and the same sum), arranged so the
+ * eight accumulators stay in the sixteen registers: the block scales are
+ * broadcast from memory instead of permuted in registers (the same floats), and
+ * each half's codes are prepared once for the inputs. Written the macro's way,
+ * the compiler keeps the accumulators on the stack and every pair waits on
+ * store-to-load forwarding. */
+CZK_AVX2 static inline __attribute__((always_inline)) void czk_q8nv_avx2_row(
+    const czk_mat *m, const czk_xq *av, float *y, int64_t ystride, int64_t r, const int NV) {
+    const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
+    const int64_t pfull = nb / 2;
+    const uint8_t *c = (const uint8_t *)m->data + r * m->cols;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    float sc[4][8] __attribute__((aligned(32)));
+    __m256 lo[4], hi[4];
+    for (int v = 0; v < NV; v++) lo[v] = hi[v] = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+        const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G);
+        for (int v = 0; v < NV; v++)
+            _mm256_store_ps(sc[v], _mm256_mul_ps(dw, _mm256_loadu_ps(av[v].sx + b0)));
+        const int64_t p1 = b0 / 2 + 4;
+        for (int64_t p = b0 / 2; p < p1 && 2 * p < nb; p++) {
+            const int k = (int)(2 * p - b0);
+            _mm_prefetch((const char *)(c + 64 * p + CZK_PREFETCH), CZK_PFHINT);
+            const __m256i c0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c + 64 * p)), flip);
+            const __m256i a0 = _mm256_abs_epi8(c0);
+            for (int v = 0; v < NV; v++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(av[v].q + 64 * p));
+                const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, c0)), ones);
+                const __m256i d = _mm256_add_epi32(t, _mm256_loadu_si256((const __m256i *)(av[v].xs4 + 16 * p)));
+                lo[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(&sc[v][k]), lo[v]);
+            }
+            const __m256i c1 = _mm256_xor_si256(
+                p < pfull ? _mm256_loadu_si256((const __m256i *)(c + 64 * p + 32)) : _mm256_setzero_si256(),
+                flip);
+            const __m256i a1 = _mm256_abs_epi8(c1);
+            for (int v = 0; v < NV; v++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(av[v].q + 64 * p + 32));
+                const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, c1)), ones);
+                const __m256i d =
+                    _mm256_add_epi32(t, _mm256_loadu_si256((const __m256i *)(av[v].xs4 + 16 * p + 8)));
+                hi[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(&sc[v][k + 1]), hi[v]);
+            }
+        }
+    }
+    float mt[4];
+    czk_mterm_nv(m, r, G, av, NV, mt);
+    for (int v = 0; v < NV; v++) y[v * ystride + r] = czk_hsum8(_mm256_add_ps(lo[v], hi[v])) + mt[v];
+}
+
+CZK_AVX2 static void czk_q8nv_avx2(const czk_mat *m, const czk_xq *av, int nv, float *y,
+                                   int64_t ystride, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) switch (nv) {
+        case 4: czk_q8nv_avx2_row(m, av, y, ystride, r, 4); break;
+        case 3: czk_q8nv_avx2_row(m, av, y, ystride, r, 3); break;
+        case 2: czk_q8nv_avx2_row(m, av, y, ystride, r, 2); break;
+        default: czk_q8nv_avx2_row(m, av, y, ystride, r, 1); break;
+        }
+}
+
 /* 8-bit codes against NV <= 4 inputs with 512-bit VNNI: a pair of blocks is one
  * register, lanes 0-7 block 2p and lanes 8-15 block 2p + 1, so each lane gets
  * exactly the operations of the 256-bit kernel's lo and hi lanes (the same
@@ -1094,6 +1155,10 @@ static void czk_mm_task(void *ctx_, int64_t t0, int64_t t1) {
         }
         if (czk_simd_fits(m) && lvl == 2) {
             czk_rows_q_vnni256_multi(m, c->av + v0, nv, y, m->rows, t0, t1);
+            continue;
+        }
+        if (czk_simd_fits(m) && lvl == 1 && m->bits == 8) {
+            czk_q8nv_avx2(m, c->av + v0, nv, y, m->rows, t0, t1);
             continue;
         }
         if (czk_simd_fits(m) && lvl == 1) {
@@ -2085,6 +2150,10 @@ static void czk_rows_nv(const czk_mat *m, const float *const *xs, const czk_xq *
     }
     if (czk_simd_fits(m) && lvl == 2) {
         czk_rows_q_vnni256_multi(m, av, nv, ys[0], ystride, r0, r1);
+        return;
+    }
+    if (czk_simd_fits(m) && lvl == 1 && m->bits == 8) {
+        czk_q8nv_avx2(m, av, nv, ys[0], ystride, r0, r1);
         return;
     }
     if (czk_simd_fits(m) && lvl == 1) {

@@ -459,14 +459,15 @@ def test_quantized_matmul_rows_are_exactly_the_matvec(level, split_loops, name):
     rows, cols = 13, 7 * fmt.group_size
     buf = quantize(rng.standard_normal((rows, cols)).astype(F32), fmt, method="minmax")
     w = prepare(buf, fmt, (rows, cols))
-    x = rng.standard_normal((6, cols)).astype(F32)  # a chunk of four, then two
+    x = rng.standard_normal((7, cols)).astype(F32)  # a chunk of four, then three
     k = _kern(threads=2)
-    want = np.zeros((6, rows), F32)
-    for t in range(6):
+    want = np.zeros((7, rows), F32)
+    for t in range(7):
         k.matvec(w, x[t], want[t])
     got = fused.quant_matmul(w, x)
     assert np.array_equal(got, want)
-    assert np.array_equal(fused.quant_matmul(w, x[4:5]), want[4:5])
+    assert np.array_equal(fused.quant_matmul(w, x[4:5]), want[4:5])  # one
+    assert np.array_equal(fused.quant_matmul(w, x[5:7]), want[5:7])  # two
     k.close()
 
 
