@@ -195,7 +195,7 @@ def forward_batch(
     if allowed is not None and len(allowed) != len(ids):
         raise ValueError("forward_batch needs one allowed-experts entry per chunk")
     fast = []
-    if c_decode and _c_decodes(model):
+    if c_decode and decodes_in_c(model):
         # Prompt chunks too, unless the rope's tables depend on the length reached.
         fast = [
             s
@@ -220,7 +220,7 @@ def forward_batch(
     return out  # type: ignore[return-value]
 
 
-def _c_decodes(model) -> bool:
+def decodes_in_c(model) -> bool:
     """Whether ``model`` decodes a token in the C kernels exactly as its engine does."""
     return (
         model.decode_in_c()

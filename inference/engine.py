@@ -11,9 +11,11 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
+from czyx.inference.batch import decodes_in_c, forward_batch
 from czyx.inference.cache import CacheStats, EvictionPolicy, ExpertCache
 from czyx.inference.errors import CacheBudgetError
 from czyx.inference.kernels.fused import default_threads
@@ -25,6 +27,30 @@ from czyx.inference.streaming import StreamingExpertCache, StreamOptions, attach
 from czyx.inference.trunkwindow import TrunkWindowStats
 from czyx.inference.xray import XRay
 from czyx.store.consumer import ModelConsumer
+
+#: Most prompt tokens one batched C step of :meth:`Engine.prefill` takes: the step's
+#: scratch grows with its tokens (each token's top-k expert products), and one
+#: step reads each of its experts once, so larger is faster and bigger.
+PREFILL_CHUNK = 256
+
+
+def prompt_in_c(model: Any, n: int, resident: bool) -> bool:
+    """Whether :meth:`Engine.prefill` runs a prompt of ``n`` tokens through the batched C
+    step (each token's arithmetic the C decode's), ``resident``: whether the cache holds
+    every routed expert.
+
+    So for a model that decodes in C (:func:`~inference.batch.decodes_in_c`), not
+    observed layer by layer, whose rope does not depend on the length reached, and
+    a prompt of at most :data:`PREFILL_CHUNK` tokens or a resident cache. A node
+    of a sharded model asks the same to run a prompt as the engine does.
+    """
+    return (
+        n > 0
+        and model.observer is None
+        and not model._length_rope
+        and decodes_in_c(model)
+        and (n <= PREFILL_CHUNK or resident)
+    )
 
 
 def expert_bytes(consumer: ModelConsumer, cfg: DecoderConfig) -> int:
@@ -256,11 +282,28 @@ class Engine:
         self.kv.truncate(0)
 
     def prefill(self, tokens: Sequence[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
-        """Process prompt ``tokens`` in one batch; logits of the last (or every) token."""
-        ids = np.asarray(tokens, np.int64)
+        """Process prompt ``tokens``; logits of the last (or every) token.
+
+        Where the model decodes in C (:func:`~inference.batch.decodes_in_c`), the
+        last token's logits come from the batched C step a server's prompt chunks
+        take (:func:`~inference.batch.forward_batch`, chunks of at most
+        :data:`PREFILL_CHUNK` tokens): each token's arithmetic is then the
+        engine's decode, so the KV and logits are those of decoding the prompt
+        token by token. A longer prompt on a cache that cannot hold every expert
+        takes the model's prompt forward instead, which reads each expert at most
+        once for the whole prompt; so do ``all_logits`` and a model observed
+        layer by layer (calibration).
+        """
+        ids = np.asarray(tokens, np.int64).reshape(-1)
+        resident = self.cache.max_acquire >= self.cfg.n_sparse_experts
+        if not all_logits and prompt_in_c(self.model, ids.size, resident):
+            for c0 in range(0, ids.size, PREFILL_CHUNK):  # (forward_batch advances the cache)
+                logits = forward_batch(self.model, [ids[c0 : c0 + PREFILL_CHUNK]], [self.kv])[0]
+            return logits
         self.cache.advance(len(ids))
         with self._blas:
             return self.model.forward(ids, self.kv, all_logits)
+
 
     def decode(self, token: int) -> np.ndarray:
         """Process one token; returns its ``[V]`` logits."""

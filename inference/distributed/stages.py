@@ -25,7 +25,11 @@ the engine's own layer-range steps (:meth:`~inference.models.decoder.MoEDecoder.
 for several tokens, :meth:`~inference.models.decoder.MoEDecoder.run_layers_one`
 for one token through the C decode kernels), the very code
 :meth:`~inference.models.decoder.MoEDecoder.forward` loops over, so it cannot
-drift from it; only the residual stream crosses between stages. A shard runs
+drift from it; only the residual stream crosses between stages. Where
+:meth:`~inference.engine.Engine.prefill` runs a prompt through the batched C
+step (:func:`~inference.engine.prompt_in_c`: each token's arithmetic the C
+decode's), a stage and a shard run the prompt's tokens one at a time through
+their one-token step, which is that arithmetic. A shard runs
 the engine's whole forward with one step swapped, the routed experts: each expert's
 product runs on the same rows, in the same column form and with the same
 weights as :meth:`~inference.models.decoder.MoEDecoder._routed` (this module
@@ -43,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from czyx.inference.engine import Engine
+from czyx.inference.engine import Engine, prompt_in_c
 from czyx.inference.kernels import fused
 from czyx.inference.kernels.linear import mm_t, take_rows
 from czyx.inference.models.base import (
@@ -71,10 +75,10 @@ def _open_engine(
     cache_fraction: float | None,
     lazy: bool,
     own: Callable[[OpenedModel, Any], int],
-) -> tuple[OpenedModel, Engine]:
+) -> tuple[OpenedModel, Engine, bool]:
     """Open this node's store through its portal and an engine whose slot budget is
     ``cache_fraction`` (None: all) of the experts this node uses, ``own(opened, cfg)``
-    of them (never below one token's top-k)."""
+    of them (never below one token's top-k); and whether that budget holds them all."""
     from czyx.inference.models import decoder_class
 
     if cache_fraction is not None and not 0.0 < cache_fraction <= 1.0:
@@ -84,7 +88,8 @@ def _open_engine(
         info = opened.consumer.info
         cfg = decoder_class(info.arch).parse_config(info)
         frac = 1.0 if cache_fraction is None else cache_fraction
-        slots = max(cfg.top_k, int(own(opened, cfg) * frac))
+        n_own = own(opened, cfg)
+        slots = max(cfg.top_k, int(n_own * frac))
         engine = Engine(
             opened.consumer,
             cache_bytes=slots * int(info.expert_slot_nbytes),
@@ -93,7 +98,7 @@ def _open_engine(
     except BaseException:
         opened.close()
         raise
-    return opened, engine
+    return opened, engine, slots >= n_own
 
 
 def _class_map(opened: OpenedModel, n_layers: int, n_experts: int) -> np.ndarray:
@@ -156,7 +161,7 @@ class LayerStage(_EngineNode):
         def own(_: OpenedModel, cfg: Any) -> int:  # the routed experts of this stage's layers
             return sum(cfg.sparse_layers[lo:hi]) * cfg.n_experts
 
-        self.opened, self.engine = _open_engine(
+        self.opened, self.engine, self.resident = _open_engine(
             store_dir, ref, token, cache_fraction, lazy=True, own=own
         )
         model = self.engine.model
@@ -198,6 +203,9 @@ class LayerStage(_EngineNode):
         with self.engine._blas:  # BLAS held to one thread, as in Engine.prefill/decode
             if t == 1 and model.observer is None and fused.have_czk():
                 out = self._forward_one(x, kv)
+            elif prompt_in_c(model, t, self.resident):  # as Engine.prefill: decode's arithmetic
+                outs = [self._forward_one(x[i : i + 1], kv) for i in range(t)]
+                out = outs[-1] if self.last else np.concatenate(outs)
             else:
                 out = self._forward_batch(x, kv)
         self.bytes_out += out.nbytes
@@ -298,7 +306,7 @@ class ExpertShard(_EngineNode):
             sparse = np.asarray(cfg.sparse_layers, bool)
             return int((owner["map"][sparse] == index).sum())
 
-        self.opened, self.engine = _open_engine(
+        self.opened, self.engine, self.resident = _open_engine(
             store_dir, ref, token, cache_fraction, lazy=False, own=own
         )
         model = self.engine.model
@@ -321,8 +329,13 @@ class ExpertShard(_EngineNode):
         ids = np.asarray(tokens, np.int64).reshape(-1)
         with self._lock:
             self.engine.cache.advance(len(ids))
+        model = self.engine.model
         with self.engine._blas:  # BLAS held to one thread, as in Engine.prefill/decode
-            return self.engine.model.forward(ids, kv)
+            if ids.size > 1 and prompt_in_c(model, ids.size, self.resident):
+                for i in range(ids.size):  # as Engine.prefill: decode's arithmetic
+                    out = model.forward(ids[i : i + 1], kv)
+                return out
+            return model.forward(ids, kv)
 
     def end(self, req: Any) -> None:
         """Forget request ``req``."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from czyx.inference.batch import BatchError, Scheduler, _c_decodes, forward_batch
+from czyx.inference.batch import BatchError, Scheduler, decodes_in_c, forward_batch
 from czyx.inference.engine import Engine
 from czyx.inference.models.decoder import MoEDecoder
 from czyx.inference.opened import OpenedModel
@@ -54,7 +54,7 @@ def test_batched_step_matches_the_engine(tmp_path, arch) -> None:
             # The engine's own decode of the same token after the same positions: exactly
             # it where the batch decodes in C, to float32 rounding where it runs numpy.
             one = model.forward(np.array([t]), engine_kv)
-            if _c_decodes(model):
+            if decodes_in_c(model):
                 assert np.array_equal(one, got), arch
             else:
                 assert np.abs(one - got).max() <= 1e-5 * float(one.max() - one.min()), arch
@@ -93,7 +93,7 @@ def test_batched_c_decode_follows_length_dependent_rope() -> None:
                     rope_parameters=rope)  # fmt: skip
     eng = Engine(StateDictConsumer(tm), threads=1)
     model = eng.model
-    assert _c_decodes(model)
+    assert decodes_in_c(model)
     rng = np.random.default_rng(3)
     seqs = [rng.integers(0, 256, 4), rng.integers(0, 256, 14)]  # below, above the switch
     kvs = [model.new_kv() for _ in seqs]

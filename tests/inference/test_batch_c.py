@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from czyx.inference.batch import _c_decodes, _copy_kv, forward_batch
+from czyx.inference.batch import _copy_kv, decodes_in_c, forward_batch
 from czyx.inference.engine import Engine
 from czyx.inference.kernels import fused
 from czyx.inference.kernels.fused import KernelError
@@ -95,7 +95,7 @@ def test_batched_decode_is_each_sequence_decoded_alone(tmp_path, split_loops, ar
     eng = Engine(consumer, threads=threads)
     model = eng.model
     try:
-        assert _c_decodes(model), (arch, fmt)
+        assert decodes_in_c(model), (arch, fmt)
         if fmt in ("f16-store", "bf16-store"):
             assert str(model.experts.format) == fmt.split("-")[0]
         rng = np.random.default_rng(7)
@@ -146,7 +146,7 @@ def test_prompt_chunks_are_the_prompt_decoded_token_by_token(
     eng = Engine(consumer, threads=threads, cache_fraction=fraction)
     model = eng.model
     try:
-        assert _c_decodes(model), (arch, fmt)
+        assert decodes_in_c(model), (arch, fmt)
         rng = np.random.default_rng(11)
         vocab = model.cfg.vocab_size
         prompts = [rng.integers(0, vocab, n) for n in (13, 1, 6, 20)]
@@ -377,7 +377,7 @@ def test_every_simd_path_shares_the_attention_rows_as_each_decodes_alone(
             for lw in model.layers:
                 for name in ("q_proj", "k_proj", "v_proj", "o_proj", "router"):
                     setattr(lw, name, np.ascontiguousarray(getattr(lw, name), np.float16))
-        assert _c_decodes(model)
+        assert decodes_in_c(model)
         rng = np.random.default_rng(11)
         kvs = [model.new_kv() for _ in LENGTHS]
         forward_batch(model, [rng.integers(0, 256, n) for n in LENGTHS], kvs)

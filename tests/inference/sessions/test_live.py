@@ -120,14 +120,15 @@ def test_resume_in_another_process(make, sessions, tmp_path):
 
 
 def _counting(engine):
+    """The token count of each prompt the engine runs from here on."""
     seen: list[int] = []
-    orig = engine.model.forward
+    orig = engine.prefill
 
-    def forward(tokens, kv, all_logits=False):
+    def prefill(tokens, all_logits=False):
         seen.append(len(tokens))
-        return orig(tokens, kv, all_logits)
+        return orig(tokens, all_logits)
 
-    engine.model.forward = forward
+    engine.prefill = prefill
     return seen
 
 
