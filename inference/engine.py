@@ -297,9 +297,10 @@ class Engine:
         ids = np.asarray(tokens, np.int64).reshape(-1)
         resident = self.cache.max_acquire >= self.cfg.n_sparse_experts
         if not all_logits and prompt_in_c(self.model, ids.size, resident):
-            for c0 in range(0, ids.size, PREFILL_CHUNK):  # (forward_batch advances the cache)
-                logits = forward_batch(self.model, [ids[c0 : c0 + PREFILL_CHUNK]], [self.kv])[0]
-            return logits
+            with self._blas:
+                for c0 in range(0, ids.size, PREFILL_CHUNK):  # (it advances the cache)
+                    logits = forward_batch(self.model, [ids[c0 : c0 + PREFILL_CHUNK]], [self.kv])
+            return logits[0]
         self.cache.advance(len(ids))
         with self._blas:
             return self.model.forward(ids, self.kv, all_logits)
