@@ -700,6 +700,27 @@ static inline int czk_simd_fits(const czk_mat *m) {
 
 /* --- AVX2: a row's sixteen lanes as two eight-float registers (lo, hi). */
 
+/* n in [1, 8] fp16 values from p, zero past them, reading only those n: a short
+ * row's scales or mins. The common short counts load directly; a copy through the
+ * stack would stall on store-to-load forwarding, once per row of a small model. */
+CZK_AVX2 static inline __m128i czk_h8(const uint16_t *p, int64_t n) {
+    switch (n) {
+    case 8: return _mm_loadu_si128((const __m128i *)p);
+    case 4: return _mm_loadl_epi64((const __m128i *)p);
+    case 2: {
+        int32_t v;
+        memcpy(&v, p, sizeof v);
+        return _mm_cvtsi32_si128(v);
+    }
+    case 1: return _mm_cvtsi32_si128(p[0]);
+    default: {
+        uint16_t t[8] = {0};
+        for (int64_t l = 0; l < n; l++) t[l] = p[l];
+        return _mm_loadu_si128((const __m128i *)t);
+    }
+    }
+}
+
 /* The weight scales d_g(b) of blocks b0 .. b0 + 7 of row r as floats (0 past the row). */
 CZK_AVX2 static inline __m256 czk_wscales8(const czk_mat *m, int64_t r, int64_t b0, int64_t nb,
                                            int64_t bpg, int64_t G) {
@@ -707,9 +728,12 @@ CZK_AVX2 static inline __m256 czk_wscales8(const czk_mat *m, int64_t r, int64_t 
     __m128i h;
     if (bpg == 1 && b0 + 8 <= nb) {
         h = _mm_loadu_si128((const __m128i *)(sc + b0));
-    } else {
+    } else if (bpg == 1) { /* a short row's last blocks */
+        h = czk_h8(sc + b0, nb - b0);
+    } else { /* bpg a power of two (czk_simd_fits) */
+        const int sh = __builtin_ctzll((unsigned long long)bpg);
         uint16_t t[8];
-        for (int l = 0; l < 8; l++) t[l] = b0 + l < nb ? sc[(b0 + l) / bpg] : 0;
+        for (int l = 0; l < 8; l++) t[l] = b0 + l < nb ? sc[(b0 + l) >> sh] : 0;
         h = _mm_loadu_si128((const __m128i *)t);
     }
     return _mm256_cvtph_ps(h);
@@ -728,10 +752,9 @@ CZK_AVX2 static inline void czk_mins16(const uint16_t *mn, int64_t g, int64_t G,
         *h0 = _mm_loadu_si128((const __m128i *)(mn + g));
         *h1 = _mm_loadu_si128((const __m128i *)(mn + g + 8));
     } else {
-        uint16_t t[16];
-        for (int l = 0; l < 16; l++) t[l] = g + l < G ? mn[g + l] : 0;
-        *h0 = _mm_loadu_si128((const __m128i *)t);
-        *h1 = _mm_loadu_si128((const __m128i *)(t + 8));
+        const int64_t n = G - g;
+        *h0 = czk_h8(mn + g, n < 8 ? n : 8);
+        *h1 = n > 8 ? czk_h8(mn + g + 8, n - 8) : _mm_setzero_si128();
     }
 }
 

@@ -173,6 +173,26 @@ def test_quantized_matvec_is_exactly_its_numpy_reference(level, name, wide):
     k.close()
 
 
+@pytest.mark.parametrize("name", ["q8", "q4", "q4g64"])
+@pytest.mark.parametrize("groups", [1, 2, 3, 4, 5, 8, 9, 12, 16, 17])
+def test_short_rows_are_exactly_their_numpy_reference(level, name, groups):
+    """Rows of fewer blocks than a SIMD step (a small model's): the scales and mins of
+    every count load exactly, for the decode product and for a prompt's tokens."""
+    fmt = get_format(name)
+    rng = np.random.default_rng(groups)
+    rows, cols = 6, groups * fmt.group_size
+    buf = quantize(rng.standard_normal((rows, cols)).astype(F32), fmt, method="minmax")
+    w = prepare(buf, fmt, (rows, cols))
+    x = rng.standard_normal((3, cols)).astype(F32)
+    k = _kern()
+    y = np.zeros((3, rows), F32)
+    for t in range(3):
+        k.matvec(w, x[t], y[t])
+        assert np.array_equal(y[t], ref_rows_q(buf, fmt, (rows, cols), x[t]))
+    assert np.array_equal(fused.quant_matmul(w, x), y)
+    k.close()
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_float_matvec_within_float32_rounding(level, dtype):
     rng = np.random.default_rng(2)
