@@ -46,6 +46,16 @@ PROMPT_BYTES = 128
 N_DECODE = 64
 CZYX_FORMATS = {"fp32": None, "q8": "q8", "q4": "q4"}
 LLAMA_FORMATS = {"fp32": "F32", "q8": "Q8_0", "q4": "Q4_0"}
+DEFAULT_OUT = Path(__file__).resolve().with_name("SPEED.md")
+
+
+def _rel(path: str) -> str:
+    """``path`` relative to the repository when inside it (as the report's command)."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(DEFAULT_OUT.parents[1]))
+    except ValueError:
+        return str(p)
 
 
 def prompt_tokens() -> list[int]:
@@ -339,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--out", default=str(Path(__file__).with_name("SPEED.md")))
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--no-sync", action="store_true", help="skip the sync-cache czyx engines")
     args = ap.parse_args(argv)
 
@@ -412,6 +422,7 @@ def _report(args, med, toks, load0, load1, simd: str, breakdown: dict) -> list[s
     cmd = "OPENBLAS_NUM_THREADS=1 python bench/bench_speed.py " + " ".join(
         [f"--rounds {args.rounds}", "--threads " + " ".join(map(str, args.threads))]
         + (["--no-sync"] if args.no_sync else [])
+        + ([] if Path(args.out).resolve() == DEFAULT_OUT else [f"--out {_rel(args.out)}"])
     )
     out = [
         "# czyx vs llama.cpp: decode and prefill speed on the bundled model",
@@ -494,10 +505,12 @@ def _report(args, med, toks, load0, load1, simd: str, breakdown: dict) -> list[s
         "model's decode step is below that, so at 2 threads czyx runs its decode on one "
         "thread: the 2-thread column measures the same work, and differences are the "
         "machine's noise. BLAS (prefill) is held to one thread inside the engine.",
-        "- Prefill is grouped by expert: the prompt's (token, expert) pairs are sorted by "
-        "expert, each expert runs once as one matrix product over its tokens, and when a "
-        "layer touches more experts than the cache may hold at once they run in waves of "
-        "that many (residents first), so each expert is read at most once per batch.",
+        "- Prefill: the prompt runs through the batched C step (`Engine.prefill`, "
+        "`inference.engine.prompt_in_c`): its tokens' attention in groups of up to four "
+        "that share each weight row, their (token, expert) pairs grouped by expert so "
+        "each expert's rows are read once for the tokens that chose it, every token's "
+        "arithmetic the C decode's (so the prompt's KV and logits are its tokens decoded "
+        "one at a time, bit for bit).",
         "- The streaming cache under a budget that holds every expert (`czyx run`'s "
         "default): nothing is ever evicted, so once the experts a layer asks for are "
         "resident and verified its acquire is one table read (no hold, no policy touch, "
@@ -513,10 +526,9 @@ def _report(args, med, toks, load0, load1, simd: str, breakdown: dict) -> list[s
         "per-layer figure above matters for a model this small (for a real model the "
         "kernels dominate).",
         "- The quantized decode kernels quantize each product's input to 8 bits per block "
-        "of 32 and use integer dot products, as llama.cpp does; prefill products on "
-        "quantized weights run the same kernels (one thread, each token as a decode step "
-        "computes it) on matrices of at least inference.kernels.linear.INT8_MIN_COLS "
-        "columns, so not on this model's: they keep float inputs.",
+        "of 32 and use integer dot products, as llama.cpp does; the prompt's products "
+        "run the same kernels (several tokens per weight row, each token as its decode "
+        "step computes it).",
         "",
     ]
     out.append(
