@@ -702,8 +702,10 @@ static inline int czk_simd_fits(const czk_mat *m) {
 
 /* n in [1, 8] fp16 values from p, zero past them, reading only those n: a short
  * row's scales or mins. The common short counts load directly; a copy through the
- * stack would stall on store-to-load forwarding, once per row of a small model. */
-CZK_AVX2 static inline __m128i czk_h8(const uint16_t *p, int64_t n) {
+ * stack would stall on store-to-load forwarding, once per row of a small model.
+ * Out of line, as the callers' other partial cases: inlined, they cost the long
+ * rows' loops registers. */
+CZK_AVX2 static __attribute__((noinline)) __m128i czk_h8(const uint16_t *p, int64_t n) {
     switch (n) {
     case 8: return _mm_loadu_si128((const __m128i *)p);
     case 4: return _mm_loadl_epi64((const __m128i *)p);
@@ -721,6 +723,17 @@ CZK_AVX2 static inline __m128i czk_h8(const uint16_t *p, int64_t n) {
     }
 }
 
+/* The scales of blocks b0 .. b0 + 7 (0 past nb) for groups of bpg > 1 blocks, bpg a
+ * power of two (czk_simd_fits). */
+CZK_AVX2 static __attribute__((noinline)) __m128i czk_wscales_groups(const uint16_t *sc,
+                                                                      int64_t b0, int64_t nb,
+                                                                      int64_t bpg) {
+    const int sh = __builtin_ctzll((unsigned long long)bpg);
+    uint16_t t[8];
+    for (int l = 0; l < 8; l++) t[l] = b0 + l < nb ? sc[(b0 + l) >> sh] : 0;
+    return _mm_loadu_si128((const __m128i *)t);
+}
+
 /* The weight scales d_g(b) of blocks b0 .. b0 + 7 of row r as floats (0 past the row). */
 CZK_AVX2 static inline __m256 czk_wscales8(const czk_mat *m, int64_t r, int64_t b0, int64_t nb,
                                            int64_t bpg, int64_t G) {
@@ -730,11 +743,8 @@ CZK_AVX2 static inline __m256 czk_wscales8(const czk_mat *m, int64_t r, int64_t 
         h = _mm_loadu_si128((const __m128i *)(sc + b0));
     } else if (bpg == 1) { /* a short row's last blocks */
         h = czk_h8(sc + b0, nb - b0);
-    } else { /* bpg a power of two (czk_simd_fits) */
-        const int sh = __builtin_ctzll((unsigned long long)bpg);
-        uint16_t t[8];
-        for (int l = 0; l < 8; l++) t[l] = b0 + l < nb ? sc[(b0 + l) >> sh] : 0;
-        h = _mm_loadu_si128((const __m128i *)t);
+    } else {
+        h = czk_wscales_groups(sc, b0, nb, bpg);
     }
     return _mm256_cvtph_ps(h);
 }
