@@ -698,14 +698,23 @@ static inline int czk_simd_fits(const czk_mat *m) {
     return (bpg & (bpg - 1)) == 0;
 }
 
+/* Whether every step of a row's scale and min loads is whole (one scale per block,
+ * blocks in eights, groups in sixteens): the row kernels then take an
+ * instantiation without the partial loads (czk_h8), whose branches would cost a
+ * long row's loop registers. */
+static inline int czk_full_rows(const czk_mat *m) {
+    const int64_t nb = m->cols / 32, G = m->cols / m->group;
+    return m->group == 32 && nb % 8 == 0 && G % 16 == 0;
+}
+
 /* --- AVX2: a row's sixteen lanes as two eight-float registers (lo, hi). */
 
 /* n in [1, 8] fp16 values from p, zero past them, reading only those n: a short
  * row's scales or mins. The common short counts load directly; a copy through the
  * stack would stall on store-to-load forwarding, once per row of a small model.
- * Out of line, as the callers' other partial cases: inlined, they cost the long
- * rows' loops registers. */
-CZK_AVX2 static __attribute__((noinline)) __m128i czk_h8(const uint16_t *p, int64_t n) {
+ * Only in the kernels' instantiations for rows that are not whole (czk_full_rows):
+ * in a long row's loop its branches cost registers. */
+CZK_AVX2 static inline __attribute__((always_inline)) __m128i czk_h8(const uint16_t *p, int64_t n) {
     switch (n) {
     case 8: return _mm_loadu_si128((const __m128i *)p);
     case 4: return _mm_loadl_epi64((const __m128i *)p);
@@ -723,11 +732,12 @@ CZK_AVX2 static __attribute__((noinline)) __m128i czk_h8(const uint16_t *p, int6
     }
 }
 
-/* The scales of blocks b0 .. b0 + 7 (0 past nb) for groups of bpg > 1 blocks, bpg a
- * power of two (czk_simd_fits). */
-CZK_AVX2 static __attribute__((noinline)) __m128i czk_wscales_groups(const uint16_t *sc,
-                                                                      int64_t b0, int64_t nb,
-                                                                      int64_t bpg) {
+/* The scales of blocks b0 .. b0 + 7 (0 past nb) of a row's scales sc, groups of bpg
+ * blocks (a power of two: czk_simd_fits), where they are not eight consecutive
+ * halves: a short row's last blocks, or groups of several blocks. */
+CZK_AVX2 static inline __attribute__((always_inline)) __m128i czk_wscales_part(
+    const uint16_t *sc, int64_t b0, int64_t nb, int64_t bpg) {
+    if (bpg == 1) return czk_h8(sc + b0, nb - b0);
     const int sh = __builtin_ctzll((unsigned long long)bpg);
     uint16_t t[8];
     for (int l = 0; l < 8; l++) t[l] = b0 + l < nb ? sc[(b0 + l) >> sh] : 0;
@@ -735,47 +745,52 @@ CZK_AVX2 static __attribute__((noinline)) __m128i czk_wscales_groups(const uint1
 }
 
 /* The weight scales d_g(b) of blocks b0 .. b0 + 7 of row r as floats (0 past the row). */
-CZK_AVX2 static inline __m256 czk_wscales8(const czk_mat *m, int64_t r, int64_t b0, int64_t nb,
-                                           int64_t bpg, int64_t G) {
+CZK_AVX2 static inline __attribute__((always_inline)) __m256 czk_wscales8(
+    const czk_mat *m, int64_t r, int64_t b0, int64_t nb, int64_t bpg, int64_t G, const int full) {
     const uint16_t *sc = m->scales + r * G;
     __m128i h;
-    if (bpg == 1 && b0 + 8 <= nb) {
+    if (full || (bpg == 1 && b0 + 8 <= nb)) {
         h = _mm_loadu_si128((const __m128i *)(sc + b0));
-    } else if (bpg == 1) { /* a short row's last blocks */
-        h = czk_h8(sc + b0, nb - b0);
     } else {
-        h = czk_wscales_groups(sc, b0, nb, bpg);
+        h = czk_wscales_part(sc, b0, nb, bpg);
     }
     return _mm256_cvtph_ps(h);
 }
 
 /* The block scales d_g(b) * sx_b of blocks b0 .. b0 + 7 of row r (0 past the row). */
-CZK_AVX2 static inline __m256 czk_scales8(const czk_mat *m, int64_t r, int64_t b0, int64_t nb,
-                                          int64_t bpg, int64_t G, const float *sx) {
-    return _mm256_mul_ps(czk_wscales8(m, r, b0, nb, bpg, G), _mm256_loadu_ps(sx + b0));
+CZK_AVX2 static inline __attribute__((always_inline)) __m256 czk_scales8(
+    const czk_mat *m, int64_t r, int64_t b0, int64_t nb, int64_t bpg, int64_t G, const float *sx,
+    const int full) {
+    return _mm256_mul_ps(czk_wscales8(m, r, b0, nb, bpg, G, full), _mm256_loadu_ps(sx + b0));
+}
+
+/* czk_mins16 past the last full sixteen groups. */
+CZK_AVX2 static inline __attribute__((always_inline)) void czk_mins_part(
+    const uint16_t *mn, int64_t g, int64_t G, __m128i *h0, __m128i *h1) {
+    const int64_t n = G - g;
+    *h0 = czk_h8(mn + g, n < 8 ? n : 8);
+    *h1 = n > 8 ? czk_h8(mn + g + 8, n - 8) : _mm_setzero_si128();
 }
 
 /* The fp16 mins of groups g .. g + 15 of a row (0 past its G groups), as two halves. */
-CZK_AVX2 static inline void czk_mins16(const uint16_t *mn, int64_t g, int64_t G, __m128i *h0,
-                                       __m128i *h1) {
-    if (g + 16 <= G) {
+CZK_AVX2 static inline __attribute__((always_inline)) void czk_mins16(
+    const uint16_t *mn, int64_t g, int64_t G, __m128i *h0, __m128i *h1, const int full) {
+    if (full || g + 16 <= G) {
         *h0 = _mm_loadu_si128((const __m128i *)(mn + g));
         *h1 = _mm_loadu_si128((const __m128i *)(mn + g + 8));
     } else {
-        const int64_t n = G - g;
-        *h0 = czk_h8(mn + g, n < 8 ? n : 8);
-        *h1 = n > 8 ? czk_h8(mn + g + 8, n - 8) : _mm_setzero_si128();
+        czk_mins_part(mn, g, G, h0, h1);
     }
 }
 
 /* The m-term's sixteen lanes over the groups of row r, summed (czk_tree16). */
-CZK_AVX2 static inline float czk_mterm_avx2(const czk_mat *m, int64_t r, int64_t G,
-                                            const float *gsum) {
+CZK_AVX2 static inline __attribute__((always_inline)) float czk_mterm_avx2(
+    const czk_mat *m, int64_t r, int64_t G, const float *gsum, const int full) {
     const uint16_t *mn = m->mins + r * G;
     __m256 lo = _mm256_setzero_ps(), hi = lo;
     for (int64_t g = 0; g < G; g += 16) {
         __m128i h0, h1;
-        czk_mins16(mn, g, G, &h0, &h1);
+        czk_mins16(mn, g, G, &h0, &h1, full);
         lo = _mm256_fmadd_ps(_mm256_cvtph_ps(h0), _mm256_loadu_ps(gsum + g), lo);
         hi = _mm256_fmadd_ps(_mm256_cvtph_ps(h1), _mm256_loadu_ps(gsum + g + 8), hi);
     }
@@ -784,13 +799,14 @@ CZK_AVX2 static inline float czk_mterm_avx2(const czk_mat *m, int64_t r, int64_t
 
 /* czk_mterm_avx2 for NV <= 4 inputs of one row (each group's mins converted once). */
 CZK_AVX2 static inline __attribute__((always_inline)) void czk_mterm_nv(
-    const czk_mat *m, int64_t r, int64_t G, const czk_xq *av, const int NV, float *out) {
+    const czk_mat *m, int64_t r, int64_t G, const czk_xq *av, const int NV, float *out,
+    const int full) {
     const uint16_t *mn = m->mins + r * G;
     __m256 lo[4], hi[4];
     for (int v = 0; v < NV; v++) lo[v] = hi[v] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g += 16) {
         __m128i h0, h1;
-        czk_mins16(mn, g, G, &h0, &h1);
+        czk_mins16(mn, g, G, &h0, &h1, full);
         const __m256 f0 = _mm256_cvtph_ps(h0), f1 = _mm256_cvtph_ps(h1);
         for (int v = 0; v < NV; v++) {
             lo[v] = _mm256_fmadd_ps(f0, _mm256_loadu_ps(av[v].gsum + g), lo[v]);
@@ -829,7 +845,8 @@ CZK_AVX2 static inline void czk_pair_avx2(const uint8_t *c, int bits, int64_t p,
  * czk_dot_avx2) and for 256-bit VNNI (both one vpdpbusd). */
 #define CZK_ROWS_Q8LANE(ATTR, NAME, DOT8, DOTQ) \
 ATTR static inline __attribute__((always_inline)) void NAME##_rb(                                  \
-    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB, const int bits) {        \
+    const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB, const int bits,          \
+    const int full) {                                                                              \
     const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;                  \
     const int64_t rb = m->cols * bits / 8, pfull = nb / 2;                                         \
     const int8_t *xqb = bits == 4 ? a->q4p : a->q;                                                 \
@@ -841,7 +858,7 @@ ATTR static inline __attribute__((always_inline)) void NAME##_rb(               
     }                                                                                              \
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {                                                       \
         __m256 S[4];                                                                               \
-        for (int i = 0; i < RB; i++) S[i] = czk_scales8(m, r + i, b0, nb, bpg, G, a->sx);          \
+        for (int i = 0; i < RB; i++) S[i] = czk_scales8(m, r + i, b0, nb, bpg, G, a->sx, full);    \
         const int64_t p1 = b0 / 2 + 4;                                                             \
         for (int64_t p = b0 / 2; p < p1 && 2 * p < nb; p++) {                                      \
             const int full = p < pfull;                                                            \
@@ -871,7 +888,8 @@ ATTR static inline __attribute__((always_inline)) void NAME##_rb(               
         }                                                                                          \
     }                                                                                              \
     for (int i = 0; i < RB; i++)                                                                   \
-        y[r + i] = czk_hsum8(_mm256_add_ps(lo[i], hi[i])) + czk_mterm_avx2(m, r + i, G, a->gsum);  \
+        y[r + i] =                                                                                 \
+            czk_hsum8(_mm256_add_ps(lo[i], hi[i])) + czk_mterm_avx2(m, r + i, G, a->gsum, full);   \
 }                                                                                                  \
                                                                                                    \
 /* Inlined into each case of NAME's switch, so every bit width gets its own loop  \
@@ -880,8 +898,13 @@ ATTR static inline __attribute__((always_inline)) void NAME##_rb(               
 ATTR static inline __attribute__((always_inline)) void NAME##_bits(                               \
     const czk_mat *m, const czk_xq *a, float *y, int64_t r0, int64_t r1, const int bits) {        \
     int64_t r = r0;                                                                                \
-    for (; r + 2 <= r1; r += 2) NAME##_rb(m, a, y, r, 2, bits);                                    \
-    for (; r < r1; r++) NAME##_rb(m, a, y, r, 1, bits);                                            \
+    if (czk_full_rows(m)) {                                                                        \
+        for (; r + 2 <= r1; r += 2) NAME##_rb(m, a, y, r, 2, bits, 1);                             \
+        for (; r < r1; r++) NAME##_rb(m, a, y, r, 1, bits, 1);                                     \
+        return;                                                                                    \
+    }                                                                                              \
+    for (; r + 2 <= r1; r += 2) NAME##_rb(m, a, y, r, 2, bits, 0);                                 \
+    for (; r < r1; r++) NAME##_rb(m, a, y, r, 1, bits, 0);                                         \
 }                                                                                                  \
                                                                                                    \
 ATTR static void NAME(const czk_mat *m, const czk_xq *a, float *y, int64_t r0,                     \
@@ -916,7 +939,7 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
 #define CZK_ROWS_QNV(ATTR, NAME, DOT8, DOTQ)                                                      \
     ATTR static inline __attribute__((always_inline)) void NAME##_nv(                             \
         const czk_mat *m, const czk_xq *av, float *y, int64_t ystride, int64_t r, const int NV,   \
-        const int bits) {                                                                         \
+        const int bits, const int full) {                                                         \
         const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;            \
         const int64_t rb = m->cols * bits / 8, pfull = nb / 2;                                    \
         const uint8_t *c = (const uint8_t *)m->data + r * rb;                                     \
@@ -924,7 +947,7 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
         for (int v = 0; v < NV; v++) lo[v] = hi[v] = _mm256_setzero_ps();                         \
         for (int64_t b0 = 0; b0 < nb; b0 += 8) {                                                  \
             __m256 S[4];                                                                          \
-            const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G);                                 \
+            const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G, full);                           \
             for (int v = 0; v < NV; v++) S[v] = _mm256_mul_ps(dw, _mm256_loadu_ps(av[v].sx + b0)); \
             const int64_t p1 = b0 / 2 + 4;                                                        \
             for (int64_t p = b0 / 2; p < p1 && 2 * p < nb; p++) {                                 \
@@ -958,7 +981,7 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
             }                                                                                     \
         }                                                                                         \
         float mt[4];                                                                              \
-        czk_mterm_nv(m, r, G, av, NV, mt);                                                        \
+        czk_mterm_nv(m, r, G, av, NV, mt, full);                                                  \
         for (int v = 0; v < NV; v++)                                                              \
             y[v * ystride + r] = czk_hsum8(_mm256_add_ps(lo[v], hi[v])) + mt[v];                  \
     }                                                                                             \
@@ -966,11 +989,16 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
     ATTR static inline __attribute__((always_inline)) void NAME##_nvbits(                        \
         const czk_mat *m, const czk_xq *av, int nv, float *y,                                     \
                                    int64_t ystride, int64_t r0, int64_t r1, const int bits) {     \
-        for (int64_t r = r0; r < r1; r++) switch (nv) {                                           \
-            case 4: NAME##_nv(m, av, y, ystride, r, 4, bits); break;                              \
-            case 3: NAME##_nv(m, av, y, ystride, r, 3, bits); break;                              \
-            case 2: NAME##_nv(m, av, y, ystride, r, 2, bits); break;                              \
-            default: NAME##_nv(m, av, y, ystride, r, 1, bits); break;                             \
+        const int full = czk_full_rows(m);                                                        \
+        for (int64_t r = r0; r < r1; r++) switch (nv * 2 + full) {                                \
+            case 9: NAME##_nv(m, av, y, ystride, r, 4, bits, 1); break;                           \
+            case 8: NAME##_nv(m, av, y, ystride, r, 4, bits, 0); break;                           \
+            case 7: NAME##_nv(m, av, y, ystride, r, 3, bits, 1); break;                           \
+            case 6: NAME##_nv(m, av, y, ystride, r, 3, bits, 0); break;                           \
+            case 5: NAME##_nv(m, av, y, ystride, r, 2, bits, 1); break;                           \
+            case 4: NAME##_nv(m, av, y, ystride, r, 2, bits, 0); break;                           \
+            case 3: NAME##_nv(m, av, y, ystride, r, 1, bits, 1); break;                           \
+            default: NAME##_nv(m, av, y, ystride, r, 1, bits, 0); break;                          \
             }                                                                                     \
     }                                                                                             \
                                                                                                   \
@@ -996,7 +1024,8 @@ CZK_ROWS_QNV(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256)
  * the compiler keeps the accumulators on the stack and every pair waits on
  * store-to-load forwarding. */
 CZK_AVX2 static inline __attribute__((always_inline)) void czk_q8nv_avx2_row(
-    const czk_mat *m, const czk_xq *av, float *y, int64_t ystride, int64_t r, const int NV) {
+    const czk_mat *m, const czk_xq *av, float *y, int64_t ystride, int64_t r, const int NV,
+    const int full) {
     const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
     const int64_t pfull = nb / 2;
     const uint8_t *c = (const uint8_t *)m->data + r * m->cols;
@@ -1005,7 +1034,7 @@ CZK_AVX2 static inline __attribute__((always_inline)) void czk_q8nv_avx2_row(
     __m256 lo[4], hi[4];
     for (int v = 0; v < NV; v++) lo[v] = hi[v] = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
-        const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G);
+        const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G, full);
         for (int v = 0; v < NV; v++)
             _mm256_store_ps(sc[v], _mm256_mul_ps(dw, _mm256_loadu_ps(av[v].sx + b0)));
         const int64_t p1 = b0 / 2 + 4;
@@ -1034,17 +1063,22 @@ CZK_AVX2 static inline __attribute__((always_inline)) void czk_q8nv_avx2_row(
         }
     }
     float mt[4];
-    czk_mterm_nv(m, r, G, av, NV, mt);
+    czk_mterm_nv(m, r, G, av, NV, mt, full);
     for (int v = 0; v < NV; v++) y[v * ystride + r] = czk_hsum8(_mm256_add_ps(lo[v], hi[v])) + mt[v];
 }
 
 CZK_AVX2 static void czk_q8nv_avx2(const czk_mat *m, const czk_xq *av, int nv, float *y,
                                    int64_t ystride, int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) switch (nv) {
-        case 4: czk_q8nv_avx2_row(m, av, y, ystride, r, 4); break;
-        case 3: czk_q8nv_avx2_row(m, av, y, ystride, r, 3); break;
-        case 2: czk_q8nv_avx2_row(m, av, y, ystride, r, 2); break;
-        default: czk_q8nv_avx2_row(m, av, y, ystride, r, 1); break;
+    const int full = czk_full_rows(m);
+    for (int64_t r = r0; r < r1; r++) switch (nv * 2 + full) {
+        case 9: czk_q8nv_avx2_row(m, av, y, ystride, r, 4, 1); break;
+        case 8: czk_q8nv_avx2_row(m, av, y, ystride, r, 4, 0); break;
+        case 7: czk_q8nv_avx2_row(m, av, y, ystride, r, 3, 1); break;
+        case 6: czk_q8nv_avx2_row(m, av, y, ystride, r, 3, 0); break;
+        case 5: czk_q8nv_avx2_row(m, av, y, ystride, r, 2, 1); break;
+        case 4: czk_q8nv_avx2_row(m, av, y, ystride, r, 2, 0); break;
+        case 3: czk_q8nv_avx2_row(m, av, y, ystride, r, 1, 1); break;
+        default: czk_q8nv_avx2_row(m, av, y, ystride, r, 1, 0); break;
         }
 }
 
@@ -1055,14 +1089,15 @@ CZK_AVX2 static void czk_q8nv_avx2(const czk_mat *m, const czk_xq *av, int nv, f
  * half the instructions; the sum is the same lo + hi and tree. A prompt's
  * products are compute-bound, unlike decode's, so the wider registers pay. */
 CZK_VNNI static inline __attribute__((always_inline)) void czk_q8nv512_row(
-    const czk_mat *m, const czk_xq *av, float *y, int64_t ystride, int64_t r, const int NV) {
+    const czk_mat *m, const czk_xq *av, float *y, int64_t ystride, int64_t r, const int NV,
+    const int full) {
     const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
     const int64_t pfull = nb / 2;
     const uint8_t *c = (const uint8_t *)m->data + r * m->cols;
     __m512 acc[4];
     for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
-        const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G);
+        const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G, full);
         __m512 S[4];
         for (int v = 0; v < NV; v++)
             S[v] = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(av[v].sx + b0)));
@@ -1083,7 +1118,7 @@ CZK_VNNI static inline __attribute__((always_inline)) void czk_q8nv512_row(
         }
     }
     float mt[4];
-    czk_mterm_nv(m, r, G, av, NV, mt);
+    czk_mterm_nv(m, r, G, av, NV, mt, full);
     for (int v = 0; v < NV; v++) {
         const __m256 lo = _mm512_castps512_ps256(acc[v]);
         const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[v]), 1));
@@ -1093,11 +1128,16 @@ CZK_VNNI static inline __attribute__((always_inline)) void czk_q8nv512_row(
 
 CZK_VNNI static void czk_q8nv512(const czk_mat *m, const czk_xq *av, int nv, float *y,
                                  int64_t ystride, int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) switch (nv) {
-        case 4: czk_q8nv512_row(m, av, y, ystride, r, 4); break;
-        case 3: czk_q8nv512_row(m, av, y, ystride, r, 3); break;
-        case 2: czk_q8nv512_row(m, av, y, ystride, r, 2); break;
-        default: czk_q8nv512_row(m, av, y, ystride, r, 1); break;
+    const int full = czk_full_rows(m);
+    for (int64_t r = r0; r < r1; r++) switch (nv * 2 + full) {
+        case 9: czk_q8nv512_row(m, av, y, ystride, r, 4, 1); break;
+        case 8: czk_q8nv512_row(m, av, y, ystride, r, 4, 0); break;
+        case 7: czk_q8nv512_row(m, av, y, ystride, r, 3, 1); break;
+        case 6: czk_q8nv512_row(m, av, y, ystride, r, 3, 0); break;
+        case 5: czk_q8nv512_row(m, av, y, ystride, r, 2, 1); break;
+        case 4: czk_q8nv512_row(m, av, y, ystride, r, 2, 0); break;
+        case 3: czk_q8nv512_row(m, av, y, ystride, r, 1, 1); break;
+        default: czk_q8nv512_row(m, av, y, ystride, r, 1, 0); break;
         }
 }
 
