@@ -308,7 +308,12 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
         held = idx[0] if n == 1 else kern.union(n, table[i])
         for c0 in range(0, held.size, cap):
             experts = held[c0 : c0 + cap]
-            part = None if held.size <= cap else "last" if c0 + cap >= held.size else "part"
+            part = (
+                None if held.size <= cap
+                else "first" if c0 == 0
+                else "last" if c0 + cap >= held.size
+                else "part"
+            )  # fmt: skip
             slots = cache.acquire(i, experts)
             try:  # each row's MoE layer, then its residual add (mlp_out is the identity)
                 kern.moe_batch(cache, 0, n, experts, slots, True, part)

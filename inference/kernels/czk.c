@@ -2335,15 +2335,18 @@ int64_t czk_moe_batch_work_bytes(int B, int k, int64_t H, int64_t I) {
  * dpairs not NULL ([B * k, H], the caller's): the layer in parts, when the
  * rows' experts do not fit the cache at once. Each call computes the pairs of
  * the experts it holds (a row's other experts are skipped, not refused) into
- * dpairs at the pair's index (b * k + j); the call with finish set then forms
- * every row's weighted sum from dpairs, in top-k order, so every pair must
- * have been computed by one of the calls. The same operations as one call. */
+ * dpairs at the pair's index (b * k + j) and sets pdone[b * k + j] ([B * k],
+ * the caller's, zero before the first part); the call with finish set then
+ * forms every row's weighted sum from dpairs, in top-k order, and refuses
+ * (-1, y and resid untouched) unless every pair was computed by one of the
+ * calls. The same operations as one call. */
 int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slots,
                   int E, const int64_t *experts, const int64_t *slots, int n_held,
                   const int64_t *idx, const float *w, const float *x, float *y, float *resid,
-                  int64_t H, void *work, int64_t nwork, float *dpairs, int finish) {
+                  int64_t H, void *work, int64_t nwork, float *dpairs, uint8_t *pdone,
+                  int finish) {
     if (B <= 0 || k <= 0 || k > CZK_MAXK || n_slots <= 0 || E <= 0 || E > 4096 ||
-        n_held <= 0 || n_held > B * k)
+        n_held <= 0 || n_held > B * k || (dpairs != NULL) != (pdone != NULL))
         return -1;
     int32_t pos_of[4096]; /* held position of each expert, -1 if not held */
     for (int e = 0; e < E; e++) pos_of[e] = -1;
@@ -2410,9 +2413,13 @@ int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slo
     }
     czk_run(p, czk_moex_down_task, &c, (int64_t)n_held * H, P * I * H);
     if (dpairs) { /* (the multi-input kernels write d at a fixed stride: copied after) */
-        for (int64_t q = 0; q < estart[n_held]; q++)
+        for (int64_t q = 0; q < estart[n_held]; q++) {
             memcpy(dpairs + (int64_t)pout[q] * H, d + q * H, (size_t)H * sizeof(float));
+            pdone[pout[q]] = 1;
+        }
         if (!finish) return 0;
+        for (int64_t i = 0; i < P; i++)
+            if (!pdone[i]) return -1; /* a pair no part computed: refuse, not a stale sum */
     }
     /* Each row's weighted sum in its top-k order (czk_moe_down_task's operations). */
     for (int b = 0; b < B; b++) {

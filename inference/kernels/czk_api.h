@@ -71,7 +71,7 @@ int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slo
                   int E, const int64_t *experts, const int64_t *slots, int n_held,
                   const int64_t *idx, const float *w, const float *x, float *y, float *resid,
                   int64_t H, void *work, int64_t nwork,
-                  float *dpairs, int finish);
+                  float *dpairs, uint8_t *pdone, int finish);
 int czk_head_batch(czk_pool *p, int B, const float *h, int64_t H, const float *norm, float eps,
                    const czk_mat *lm_head, float *logits, void *work, int64_t wstride);
 int czk_rows_take(const czk_mat *m, int B, const int64_t *tokens, float *out);

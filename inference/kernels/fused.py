@@ -602,10 +602,12 @@ class DecodeKernels:
         that chose it; each row's result is exactly :meth:`moe`'s for that row alone.
 
         ``part`` (the rows' experts over several acquires, when they exceed the cache):
-        ``"part"`` computes the (row, expert) products of the experts held now and keeps
-        them, a row's other experts skipped; ``"last"`` does the same, then every row's
-        weighted sum from all the kept products (each must have been held by one of the
-        calls), in top-k order: the operations of one call."""
+        ``"first"`` and ``"part"`` compute the (row, expert) products of the experts held
+        now and keep them, a row's other experts skipped (``"first"`` forgets what
+        earlier calls kept); ``"last"`` does the same, then every row's weighted sum from
+        all the kept products, in top-k order: the operations of one call. A product no
+        call since the ``"first"`` computed refuses the ``"last"`` call (KernelError,
+        ``y`` and ``h`` unchanged)."""
         ex = self._experts
         if ex is None or ex[0] is not cache:
             table = ExpertTable(cache)
@@ -625,8 +627,8 @@ class DecodeKernels:
             or not (experts.flags.c_contiguous and slots.flags.c_contiguous)
         ):
             raise KernelError("moe_batch takes int64 experts and their slots, one each")
-        if part not in (None, "part", "last"):
-            raise KernelError(f"moe_batch part: None, 'part' or 'last', not {part!r}")
+        if part not in (None, "first", "part", "last"):
+            raise KernelError(f"moe_batch part: None, 'first', 'part' or 'last', not {part!r}")
         k, h = self.top_k, self.hidden
         rc = _lib.czk_moe_batch(
             self.pool.ptr, r1 - r0, k, ex[1].table, ex[1].n_slots, ex[2],
@@ -634,7 +636,9 @@ class DecodeKernels:
             _ffi.cast("int64_t *", _ffi.from_buffer(slots)), experts.size, bt.p_idx + r0 * k,
             bt.p_w + r0 * k, bt.p_x + r0 * h, bt.p_y + r0 * h,
             bt.p_h + r0 * h if add else _ffi.NULL, h, bt.p_work, bt.work.size,
-            _ffi.NULL if part is None else bt.pairs(k, h) + r0 * k * h, int(part != "part"),
+            _ffi.NULL if part is None else bt.pairs(k, h) + r0 * k * h,
+            _ffi.NULL if part is None else bt.pairs_done(k, r0, r1, part == "first"),
+            int(part not in ("first", "part")),
         )  # fmt: skip
         if rc:
             raise KernelError("czk_moe_batch refused the experts (slots, shapes or formats)")
@@ -685,6 +689,7 @@ class DecodeBatch:
         self.kvp = np.zeros((cap, 2 * n_layers), np.uintp)
         self.router_logits = np.zeros(0, F32)
         self.dpairs = np.zeros(0, F32)
+        self.pdone = np.zeros(0, np.uint8)
         self.p_dpairs: Any = None
         self.union = np.zeros(4096, np.int64)
         self.p_union = _ffi.cast("int64_t *", _ffi.from_buffer(self.union))
@@ -719,6 +724,16 @@ class DecodeBatch:
             self.dpairs = np.zeros(self.cap * top_k * hidden, F32)
             self.p_dpairs = _fptr(self.dpairs)
         return self.p_dpairs
+
+    def pairs_done(self, top_k: int, r0: int, r1: int, clear: bool) -> Any:
+        """Which of rows ``r0 .. r1``'s products :meth:`pairs` holds (``uint8 [cap *
+        top_k]``, set by the C call); ``clear``: none yet (a layer's first part)."""
+        if self.pdone.size != self.cap * top_k:
+            self.pdone = np.zeros(self.cap * top_k, np.uint8)
+            self.p_pdone = _ffi.cast("uint8_t *", _ffi.from_buffer(self.pdone))
+        if clear:
+            self.pdone[r0 * top_k : r1 * top_k] = 0
+        return self.p_pdone + r0 * top_k
 
     def reserve_router(self, n_experts: int) -> None:
         """Router logits of ``n_experts`` per token."""

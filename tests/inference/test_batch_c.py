@@ -321,6 +321,49 @@ def test_a_route_to_an_expert_not_held_is_refused():
         eng.close()
 
 
+def test_parts_that_leave_a_pair_uncomputed_are_refused():
+    """A layer in parts (its experts over several acquires): the last part refuses
+    unless every (row, expert) pair was computed since the first, rather than summing
+    a product left over from an earlier layer; with every pair, one call's result."""
+    eng = _mixtral(1)
+    model = eng.model
+    try:
+        kern = model.kernels()
+        kvs = [model.new_kv() for _ in range(2)]
+        forward_batch(model, [np.array([3, 4]), np.array([5])], kvs)
+        bt = kern.begin_batch(kvs, model.cfg.n_layers, model.cfg.n_kv_heads,
+                              model.cfg.head_dim, model.rotary)  # fmt: skip
+        bt.idx[:2] = [[0, 1], [1, 2]]
+        bt.w[:2] = 0.5
+        bt.x[:2] = np.random.default_rng(0).standard_normal(bt.x[:2].shape)
+        cache = model.experts
+
+        def run(parts, part_names):
+            bt.h[:2] = 1.0
+            for experts, name in zip(parts, part_names, strict=True):
+                held = np.array(experts, np.int64)
+                slots = cache.acquire(0, held).copy()
+                try:
+                    kern.moe_batch(cache, 0, 2, held, slots, True, name)
+                finally:
+                    cache.release()
+            return bt.h[:2].copy()
+
+        whole = run([[0, 1, 2]], [None])
+        assert np.array_equal(run([[0], [1], [2]], ["first", "part", "last"]), whole)
+        assert np.array_equal(run([[1, 2], [0]], ["first", "last"]), whole)
+        # expert 2's pair was computed by the layer before, not since this "first"
+        run([[2], [0, 1]], ["first", "last"])
+        with pytest.raises(KernelError):
+            run([[0], [1]], ["first", "last"])
+        assert (bt.h[:2] == 1.0).all()  # refused: the residual is untouched
+        with pytest.raises(KernelError):
+            kern.moe_batch(cache, 0, 2, np.array([0], np.int64), np.array([0], np.int64),
+                           True, "middle")  # fmt: skip
+    finally:
+        eng.close()
+
+
 def test_waves_the_kernel_cannot_run_are_refused():
     """Groups of more than four rows, empty waves or groups, offsets that do not end at
     the rows, a position past a cache: refused, nothing written."""
