@@ -371,9 +371,15 @@ static void czk_xq_bind(czk_xq *a, void *mem, int64_t n) {
  * lay out q4p. */
 static void czk_xq_finish(czk_xq *a) {
     const int64_t nb = a->n / 32, nbp = a->npad / 32;
+    /* The layouts up to the last pair of blocks the kernels read; past it, zeros
+     * (what the zero codes give) without the loops: a small model's inputs are
+     * a quarter of the padding unit. */
+    const int64_t nq = (a->n + 63) / 64 * 64;
     memset(a->q + a->n, 0, (size_t)(a->npad - a->n));
+    memset(a->q4p + nq, 0, (size_t)(a->npad - nq));
+    memset(a->xs4 + nq / 4, 0, (size_t)(a->npad - nq) / 4 * sizeof(int32_t));
     for (int64_t b = nb; b < nbp; b++) a->sx[b] = a->bsum[b] = 0.0f;
-    for (int64_t p = 0; p < a->npad / 64; p++) {
+    for (int64_t p = 0; p < nq / 64; p++) {
         const int8_t *q = a->q + 64 * p;
         int8_t *o = a->q4p + 64 * p;
         for (int i = 0; i < 16; i++) {
@@ -383,7 +389,7 @@ static void czk_xq_finish(czk_xq *a) {
             o[48 + i] = q[32 + 2 * i + 1];
         }
     }
-    for (int64_t i = 0; i < a->npad / 4; i++)
+    for (int64_t i = 0; i < nq / 4; i++)
         a->xs4[i] = 128 * ((int32_t)a->q[4 * i] + a->q[4 * i + 1] + a->q[4 * i + 2] + a->q[4 * i + 3]);
     a->ggroup = 0;
 }
