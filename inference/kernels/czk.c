@@ -1157,6 +1157,9 @@ static void czk_rows(const czk_mat *m, const float *x, const czk_xq *a, float *y
 #if CZK_X86
         if (!czk_simd_fits(m)) return czk_rows_q_portable(m, a, y, r0, r1);
         if (lvl == 2) return czk_rows_q_vnni256(m, a, y, r0, r1);
+        /* 8-bit codes: the register-resident kernel (the same operations as the
+         * macro's, whose version for one input keeps fewer of them in registers) */
+        if (lvl == 1 && m->bits == 8) return czk_q8nv_avx2(m, a, 1, y, 0, r0, r1);
         if (lvl == 1) return czk_rows_q_avx2(m, a, y, r0, r1);
 #endif
         return czk_rows_q_portable(m, a, y, r0, r1);
