@@ -1032,12 +1032,12 @@ CZK_ROWS_QNV(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256)
 CZK_AVX2 static inline __attribute__((always_inline)) void czk_q8nv_avx2_row(
     const czk_mat *m, const czk_xq *av, float *y, int64_t ystride, int64_t r, const int NV,
     const int full) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    float sc[4][8] __attribute__((aligned(32))); /* each input's block scales, to broadcast */
+    __m256 lo[4], hi[4];
     const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
     const int64_t pfull = nb / 2;
     const uint8_t *c = (const uint8_t *)m->data + r * m->cols;
-    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    float sc[4][8] __attribute__((aligned(32)));
-    __m256 lo[4], hi[4];
     for (int v = 0; v < NV; v++) lo[v] = hi[v] = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
         const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G, full);
@@ -1073,20 +1073,25 @@ CZK_AVX2 static inline __attribute__((always_inline)) void czk_q8nv_avx2_row(
     for (int v = 0; v < NV; v++) y[v * ystride + r] = czk_hsum8(_mm256_add_ps(lo[v], hi[v])) + mt[v];
 }
 
-CZK_AVX2 static void czk_q8nv_avx2(const czk_mat *m, const czk_xq *av, int nv, float *y,
-                                   int64_t ystride, int64_t r0, int64_t r1) {
-    const int full = czk_full_rows(m);
-    for (int64_t r = r0; r < r1; r++) switch (nv * 2 + full) {
-        case 9: czk_q8nv_avx2_row(m, av, y, ystride, r, 4, 1); break;
-        case 8: czk_q8nv_avx2_row(m, av, y, ystride, r, 4, 0); break;
-        case 7: czk_q8nv_avx2_row(m, av, y, ystride, r, 3, 1); break;
-        case 6: czk_q8nv_avx2_row(m, av, y, ystride, r, 3, 0); break;
-        case 5: czk_q8nv_avx2_row(m, av, y, ystride, r, 2, 1); break;
-        case 4: czk_q8nv_avx2_row(m, av, y, ystride, r, 2, 0); break;
-        case 3: czk_q8nv_avx2_row(m, av, y, ystride, r, 1, 1); break;
-        default: czk_q8nv_avx2_row(m, av, y, ystride, r, 1, 0); break;
-        }
-}
+/* Rows r0 .. r1 of an 8-bit multi-input row kernel ROW for nv <= 4 inputs: every
+ * (input count, whole rows) case a call with constants, so each loop is specialised. */
+#define CZK_Q8NV_ROWS(ATTR, NAME, ROW)                                                            \
+    ATTR static void NAME(const czk_mat *m, const czk_xq *av, int nv, float *y, int64_t ystride, \
+                          int64_t r0, int64_t r1) {                                               \
+        const int full = czk_full_rows(m);                                                        \
+        for (int64_t r = r0; r < r1; r++) switch (nv * 2 + full) {                                \
+            case 9: ROW(m, av, y, ystride, r, 4, 1); break;                                       \
+            case 8: ROW(m, av, y, ystride, r, 4, 0); break;                                       \
+            case 7: ROW(m, av, y, ystride, r, 3, 1); break;                                       \
+            case 6: ROW(m, av, y, ystride, r, 3, 0); break;                                       \
+            case 5: ROW(m, av, y, ystride, r, 2, 1); break;                                       \
+            case 4: ROW(m, av, y, ystride, r, 2, 0); break;                                       \
+            case 3: ROW(m, av, y, ystride, r, 1, 1); break;                                       \
+            default: ROW(m, av, y, ystride, r, 1, 0); break;                                      \
+            }                                                                                     \
+    }
+
+CZK_Q8NV_ROWS(CZK_AVX2, czk_q8nv_avx2, czk_q8nv_avx2_row)
 
 /* 8-bit codes against NV <= 4 inputs with 512-bit VNNI: a pair of blocks is one
  * register, lanes 0-7 block 2p and lanes 8-15 block 2p + 1, so each lane gets
@@ -1132,20 +1137,7 @@ CZK_VNNI static inline __attribute__((always_inline)) void czk_q8nv512_row(
     }
 }
 
-CZK_VNNI static void czk_q8nv512(const czk_mat *m, const czk_xq *av, int nv, float *y,
-                                 int64_t ystride, int64_t r0, int64_t r1) {
-    const int full = czk_full_rows(m);
-    for (int64_t r = r0; r < r1; r++) switch (nv * 2 + full) {
-        case 9: czk_q8nv512_row(m, av, y, ystride, r, 4, 1); break;
-        case 8: czk_q8nv512_row(m, av, y, ystride, r, 4, 0); break;
-        case 7: czk_q8nv512_row(m, av, y, ystride, r, 3, 1); break;
-        case 6: czk_q8nv512_row(m, av, y, ystride, r, 3, 0); break;
-        case 5: czk_q8nv512_row(m, av, y, ystride, r, 2, 1); break;
-        case 4: czk_q8nv512_row(m, av, y, ystride, r, 2, 0); break;
-        case 3: czk_q8nv512_row(m, av, y, ystride, r, 1, 1); break;
-        default: czk_q8nv512_row(m, av, y, ystride, r, 1, 0); break;
-        }
-}
+CZK_Q8NV_ROWS(CZK_VNNI, czk_q8nv512, czk_q8nv512_row)
 
 #endif
 

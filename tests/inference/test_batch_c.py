@@ -295,17 +295,24 @@ def test_union_is_the_distinct_experts_residents_first():
         eng.close()
 
 
+def _two_rows(model):
+    """A batched step begun for two sequences whose rows route to experts (0, 1) and
+    (1, 2), weights 0.5: the buffers a MoE call reads."""
+    kern = model.kernels()
+    kvs = [model.new_kv() for _ in range(2)]
+    forward_batch(model, [np.array([3, 4]), np.array([5])], kvs)
+    bt = kern.begin_batch(kvs, model.cfg.n_layers, model.cfg.n_kv_heads,
+                          model.cfg.head_dim, model.rotary)  # fmt: skip
+    bt.idx[:2] = [[0, 1], [1, 2]]
+    bt.w[:2] = 0.5
+    return kern, bt
+
+
 def test_a_route_to_an_expert_not_held_is_refused():
     eng = _mixtral(1)
     model = eng.model
     try:
-        kern = model.kernels()
-        kvs = [model.new_kv() for _ in range(2)]
-        forward_batch(model, [np.array([3, 4]), np.array([5])], kvs)
-        bt = kern.begin_batch(kvs, model.cfg.n_layers, model.cfg.n_kv_heads,
-                              model.cfg.head_dim, model.rotary)  # fmt: skip
-        bt.idx[:2] = [[0, 1], [1, 2]]
-        bt.w[:2] = 0.5
+        kern, _ = _two_rows(model)
         cache = model.experts
         held = np.array([0, 1], np.int64)  # expert 2 is not held
         slots = cache.acquire(0, held).copy()
@@ -328,13 +335,7 @@ def test_parts_that_leave_a_pair_uncomputed_are_refused():
     eng = _mixtral(1)
     model = eng.model
     try:
-        kern = model.kernels()
-        kvs = [model.new_kv() for _ in range(2)]
-        forward_batch(model, [np.array([3, 4]), np.array([5])], kvs)
-        bt = kern.begin_batch(kvs, model.cfg.n_layers, model.cfg.n_kv_heads,
-                              model.cfg.head_dim, model.rotary)  # fmt: skip
-        bt.idx[:2] = [[0, 1], [1, 2]]
-        bt.w[:2] = 0.5
+        kern, bt = _two_rows(model)
         bt.x[:2] = np.random.default_rng(0).standard_normal(bt.x[:2].shape)
         cache = model.experts
 
