@@ -36,13 +36,13 @@ PREFILL_CHUNK = 256
 
 def prompt_in_c(model: Any, n: int, resident: bool) -> bool:
     """Whether :meth:`Engine.prefill` runs a prompt of ``n`` tokens through the batched C
-    step (each token's arithmetic the C decode's), ``resident``: whether the cache holds
+    step (each token's arithmetic the C decode's); ``resident``: whether the cache holds
     every routed expert.
 
-    So for a model that decodes in C (:func:`~inference.batch.decodes_in_c`), not
-    observed layer by layer, whose rope does not depend on the length reached, and
-    a prompt of at most :data:`PREFILL_CHUNK` tokens or a resident cache. A node
-    of a sharded model asks the same to run a prompt as the engine does.
+    True for a model that decodes in C (:func:`~inference.batch.decodes_in_c`), is not
+    observed layer by layer and whose rope does not depend on the length reached, given
+    a prompt of at most :data:`PREFILL_CHUNK` tokens or a resident cache. A node of a
+    sharded model asks the same, to run a prompt as the engine does.
     """
     return (
         n > 0
@@ -304,7 +304,6 @@ class Engine:
         self.cache.advance(len(ids))
         with self._blas:
             return self.model.forward(ids, self.kv, all_logits)
-
 
     def decode(self, token: int) -> np.ndarray:
         """Process one token; returns its ``[V]`` logits."""
