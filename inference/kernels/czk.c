@@ -708,7 +708,7 @@ static inline int czk_simd_fits(const czk_mat *m) {
  * blocks in eights, groups in sixteens): the row kernels then take an
  * instantiation without the partial loads (czk_h8), whose branches would cost a
  * long row's loop registers. */
-static inline int czk_full_rows(const czk_mat *m) {
+static inline int czk_whole_rows(const czk_mat *m) {
     const int64_t nb = m->cols / 32, G = m->cols / m->group;
     return m->group == 32 && nb % 8 == 0 && G % 16 == 0;
 }
@@ -718,7 +718,7 @@ static inline int czk_full_rows(const czk_mat *m) {
 /* n in [1, 8] fp16 values from p, zero past them, reading only those n: a short
  * row's scales or mins. The common short counts load directly; a copy through the
  * stack would stall on store-to-load forwarding, once per row of a small model.
- * Only in the kernels' instantiations for rows that are not whole (czk_full_rows):
+ * Only in the kernels' instantiations for rows that are not whole (czk_whole_rows):
  * in a long row's loop its branches cost registers. */
 CZK_AVX2 static inline __attribute__((always_inline)) __m128i czk_h8(const uint16_t *p, int64_t n) {
     switch (n) {
@@ -752,10 +752,10 @@ CZK_AVX2 static inline __attribute__((always_inline)) __m128i czk_wscales_part(
 
 /* The weight scales d_g(b) of blocks b0 .. b0 + 7 of row r as floats (0 past the row). */
 CZK_AVX2 static inline __attribute__((always_inline)) __m256 czk_wscales8(
-    const czk_mat *m, int64_t r, int64_t b0, int64_t nb, int64_t bpg, int64_t G, const int full) {
+    const czk_mat *m, int64_t r, int64_t b0, int64_t nb, int64_t bpg, int64_t G, const int whole) {
     const uint16_t *sc = m->scales + r * G;
     __m128i h;
-    if (full || (bpg == 1 && b0 + 8 <= nb)) {
+    if (whole || (bpg == 1 && b0 + 8 <= nb)) {
         h = _mm_loadu_si128((const __m128i *)(sc + b0));
     } else {
         h = czk_wscales_part(sc, b0, nb, bpg);
@@ -766,8 +766,8 @@ CZK_AVX2 static inline __attribute__((always_inline)) __m256 czk_wscales8(
 /* The block scales d_g(b) * sx_b of blocks b0 .. b0 + 7 of row r (0 past the row). */
 CZK_AVX2 static inline __attribute__((always_inline)) __m256 czk_scales8(
     const czk_mat *m, int64_t r, int64_t b0, int64_t nb, int64_t bpg, int64_t G, const float *sx,
-    const int full) {
-    return _mm256_mul_ps(czk_wscales8(m, r, b0, nb, bpg, G, full), _mm256_loadu_ps(sx + b0));
+    const int whole) {
+    return _mm256_mul_ps(czk_wscales8(m, r, b0, nb, bpg, G, whole), _mm256_loadu_ps(sx + b0));
 }
 
 /* czk_mins16 past the last full sixteen groups. */
@@ -780,8 +780,8 @@ CZK_AVX2 static inline __attribute__((always_inline)) void czk_mins_part(
 
 /* The fp16 mins of groups g .. g + 15 of a row (0 past its G groups), as two halves. */
 CZK_AVX2 static inline __attribute__((always_inline)) void czk_mins16(
-    const uint16_t *mn, int64_t g, int64_t G, __m128i *h0, __m128i *h1, const int full) {
-    if (full || g + 16 <= G) {
+    const uint16_t *mn, int64_t g, int64_t G, __m128i *h0, __m128i *h1, const int whole) {
+    if (whole || g + 16 <= G) {
         *h0 = _mm_loadu_si128((const __m128i *)(mn + g));
         *h1 = _mm_loadu_si128((const __m128i *)(mn + g + 8));
     } else {
@@ -791,12 +791,12 @@ CZK_AVX2 static inline __attribute__((always_inline)) void czk_mins16(
 
 /* The m-term's sixteen lanes over the groups of row r, summed (czk_tree16). */
 CZK_AVX2 static inline __attribute__((always_inline)) float czk_mterm_avx2(
-    const czk_mat *m, int64_t r, int64_t G, const float *gsum, const int full) {
+    const czk_mat *m, int64_t r, int64_t G, const float *gsum, const int whole) {
     const uint16_t *mn = m->mins + r * G;
     __m256 lo = _mm256_setzero_ps(), hi = lo;
     for (int64_t g = 0; g < G; g += 16) {
         __m128i h0, h1;
-        czk_mins16(mn, g, G, &h0, &h1, full);
+        czk_mins16(mn, g, G, &h0, &h1, whole);
         lo = _mm256_fmadd_ps(_mm256_cvtph_ps(h0), _mm256_loadu_ps(gsum + g), lo);
         hi = _mm256_fmadd_ps(_mm256_cvtph_ps(h1), _mm256_loadu_ps(gsum + g + 8), hi);
     }
@@ -806,13 +806,13 @@ CZK_AVX2 static inline __attribute__((always_inline)) float czk_mterm_avx2(
 /* czk_mterm_avx2 for NV <= 4 inputs of one row (each group's mins converted once). */
 CZK_AVX2 static inline __attribute__((always_inline)) void czk_mterm_nv(
     const czk_mat *m, int64_t r, int64_t G, const czk_xq *av, const int NV, float *out,
-    const int full) {
+    const int whole) {
     const uint16_t *mn = m->mins + r * G;
     __m256 lo[4], hi[4];
     for (int v = 0; v < NV; v++) lo[v] = hi[v] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g += 16) {
         __m128i h0, h1;
-        czk_mins16(mn, g, G, &h0, &h1, full);
+        czk_mins16(mn, g, G, &h0, &h1, whole);
         const __m256 f0 = _mm256_cvtph_ps(h0), f1 = _mm256_cvtph_ps(h1);
         for (int v = 0; v < NV; v++) {
             lo[v] = _mm256_fmadd_ps(f0, _mm256_loadu_ps(av[v].gsum + g), lo[v]);
@@ -852,7 +852,7 @@ CZK_AVX2 static inline void czk_pair_avx2(const uint8_t *c, int bits, int64_t p,
 #define CZK_ROWS_Q8LANE(ATTR, NAME, DOT8, DOTQ) \
 ATTR static inline __attribute__((always_inline)) void NAME##_rb(                                  \
     const czk_mat *m, const czk_xq *a, float *y, int64_t r, const int RB, const int bits,          \
-    const int full) {                                                                              \
+    const int whole) {                                                                              \
     const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;                  \
     const int64_t rb = m->cols * bits / 8, pfull = nb / 2;                                         \
     const int8_t *xqb = bits == 4 ? a->q4p : a->q;                                                 \
@@ -864,7 +864,7 @@ ATTR static inline __attribute__((always_inline)) void NAME##_rb(               
     }                                                                                              \
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {                                                       \
         __m256 S[4];                                                                               \
-        for (int i = 0; i < RB; i++) S[i] = czk_scales8(m, r + i, b0, nb, bpg, G, a->sx, full);    \
+        for (int i = 0; i < RB; i++) S[i] = czk_scales8(m, r + i, b0, nb, bpg, G, a->sx, whole);    \
         const int64_t p1 = b0 / 2 + 4;                                                             \
         for (int64_t p = b0 / 2; p < p1 && 2 * p < nb; p++) {                                      \
             const int full = p < pfull;                                                            \
@@ -895,7 +895,7 @@ ATTR static inline __attribute__((always_inline)) void NAME##_rb(               
     }                                                                                              \
     for (int i = 0; i < RB; i++)                                                                   \
         y[r + i] =                                                                                 \
-            czk_hsum8(_mm256_add_ps(lo[i], hi[i])) + czk_mterm_avx2(m, r + i, G, a->gsum, full);   \
+            czk_hsum8(_mm256_add_ps(lo[i], hi[i])) + czk_mterm_avx2(m, r + i, G, a->gsum, whole);   \
 }                                                                                                  \
                                                                                                    \
 /* Inlined into each case of NAME's switch, so every bit width gets its own loop  \
@@ -904,7 +904,7 @@ ATTR static inline __attribute__((always_inline)) void NAME##_rb(               
 ATTR static inline __attribute__((always_inline)) void NAME##_bits(                               \
     const czk_mat *m, const czk_xq *a, float *y, int64_t r0, int64_t r1, const int bits) {        \
     int64_t r = r0;                                                                                \
-    if (czk_full_rows(m)) {                                                                        \
+    if (czk_whole_rows(m)) {                                                                        \
         for (; r + 2 <= r1; r += 2) NAME##_rb(m, a, y, r, 2, bits, 1);                             \
         for (; r < r1; r++) NAME##_rb(m, a, y, r, 1, bits, 1);                                     \
         return;                                                                                    \
@@ -945,7 +945,7 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
 #define CZK_ROWS_QNV(ATTR, NAME, DOT8, DOTQ)                                                      \
     ATTR static inline __attribute__((always_inline)) void NAME##_nv(                             \
         const czk_mat *m, const czk_xq *av, float *y, int64_t ystride, int64_t r, const int NV,   \
-        const int bits, const int full) {                                                         \
+        const int bits, const int whole) {                                                         \
         const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;            \
         const int64_t rb = m->cols * bits / 8, pfull = nb / 2;                                    \
         const uint8_t *c = (const uint8_t *)m->data + r * rb;                                     \
@@ -953,7 +953,7 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
         for (int v = 0; v < NV; v++) lo[v] = hi[v] = _mm256_setzero_ps();                         \
         for (int64_t b0 = 0; b0 < nb; b0 += 8) {                                                  \
             __m256 S[4];                                                                          \
-            const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G, full);                           \
+            const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G, whole);                           \
             for (int v = 0; v < NV; v++) S[v] = _mm256_mul_ps(dw, _mm256_loadu_ps(av[v].sx + b0)); \
             const int64_t p1 = b0 / 2 + 4;                                                        \
             for (int64_t p = b0 / 2; p < p1 && 2 * p < nb; p++) {                                 \
@@ -987,7 +987,7 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
             }                                                                                     \
         }                                                                                         \
         float mt[4];                                                                              \
-        czk_mterm_nv(m, r, G, av, NV, mt, full);                                                  \
+        czk_mterm_nv(m, r, G, av, NV, mt, whole);                                                  \
         for (int v = 0; v < NV; v++)                                                              \
             y[v * ystride + r] = czk_hsum8(_mm256_add_ps(lo[v], hi[v])) + mt[v];                  \
     }                                                                                             \
@@ -995,8 +995,8 @@ CZK_ROWS_Q8LANE(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256
     ATTR static inline __attribute__((always_inline)) void NAME##_nvbits(                        \
         const czk_mat *m, const czk_xq *av, int nv, float *y,                                     \
                                    int64_t ystride, int64_t r0, int64_t r1, const int bits) {     \
-        const int full = czk_full_rows(m);                                                        \
-        for (int64_t r = r0; r < r1; r++) switch (nv * 2 + full) {                                \
+        const int whole = czk_whole_rows(m);                                                        \
+        for (int64_t r = r0; r < r1; r++) switch (nv * 2 + whole) {                                \
             case 9: NAME##_nv(m, av, y, ystride, r, 4, bits, 1); break;                           \
             case 8: NAME##_nv(m, av, y, ystride, r, 4, bits, 0); break;                           \
             case 7: NAME##_nv(m, av, y, ystride, r, 3, bits, 1); break;                           \
@@ -1031,7 +1031,7 @@ CZK_ROWS_QNV(CZK_VNNI, czk_rows_q_vnni256, czk_dot8_vnni256, czk_dotq_vnni256)
  * store-to-load forwarding. */
 CZK_AVX2 static inline __attribute__((always_inline)) void czk_q8nv_avx2_row(
     const czk_mat *m, const czk_xq *av, float *y, int64_t ystride, int64_t r, const int NV,
-    const int full) {
+    const int whole) {
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     float sc[4][8] __attribute__((aligned(32))); /* each input's block scales, to broadcast */
     __m256 lo[4], hi[4];
@@ -1040,7 +1040,7 @@ CZK_AVX2 static inline __attribute__((always_inline)) void czk_q8nv_avx2_row(
     const uint8_t *c = (const uint8_t *)m->data + r * m->cols;
     for (int v = 0; v < NV; v++) lo[v] = hi[v] = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
-        const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G, full);
+        const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G, whole);
         for (int v = 0; v < NV; v++)
             _mm256_store_ps(sc[v], _mm256_mul_ps(dw, _mm256_loadu_ps(av[v].sx + b0)));
         const int64_t p1 = b0 / 2 + 4;
@@ -1069,7 +1069,7 @@ CZK_AVX2 static inline __attribute__((always_inline)) void czk_q8nv_avx2_row(
         }
     }
     float mt[4];
-    czk_mterm_nv(m, r, G, av, NV, mt, full);
+    czk_mterm_nv(m, r, G, av, NV, mt, whole);
     for (int v = 0; v < NV; v++) y[v * ystride + r] = czk_hsum8(_mm256_add_ps(lo[v], hi[v])) + mt[v];
 }
 
@@ -1078,8 +1078,8 @@ CZK_AVX2 static inline __attribute__((always_inline)) void czk_q8nv_avx2_row(
 #define CZK_Q8NV_ROWS(ATTR, NAME, ROW)                                                            \
     ATTR static void NAME(const czk_mat *m, const czk_xq *av, int nv, float *y, int64_t ystride, \
                           int64_t r0, int64_t r1) {                                               \
-        const int full = czk_full_rows(m);                                                        \
-        for (int64_t r = r0; r < r1; r++) switch (nv * 2 + full) {                                \
+        const int whole = czk_whole_rows(m);                                                        \
+        for (int64_t r = r0; r < r1; r++) switch (nv * 2 + whole) {                                \
             case 9: ROW(m, av, y, ystride, r, 4, 1); break;                                       \
             case 8: ROW(m, av, y, ystride, r, 4, 0); break;                                       \
             case 7: ROW(m, av, y, ystride, r, 3, 1); break;                                       \
@@ -1101,14 +1101,14 @@ CZK_Q8NV_ROWS(CZK_AVX2, czk_q8nv_avx2, czk_q8nv_avx2_row)
  * products are compute-bound, unlike decode's, so the wider registers pay. */
 CZK_VNNI static inline __attribute__((always_inline)) void czk_q8nv512_row(
     const czk_mat *m, const czk_xq *av, float *y, int64_t ystride, int64_t r, const int NV,
-    const int full) {
+    const int whole) {
     const int64_t nb = m->cols / 32, bpg = m->group / 32, G = m->cols / m->group;
     const int64_t pfull = nb / 2;
     const uint8_t *c = (const uint8_t *)m->data + r * m->cols;
     __m512 acc[4];
     for (int v = 0; v < NV; v++) acc[v] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
-        const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G, full);
+        const __m256 dw = czk_wscales8(m, r, b0, nb, bpg, G, whole);
         __m512 S[4];
         for (int v = 0; v < NV; v++)
             S[v] = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(av[v].sx + b0)));
@@ -1129,7 +1129,7 @@ CZK_VNNI static inline __attribute__((always_inline)) void czk_q8nv512_row(
         }
     }
     float mt[4];
-    czk_mterm_nv(m, r, G, av, NV, mt, full);
+    czk_mterm_nv(m, r, G, av, NV, mt, whole);
     for (int v = 0; v < NV; v++) {
         const __m256 lo = _mm512_castps512_ps256(acc[v]);
         const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[v]), 1));
@@ -1208,6 +1208,34 @@ int czk_matvec(czk_pool *p, const czk_mat *m, const float *x, float *y, void *wo
 
 /* ------------------------------------------------------------ several vectors */
 
+/* Rows [r0, r1) of a quantized m against nv <= 4 quantized inputs, output v row r
+ * at y[v * ystride + r], each (row, input) exactly as czk_rows computes it: the
+ * multi-input kernels of the CPU's SIMD path (the codes loaded once for the nv
+ * inputs), else the portable one per input. */
+static void czk_rows_qnv(const czk_mat *m, const czk_xq *av, int nv, float *y, int64_t ystride,
+                         int64_t r0, int64_t r1) {
+#if CZK_X86
+    const int lvl = czk_level();
+    if (czk_simd_fits(m) && lvl == 2 && m->bits == 8 && CZK_Q8NV512) {
+        czk_q8nv512(m, av, nv, y, ystride, r0, r1);
+        return;
+    }
+    if (czk_simd_fits(m) && lvl == 2) {
+        czk_rows_q_vnni256_multi(m, av, nv, y, ystride, r0, r1);
+        return;
+    }
+    if (czk_simd_fits(m) && lvl == 1 && m->bits == 8) { /* (czk_rows' own 8-bit kernel) */
+        czk_q8nv_avx2(m, av, nv, y, ystride, r0, r1);
+        return;
+    }
+    if (czk_simd_fits(m) && lvl == 1) {
+        czk_rows_q_avx2_multi(m, av, nv, y, ystride, r0, r1);
+        return;
+    }
+#endif
+    for (int v = 0; v < nv; v++) czk_rows_q_portable(m, &av[v], y + v * ystride, r0, r1);
+}
+
 typedef struct {
     const czk_mat *m;
     const czk_xq *av; /* nvec quantized inputs */
@@ -1220,27 +1248,7 @@ static void czk_mm_task(void *ctx_, int64_t t0, int64_t t1) {
     const czk_mat *m = c->m;
     for (int64_t v0 = 0; v0 < c->nvec; v0 += 4) {
         const int nv = c->nvec - v0 < 4 ? (int)(c->nvec - v0) : 4;
-        float *y = c->y + v0 * m->rows;
-#if CZK_X86
-        const int lvl = czk_level();
-        if (czk_simd_fits(m) && lvl == 2 && m->bits == 8 && CZK_Q8NV512) {
-            czk_q8nv512(m, c->av + v0, nv, y, m->rows, t0, t1);
-            continue;
-        }
-        if (czk_simd_fits(m) && lvl == 2) {
-            czk_rows_q_vnni256_multi(m, c->av + v0, nv, y, m->rows, t0, t1);
-            continue;
-        }
-        if (czk_simd_fits(m) && lvl == 1 && m->bits == 8) {
-            czk_q8nv_avx2(m, c->av + v0, nv, y, m->rows, t0, t1);
-            continue;
-        }
-        if (czk_simd_fits(m) && lvl == 1) {
-            czk_rows_q_avx2_multi(m, c->av + v0, nv, y, m->rows, t0, t1);
-            continue;
-        }
-#endif
-        for (int v = 0; v < nv; v++) czk_rows_q_portable(m, c->av + v0 + v, y + v * m->rows, t0, t1);
+        czk_rows_qnv(m, c->av + v0, nv, c->y + v0 * m->rows, m->rows, t0, t1);
     }
 }
 
@@ -2213,29 +2221,9 @@ static void czk_rows_nv(const czk_mat *m, const float *const *xs, const czk_xq *
         for (int v = 0; v < nv; v++) czk_rows_f_portable(m, xs[v], ys[v], r0, r1);
         return;
     }
-    /* czk_matmul's kernels write output v row r at y[v * ystride + r]: the outputs
-     * of one call are at a fixed stride apart (the callers' buffers are). */
-    const int64_t ystride = nv > 1 ? ys[1] - ys[0] : 0;
-#if CZK_X86
-    const int lvl = czk_level();
-    if (czk_simd_fits(m) && lvl == 2 && m->bits == 8 && CZK_Q8NV512) {
-        czk_q8nv512(m, av, nv, ys[0], ystride, r0, r1);
-        return;
-    }
-    if (czk_simd_fits(m) && lvl == 2) {
-        czk_rows_q_vnni256_multi(m, av, nv, ys[0], ystride, r0, r1);
-        return;
-    }
-    if (czk_simd_fits(m) && lvl == 1 && m->bits == 8) {
-        czk_q8nv_avx2(m, av, nv, ys[0], ystride, r0, r1);
-        return;
-    }
-    if (czk_simd_fits(m) && lvl == 1) {
-        czk_rows_q_avx2_multi(m, av, nv, ys[0], ystride, r0, r1);
-        return;
-    }
-#endif
-    for (int v = 0; v < nv; v++) czk_rows_q_portable(m, &av[v], ys[v], r0, r1);
+    /* czk_rows_qnv writes output v row r at y[v * ystride + r]: the outputs of one
+     * call are at a fixed stride apart (the callers' buffers are). */
+    czk_rows_qnv(m, av, nv, ys[0], nv > 1 ? ys[1] - ys[0] : 0, r0, r1);
 }
 
 /* The batched MoE layer, expert by expert: the (token, k) pairs grouped by the
@@ -2426,9 +2414,9 @@ int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slo
     for (int b = 0; b < B; b++) {
         float *yb = y + (int64_t)b * H;
         for (int j = 0; j < k; j++) {
-            const float wj = w[(int64_t)b * k + j];
-            const int64_t i = (int64_t)b * k + j;
-            const float *dj = dpairs ? dpairs + i * H : d + (int64_t)pidx[i] * H;
+            const int64_t pj = (int64_t)b * k + j; /* the pair */
+            const float wj = w[pj];
+            const float *dj = dpairs ? dpairs + pj * H : d + (int64_t)pidx[pj] * H;
             if (j == 0)
                 for (int64_t i = 0; i < H; i++) yb[i] = wj * dj[i];
             else
