@@ -1,10 +1,11 @@
 """Bigger than memory: czyx and llama.cpp on the real-shape model under the same memory cap.
 
-Runs on a directory written by ``bench/realshape.py gen`` (``hf/``, ``gguf/model-q8_0.gguf``
-and a czyx store holding the q8 version, e.g. by ``bench/bench_quant_mount.py``).
+Runs on a directory written by ``bench/realshape.py gen`` (``gguf/model-q8_0.gguf`` and a
+czyx store holding the q8 version, or with ``--format q4`` ``model-q4_0.gguf`` and ``rs@q4``:
+the full Qwen3-30B-A3B shape is generated in q4 only).
 
 1. Resident (no cap): each engine once, the reference speeds.
-2. Capped: for each ``--ratios`` value r the cap is the q8 GGUF's size / r (the
+2. Capped: for each ``--ratios`` value r the cap is the GGUF file's size / r (the
    model's stored bytes are r times the cap). Each engine runs in its own cgroup
    v1 memory group (``/sys/fs/cgroup/memory/<group>``, ``memory.limit_in_bytes``,
    which counts page cache) with that cap, after the model's files are evicted
@@ -41,6 +42,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CG = Path("/sys/fs/cgroup/memory")
 TEXT = HERE.parent / "store" / "models" / "mount.py"
+
+sys.path.insert(0, str(HERE))
+from realshape import GGUF_OF, stats_rows, stats_table  # noqa: E402
 
 
 def evict(paths: list[Path]) -> None:
@@ -188,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="realshape directory")
     ap.add_argument("--store", default=None, help="czyx store (default OUT/store)")
-    ap.add_argument("--tag", default="rs@q8")
+    ap.add_argument("--format", choices=sorted(GGUF_OF), default="q8", help="q8 or q4 pair")
+    ap.add_argument("--tag", default=None, help="czyx version (default rs@FORMAT)")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=8, help="untimed decode tokens first")
@@ -205,10 +210,11 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     store = Path(a.store) if a.store else out / "store"
     shape = json.loads((out / "shape.json").read_text())
-    gguf = out / "gguf" / "model-q8_0.gguf"
+    gguf = out / "gguf" / f"model-{GGUF_OF[a.format]}.gguf"
+    a.tag = a.tag or f"rs@{a.format}"
+    # realshape --no-hf: czyx mounted the GGUF file itself (Q4_0 / Q8_0 repacked losslessly)
+    same = " Both hold the same codes." if shape.get("source") == "gguf" else ""
     load0 = os.getloadavg()
-    sys.path.insert(0, str(HERE))
-    from realshape import stats_rows, stats_table
 
     routing = stats_table(stats_rows(out, a.tag, TEXT, a.stats_tokens))
     print("\n".join(routing), flush=True)
@@ -232,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     files = [gguf, *blocks]
     stored = gguf.stat().st_size
     rows: list[tuple[str, dict]] = []
-    print(f"model: {shape['arch']} {shape['layers']} layers, q8_0 GGUF {stored / 1e9:.2f} GB")
+    print(f"model: {shape['arch']} {shape['layers']} layers, {gguf.name} {stored / 1e9:.2f} GB")
 
     why = cgroups_writable()
     if why is not None:
@@ -243,7 +249,10 @@ def main(argv: list[str] | None = None) -> None:
         rounds.append(one_round(a, llama, czyx, files, stored, why is None))
     res_l = _median_run([r[0] for r in rounds])
     res_c = _median_run([r[1] for r in rounds])
-    rows += [("llama.cpp q8_0, resident", res_l), ("czyx q8, resident", res_c)]
+    rows += [
+        (f"llama.cpp {GGUF_OF[a.format]}, resident", res_l),
+        (f"czyx {a.format}, resident", res_c),
+    ]
     capped = [
         (*rounds[0][2][j][:2], _median_run([r[2][j][2] for r in rounds]),
          _median_run([r[2][j][3] for r in rounds]), rounds[0][2][j][4])
@@ -282,10 +291,10 @@ def main(argv: list[str] | None = None) -> None:
         f"(seed {shape['seed']}, mix {shape['mix']}), {shape['experts']} experts top-"
         f"{shape['top_k']}, hidden {shape['hidden']}, expert intermediate {shape['inter']}, "
         f"vocab {shape['vocab']}. llama.cpp: `{gguf.name}` ({stored / 2**20:.0f} MiB, mmap); "
-        f"czyx: `{a.tag}` (q8 experts and matrices, routers float; O_DIRECT slot cache, "
-        f"prefetch). {a.prompt}-token prompt, {a.warmup} untimed then {a.tokens} timed "
-        f"teacher-forced decode tokens (the resident czyx run prewarms every expert), "
-        f"{a.threads} threads each, wall clock; {a.rounds} interleaved round(s), each row "
+        f"czyx: `{a.tag}` ({a.format} experts and matrices, routers float; O_DIRECT slot "
+        f"cache, prefetch).{same} {a.prompt}-token prompt, {a.warmup} untimed then "
+        f"{a.tokens} timed teacher-forced decode tokens (the resident czyx run prewarms every "
+        f"expert), {a.threads} threads each, wall clock; {a.rounds} interleaved round(s), each row "
         "the round with the median decode speed.",
         "",
         f"## Routing ({a.stats_tokens} tokens of `{TEXT.relative_to(HERE.parent)}`, "

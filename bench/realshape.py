@@ -35,9 +35,16 @@ Tokens: the czyx checkpoint has no tokenizer; the bench feeds token ids. A
 text becomes ids by hashing byte bigrams into the vocabulary
 (:func:`text_ids`), so both engines and every run see the same ids.
 
+``--no-hf`` writes no checkpoint: the GGUF files are written straight from the
+generator (the same bf16-rounded values) and each czyx version is mounted from
+its GGUF file (Q8_0 / Q4_0 repacked into the store's q8 / q4 without loss, so
+both engines hold the very same codes). It is how the full Qwen3-30B-A3B shape
+fits a disk: its bf16 checkpoint alone is 61 GB, its Q4_0 file 17 GB.
+
 Usage::
 
     python bench/realshape.py gen --out /work/data/rs --scale 0.25
+    python bench/realshape.py gen --out /work/data/qwen3 --full --no-hf --gguf q4_0 --czyx q4
     python bench/realshape.py stats --out /work/data/rs
     python bench/realshape.py check --out /work/data/rs   # greedy tokens, both engines
 """
@@ -51,6 +58,7 @@ import struct
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -263,11 +271,27 @@ def write_hf(out: Path, s: Shape, seed: int, mix: float) -> int:
 GGUF_FORMATS = ("q8_0", "q4_0")
 
 
-def write_gguf(hf: Path, path: Path, s: Shape, fmt: str) -> int:
-    """The GGUF file of the checkpoint at ``hf``, matrices in ``fmt`` (q8_0 / q4_0)."""
-    import gguf
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (what the checkpoint stores), as float32."""
+    return (to_bf16(x).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
-    from czyx.store.models.checkpoint import Checkpoint, to_float32
+
+def generated(s: Shape, seed: int, mix: float) -> Callable[[str], np.ndarray]:
+    """The float32 values of each HF tensor straight from the generator, rounded to
+    bf16 as :func:`write_hf` stores them (so a GGUF file written from either is the same)."""
+    table = {name: (shape, kind) for name, shape, kind in hf_tensors(s)}
+
+    def values(name: str) -> np.ndarray:
+        shape, kind = table[name]
+        return bf16_round(generate(name, shape, kind, seed, mix))
+
+    return values
+
+
+def write_gguf(values: Callable[[str], np.ndarray], path: Path, s: Shape, fmt: str) -> int:
+    """The GGUF file of the model whose HF tensors ``values(name)`` gives (float32),
+    matrices in ``fmt`` (q8_0 / q4_0)."""
+    import gguf
 
     qt = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[fmt]
     arch = "olmoe" if s.arch == "olmoe" else "qwen3moe"
@@ -302,11 +326,7 @@ def write_gguf(hf: Path, path: Path, s: Shape, fmt: str) -> int:
     w.add_unk_token_id(0)
     w.add_add_bos_token(False)
 
-    ck = Checkpoint(hf)
-
-    def f32(name: str) -> np.ndarray:
-        return to_float32(ck.array(name), "BF16")
-
+    f32 = values
     plan: list[tuple[str, object]] = []  # (gguf name, producer)
     plan.append(("token_embd.weight", lambda: f32("model.embed_tokens.weight")))
     for i in range(s.layers):
@@ -371,7 +391,6 @@ def write_gguf(hf: Path, path: Path, s: Shape, fmt: str) -> int:
         w.write_tensor_data(np.ascontiguousarray(arr))
         total += arr.nbytes
     w.close()
-    ck.close()
     os.replace(str(path) + ".part", path)
     return total
 
@@ -463,16 +482,17 @@ def czyx_trace(store_dir: Path, tag: str, ids: list[int]) -> tuple[np.ndarray, i
 # --------------------------------------------------------------------- cli
 
 
-def _mount(out: Path, store_dir: Path, tag: str, policy: str) -> None:
+def _mount(source: Path, store_dir: Path, tag: str, policy: str | None) -> None:
+    """Mount ``source`` (the HF checkpoint, or a GGUF file with ``policy`` None) as ``tag``."""
     from czyx.store import Store
     from czyx.store.models.mount import mount
     from czyx.store.quant.codec import QuantCodec
     from czyx.store.quant.policy import parse_policy
 
     with Store.open(store_dir) as store:
-        codec = None if policy == "none" else QuantCodec(parse_policy(policy))
+        codec = None if policy in (None, "none") else QuantCodec(parse_policy(policy))
         t0 = time.perf_counter()
-        res = mount(store, out / "hf", tag, quant=codec)
+        res = mount(store, source, tag, quant=codec)
         print(f"  {res.summary()} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
 
@@ -483,13 +503,23 @@ CZYX_POLICY = {
     "q4": "q4-all,router=f32",
     "bf16": "none",
 }
+#: the GGUF file a czyx version is mounted from under ``--no-hf`` (native, lossless)
+GGUF_OF = {"q8": "q8_0", "q4": "q4_0"}
 
 
 def cmd_gen(a: argparse.Namespace) -> None:
     s = make_shape(a.full, a.scale)
     out = Path(a.out)
+    if a.no_hf:
+        missing = [q for q in a.czyx if GGUF_OF.get(q) not in a.gguf]
+        if missing:
+            raise SystemExit(
+                f"--no-hf mounts each czyx version from its GGUF file: --czyx {' '.join(missing)} "
+                f"needs --gguf {' '.join(GGUF_OF.get(q, '?') for q in missing)}"
+            )
     out.mkdir(parents=True, exist_ok=True)
-    (out / "shape.json").write_text(json.dumps({**asdict(s), "seed": a.seed, "mix": a.mix}))
+    meta = {**asdict(s), "seed": a.seed, "mix": a.mix, "source": "gguf" if a.no_hf else "hf"}
+    (out / "shape.json").write_text(json.dumps(meta))
     print(
         f"{s.arch} shape: {s.layers} layers x {s.experts} experts (top-{s.top_k}), hidden "
         f"{s.hidden}, expert inter {s.inter}, vocab {s.vocab}: "
@@ -497,19 +527,35 @@ def cmd_gen(a: argparse.Namespace) -> None:
         flush=True,
     )
     t0 = time.perf_counter()
-    if not (out / "hf" / "config.json").exists():
-        nb = write_hf(out / "hf", s, a.seed, a.mix)
-        print(f"hf: {nb / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+    ck = None
+    if a.no_hf:
+        values = generated(s, a.seed, a.mix)
+    else:
+        from czyx.store.models.checkpoint import Checkpoint, to_float32
+
+        if not (out / "hf" / "config.json").exists():
+            nb = write_hf(out / "hf", s, a.seed, a.mix)
+            print(f"hf: {nb / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+        ck = Checkpoint(out / "hf")
+
+        def values(name: str) -> np.ndarray:
+            return to_float32(ck.array(name), "BF16")
+
     for fmt in a.gguf:
         path = out / "gguf" / f"model-{fmt}.gguf"
         if path.exists():
             continue
         path.parent.mkdir(exist_ok=True)
         t1 = time.perf_counter()
-        nb = write_gguf(out / "hf", path, s, fmt)
+        nb = write_gguf(values, path, s, fmt)
         print(f"gguf {fmt}: {nb / 1e9:.2f} GB in {time.perf_counter() - t1:.0f} s", flush=True)
+    if ck is not None:
+        ck.close()
     for q in a.czyx:
-        _mount(out, out / "store", f"rs@{q}", CZYX_POLICY[q])
+        if a.no_hf:
+            _mount(out / "gguf" / f"model-{GGUF_OF[q]}.gguf", out / "store", f"rs@{q}", None)
+        else:
+            _mount(out / "hf", out / "store", f"rs@{q}", CZYX_POLICY[q])
     if a.stats:
         cmd_stats(
             argparse.Namespace(
@@ -599,6 +645,8 @@ def cmd_remix(a: argparse.Namespace) -> None:
     """Rewrite the attention output projections in place for another ``--mix``."""
     out = Path(a.out)
     meta = json.loads((out / "shape.json").read_text())
+    if meta.get("source", "hf") != "hf":
+        raise SystemExit(f"{out} was generated with --no-hf: there is no checkpoint to remix")
     s = Shape(**{k: meta[k] for k in asdict(OLMOE)})
     index = json.loads((out / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
     for name, shape, kind in hf_tensors(s):
@@ -670,6 +718,11 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--mix", type=float, default=8.0, help="attention output vs embedding")
     g.add_argument("--gguf", nargs="*", default=list(GGUF_FORMATS), choices=GGUF_FORMATS)
     g.add_argument("--czyx", nargs="*", default=["q8", "q4"], choices=sorted(CZYX_POLICY))
+    g.add_argument(
+        "--no-hf",
+        action="store_true",
+        help="no HF checkpoint: GGUF files straight from the generator, czyx mounts them",
+    )
     g.add_argument("--stats", action="store_true", help="print routing statistics after")
     g.set_defaults(fn=cmd_gen)
     c = sub.add_parser("check", help="greedy tokens of both engines, per format pair")

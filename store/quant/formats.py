@@ -206,6 +206,9 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
         raise FormatError(f"pack_codes: a code exceeds {(1 << bits) - 1} for {bits} bits")
     if bits == 8:
         return np.ascontiguousarray(codes, dtype=np.uint8)
+    if bits == 4:  # the 64-bit word's bytes are code pairs, low nibble first
+        u8 = codes.astype(np.uint8, copy=False)
+        return u8[:, 0::2] | (u8[:, 1::2] << np.uint8(4))
     octets = codes.reshape(r, c // 8, 8).astype("<u8")
     shifts = (np.arange(8, dtype="<u8") * np.uint64(bits)).astype("<u8")
     words = np.bitwise_or.reduce(octets << shifts, axis=2).astype("<u8")
