@@ -38,7 +38,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
-from bench_scale import machine  # noqa: E402
+from _machine import machine  # noqa: E402
 
 BASE = "472b784"
 

@@ -35,7 +35,7 @@ from statistics import median
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_scale import machine  # noqa: E402
+from _machine import machine  # noqa: E402
 
 TEXT = HERE.parent / "store" / "models" / "mount.py"
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -44,6 +43,7 @@ CG = Path("/sys/fs/cgroup/memory")
 TEXT = HERE.parent / "store" / "models" / "mount.py"
 
 sys.path.insert(0, str(HERE))
+from _machine import machine  # noqa: E402
 from realshape import GGUF_OF, stats_rows, stats_table  # noqa: E402
 
 
@@ -151,28 +151,6 @@ def _median_run(runs: list[dict]) -> dict:
     """The run with the median decode speed (a failed run counts as the slowest)."""
     order = sorted(runs, key=lambda r: r.get("decode_tok_s", -1.0) if r.get("rc") == 0 else -1.0)
     return order[(len(order) - 1) // 2]
-
-
-def machine() -> str:
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.machine(),
-    )
-    mem = next(
-        ln.split()[1]
-        for ln in Path("/proc/meminfo").read_text().splitlines()
-        if ln.startswith("MemTotal")
-    )
-    from czyx.inference.kernels.fused import level
-
-    return (
-        f"{cpu}, {os.cpu_count()} vCPUs (shared with other jobs), {int(mem) / 2**20:.1f} GiB RAM, "
-        f"czyx kernels: {level()}"
-    )
 
 
 def fmt_row(label: str, r: dict) -> str:

@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import platform
 import re
 import socket
 import statistics
@@ -65,6 +64,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from _load import LoadGenerator
+from _machine import machine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: Policies replayed on the engine-alone run's acquires (besides the offline optimum).
@@ -653,36 +653,6 @@ def llama_table(rows) -> str:
         for r in rows
     ]
     return head + "\n".join(lines) + "\n"
-
-
-def machine() -> str:
-    from czyx.inference.kernels.fused import level
-
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem = ""
-    try:
-        with open("/proc/meminfo") as f:
-            mem = f"{int(f.readline().split()[1]) / 2**20:.1f} GiB RAM"
-    except OSError:
-        pass
-    commit = subprocess.run(
-        ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    return (
-        f"{platform.node()}: {cpu}, {os.cpu_count()} vCPUs, {mem}, czyx kernels: {level()}; "
-        f"{platform.platform()}; "
-        f"Python {platform.python_version()}, numpy {np.__version__}; "
-        f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}; "
-        f"commit {commit or 'unknown'}"
-    )
 
 
 # --------------------------------------------------------------------------- main

@@ -35,7 +35,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_scale import machine  # noqa: E402
+from _machine import machine  # noqa: E402
 
 PATHS = ("c", "numpy", "engine")
 

@@ -37,11 +37,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from _load import LoadGenerator  # noqa: E402
+from _machine import machine  # noqa: E402
 from bench_serve import (  # noqa: E402
     EngineAlone,
     _free_port,
     _stop,
-    machine,
     run_server_level,
     start_server,
 )
