@@ -103,8 +103,32 @@ def _ok(r: dict) -> bool:
     return not r["llama"].get("rc") and not r["czyx"].get("rc")
 
 
+def model_line(f: dict) -> str | None:
+    """What the pair's model is, from the ``shape.json`` realshape wrote beside its GGUF
+    directory (None where there is none)."""
+    gguf = Path(f["gguf"])
+    meta_path = gguf.parent.parent / "shape.json"
+    if not meta_path.exists():
+        return None
+    m = json.loads(meta_path.read_text())
+    params = m["layers"] * m["experts"] * 3 * m["hidden"] * m["inter"]
+    source = (
+        f"czyx mounted `{gguf.name}` itself (the same codes)"
+        if m.get("source") == "gguf"
+        else "both quantized from the same bf16 checkpoint"
+    )
+    return (
+        f"Model ({f['name']}): `bench/realshape.py` {m['arch']} shape, {m['layers']} layers x "
+        f"{m['experts']} experts top-{m['top_k']}, hidden {m['hidden']}, expert intermediate "
+        f"{m['inter']}, vocab {m['vocab']} ({params / 1e9:.1f} B routed-expert parameters); "
+        f"llama.cpp `{gguf.name}` ({gguf.stat().st_size / 1e9:.2f} GB), czyx `{f['tag']}`: "
+        f"{source}."
+    )
+
+
 def report(rows: list[dict], fmts: list[dict], a: argparse.Namespace, argv: list[str]) -> str:
     """The markdown report of every round and the medians."""
+    models = [ln for ln in (model_line(f) for f in fmts) if ln]
     lines = [
         "# Resident speed on the real-shape model: czyx vs llama.cpp",
         "",
@@ -118,6 +142,7 @@ def report(rows: list[dict], fmts: list[dict], a: argparse.Namespace, argv: list
         "one round; the table gives medians over rounds. The load average (1 min) before "
         "each round is printed: the machine is shared, so absolute figures move with it.",
         "",
+        *[x for ln in models for x in (ln, "")],
         "| format | threads | rounds | load (median) | llama.cpp decode tok/s | czyx decode "
         "tok/s | decode ratio | llama.cpp prefill tok/s | czyx prefill tok/s | prefill ratio |",
         "|---|---|---|---|---|---|---|---|---|---|",
