@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -291,6 +292,19 @@ class ExpertCache:
         When the budget holds fewer than ``top_k`` slots.
     """
 
+    #: Bytes of the slot arenas of this process's open caches (they fill as used).
+    _live_bytes = 0
+
+    @classmethod
+    def reserved_bytes(cls) -> int:
+        """Bytes of slot arenas this process's open caches may still fill (a default
+        budget counts them as taken: an arena's pages are committed only as slots fill)."""
+        return cls._live_bytes
+
+    @staticmethod
+    def _release(nbytes: int) -> None:
+        ExpertCache._live_bytes -= nbytes
+
     def __init__(
         self,
         consumer: ModelConsumer,
@@ -320,6 +334,9 @@ class ExpertCache:
             )
         self.n_slots = n_slots
         self._mm, arena = _aligned_arena(n_slots * self.slot_nbytes)
+        ExpertCache._live_bytes += n_slots * self.slot_nbytes
+        # returned by close, or when the cache is collected unclosed
+        self._unreserve = weakref.finalize(self, ExpertCache._release, n_slots * self.slot_nbytes)
         self.arena = arena.reshape(n_slots, self.slot_nbytes)
         # Precomputed per-slot views: a fetch indexes a list, it never slices.
         self._slot_views = [self.arena[s] for s in range(n_slots)]
@@ -635,5 +652,6 @@ class ExpertCache:
 
     def close(self) -> None:
         """Drop the arena (views held elsewhere keep it alive until they go)."""
+        self._unreserve()  # once: a finalizer runs at most once
         self._weights = []
         self._slot_views = []

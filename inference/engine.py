@@ -9,7 +9,7 @@ text live in :mod:`inference.sampling` and :mod:`inference.generate`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -19,6 +19,7 @@ from czyx.inference.batch import decodes_in_c, forward_batch
 from czyx.inference.cache import CacheStats, EvictionPolicy, ExpertCache
 from czyx.inference.errors import CacheBudgetError
 from czyx.inference.kernels.fused import default_threads
+from czyx.inference.memory import MEMORY_SHARE, available_bytes
 from czyx.inference.models import DecoderConfig, decoder_class
 from czyx.inference.models.decoder import describe_restriction
 from czyx.inference.options import DEFAULT_OPTIONS, EngineOptions
@@ -63,11 +64,17 @@ def resolve_budget(
     cfg: DecoderConfig,
     cache_bytes: int | None = None,
     cache_fraction: float | None = None,
+    available: Callable[[], int | None] | None = None,
 ) -> int:
     """The slot budget in bytes from at most one of ``cache_bytes`` / ``cache_fraction``.
 
-    Neither given: every routed expert fits (fully resident). A fraction is
-    of :func:`expert_bytes`. The result is never below one layer's top-k
+    Neither given: every routed expert (fully resident) where that fits
+    :data:`MEMORY_SHARE` of ``available()`` (default
+    :func:`inference.memory.available_bytes`: the memory the process may still
+    take, host and cgroup; less the slot arenas of its other open caches,
+    which fill as they are used); else that share, so a model bigger than
+    memory streams instead of being killed when its slots fill. A fraction
+    is of :func:`expert_bytes`. The result is never below one layer's top-k
     slots unless asked for explicitly in bytes (then the cache refuses it).
     """
     if cache_bytes is not None and cache_fraction is not None:
@@ -88,7 +95,12 @@ def resolve_budget(
                 f"top-{cfg.top_k} experts ({floor} B = {floor / max(total, 1):.4f} of the experts)"
             )
         return want
-    return max(total, floor)
+    need = max(total, floor)
+    room = (available or available_bytes)()
+    if room is None:
+        return need
+    room = int(MEMORY_SHARE * max(0, room - ExpertCache.reserved_bytes()))
+    return max(floor, min(need, room))
 
 
 class BlasLimit:
@@ -226,6 +238,15 @@ class Engine:
         self.consumer = consumer
         self.budget_bytes = resolve_budget(consumer, cfg, cache_bytes, cache_fraction)
         self.expert_bytes = expert_bytes(consumer, cfg)
+        #: Why the default budget holds less than every expert (None: it holds them all,
+        #: or the caller chose the budget).
+        self.budget_note: str | None = None
+        if cache_bytes is None and cache_fraction is None and self.budget_bytes < self.expert_bytes:
+            self.budget_note = (
+                f"expert slots: {self.budget_bytes / 2**30:.2f} of {self.expert_bytes / 2**30:.2f}"
+                f" GiB, {MEMORY_SHARE:.0%} of the memory this process may take: the rest is read"
+                " as routed (--cache-mb or --cache-fraction sets the budget)"
+            )
         self.xray = xray
         if not stream:
             self.cache = ExpertCache(

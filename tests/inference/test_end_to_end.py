@@ -8,6 +8,8 @@ the experts outside them, and ``czyx run`` streams text and its figures.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -86,6 +88,30 @@ def test_czyx_run_streams_text_and_figures(mounted, capsys):
         assert figure in out.err
     assert main([*argv, "--cache-mb", "0.001"]) == 1
     assert "top-2" in capsys.readouterr().err
+
+
+def test_czyx_run_streams_a_model_bigger_than_the_memory_it_may_take(mounted, capsys, monkeypatch):
+    from czyx.inference import engine as engine_mod
+
+    store_dir, _, token = mounted
+    argv = ["run", "olmoe@1", "--prompt", "hi", "--store", str(store_dir), "--portal", token]
+    argv += ["--max-tokens", "8", "--seed", "1"]
+    assert main([*argv, "--cache-fraction", "1.0"]) == 0
+    resident = capsys.readouterr()
+    assert "expert slots:" not in resident.err
+    with OpenedModel(str(store_dir), "olmoe@1", token) as opened:
+        total = Engine(opened.consumer).expert_bytes
+    # the memory the process may still take holds about half of the experts
+    monkeypatch.setattr(engine_mod, "available_bytes", lambda: int(total * 0.6))
+    assert main(argv) == 0
+    streamed = capsys.readouterr()
+    assert "czyx run: expert slots:" in streamed.err and "--cache-mb" in streamed.err
+    assert streamed.out == resident.out  # the budget sets the hit rate, not the tokens
+
+    def slots(err: str) -> int:
+        return int(re.search(r"experts \((\d+) slots\)", err).group(1))
+
+    assert slots(streamed.err) < slots(resident.err) / 2 + 1
 
 
 def test_torch_consumer_on_the_mounted_store_agrees_with_the_engine(mounted):

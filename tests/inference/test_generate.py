@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 from czyx.inference.engine import Engine, resolve_budget
 from czyx.inference.errors import CacheBudgetError
 from czyx.inference.generate import generate, generate_ids
+from czyx.inference.memory import MEMORY_SHARE
 from czyx.inference.options import EngineOptions
 from czyx.inference.sampling import SamplingParams
 from czyx.inference.tokenizer import ByteTokenizer
@@ -135,3 +138,47 @@ def test_for_all_budgets_tiered_equals_resident(model, n_slots, prompt, steps):
     slot = StateDictConsumer(model).info.expert_slot_nbytes
     resident, tiered = run(), run(cache_bytes=n_slots * slot)
     assert all(np.array_equal(a, b) for a, b in zip(resident, tiered))
+
+
+def test_default_budget_fits_the_memory_the_process_may_take(model, monkeypatch):
+    from czyx.inference import engine as engine_mod
+    from czyx.inference.cache import ExpertCache
+
+    consumer = StateDictConsumer(model)
+    cfg = Engine(consumer).cfg
+    slot = consumer.info.expert_slot_nbytes
+    total = cfg.n_sparse_experts * slot
+    share = MEMORY_SHARE
+    before = ExpertCache.reserved_bytes()
+
+    def budget(room):
+        return resolve_budget(consumer, cfg, available=lambda: room)
+
+    assert budget(None) == total  # unknown memory: every expert, as before
+    assert budget(10 * total) == total
+    assert budget(total) == int(share * total)
+    assert budget(0) == cfg.top_k * slot  # never below one layer's top-k
+    assert resolve_budget(consumer, cfg, cache_fraction=1.0, available=lambda: 0) == total
+
+    # An open cache's arena counts as taken until it closes (or is collected).
+    monkeypatch.setattr(engine_mod, "available_bytes", lambda: 2 * total)
+    first = Engine(consumer)
+    assert first.budget_bytes == total and first.budget_note is None
+    assert ExpertCache.reserved_bytes() == before + first.cache.n_slots * slot
+    second = Engine(consumer)
+    assert second.budget_bytes == max(cfg.top_k * slot, int(share * total))
+    assert second.budget_note is not None and "--cache-mb" in second.budget_note
+    assert second.cache.n_slots < first.cache.n_slots
+    # the reduced budget streams the rest: same tokens as the resident engine
+    ids, _ = generate_ids(first, [1, 2, 3], 8)
+    assert generate_ids(second, [1, 2, 3], 8)[0] == ids
+    first.close()
+    second.close()
+    assert ExpertCache.reserved_bytes() == before
+    # a plain cache dropped without close gives its arena back when collected
+    third = Engine(consumer, options=EngineOptions(stream=False))
+    assert third.budget_bytes == total
+    assert ExpertCache.reserved_bytes() == before + third.cache.n_slots * slot
+    del third
+    gc.collect()
+    assert ExpertCache.reserved_bytes() == before

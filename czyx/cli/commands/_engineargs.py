@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from czyx.inference.memory import MEMORY_SHARE
 from czyx.inference.options import DEFAULT_OPTIONS as DEFAULTS
 from czyx.inference.options import EngineOptions
 
@@ -19,7 +20,12 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineOptions = DEFAUL
     """Add the engine flags of ``czyx run`` to ``p``, defaulting to ``defaults``' fields
     (``czyx serve`` passes :data:`~czyx.inference.options.BATCHED_OPTIONS`)."""
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--cache-mb", type=float, help="expert slot budget in MiB")
+    budget.add_argument(
+        "--cache-mb",
+        type=float,
+        help="expert slot budget in MiB (default: every expert, within "
+        f"{MEMORY_SHARE * 100:.0f}%% of the memory this process may take)",
+    )
     budget.add_argument(
         "--cache-fraction", type=float, help="expert slot budget as a fraction of expert bytes"
     )

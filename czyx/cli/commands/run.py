@@ -226,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
         )
         tokenizer = tokenizer_for(consumer, engine.cfg.vocab_size)
+        if engine.budget_note:
+            print(f"czyx run: {engine.budget_note}", file=sys.stderr)
 
         def emit(piece: str) -> None:
             sys.stdout.write(piece)

@@ -147,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
         refs = ", ".join(app.state.czyx.models)
         over = f" over Ray ({args.ray_shape}, {args.ray_nodes} actors)" if args.ray else ""
         print(f"czyx serve: {refs}{over} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+        for ref, served in app.state.czyx.models.items():
+            if served.engine.budget_note:
+                print(f"czyx serve: {ref}: {served.engine.budget_note}", file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
