@@ -107,6 +107,8 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
     with OpenedModel(a.store, a.tag, None) as model:
         opts = EngineOptions(io=a.io, readers=2, prefetch=not a.no_prefetch)
         kw = {"cache_bytes": a.cache_mb << 20} if a.cache_mb else {"cache_fraction": 1.0}
+        if a.default_budget:  # the engine's own choice: what fits this process's memory
+            kw = {}
         hot = None
         if a.prewarm:  # every expert read before the first token (a resident run)
             info = model.consumer.info
@@ -167,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache-mb", type=int, default=0, help="czyx slot budget (0: all)")
+    ap.add_argument(
+        "--default-budget", action="store_true", help="czyx: no budget given (the engine's default)"
+    )
     ap.add_argument("--io", default="direct")
     ap.add_argument("--no-prefetch", action="store_true")
     ap.add_argument("--greedy", action="store_true")

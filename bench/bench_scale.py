@@ -13,7 +13,9 @@ the full Qwen3-30B-A3B shape is generated in q4 only).
    charged to whoever read them first, so the cap would not bite). llama.cpp as
    its users run it (mmap, its default); czyx with its slot cache sized to fit
    inside the cap (the cap minus what its resident run held besides the
-   experts, minus a margin), O_DIRECT reads, prefetch on. Reported: prefill and
+   experts, minus a margin; or with ``--czyx-budget default`` as its users run
+   it, no budget given: the engine sizes its slots to the group's room),
+   O_DIRECT reads, prefetch on. Reported: prefill and
    decode tokens/s, bytes read from storage per decoded token
    (``/proc/self/io``), czyx's hit rate, the group's peak memory
    (``memory.max_usage_in_bytes``) and whether the kernel killed anything.
@@ -130,7 +132,10 @@ def one_round(a, llama: list[str], czyx: list[str], files, stored: int, capped_o
         rl = run(llama, cap, f"llama-{r}")
         print(fmt_row(f"llama cap {cap / 2**20:.0f} MiB", rl), flush=True)
         evict(files)
-        if budget_mb <= 0:
+        if a.czyx_budget == "default":  # as a user runs it: the engine sizes its slots
+            rc = run([*czyx, "--default-budget"], cap, f"czyx-{r}")
+            budget_mb = int(rc.get("budget_bytes", 0) / 2**20)
+        elif budget_mb <= 0:
             rc = {"rc": -1, "stderr": f"no room for slots: {other / 2**20:.0f} MiB besides"}
         else:
             rc = run([*czyx, "--cache-mb", str(budget_mb)], cap, f"czyx-{r}")
@@ -179,6 +184,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ratios", type=float, nargs="*", default=[1.8, 3.6])
     ap.add_argument("--dial", type=float, nargs="*", default=[1.0, 0.5, 0.25, 0.125])
     ap.add_argument("--margin", type=float, default=0.1, help="czyx cap headroom fraction")
+    ap.add_argument(
+        "--czyx-budget",
+        choices=["fit", "default"],
+        default="fit",
+        help="capped czyx slots: fit (the cap less its resident run's other memory, less the "
+        "margin) or default (no budget given: the engine's own, from the group's room)",
+    )
     ap.add_argument("--md", default=str(HERE / "SCALE.md"))
     ap.add_argument("--stats-tokens", type=int, default=256)
     ap.add_argument(
@@ -192,6 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     a.tag = a.tag or f"rs@{a.format}"
     # realshape --no-hf: czyx mounted the GGUF file itself (Q4_0 / Q8_0 repacked losslessly)
     same = " Both hold the same codes." if shape.get("source") == "gguf" else ""
+    slots = (
+        "the engine's default, no budget given"
+        if a.czyx_budget == "default"
+        else f"the cap less the resident run's other memory, less {a.margin:.0%}"
+    )
     load0 = os.getloadavg()
 
     routing = stats_table(stats_rows(out, a.tag, TEXT, a.stats_tokens))
@@ -270,7 +287,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{shape['top_k']}, hidden {shape['hidden']}, expert intermediate {shape['inter']}, "
         f"vocab {shape['vocab']}. llama.cpp: `{gguf.name}` ({stored / 2**20:.0f} MiB, mmap); "
         f"czyx: `{a.tag}` ({a.format} experts and matrices, routers float; O_DIRECT slot "
-        f"cache, prefetch).{same} {a.prompt}-token prompt, {a.warmup} untimed then "
+        f"cache, prefetch; capped slots: {slots}).{same} {a.prompt}-token prompt, "
+        f"{a.warmup} untimed then "
         f"{a.tokens} timed teacher-forced decode tokens (the resident czyx run prewarms every "
         f"expert), {a.threads} threads each, wall clock; {a.rounds} interleaved round(s), each row "
         "the round with the median decode speed.",
