@@ -69,24 +69,27 @@ def cgroup_room(proc: Path = Path("/proc"), root: Path = Path("/sys/fs/cgroup"))
     except OSError:
         return None
     for line in lines:
-        _, controllers, rel = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
         rel = rel.lstrip("/")
         if controllers == "":  # v2: one unified hierarchy
             base = root / rel
             limit, usage = _int_file(base / "memory.max"), _int_file(base / "memory.current")
-            dropable = _stat(base / "memory.stat", "inactive_file")
+            droppable = _stat(base / "memory.stat", "inactive_file")
         elif "memory" in controllers.split(","):
             base = root / "memory" / rel
             if not base.is_dir():  # a namespaced mount shows the group as its root
                 base = root / "memory"
             limit = _int_file(base / "memory.limit_in_bytes")
             usage = _int_file(base / "memory.usage_in_bytes")
-            dropable = _stat(base / "memory.stat", "total_inactive_file")
+            droppable = _stat(base / "memory.stat", "total_inactive_file")
         else:
             continue
         if limit is None or usage is None or limit >= _UNLIMITED:
             continue
-        return max(0, limit - usage + dropable)
+        return max(0, limit - usage + droppable)
     return None
 
 

@@ -48,7 +48,7 @@ def test_cgroup_v2_room_counts_droppable_file_pages(tmp_path):
 
 
 def test_cgroup_v1_room_and_a_namespaced_mount(tmp_path):
-    proc = _proc(tmp_path, "9:cpu:/x\n4:memory:/grp\n0::/\n")
+    proc = _proc(tmp_path, "9:cpu:/x\nnot a cgroup line\n4:memory:/grp\n0::/\n")
     root = tmp_path / "cg"
     _files(
         root / "memory" / "grp",
