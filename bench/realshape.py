@@ -326,9 +326,8 @@ def write_gguf(values: Callable[[str], np.ndarray], path: Path, s: Shape, fmt: s
     w.add_unk_token_id(0)
     w.add_add_bos_token(False)
 
-    f32 = values
     plan: list[tuple[str, object]] = []  # (gguf name, producer)
-    plan.append(("token_embd.weight", lambda: f32("model.embed_tokens.weight")))
+    plan.append(("token_embd.weight", lambda: values("model.embed_tokens.weight")))
     for i in range(s.layers):
         p = f"model.layers.{i}."
         b = f"blk.{i}."
@@ -343,7 +342,7 @@ def write_gguf(values: Callable[[str], np.ndarray], path: Path, s: Shape, fmt: s
             ("ffn_norm", "post_attention_layernorm"),
             ("ffn_gate_inp", "mlp.gate"),
         ):
-            plan.append((b + gn + ".weight", (lambda hn=hn, p=p: f32(p + hn + ".weight"))))
+            plan.append((b + gn + ".weight", (lambda hn=hn, p=p: values(p + hn + ".weight"))))
         for gn, part in (
             ("ffn_gate_exps", "gate"),
             ("ffn_up_exps", "up"),
@@ -355,15 +354,15 @@ def write_gguf(values: Callable[[str], np.ndarray], path: Path, s: Shape, fmt: s
                     (
                         lambda part=part, p=p: np.stack(
                             [
-                                f32(f"{p}mlp.experts.{e}.{part}_proj.weight")
+                                values(f"{p}mlp.experts.{e}.{part}_proj.weight")
                                 for e in range(s.experts)
                             ]
                         )
                     ),
                 )
             )
-    plan.append(("output_norm.weight", lambda: f32("model.norm.weight")))
-    plan.append(("output.weight", lambda: f32("lm_head.weight")))
+    plan.append(("output_norm.weight", lambda: values("model.norm.weight")))
+    plan.append(("output.weight", lambda: values("lm_head.weight")))
 
     def is_quant(gname: str, shape: tuple[int, ...]) -> bool:
         short = gname.split(".")[-2]
