@@ -68,3 +68,29 @@ def test_bad_flags_fail_closed(capsys):
     assert "stream_interval" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _args("--policy", "nope")
+
+
+def test_serve_says_when_a_version_streams_for_lack_of_memory(tmp_path, monkeypatch, capsys):
+    import uvicorn
+
+    from czyx.inference import engine as engine_mod
+
+    from .conftest import make_store
+
+    store_dir, _, _, _ = make_store(tmp_path)
+    ran = []
+
+    def run(app, **kw):  # instead of serving: note the call, close what the app opened
+        ran.append(kw)
+        app.state.czyx.close()
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    # no budget flag, and room for fewer than all of the bundled model's experts
+    monkeypatch.setattr(engine_mod, "available_bytes", lambda: 4 * 2**20)
+    assert main(["serve", "stdlib@1", "--store", str(store_dir)]) == 0
+    err = capsys.readouterr().err
+    assert ran and ran[0]["host"] == "127.0.0.1"
+    assert "czyx serve: stdlib@1: expert slots:" in err and "--cache-mb" in err
+    monkeypatch.setattr(engine_mod, "available_bytes", lambda: 2**40)
+    assert main(["serve", "stdlib@1", "--store", str(store_dir)]) == 0
+    assert "expert slots:" not in capsys.readouterr().err
