@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--logits", default=None, help="save the prompt's last logits (.npy)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
+    if a.default_budget and a.cache_mb:
+        ap.error("--default-budget and --cache-mb are two budgets: give one")
     ids = text_ids(Path(a.text).read_bytes(), a.vocab, a.prompt + a.warmup + a.tokens)
     prompt, warm, feed = ids[: a.prompt], ids[a.prompt : a.prompt + a.warmup], ids[-a.tokens :]
     res = (run_llama if a.engine == "llama" else run_czyx)(a, prompt, warm, feed)

@@ -323,9 +323,10 @@ def main(argv: list[str] | None = None) -> None:
             )
         else:
             md.append(f"- stored {r}x cap: a run failed (see the table)")
-    md += ["", "## The dial (czyx, no cgroup, files evicted first)", "", head, sep]
-    for f, mb, rd in dial:
-        md.append(fmt_row(f"{f * 100:g} % of expert bytes ({mb} MiB)", rd))
+    if dial:  # (--dial with no fractions: no section)
+        md += ["", "## The dial (czyx, no cgroup, files evicted first)", "", head, sep]
+        for f, mb, rd in dial:
+            md.append(fmt_row(f"{f * 100:g} % of expert bytes ({mb} MiB)", rd))
     for label, r in [*rows, *[(f"cap {c[0]}", c[3]) for c in capped]]:
         if r.get("rc", 0) != 0:
             md += ["", f"{label} stderr tail: `{r.get('stderr', '')[-300:]}`"]

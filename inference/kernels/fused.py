@@ -690,6 +690,7 @@ class DecodeBatch:
         self.router_logits = np.zeros(0, F32)
         self.dpairs = np.zeros(0, F32)
         self.pdone = np.zeros(0, np.uint8)
+        self.p_pdone: Any = None
         self.p_dpairs: Any = None
         self.union = np.zeros(4096, np.int64)
         self.p_union = _ffi.cast("int64_t *", _ffi.from_buffer(self.union))

@@ -145,23 +145,29 @@ def test_default_budget_fits_the_memory_the_process_may_take(model, monkeypatch)
     from czyx.inference.cache import ExpertCache
 
     consumer = StateDictConsumer(model)
-    cfg = Engine(consumer).cfg
+    probe = Engine(consumer)
+    cfg = probe.cfg
+    probe.close()
     slot = consumer.info.expert_slot_nbytes
     total = cfg.n_sparse_experts * slot
     share = MEMORY_SHARE
+    # caches other tests left open in this process count as taken: rooms are given beyond them
     before = ExpertCache.reserved_bytes()
 
     def budget(room):
-        return resolve_budget(consumer, cfg, available=lambda: room)
+        return resolve_budget(
+            consumer, cfg, available=lambda: None if room is None else room + before
+        )
 
     assert budget(None) == total  # unknown memory: every expert, as before
     assert budget(10 * total) == total
     assert budget(total) == int(share * total)
     assert budget(0) == cfg.top_k * slot  # never below one layer's top-k
+    assert budget(-before) == cfg.top_k * slot  # less room than the open caches hold
     assert resolve_budget(consumer, cfg, cache_fraction=1.0, available=lambda: 0) == total
 
     # An open cache's arena counts as taken until it closes (or is collected).
-    monkeypatch.setattr(engine_mod, "available_bytes", lambda: 2 * total)
+    monkeypatch.setattr(engine_mod, "available_bytes", lambda: 2 * total + before)
     first = Engine(consumer)
     assert first.budget_bytes == total and first.budget_note is None
     assert ExpertCache.reserved_bytes() == before + first.cache.n_slots * slot
