@@ -398,7 +398,6 @@ class EngineAlone:
         from czyx.inference.options import BATCHED_OPTIONS
         from czyx.portals import open_consumer
         from czyx.store import Store
-        from czyx.store.io.iopaths import default_io_path
 
         # One LMDB environment per process: a second engine alone shares the first's store.
         self._owns_store = store is None
@@ -408,9 +407,7 @@ class EngineAlone:
         self.engine = Engine(
             self.consumer,
             cache_fraction=args.cache_fraction,
-            options=BATCHED_OPTIONS.with_(
-                io=default_io_path(), prefetch=args.prefetch == "on", policy=args.policy
-            ),
+            options=BATCHED_OPTIONS.with_(prefetch=args.prefetch == "on", policy=args.policy),
         )
         # driven (czyx serve's mode): this thread steps the scheduler and takes each
         # event as it is emitted, no thread hop; threaded: the scheduler's own thread,

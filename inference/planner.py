@@ -173,8 +173,9 @@ class TransferPlanner:
         while a slot's owner is live (held by the current layer, or pinned).
         Shared by reference; the planner only reads it.
     io
-        A :data:`czyx.store.io.iopaths.PATHS` name; default: the measured winner
-        (:func:`czyx.store.io.iopaths.default_io_path`).
+        A :data:`czyx.store.io.iopaths.PATHS` name; default: the measured winner,
+        else buffered ``pread`` (:func:`czyx.store.io.iopaths.default_io_path`; the
+        streaming cache names its path).
     readers
         Reader threads (>= 1).
     native

@@ -21,7 +21,10 @@ implementations, selected by name:
 
 Which path is fastest is measured (``czyx bench io``), recorded in a small
 JSON config (:func:`save_io_config`) and read by the engine
-(:func:`default_io_path`); never assumed.
+(:func:`default_io_path`). With none recorded, a cache that holds only part of
+the experts reads them with ``O_DIRECT`` where the files allow it (the slots are
+its cache; a page-cache copy would take the memory the slots were sized from),
+and one that holds them all reads them buffered.
 
 Contracts (fail closed): a transfer fills ``dest[:length]`` completely or
 raises (:class:`~store.errors.ShortReadError`,
@@ -579,7 +582,30 @@ def load_io_config(path: str | os.PathLike | None = None) -> IOConfig | None:
     return cfg
 
 
-def default_io_path() -> str:
-    """The measured winner if ``czyx bench io`` recorded one, else ``"pread"`` (portable)."""
+def accepts_direct(path: str | os.PathLike) -> bool:
+    """Whether ``path`` opens with ``O_DIRECT`` (tmpfs and some network filesystems refuse)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+def default_io_path(partial: bool = False, probe: str | os.PathLike | None = None) -> str:
+    """The I/O path when none is named.
+
+    The winner ``czyx bench io`` recorded, if it recorded one. Else ``"direct"``
+    when the slots hold only part of the experts (``partial``: misses recur, so
+    the slots are the cache) and ``probe``, one of the files to be read, opens
+    with ``O_DIRECT``: a buffered read would keep a second copy of every expert
+    it reads in the page cache, which a memory limit counts against the same
+    room the slot budget was sized from. Else buffered ``"pread"`` (portable;
+    with every expert held, each is read once).
+    """
     cfg = load_io_config()
-    return cfg.path if cfg is not None else "pread"
+    if cfg is not None:
+        return cfg.path
+    if partial and probe is not None and accepts_direct(probe):
+        return "direct"
+    return "pread"

@@ -3,8 +3,6 @@ spellings still work, with a DeprecationWarning."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from czyx.cli import build_parser
@@ -13,14 +11,14 @@ from czyx.inference.engine import Engine
 from czyx.inference.options import DEFAULT_OPTIONS, EngineOptions
 from czyx.inference.streaming import StreamingExpertCache, StreamOptions
 from czyx.inference.xray import XRay
-from czyx.store.io.iopaths import default_io_path
 from czyx.testing.filemodel import FileConsumer, SyntheticExperts
 from czyx.testing.refmodels import StateDictConsumer, tiny_model
 
 
 def test_the_cli_flags_default_to_the_engine_options():
     args = build_parser().parse_args(["run", "m@1", "--prompt", "x"])
-    assert engine_options(args) == dataclasses.replace(DEFAULT_OPTIONS, io=default_io_path())
+    # (--io auto is the field's None: the engine's cache picks the path for its budget)
+    assert engine_options(args) == DEFAULT_OPTIONS
     assert EngineOptions() == DEFAULT_OPTIONS
 
 

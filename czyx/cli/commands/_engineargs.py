@@ -49,7 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineOptions = DEFAUL
         "--io",
         default="auto",
         choices=["auto", "pread", "mmap", "direct", "io_uring"],
-        help="expert I/O path (auto: the one `czyx bench io` measured fastest, else pread)",
+        help="expert I/O path (auto: the one `czyx bench io` measured fastest, else direct when "
+        "the budget holds part of the experts and the filesystem allows O_DIRECT, else pread)",
     )
     p.add_argument(
         "--readers",
@@ -129,8 +130,6 @@ def parse_class_range(text: str | None) -> tuple[int, int] | None:
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The :class:`EngineOptions` the flags ask for (each flag defaults to its field)."""
-    from czyx.store.io.iopaths import default_io_path
-
     if args.readers < 1:
         raise ValueError(f"--readers {args.readers} must be at least 1")
     if args.lookahead < 0 or (args.lookahead == 0 and args.no_early):
@@ -139,7 +138,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         )
     return EngineOptions(
         policy=args.policy,
-        io=default_io_path() if args.io == "auto" else args.io,
+        io=None if args.io == "auto" else args.io,  # auto: the engine's cache decides
         readers=args.readers,
         prefetch=not args.no_prefetch,
         lookahead=args.lookahead,
@@ -158,7 +157,7 @@ def stream_options(args: argparse.Namespace) -> tuple[EngineOptions, Any]:
     if getattr(args, "xray", None):
         cfg = load_io_config()
         xray = XRay(
-            io_path=options.io,
+            io_path=options.io or "",  # auto: the cache names the path it chose
             readers=options.readers,
             device_baseline=cfg.bandwidth if cfg else None,
         )
