@@ -333,8 +333,6 @@ class ExpertCache:
                 f"{self.top_k * self.slot_nbytes} B"
             )
         self.n_slots = n_slots
-        #: Whether the slots hold every routed expert (else misses recur: a partial budget).
-        self.holds_all = n_slots >= total
         self._mm, arena = _aligned_arena(n_slots * self.slot_nbytes)
         ExpertCache._live_bytes += n_slots * self.slot_nbytes
         # returned by close, or when the cache is collected unclosed

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from czyx.errors import CzyxError
 from czyx.inference.batch import decodes_in_c, forward_batch
 from czyx.inference.cache import CacheStats, EvictionPolicy, ExpertCache
 from czyx.inference.errors import CacheBudgetError
@@ -28,6 +29,7 @@ from czyx.inference.streaming import StreamingExpertCache, StreamOptions, attach
 from czyx.inference.trunkwindow import TrunkWindowStats
 from czyx.inference.xray import XRay
 from czyx.store.consumer import ModelConsumer
+from czyx.store.io.iopaths import default_io_path
 
 #: Most prompt tokens one batched C step of :meth:`Engine.prefill` takes: the step's
 #: scratch grows with its tokens (each token's top-k expert products), and one
@@ -171,6 +173,19 @@ def _legacy_options(
     return options, instance
 
 
+def _first_block(consumer: ModelConsumer) -> str | None:
+    """A path that reopens the consumer's first block file (the ``O_DIRECT`` probe), or
+    None without block files."""
+    fds = getattr(consumer, "expert_fds", None)
+    if fds is None:
+        return None
+    try:
+        files = fds()
+    except (NotImplementedError, CzyxError):
+        return None
+    return f"/proc/self/fd/{files[0]}" if files else None
+
+
 class Engine:
     """A model ready to run: trunk resident (or windowed), routed experts behind a slot cache.
 
@@ -259,7 +274,7 @@ class Engine:
                 cfg.top_k,
                 cfg.n_sparse_experts,
                 policy,
-                io=options.io,
+                io=options.io if options.io is not None else self._io_path(consumer),
                 readers=options.readers,
                 prefetch=options.prefetch,
                 lookahead=options.lookahead,
@@ -292,6 +307,21 @@ class Engine:
         if hot:
             self.cache.prewarm(hot)
         self.kv = self.model.new_kv()
+
+    def _io_path(self, consumer: ModelConsumer) -> str:
+        """The expert I/O path when the options name none.
+
+        ``O_DIRECT`` (where the files allow it and ``czyx bench io`` recorded no
+        winner) when the slots hold part of the experts and the memory this
+        process may take could not also hold the rest in the page cache: a model
+        bigger than memory, whose slots are the only cache its reads will have.
+        Else the store's default (buffered reads: a warm page cache serves them
+        at memory speed).
+        """
+        partial = self.budget_bytes < self.expert_bytes
+        room = available_bytes() if partial else None
+        prefer = room is not None and self.budget_bytes + self.expert_bytes > room
+        return default_io_path(prefer, _first_block(consumer) if prefer else None)
 
     @property
     def position(self) -> int:

@@ -40,9 +40,10 @@ class EngineOptions:
         :class:`~czyx.inference.cache.ExpertCache` (one ``read_expert`` per miss).
     io
         I/O path (:data:`czyx.store.io.iopaths.PATHS`); None: the one
-        ``czyx bench io`` measured fastest on this machine, else ``O_DIRECT`` when the
-        budget holds only part of the experts and the store's files allow it, else
-        buffered ``pread`` (:func:`~czyx.store.io.iopaths.default_io_path`).
+        ``czyx bench io`` measured fastest on this machine, else ``O_DIRECT`` where
+        the budget holds part of the experts and the memory left could not also
+        hold their files in the page cache (a model bigger than memory) and the
+        filesystem allows it, else buffered ``pread`` (``Engine``).
     readers
         Expert reader threads (>= 1).
     native

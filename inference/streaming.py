@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from czyx.errors import CzyxError
 from czyx.inference.cache import EvictionPolicy, ExpertCache
 from czyx.inference.errors import SlotInUseError
 from czyx.inference.kernels.linear import mm_t
@@ -96,19 +95,6 @@ class StreamOptions:
     strict_deadlines: bool = False
 
 
-def _first_block(consumer: ModelConsumer) -> str | None:
-    """A path that reopens the consumer's first block file (the ``O_DIRECT`` probe of
-    :func:`~czyx.store.io.iopaths.default_io_path`), or None without block files."""
-    fds = getattr(consumer, "expert_fds", None)
-    if fds is None:
-        return None
-    try:
-        files = fds()
-    except (NotImplementedError, CzyxError):
-        return None
-    return f"/proc/self/fd/{files[0]}" if files else None
-
-
 class StreamingExpertCache(ExpertCache):
     """An expert slot cache whose reads are planned transfers with look-ahead.
 
@@ -119,7 +105,7 @@ class StreamingExpertCache(ExpertCache):
     io
         I/O path name (:data:`czyx.store.io.iopaths.PATHS`); None:
         :func:`~czyx.store.io.iopaths.default_io_path` (the measured winner, else
-        ``O_DIRECT`` under a partial budget where the files allow, else ``pread``).
+        buffered ``pread``; the engine names ``direct`` for a model bigger than memory).
     readers
         Reader threads.
     prefetch
@@ -196,10 +182,8 @@ class StreamingExpertCache(ExpertCache):
         self.inflight = np.zeros(self.n_slots, bool)
         self._mask = np.zeros(self.n_slots, bool)
         self._xfer: list[Transfer | None] = [None] * self.n_slots
-        if io is None:  # partial budgets read around the page cache where the files allow
-            io = default_io_path(partial=not self.holds_all, probe=_first_block(consumer))
         #: The I/O path the experts are read by.
-        self.io = io
+        self.io = io = io if io is not None else default_io_path()
         if xray is not None and not xray.io_path:
             xray.io_path = io
         self.planner = TransferPlanner(

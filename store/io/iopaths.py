@@ -21,10 +21,9 @@ implementations, selected by name:
 
 Which path is fastest is measured (``czyx bench io``), recorded in a small
 JSON config (:func:`save_io_config`) and read by the engine
-(:func:`default_io_path`). With none recorded, a cache that holds only part of
-the experts reads them with ``O_DIRECT`` where the files allow it (the slots are
-its cache; a page-cache copy would take the memory the slots were sized from),
-and one that holds them all reads them buffered.
+(:func:`default_io_path`). With none recorded, reads are buffered, but where the
+caller's slots are the only cache the experts can have (a model bigger than the
+memory left): ``O_DIRECT`` where the files allow it.
 
 Contracts (fail closed): a transfer fills ``dest[:length]`` completely or
 raises (:class:`~store.errors.ShortReadError`,
@@ -592,20 +591,20 @@ def accepts_direct(path: str | os.PathLike) -> bool:
     return True
 
 
-def default_io_path(partial: bool = False, probe: str | os.PathLike | None = None) -> str:
+def default_io_path(prefer_direct: bool = False, probe: str | os.PathLike | None = None) -> str:
     """The I/O path when none is named.
 
     The winner ``czyx bench io`` recorded, if it recorded one. Else ``"direct"``
-    when the slots hold only part of the experts (``partial``: misses recur, so
-    the slots are the cache) and ``probe``, one of the files to be read, opens
-    with ``O_DIRECT``: a buffered read would keep a second copy of every expert
-    it reads in the page cache, which a memory limit counts against the same
-    room the slot budget was sized from. Else buffered ``"pread"`` (portable;
-    with every expert held, each is read once).
+    when the caller prefers it (its slots are the only cache its reads will have:
+    they hold part of the experts and memory cannot hold the rest, so a buffered
+    read would only keep a second, soon evicted copy in the page cache, which a
+    memory limit counts against the same room) and ``probe``, one of the files to
+    be read, opens with ``O_DIRECT``. Else buffered ``"pread"`` (portable, and
+    from a warm page cache a copy at memory speed).
     """
     cfg = load_io_config()
     if cfg is not None:
         return cfg.path
-    if partial and probe is not None and accepts_direct(probe):
+    if prefer_direct and probe is not None and accepts_direct(probe):
         return "direct"
     return "pread"

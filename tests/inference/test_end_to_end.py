@@ -118,6 +118,39 @@ def test_czyx_run_streams_a_model_bigger_than_the_memory_it_may_take(mounted, ca
     assert slots(streamed.err) < slots(resident.err) / 2 + 1
 
 
+def test_a_model_bigger_than_memory_reads_around_the_page_cache(mounted, tmp_path, monkeypatch):
+    """No I/O path named, none recorded: slots short of the experts whose files the
+    memory left could not also hold read with O_DIRECT (where the filesystem allows it);
+    with room for the files, memory unknown, or every expert held, buffered pread. The
+    tokens are the same whichever path read the bytes."""
+    from czyx.inference import engine as engine_mod
+    from czyx.store.io.iopaths import CONFIG_ENV, accepts_direct
+
+    monkeypatch.setenv(CONFIG_ENV, str(tmp_path / "no-io-config.json"))
+    store_dir, _, token = mounted
+    prompt = [int(t) for t in PROMPT]
+    with OpenedModel(str(store_dir), "mixtral@1", token) as opened:
+        consumer = opened.consumer
+        probe = Engine(consumer)  # every expert fits this machine
+        total, ids = probe.expert_bytes, generate_ids(probe, prompt, 8)[0]
+        assert probe.cache.io == "pread"
+        probe.close()
+        direct = accepts_direct(engine_mod._first_block(consumer))
+
+        def io_with_room(room):
+            monkeypatch.setattr(engine_mod, "available_bytes", lambda: room)
+            eng = Engine(consumer, cache_fraction=0.5)
+            try:
+                return eng.cache.io, generate_ids(eng, prompt, 8)[0]
+            finally:
+                eng.close()
+
+        # room for the slots, not for the rest of the files beside them
+        assert io_with_room(total) == ("direct" if direct else "pread", ids)
+        assert io_with_room(10 * total) == ("pread", ids)
+        assert io_with_room(None) == ("pread", ids)
+
+
 def test_torch_consumer_on_the_mounted_store_agrees_with_the_engine(mounted):
     from czyx.inference.torch_moe import TorchMoELayer
 

@@ -49,8 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineOptions = DEFAUL
         "--io",
         default="auto",
         choices=["auto", "pread", "mmap", "direct", "io_uring"],
-        help="expert I/O path (auto: the one `czyx bench io` measured fastest, else direct when "
-        "the budget holds part of the experts and the filesystem allows O_DIRECT, else pread)",
+        help="expert I/O path (auto: the one `czyx bench io` measured fastest, else direct for "
+        "a model bigger than the memory left, where the filesystem allows O_DIRECT, else pread)",
     )
     p.add_argument(
         "--readers",

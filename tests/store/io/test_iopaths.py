@@ -160,18 +160,18 @@ def test_config_round_trip_and_fail_closed(tmp_path, monkeypatch):
 
 
 def test_default_path_without_a_recorded_one(tmp_path, monkeypatch):
-    """O_DIRECT only for a partial budget on a file that opens with it; a recorded winner
-    still decides; a missing file never opens direct."""
+    """O_DIRECT only where the caller prefers it and the file opens with it; a recorded
+    winner still decides; a missing file never opens direct."""
     monkeypatch.setenv(io.CONFIG_ENV, str(tmp_path / "io.json"))
     f = tmp_path / "block"
     f.write_bytes(bytes(2 * 4096))
     direct = io.accepts_direct(f)
-    assert io.default_io_path(partial=True, probe=f) == ("direct" if direct else "pread")
-    assert io.default_io_path(partial=False, probe=f) == "pread"
-    assert io.default_io_path(partial=True) == "pread"  # nothing to probe
+    assert io.default_io_path(prefer_direct=True, probe=f) == ("direct" if direct else "pread")
+    assert io.default_io_path(prefer_direct=False, probe=f) == "pread"
+    assert io.default_io_path(prefer_direct=True) == "pread"  # nothing to probe
     assert not io.accepts_direct(tmp_path / "missing")
     monkeypatch.setattr(io, "accepts_direct", lambda path: False)  # a filesystem that refuses
-    assert io.default_io_path(partial=True, probe=f) == "pread"
+    assert io.default_io_path(prefer_direct=True, probe=f) == "pread"
     io.save_io_config(io.IOConfig("mmap", 1e9, 1 << 20, {"mmap": 1e9}, {}, "test machine"))
-    assert io.default_io_path(partial=True, probe=f) == "mmap"
+    assert io.default_io_path(prefer_direct=True, probe=f) == "mmap"
     assert io.default_io_path() == "mmap"
