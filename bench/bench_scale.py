@@ -171,12 +171,26 @@ def fmt_row(label: str, r: dict) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_model_args(ap: argparse.ArgumentParser, fmt: str) -> None:
+    """The flags naming a ``realshape.py gen`` directory's model pair (default ``fmt``)."""
     ap.add_argument("--out", required=True, help="realshape directory")
     ap.add_argument("--store", default=None, help="czyx store (default OUT/store)")
-    ap.add_argument("--format", choices=sorted(GGUF_OF), default="q8", help="q8 or q4 pair")
+    ap.add_argument("--format", choices=sorted(GGUF_OF), default=fmt, help="q8 or q4 pair")
     ap.add_argument("--tag", default=None, help="czyx version (default rs@FORMAT)")
+
+
+def model_pair(a: argparse.Namespace) -> tuple[Path, Path, dict, Path]:
+    """The directory, czyx store, shape and GGUF file the flags name; sets ``a.tag``."""
+    out = Path(a.out)
+    store = Path(a.store) if a.store else out / "store"
+    shape = json.loads((out / "shape.json").read_text())
+    a.tag = a.tag or f"rs@{a.format}"
+    return out, store, shape, out / "gguf" / f"model-{GGUF_OF[a.format]}.gguf"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(ap, "q8")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=8, help="untimed decode tokens first")
@@ -197,11 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         "--rounds", type=int, default=1, help="interleaved rounds; each row is its median round"
     )
     a = ap.parse_args(argv)
-    out = Path(a.out)
-    store = Path(a.store) if a.store else out / "store"
-    shape = json.loads((out / "shape.json").read_text())
-    gguf = out / "gguf" / f"model-{GGUF_OF[a.format]}.gguf"
-    a.tag = a.tag or f"rs@{a.format}"
+    out, store, shape, gguf = model_pair(a)
     # realshape --no-hf: czyx mounted the GGUF file itself (Q4_0 / Q8_0 repacked losslessly)
     same = " Both hold the same codes." if shape.get("source") == "gguf" else ""
     slots = (

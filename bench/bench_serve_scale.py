@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import shlex
@@ -54,7 +53,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _machine import machine  # noqa: E402
-from bench_scale import CG, TEXT, cgroups_writable, evict  # noqa: E402
+from bench_scale import CG, TEXT, add_model_args, cgroups_writable, evict, model_pair  # noqa: E402
 from realshape import GGUF_OF  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
@@ -337,10 +336,7 @@ def serve_levels(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="realshape directory")
-    ap.add_argument("--store", default=None, help="czyx store (default OUT/store)")
-    ap.add_argument("--format", choices=sorted(GGUF_OF), default="q4", help="q8 or q4 pair")
-    ap.add_argument("--tag", default=None, help="czyx version (default rs@FORMAT)")
+    add_model_args(ap, "q4")
     ap.add_argument("--ratios", type=float, nargs="*", default=[1.8])
     ap.add_argument("--levels", default="1,2,4,8")
     ap.add_argument("--llama-levels", default="1,2", help="'' for none")
@@ -362,11 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--md", default=str(HERE / "SERVE-SCALE.md"))
     a = ap.parse_args(argv)
-    out = Path(a.out)
-    store = Path(a.store) if a.store else out / "store"
-    shape = json.loads((out / "shape.json").read_text())
-    gguf = out / "gguf" / f"model-{GGUF_OF[a.format]}.gguf"
-    tag = a.tag or f"rs@{a.format}"
+    _, store, shape, gguf = model_pair(a)
+    tag = a.tag
     levels = [int(x) for x in a.levels.split(",")]
     llama_levels = [int(x) for x in a.llama_levels.split(",") if x]
     prompts = Prompts(gguf, TEXT.read_bytes(), a.prompt)
