@@ -582,7 +582,8 @@ def load_io_config(path: str | os.PathLike | None = None) -> IOConfig | None:
 
 
 def accepts_direct(path: str | os.PathLike) -> bool:
-    """Whether ``path`` opens with ``O_DIRECT`` (tmpfs and some network filesystems refuse)."""
+    """Whether ``path`` opens with ``O_DIRECT`` (some filesystems refuse it: tmpfs before
+    Linux 6.6, some network filesystems)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
     except OSError:

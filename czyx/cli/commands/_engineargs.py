@@ -138,7 +138,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         )
     return EngineOptions(
         policy=args.policy,
-        io=None if args.io == "auto" else args.io,  # auto: the engine's cache decides
+        io=None if args.io == "auto" else args.io,  # auto: the engine decides
         readers=args.readers,
         prefetch=not args.no_prefetch,
         lookahead=args.lookahead,
@@ -157,7 +157,7 @@ def stream_options(args: argparse.Namespace) -> tuple[EngineOptions, Any]:
     if getattr(args, "xray", None):
         cfg = load_io_config()
         xray = XRay(
-            io_path=options.io or "",  # auto: the cache names the path it chose
+            io_path=options.io or "",  # auto: the cache records the path the engine chose
             readers=options.readers,
             device_baseline=cfg.bandwidth if cfg else None,
         )
