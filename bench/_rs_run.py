@@ -36,10 +36,10 @@ def _vm_hwm() -> int:
     return -1
 
 
-def read_bytes() -> int:
-    """Bytes this process has caused to be read from storage (``/proc/self/io``):
+def read_bytes(pid: int | str = "self") -> int:
+    """Bytes process ``pid`` has caused to be read from storage (``/proc/PID/io``):
     O_DIRECT reads and page-cache misses (mmap faults, readahead) alike."""
-    for line in Path("/proc/self/io").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
         if line.startswith("read_bytes:"):
             return int(line.split()[1])
     return -1

@@ -75,6 +75,39 @@ def cgroups_writable() -> str | None:
     return None
 
 
+def open_group(name: str, cap: int) -> Path:
+    """A fresh cgroup v1 memory group capped at ``cap`` bytes (page cache counted, no swap)."""
+    group = CG / f"czyx-{name}-{os.getpid()}"
+    group.mkdir()
+    (group / "memory.limit_in_bytes").write_text(str(cap))
+    (group / "memory.swappiness").write_text("0")
+    return group
+
+
+def in_group(group: Path, cmd: list[str]) -> list[str]:
+    """``cmd`` run as a member of ``group`` (the shell joins it, then execs ``cmd``)."""
+    return ["sh", "-c", f"echo $$ > {group}/cgroup.procs && exec {shlex.join(cmd)}"]
+
+
+def close_group(group: Path) -> dict:
+    """The group's peak memory, limit hits and OOM kills; the group removed once empty."""
+    oom = (group / "memory.oom_control").read_text()
+    res = {
+        "group_peak": int((group / "memory.max_usage_in_bytes").read_text()),
+        "failcnt": int((group / "memory.failcnt").read_text()),
+        "oom_kills": int(
+            next((ln.split()[1] for ln in oom.splitlines() if ln.startswith("oom_kill ")), 0)
+        ),
+    }
+    for _ in range(100):  # the group empties once its process has exited
+        try:
+            group.rmdir()
+            break
+        except OSError:
+            time.sleep(0.1)
+    return res
+
+
 def run(args: list[str], cap: int | None, name: str) -> dict:
     """Run ``_rs_run.py args`` (in a fresh memory group capped at ``cap`` bytes)."""
     out = Path(f"/tmp/czyx-scale-{os.getpid()}-{name}.json")
@@ -82,35 +115,19 @@ def run(args: list[str], cap: int | None, name: str) -> dict:
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     group = None
     if cap is not None:
-        group = CG / f"czyx-scale-{os.getpid()}-{name}"
-        group.mkdir()
-        (group / "memory.limit_in_bytes").write_text(str(cap))
-        (group / "memory.swappiness").write_text("0")
-        shell = f"echo $$ > {group}/cgroup.procs && exec {shlex.join(cmd)}"
-        cmd = ["sh", "-c", shell]
+        group = open_group(f"scale-{name}", cap)
+        cmd = in_group(group, cmd)
     t0 = time.perf_counter()
+    res: dict = {}
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         res = json.loads(out.read_text()) if proc.returncode == 0 else {}
         res["rc"] = proc.returncode
         if proc.returncode != 0:
             res["stderr"] = proc.stderr[-2000:]
-        if group is not None:
-            res["cap"] = cap
-            res["group_peak"] = int((group / "memory.max_usage_in_bytes").read_text())
-            res["failcnt"] = int((group / "memory.failcnt").read_text())
-            oom = (group / "memory.oom_control").read_text()
-            res["oom_kills"] = int(
-                next((ln.split()[1] for ln in oom.splitlines() if ln.startswith("oom_kill ")), 0)
-            )
     finally:
         if group is not None:
-            for _ in range(50):  # the group empties when its process has exited
-                try:
-                    group.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            res.update(cap=cap, **close_group(group))
         out.unlink(missing_ok=True)
     res["wall_s"] = time.perf_counter() - t0
     return res

@@ -30,8 +30,10 @@ run. ``--resident`` adds czyx serve with no cap (every expert fits its default b
 slots fill as experts are first used) as the reference its capped run is compared with;
 ``--compare-args`` a second czyx serve with other flags in the same rounds and caps.
 
-Every request targets 127.0.0.1, every level is bounded by ``--level-budget`` seconds,
-every server start by ``--start-budget``. Writes ``--md`` (``bench/SERVE-SCALE.md``).
+The prompts are made by llama.cpp's tokenizer, so the bench needs llama-cpp-python even
+with ``--llama-levels ''``. Every request targets 127.0.0.1, every level is bounded by
+``--level-budget`` seconds, every server start by ``--start-budget``. Writes ``--md``
+(``bench/SERVE-SCALE.md``).
 """
 
 from __future__ import annotations
@@ -39,9 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,32 +53,21 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _machine import machine  # noqa: E402
-from bench_scale import CG, TEXT, add_model_args, cgroups_writable, evict, model_pair  # noqa: E402
+from _rs_run import read_bytes  # noqa: E402
+from bench_scale import (  # noqa: E402
+    TEXT,
+    add_model_args,
+    cgroups_writable,
+    close_group,
+    evict,
+    in_group,
+    model_pair,
+    open_group,
+)
+from bench_serve import _free_port, _metric  # noqa: E402
 from realshape import GGUF_OF  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
-def _proc_read_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/io") as f:
-        for line in f:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no read_bytes for process {pid}")
-
-
-def _metric(text: str, name: str) -> float:
-    """The sum of a Prometheus metric's samples (every label set)."""
-    total = 0.0
-    for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M):
-        total += float(m.group(1))
-    return total
 
 
 class Server:
@@ -95,11 +84,8 @@ class Server:
         self.group = None
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (open while the server runs)
         if cap is not None:
-            self.group = CG / f"czyx-serve-scale-{os.getpid()}-{name}"
-            self.group.mkdir()
-            (self.group / "memory.limit_in_bytes").write_text(str(cap))
-            (self.group / "memory.swappiness").write_text("0")
-            cmd = ["sh", "-c", f"echo $$ > {self.group}/cgroup.procs && exec {shlex.join(cmd)}"]
+            self.group = open_group(f"serve-scale-{name}", cap)
+            cmd = in_group(self.group, cmd)
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(
@@ -107,16 +93,18 @@ class Server:
         )
         deadline = time.monotonic() + start_budget
         while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited (rc {self.proc.returncode}): {self.tail()}")
+            if self.proc.poll() is not None:  # (its group removed; OOM kills named)
+                why = f"{name} exited (rc {self.proc.returncode}): {self.tail()}"
+                raise RuntimeError(f"{why} (OOM kills: {self.stop()['oom_kills']})")
             try:
                 if httpx.get(self.url + ready, timeout=5).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
+                why = self.tail()
                 self.stop()
-                raise RuntimeError(f"{name} did not answer {ready} in {start_budget:.0f} s")
+                raise RuntimeError(f"{name} did not answer {ready} in {start_budget:.0f} s: {why}")
             time.sleep(0.25)
         self.start_s = time.perf_counter() - t0
 
@@ -125,7 +113,7 @@ class Server:
         return self.log.read()[-2000:]
 
     def read_bytes(self) -> int:
-        return _proc_read_bytes(self.proc.pid)
+        return read_bytes(self.proc.pid)
 
     def metrics(self) -> str:
         import httpx
@@ -143,17 +131,8 @@ class Server:
             self.proc.wait(30)
         out["rc"] = self.proc.returncode
         if self.group is not None:
-            out["group_peak"] = int((self.group / "memory.max_usage_in_bytes").read_text())
-            oom = (self.group / "memory.oom_control").read_text()
-            out["oom_kills"] = int(
-                next((ln.split()[1] for ln in oom.splitlines() if ln.startswith("oom_kill ")), 0)
-            )
-            for _ in range(100):  # the group empties once its process has exited
-                try:
-                    self.group.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            out.update(close_group(self.group))
+            self.group = None
         self.log.close()
         return out
 
@@ -417,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _fmt(x: float, spec: str) -> str:
+    return "-" if x != x else format(x, spec)
+
+
 def _czyx_name(args: str) -> str:
     return f"czyx serve {args}".strip() if args else "czyx serve"
 
@@ -478,7 +461,7 @@ def write_report(a, runs, shape, gguf, stored, tag, levels, load0, started) -> N
                 f"{_med(x.latencies[-1] for x in lv):.1f} | "
                 f"{_med(x.prompt_tokens for x in lv):.1f} | "
                 f"{_med(x.bytes_per_token for x in lv) / 1e6:.1f} | "
-                f"{_med(x.per_step for x in lv):.2f} | "
+                f"{_fmt(_med(x.per_step for x in lv), '.2f')} | "
                 f"{'-' if peak != peak else f'{peak / 2**20:.0f} MiB'} | "
                 f"{'-' if ratio is None else ooms} | {_med(x.load for x in lv):.1f} |"
             )

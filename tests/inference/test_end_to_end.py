@@ -136,6 +136,15 @@ def test_a_model_bigger_than_memory_reads_around_the_page_cache(mounted, tmp_pat
         assert probe.cache.io == "pread"
         probe.close()
         direct = accepts_direct(engine_mod._first_block(consumer))
+        # the engine's preference, whatever this filesystem then allows
+        asked: list[bool] = []
+        store_default = engine_mod.default_io_path
+
+        def recorded(prefer, probe):
+            asked.append(prefer)
+            return store_default(prefer, probe)
+
+        monkeypatch.setattr(engine_mod, "default_io_path", recorded)
 
         def io_with_room(room):
             monkeypatch.setattr(engine_mod, "available_bytes", lambda: room)
@@ -149,6 +158,7 @@ def test_a_model_bigger_than_memory_reads_around_the_page_cache(mounted, tmp_pat
         assert io_with_room(total) == ("direct" if direct else "pread", ids)
         assert io_with_room(10 * total) == ("pread", ids)
         assert io_with_room(None) == ("pread", ids)
+        assert asked == [True, False, False]
 
 
 def test_torch_consumer_on_the_mounted_store_agrees_with_the_engine(mounted):
