@@ -113,10 +113,10 @@ class TokenGate:
         versions: dict[str, ServedVersion],
         clock: Callable[[], float] = time.time,
     ) -> None:
-        from czyx.portals.authority import authority
+        from czyx.portals.authority import open_authority
 
         self.store = store
-        self.authority = authority(store)
+        self.authority = open_authority(store)
         self.versions = versions
         self.clock = clock
         self._cache: collections.OrderedDict[str, Caller] = collections.OrderedDict()

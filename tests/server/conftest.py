@@ -9,7 +9,7 @@ import pytest
 
 from czyx import portals
 from czyx.inference.assets import bundled_model_dir
-from czyx.portals.authority import authority
+from czyx.portals.authority import open_authority
 from czyx.portals.model import grant_model
 from czyx.store import Store
 from czyx.store.models.mount import mount
@@ -51,7 +51,7 @@ def make_store(root):
             "reader": grant_model(store, "stdlib@1", tenant="carol", rights="read").token,
             "expired": grant_model(store, "stdlib@1", tenant="dave", expires_at=1).token,
         }
-        ids = {"alice": authority(store).verify(tokens["alice"]).portal_id.hex()}
+        ids = {"alice": open_authority(store).verify(tokens["alice"]).portal_id.hex()}
     return store_dir, cfg, tokens, ids
 
 

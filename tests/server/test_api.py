@@ -163,9 +163,9 @@ def test_revocation_takes_effect_on_the_next_request(served):
     assert c.completions.create(model="stdlib@1", prompt="x", max_tokens=2).usage
     assert gate.verifications == before  # the second request used the cached verification
     pid = gate.authenticate(f"Bearer {tok}").portal_id
-    from czyx.portals.authority import authority
+    from czyx.portals.authority import open_authority
 
-    authority(store).revoke(pid, reason="test")
+    open_authority(store).revoke(pid, reason="test")
     with pytest.raises(openai.PermissionDeniedError, match="revoked"):
         c.completions.create(model="stdlib@1", prompt="x", max_tokens=2)
 

@@ -91,6 +91,8 @@ def test_serve_says_when_a_version_streams_for_lack_of_memory(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert ran and ran[0]["host"] == "127.0.0.1"
     assert "czyx serve: stdlib@1: expert slots:" in err and "--cache-mb" in err
+    # how a client gets its bearer token, for the store being served
+    assert f"czyx grant stdlib@1 --tenant NAME --rights infer --store {store_dir}" in err
     monkeypatch.setattr(engine_mod, "available_bytes", lambda: 2**40)
     assert main(["serve", "stdlib@1", "--store", str(store_dir)]) == 0
     assert "expert slots:" not in capsys.readouterr().err

@@ -147,6 +147,15 @@ def run(args: argparse.Namespace) -> int:
         refs = ", ".join(app.state.czyx.models)
         over = f" over Ray ({args.ray_shape}, {args.ray_nodes} actors)" if args.ray else ""
         print(f"czyx serve: {refs}{over} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+        # Every request needs a portal token: say how to make one (the first thing a new
+        # user's client asks for, as an API key).
+        first = next(iter(app.state.czyx.models), "NAME@VER")
+        where = f" --store {args.store}" if args.store else ""
+        print(
+            "czyx serve: send 'Authorization: Bearer <portal token>'; a token: "
+            f"czyx grant {first} --tenant NAME --rights infer{where}",
+            file=sys.stderr,
+        )
         for ref, served in app.state.czyx.models.items():
             if served.engine.budget_note:
                 print(f"czyx serve: {ref}: {served.engine.budget_note}", file=sys.stderr)
