@@ -57,6 +57,18 @@ def test_local_chat_from_stdin_keeps_history(served, tmp_path, monkeypatch, caps
     assert out == f"{a1}\n{a2}\n{a3}\n"
 
 
+def test_local_chat_without_a_template_says_so_before_the_first_prompt(
+    tmp_path, monkeypatch, capsys
+):
+    store_dir, _, _, _ = make_store(tmp_path)
+    stdin = io.StringIO("never read\n")
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert main(["chat", "stdlib@1", "--store", str(store_dir), "--no-prefetch"]) == 1
+    err = capsys.readouterr().err
+    assert "stdlib@1 has no chat template" in err and "--chat-template" in err
+    assert stdin.tell() == 0  # failed before reading a prompt
+
+
 class _InterruptOnce(io.StringIO):
     """Raises KeyboardInterrupt at the first write (a Ctrl-C during the first answer)."""
 

@@ -179,6 +179,14 @@ def _local_server(args: argparse.Namespace):
     app = create_app(store_dir(args), [args.ref], serve_options(ns))
     started = False
     try:
+        served = app.state.czyx.models.get(args.ref)
+        if served is not None and served.template is None:
+            # Said before the first prompt is typed, with this command's own flag.
+            raise ValueError(
+                f"chat: {args.ref} has no chat template (mounted without a "
+                "tokenizer_config.json chat_template); give one with --chat-template "
+                "tokenizer_config.json (or a .jinja file), or use czyx run for plain text"
+            )
         token = args.portal or root_token(app.state.czyx.store)
         with serve_in_thread(app) as url:
             started = True  # from here on the app's shutdown closes its state
