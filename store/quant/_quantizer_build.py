@@ -18,7 +18,10 @@ float64 group sums with numpy's pairwise summation (8 accumulators for up to
 128 terms, halves above), ``rint`` ties-to-even, numpy's ``clip`` and fp16
 conversions correctly rounded to nearest-even (float32 and float64 sources
 alike, as numpy's casts do). ``tests/store/quant/test_native.py`` checks the
-bytes against the numpy reference with hypothesis.
+bytes against the numpy reference with hypothesis. ``-fno-trapping-math``
+changes no value (IEEE results do not depend on whether an exception traps);
+it lets the compiler compute both sides of a lane's select, the guarded
+``1 / d`` among them, in vector registers.
 
 Threads: rows are cut into fixed blocks handed out by an atomic counter to
 ``nthreads`` pthreads. Each group's result depends only on its own weights, so
@@ -818,7 +821,13 @@ ffibuilder.cdef(CDEF)
 ffibuilder.set_source(
     "czyx.store.quant._quantizer",
     SOURCE,
-    extra_compile_args=["-O3", "-std=gnu99", "-ffp-contract=off", "-fno-math-errno"],
+    extra_compile_args=[
+        "-O3",
+        "-std=gnu99",
+        "-ffp-contract=off",
+        "-fno-math-errno",
+        "-fno-trapping-math",
+    ],
     libraries=["pthread", "m"],
 )
 
