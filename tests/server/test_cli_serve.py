@@ -93,6 +93,10 @@ def test_serve_says_when_a_version_streams_for_lack_of_memory(tmp_path, monkeypa
     assert "czyx serve: stdlib@1: expert slots:" in err and "--cache-mb" in err
     # how a client gets its bearer token, for the store being served
     assert f"czyx grant stdlib@1 --tenant NAME --rights infer --store {store_dir}" in err
+    spaced = tmp_path / "a store"
+    store_dir.rename(spaced)  # a path the printed command must quote
+    assert main(["serve", "stdlib@1", "--store", str(spaced)]) == 0
+    assert f"--store '{spaced}'" in capsys.readouterr().err
     monkeypatch.setattr(engine_mod, "available_bytes", lambda: 2**40)
-    assert main(["serve", "stdlib@1", "--store", str(store_dir)]) == 0
+    assert main(["serve", "stdlib@1", "--store", str(spaced)]) == 0
     assert "expert slots:" not in capsys.readouterr().err

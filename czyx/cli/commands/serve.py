@@ -14,6 +14,7 @@ requests are not batched there, each runs as one sequence with up to
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from czyx.cli.commands._engineargs import add_engine_args, check_engine_args, engine_kwargs
@@ -149,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"czyx serve: {refs}{over} on http://{args.host}:{args.port}/v1", file=sys.stderr)
         # Every request needs a portal token: say how to make one (the first thing a new
         # user's client asks for, as an API key).
-        first = next(iter(app.state.czyx.models), "NAME@VER")
-        where = f" --store {args.store}" if args.store else ""
+        first = shlex.quote(next(iter(app.state.czyx.models), "NAME@VER"))
+        where = f" --store {shlex.quote(args.store)}" if args.store else ""
         print(
             "czyx serve: send 'Authorization: Bearer <portal token>'; a token: "
             f"czyx grant {first} --tenant NAME --rights infer{where}",
