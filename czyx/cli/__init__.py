@@ -58,6 +58,37 @@ def _quiet_stdout() -> None:
         pass
 
 
+#: Tags a "not found" error lists at most (the rest counted).
+_TAGS_SHOWN = 12
+#: Commands whose NAME@VERSION is looked up at another store or server.
+_REMOTE_REF_COMMANDS = frozenset({"pull", "sync"})
+
+
+def _tags_hint(exc: BaseException, args: argparse.Namespace) -> str:
+    """For a tag the local store does not have: the tags it has (this process may read
+    the whole store, so listing them shows nothing a portal hides); "" otherwise."""
+    from czyx.store.errors import TagNotFoundError
+
+    if not isinstance(exc, TagNotFoundError) or not hasattr(args, "store"):
+        return ""
+    if getattr(args, "command", None) in _REMOTE_REF_COMMANDS:
+        return ""  # their tag names a version at the source, not in this store
+    from czyx.cli.commands._storearg import store_dir
+    from czyx.store import Store
+
+    where = store_dir(args)
+    try:
+        with Store.open(where, create=False) as st:
+            tags = sorted(st.tags())
+    except Exception:  # no store there, or unreadable: the error alone says enough
+        return ""
+    if not tags:
+        return f" (the store {where} has no tags)"
+    more = len(tags) - _TAGS_SHOWN
+    shown = ", ".join(tags[:_TAGS_SHOWN]) + (f" and {more} more" if more > 0 else "")
+    return f" (tags in {where}: {shown})"
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -80,7 +111,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except (CzyxError, ValueError, OSError) as exc:
         if os.environ.get("CZYX_DEBUG"):
             raise
-        print(f"czyx: error: {exc}", file=sys.stderr)
+        print(f"czyx: error: {exc}{_tags_hint(exc, args)}", file=sys.stderr)
         return 1
     except Exception as exc:  # a bug: still one line, with the way to see more
         if os.environ.get("CZYX_DEBUG"):
