@@ -18,8 +18,13 @@ from setuptools import setup
 here = os.path.dirname(os.path.abspath(__file__))
 
 # import name of each top-level folder
-FOLDERS = {"czyx": "czyx", "czyx.curves": "curves", "czyx.store": "store",
-           "czyx.portals": "portals", "czyx.inference": "inference"}
+FOLDERS = {
+    "czyx": "czyx",
+    "czyx.curves": "curves",
+    "czyx.store": "store",
+    "czyx.portals": "portals",
+    "czyx.inference": "inference",
+}
 
 
 def _packages() -> tuple[list[str], dict[str, str]]:

@@ -78,9 +78,7 @@ class EngineOptions:
         if self.readers < 1:
             raise ValueError(f"readers: {self.readers} must be at least 1")
         if self.lookahead < 0 or (self.lookahead == 0 and not self.early):
-            raise ValueError(
-                f"lookahead: {self.lookahead}: at least 1, or 0 with early routing"
-            )
+            raise ValueError(f"lookahead: {self.lookahead}: at least 1, or 0 with early routing")
         if self.width is not None and self.width < 1:
             raise ValueError(f"width: {self.width} must be at least 1")
 
@@ -89,8 +87,10 @@ class EngineOptions:
         if "threads" in changes:
             # Not the old spelling of `readers` here: `threads` is the engine's kernel
             # thread count (Engine(threads=)), so mapping it would silently mean another thing.
-            raise TypeError("EngineOptions has no 'threads': reader threads are 'readers', "
-                            "kernel threads are Engine(threads=...)")
+            raise TypeError(
+                "EngineOptions has no 'threads': reader threads are 'readers', "
+                "kernel threads are Engine(threads=...)"
+            )
         return replace(self, **renamed(changes, stacklevel=3))
 
 

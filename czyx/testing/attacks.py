@@ -275,8 +275,10 @@ def checkpoint_attacks(root: pathlib.Path) -> Iterator[Attack]:
     edit_entry("shape overflow", lambda e: e.update(shape=[1 << 40, 1 << 40, 1 << 40]))
     edit_entry("shape float", lambda e: e.update(shape=[2.5]))
     edit_entry("offsets reversed", lambda e: e.update(data_offsets=e["data_offsets"][::-1]))
-    edit_entry("offsets shifted by one", lambda e: e.update(
-        data_offsets=[e["data_offsets"][0] + 1, e["data_offsets"][1] + 1]))
+    edit_entry(
+        "offsets shifted by one",
+        lambda e: e.update(data_offsets=[e["data_offsets"][0] + 1, e["data_offsets"][1] + 1]),
+    )
     edit_entry("offsets as strings", lambda e: e.update(data_offsets=["0", "4"]))
 
     def deep_header(d: pathlib.Path) -> None:
@@ -539,10 +541,24 @@ def cli_attacks(root: pathlib.Path) -> tuple[str, list[Attack]]:
         "tag without @version (grant)": ["grant", "stdlib", "--tenant", "a", "--store", store],
         "--expires 0s": ["grant", "stdlib@v1", "--tenant", "a", "--expires", "0s", *st],
         "--expires in the past (ISO)": [
-            "grant", "stdlib@v1", "--tenant", "a", "--expires", "2001-01-01", "--store", store
+            "grant",
+            "stdlib@v1",
+            "--tenant",
+            "a",
+            "--expires",
+            "2001-01-01",
+            "--store",
+            store,
         ],
         "--expires garbage": [
-            "grant", "stdlib@v1", "--tenant", "a", "--expires", "soon", "--store", store
+            "grant",
+            "stdlib@v1",
+            "--tenant",
+            "a",
+            "--expires",
+            "soon",
+            "--store",
+            store,
         ],
         "sessions show unknown": ["sessions", "show", "nosuch", "--store", store],
         "sessions rm unknown": ["sessions", "rm", "nosuch", "--store", store],

@@ -81,9 +81,7 @@ def fsck(store: Store, *, data: bool = True, direct: bool = False) -> FsckReport
             continue
         want, have = info.get("count"), counts.get(sp.raw, 0)
         if want != have:
-            problems.append(
-                f"space {sp.hex()}: holds {have} records, published with {want}"
-            )
+            problems.append(f"space {sp.hex()}: holds {have} records, published with {want}")
         block_size = store.block_identity(sp).size
         if not data:
             reader.close()

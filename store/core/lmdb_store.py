@@ -181,9 +181,7 @@ def _migrate_in(env: lmdb.Environment, txn: lmdb.Transaction) -> int:
 
 def _has_blocks(root: pathlib.Path) -> bool:
     blocks = root / "blocks"
-    return blocks.is_dir() and any(
-        p.suffix in (".blk", ".part") for p in blocks.iterdir()
-    )
+    return blocks.is_dir() and any(p.suffix in (".blk", ".part") for p in blocks.iterdir())
 
 
 class _Retry(Exception):
@@ -507,8 +505,10 @@ class Store(CatalogMixin, StoreInterface):
     def put_many(self, space: Selector, items: Iterable[tuple[bytes, dict]]) -> int:
         """Store many records in one transaction; returns how many were written."""
         sel = self._writable_space(space)
-        rows = [(sk, seal(_REC_SEED, sk, encode(r))) for sk, r in
-                ((sel + check_key(k), r) for k, r in items)]
+        rows = [
+            (sk, seal(_REC_SEED, sk, encode(r)))
+            for sk, r in ((sel + check_key(k), r) for k, r in items)
+        ]
 
         def fn(txn: lmdb.Transaction) -> int:
             self._refuse_sealed(txn, sel)
@@ -603,7 +603,6 @@ class Store(CatalogMixin, StoreInterface):
         def fn(txn: lmdb.Transaction) -> bool:
             self._refuse_sealed(txn, k[:SELECTOR_SIZE])
             return txn.delete(k, db=self._records)
-
 
         return self._write(fn)
 
@@ -783,7 +782,8 @@ class Store(CatalogMixin, StoreInterface):
             shared = any(
                 BlockIdentity.from_record(
                     decode_sealed(SEEDS["spaces"], k, v, "space entry")["block"]
-                ).name == block
+                ).name
+                == block
                 for k, v in txn.cursor(db=self._spaces)
                 if k != sel
             )

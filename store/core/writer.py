@@ -223,15 +223,19 @@ class SpaceWriter(SpaceWriterInterface):
             raise
         self._state = "committing"
         ident = BlockIdentity(self._final.name, self._gen, self._block.size, self.alignment)
-        entry = seal(SEEDS["spaces"], sel, encode(
-            {
-                "manifest": self._manifest,
-                "block": ident.to_record(),
-                "checksum": CHECKSUM_NAME,
-                "count": len(self._staged),
-                "time": time.time(),
-            }
-        ))
+        entry = seal(
+            SEEDS["spaces"],
+            sel,
+            encode(
+                {
+                    "manifest": self._manifest,
+                    "block": ident.to_record(),
+                    "checksum": CHECKSUM_NAME,
+                    "count": len(self._staged),
+                    "time": time.time(),
+                }
+            ),
+        )
         rec_seed = SEEDS["records"]
         rows = [(sel + k, seal(rec_seed, sel + k, v)) for k, v in sorted(self._staged.items())]
         records_db, spaces_db = store._records, store._spaces

@@ -319,7 +319,15 @@ def _tag_new(
     store.set_tag(tag, sel)
     store.audit("model.mount", tag=tag, space=sel.hex(), written=written, shared=shared)
     return MountResult(
-        tag, sel, trunk_sel, True, n_tensors, total, written, shared, time.perf_counter() - t0,
+        tag,
+        sel,
+        trunk_sel,
+        True,
+        n_tensors,
+        total,
+        written,
+        shared,
+        time.perf_counter() - t0,
         conversions=tuple(conversion_report(src)),
     )
 
@@ -348,7 +356,15 @@ def _tag_published(
     if fixed:
         store.audit("model.repair", tag=tag, space=sel.hex(), extents=fixed)
     return MountResult(
-        tag, sel, trunk_sel, False, n_tensors, total, 0, 0, time.perf_counter() - t0,
+        tag,
+        sel,
+        trunk_sel,
+        False,
+        n_tensors,
+        total,
+        0,
+        0,
+        time.perf_counter() - t0,
         conversions=tuple(conversion_report(src)),
         repaired=fixed,
     )
@@ -494,16 +510,18 @@ def _file_records(src: MountSource) -> list[tuple[bytes, dict[str, Any], bytes]]
     files), in the order the trunk space stores them."""
     out = []
     if src.tokenizer is not None:
-        out.append((
-            Key(TOKENIZER_CLASS).pack(),
-            {
-                "role": TOKENIZER_ROLE,
-                "layer": None,
-                "hash": content_hash(np.frombuffer(src.tokenizer, np.uint8)),
-                "src": [TOKENIZER_FILE, None],
-            },
-            src.tokenizer,
-        ))
+        out.append(
+            (
+                Key(TOKENIZER_CLASS).pack(),
+                {
+                    "role": TOKENIZER_ROLE,
+                    "layer": None,
+                    "hash": content_hash(np.frombuffer(src.tokenizer, np.uint8)),
+                    "src": [TOKENIZER_FILE, None],
+                },
+                src.tokenizer,
+            )
+        )
     for name, blob in sorted(src.side_files.items()):
         role, cls = SIDE_FILES[name]
         rec = {
@@ -693,7 +711,8 @@ def _model_manifest_for(
         "experts": [[l, e, expert_hash[(l, e)]] for l, e in sorted(expert_hash)],
         "trunk": None if trunk_sel is None else trunk_sel.hex(),
         "base": None if base_sel is None else base_sel.hex(),
-        "source": ckpt.source_manifest() if hasattr(ckpt, "source_manifest")
+        "source": ckpt.source_manifest()
+        if hasattr(ckpt, "source_manifest")
         else source_manifest(ckpt),
     }
     if src is not None and src.codec is not None:

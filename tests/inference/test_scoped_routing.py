@@ -84,7 +84,8 @@ def test_scope_narrower_than_top_k_is_refused(tmp_path) -> None:
     with Store.open(tmp_path / "store") as st:
         res = mount(st, ckpt, "m@1")
         token = grant_model(st, res.selector, tenant="a", classes="0", rights="infer").token
-    with OpenedModel(str(tmp_path / "store"), "m@1", token) as om, pytest.raises(
-        ScopeRoutingError, match="routes each token to 2"
+    with (
+        OpenedModel(str(tmp_path / "store"), "m@1", token) as om,
+        pytest.raises(ScopeRoutingError, match="routes each token to 2"),
     ):
         Engine(om.consumer)

@@ -207,15 +207,26 @@ def _reseal(path: pathlib.Path, db_name: str, edit) -> None:
         ("records", lambda k, r: {**r, "expert": "x"}, "malformed"),
         (
             "spaces",
-            lambda k, r: {**r, "manifest": {**r["manifest"], "expert": {"n_layers": 10**9}}}
-            if r["manifest"].get("kind") == "czyx.model" else None,
+            lambda k, r: (
+                {**r, "manifest": {**r["manifest"], "expert": {"n_layers": 10**9}}}
+                if r["manifest"].get("kind") == "czyx.model"
+                else None
+            ),
             "n_layers",
         ),
         (
             "spaces",
-            lambda k, r: {**r, "manifest": {**r["manifest"], "config": {
-                **r["manifest"]["config"], "rms_norm_eps": -1.0}}}
-            if r["manifest"].get("kind") == "czyx.model" else None,
+            lambda k, r: (
+                {
+                    **r,
+                    "manifest": {
+                        **r["manifest"],
+                        "config": {**r["manifest"]["config"], "rms_norm_eps": -1.0},
+                    },
+                }
+                if r["manifest"].get("kind") == "czyx.model"
+                else None
+            ),
             "rms_norm_eps",
         ),
     ],

@@ -131,6 +131,7 @@ def _killed_child(path, ckpt, when: str) -> int:
     if pid == 0:  # pragma: no cover (the child)
         code = 0
         try:
+
             def die(*_a, **_k):
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -238,8 +239,7 @@ def test_pending_space_writes_any_extent_and_publishes(tmp_path, monkeypatch):
             assert not ps.path.exists()
             got = snapshot(store, [sel])[sel]
             assert got[2] == {
-                Key(i).pack(): bytes(b)
-                for i, b in enumerate([padded[:5000], *blobs])
+                Key(i).pack(): bytes(b) for i, b in enumerate([padded[:5000], *blobs])
             }
             results.append(got[1:])
             ps2 = PendingSpace(store)

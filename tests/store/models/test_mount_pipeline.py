@@ -60,9 +60,7 @@ def test_pipelined_hashes_and_spool_are_the_serial_ones(bf16_ckpt, tmp_path):
     assert _stage_threads() == before
 
 
-def test_a_failing_stage_reaches_the_caller_and_stops_the_others(
-    bf16_ckpt, tmp_path, monkeypatch
-):
+def test_a_failing_stage_reaches_the_caller_and_stops_the_others(bf16_ckpt, tmp_path, monkeypatch):
     ck, src, keys = _source(bf16_ckpt, tmp_path)
     real = QuantCodec.encode_expert_raw
 
