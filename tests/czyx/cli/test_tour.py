@@ -203,27 +203,9 @@ def test_trunk_window_run_generates_the_same_text(store):
 
 def test_class_scoped_portal_runs(store):
     """The README's scoped grant (classes 0-7) runs the model: routing stays inside it."""
-    token = czyx(
-        "grant",
-        "stdlib@v1",
-        "--tenant",
-        "alice",
-        "--classes",
-        "0-7",
-        "--rights",
-        "infer",
-        store=store,
-    ).stdout.strip()
-    run = czyx(
-        "run",
-        "stdlib@v1",
-        "--prompt",
-        "def ",
-        "--max-tokens",
-        "8",
-        "--portal",
-        token,
-        store=store,
-    )
+    grant = ["grant", "stdlib@v1", "--tenant", "alice", "--classes", "0-7", "--rights", "infer"]
+    token = czyx(*grant, store=store).stdout.strip()
+    ask = ["run", "stdlib@v1", "--prompt", "def ", "--max-tokens", "8"]
+    run = czyx(*ask, "--portal", token, store=store)
     assert "restricted by the portal" in run.stderr and "of 16 experts" in run.stderr
     assert "outside the portal" not in run.stderr
