@@ -8,6 +8,7 @@ text live in :mod:`inference.sampling` and :mod:`inference.generate`.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -251,7 +252,12 @@ class Engine:
         cls = decoder_class(consumer.info.arch)
         cfg = cls.parse_config(consumer.info)
         self.consumer = consumer
-        self.budget_bytes = resolve_budget(consumer, cfg, cache_bytes, cache_fraction)
+        # The memory this process may take, read at most once: the default budget and the
+        # default I/O path (_io_path) are decided from the same reading.
+        self._room = functools.cache(available_bytes)
+        self.budget_bytes = resolve_budget(
+            consumer, cfg, cache_bytes, cache_fraction, available=self._room
+        )
         self.expert_bytes = expert_bytes(consumer, cfg)
         #: Why the default budget holds less than every expert (None: it holds them all,
         #: or the caller chose the budget).
@@ -319,7 +325,7 @@ class Engine:
         at memory speed).
         """
         partial = self.budget_bytes < self.expert_bytes
-        room = available_bytes() if partial else None
+        room = self._room() if partial else None
         prefer = room is not None and self.budget_bytes + self.expert_bytes > room
         return default_io_path(prefer, _first_block(consumer) if prefer else None)
 

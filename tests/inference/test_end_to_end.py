@@ -159,6 +159,15 @@ def test_a_model_bigger_than_memory_reads_around_the_page_cache(mounted, tmp_pat
         assert io_with_room(10 * total) == ("pread", ids)
         assert io_with_room(None) == ("pread", ids)
         assert asked == [True, False, False]
+        # the default budget and the default path come from one reading of the memory
+        reads = []
+        monkeypatch.setattr(engine_mod, "available_bytes", lambda: reads.append(1) or total)
+        eng = Engine(consumer)
+        try:
+            assert eng.budget_bytes < total and len(reads) == 1
+            assert eng.cache.io == ("direct" if direct else "pread") and asked[-1] is True
+        finally:
+            eng.close()
 
 
 def test_torch_consumer_on_the_mounted_store_agrees_with_the_engine(mounted):

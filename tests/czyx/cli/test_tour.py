@@ -43,8 +43,13 @@ def test_a_missing_tag_lists_the_tags_the_store_has(store, tmp_path):
     err = czyx("run", "stdlib@v9", "--prompt", "x", store=store, ok=False)
     assert err.returncode == 1
     assert f"tag 'stdlib@v9' not found (tags in {store}: stdlib@v1" in err.stderr
-    missing = czyx("show", "a@1", store=str(tmp_path / "none"), ok=False)
-    assert missing.returncode == 1 and "tags in" not in missing.stderr  # no store: no list
+    from czyx.store import Store
+
+    empty = tmp_path / "empty"
+    Store.open(empty).close()
+    none = czyx("show", "a@1", store=str(empty), ok=False)
+    assert none.returncode == 1
+    assert f"tag 'a@1' not found (the store {empty} has no tags)" in none.stderr
 
 
 def test_grant_run_audit_revoke(store):
