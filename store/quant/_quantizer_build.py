@@ -42,6 +42,7 @@ int czyx_quantize(const void *src, int dtype, int64_t rows, int64_t cols, int bi
                   int group, const float *imp, int search, uint8_t *out, int nthreads,
                   int64_t *bad);
 uint16_t czyx_f64_to_f16(double v);
+int czyx_f64_to_f16_lanes(const double *v, uint16_t *out, int64_t n, int fast);
 """
 
 SOURCE = r"""
@@ -294,6 +295,9 @@ INL void fit_impl(scratch *s, const float *w, int g, int qmax, int search, uint1
    128 codes of up to 255) are exact in float32, hence equal to numpy's float64
    sums in any order. */
 #define L 16
+typedef float vf8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef uint8_t vu16 __attribute__((vector_size(16)));
 #define MAXG 128
 typedef struct {
     float x[MAXG][L], w[MAXG][L], sh[MAXG][L], wx[MAXG][L];
@@ -335,6 +339,44 @@ INL uint64_t d2h_l(uint64_t b) {
     h = h < 0x7c00u ? h : 0x7c00u; /* overflow: infinity */
     return sign | h;
 }
+
+/* d2h_l of L lanes with F16C where the CPU has it (asked once, when the module loads):
+   the double is first rounded to float "to odd" (towards zero, then the last bit set if
+   anything was cut off), so the hardware's float -> fp16 rounding to nearest even that
+   follows gives the double's own correctly rounded fp16 (float keeps 13 more bits than
+   fp16, more than the 2 that rounding to odd needs). Same results as d2h_l. */
+static int use_f16c;
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define F16C_PATH 1
+__attribute__((constructor)) static void find_f16c(void) {
+    __builtin_cpu_init();
+    use_f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+__attribute__((target("avx2,f16c"))) static void d2h_f16c(const double *d, uint32_t *h) {
+    const __m256d absm = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
+    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7); /* a mask's low words */
+    const __m128i one = _mm_set1_epi32(1);
+    for (int l = 0; l < L; l += 8) {
+        __m128 f[2];
+        for (int k = 0; k < 2; k++) {
+            __m256d x = _mm256_loadu_pd(d + l + 4 * k);
+            __m128 y = _mm256_cvtpd_ps(x); /* nearest */
+            __m256d up = _mm256_cmp_pd(_mm256_and_pd(_mm256_cvtps_pd(y), absm),
+                                       _mm256_and_pd(x, absm), _CMP_GT_OQ);
+            __m128i down = _mm256_castsi256_si128(
+                _mm256_permutevar8x32_epi32(_mm256_castpd_si256(up), even));
+            __m128i yi = _mm_add_epi32(_mm_castps_si128(y), down); /* now towards zero */
+            __m256d cut = _mm256_cmp_pd(_mm256_cvtps_pd(_mm_castsi128_ps(yi)), x, _CMP_NEQ_UQ);
+            __m128i odd = _mm256_castsi256_si128(
+                _mm256_permutevar8x32_epi32(_mm256_castpd_si256(cut), even));
+            f[k] = _mm_castsi128_ps(_mm_or_si128(yi, _mm_and_si128(odd, one)));
+        }
+        __m128i h8 = _mm256_cvtps_ph(_mm256_set_m128(f[1], f[0]), _MM_FROUND_TO_NEAREST_INT);
+        _mm256_storeu_si256((__m256i *)(h + l), _mm256_cvtepu16_epi32(h8));
+    }
+}
+#endif
 
 #define COMB(A, l) \
     (((A[0][l] + A[1][l]) + (A[2][l] + A[3][l])) + ((A[4][l] + A[5][l]) + (A[6][l] + A[7][l])))
@@ -452,11 +494,19 @@ INL int soa_try(soa_t *S, int g, float qm, int mode, int wt) {
         S->m[l] = ok ? m : 0.0;
         S->ok[l] = ok;
     }
-    for (int l = 0; l < L; l++) S->dh64[l] = d2h_l(S->du[l]);
-    for (int l = 0; l < L; l++) S->mh64[l] = d2h_l(S->mu[l]);
-    for (int l = 0; l < L; l++) {
-        S->dh[l] = (uint32_t)S->dh64[l];
-        S->mh[l] = (uint32_t)S->mh64[l];
+#ifdef F16C_PATH
+    if (use_f16c) {
+        d2h_f16c(S->d, S->dh);
+        d2h_f16c(S->m, S->mh);
+    } else
+#endif
+    {
+        for (int l = 0; l < L; l++) S->dh64[l] = d2h_l(S->du[l]);
+        for (int l = 0; l < L; l++) S->mh64[l] = d2h_l(S->mu[l]);
+        for (int l = 0; l < L; l++) {
+            S->dh[l] = (uint32_t)S->dh64[l];
+            S->mh[l] = (uint32_t)S->mh64[l];
+        }
     }
     int any = 0;
     for (int l = 0; l < L; l++) {
@@ -524,26 +574,14 @@ INL void soa_search(soa_t *S, int g, int qmax, int wt, const float *xmin, const 
             S->sh[i][l] = S->x[i][l] - xmin[l];
             S->wx[i][l] = wt ? S->w[i][l] * S->x[i][l] : S->x[i][l];
         }
-    for (int j = 0; j < 8; j++) { /* sw, sx: numpy's pairwise order, as the other sums */
-        double a[L], b[L];
-        for (int l = 0; l < L; l++) {
-            a[l] = wt ? (double)S->w[j][l] : 1.0;
-            b[l] = (double)S->wx[j][l];
-        }
+    for (int j = 0; j < 8; j++) { /* sx: numpy's pairwise order, as the other sums */
+        double b[L];
+        for (int l = 0; l < L; l++) b[l] = (double)S->wx[j][l];
         for (int i = j + 8; i < g; i += 8)
-            for (int l = 0; l < L; l++) {
-                a[l] += wt ? (double)S->w[i][l] : 1.0;
-                b[l] += (double)S->wx[i][l];
-            }
-        for (int l = 0; l < L; l++) {
-            S->a0[j][l] = a[l];
-            S->a1[j][l] = b[l];
-        }
+            for (int l = 0; l < L; l++) b[l] += (double)S->wx[i][l];
+        for (int l = 0; l < L; l++) S->a1[j][l] = b[l];
     }
-    for (int l = 0; l < L; l++) {
-        S->sw[l] = wt ? COMB(S->a0, l) : (double)g;
-        S->sx[l] = COMB(S->a1, l);
-    }
+    for (int l = 0; l < L; l++) S->sx[l] = COMB(S->a1, l);
     for (int k = 0; k <= NSTEP; k++) {
         float f = (float)(((double)qmax + RMIN) + RDELTA * (double)k);
         for (int l = 0; l < L; l++) S->isc[l] = f * inv[l];
@@ -559,15 +597,19 @@ INL void soa_search(soa_t *S, int g, int qmax, int wt, const float *xmin, const 
 INL void soa_fit_impl(soa_t *S, int g, int qmax, int search, int wt) {
     float qm = (float)qmax;
     float xmin[L], xmax[L];
-    for (int l = 0; l < L; l++) {
-        xmin[l] = S->x[0][l];
-        xmax[l] = S->x[0][l];
-    }
-    for (int i = 1; i < g; i++)
-        for (int l = 0; l < L; l++) {
-            xmin[l] = S->x[i][l] < xmin[l] ? S->x[i][l] : xmin[l];
-            xmax[l] = S->x[i][l] > xmax[l] ? S->x[i][l] : xmax[l];
+    for (int h = 0; h < L; h += 8) { /* 8 lanes a vector: kept in registers, in order per lane */
+        vf8 mn, mx, v;
+        memcpy(&mn, &S->x[0][h], sizeof mn);
+        mx = mn;
+        for (int i = 1; i < g; i++) {
+            memcpy(&v, &S->x[i][h], sizeof v);
+            vi8 lt = v < mn, gt = v > mx;
+            mn = (vf8)((lt & (vi8)v) | (~lt & (vi8)mn));
+            mx = (vf8)((gt & (vi8)v) | (~gt & (vi8)mx));
         }
+        memcpy(&xmin[h], &mn, sizeof mn);
+        memcpy(&xmax[h], &mx, sizeof mx);
+    }
     soa_minmax_start(S, qm, xmin, xmax);
     soa_grid(S->bd, S->bm, S->bdf, S->bmf, S->binv);
     if (search) soa_search(S, g, qmax, wt, xmin, xmax);
@@ -594,23 +636,80 @@ INL void load_lane(soa_t *S, const void *src, int dtype, int64_t e0, int g, int 
     }
 }
 
+/* a 16 x 16 byte matrix (one vector a row) transposed in place: four rounds of
+   interleaving row i with row i + 8 (a perfect shuffle of the rows' bytes) */
+INL void transpose16(vu16 *r) {
+    const vu16 lo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const vu16 hi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    for (int round = 0; round < 4; round++) {
+        vu16 t[16];
+        for (int i = 0; i < 8; i++) {
+#if defined(__clang__)
+            t[2 * i] = __builtin_shufflevector(r[i], r[i + 8], 0, 16, 1, 17, 2, 18, 3, 19, 4,
+                                               20, 5, 21, 6, 22, 7, 23);
+            t[2 * i + 1] = __builtin_shufflevector(r[i], r[i + 8], 8, 24, 9, 25, 10, 26, 11,
+                                                   27, 12, 28, 13, 29, 14, 30, 15, 31);
+#else
+            t[2 * i] = __builtin_shuffle(r[i], r[i + 8], lo);
+            t[2 * i + 1] = __builtin_shuffle(r[i], r[i + 8], hi);
+#endif
+        }
+        memcpy(r, t, sizeof t);
+    }
+}
+
+/* the error weights' sums of every lane (sw), in numpy's pairwise order as the other sums */
+INL void soa_wsum(const float (*w)[L], int g, double *sw) {
+    double a[8][L];
+    for (int j = 0; j < 8; j++) {
+        for (int l = 0; l < L; l++) a[j][l] = (double)w[j][l];
+        for (int i = j + 8; i < g; i += 8)
+            for (int l = 0; l < L; l++) a[j][l] += (double)w[i][l];
+    }
+    for (int l = 0; l < L; l++) sw[l] = COMB(a, l);
+}
+
+/* The error weights of a lane depend only on its group's place in the row, so where a
+   row's groups fill whole sets of lanes (ngr % L == 0), every set of lanes at the same
+   place in any row has the same weights: they are laid out in lanes, and summed, once
+   per matrix (npat sets of g x L weights and L sums). */
+typedef struct {
+    int64_t npat;
+    float *w;
+    double *sw;
+} wplan_t;
+
 /* groups [g0, g0 + n) of the matrix, 16 at a time: codes (contiguous by group), scales, mins */
 INL void soa_groups_impl(soa_t *S, const void *src, int dtype, const float *imp, int64_t ngr,
                          int g, int64_t g0, int64_t n, int qmax, int search, int wt,
-                         uint8_t *codes, uint16_t *scales, uint16_t *mins) {
+                         const wplan_t *P, uint8_t *codes, uint16_t *scales, uint16_t *mins) {
     for (int64_t b0 = 0; b0 < n; b0 += L) {
         for (int l = 0; l < L; l++) { /* lanes past the end repeat the last group */
             int64_t G = g0 + (b0 + l < n ? b0 + l : n - 1);
             load_lane(S, src, dtype, G * g, g, l);
-            if (wt) {
+            if (wt && !P) {
                 const float *w = imp + (G % ngr) * g;
                 for (int i = 0; i < g; i++) S->w[i][l] = w[i];
             }
         }
+        if (wt && P) { /* g0 and b0 are multiples of L, so are the row's lane sets */
+            int64_t p = (b0 % ngr) / L;
+            memcpy(S->w, P->w + p * g * L, (size_t)g * L * sizeof(float));
+            memcpy(S->sw, P->sw + p * L, L * sizeof(double));
+        } else if (wt) {
+            soa_wsum((const float (*)[L])S->w, g, S->sw);
+        } else {
+            for (int l = 0; l < L; l++) S->sw[l] = (double)g;
+        }
         soa_fit_impl(S, g, qmax, search, wt);
+        for (int i0 = 0; i0 < g; i0 += 16) { /* codes: 16 x 16 byte transposes */
+            vu16 r[16];
+            memcpy(r, S->cq[i0], sizeof r);
+            transpose16(r);
+            for (int l = 0; l < L && b0 + l < n; l++)
+                memcpy(codes + (b0 + l) * g + i0, &r[l], 16);
+        }
         for (int l = 0; l < L && b0 + l < n; l++) {
-            uint8_t *dst = codes + (b0 + l) * g;
-            for (int i = 0; i < g; i++) dst[i] = S->cq[i][l];
             scales[g0 + b0 + l] = (uint16_t)S->bd[l];
             mins[g0 + b0 + l] = (uint16_t)S->bm[l];
         }
@@ -620,9 +719,10 @@ INL void soa_groups_impl(soa_t *S, const void *src, int dtype, const float *imp,
 /* soa_groups_impl with the common group sizes and the weighting as constants */
 CLONES static void soa_groups(soa_t *S, const void *src, int dtype, const float *imp,
                               int64_t ngr, int g, int64_t g0, int64_t n, int qmax, int search,
-                              uint8_t *codes, uint16_t *scales, uint16_t *mins) {
+                              const wplan_t *P, uint8_t *codes, uint16_t *scales,
+                              uint16_t *mins) {
 #define SOA_CALL(G, W) \
-    soa_groups_impl(S, src, dtype, imp, ngr, G, g0, n, qmax, search, W, codes, scales, mins)
+    soa_groups_impl(S, src, dtype, imp, ngr, G, g0, n, qmax, search, W, P, codes, scales, mins)
     if (g == 32 && !imp) SOA_CALL(32, 0);
     else if (g == 32) SOA_CALL(32, 1);
     else if (g == 64 && !imp) SOA_CALL(64, 0);
@@ -661,7 +761,7 @@ static inline float load(const void *src, int dtype, int64_t i) {
 
 /* whether every element of [i0, i1) is finite and within SAFE (one branch-free pass;
    the exact first bad index is looked for only when this fails) */
-static int block_ok(const void *src, int dtype, int64_t i0, int64_t i1) {
+CLONES static int block_ok(const void *src, int dtype, int64_t i0, int64_t i1) {
     int bad = 0;
     if (dtype == 0) {
         const float *f = (const float *)src;
@@ -700,8 +800,12 @@ static void *worker(void *arg) {
     uint16_t *mins = scales + J->rows * ngr;
     size_t fb = (size_t)g * sizeof(float), db = (size_t)g * sizeof(double);
     size_t codes_n = (size_t)(J->block * cols);
-    /* scratch: the one-group path's arrays, the block's unpacked codes, the lanes */
-    char *mem = malloc(7 * fb + 3 * db + codes_n + 64 + sizeof(soa_t) + 64);
+    wplan_t plan = {0, NULL, NULL};
+    if (soa && J->imp && ngr % L == 0) plan.npat = ngr / L;
+    size_t plan_n = (size_t)plan.npat * L * (g * sizeof(float) + sizeof(double));
+    /* scratch: the one-group path's arrays, the block's unpacked codes, the lanes, the
+       laid-out error weights */
+    char *mem = malloc(7 * fb + 3 * db + codes_n + 64 + sizeof(soa_t) + 64 + plan_n);
     if (!mem) {
         pthread_mutex_lock(&J->lock);
         J->oom = 1;
@@ -721,6 +825,16 @@ static void *worker(void *arg) {
     s.tmp = s.bq + g;
     uint8_t *codes = (uint8_t *)(s.tmp + g);
     soa_t *S = (soa_t *)(((uintptr_t)(codes + codes_n) + 63) & ~(uintptr_t)63);
+    if (plan.npat) {
+        plan.sw = (double *)(S + 1);
+        plan.w = (float *)(plan.sw + plan.npat * L);
+        for (int64_t p = 0; p < plan.npat; p++) {
+            float(*w)[L] = (float(*)[L])(plan.w + p * g * L);
+            for (int l = 0; l < L; l++)
+                for (int i = 0; i < g; i++) w[i][l] = J->imp[(p * L + l) * g + i];
+            soa_wsum((const float(*)[L])w, g, plan.sw + p * L);
+        }
+    }
     int64_t my_nf = -1, my_mag = -1;
     for (;;) {
         int64_t blk = __atomic_fetch_add(&J->next, 1, __ATOMIC_RELAXED);
@@ -742,7 +856,7 @@ static void *worker(void *arg) {
         int64_t n_groups = (r1 - r0) * ngr, g0 = r0 * ngr;
         if (soa) {
             soa_groups(S, J->src, J->dtype, J->imp, ngr, g, g0, n_groups, J->qmax, J->search,
-                       codes, scales, mins);
+                       plan.npat ? &plan : NULL, codes, scales, mins);
         } else {
             for (int64_t G = g0; G < g0 + n_groups; G++) {
                 int64_t r = G / ngr, gi = G % ngr;
@@ -813,6 +927,24 @@ int czyx_quantize(const void *src, int dtype, int64_t rows, int64_t cols, int bi
         return -2;
     }
     return 0;
+}
+
+/* the search's fp16 rounding of L lanes at a time, for tests: d2h_f16c where the CPU has
+   it and fast is set, d2h_l otherwise; returns 1 when the F16C path ran */
+int czyx_f64_to_f16_lanes(const double *v, uint16_t *out, int64_t n, int fast) {
+    union { double d[L]; uint64_t u[L]; } in;
+    uint32_t h[L];
+    int f16c = fast && use_f16c;
+    for (int64_t i0 = 0; i0 < n; i0 += L) {
+        for (int l = 0; l < L; l++) in.d[l] = i0 + l < n ? v[i0 + l] : 0.0;
+#ifdef F16C_PATH
+        if (f16c) d2h_f16c(in.d, h);
+        else
+#endif
+            for (int l = 0; l < L; l++) h[l] = (uint32_t)d2h_l(in.u[l]);
+        for (int l = 0; l < L && i0 + l < n; l++) out[i0 + l] = (uint16_t)h[l];
+    }
+    return f16c;
 }
 """
 

@@ -10,6 +10,8 @@ the thread count must not change a byte either.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -66,6 +68,75 @@ def test_same_bytes_as_numpy_reference(seed, fmt, rows, groups, kind, weighted, 
     got = quantize(w, f, imp, method=method, threads=1 + seed % 3)
     assert got.dtype == np.uint8 and got.shape == ref.shape
     np.testing.assert_array_equal(got, ref)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    fmt=st.sampled_from(["q2", "q4", "q8", "q4g64", "q8g96"]),
+    rows=st.integers(1, 4),
+    sets=st.integers(1, 2),
+    kind=st.sampled_from(["normal", "heavy", "tiny", "plateaus"]),
+    weighted=st.sampled_from(["random", "sparse"]),
+)
+def test_rows_of_whole_lane_sets_same_bytes(seed, fmt, rows, sets, kind, weighted):
+    # 16 or 32 groups a row: the C search lays each row place's error weights out once
+    # per matrix (and sums them once) instead of per set of 16 groups
+    f = get_format(fmt)
+    cols = 16 * sets * f.group_size
+    w = _matrix(seed, rows, cols, kind)
+    rng = np.random.default_rng(seed ^ 0xBEEF)
+    imp = rng.exponential(size=cols).astype(np.float32)
+    if weighted == "sparse":
+        imp[rng.random(cols) < 0.8] = 0
+    got = quantize(w, f, imp, threads=1 + seed % 2)
+    np.testing.assert_array_equal(got, quantize_reference(w, f, imp))
+
+
+def _f16_lanes(v: np.ndarray, fast: int) -> tuple[np.ndarray, int]:
+    from czyx.store.quant._quantizer import ffi, lib
+
+    v = np.ascontiguousarray(v, np.float64)
+    out = np.empty(v.size, np.uint16)
+    used = lib.czyx_f64_to_f16_lanes(
+        ffi.cast("double *", ffi.from_buffer(v)),
+        ffi.cast("uint16_t *", ffi.from_buffer(out)),
+        v.size,
+        fast,
+    )
+    return out, used
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    halves=st.lists(st.integers(0, 0x7BFE), min_size=1, max_size=40),
+    nudge=st.sampled_from([-1, 0, 1]),
+    signs=st.integers(0, 2**40 - 1),
+    spread=st.lists(st.floats(-6e4, 6e4, allow_nan=False, width=64), max_size=40),
+)
+def test_fp16_rounding_of_the_search_is_numpys(halves, nudge, signs, spread):
+    # midpoints between neighbouring fp16 values and the doubles just beside them: what a
+    # double rounding through float32 would get wrong, and rounding to odd gets right
+    h = np.array(halves, np.uint16)
+    lo = h.view(np.float16).astype(np.float64)
+    hi = (h + np.uint16(1)).view(np.float16).astype(np.float64)
+    mid = (lo + hi) / 2
+    if nudge:
+        mid = np.nextafter(mid, np.inf if nudge > 0 else -np.inf)
+    mid = np.where((signs >> np.arange(mid.size)) & 1, -mid, mid)
+    v = np.concatenate([mid, np.array(spread), [0.0, -0.0, 1e-30, -1e-30, 2.0**-25, 65504.0]])
+    want = v.astype(np.float16).view(np.uint16)
+    for fast in (0, 1):
+        got, _ = _f16_lanes(v, fast)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_fp16_rounding_takes_f16c_where_the_cpu_has_it():
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.exists() else ""
+    has = " f16c" in flags and " avx2" in flags
+    assert _f16_lanes(np.ones(3), 1)[1] == int(has)
+    assert _f16_lanes(np.ones(3), 0)[1] == 0
 
 
 @settings(max_examples=20, deadline=None)
