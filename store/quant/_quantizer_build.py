@@ -41,8 +41,7 @@ CDEF = """
 int czyx_quantize(const void *src, int dtype, int64_t rows, int64_t cols, int bits,
                   int group, const float *imp, int search, uint8_t *out, int nthreads,
                   int64_t *bad);
-uint16_t czyx_f64_to_f16(double v);
-int czyx_f64_to_f16_lanes(const double *v, uint16_t *out, int64_t n, int fast);
+int czyx_f64_to_f16(const double *v, uint16_t *out, int64_t n, int path);
 """
 
 SOURCE = r"""
@@ -105,8 +104,6 @@ INL uint16_t d2h(double v) {
     }
     return (uint16_t)(sign | R);
 }
-
-uint16_t czyx_f64_to_f16(double v) { return d2h(v); }
 
 /* numpy's nextafter on fp16 bit patterns (finite x) */
 INL uint16_t h_next(uint16_t x, int up) {
@@ -639,8 +636,10 @@ INL void load_lane(soa_t *S, const void *src, int dtype, int64_t e0, int g, int 
 /* a 16 x 16 byte matrix (one vector a row) transposed in place: four rounds of
    interleaving row i with row i + 8 (a perfect shuffle of the rows' bytes) */
 INL void transpose16(vu16 *r) {
+#if !defined(__clang__)
     const vu16 lo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
     const vu16 hi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+#endif
     for (int round = 0; round < 4; round++) {
         vu16 t[16];
         for (int i = 0; i < 8; i++) {
@@ -744,6 +743,7 @@ typedef struct {
     int64_t rows, cols, block, nblocks;
     const float *imp;
     uint8_t *out;
+    const wplan_t *plan; /* NULL: each set of lanes copies and sums its own weights */
     int64_t next; /* atomic */
     int64_t bad_nf, bad_mag; /* smallest bad flat index, per kind (under lock) */
     int oom;
@@ -800,12 +800,8 @@ static void *worker(void *arg) {
     uint16_t *mins = scales + J->rows * ngr;
     size_t fb = (size_t)g * sizeof(float), db = (size_t)g * sizeof(double);
     size_t codes_n = (size_t)(J->block * cols);
-    wplan_t plan = {0, NULL, NULL};
-    if (soa && J->imp && ngr % L == 0) plan.npat = ngr / L;
-    size_t plan_n = (size_t)plan.npat * L * (g * sizeof(float) + sizeof(double));
-    /* scratch: the one-group path's arrays, the block's unpacked codes, the lanes, the
-       laid-out error weights */
-    char *mem = malloc(7 * fb + 3 * db + codes_n + 64 + sizeof(soa_t) + 64 + plan_n);
+    /* scratch: the one-group path's arrays, the block's unpacked codes, the lanes */
+    char *mem = malloc(7 * fb + 3 * db + codes_n + 64 + sizeof(soa_t) + 64);
     if (!mem) {
         pthread_mutex_lock(&J->lock);
         J->oom = 1;
@@ -825,16 +821,6 @@ static void *worker(void *arg) {
     s.tmp = s.bq + g;
     uint8_t *codes = (uint8_t *)(s.tmp + g);
     soa_t *S = (soa_t *)(((uintptr_t)(codes + codes_n) + 63) & ~(uintptr_t)63);
-    if (plan.npat) {
-        plan.sw = (double *)(S + 1);
-        plan.w = (float *)(plan.sw + plan.npat * L);
-        for (int64_t p = 0; p < plan.npat; p++) {
-            float(*w)[L] = (float(*)[L])(plan.w + p * g * L);
-            for (int l = 0; l < L; l++)
-                for (int i = 0; i < g; i++) w[i][l] = J->imp[(p * L + l) * g + i];
-            soa_wsum((const float(*)[L])w, g, plan.sw + p * L);
-        }
-    }
     int64_t my_nf = -1, my_mag = -1;
     for (;;) {
         int64_t blk = __atomic_fetch_add(&J->next, 1, __ATOMIC_RELAXED);
@@ -856,7 +842,7 @@ static void *worker(void *arg) {
         int64_t n_groups = (r1 - r0) * ngr, g0 = r0 * ngr;
         if (soa) {
             soa_groups(S, J->src, J->dtype, J->imp, ngr, g, g0, n_groups, J->qmax, J->search,
-                       plan.npat ? &plan : NULL, codes, scales, mins);
+                       J->plan, codes, scales, mins);
         } else {
             for (int64_t G = g0; G < g0 + n_groups; G++) {
                 int64_t r = G / ngr, gi = G % ngr;
@@ -904,6 +890,22 @@ int czyx_quantize(const void *src, int dtype, int64_t rows, int64_t cols, int bi
     J.block = 16384 / cols > 0 ? 16384 / cols : 1;
     J.nblocks = (rows + J.block - 1) / J.block;
     J.bad_nf = J.bad_mag = -1;
+    /* the error weights laid out in lanes once for every thread (see wplan_t) */
+    wplan_t plan = {0, NULL, NULL};
+    int64_t ngr = cols / group;
+    if (group <= MAXG && imp && ngr % L == 0) {
+        plan.npat = ngr / L;
+        plan.sw = malloc((size_t)ngr * (group * sizeof(float) + sizeof(double)));
+        if (!plan.sw) return -3;
+        plan.w = (float *)(plan.sw + ngr);
+        for (int64_t p = 0; p < plan.npat; p++) {
+            float(*w)[L] = (float(*)[L])(plan.w + p * group * L);
+            for (int l = 0; l < L; l++)
+                for (int i = 0; i < group; i++) w[i][l] = imp[(p * L + l) * group + i];
+            soa_wsum((const float(*)[L])w, group, plan.sw + p * L);
+        }
+        J.plan = &plan;
+    }
     pthread_mutex_init(&J.lock, NULL);
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 256) nthreads = 256;
@@ -917,6 +919,7 @@ int czyx_quantize(const void *src, int dtype, int64_t rows, int64_t cols, int bi
     worker(&J); /* the calling thread works too */
     for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
     pthread_mutex_destroy(&J.lock);
+    free(plan.sw);
     if (J.oom) return -3;
     if (J.bad_nf >= 0) {
         *bad = J.bad_nf;
@@ -929,22 +932,27 @@ int czyx_quantize(const void *src, int dtype, int64_t rows, int64_t cols, int bi
     return 0;
 }
 
-/* the search's fp16 rounding of L lanes at a time, for tests: d2h_f16c where the CPU has
-   it and fast is set, d2h_l otherwise; returns 1 when the F16C path ran */
-int czyx_f64_to_f16_lanes(const double *v, uint16_t *out, int64_t n, int fast) {
+/* The fp16 roundings of doubles the searches use, for tests: path 0 d2h_l (the lanes'
+   portable one), 1 d2h_f16c where the CPU has F16C (else d2h_l), 2 d2h (the one-group
+   search's). Returns the path that ran. */
+int czyx_f64_to_f16(const double *v, uint16_t *out, int64_t n, int path) {
     union { double d[L]; uint64_t u[L]; } in;
     uint32_t h[L];
-    int f16c = fast && use_f16c;
+    if (path == 1 && !use_f16c) path = 0;
+    if (path == 2) {
+        for (int64_t i = 0; i < n; i++) out[i] = d2h(v[i]);
+        return 2;
+    }
     for (int64_t i0 = 0; i0 < n; i0 += L) {
         for (int l = 0; l < L; l++) in.d[l] = i0 + l < n ? v[i0 + l] : 0.0;
 #ifdef F16C_PATH
-        if (f16c) d2h_f16c(in.d, h);
+        if (path == 1) d2h_f16c(in.d, h);
         else
 #endif
             for (int l = 0; l < L; l++) h[l] = (uint32_t)d2h_l(in.u[l]);
         for (int l = 0; l < L && i0 + l < n; l++) out[i0 + l] = (uint16_t)h[l];
     }
-    return f16c;
+    return path;
 }
 """
 

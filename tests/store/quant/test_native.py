@@ -93,16 +93,16 @@ def test_rows_of_whole_lane_sets_same_bytes(seed, fmt, rows, sets, kind, weighte
     np.testing.assert_array_equal(got, quantize_reference(w, f, imp))
 
 
-def _f16_lanes(v: np.ndarray, fast: int) -> tuple[np.ndarray, int]:
+def _to_f16(v: np.ndarray, path: int) -> tuple[np.ndarray, int]:
     from czyx.store.quant._quantizer import ffi, lib
 
     v = np.ascontiguousarray(v, np.float64)
     out = np.empty(v.size, np.uint16)
-    used = lib.czyx_f64_to_f16_lanes(
+    used = lib.czyx_f64_to_f16(
         ffi.cast("double *", ffi.from_buffer(v)),
         ffi.cast("uint16_t *", ffi.from_buffer(out)),
         v.size,
-        fast,
+        path,
     )
     return out, used
 
@@ -126,8 +126,8 @@ def test_fp16_rounding_of_the_search_is_numpys(halves, nudge, signs, spread):
     mid = np.where((signs >> np.arange(mid.size)) & 1, -mid, mid)
     v = np.concatenate([mid, np.array(spread), [0.0, -0.0, 1e-30, -1e-30, 2.0**-25, 65504.0]])
     want = v.astype(np.float16).view(np.uint16)
-    for fast in (0, 1):
-        got, _ = _f16_lanes(v, fast)
+    for path in (0, 1, 2):  # the lanes' portable, the lanes' F16C, the one-group search's
+        got, _ = _to_f16(v, path)
         np.testing.assert_array_equal(got, want)
 
 
@@ -137,8 +137,8 @@ def test_fp16_rounding_takes_f16c_where_the_cpu_has_it():
         pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
     flags = cpuinfo.read_text()
     has = " f16c" in flags and " avx2" in flags
-    assert _f16_lanes(np.ones(3), 1)[1] == int(has)
-    assert _f16_lanes(np.ones(3), 0)[1] == 0
+    assert _to_f16(np.ones(3), 1)[1] == int(has)
+    assert _to_f16(np.ones(3), 0)[1] == 0
 
 
 @settings(max_examples=20, deadline=None)
