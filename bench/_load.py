@@ -128,19 +128,27 @@ async def _request(conns: dict, slot: int, port: int, req: dict, deadline: float
     for when, d in conn.reads:
         got += len(d)
         reads.append((got, when))
-    stamps, texts, usage = [], [], None
+    stamps, texts, usage, detail = [], [], None, None
     for when, ev in _sse_events(raw[conn.head :], reads):
         if ev == b"[DONE]":
             continue
         obj = json.loads(ev)
         if obj.get("usage"):
-            usage = obj["usage"]["completion_tokens"]
+            detail = obj["usage"]
+            usage = detail["completion_tokens"]
         for ch in obj.get("choices", []):
             text = ch.get("text") or (ch.get("delta") or {}).get("content")
             if text:
                 stamps.append(when)
                 texts.append(text)
-    return {"status": status, "t0": t0, "stamps": stamps, "usage": usage, "text": "".join(texts)}
+    return {
+        "status": status,
+        "t0": t0,
+        "stamps": stamps,
+        "usage": usage,
+        "usage_detail": detail,
+        "text": "".join(texts),
+    }
 
 
 async def _level(conns: dict, cmd: dict) -> list[dict]:
@@ -197,8 +205,8 @@ class LoadGenerator:
     def level(self, port: int, requests: list[dict], budget_s: float) -> list[dict]:
         """Each request ``{"path", "body", "headers"}`` on its own connection, all at
         once; one result per request: ``status``, and ``t0`` (request written),
-        ``stamps`` (each text event's time), ``usage`` (completion tokens, or None)
-        and ``text``, or ``error``."""
+        ``stamps`` (each text event's time), ``usage`` (completion tokens, or None),
+        ``usage_detail`` (the whole usage object, or None) and ``text``, or ``error``."""
         cmd = {"port": port, "requests": requests, "budget": budget_s}
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()

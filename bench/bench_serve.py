@@ -702,7 +702,7 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
             pool.close()
         raise
     runs: dict[str, dict[int, list[LevelRun]]] = {k: {} for k in kinds}
-    floor: list[float] = []  # CPU per token of the bare stack (http_floor)
+    floor: dict = {}  # CPU per token of the bare stack (http_floor), pacing either way
     # (server, engine alone driven, engine alone threaded), one client
     overhead_pairs: list[tuple[LevelRun, LevelRun, LevelRun]] = []
     level_ids = itertools.count()
@@ -776,7 +776,14 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
         # The same stack with nothing of czyx: its CPU per streamed token at the engine's pace.
         if overhead_pairs:
             pace = statistics.median(e.cpu_per_token for _, e, _ in overhead_pairs) * 1e6
-            floor = http_floor(pool, args.overhead_tokens, pace)
+            cfg, cache = alone.engine.model.cfg, alone.engine.cache
+            # The expert bytes one decode token reads: its top-k in every sparse layer.
+            work = cfg.top_k * sum(cfg.sparse_layers) * cache.slot_nbytes
+            floor = {
+                "spin": http_floor(pool, args.overhead_tokens, pace),
+                "read": http_floor(pool, args.overhead_tokens, pace, work),
+                "work_bytes": work,
+            }
     finally:
         if pool is not None:
             pool.close()
@@ -805,16 +812,20 @@ def bench_model(label, store_dir, ref, args, levels, llama_gguf: str | None = No
     return summarize(runs, levels), slots, (overhead_pairs, floor), runs.get("numpy", {})
 
 
-def http_floor(load, tokens: int, pace_us: float, requests: int = 5) -> list[float]:
+def http_floor(
+    load, tokens: int, pace_us: float, work_bytes: int = 0, requests: int = 5
+) -> list[float]:
     """CPU per streamed token of a bare Starlette route on uvicorn (``_sse_floor.py``)
-    writing one czyx-sized event per token, ``pace_us`` of compute between two, beyond
-    that compute: one figure per request (the first, unmeasured, warms it)."""
+    writing one czyx-sized event per token, ``pace_us`` of compute between two (spinning,
+    or with ``work_bytes`` reading through that many bytes), beyond the CPU time the
+    paces took: one figure per request (the first, unmeasured, warms it)."""
     port = _free_port()
     cmd = [sys.executable, os.path.join(HERE, "_sse_floor.py"), str(port)]
     proc = _started(cmd, f"http://127.0.0.1:{port}/health", "SSE floor server")
     out = []
     try:
-        req = {"path": "/", "body": {"tokens": tokens, "pace_us": pace_us}}
+        body = {"tokens": tokens, "pace_us": pace_us, "work_bytes": int(work_bytes)}
+        req = {"path": "/", "body": body}
         for i in range(requests + 1):
             cpu0 = cpu_seconds(proc.pid)
             (res,) = load.level(port, [req], 120.0)
@@ -822,7 +833,7 @@ def http_floor(load, tokens: int, pace_us: float, requests: int = 5) -> list[flo
             if res["status"] != 200 or len(res.get("stamps", [])) != tokens:
                 raise RuntimeError(f"SSE floor server: {res}")
             if i:
-                out.append(cpu / tokens - pace_us / 1e6)
+                out.append((cpu - res["usage_detail"]["paced_us"] / 1e6) / tokens)
     finally:
         load.close_connections()
         _stop(proc)
@@ -873,17 +884,22 @@ def overhead_line(measured, tokens: int) -> str:
         f"{threaded_cpu[-1] * 100:+.1f}%).\n"
     )
     if floor:
-        f_us = med(floor) * 1e6
+        f_us, spin = med(floor["read"]) * 1e6, floor["spin"]
         line += (
             f"\nThe floor of that overhead on this machine: a bare Starlette route on the same "
             "uvicorn (uvloop, httptools; `bench/_sse_floor.py`, nothing of czyx) streaming "
             f"{tokens} events of czyx's chunk size, one write each, with {e_cpu * 1e6:.0f} us of "
-            "compute between two (the engine alone's CPU per token above), costs "
-            f"**{f_us:+.0f} us of CPU per token** beyond that compute (median of {len(floor)} "
-            f"requests, {min(floor) * 1e6:+.0f} to {max(floor) * 1e6:+.0f}), i.e. "
-            f"{f_us / (e_cpu * 1e6) * 100:+.1f}% of the engine's per-token CPU: the cost of "
-            "one streamed event through this stack and the loopback socket, whatever the "
-            f"server does. czyx serve's own share is the rest ({med(extra) - f_us:+.0f} us).\n"
+            "compute between two (the engine alone's CPU per token above) that reads through "
+            f"{floor['work_bytes'] / 1e3:.0f} kB (the expert bytes a decode token reads: its "
+            "top-k of every layer, so the write after it finds the caches a decode step "
+            f"leaves), costs **{f_us:+.0f} us of CPU per token** beyond that compute (median "
+            f"of {len(floor['read'])} requests, {min(floor['read']) * 1e6:+.0f} to "
+            f"{max(floor['read']) * 1e6:+.0f}), i.e. {f_us / (e_cpu * 1e6) * 100:+.1f}% of the "
+            "engine's per-token CPU: the cost of one streamed event through this stack and the "
+            "loopback socket after a decode step, whatever the server does. With compute that "
+            "only spins on the clock (the write path's code and data stay cached) it costs "
+            f"{med(spin) * 1e6:+.0f} us ({min(spin) * 1e6:+.0f} to {max(spin) * 1e6:+.0f}). "
+            f"czyx serve's own share is the rest ({med(extra) - f_us:+.0f} us).\n"
         )
     load = med(p[1].load[1] for p in pairs)
     cpus = os.cpu_count() or 1
