@@ -66,6 +66,8 @@ from czyx.inference.tokenizer import ByteTokenizer
 from czyx.server.auth import AuthError, Caller, ServedVersion, TokenGate
 from czyx.server.metrics import Metrics
 from czyx.server.template import (
+    CONFIG_FILE,
+    JINJA_FILE,
     ChatTemplate,
     TemplateError,
     from_tokenizer_config,
@@ -84,21 +86,24 @@ class ServerError(CzyxError):
 
 
 def stored_template(consumer: object, ref: str) -> ChatTemplate | None:
-    """The chat template of the ``tokenizer_config.json`` mounted with ``ref``'s checkpoint
-    (for a GGUF source: the template its metadata carried).
+    """The chat template mounted with ``ref``'s checkpoint, as transformers loads it: its
+    ``chat_template.jinja`` where it had one, else its ``tokenizer_config.json``'s
+    template, the special tokens from that config (for a GGUF source: the template
+    its metadata carried).
 
-    None when the checkpoint had neither, or the file names no template
+    None when the checkpoint had none of them, or its config names no template
     (chat then answers 400). Read once, when the version is opened.
 
     Raises
     ------
     ServerError
-        The stored file is not JSON, or its template does not compile (serve
+        A stored file is not JSON or UTF-8, or the template does not compile (serve
         the version with ``--chat-template`` to replace it).
     """
     side_file = getattr(consumer, "side_file", None)
-    raw = side_file("tokenizer_config.json") if callable(side_file) else None
-    if raw is None:
+    raw = side_file(CONFIG_FILE) if callable(side_file) else None
+    jinja = side_file(JINJA_FILE) if callable(side_file) else None
+    if raw is None and jinja is None:
         # A GGUF source carries its template in its metadata instead.
         gguf_template = getattr(consumer, "gguf_chat_template", None)
         text = gguf_template() if callable(gguf_template) else None
@@ -110,14 +115,15 @@ def stored_template(consumer: object, ref: str) -> ChatTemplate | None:
             raise ServerError(
                 f"{ref}: its GGUF chat template: {exc} (override it with --chat-template)"
             ) from None
+    what = " and ".join(n for n, b in ((JINJA_FILE, jinja), (CONFIG_FILE, raw)) if b is not None)
     try:
-        config = json.loads(raw)
+        config = {} if raw is None else json.loads(raw)
         if not isinstance(config, dict):
-            raise TemplateError("not a JSON object")
-        return from_tokenizer_config(config)
+            raise TemplateError(f"{CONFIG_FILE}: not a JSON object")
+        return from_tokenizer_config(config, None if jinja is None else jinja.decode("utf-8"))
     except (ValueError, RecursionError, TemplateError) as exc:
         raise ServerError(
-            f"{ref}: its mounted tokenizer_config.json: {exc} (override it with --chat-template)"
+            f"{ref}: its mounted {what}: {exc} (override it with --chat-template)"
         ) from None
 
 
@@ -518,9 +524,9 @@ def _chat_prompt(body: dict, served: ServedModel) -> list[int]:
         plain.append({"role": m["role"], "content": content or ""})
     if served.template is None:
         raise _bad(
-            f"model {served.ref} has no chat template (its checkpoint was mounted without "
-            "a tokenizer_config.json chat_template; serve it with --chat-template "
-            "tokenizer_config.json); use /v1/completions",
+            f"model {served.ref} has no chat template (its checkpoint was mounted with "
+            "neither a chat_template.jinja nor a tokenizer_config.json chat_template; serve "
+            "it with --chat-template FILE); use /v1/completions",
             "model",
         )
     try:

@@ -1,15 +1,18 @@
-"""Chat templates: a checkpoint's ``tokenizer_config.json`` template rendered as transformers does.
+"""Chat templates: a checkpoint's chat template rendered as transformers renders it.
 
-Scope: loading the template (``chat_template`` of a ``tokenizer_config.json``,
-a string or a list of named templates, or a bare ``.jinja`` file) with its
-special tokens, and rendering a list of messages in the same sandboxed jinja2
-environment transformers builds for ``apply_chat_template`` (trim_blocks,
-lstrip_blocks, loop controls, its ``tojson``, ``raise_exception``,
-``strftime_now``), so a served model sees the prompt text its own tokenizer
-would produce. A model without a template refuses chat (the caller answers 400).
+Scope: loading the template with its special tokens, from where transformers
+looks: the checkpoint's ``chat_template.jinja`` (transformers 5 saves a template
+there and leaves it out of ``tokenizer_config.json``; loading, it prefers that
+file), else the ``chat_template`` of its ``tokenizer_config.json`` (a string or
+a list of named templates), the special tokens from that config either way; and
+rendering a list of messages in the same sandboxed jinja2 environment
+transformers builds for ``apply_chat_template`` (trim_blocks, lstrip_blocks,
+loop controls, its ``tojson``, ``raise_exception``, ``strftime_now``), so a
+served model sees the prompt text its own tokenizer would produce. A model
+without a template refuses chat (the caller answers 400).
 
-The store does not keep ``tokenizer_config.json`` today (only ``tokenizer.json``
-travels with a mounted trunk), so the server takes the file by path.
+A mounted checkpoint keeps both files (the server reads them from the store);
+``--chat-template`` gives one by path instead.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ SPECIAL_KEYS = (
     "cls_token",
     "mask_token",
 )
+
+
+#: The files transformers reads a tokenizer's chat template and special tokens from.
+JINJA_FILE = "chat_template.jinja"
+CONFIG_FILE = "tokenizer_config.json"
 
 
 def _token_text(v: Any) -> str | None:
@@ -118,12 +126,16 @@ def _compile(source: str):
     return tpl
 
 
-def from_tokenizer_config(config: dict[str, Any]) -> ChatTemplate | None:
+def from_tokenizer_config(
+    config: dict[str, Any], template: str | None = None
+) -> ChatTemplate | None:
     """The template of a parsed ``tokenizer_config.json`` (None: it has none).
 
-    A list of named templates gives the one named ``default``.
+    ``template`` is the text of the checkpoint's ``chat_template.jinja`` where it has
+    one: as in transformers, it replaces the config's own template, and the config
+    gives the special tokens. A list of named templates gives the one named ``default``.
     """
-    tpl = config.get("chat_template")
+    tpl = template if template is not None else config.get("chat_template")
     if isinstance(tpl, list):
         named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
         tpl = named.get("default")
@@ -144,29 +156,54 @@ def from_tokenizer_config(config: dict[str, Any]) -> ChatTemplate | None:
 
 
 def load_template(path: str | os.PathLike) -> ChatTemplate:
-    """A template from a ``tokenizer_config.json``, a checkpoint directory holding one,
-    or a ``.jinja`` file.
+    """A template from a checkpoint directory, its ``tokenizer_config.json`` or a
+    ``.jinja`` file.
+
+    As transformers loads a directory: its ``chat_template.jinja`` where it has one,
+    else the config's template; the special tokens from the ``tokenizer_config.json``
+    in the same directory. A config without a template takes the
+    ``chat_template.jinja`` beside it.
 
     Raises
     ------
     TemplateError
-        No such file, bad JSON, or a config without a chat template.
+        No such file, bad JSON or UTF-8, or no chat template.
     """
     p = os.fspath(path)
     if os.path.isdir(p):
-        p = os.path.join(p, "tokenizer_config.json")
+        jinja = os.path.join(p, JINJA_FILE)
+        p = jinja if os.path.isfile(jinja) else os.path.join(p, CONFIG_FILE)
     if not os.path.isfile(p):
         raise TemplateError(f"chat template {p!r}: no such file")
-    with open(p, encoding="utf-8") as f:
-        text = f.read()
+    here = os.path.dirname(p)
     if p.endswith(".json"):
-        try:
-            cfg = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise TemplateError(f"{p}: not JSON ({exc})") from exc
-        tpl = from_tokenizer_config(cfg)
+        cfg = _read_config(p)
+        beside = os.path.join(here, JINJA_FILE)
+        text = _read_text(beside) if "chat_template" not in cfg and os.path.isfile(beside) else None
+        tpl = from_tokenizer_config(cfg, text)
         if tpl is None:
-            raise TemplateError(f"{p}: has no chat_template")
+            raise TemplateError(f"{p}: has no chat_template (and no {JINJA_FILE} beside it)")
         return tpl
-    _compile(text)
-    return ChatTemplate(text)
+    config = os.path.join(here, CONFIG_FILE)
+    cfg = _read_config(config) if os.path.isfile(config) else {}
+    tpl = from_tokenizer_config(cfg, _read_text(p))
+    assert tpl is not None  # (a template was given)
+    return tpl
+
+
+def _read_text(p: str) -> str:
+    try:
+        with open(p, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as exc:
+        raise TemplateError(f"{p}: not UTF-8 ({exc.reason})") from None
+
+
+def _read_config(p: str) -> dict[str, Any]:
+    try:
+        cfg = json.loads(_read_text(p))
+    except json.JSONDecodeError as exc:
+        raise TemplateError(f"{p}: not JSON ({exc})") from exc
+    if not isinstance(cfg, dict):
+        raise TemplateError(f"{p}: not a JSON object")
+    return cfg

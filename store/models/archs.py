@@ -70,7 +70,10 @@ assert len(ALL_ROLES) <= TOKENIZER_CLASS
 #: Other text files of a checkpoint kept the same way, so export writes them back and
 #: the server finds the chat template: file name -> (role, class byte). Recorded in the
 #: trunk manifest under "side_files" (so only checkpoints that have them change content).
+#: transformers 5 saves a tokenizer's chat template to chat_template.jinja (and leaves it
+#: out of tokenizer_config.json); loading, it prefers that file to the config's template.
 SIDE_FILES = {
+    "chat_template.jinja": ("chat_template", 0xF3),
     "generation_config.json": ("generation_config", 0xF1),
     "tokenizer_config.json": ("tokenizer_config", 0xF2),
 }

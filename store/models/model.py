@@ -373,8 +373,9 @@ class StoreModel(BlockFileExperts):
         return self._space.read_trunk_raw(self._tokenizer_ref).tobytes().decode("utf-8")
 
     def side_file(self, name: str) -> bytes | None:
-        """A kept checkpoint file (``tokenizer_config.json``, ``generation_config.json``)
-        as mounted (verified), or ``None`` when the checkpoint had none.
+        """A kept checkpoint file (``tokenizer_config.json``, ``chat_template.jinja``,
+        ``generation_config.json``) as mounted (verified), or ``None`` when the
+        checkpoint had none.
 
         Raises
         ------

@@ -427,7 +427,8 @@ def side_file_bytes(ckpt: Any) -> dict[str, bytes]:
     Raises
     ------
     CheckpointError
-        A side file that is not a regular file, is larger than the bound, or is not JSON.
+        A side file that is not a regular file, is larger than the bound, or is not
+        what its name says (JSON for ``.json``, UTF-8 text otherwise).
     """
     import stat
 
@@ -449,10 +450,16 @@ def side_file_bytes(ckpt: Any) -> dict[str, bytes]:
             data = fh.read(SIDE_FILE_MAX + 1)
         if len(data) > SIDE_FILE_MAX:
             raise CheckpointError(f"{name}: over the {SIDE_FILE_MAX} byte bound")
-        try:
-            json.loads(data)
-        except (ValueError, RecursionError) as exc:
-            raise CheckpointError(f"{name}: not JSON ({type(exc).__name__})") from None
+        if name.endswith(".json"):
+            try:
+                json.loads(data)
+            except (ValueError, RecursionError) as exc:
+                raise CheckpointError(f"{name}: not JSON ({type(exc).__name__})") from None
+        else:
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise CheckpointError(f"{name}: not UTF-8 text") from None
         out[name] = data
     return out
 

@@ -45,7 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--chat-template",
         metavar="PATH",
-        help="local engine: tokenizer_config.json (or .jinja) whose chat template to use",
+        help="local engine: a checkpoint directory, its tokenizer_config.json or a .jinja "
+        "file whose chat template to use (default: the one mounted with the checkpoint)",
     )
     add_store_arg(p)
     add_engine_args(p)
@@ -183,9 +184,10 @@ def _local_server(args: argparse.Namespace):
         if served is not None and served.template is None:
             # Said before the first prompt is typed, with this command's own flag.
             raise ValueError(
-                f"chat: {args.ref} has no chat template (mounted without a "
-                "tokenizer_config.json chat_template); give one with --chat-template "
-                "tokenizer_config.json (or a .jinja file), or use czyx run for plain text"
+                f"chat: {args.ref} has no chat template (mounted with neither a "
+                "chat_template.jinja nor a tokenizer_config.json chat_template); give one "
+                "with --chat-template (a checkpoint directory, its tokenizer_config.json or a "
+                ".jinja file), or use czyx run for plain text"
             )
         token = args.portal or root_token(app.state.czyx.store)
         with serve_in_thread(app) as url:

@@ -62,9 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--chat-template",
         metavar="PATH",
-        help="tokenizer_config.json (or its checkpoint directory, or a .jinja file) whose "
-        "chat template the chat endpoint renders (default: the chat_template of the "
-        "tokenizer_config.json mounted with each checkpoint; without one chat answers 400)",
+        help="a checkpoint directory, its tokenizer_config.json or a .jinja file: the chat "
+        "template the chat endpoint renders (default: the one mounted with each checkpoint, "
+        "its chat_template.jinja or its tokenizer_config.json's; without one chat answers 400)",
     )
     p.add_argument(
         "--default-max-tokens", type=int, default=256, help="chat max_tokens when none is given"

@@ -117,3 +117,31 @@ def test_a_side_file_that_is_not_a_regular_json_file_is_refused(tmp_path):
         with pytest.raises(CheckpointError, match=r"generation_config\.json: not a regular file"):
             mount(st, ckpt, "a@v1")
         assert "a@v1" not in st.tags()
+
+
+def test_a_chat_template_jinja_is_kept_and_exported_byte_identical(tmp_path):
+    """transformers 5 saves a chat template to chat_template.jinja: it travels with the
+    trunk as tokenizer_config.json does, and a file that is not UTF-8 is refused."""
+    import pytest
+
+    from czyx.store.models.mount_errors import CheckpointError
+
+    ckpt = make_tiny_checkpoint("mixtral", tmp_path / "ckpt")
+    jinja = "{% for m in messages %}{{ m['content'] }}\u00e9{% endfor %}\n".encode()
+    with Store.open(tmp_path / "s") as st:
+        plain = mount(st, ckpt, "a@v1").selector
+        (ckpt / "chat_template.jinja").write_bytes(jinja)
+        kept = mount(st, ckpt, "b@v1").selector
+        with open_consumer(st, None, "b@v1") as m:
+            assert m.side_file("chat_template.jinja") == jinja
+            assert not m.has_trunk("chat_template")
+        with open_consumer(st, None, "a@v1") as m:
+            assert m.side_file("chat_template.jinja") is None
+        files = export(st, "b@v1", tmp_path / "out")
+        (ckpt / "chat_template.jinja").write_bytes(b"{{ x }}\xff")
+        with pytest.raises(CheckpointError, match=r"chat_template\.jinja: not UTF-8"):
+            mount(st, ckpt, "c@v1")
+        assert "c@v1" not in st.tags()
+    assert plain != kept  # the file is part of the content
+    assert (tmp_path / "out" / "chat_template.jinja").read_bytes() == jinja
+    assert tmp_path / "out" / "chat_template.jinja" in files
