@@ -34,7 +34,7 @@ import numpy as np
 from czyx.space import Selector
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
-from czyx.store.models.archs import FILE_ROLES, TOKENIZER_ROLE
+from czyx.store.models.archs import FILE_ROLES, SIDE_FILES, TOKENIZER_ROLE
 from czyx.store.models.checkpoint import DTYPES
 from czyx.store.models.export import chat_template, format_history
 from czyx.store.models.gguf import (
@@ -132,6 +132,7 @@ def export_gguf(store: Any, ref: str | Selector, out: str | os.PathLike[str]) ->
     heads = int(config["num_attention_heads"])
     kv = int(config.get("num_key_value_heads") or heads)
     tokenizer = None
+    kept: dict[str, bytes] = {}  # the side files, by role
     for (role, layer), tref in sorted(
         space.trunk.items(), key=lambda kv_: (kv_[0][1] is not None, kv_[0][1] or 0, kv_[0][0])
     ):
@@ -140,6 +141,7 @@ def export_gguf(store: Any, ref: str | Selector, out: str | os.PathLike[str]) ->
             tokenizer = raw.tobytes().decode("utf-8")
             continue
         if role in FILE_ROLES:  # kept files (generation/tokenizer config): no GGUF tensor
+            kept[role] = raw.tobytes()
             continue
         name = gguf_name(arch, role, layer)
         shape = tuple(tref.shape)
@@ -160,7 +162,7 @@ def export_gguf(store: Any, ref: str | Selector, out: str | os.PathLike[str]) ->
     for key, value in meta.items():
         _add_kv(writer, key, value)
     writer.add_string("czyx.format_history", json.dumps(format_history(space.root)))
-    template = chat_template(space.root)
+    template = chat_template(space.root) or _checkpoint_chat_template(kept)
     if template is not None:
         writer.add_chat_template(template)
     if tokenizer is not None:
@@ -250,3 +252,19 @@ def _split(buf: np.ndarray, fmt: str, inter: int, hidden: int, dtype: str) -> li
         out.append((buf[pos : pos + size], shape))
         pos += size
     return out
+
+
+def _checkpoint_chat_template(kept: dict[str, bytes]) -> str | list | None:
+    """The chat template a mounted checkpoint kept, where transformers finds it: its
+    ``chat_template.jinja``, else its ``tokenizer_config.json``'s ``chat_template`` (a
+    list of named templates as it is: the GGUF writer stores each under its name, as
+    llama.cpp's converter does). None when it kept neither or the config is unusable."""
+    jinja = kept.get(SIDE_FILES["chat_template.jinja"][0])
+    if jinja is not None:
+        return jinja.decode("utf-8")
+    raw = kept.get(SIDE_FILES["tokenizer_config.json"][0])
+    try:
+        tpl = None if raw is None else json.loads(raw).get("chat_template")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return tpl if isinstance(tpl, (str, list)) else None

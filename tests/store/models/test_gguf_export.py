@@ -160,3 +160,33 @@ def test_sentencepiece_vocabulary_tokenizes_as_llama_cpp_and_round_trips(tmp_pat
                     assert tok.decode(want) == text
             finally:
                 llm.close()
+
+
+def test_a_checkpoints_chat_template_goes_into_the_gguf_as_llama_cpp_converts_it(tmp_path):
+    """The template transformers would load (chat_template.jinja over the config's) is the
+    GGUF's tokenizer.chat_template; a config's named templates keep their names."""
+    import json
+
+    import gguf
+
+    model = gguf_model("mixtral")
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    named = [
+        {"name": "default", "template": "{{ messages[0]['content'] }}"},
+        {"name": "tool_use", "template": "{{ tools }}"},
+    ]
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    jinja = "{% for m in messages %}[{{ m['role'] }}]{% endfor %}"
+    with Store.open(tmp_path / "s") as store:
+        mount(store, ckpt, "named@1")
+        (ckpt / "chat_template.jinja").write_text(jinja)
+        mount(store, ckpt, "jinja@1")
+        (gn,) = export_gguf(store, "named@1", tmp_path / "named.gguf")
+        (gj,) = export_gguf(store, "jinja@1", tmp_path / "jinja.gguf")
+    fields = gguf.GGUFReader(gn).fields
+    assert fields["tokenizer.chat_template"].contents() == named[0]["template"]
+    assert fields["tokenizer.chat_template.tool_use"].contents() == "{{ tools }}"
+    fields = gguf.GGUFReader(gj).fields
+    assert fields["tokenizer.chat_template"].contents() == jinja
+    assert "tokenizer.chat_template.tool_use" not in fields
