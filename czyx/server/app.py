@@ -1214,21 +1214,37 @@ class _Api:
         data = await run_in_threadpool(generate_latest, self.state.metrics.registry)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
+    def _model_object(self, ref: str) -> dict[str, Any]:
+        created = self.state.models[ref].created
+        return {"id": ref, "object": "model", "created": created, "owned_by": "czyx"}
+
     async def models(self, request: Request) -> Response:
         caller = None
         try:
             caller = self._caller(request)
-            data = [
-                {
-                    "id": ref,
-                    "object": "model",
-                    "created": self.state.models[ref].created,
-                    "owned_by": "czyx",
-                }
-                for ref in self.state.gate.visible(caller)
-            ]
+            data = [self._model_object(ref) for ref in self.state.gate.visible(caller)]
             await self._audit(caller, "models", None, 200, None)
             return JSONResponse({"object": "list", "data": data})
+        except ApiError as exc:
+            await self._audit(caller, "models", None, exc.status, None)
+            return exc.response()
+
+    async def model(self, request: Request) -> Response:
+        """One model (OpenAI's retrieve): a version the caller's portal cannot see answers
+        404 as one not served, so a portal learns nothing of versions outside it."""
+        caller, ref = None, request.path_params["model"]
+        try:
+            caller = self._caller(request)
+            if ref not in self.state.gate.visible(caller):
+                raise ApiError(
+                    404,
+                    f"model {ref!r} is not served here",
+                    "invalid_request_error",
+                    "model_not_found",
+                    "model",
+                )
+            await self._audit(caller, "models", ref, 200, None)
+            return JSONResponse(self._model_object(ref))
         except ApiError as exc:
             await self._audit(caller, "models", None, exc.status, None)
             return exc.response()
@@ -1538,6 +1554,7 @@ def create_app(
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         *extra_routes,

@@ -32,6 +32,24 @@ def test_health_and_models_by_portal(served):
     assert [m.id for m in client(url, tokens["bob"]).models.list()] == ["tiny@1"]
 
 
+def test_retrieve_a_model_by_portal(served):
+    """OpenAI's GET /v1/models/{model}: a version outside the caller's portal is a 404
+    like one not served at all (the portal learns nothing of it)."""
+    url, tokens, *_ = served
+    m = client(url, tokens["alice"]).models.retrieve("stdlib@1")
+    assert (m.id, m.object, m.owned_by) == ("stdlib@1", "model", "czyx")
+    assert m.created == next(
+        x.created for x in client(url, tokens["root"]).models.list() if x.id == "stdlib@1"
+    )
+    for who, model in (("alice", "tiny@1"), ("alice", "nope@1"), ("root", "nope@1")):
+        with pytest.raises(openai.NotFoundError) as exc:
+            client(url, tokens[who]).models.retrieve(model)
+        assert exc.value.body["code"] == "model_not_found"
+    assert client(url, tokens["bob"]).models.retrieve("tiny@1").id == "tiny@1"
+    with pytest.raises(openai.AuthenticationError):
+        client(url, "not-a-portal").models.retrieve("stdlib@1")
+
+
 def test_completion_greedy_usage_and_length(served):
     url, tokens, *_ = served
     c = client(url, tokens["alice"])
