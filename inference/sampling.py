@@ -2,6 +2,9 @@
 
 The order is transformers' (temperature, then top-k, then top-p); the random
 stream is a numpy ``Generator(PCG64(seed))``, so a seed reproduces a run.
+OpenAI's presence and frequency penalties come first, on the logits: each token
+the sampler chose so far is lowered by ``frequency_penalty`` times its count,
+plus ``presence_penalty`` once (greedy choice included).
 """
 
 from __future__ import annotations
@@ -21,10 +24,15 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0  # 1.0: no nucleus cut
     seed: int | None = None
+    presence_penalty: float = 0.0  # off
+    frequency_penalty: float = 0.0  # off
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise SamplingError(f"temperature {self.temperature} is negative")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not np.isfinite(getattr(self, name)):
+                raise SamplingError(f"{name} {getattr(self, name)} is not a finite number")
         if self.top_k < 0:
             raise SamplingError(f"top_k {self.top_k} is negative")
         if not 0.0 < self.top_p <= 1.0:
@@ -37,6 +45,20 @@ class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.rng = np.random.Generator(np.random.PCG64(params.seed))
+        self._penalize = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        self._counts: dict[int, int] = {}  # token -> times chosen (with penalties only)
+
+    def penalized(self, logits: np.ndarray) -> np.ndarray:
+        """``logits`` less the presence and frequency penalties of the tokens chosen so
+        far: a copy, or ``logits`` itself when nothing is penalized."""
+        if not self._counts:
+            return logits
+        p, n = self.params, len(self._counts)
+        ids = np.fromiter(self._counts.keys(), np.int64, n)
+        times = np.fromiter(self._counts.values(), np.float64, n)
+        out = logits.copy()
+        out[ids] -= (times * p.frequency_penalty + p.presence_penalty).astype(out.dtype)
+        return out
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
         """The distribution sampling draws from, after temperature, top-k and top-p."""
@@ -60,8 +82,13 @@ class Sampler:
         return probs
 
     def __call__(self, logits: np.ndarray) -> int:
-        """The next token id."""
+        """The next token id (counted, where penalties are on)."""
+        z = self.penalized(logits)
         if self.params.temperature == 0.0:
-            return int(np.argmax(logits))
-        probs = self.probabilities(logits)
-        return int(self.rng.choice(probs.size, p=probs))
+            tok = int(np.argmax(z))
+        else:
+            probs = self.probabilities(z)
+            tok = int(self.rng.choice(probs.size, p=probs))
+        if self._penalize:
+            self._counts[tok] = self._counts.get(tok, 0) + 1
+        return tok

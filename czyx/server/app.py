@@ -456,6 +456,9 @@ def _parse_common(body: dict, default_max: int, max_keys: tuple[str, ...]) -> Ge
     if top_p == 0.0:
         raise _bad("top_p must be above 0", "top_p")
     seed = _number(body, "seed", int, None)
+    # OpenAI's range; the sampler lowers the logits of the tokens chosen so far.
+    presence = _number(body, "presence_penalty", float, 0.0, -2.0, 2.0)
+    frequency = _number(body, "frequency_penalty", float, 0.0, -2.0, 2.0)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -474,7 +477,13 @@ def _parse_common(body: dict, default_max: int, max_keys: tuple[str, ...]) -> Ge
     return GenRequest(
         model=model,
         max_tokens=int(max_tokens),
-        sampling=SamplingParams(temperature=temperature, top_p=top_p, seed=seed),
+        sampling=SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+        ),
         stop=stops,
         stream=stream,
         include_usage=bool(opts.get("include_usage", False)),

@@ -212,3 +212,29 @@ def test_czyx_profile_then_run_with_the_hot_list(mounted, tmp_path, capsys):
     bad.write_text('{"format": "czyx-routing-profile-1", "counts": [[1]]}')
     assert main([*argv, "--hot", str(bad)]) == 1
     assert "routing profile" in capsys.readouterr().err
+
+
+def test_czyx_run_penalties_are_the_samplers(mounted, capsys):
+    """--presence-penalty / --frequency-penalty reach the sampler: the printed text is the
+    engine's own penalized greedy run, not the plain one."""
+    from czyx.inference.sampling import SamplingParams
+    from czyx.inference.tokenizer import tokenizer_for
+
+    store_dir, _, token = mounted
+    argv = ["run", "olmoe@1", "--prompt", "hello", "--store", str(store_dir), "--portal", token]
+    argv += ["--max-tokens", "16", "--cache-fraction", "1.0"]
+    pen = ["--presence-penalty", "0.5", "--frequency-penalty", "1.5"]
+    assert main([*argv, *pen]) == 0
+    penalized = capsys.readouterr().out
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    with OpenedModel(str(store_dir), "olmoe@1", token) as om:
+        engine = Engine(om.consumer)
+        try:
+            tok = tokenizer_for(om.consumer, engine.cfg.vocab_size)
+            sampling = SamplingParams(presence_penalty=0.5, frequency_penalty=1.5)
+            ids, _ = generate_ids(engine, tok.encode("hello"), 16, sampling)
+        finally:
+            engine.close()
+    assert penalized == tok.decode(ids) + "\n"
+    assert penalized != plain

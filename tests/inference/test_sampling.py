@@ -65,3 +65,44 @@ def test_tiny_top_p_or_top_k_1_is_greedy():
 def test_bad_parameters_are_refused(kwargs):
     with pytest.raises(SamplingError):
         SamplingParams(**kwargs)
+
+
+# Values on a 1/8 grid: the penalized logits are exact in float32, so the reference's
+# argmax is the sampler's whatever the order of the arithmetic.
+eighths = st.integers(-40, 40).map(lambda i: i / 8)
+
+
+@settings(max_examples=60)
+@given(
+    steps=st.lists(st.lists(eighths, min_size=6, max_size=6), min_size=1, max_size=12),
+    presence=st.integers(-16, 16).map(lambda i: i / 8),
+    frequency=st.integers(-16, 16).map(lambda i: i / 8),
+)
+def test_presence_and_frequency_penalties_are_openais(steps, presence, frequency):
+    """Each step's greedy token is the argmax of the logits less, for every token chosen
+    so far, frequency_penalty x its count plus presence_penalty once (OpenAI's formula)."""
+    from collections import Counter
+
+    s = Sampler(SamplingParams(presence_penalty=presence, frequency_penalty=frequency))
+    chosen: Counter[int] = Counter()
+    for row in steps:
+        logits = np.array(row, np.float32)
+        before = logits.copy()
+        want = [
+            row[j] - frequency * chosen[j] - (presence if chosen[j] else 0.0)
+            for j in range(len(row))
+        ]
+        tok = s(logits)
+        assert tok == int(np.argmax(want))
+        assert np.array_equal(logits, before)  # the caller's logits are left alone
+        chosen[tok] += 1
+
+
+def test_no_penalty_keeps_the_logits_as_they_are():
+    logits = np.random.default_rng(1).standard_normal(20).astype(np.float32)
+    s = Sampler(SamplingParams())
+    for _ in range(3):
+        s(logits)
+        assert s.penalized(logits) is logits
+    with pytest.raises(SamplingError, match="presence_penalty"):
+        SamplingParams(presence_penalty=float("nan"))

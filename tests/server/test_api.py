@@ -94,6 +94,34 @@ def test_seeded_sampling_reproduces(served):
     assert a == b
 
 
+def test_presence_and_frequency_penalties_are_the_engines(served):
+    """OpenAI's penalties reach the sampler: the served greedy text is the engine's own
+    penalized greedy run (in this process, on the server's store), not the plain one."""
+    from czyx.inference.engine import Engine
+    from czyx.inference.generate import generate_ids
+    from czyx.inference.options import EngineOptions
+    from czyx.inference.sampling import SamplingParams
+    from czyx.portals import open_consumer
+
+    url, tokens, _, app, _ = served
+    c = client(url, tokens["alice"])
+    kw = dict(model="stdlib@1", prompt=PROMPT, max_tokens=24, temperature=0)
+    pen = dict(presence_penalty=0.5, frequency_penalty=1.5)
+    got = c.completions.create(**kw, **pen).choices[0].text
+    plain = c.completions.create(**kw).choices[0].text
+    consumer = open_consumer(app.state.czyx.store, None, "stdlib@1")
+    engine = Engine(consumer, options=EngineOptions(stream=False))
+    try:
+        ids, _ = generate_ids(engine, list(PROMPT.encode()), 24, SamplingParams(**pen))
+    finally:
+        engine.close()
+        consumer.close()
+    assert got == bytes(ids).decode("utf-8", "replace")
+    assert got != plain
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        c.completions.create(model="stdlib@1", prompt="x", frequency_penalty=2.5)
+
+
 def test_stop_string_ends_the_text_before_it(served):
     url, tokens, *_ = served
     c = client(url, tokens["alice"])

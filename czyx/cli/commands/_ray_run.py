@@ -163,8 +163,9 @@ def run_ray(args: argparse.Namespace) -> int:
     from czyx.inference.options import EngineOptions
     from czyx.inference.tokenizer import tokenizer_for
 
-    if args.temperature != 0.0 or args.session:
-        raise ValueError("--ray runs greedy decoding without sessions")
+    penalties = getattr(args, "presence_penalty", 0.0) or getattr(args, "frequency_penalty", 0.0)
+    if args.temperature != 0.0 or args.session or penalties:
+        raise ValueError("--ray runs plain greedy decoding: no sessions, no penalties")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens {args.max_tokens} must be at least 1")
     n = args.ray_nodes

@@ -43,6 +43,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1.0: off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="lower a token already generated, once (OpenAI's; 0: off)",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="lower a token by this for each time it was generated (OpenAI's; 0: off)",
+    )
+    p.add_argument(
         "--chat-template",
         metavar="PATH",
         help="local engine: a checkpoint directory, its tokenizer_config.json or a .jinja "
@@ -133,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
     }
     if args.seed is not None:
         params["seed"] = args.seed

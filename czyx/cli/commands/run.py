@@ -57,6 +57,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1.0: off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="lower a token already generated, once (OpenAI's; 0: off)",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="lower a token by this for each time it was generated (OpenAI's; 0: off)",
+    )
     add_engine_args(p)
     p.add_argument(
         "--xray", metavar="FILE", help="write the X-Ray transfer report (JSON) and print a summary"
@@ -190,7 +202,14 @@ def run(args: argparse.Namespace) -> int:
         from czyx.cli.commands._ray_run import run_ray
 
         return run_ray(args)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = SamplingParams(
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        args.seed,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+    )
     pin = parse_class_range(args.pin_classes)
     if args.max_tokens < 0:
         raise ValueError(f"--max-tokens {args.max_tokens} is negative")
