@@ -429,6 +429,24 @@ def _number(body: dict, key: str, kind: type, default, lo=None, hi=None):
     return v
 
 
+#: Request keys of the OpenAI API and of other servers (vLLM, llama.cpp) that would change
+#: the output and are not implemented here, each with the values that change nothing.
+_UNSUPPORTED_CONTROLS: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("none", "auto"),
+    "repetition_penalty": (1, 1.0),
+    "repeat_penalty": (1, 1.0),
+    "min_p": (0, 0.0),
+    "typical_p": (1, 1.0),
+    "grammar": ("",),
+    "json_schema": ({},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+}
+
+
 def _parse_common(body: dict, default_max: int, max_keys: tuple[str, ...]) -> GenRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -444,6 +462,12 @@ def _parse_common(body: dict, default_max: int, max_keys: tuple[str, ...]) -> Ge
             raise _bad(f"{key} is not supported by this server", key)
     if body.get("echo"):
         raise _bad("echo is not supported by this server", "echo")
+    # Other servers' sampling and output controls this one does not implement: refused
+    # when set to anything but their no-op, never silently ignored.
+    for key, noop in _UNSUPPORTED_CONTROLS.items():
+        v = body.get(key)
+        if v is not None and v not in noop:
+            raise _bad(f"{key} is not supported by this server", key)
     max_tokens = None
     for key in max_keys:
         if body.get(key) is not None:
@@ -452,6 +476,8 @@ def _parse_common(body: dict, default_max: int, max_keys: tuple[str, ...]) -> Ge
     if max_tokens is None:
         max_tokens = default_max
     temperature = _number(body, "temperature", float, 1.0, 0.0, 2.0)
+    # (vLLM's and llama.cpp's extension; -1 and 0: no cut)
+    top_k = max(_number(body, "top_k", int, 0, -1), 0)
     top_p = _number(body, "top_p", float, 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise _bad("top_p must be above 0", "top_p")
@@ -479,6 +505,7 @@ def _parse_common(body: dict, default_max: int, max_keys: tuple[str, ...]) -> Ge
         max_tokens=int(max_tokens),
         sampling=SamplingParams(
             temperature=temperature,
+            top_k=top_k,
             top_p=top_p,
             seed=seed,
             presence_penalty=presence,

@@ -122,6 +122,39 @@ def test_presence_and_frequency_penalties_are_the_engines(served):
         c.completions.create(model="stdlib@1", prompt="x", frequency_penalty=2.5)
 
 
+def test_top_k_is_used_and_unimplemented_controls_are_refused(served):
+    """vLLM's and llama.cpp's top_k is the sampler's (top_k=1 samples the greedy text);
+    a control this server does not implement is a 400 naming it, unless set to its no-op."""
+    url, tokens, *_ = served
+    c = client(url, tokens["alice"])
+    kw = dict(model="stdlib@1", prompt=PROMPT, max_tokens=16)
+    greedy = c.completions.create(**kw, temperature=0).choices[0].text
+    for seed in (1, 2):
+        r = c.completions.create(**kw, temperature=1.5, seed=seed, extra_body={"top_k": 1})
+        assert r.choices[0].text == greedy
+    ok = c.chat.completions.create(
+        model="stdlib@1",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=2,
+        response_format={"type": "text"},
+        extra_body={"repetition_penalty": 1.0, "min_p": 0},
+    )
+    assert ok.choices[0].finish_reason == "length"
+    for extra in (
+        {"response_format": {"type": "json_object"}},
+        {"repetition_penalty": 1.1},
+        {"min_p": 0.05},
+        {"guided_json": {"type": "object"}},
+        {"tool_choice": "required"},
+    ):
+        (key,) = extra
+        with pytest.raises(openai.BadRequestError, match=key) as exc:
+            c.completions.create(**kw, extra_body=extra)
+        assert exc.value.body["param"] == key
+    with pytest.raises(openai.BadRequestError, match="top_k"):
+        c.completions.create(**kw, extra_body={"top_k": -2})
+
+
 def test_stop_string_ends_the_text_before_it(served):
     url, tokens, *_ = served
     c = client(url, tokens["alice"])
