@@ -14,8 +14,14 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("mount", help="mount a checkpoint directory as NAME@VERSION")
     p.add_argument(
         "path",
-        help="checkpoint directory (config.json + *.safetensors), a .gguf file or a directory "
-        "of split .gguf files",
+        help="checkpoint directory (config.json + *.safetensors), a .gguf file, a directory "
+        "of split .gguf files, or ORG/NAME: that repository's snapshot in the local Hugging "
+        "Face cache (as huggingface-cli download left it; nothing is downloaded)",
+    )
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="with ORG/NAME: the cached branch, tag or commit to mount (default main)",
     )
     p.add_argument("--as", dest="tag", required=True, metavar="NAME@VERSION")
     add_store_arg(p)
@@ -75,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.importance is not None and args.quant is None:
         raise ValueError("--importance needs --quant POLICY")
+    path = _local_path(args.path, args.revision)
     class_perm = None
     if args.class_order:
         from czyx.inference.locality.ordering import class_order_from_trace
@@ -100,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             codec = QuantCodec(policy, imp, prov) if policy.quantizes else None
         result = mount(
             store,
-            args.path,
+            path,
             args.tag,
             outer=args.layout or DEFAULT_OUTER,
             adapter_of=args.adapter_of,
@@ -111,3 +118,24 @@ def run(args: argparse.Namespace) -> int:
         )
     print(result.summary())
     return 0
+
+
+def _local_path(path: str, revision: str | None) -> str:
+    """``path`` itself, or where the Hugging Face cache holds repository ``path``
+    (a path that exists wins over a repository of the same spelling)."""
+    import os
+
+    from czyx.store.models.hf_cache import looks_like_repo_id, snapshot_dir
+
+    if os.path.exists(path) or not looks_like_repo_id(path):
+        if revision is not None:
+            raise ValueError(f"--revision is for ORG/NAME in the Hugging Face cache, not {path}")
+        return path
+    from czyx.store.models.mount_errors import CheckpointError
+
+    try:
+        snap = snapshot_dir(path, revision or "main")
+    except CheckpointError as exc:
+        raise CheckpointError(f"no file or directory {path!r}, and {exc}") from None
+    print(f"czyx mount: {path} from the Hugging Face cache: {snap}", file=sys.stderr)
+    return str(snap)
