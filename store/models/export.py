@@ -28,9 +28,13 @@ metadata (``czyx_format_history``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import struct
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,14 +59,88 @@ class ExportError(MountError):
     """A version cannot be exported as a faithful checkpoint."""
 
 
+#: An export's progress: called with (bytes written, bytes to write in all).
+Progress = Callable[[int, int], None]
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def staged_file(path: Path) -> Iterator[Path]:
+    """A temporary name beside ``path`` to write it under: renamed to ``path`` (after an
+    fsync) when the block ends, removed if it raises, so ``path`` is never half written
+    and a failed export leaves nothing (a directory it had to create included)."""
+    made = _make_parent(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        _fsync(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        _remove_made(made)
+        raise
+    _fsync(path.parent)
+
+
+@contextlib.contextmanager
+def staged_dir(out: Path) -> Iterator[Path]:
+    """A hidden directory inside ``out`` to write an export's files into: each moved into
+    ``out`` (fsynced, then an atomic rename) when the block ends, all removed if it
+    raises, so a failed export changes nothing in ``out``."""
+    made = _make_parent(out)
+    stage = Path(tempfile.mkdtemp(prefix=".czyx-export-", dir=out))
+    try:
+        yield stage
+        names = sorted(os.listdir(stage))
+        for name in names:
+            _fsync(stage / name)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        _remove_made(made)
+        raise
+    for name in names:
+        os.replace(stage / name, out / name)
+    stage.rmdir()
+    _fsync(out)
+
+
+def _make_parent(path: Path) -> Path | None:
+    """Create directory ``path`` (and parents) if absent; the topmost one created."""
+    top = None
+    for p in [path, *path.parents]:
+        if p.exists():
+            break
+        top = p
+    path.mkdir(parents=True, exist_ok=True)
+    return top
+
+
+def _remove_made(top: Path | None) -> None:
+    if top is not None:
+        shutil.rmtree(top, ignore_errors=True)
+
+
 def export(
     store: StoreInterface,
     ref: str | Selector,
     out_dir: str | os.PathLike[str],
     *,
     dequantize: bool = False,
+    progress: Progress | None = None,
 ) -> list[Path]:
     """Write the model version ``ref`` as a checkpoint directory ``out_dir``.
+
+    The files are written into a hidden directory inside ``out_dir`` and moved into
+    place only once every one is complete and checked, so a failed export (a
+    checksum mismatch, a full disk) changes nothing there.
 
     Parameters
     ----------
@@ -71,10 +149,12 @@ def export(
     ref
         ``NAME@VERSION``, 64-hex selector or :class:`Selector`.
     out_dir
-        Created if absent; files of the same names are overwritten.
+        Created if absent; files of the same names are replaced.
     dequantize
         Allow a version with quantized tensors: they are written dequantized
         to their compute dtype (see the module docstring).
+    progress
+        Called with (tensor bytes written, total) as the export goes.
 
     Returns
     -------
@@ -97,26 +177,38 @@ def export(
             "(czyx export --dequantize) to write its dequantized values"
         )
     source = space.root["source"]
-    if packed or source.get("format") == "gguf" or source.get("conversion"):
-        return _export_rebuilt(space, Path(out_dir))
-    if fmt not in RAW_FORMATS:
-        raise ExportError(f"expert format {fmt!r} is quantized; export writes only raw formats")
-    if space.root.get("quant"):  # trunk tensors may be packed even when experts are raw
-        raise ExportError(
-            f"version is quantized (policy {space.root['quant'].get('policy')!r}); "
-            "export writes only raw formats"
-        )
+    rebuilt = packed or source.get("format") == "gguf" or source.get("conversion")
+    if not rebuilt:
+        if fmt not in RAW_FORMATS:
+            raise ExportError(f"expert format {fmt!r} is quantized; export writes only raw formats")
+        if space.root.get("quant"):  # trunk tensors may be packed even when experts are raw
+            raise ExportError(
+                f"version is quantized (policy {space.root['quant'].get('policy')!r}); "
+                "export writes only raw formats"
+            )
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with staged_dir(out) as stage:
+        files = (_export_rebuilt if rebuilt else _export_raw)(space, stage, progress)
+    return [out / f.name for f in files]
+
+
+def _export_raw(space: ModelSpace, out: Path, progress: Progress | None) -> list[Path]:
+    """The source's own files, byte for byte (see the module docstring)."""
     root_sel = space.chain[0][0]
     files = space.root["source"]["files"]
     layout = _file_layout(files)
     handles = {name: _create(out / name, text, layout[name][1]) for name, text in files.items()}
     where = {t: (name, off) for name, (offs, _) in layout.items() for t, off in offs.items()}
     covered = dict.fromkeys(files, 0)
+    total = sum(need for _, need in layout.values())
+
+    def tick() -> None:
+        if progress is not None:
+            progress(sum(covered.values()), total)
+
     try:
-        _export_trunk(space, where, handles, covered)
-        _export_experts(space, root_sel, where, handles, covered)
+        _export_trunk(space, where, handles, covered, tick)
+        _export_experts(space, root_sel, where, handles, covered, tick)
     finally:
         for fh in handles.values():
             fh.close()
@@ -173,7 +265,9 @@ def _where(where: dict[str, tuple[str, int]], tensor: str) -> tuple[str, int]:
         raise ExportError(f"tensor {tensor!r} is in no source file header") from None
 
 
-def _export_trunk(space: ModelSpace, where: dict, handles: dict, covered: dict) -> None:
+def _export_trunk(
+    space: ModelSpace, where: dict, handles: dict, covered: dict, tick: Callable[[], None]
+) -> None:
     root_trunk = Selector.from_hex(space.root["trunk"]) if space.root["trunk"] else None
     roots = (
         {}
@@ -195,10 +289,16 @@ def _export_trunk(space: ModelSpace, where: dict, handles: dict, covered: dict) 
         data = space.read_trunk_raw(ref)
         os.pwrite(handles[fname].fileno(), data, pos)
         covered[fname] += data.nbytes
+        tick()
 
 
 def _export_experts(
-    space: ModelSpace, root_sel: Selector, where: dict, handles: dict, covered: dict
+    space: ModelSpace,
+    root_sel: Selector,
+    where: dict,
+    handles: dict,
+    covered: dict,
+    tick: Callable[[], None],
 ) -> None:
     base_src = {(r["layer"], r["expert"]): r["src"] for _, r in space.store.scan(root_sel)}
     readers = [space.store.open_reader(sel) for sel in space.blocks]
@@ -226,6 +326,7 @@ def _export_experts(
                 os.pwrite(handles[fname].fileno(), raw[pos : pos + nbytes], at + start)
                 covered[fname] += nbytes
                 pos += nbytes
+            tick()
     finally:
         for r in readers:
             r.close()
@@ -257,9 +358,8 @@ def _cast(values: np.ndarray, dtype: str) -> np.ndarray:
     raise ExportError(f"compute dtype {dtype} is not a float type")
 
 
-def _export_rebuilt(space: ModelSpace, out: Path) -> list[Path]:
+def _export_rebuilt(space: ModelSpace, out: Path, progress: Progress | None) -> list[Path]:
     """One new ``model.safetensors`` from the records (see the module docstring)."""
-    out.mkdir(parents=True, exist_ok=True)
     root = space.root
     ex = root["expert"]
     fmt, dtype = ex["format"], ex["dtype"]
@@ -316,6 +416,7 @@ def _export_rebuilt(space: ModelSpace, out: Path) -> list[Path]:
             [(n, d, s) for n, d, s, _ in entries],
             (produce(w) for *_, w in entries),
             metadata={"format": "pt", "czyx_format_history": json.dumps(history)},
+            progress=progress,
         )
     finally:
         for r in readers:
@@ -432,10 +533,11 @@ def write_safetensors_streamed(
     specs: list[tuple[str, str, tuple[int, ...]]],
     arrays: Any,
     metadata: dict[str, str] | None = None,
+    progress: Progress | None = None,
 ) -> None:
     """A safetensors file from ``(name, dtype, shape)`` specs and their arrays, produced
     one at a time (so a large version never sits in memory whole). Each array's byte
-    size is checked against its spec."""
+    size is checked against its spec; ``progress`` hears of each one written."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     pos = 0
     sizes = []
@@ -446,6 +548,7 @@ def write_safetensors_streamed(
         pos += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    done = 0
     with open(path, "wb") as fh:
         fh.write(struct.pack("<Q", len(blob)) + blob)
         for (name, _, _), n, arr in zip(specs, sizes, arrays, strict=True):
@@ -453,3 +556,6 @@ def write_safetensors_streamed(
             if data.size != n:
                 raise ExportError(f"{name}: {data.size} bytes, its header says {n}")
             fh.write(data)
+            done += n
+            if progress is not None:
+                progress(done, pos)

@@ -36,7 +36,7 @@ from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
 from czyx.store.models.archs import FILE_ROLES, SIDE_FILES, TOKENIZER_ROLE
 from czyx.store.models.checkpoint import DTYPES
-from czyx.store.models.export import chat_template, format_history
+from czyx.store.models.export import Progress, chat_template, format_history, staged_file
 from czyx.store.models.gguf import (
     UnsupportedGGUFError,
     gguf_metadata,
@@ -102,8 +102,18 @@ def _widen(arr: np.ndarray, qt: Any) -> np.ndarray:
     return arr.astype(np.float32)
 
 
-def export_gguf(store: Any, ref: str | Selector, out: str | os.PathLike[str]) -> list[Path]:
+def export_gguf(
+    store: Any,
+    ref: str | Selector,
+    out: str | os.PathLike[str],
+    progress: Progress | None = None,
+) -> list[Path]:
     """Write model version ``ref`` as a GGUF file.
+
+    The tensors stream to the file one at a time (the trunk's one tensor, the routed
+    experts one layer at a time), so a version bigger than memory exports; the file
+    is written under a temporary name beside ``out`` and renamed into place once
+    complete, so a failed export leaves nothing behind.
 
     Parameters
     ----------
@@ -113,6 +123,8 @@ def export_gguf(store: Any, ref: str | Selector, out: str | os.PathLike[str]) ->
         ``NAME@VERSION``, 64-hex selector or :class:`Selector`.
     out
         A ``*.gguf`` path, or a directory (created) that gets ``model.gguf``.
+    progress
+        Called with (tensor bytes written, total) after each tensor.
 
     Raises
     ------
@@ -126,24 +138,24 @@ def export_gguf(store: Any, ref: str | Selector, out: str | os.PathLike[str]) ->
     arch, meta = gguf_metadata(config)
     path = Path(out)
     if path.suffix != ".gguf":
-        path.mkdir(parents=True, exist_ok=True)
         path = path / "model.gguf"
-    tensors: list[tuple[str, np.ndarray, Any]] = []
     heads = int(config["num_attention_heads"])
     kv = int(config.get("num_key_value_heads") or heads)
     tokenizer = None
     kept: dict[str, bytes] = {}  # the side files, by role
+    trunk: list[tuple[str, str, Any]] = []  # (GGUF name, role, record): converted as written
     for (role, layer), tref in sorted(
         space.trunk.items(), key=lambda kv_: (kv_[0][1] is not None, kv_[0][1] or 0, kv_[0][0])
     ):
-        raw = space.read_trunk_raw(tref)
         if role == TOKENIZER_ROLE:
-            tokenizer = raw.tobytes().decode("utf-8")
-            continue
-        if role in FILE_ROLES:  # kept files (generation/tokenizer config): no GGUF tensor
-            kept[role] = raw.tobytes()
-            continue
-        name = gguf_name(arch, role, layer)
+            tokenizer = space.read_trunk_raw(tref).tobytes().decode("utf-8")
+        elif role in FILE_ROLES:  # kept files (generation/tokenizer config): no GGUF tensor
+            kept[role] = space.read_trunk_raw(tref).tobytes()
+        else:
+            trunk.append((gguf_name(arch, role, layer), role, tref))
+
+    def trunk_tensor(name: str, role: str, tref: Any) -> tuple[np.ndarray, Any]:
+        raw = space.read_trunk_raw(tref)
         shape = tuple(tref.shape)
         qfmt = tref.record.get("qfmt")
         if qfmt is not None:
@@ -156,49 +168,76 @@ def export_gguf(store: Any, ref: str | Selector, out: str | os.PathLike[str]) ->
                 data = data.reshape(-1)
         if arch.permute_qk and role in ("q_proj", "k_proj"):
             data = data[qk_permute(shape[0], heads if role == "q_proj" else kv)]
-        tensors.append((name, np.ascontiguousarray(data), qt))
-    tensors += _expert_stacks(space, arch)
-    writer = gguf.GGUFWriter(path, arch.gguf)
-    for key, value in meta.items():
-        _add_kv(writer, key, value)
-    writer.add_string("czyx.format_history", json.dumps(format_history(space.root)))
-    template = chat_template(space.root) or _checkpoint_chat_template(kept)
-    if template is not None:
-        writer.add_chat_template(template)
-    if tokenizer is not None:
-        fields = gguf_tokenizer_fields(tokenizer, int(config["vocab_size"]))
-        writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
-        writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
-        writer.add_token_list(fields["tokenizer.ggml.tokens"])
-        writer.add_token_types(fields["tokenizer.ggml.token_type"])
-        if "tokenizer.ggml.merges" in fields:
-            writer.add_token_merges(fields["tokenizer.ggml.merges"])
-        if "tokenizer.ggml.scores" in fields:  # sentencepiece ("llama") vocabulary
-            writer.add_token_scores(fields["tokenizer.ggml.scores"])
-            writer.add_add_space_prefix(fields["tokenizer.ggml.add_space_prefix"])
-            if fields["tokenizer.ggml.unknown_token_id"] is not None:
-                writer.add_unk_token_id(fields["tokenizer.ggml.unknown_token_id"])
-    for field, key in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "pad")):
-        v = config.get(field)
-        if isinstance(v, list):
-            v = v[0] if v else None
-        if v is not None:
-            getattr(
-                writer,
-                {"bos": "add_bos_token_id", "eos": "add_eos_token_id", "pad": "add_pad_token_id"}[
-                    key
-                ],
-            )(int(v))
-    for name, data, qt in tensors:
-        if qt in (_q().F32, _q().F16):
-            writer.add_tensor(name, data)
-        else:
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qt)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        return np.ascontiguousarray(data), qt
+
+    with _ExpertStacks(space) as stacks, staged_file(path) as tmp:
+        writer = gguf.GGUFWriter(tmp, arch.gguf)
+        for key, value in meta.items():
+            _add_kv(writer, key, value)
+        writer.add_string("czyx.format_history", json.dumps(format_history(space.root)))
+        template = chat_template(space.root) or _checkpoint_chat_template(kept)
+        if template is not None:
+            writer.add_chat_template(template)
+        if tokenizer is not None:
+            _add_tokenizer(writer, tokenizer, int(config["vocab_size"]))
+        for field, key in (
+            ("bos_token_id", "add_bos_token_id"),
+            ("eos_token_id", "add_eos_token_id"),
+            ("pad_token_id", "add_pad_token_id"),
+        ):
+            v = config.get(field)
+            if isinstance(v, list):
+                v = v[0] if v else None
+            if v is not None:
+                getattr(writer, key)(int(v))
+        # Every tensor's info first (the header holds them all), from its converted form:
+        # the trunk's are made here and dropped, the expert stacks' from one expert each.
+        total = 0
+        for name, role, tref in trunk:
+            data, qt = trunk_tensor(name, role, tref)
+            total += _add_info(writer, name, data.shape, data.dtype, data.nbytes, qt)
+        for name, shape, dtype, nbytes, qt in stacks.infos():
+            total += _add_info(writer, name, shape, dtype, nbytes, qt)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        done = 0
+        for name, role, tref in trunk:
+            data, _ = trunk_tensor(name, role, tref)
+            writer.write_tensor_data(data)
+            done += data.nbytes
+            if progress is not None:
+                progress(done, total)
+        for layer in stacks.layers:
+            for data in stacks.layer(layer):
+                writer.write_tensor_data(data)
+                done += data.nbytes
+                if progress is not None:
+                    progress(done, total)
+        writer.close()
     return [path]
+
+
+def _add_info(writer: Any, name: str, shape: tuple, dtype: Any, nbytes: int, qt: Any) -> int:
+    """One tensor's header entry, as ``GGUFWriter.add_tensor`` makes it; its byte size."""
+    raw = None if qt in (_q().F32, _q().F16) else qt  # (F32 / F16: typed by the array)
+    writer.add_tensor_info(name, shape, dtype, nbytes, raw_dtype=raw)
+    return int(nbytes)
+
+
+def _add_tokenizer(writer: Any, tokenizer: str, vocab_size: int) -> None:
+    fields = gguf_tokenizer_fields(tokenizer, vocab_size)
+    writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
+    writer.add_token_list(fields["tokenizer.ggml.tokens"])
+    writer.add_token_types(fields["tokenizer.ggml.token_type"])
+    if "tokenizer.ggml.merges" in fields:
+        writer.add_token_merges(fields["tokenizer.ggml.merges"])
+    if "tokenizer.ggml.scores" in fields:  # sentencepiece ("llama") vocabulary
+        writer.add_token_scores(fields["tokenizer.ggml.scores"])
+        writer.add_add_space_prefix(fields["tokenizer.ggml.add_space_prefix"])
+        if fields["tokenizer.ggml.unknown_token_id"] is not None:
+            writer.add_unk_token_id(fields["tokenizer.ggml.unknown_token_id"])
 
 
 def _add_kv(writer: Any, key: str, value: Any) -> None:
@@ -208,36 +247,67 @@ def _add_kv(writer: Any, key: str, value: Any) -> None:
         writer.add_uint32(key, int(value))
 
 
-def _expert_stacks(space: ModelSpace, arch: Any) -> list[tuple[str, np.ndarray, Any]]:
-    ex = space.root["expert"]
-    inter, hidden, n = int(ex["inter"]), int(ex["hidden"]), space.n_experts
-    fmt = ex["format"]
-    readers = [space.store.open_reader(sel) for sel in space.blocks]
-    buf = np.empty(space.nbytes, np.uint8)
-    out = []
-    try:
-        for layer in ex["sparse_layers"]:
-            parts: list[list[np.ndarray]] = [[], [], []]
-            qts: set = set()
-            for e in range(n):
-                blk = int(space.blk[layer, e])
-                readers[blk].read_into(int(space.off[layer, e]), buf)
-                if checksum(buf) != int(space.sums[layer, e]):
-                    raise ChecksumError(f"expert ({layer}, {e}): checksum mismatch")
-                for i, (part, shape) in enumerate(_split(buf, fmt, inter, hidden, ex["dtype"])):
-                    if is_quant_format(fmt):
-                        data, qt = to_gguf_blocks(part, fmt, shape, f"blk.{layer}.{_STACKS[i]}")
-                    else:
-                        data, qt = _float_tensor(part, ex["dtype"], shape)
-                    parts[i].append(np.array(data))  # buf is reused: copy
-                    qts.add(qt)
-            (qt,) = qts
-            for i in range(3):
-                out.append((f"blk.{layer}.{_STACKS[i]}.weight", np.stack(parts[i]), qt))
-    finally:
-        for r in readers:
+class _ExpertStacks:
+    """The routed experts as GGUF's per-layer stacks (``ffn_{gate,up,down}_exps``), made
+    one layer at a time: every expert of the layer read once (checksum-verified) and
+    converted, its three stacks returned; nothing of other layers is held."""
+
+    def __init__(self, space: ModelSpace) -> None:
+        ex = space.root["expert"]
+        self.space = space
+        self.layers = list(ex["sparse_layers"])
+        self.inter, self.hidden, self.n = int(ex["inter"]), int(ex["hidden"]), space.n_experts
+        self.fmt, self.dtype = ex["format"], ex["dtype"]
+        self.readers = [space.store.open_reader(sel) for sel in space.blocks]
+        self.buf = np.empty(space.nbytes, np.uint8)
+
+    def __enter__(self) -> _ExpertStacks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for r in self.readers:
             r.close()
-    return out
+
+    def _parts(self, layer: int, e: int) -> list[tuple[np.ndarray, Any]]:
+        """Expert ``e`` of ``layer``: each part's GGUF data (a view of the shared buffer
+        for float formats: copy to keep) and type."""
+        space, buf = self.space, self.buf
+        blk = int(space.blk[layer, e])
+        self.readers[blk].read_into(int(space.off[layer, e]), buf)
+        if checksum(buf) != int(space.sums[layer, e]):
+            raise ChecksumError(f"expert ({layer}, {e}): checksum mismatch")
+        out = []
+        parts = _split(buf, self.fmt, self.inter, self.hidden, self.dtype)
+        for i, (part, shape) in enumerate(parts):
+            if is_quant_format(self.fmt):
+                out.append(to_gguf_blocks(part, self.fmt, shape, f"blk.{layer}.{_STACKS[i]}"))
+            else:
+                out.append(_float_tensor(part, self.dtype, shape))
+        return out
+
+    def infos(self) -> list[tuple[str, tuple, Any, int, Any]]:
+        """``(name, shape, dtype, bytes, type)`` of every stack, in write order (from the
+        first expert of each layer: the others have the same form)."""
+        out = []
+        for layer in self.layers:
+            for i, (data, qt) in enumerate(self._parts(layer, 0)):
+                name = f"blk.{layer}.{_STACKS[i]}.weight"
+                out.append((name, (self.n, *data.shape), data.dtype, self.n * data.nbytes, qt))
+        return out
+
+    def layer(self, layer: int) -> list[np.ndarray]:
+        """The three stacks of ``layer``, each ``[experts, ...]``."""
+        stacks: list[np.ndarray] = []
+        qts: set = set()
+        for e in range(self.n):
+            for i, (data, qt) in enumerate(self._parts(layer, e)):
+                if e == 0:
+                    stacks.append(np.empty((self.n, *data.shape), data.dtype))
+                stacks[i][e] = data  # (the buffer is reused: copied in here)
+                qts.add(qt)
+        if len(qts) != 1:
+            raise UnsupportedGGUFError(f"layer {layer}: its experts mix GGUF types {qts}")
+        return stacks
 
 
 def _split(buf: np.ndarray, fmt: str, inter: int, hidden: int, dtype: str) -> list:

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from czyx.cli.commands._progress import byte_progress
 from czyx.cli.commands._storearg import add_store_arg, store_dir
 
 # What an export writes: removed from a non-empty target under --force, so a shard
@@ -61,13 +62,16 @@ def run(args: argparse.Namespace) -> int:
             for f in out.glob(pattern):
                 if f.is_file() or f.is_symlink():
                     f.unlink()
-    with Store.open(store_dir(args), create=False, readonly=True) as store:
+    with (
+        Store.open(store_dir(args), create=False, readonly=True) as store,
+        byte_progress(f"export {args.ref}") as progress,
+    ):
         if args.format == "gguf":
             from czyx.store.models.gguf_export import export_gguf
 
-            files = export_gguf(store, args.ref, args.out)
+            files = export_gguf(store, args.ref, args.out, progress=progress)
         else:
-            files = export(store, args.ref, args.out, dequantize=args.dequantize)
+            files = export(store, args.ref, args.out, dequantize=args.dequantize, progress=progress)
     total = sum(f.stat().st_size for f in files)
     print(f"exported {args.ref} to {args.out}: {len(files)} files, {total / 1e6:.1f} MB")
     return 0

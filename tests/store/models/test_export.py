@@ -122,3 +122,76 @@ def test_export_of_adapter_is_the_merged_model(store, tmp_path):
     assert not torch.equal(
         reference_logits(out, "mixtral", TOKENS), reference_logits(src, "mixtral", TOKENS)
     )
+
+
+def _flip_an_expert_byte(store, sel, tag):
+    from czyx.portals import open_consumer
+
+    with open_consumer(store, None, tag) as m:
+        ext = m.expert_extent(1, 2)
+    with open(store.block_path(sel), "r+b") as fh:
+        fh.seek(ext.offset + 17)
+        byte = fh.read(1)
+        fh.seek(ext.offset + 17)
+        fh.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("gguf", [False, True], ids=["safetensors", "gguf"])
+def test_a_failed_export_changes_nothing(store, tmp_path, gguf):
+    """A checksum mismatch midway: the error, and the target as it was (nothing half
+    written, no staging left, a directory the export created removed)."""
+    from czyx.store import ChecksumError
+    from czyx.store.models.gguf_export import export_gguf
+
+    ckpt = make_tiny_checkpoint("mixtral", tmp_path / "ckpt")
+    sel = mount(store, ckpt, "m@1").selector
+    _flip_an_expert_byte(store, sel, "m@1")
+    run = (
+        (lambda out: export_gguf(store, "m@1", out))
+        if gguf
+        else (lambda out: export(store, "m@1", out))
+    )
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "config.json").write_text("{}")
+    (kept / "model.gguf").write_bytes(b"old")
+    for out in (kept, tmp_path / "new" / "deeper"):
+        with pytest.raises(ChecksumError, match="checksum"):
+            run(out)
+    assert sorted(p.name for p in kept.iterdir()) == ["config.json", "model.gguf"]
+    assert (kept / "config.json").read_text() == "{}"
+    assert (kept / "model.gguf").read_bytes() == b"old"
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("gguf", [False, True], ids=["safetensors", "gguf"])
+def test_export_reports_its_progress_in_bytes(store, tmp_path, gguf):
+    from czyx.store.models.gguf_export import export_gguf
+
+    if gguf:
+        ckpt = make_tiny_checkpoint("mixtral", tmp_path / "ckpt")
+    else:
+        ckpt = make_tiny_checkpoint("qwen3_moe", tmp_path / "ckpt", max_shard_size="20KB")
+    mount(store, ckpt, "m@1")
+    seen = []
+    if gguf:
+        (path,) = export_gguf(
+            store, "m@1", tmp_path / "g", progress=lambda d, t: seen.append((d, t))
+        )
+    else:
+        files = export(store, "m@1", tmp_path / "o", progress=lambda d, t: seen.append((d, t)))
+    done = [d for d, _ in seen]
+    (total,) = {t for _, t in seen}
+    assert done == sorted(done) and done[-1] == total and len(seen) > 10
+    if gguf:
+        import gguf as gg
+
+        assert total == sum(int(t.n_bytes) for t in gg.GGUFReader(path).tensors)
+    else:
+        _same_files(ckpt, tmp_path / "o")  # (and the data bytes are the total)
+        data = sum(
+            p.stat().st_size - 8 - int.from_bytes(p.read_bytes()[:8], "little")
+            for p in files
+            if p.suffix == ".safetensors"
+        )
+        assert total == data

@@ -190,3 +190,30 @@ def test_a_checkpoints_chat_template_goes_into_the_gguf_as_llama_cpp_converts_it
     fields = gguf.GGUFReader(gj).fields
     assert fields["tokenizer.chat_template"].contents() == jinja
     assert "tokenizer.chat_template.tool_use" not in fields
+
+
+def test_gguf_export_holds_one_layers_experts_at_a_time(tmp_path):
+    """The experts stream to the file a layer at a time: the export's peak of Python
+    allocations stays a small part of the version's expert bytes (16 layers)."""
+    import tracemalloc
+
+    from czyx.store.models.model import ModelSpace
+    from czyx.testing.tiny_models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(
+        "mixtral", tmp_path / "ckpt", num_hidden_layers=16, intermediate_size=256
+    )
+    with Store.open(tmp_path / "s") as store:
+        mount(store, ckpt, "m@1")
+        space = ModelSpace(store, "m@1")
+        expert_bytes = space.nbytes * len(space.records)
+        export_gguf(store, "m@1", tmp_path / "warm.gguf")  # (imports and caches first)
+        tracemalloc.start()
+        try:
+            (path,) = export_gguf(store, "m@1", tmp_path / "out.gguf")
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert path.read_bytes() == (tmp_path / "warm.gguf").read_bytes()
+    assert path.stat().st_size > expert_bytes  # every expert was written
+    assert peak < expert_bytes / 4, (peak, expert_bytes)
