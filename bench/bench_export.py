@@ -1,0 +1,150 @@
+"""Export a mounted real-shape version and measure the memory it takes: ``czyx export``'s
+peak resident set against the bytes it writes.
+
+Each export runs in a child process (``czyx export``, as a user runs it) whose peak
+resident set the kernel reports when it exits (``RUSAGE_CHILDREN``); the output is
+deleted after each round. The baseline is the export's own size: an exporter that
+held the version in memory would peak above it. Rounds are interleaved across
+formats; medians are quoted with the load average.
+
+Run: ``python bench/bench_export.py --store /work/data/olmoe/store --ref rs@q4
+--out-dir /work/data/export-bench --md bench/EXPORT.md`` (the store from
+``python bench/realshape.py gen --out /work/data/olmoe --no-hf --gguf q4_0 --czyx q4``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _machine import machine
+
+
+def _export(store: str, ref: str, fmt: str, out: Path) -> tuple[float, int, int]:
+    """One ``czyx export`` in a child: (seconds, bytes written, child's peak RSS bytes)."""
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    cmd = [sys.executable, "-m", "czyx", "export", ref, str(out), "--store", store]
+    cmd += ["--format", fmt] + (["--dequantize"] if fmt == "safetensors" else [])
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if peak <= before:
+        raise RuntimeError("the child's peak did not exceed an earlier one: run one per process")
+    files = [out] if out.is_file() else [p for p in out.rglob("*") if p.is_file()]
+    written = sum(p.stat().st_size for p in files)
+    shutil.rmtree(out) if out.is_dir() else out.unlink()
+    return seconds, written, peak * 1024  # ru_maxrss is in KiB on Linux
+
+
+def _one(args: argparse.Namespace) -> None:
+    """Child mode: one export, its figures on stdout (one RSS per process)."""
+    s, b, p = _export(args.store, args.ref, args.format, Path(args.out))
+    print(f"{s} {b} {p}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--ref", required=True)
+    ap.add_argument("--out-dir", required=True, help="where the exports go (deleted after)")
+    ap.add_argument("--formats", default="gguf", help="gguf and/or safetensors (dequantized)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--md", default=None)
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--format", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        _one(args)
+        return 0
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    formats = args.formats.split(",")
+    runs: dict[str, list[tuple[float, int, int]]] = {f: [] for f in formats}
+    for r in range(args.rounds):
+        for fmt in formats[r % len(formats) :] + formats[: r % len(formats)]:
+            out = out_dir / ("model.gguf" if fmt == "gguf" else "st")
+            # A fresh process per export: ru_maxrss of RUSAGE_CHILDREN is a maximum over
+            # every child the process waited for.
+            line = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    "--store",
+                    args.store,
+                    "--ref",
+                    args.ref,
+                    "--out-dir",
+                    str(out_dir),
+                    "--format",
+                    fmt,
+                    "--out",
+                    str(out),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.split()
+            s, b, p = float(line[0]), int(line[1]), int(line[2])
+            runs[fmt].append((s, b, p))
+            print(
+                f"round {r} {fmt}: {b / 1e9:.2f} GB in {s:.1f} s, peak RSS {p / 1e9:.2f} GB, "
+                f"load {os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
+    rows = []
+    for fmt, rs in runs.items():
+        s = statistics.median(x[0] for x in rs)
+        b = statistics.median(x[1] for x in rs)
+        p = statistics.median(x[2] for x in rs)
+        rows.append(
+            f"| {fmt} | {b / 1e9:.2f} | {s:.1f} | {b / s / 1e9:.3f} | {p / 1e9:.2f} | "
+            f"{p / b:.2f} | {min(x[2] for x in rs) / 1e9:.2f} - "
+            f"{max(x[2] for x in rs) / 1e9:.2f} |"
+        )
+    load = os.getloadavg()
+    md = "\n".join(
+        [
+            "# czyx export: memory against the bytes written",
+            "",
+            "Generated by `bench/bench_export.py`; every figure below was measured in the run "
+            "described here.",
+            "",
+            f"- Machine: {machine()}",
+            f"- Command: `python bench/bench_export.py --store {args.store} --ref {args.ref} "
+            f"--out-dir {args.out_dir} --formats {args.formats} --rounds {args.rounds}"
+            + (f" --md {args.md}`" if args.md else "`"),
+            f"- Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average at the end "
+            f"{load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}",
+            "- Each export: `czyx export` in a child process (gguf: the stored q4 as GGUF Q4_1, "
+            "nothing requantized; safetensors: `--dequantize`, every tensor in its compute "
+            "dtype), its peak resident set from the kernel when it exits, the output deleted "
+            "after; medians over the interleaved rounds. Baseline: the bytes the export writes "
+            "(an exporter holding the version in memory peaks above them).",
+            "",
+            "| format | GB written | seconds | GB/s | peak RSS GB | peak RSS / bytes written | "
+            "peak RSS range GB |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+            *rows,
+            "",
+        ]
+    )
+    print(md)
+    if args.md:
+        Path(args.md).write_text(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
