@@ -45,7 +45,7 @@ from czyx.store.models.gguf import (
     qk_permute,
 )
 from czyx.store.models.model import ModelSpace
-from czyx.store.quant.formats import get_format, is_quant_format, unpack_codes, views
+from czyx.store.quant.formats import get_format, is_quant_format, views
 
 _STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
@@ -69,20 +69,44 @@ def to_gguf_blocks(buf: np.ndarray, fmt_name: str, shape: tuple[int, int], what:
         raise UnsupportedGGUFError(f"{what}: format {fmt.name} has no GGUF type")
     rows, cols = shape
     codes, d, m = views(buf, fmt, shape)
-    q = unpack_codes(codes, fmt.bits, cols).reshape(rows, cols // 32, 32)
     dbytes = np.ascontiguousarray(d).view(np.uint8).reshape(rows, -1, 2)
     if fmt.bits == 8:
         if not np.array_equal(m.astype(np.float32), d.astype(np.float32) * -128):
             raise UnsupportedGGUFError(
                 f"{what}: asymmetric q8 groups have no GGUF type (Q8_0 is d * q)"
             )
-        qs = (q.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+        q = codes.reshape(rows, cols // 32, 32)
+        qs = q ^ np.uint8(0x80)  # the bits of q - 128 as int8
         blocks = np.concatenate([dbytes, qs], axis=2)
         return blocks.reshape(rows, -1), _q().Q8_0
-    mbytes = np.ascontiguousarray(m).view(np.uint8).reshape(rows, -1, 2)
-    qs = (q[:, :, :16] | (q[:, :, 16:] << 4)).astype(np.uint8)
-    blocks = np.concatenate([dbytes, mbytes, qs], axis=2)
+    # Q4_1 blocks, 20 bytes: d, m (fp16), then 16 bytes of code pairs, filled in place.
+    groups = cols // 32
+    blocks = np.empty((rows, groups, 20), np.uint8)
+    b16 = blocks.view(np.uint16)  # [rows, groups, 10]
+    b16[:, :, 0] = np.ascontiguousarray(d).view(np.uint16).reshape(rows, groups)
+    b16[:, :, 1] = np.ascontiguousarray(m).view(np.uint16).reshape(rows, groups)
+    _q4_1_nibbles(codes, rows, cols, blocks[:, :, 4:].reshape(rows, groups, 8, 2))
     return blocks.reshape(rows, -1), _q().Q4_1
+
+
+_LOW = np.uint64(0x0F0F0F0F0F0F0F0F)
+
+
+def _q4_1_nibbles(codes: np.ndarray, rows: int, cols: int, out: np.ndarray) -> None:
+    """Q4_1's ``qs`` (byte j of a block: code j | code j + 16 << 4) from the store's q4
+    bytes (byte k of a group: code 2k | code 2k + 1 << 4), nibble by nibble without
+    unpacking, eight bytes a word, into ``out`` ``[rows, groups, 8, 2]`` (byte pairs
+    qs[2i], qs[2i + 1])."""
+    w = np.ascontiguousarray(codes).view(np.uint64).reshape(rows, cols // 32, 2)
+    lo, hi = w[:, :, 0], w[:, :, 1]  # a group's codes 0..15 and 16..31, two a byte
+    four = np.uint64(4)
+    even = (lo & _LOW) | ((hi & _LOW) << four)  # qs[0], qs[2], ...: the low nibbles
+    odd = ((lo >> four) & _LOW) | (hi & ~_LOW)  # qs[1], qs[3], ...: the high ones
+    np.stack(
+        [even.view(np.uint8).reshape(rows, -1, 8), odd.view(np.uint8).reshape(rows, -1, 8)],
+        axis=3,
+        out=out,
+    )
 
 
 def _float_tensor(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> tuple[np.ndarray, Any]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from czyx.store import Store
 from czyx.store.models.gguf import UnsupportedGGUFError
@@ -217,3 +219,36 @@ def test_gguf_export_holds_one_layers_experts_at_a_time(tmp_path):
     assert path.read_bytes() == (tmp_path / "warm.gguf").read_bytes()
     assert path.stat().st_size > expert_bytes  # every expert was written
     assert peak < expert_bytes / 4, (peak, expert_bytes)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    groups=st.integers(1, 4),
+    seed=st.integers(0, 2**32 - 1),
+    bits=st.sampled_from([4, 8]),
+)
+def test_gguf_blocks_repack_every_code_as_unpacking_does(rows, groups, seed, bits):
+    """The nibble-level Q4_1 repack and the Q8_0 sign flip equal the reference: every
+    code unpacked, then packed as GGUF lays its blocks out."""
+    from czyx.store.models.gguf_export import to_gguf_blocks
+    from czyx.store.quant.formats import get_format, pack_codes, unpack_codes, views
+
+    cols = 32 * groups
+    fmt = get_format(f"q{bits}")
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 1 << bits, (rows, cols)).astype(np.uint8)
+    buf = np.zeros(fmt.nbytes(rows, cols), np.uint8)
+    codes, d, m = views(buf, fmt, (rows, cols))
+    codes[...] = pack_codes(q, bits)
+    d[...] = rng.uniform(0.01, 1, d.shape).astype(np.float16)
+    m[...] = -128 * d if bits == 8 else rng.uniform(-1, 1, m.shape).astype(np.float16)
+    blocks, _ = to_gguf_blocks(buf, fmt.name, (rows, cols), "t")
+    u = unpack_codes(codes, bits, cols).reshape(rows, groups, 32)
+    dq = np.ascontiguousarray(d).view(np.uint8).reshape(rows, groups, 2)
+    if bits == 8:
+        want = np.concatenate([dq, (u.astype(np.int16) - 128).astype(np.int8).view(np.uint8)], 2)
+    else:
+        mq = np.ascontiguousarray(m).view(np.uint8).reshape(rows, groups, 2)
+        want = np.concatenate([dq, mq, (u[:, :, :16] | (u[:, :, 16:] << 4)).astype(np.uint8)], 2)
+    assert np.array_equal(blocks, want.reshape(rows, -1))
