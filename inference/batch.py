@@ -1254,7 +1254,12 @@ class Scheduler:
                         continue  # more prompt to go: no token yet
                 if seq.handle.cancelled:
                     continue  # reaped before the next step
-                tok = seq.sampler(lg)
+                try:
+                    tok = seq.sampler(lg)
+                except Exception as exc:  # fail closed: this sequence alone ends, with the error
+                    self._active.remove(seq)
+                    self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+                    continue
                 seq.generated.append(tok)
                 self._generated += 1
                 seq.handle._emit(Token(tok, len(seq.generated) - 1, now))

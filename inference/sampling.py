@@ -28,8 +28,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # off
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise SamplingError(f"temperature {self.temperature} is negative")
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # (NaN too)
+            raise SamplingError(f"temperature {self.temperature} is not a finite number >= 0")
         for name in ("presence_penalty", "frequency_penalty"):
             if not np.isfinite(getattr(self, name)):
                 raise SamplingError(f"{name} {getattr(self, name)} is not a finite number")

@@ -38,6 +38,7 @@ import codecs
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -61,6 +62,7 @@ from czyx.inference.batch import (
     Scheduler,
     Token,
 )
+from czyx.inference.errors import SamplingError
 from czyx.inference.sampling import SamplingParams
 from czyx.inference.tokenizer import ByteTokenizer
 from czyx.server.auth import AuthError, Caller, ServedVersion, TokenGate
@@ -423,7 +425,9 @@ def _number(body: dict, key: str, kind: type, default, lo=None, hi=None):
     if kind is float and isinstance(v, int) and not isinstance(v, bool):
         v = float(v)
     if not isinstance(v, kind) or isinstance(v, bool):
-        raise _bad(f"{key} must be a {kind.__name__}", key)
+        raise _bad(f"{key} must be {'an integer' if kind is int else 'a number'}", key)
+    if kind is float and not math.isfinite(v):  # (JSON as Python reads it has NaN, Infinity)
+        raise _bad(f"{key} must be a finite number", key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise _bad(f"{key} = {v} is out of range [{lo}, {hi}]", key)
     return v
@@ -481,7 +485,7 @@ def _parse_common(body: dict, default_max: int, max_keys: tuple[str, ...]) -> Ge
     top_p = _number(body, "top_p", float, 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise _bad("top_p must be above 0", "top_p")
-    seed = _number(body, "seed", int, None)
+    seed = _number(body, "seed", int, None, 0)
     # OpenAI's range; the sampler lowers the logits of the tokens chosen so far.
     presence = _number(body, "presence_penalty", float, 0.0, -2.0, 2.0)
     frequency = _number(body, "frequency_penalty", float, 0.0, -2.0, 2.0)
@@ -500,17 +504,21 @@ def _parse_common(body: dict, default_max: int, max_keys: tuple[str, ...]) -> Ge
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise _bad("stream_options must be an object", "stream_options")
-    return GenRequest(
-        model=model,
-        max_tokens=int(max_tokens),
-        sampling=SamplingParams(
+    try:
+        sampling = SamplingParams(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
             seed=seed,
             presence_penalty=presence,
             frequency_penalty=frequency,
-        ),
+        )
+    except SamplingError as exc:
+        raise _bad(str(exc)) from None
+    return GenRequest(
+        model=model,
+        max_tokens=int(max_tokens),
+        sampling=sampling,
         stop=stops,
         stream=stream,
         include_usage=bool(opts.get("include_usage", False)),

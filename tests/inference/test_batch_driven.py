@@ -180,3 +180,48 @@ def test_on_wake_cancel_and_close(engine):
     assert not driven.step_once()
     with pytest.raises(SchedulerClosed):
         driven.submit(list(PROMPTS[1]), 10)
+
+
+def test_a_sampler_that_fails_ends_its_sequence_alone(engine, monkeypatch):
+    """An error choosing one sequence's token (a sampler raising) ends that sequence with
+    the error and frees its KV; the others in its steps go on to their own tokens."""
+    import czyx.inference.batch as batch
+    from czyx.inference.sampling import Sampler
+
+    class Failing(Sampler):
+        def __call__(self, logits):
+            if self.params.seed == 666 and self.calls == 2:
+                raise ValueError("probabilities do not sum to 1")
+            self.calls += 1
+            return super().__call__(logits)
+
+    def make(params):
+        s = Failing(params)
+        s.calls = 0
+        return s
+
+    opts = BatchOptions(max_batch=4, prefill_chunk=8)
+    reqs = [(list(PROMPTS[i]), 8, SamplingParams(temperature=0.0)) for i in range(3)]
+    alone = Scheduler(engine.model, opts, driven=True)
+    try:
+        hs = [alone.submit(p, n, sp) for p, n, sp in reqs]
+        _drive(alone)
+        want = [_tokens(h) for h in hs]
+    finally:
+        alone.close()
+    monkeypatch.setattr(batch, "Sampler", make)
+    driven = Scheduler(engine.model, opts, driven=True)
+    try:
+        hs = [driven.submit(p, n, sp) for p, n, sp in reqs]
+        bad = driven.submit(list(PROMPTS[3]), 8, SamplingParams(temperature=0.5, seed=666))
+        _drive(driven)
+        got = [_tokens(h) for h in hs]
+        toks, done = _tokens(bad)
+        st = driven.stats()
+    finally:
+        driven.close()
+    assert done.reason == "error" and "ValueError: probabilities" in done.error
+    assert len(toks) == 2
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert [d.reason for _, d in got] == ["length"] * 3
+    assert st.active == st.waiting == st.kv_used == 0

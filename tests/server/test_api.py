@@ -7,12 +7,15 @@ effect on the next request), the audit trail, /health and /metrics.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 PROMPT = "def main(argv):\n    "
 
@@ -313,3 +316,93 @@ def test_a_shared_prompt_prefix_is_reused_not_recomputed(served):
     assert second.usage.prompt_tokens == len(prompt) + 1
     # Whole 16-token chunks of the prompt, short of the chunk holding its last token.
     assert second.usage.prompt_tokens_details.cached_tokens == (len(prompt) + 1 - 1) // 16 * 16
+
+
+def test_non_finite_numbers_are_400_not_a_stuck_request(served):
+    """JSON as Python reads it has NaN and Infinity: each sampling number refuses them (a
+    NaN temperature once wedged its sequence until the event timeout)."""
+    url, tokens, *_ = served
+    headers = {"Authorization": f"Bearer {tokens['alice']}", "Content-Type": "application/json"}
+    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        for lit in ("NaN", "Infinity", "-Infinity"):
+            body = f'{{"model": "stdlib@1", "prompt": "x", "max_tokens": 2, "{key}": {lit}}}'
+            r = httpx.post(url + "/v1/completions", headers=headers, content=body, timeout=10)
+            assert r.status_code == 400, (key, lit, r.text)
+            assert r.json()["error"]["param"] == key
+    r = httpx.post(
+        url + "/v1/completions",
+        headers=headers,
+        json={"model": "stdlib@1", "prompt": "x", "max_tokens": 2, "seed": -1},
+        timeout=10,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+
+
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 5),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+)
+_values = st.recursive(
+    _scalars,
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+    max_leaves=6,
+)
+_KEYS = [
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "user",
+    "response_format",
+    "logprobs",
+    "echo",
+    "tools",
+]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    chat=st.booleans(),
+    model=st.sampled_from(["stdlib@1", "tiny@1", "nope@1", 3, None]),
+    fields=st.dictionaries(st.sampled_from(_KEYS), _values, max_size=6),
+)
+def test_any_json_body_gets_an_answer_never_a_500(served, chat, model, fields):
+    """Whatever the JSON body, the API answers a success or a 4xx error in the OpenAI
+    shape at once: no request crashes the server or hangs (bounded: small max_tokens)."""
+    url, tokens, *_ = served
+    body = {"model": model, **fields}
+    for key in ("max_tokens", "max_completion_tokens"):  # (keep the successes short)
+        if isinstance(body.get(key), int) and not isinstance(body[key], bool):
+            body[key] = min(body[key], 3)
+    body.setdefault("max_tokens", 2)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    r = httpx.post(
+        url + path,
+        headers={"Authorization": f"Bearer {tokens['alice']}"},
+        content=json.dumps(body),  # (allow_nan: NaN and Infinity literals as clients may send)
+        timeout=30,
+    )
+    assert r.status_code in (200, 400, 403, 404, 422), (r.status_code, r.text, body)
+    if r.status_code != 200:
+        err = r.json()["error"]
+        assert (
+            isinstance(err["message"], str) and err["message"] and "internal" not in err["message"]
+        )
+    elif "text/event-stream" in r.headers.get("content-type", ""):
+        assert r.text.rstrip().endswith("data: [DONE]")
+        assert "server_error" not in r.text
+    else:
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
