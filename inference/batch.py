@@ -52,6 +52,7 @@ import collections
 import functools
 import inspect
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -73,6 +74,8 @@ from czyx.inference.models.base import (
     swiglu_fused,
 )
 from czyx.inference.sampling import Sampler, SamplingParams
+
+_log = logging.getLogger("czyx.inference.batch")
 
 #: Token columns per product: every matmul of the batched path has exactly this width.
 BLOCK = 8
@@ -1212,6 +1215,17 @@ class Scheduler:
             self._step(work)
 
     def _step(self, work: list[tuple[_Seq, np.ndarray]]) -> None:
+        try:
+            self._step_work(work)
+        except Exception as exc:  # a bug past the forward: its sequences end, none hangs
+            _log.exception("a scheduler step failed; its sequences end with the error")
+            with self._lock:
+                for seq, _ in work:
+                    if seq in self._active:
+                        self._active.remove(seq)
+                        self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+
+    def _step_work(self, work: list[tuple[_Seq, np.ndarray]]) -> None:
         t0 = time.perf_counter()
         try:
             allowed = [s.allowed for s, _ in work]

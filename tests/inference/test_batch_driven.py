@@ -225,3 +225,38 @@ def test_a_sampler_that_fails_ends_its_sequence_alone(engine, monkeypatch):
     assert [t for t, _ in got] == [t for t, _ in want]
     assert [d.reason for _, d in got] == ["length"] * 3
     assert st.active == st.waiting == st.kv_used == 0
+
+
+@pytest.mark.parametrize("driven", [False, True], ids=["threaded", "driven"])
+def test_a_failing_step_ends_its_sequences_and_the_scheduler_goes_on(engine, monkeypatch, driven):
+    """A bug past the forward (here: making the third token event raises) ends the step's
+    sequences with the error, none left waiting; the next request is served as usual."""
+    import czyx.inference.batch as batch
+
+    made = []
+
+    class Boom(Token):
+        def __init__(self, *args):
+            made.append(args)
+            if len(made) == 3:
+                raise RuntimeError("boom")
+            super().__init__(*args)
+
+    monkeypatch.setattr(batch, "Token", Boom)
+    sched = Scheduler(engine.model, BatchOptions(max_batch=4, prefill_chunk=8), driven=driven)
+    try:
+        hs = [sched.submit(list(p), 8, SamplingParams()) for p in PROMPTS[:2]]
+        if driven:
+            _drive(sched)
+        dones = [_tokens(h)[1] for h in hs]
+        after = sched.submit(list(PROMPTS[2]), 4, SamplingParams())
+        if driven:
+            _drive(sched)
+        toks, done = _tokens(after)
+        st = sched.stats()
+    finally:
+        sched.close()
+    assert [d.reason for d in dones] == ["error", "error"]
+    assert all("RuntimeError: boom" in d.error for d in dones)
+    assert done.reason == "length" and len(toks) == 4
+    assert st.active == st.waiting == st.kv_used == 0
