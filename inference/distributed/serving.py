@@ -261,7 +261,11 @@ class RayScheduler:
         if req.handle.cancelled:
             self._finish(req, "cancelled")
             return
-        tok = req.sampler(logits)
+        try:
+            tok = req.sampler(logits)
+        except Exception as exc:  # fail closed: the request ends with the error
+            self._finish(req, "error", f"{type(exc).__name__}: {exc}")
+            return
         req.generated.append(tok)
         self._generated += 1
         req.handle._emit(Token(tok, len(req.generated) - 1, now))

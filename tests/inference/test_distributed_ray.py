@@ -296,3 +296,39 @@ def test_serve_over_ray_fails_a_request_closed(setup):
         st = app.state.czyx.models["m@1"].scheduler.stats()
         assert st.active == 0 and st.waiting == 0
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_serve_over_ray_ends_a_request_whose_sampler_fails(setup, monkeypatch):
+    """An error choosing a token (a sampler raising) ends that request with the error
+    (HTTP 500 naming it); nothing stays in flight and the next request is served."""
+    import openai
+
+    import czyx.inference.distributed.serving as serving
+    from czyx import portals
+    from czyx.cli.commands.serve import serve_options
+    from czyx.inference.sampling import Sampler
+    from czyx.server import create_app
+    from czyx.server.threaded import serve_in_thread
+
+    class Failing(Sampler):
+        def __call__(self, logits):
+            if self.params.seed == 666:
+                raise ValueError("probabilities do not sum to 1")
+            return super().__call__(logits)
+
+    monkeypatch.setattr(serving, "Sampler", Failing)
+    root, tok, refs, _ = setup
+    with Store.open(root / "src") as s:
+        token = portals.root_token(s)
+    app = create_app(str(root / "src"), ["m@1"], serve_options(_serve_args(root, tok, "pipeline")))
+    served = app.state.czyx.models["m@1"]
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=token, max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError, match="probabilities do not sum"):
+            client.completions.create(
+                model="m@1", prompt=PROMPTS[0], max_tokens=N, temperature=0.5, seed=666
+            )
+        r = client.completions.create(model="m@1", prompt=PROMPTS[0], max_tokens=N, temperature=0)
+        assert r.choices[0].text == served.tokenizer.decode(refs[0][0])
+        st = served.scheduler.stats()
+        assert st.active == 0 and st.waiting == 0
