@@ -10,17 +10,20 @@ portal; each request is authorised by its own bearer portal
 
 Request semantics follow the OpenAI API: ``max_tokens`` (chat also
 ``max_completion_tokens``), ``temperature`` (default 1), ``top_p``, ``seed``,
-``stop`` (up to 4 strings; the text ends before the first match),
-``n`` (1 only), ``stream`` with ``stream_options.include_usage``, ``usage``
-and ``finish_reason`` ("stop": end-of-sequence token or stop string;
-"length": ``max_tokens``). Unsupported fields that would change the answer
-(``echo``, ``logprobs``, ``best_of`` > 1, tools) are refused with 400, never
-ignored. Errors use the OpenAI error object.
+``presence_penalty`` and ``frequency_penalty``, ``stop`` (up to 4 strings; the
+text ends before the first match), ``n`` (1 only), ``stream`` with
+``stream_options.include_usage``, ``usage`` and ``finish_reason`` ("stop":
+end-of-sequence token or stop string; "length": ``max_tokens``); ``top_k`` as
+vLLM and llama.cpp take it. Unsupported fields that would change the answer
+(``echo``, ``logprobs``, ``best_of`` > 1, tools, ``response_format`` other than
+text, other servers' penalties, grammars and guided decoding) are refused with
+400, never ignored; a number that is not finite too. Errors use the OpenAI
+error object.
 
-Sessions: a request naming a session, by the ``X-Czyx-Session`` header or
-the OpenAI ``user`` field (the same meaning; both given and different is a
-400), resumes the caller's saved KV state and saves the new one as the
-session's next version, as ``czyx run --session`` does.
+Sessions: a request naming a session in the ``X-Czyx-Session`` header resumes
+the caller's saved KV state and saves the new one as the session's next
+version, as ``czyx run --session`` does. The OpenAI ``user`` field keeps its
+meaning (the end user a client serves): it goes to the audit log only.
 
 Stepping: each version's scheduler is driven on the event loop itself (one
 task per version calls :meth:`~czyx.inference.batch.Scheduler.step_once`
@@ -77,6 +80,8 @@ from czyx.server.template import (
 )
 
 MAX_STOPS = 4
+#: Longest OpenAI ``user`` (an end user's id, kept in the audit log) accepted.
+MAX_END_USER = 256
 #: Request header naming the caller's session (resumed from the store, saved back).
 SESSION_HEADER = "x-czyx-session"
 #: Response header: the session version a non-streamed request saved.
@@ -416,6 +421,7 @@ class GenRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    end_user: str | None = None  # OpenAI's ``user``: who the caller serves (audited)
 
 
 def _number(body: dict, key: str, kind: type, default, lo=None, hi=None):
@@ -500,6 +506,9 @@ def _parse_common(body: dict, default_max: int, max_keys: tuple[str, ...]) -> Ge
         raise _bad("stop must be a string or a list of strings", "stop")
     if len(stops) > MAX_STOPS or any(not s for s in stops):
         raise _bad(f"stop: at most {MAX_STOPS} non-empty strings", "stop")
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_END_USER):
+        raise _bad(f"user must be a string of at most {MAX_END_USER} characters", "user")
     stream = bool(body.get("stream", False))
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
@@ -522,6 +531,7 @@ def _parse_common(body: dict, default_max: int, max_keys: tuple[str, ...]) -> Ge
         stop=stops,
         stream=stream,
         include_usage=bool(opts.get("include_usage", False)),
+        end_user=user or None,
     )
 
 
@@ -596,6 +606,7 @@ class _Outcome:
     error_status: int = 500
     cached_tokens: int = 0  # positions restored from a session or reused from the prefix cache
     session_version: int | None = None  # the version this request saved
+    end_user: str | None = None  # the request's OpenAI ``user``
 
 
 @dataclass
@@ -921,7 +932,7 @@ class _Job:
         self.eos = eos
         self.session = session
         self.allowed = allowed
-        self.out = _Outcome(prompt_tokens=len(ids))
+        self.out = _Outcome(prompt_tokens=len(ids), end_user=req.end_user)
         self.stream = _TextStream(served.tokenizer, req.stop, frozenset(eos))
         self.timeout = state.options.event_timeout
         self.loop = asyncio.get_running_loop()
@@ -1078,27 +1089,17 @@ def _usage(out: _Outcome) -> dict[str, Any]:
     return usage
 
 
-def _session_name(request: Request, body: dict) -> tuple[str | None, str]:
-    """The session a request names, and where it named it (the error's ``param``).
+def _session_name(request: Request) -> str | None:
+    """The session a request names in its ``X-Czyx-Session`` header, or None.
 
-    The ``X-Czyx-Session`` header or the OpenAI ``user`` field (what OpenAI
-    clients already send per end user), with the same meaning; both given
-    and different is refused rather than guessed between.
+    Only the header names one: OpenAI's ``user`` field identifies the end user a
+    client serves (any string, several conversations each), so taking it as a
+    session would resume one user's unrelated requests into each other's context.
     """
-    header = request.headers.get(SESSION_HEADER)
-    user = body.get("user")
-    if user is not None and (not isinstance(user, str) or not user):
-        raise _bad("user must be a non-empty string (it names the caller's session)", "user")
-    if header and user and header != user:
-        raise _bad(f"X-Czyx-Session {header!r} and user {user!r} name different sessions", "user")
-    if header:
-        return header, "X-Czyx-Session"
-    return (user, "user") if user else (None, "user")
+    return request.headers.get(SESSION_HEADER) or None
 
 
-def _open_session(
-    store, tenant: str, name: str, served: ServedModel, param: str = "X-Czyx-Session"
-) -> _Session:
+def _open_session(store, tenant: str, name: str, served: ServedModel) -> _Session:
     """The caller's session ``name`` (its head restored as a KV cache), or a new one.
 
     The server acts for the caller's tenant through the store owner's portal
@@ -1138,10 +1139,10 @@ def _open_session(
         return _Session(name, sessions, head, model, ([int(t) for t in parsed.tokens[:rows]], kv))
     except (serr.WrongTenantError, PortalDenied) as exc:
         raise ApiError(
-            403, f"session {name!r}: {exc}", "permission_error", "session_denied", param
+            403, f"session {name!r}: {exc}", "permission_error", "session_denied", "X-Czyx-Session"
         ) from None
     except (serr.SessionError, ValueError) as exc:
-        raise _bad(f"session {name!r}: {exc}", param) from None
+        raise _bad(f"session {name!r}: {exc}", "X-Czyx-Session") from None
 
 
 def _save_session(session: _Session, final) -> int:
@@ -1241,6 +1242,7 @@ class _Api:
                 prompt_tokens=out.prompt_tokens,
                 completion_tokens=out.completion_tokens,
                 finish_reason=out.finish,
+                end_user=out.end_user,
             )
         fields = {k: v for k, v in fields.items() if v is not None}
         store = self.state.store
@@ -1318,10 +1320,10 @@ class _Api:
             served, allowed = self._served(caller, req.model)
             ids = _chat_prompt(body, served) if chat else _completion_prompt(body, served)
             session = None
-            name, param = _session_name(request, body)
+            name = _session_name(request)
             if name:
                 session = await run_in_threadpool(
-                    _open_session, self.state.store, caller.tenant, name, served, param
+                    _open_session, self.state.store, caller.tenant, name, served
                 )
         except ApiError as exc:
             await self._audit(caller, endpoint, model, exc.status, None)
