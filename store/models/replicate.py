@@ -488,6 +488,7 @@ def run_pull(
     workers: int = 4,
     retries: int = 3,
     max_range: int = MAX_RANGE,
+    progress: Callable[[int, int], None] | None = None,
 ) -> PullResult:
     """Move the planned extents, verify, stage and publish; then set ``tag``.
 
@@ -504,6 +505,9 @@ def run_pull(
         Point this tag at the version once it is published.
     retries
         Fetches of one extent that may fail their checksum before giving up.
+    progress
+        Called with (bytes here, bytes of the version) as extents arrive verified
+        (what was already here or staged counts as here).
 
     Raises
     ------
@@ -541,7 +545,7 @@ def run_pull(
         try:
             res.bytes_resumed += staged.bytes_arrived
             todo = [f for f in sp.fetches if f.dest_off not in staged.arrived]
-            _move(staged, todo, fetch_range, res, workers, retries, max_range)
+            _move(staged, todo, fetch_range, res, workers, retries, max_range, progress, plan)
             staged.publish()
         finally:
             staged.close()
@@ -561,8 +565,11 @@ def _move(
     workers: int,
     retries: int,
     max_range: int,
+    progress: Callable[[int, int], None] | None = None,
+    plan: PullPlan | None = None,
 ) -> None:
     attempts: dict[int, int] = {}
+    total = 0 if plan is None else plan.bytes_total
 
     def get(run: list[Fetch]) -> tuple[list[Fetch], bytes]:
         start, end = run[0].src_off, run[-1].src_off + run[-1].length
@@ -595,6 +602,9 @@ def _move(
                     staged.flush()
                     last_sync = now
                 res.bytes_fetched += sum(f.length for f in run if f.dest_off not in bad)
+                if progress is not None:
+                    here = res.bytes_fetched + res.bytes_reused + res.bytes_resumed
+                    progress(min(here, total), total)
                 for f in run:
                     if f.dest_off in bad:
                         attempts[f.dest_off] = attempts.get(f.dest_off, 0) + 1

@@ -51,8 +51,19 @@ def test_plan_is_deterministic_and_copies_everything(src, tmp_path):
         a, b = plan_pull(dest, offer), plan_pull(dest, offer)
         assert a == b
         assert a.bytes_to_fetch == a.bytes_total > 0
-        res = run_pull(dest, a, _reader(src), tag="m@1")
+        seen = []
+        res = run_pull(
+            dest,
+            a,
+            _reader(src),
+            tag="m@1",
+            max_range=1 << 16,
+            progress=lambda d, t: seen.append((d, t)),
+        )
         assert res.bytes_fetched == a.bytes_total
+        # progress: bytes here out of the version's, rising to all of them
+        done = [d for d, _ in seen]
+        assert len(seen) > 1 and done == sorted(done) and seen[-1] == (a.bytes_total,) * 2
         assert dest.resolve_tag("m@1") == src.resolve_tag("m@1")
         assert not (Path(dest.path) / "staging" / a.version.hex()).exists()
 

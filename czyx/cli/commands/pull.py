@@ -143,12 +143,14 @@ def sync(
     tag: str | None = None,
     workers: int = 4,
     max_range: int = 16 << 20,
+    progress: Any = None,
 ) -> Any:
     """Copy ``ref`` from ``source`` (a server URL or a store directory) into ``dest_dir``.
 
     Both sources go through the same plan, staging, verification and atomic
     publication (:mod:`czyx.store.models.replicate`); only the range reader
-    differs. Returns the :class:`czyx.store.models.replicate.PullResult`.
+    differs. ``progress`` hears (bytes here, bytes of the version) as extents
+    arrive. Returns the :class:`czyx.store.models.replicate.PullResult`.
 
     Raises
     ------
@@ -187,7 +189,15 @@ def sync(
     # The destination is opened (or created) only once the source answered.
     with src_ctx as (offer, fetch_range), Store.open(dest_dir) as dest:
         plan = plan_pull(dest, offer)
-        return run_pull(dest, plan, fetch_range, tag=tag, workers=workers, max_range=max_range)
+        return run_pull(
+            dest,
+            plan,
+            fetch_range,
+            tag=tag,
+            workers=workers,
+            max_range=max_range,
+            progress=progress,
+        )
 
 
 def pull(
@@ -227,18 +237,23 @@ def _require_url(url: str) -> str:
 
 
 def copy_and_report(args: argparse.Namespace, source: str, dest: str) -> int:
-    """:func:`sync` with the options of :func:`add_copy_args`; print the summary."""
-    res = sync(
-        source,
-        dest,
-        args.ref,
-        args.portal,
-        classes=args.classes,
-        layers=args.layers,
-        tag=args.tag,
-        workers=args.workers,
-        max_range=args.max_range,
-    )
+    """:func:`sync` with the options of :func:`add_copy_args` (a progress bar on a
+    terminal); print the summary."""
+    from czyx.cli.commands._progress import byte_progress
+
+    with byte_progress(f"copy {args.ref}") as progress:
+        res = sync(
+            source,
+            dest,
+            args.ref,
+            args.portal,
+            classes=args.classes,
+            layers=args.layers,
+            tag=args.tag,
+            workers=args.workers,
+            max_range=args.max_range,
+            progress=progress,
+        )
     print(res.summary())
     return 0
 
