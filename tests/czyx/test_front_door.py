@@ -197,13 +197,17 @@ def test_export_refuses_a_non_empty_dir_unless_forced(store, tmp_path, capsys) -
     out.mkdir()
     (out / "model-00009-of-00009.safetensors").write_bytes(b"stale")
     (out / "README.md").write_text("mine")
+    (out / ".czyx-export-k1ll3d").mkdir()  # what an export killed midway leaves
+    (out / ".czyx-export-k1ll3d" / "model.safetensors").write_bytes(b"half")
     assert main(["export", "stdlib@v1", str(out), "--store", store]) == 1
     assert "not empty" in capsys.readouterr().err
     src = bundled_model_dir()  # exporting over the source is the same refusal
     assert main(["export", "stdlib@v1", str(src), "--store", store]) == 1
     assert main(["export", "stdlib@v1", str(out), "--store", store, "--force"]) == 0
     assert not (out / "model-00009-of-00009.safetensors").exists()
+    assert not (out / ".czyx-export-k1ll3d").exists()
     assert (out / "README.md").read_text() == "mine" and (out / "config.json").exists()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
 
 
 def test_progress_shows_on_a_terminal_only(monkeypatch) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ from czyx.cli.commands._storearg import add_store_arg, store_dir
 # What an export writes: removed from a non-empty target under --force, so a shard
 # of an earlier, larger checkpoint cannot survive beside the new index.
 _CHECKPOINT_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json")
+# What an export killed midway leaves (it removes its own on any error it sees).
+_STAGING = ".czyx-export-*"
 
 
 def register(subparsers: Any) -> None:
@@ -50,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "gguf" and out.suffix == ".gguf":
         if out.exists() and not args.force:
             raise ValueError(f"{out}: exists; pass --force to replace it")
+        if args.force:
+            for f in out.parent.glob(f".{out.name}.*.partial"):
+                f.unlink()
     elif out.exists() and not out.is_dir():
         raise ValueError(f"{out}: exists and is not a directory")
     elif out.is_dir() and any(out.iterdir()):
@@ -62,6 +68,11 @@ def run(args: argparse.Namespace) -> int:
             for f in out.glob(pattern):
                 if f.is_file() or f.is_symlink():
                     f.unlink()
+        for d in out.glob(_STAGING):
+            if d.is_dir() and not d.is_symlink():
+                shutil.rmtree(d)
+        for f in out.glob(".model.gguf.*.partial"):
+            f.unlink()
     with (
         Store.open(store_dir(args), create=False, readonly=True) as store,
         byte_progress(f"export {args.ref}") as progress,
