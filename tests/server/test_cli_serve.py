@@ -80,23 +80,48 @@ def test_serve_says_when_a_version_streams_for_lack_of_memory(tmp_path, monkeypa
     store_dir, _, _, _ = make_store(tmp_path)
     ran = []
 
-    def run(app, **kw):  # instead of serving: note the call, close what the app opened
-        ran.append(kw)
-        app.state.czyx.close()
+    def run(server, sockets=None):  # instead of serving: note the call, close the app's state
+        ran.append(sockets[0].getsockname())
+        server.config.app.state.czyx.close()
 
-    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
     # no budget flag, and room for fewer than all of the bundled model's experts
     monkeypatch.setattr(engine_mod, "available_bytes", lambda: 4 * 2**20)
-    assert main(["serve", "stdlib@1", "--store", str(store_dir)]) == 0
+    assert main(["serve", "stdlib@1", "--store", str(store_dir), "--port", "0"]) == 0
     err = capsys.readouterr().err
-    assert ran and ran[0]["host"] == "127.0.0.1"
+    host, port = ran[0]
+    assert host == "127.0.0.1" and port > 0 and f"on http://127.0.0.1:{port}/v1" in err
     assert "czyx serve: stdlib@1: expert slots:" in err and "--cache-mb" in err
     # how a client gets its bearer token, for the store being served
     assert f"czyx grant stdlib@1 --tenant NAME --rights infer --store {store_dir}" in err
     spaced = tmp_path / "a store"
     store_dir.rename(spaced)  # a path the printed command must quote
-    assert main(["serve", "stdlib@1", "--store", str(spaced)]) == 0
+    assert main(["serve", "stdlib@1", "--store", str(spaced), "--port", "0"]) == 0
     assert f"--store '{spaced}'" in capsys.readouterr().err
     monkeypatch.setattr(engine_mod, "available_bytes", lambda: 2**40)
-    assert main(["serve", "stdlib@1", "--store", str(spaced)]) == 0
+    assert main(["serve", "stdlib@1", "--store", str(spaced), "--port", "0"]) == 0
     assert "expert slots:" not in capsys.readouterr().err
+
+
+def test_the_port_is_bound_before_the_models_load(tmp_path, capsys):
+    """A port in use or out of range is a one-line error before anything loads; port 0
+    is a free one, and the printed URL names it."""
+    import socket
+
+    from czyx.cli.commands.serve import _listen
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        store = str(tmp_path / "nothing-here")  # never opened: the bind fails first
+        assert main(["serve", "x@1", "--port", str(port), "--store", store]) == 1
+        err = capsys.readouterr().err
+        assert f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
+        assert main(["serve", "x@1", "--port", "70000", "--store", store]) == 1
+        assert "not a TCP port" in capsys.readouterr().err
+    finally:
+        taken.close()
+    with _listen("127.0.0.1", 0) as sock:
+        assert sock.getsockname()[1] > 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import socket
 import sys
 
 from czyx.cli.commands._engineargs import add_engine_args, check_engine_args, engine_kwargs
@@ -143,11 +144,14 @@ def run(args: argparse.Namespace) -> int:
         from czyx.server.replication import routes
 
         extra = routes(store_dir(args))
-    with _ray_connection(args):
+    sock = _listen(args.host, args.port)  # a taken port fails here, before models load
+    with sock, _ray_connection(args):
         app = create_app(store_dir(args), args.refs, options, extra_routes=extra)
         refs = ", ".join(app.state.czyx.models)
         over = f" over Ray ({args.ray_shape}, {args.ray_nodes} actors)" if args.ray else ""
-        print(f"czyx serve: {refs}{over} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+        host, port = sock.getsockname()[:2]  # (--port 0: the one the system chose)
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+        print(f"czyx serve: {refs}{over} on {url}", file=sys.stderr)
         # Every request needs a portal token: say how to make one (the first thing a new
         # user's client asks for, as an API key).
         first = shlex.quote(next(iter(app.state.czyx.models), "NAME@VER"))
@@ -160,8 +164,33 @@ def run(args: argparse.Namespace) -> int:
         for ref, served in app.state.czyx.models.items():
             if served.engine.budget_note:
                 print(f"czyx serve: {ref}: {served.engine.budget_note}", file=sys.stderr)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` for uvicorn to serve on.
+
+    Raises
+    ------
+    ValueError
+        The address does not resolve, or cannot be bound (a port in use, out of range).
+    """
+    if not 0 <= port <= 65535:  # (getaddrinfo would take 70000 as 4464)
+        raise ValueError(f"--port {port}: not a TCP port (0..65535; 0: any free one)")
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, OverflowError) as exc:
+        raise ValueError(f"--host {host} --port {port}: {exc}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except (OSError, OverflowError) as exc:
+        sock.close()
+        why = getattr(exc, "strerror", None) or exc
+        raise ValueError(f"cannot listen on {host}:{port}: {why}") from None
+    return sock
 
 
 def _ray_connection(args: argparse.Namespace):
