@@ -267,6 +267,15 @@ class BlockWriter:
             self._fd = -1
 
 
+def fsync_file(path: Path) -> None:
+    """``fsync`` the file at ``path``: its bytes are durable afterwards."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: Path) -> None:
     """``fsync`` a directory so a rename or create inside it is durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

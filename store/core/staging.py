@@ -44,7 +44,7 @@ import msgpack
 import numpy as np
 
 from czyx.space import Selector
-from czyx.store.core.blockfile import BlockWriter, dio_alignment, read_header
+from czyx.store.core.blockfile import BlockWriter, dio_alignment, fsync_file, read_header
 from czyx.store.core.checksum import checksum
 from czyx.store.core.records import check_key, check_selector
 from czyx.store.core.writer import SpaceWriter
@@ -77,14 +77,6 @@ class PlannedExtent:
 def staging_path(store: Store, space: Selector) -> Path:
     """The staging directory of ``space`` in ``store`` (it may not exist)."""
     return Path(store.path) / STAGING_DIR / check_selector(space).hex()
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class StagedSpace:
@@ -191,7 +183,7 @@ class StagedSpace:
             w.close()
             tmp = self.dir / "plan.tmp"
             tmp.write_bytes(msgpack.packb({**plan, "gen": gen}, use_bin_type=True))
-            _fsync_path(tmp)
+            fsync_file(tmp)
             os.replace(tmp, plan_path)
         self.manifest, self.size, self.generation = manifest, size, gen
         self.records = [(bytes(k), r) for k, r in recs]

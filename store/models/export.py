@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from czyx.space import Selector
+from czyx.store.core.blockfile import fsync_dir, fsync_file
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
 from czyx.store.interfaces import StoreInterface
@@ -63,14 +64,6 @@ class ExportError(MountError):
 Progress = Callable[[int, int], None]
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def staged_file(path: Path) -> Iterator[Path]:
     """A temporary name beside ``path`` to write it under: renamed to ``path`` (after an
@@ -81,13 +74,13 @@ def staged_file(path: Path) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
-        _fsync(Path(tmp))
+        fsync_file(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         _remove_made(made)
         raise
-    _fsync(path.parent)
+    fsync_dir(path.parent)
 
 
 @contextlib.contextmanager
@@ -101,7 +94,7 @@ def staged_dir(out: Path) -> Iterator[Path]:
         yield stage
         names = sorted(os.listdir(stage))
         for name in names:
-            _fsync(stage / name)
+            fsync_file(stage / name)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         _remove_made(made)
@@ -109,7 +102,7 @@ def staged_dir(out: Path) -> Iterator[Path]:
     for name in names:
         os.replace(stage / name, out / name)
     stage.rmdir()
-    _fsync(out)
+    fsync_dir(out)
 
 
 def _make_parent(path: Path) -> Path | None:

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import Any, TextIO
 
 from czyx.cli.commands._engineargs import add_engine_args
+from czyx.cli.commands._samplingargs import add_penalty_args
 from czyx.cli.commands._storearg import add_store_arg, store_dir
 
 
@@ -42,18 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1.0: off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument(
-        "--presence-penalty",
-        type=float,
-        default=0.0,
-        help="lower a token already generated, once (OpenAI's; 0: off)",
-    )
-    p.add_argument(
-        "--frequency-penalty",
-        type=float,
-        default=0.0,
-        help="lower a token by this for each time it was generated (OpenAI's; 0: off)",
-    )
+    add_penalty_args(p)
     p.add_argument(
         "--chat-template",
         metavar="PATH",

@@ -24,6 +24,7 @@ import sys
 from czyx.cli.commands._engineargs import add_engine_args, parse_class_range
 from czyx.cli.commands._engineargs import engine_options as engine_options  # re-exported
 from czyx.cli.commands._engineargs import stream_options as _stream_options
+from czyx.cli.commands._samplingargs import add_penalty_args
 from czyx.cli.commands._storearg import add_store_arg, store_dir
 from czyx.inference.opened import OpenedModel
 from czyx.store.interfaces import StoreInterface
@@ -57,18 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1.0: off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument(
-        "--presence-penalty",
-        type=float,
-        default=0.0,
-        help="lower a token already generated, once (OpenAI's; 0: off)",
-    )
-    p.add_argument(
-        "--frequency-penalty",
-        type=float,
-        default=0.0,
-        help="lower a token by this for each time it was generated (OpenAI's; 0: off)",
-    )
+    add_penalty_args(p)
     add_engine_args(p)
     p.add_argument(
         "--xray", metavar="FILE", help="write the X-Ray transfer report (JSON) and print a summary"
