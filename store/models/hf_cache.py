@@ -60,6 +60,8 @@ def snapshot_dir(repo_id: str, revision: str = "main", cache: Path | None = None
     """
     if not looks_like_repo_id(repo_id):
         raise CheckpointError(f"{repo_id!r} is not a Hugging Face repository id (ORG/NAME)")
+    if not revision or revision.startswith("/") or ".." in revision.split("/"):
+        raise CheckpointError(f"revision {revision!r}: not a branch, tag or commit name")
     root = (cache or hub_cache_dir()) / ("models--" + repo_id.replace("/", "--"))
     commit = revision
     if not _COMMIT.match(revision):

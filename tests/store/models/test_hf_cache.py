@@ -76,6 +76,9 @@ def test_snapshot_of_a_ref_or_a_commit(tmp_path):
         snapshot_dir("org/m", cache=tmp_path)
     with pytest.raises(CheckpointError, match="not a Hugging Face repository id"):
         snapshot_dir("../etc", cache=tmp_path)
+    for bad in ("../../../etc/hostname", "/etc/hostname", ""):
+        with pytest.raises(CheckpointError, match="not a branch, tag or commit"):
+            snapshot_dir("org/m", bad, cache=tmp_path)
 
 
 def test_czyx_mount_org_name_mounts_the_cached_snapshot(monkeypatch, tmp_path, capsys):
