@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import struct
 import tempfile
@@ -70,14 +71,15 @@ def staged_file(path: Path) -> Iterator[Path]:
     fsync) when the block ends, removed if it raises, so ``path`` is never half written
     and a failed export leaves nothing (a directory it had to create included)."""
     made = _make_parent(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(fd)
+    # A fresh name the writer creates (not mkstemp's file: that one is 0600, and the
+    # export would keep that mode instead of the umask's).
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial"
     try:
-        yield Path(tmp)
-        fsync_file(Path(tmp))
+        yield tmp
+        fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         _remove_made(made)
         raise
     fsync_dir(path.parent)

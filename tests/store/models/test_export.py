@@ -187,6 +187,9 @@ def test_export_reports_its_progress_in_bytes(store, tmp_path, gguf):
         import gguf as gg
 
         assert total == sum(int(t.n_bytes) for t in gg.GGUFReader(path).tensors)
+        plain = tmp_path / "plain"
+        plain.write_bytes(b"")  # the mode a file created here gets (the umask's)
+        assert path.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
     else:
         _same_files(ckpt, tmp_path / "o")  # (and the data bytes are the total)
         data = sum(
