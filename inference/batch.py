@@ -1217,7 +1217,8 @@ class Scheduler:
     def _step(self, work: list[tuple[_Seq, np.ndarray]]) -> None:
         try:
             self._step_work(work)
-        except Exception as exc:  # a bug past the forward: its sequences end, none hangs
+        except Exception as exc:  # fail closed: the step's sequences end with the error
+            # (a read that failed its checksum, or a bug: logged either way; none hangs)
             _log.exception("a scheduler step failed; its sequences end with the error")
             with self._lock:
                 for seq, _ in work:
@@ -1227,22 +1228,14 @@ class Scheduler:
 
     def _step_work(self, work: list[tuple[_Seq, np.ndarray]]) -> None:
         t0 = time.perf_counter()
-        try:
-            allowed = [s.allowed for s, _ in work]
-            logits = forward_batch(
-                self.model,
-                [c for _, c in work],
-                [s.kv for s, _ in work],
-                allowed if any(a is not None for a in allowed) else None,
-                self.options.c_decode,
-            )
-        except Exception as exc:  # fail closed: every sequence of the step ends with the error
-            with self._lock:
-                for seq, _ in work:
-                    if seq in self._active:
-                        self._active.remove(seq)
-                    self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-            return
+        allowed = [s.allowed for s, _ in work]
+        logits = forward_batch(
+            self.model,
+            [c for _, c in work],
+            [s.kv for s, _ in work],
+            allowed if any(a is not None for a in allowed) else None,
+            self.options.c_decode,
+        )
         now = time.perf_counter()
         n_tokens = sum(int(c.size) for _, c in work)
         with self._lock:

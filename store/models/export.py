@@ -63,6 +63,8 @@ class ExportError(MountError):
 
 #: An export's progress: called with (bytes written, bytes to write in all).
 Progress = Callable[[int, int], None]
+#: The names an export writes under until it is complete (see :func:`staging_leftovers`).
+_STAGE_PREFIX, _PARTIAL = ".czyx-export-", ".partial"
 
 
 @contextlib.contextmanager
@@ -73,7 +75,7 @@ def staged_file(path: Path) -> Iterator[Path]:
     made = _make_parent(path.parent)
     # A fresh name the writer creates (not mkstemp's file: that one is 0600, and the
     # export would keep that mode instead of the umask's).
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial"
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{_PARTIAL}"
     try:
         yield tmp
         fsync_file(tmp)
@@ -91,7 +93,7 @@ def staged_dir(out: Path) -> Iterator[Path]:
     ``out`` (fsynced, then an atomic rename) when the block ends, all removed if it
     raises, so a failed export changes nothing in ``out``."""
     made = _make_parent(out)
-    stage = Path(tempfile.mkdtemp(prefix=".czyx-export-", dir=out))
+    stage = Path(tempfile.mkdtemp(prefix=_STAGE_PREFIX, dir=out))
     try:
         yield stage
         names = sorted(os.listdir(stage))
@@ -105,6 +107,15 @@ def staged_dir(out: Path) -> Iterator[Path]:
         os.replace(stage / name, out / name)
     stage.rmdir()
     fsync_dir(out)
+
+
+def staging_leftovers(out: Path) -> list[Path]:
+    """What exports into ``out`` (a directory, or a ``.gguf`` path) killed midway left:
+    their staging directories and partial GGUF files (an export that sees its own error
+    removes them itself)."""
+    if out.suffix == ".gguf":
+        return sorted(out.parent.glob(f".{out.name}.*{_PARTIAL}"))
+    return sorted([*out.glob(f"{_STAGE_PREFIX}*"), *out.glob(f".*{_PARTIAL}")])
 
 
 def _make_parent(path: Path) -> Path | None:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from czyx.store.models.mount_errors import CheckpointError
 
-#: ``ORG/NAME`` (or a bare ``NAME``) as the hub spells repository ids.
-_REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
+#: ``ORG/NAME`` as the hub spells model repository ids.
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -37,7 +37,7 @@ def hub_cache_dir() -> Path:
 
 def looks_like_repo_id(text: str) -> bool:
     """Whether ``text`` could name a hub repository (``ORG/NAME``), not a path."""
-    return bool(_REPO_ID.match(text)) and "/" in text and ".." not in text
+    return bool(_REPO_ID.match(text)) and ".." not in text
 
 
 def snapshot_dir(repo_id: str, revision: str = "main", cache: Path | None = None) -> Path:

@@ -545,7 +545,10 @@ def run_pull(
         try:
             res.bytes_resumed += staged.bytes_arrived
             todo = [f for f in sp.fetches if f.dest_off not in staged.arrived]
-            _move(staged, todo, fetch_range, res, workers, retries, max_range, progress, plan)
+            _move(
+                staged, todo, fetch_range, res, workers, retries, max_range,
+                progress, plan.bytes_total,
+            )  # fmt: skip
             staged.publish()
         finally:
             staged.close()
@@ -566,10 +569,9 @@ def _move(
     retries: int,
     max_range: int,
     progress: Callable[[int, int], None] | None = None,
-    plan: PullPlan | None = None,
+    total: int = 0,
 ) -> None:
     attempts: dict[int, int] = {}
-    total = 0 if plan is None else plan.bytes_total
 
     def get(run: list[Fetch]) -> tuple[list[Fetch], bytes]:
         start, end = run[0].src_off, run[-1].src_off + run[-1].length

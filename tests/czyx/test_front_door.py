@@ -199,6 +199,7 @@ def test_export_refuses_a_non_empty_dir_unless_forced(store, tmp_path, capsys) -
     (out / "README.md").write_text("mine")
     (out / ".czyx-export-k1ll3d").mkdir()  # what an export killed midway leaves
     (out / ".czyx-export-k1ll3d" / "model.safetensors").write_bytes(b"half")
+    (out / ".model.gguf.123.abcd.partial").write_bytes(b"half")
     assert main(["export", "stdlib@v1", str(out), "--store", store]) == 1
     assert "not empty" in capsys.readouterr().err
     src = bundled_model_dir()  # exporting over the source is the same refusal

@@ -260,3 +260,35 @@ def test_a_failing_step_ends_its_sequences_and_the_scheduler_goes_on(engine, mon
     assert all("RuntimeError: boom" in d.error for d in dones)
     assert done.reason == "length" and len(toks) == 4
     assert st.active == st.waiting == st.kv_used == 0
+
+
+def test_a_failing_forward_ends_its_steps_sequences(engine, monkeypatch):
+    """A forward that fails (a read failing its checksum, say) ends every sequence of its
+    step with the error, KV freed; the next request is served as usual."""
+    import czyx.inference.batch as batch
+    from czyx.store import ChecksumError
+
+    real, calls = batch.forward_batch, []
+
+    def forward(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ChecksumError("expert (1, 2): checksum mismatch")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(batch, "forward_batch", forward)
+    sched = Scheduler(engine.model, BatchOptions(max_batch=4, prefill_chunk=8), driven=True)
+    try:
+        hs = [sched.submit(list(p), 8, SamplingParams()) for p in PROMPTS[:2]]
+        _drive(sched)
+        dones = [_tokens(h)[1] for h in hs]
+        after = sched.submit(list(PROMPTS[2]), 4, SamplingParams())
+        _drive(sched)
+        toks, done = _tokens(after)
+        st = sched.stats()
+    finally:
+        sched.close()
+    assert [d.reason for d in dones] == ["error", "error"]
+    assert all("ChecksumError: expert (1, 2)" in d.error for d in dones)
+    assert done.reason == "length" and len(toks) == 4
+    assert st.active == st.waiting == st.kv_used == 0

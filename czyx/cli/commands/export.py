@@ -13,8 +13,6 @@ from czyx.cli.commands._storearg import add_store_arg, store_dir
 # What an export writes: removed from a non-empty target under --force, so a shard
 # of an earlier, larger checkpoint cannot survive beside the new index.
 _CHECKPOINT_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json")
-# What an export killed midway leaves (it removes its own on any error it sees).
-_STAGING = ".czyx-export-*"
 
 
 def register(subparsers: Any) -> None:
@@ -47,15 +45,12 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Export and list the files written."""
     from czyx.store import Store
-    from czyx.store.models.export import export
+    from czyx.store.models.export import export, staging_leftovers
 
     out = Path(args.out)
     if args.format == "gguf" and out.suffix == ".gguf":
         if out.exists() and not args.force:
             raise ValueError(f"{out}: exists; pass --force to replace it")
-        if args.force:
-            for f in out.parent.glob(f".{out.name}.*.partial"):
-                f.unlink()
     elif out.exists() and not out.is_dir():
         raise ValueError(f"{out}: exists and is not a directory")
     elif out.is_dir() and any(out.iterdir()):
@@ -68,11 +63,12 @@ def run(args: argparse.Namespace) -> int:
             for f in out.glob(pattern):
                 if f.is_file() or f.is_symlink():
                     f.unlink()
-        for d in out.glob(_STAGING):
-            if d.is_dir() and not d.is_symlink():
-                shutil.rmtree(d)
-        for f in out.glob(".model.gguf.*.partial"):
-            f.unlink()
+    if args.force:  # also what an export killed midway left there
+        for left in staging_leftovers(out):
+            if left.is_dir() and not left.is_symlink():
+                shutil.rmtree(left)
+            else:
+                left.unlink()
     with (
         Store.open(store_dir(args), create=False, readonly=True) as store,
         byte_progress(f"export {args.ref}") as progress,
