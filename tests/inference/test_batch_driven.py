@@ -227,6 +227,28 @@ def test_a_sampler_that_fails_ends_its_sequence_alone(engine, monkeypatch):
     assert st.active == st.waiting == st.kv_used == 0
 
 
+def _failed_step_then_one_more(engine, driven: bool, error: str) -> None:
+    """Two requests whose step fails: both end with ``error`` (KV freed); a third request
+    after them is served as usual."""
+    sched = Scheduler(engine.model, BatchOptions(max_batch=4, prefill_chunk=8), driven=driven)
+    try:
+        hs = [sched.submit(list(p), 8, SamplingParams()) for p in PROMPTS[:2]]
+        if driven:
+            _drive(sched)
+        dones = [_tokens(h)[1] for h in hs]
+        after = sched.submit(list(PROMPTS[2]), 4, SamplingParams())
+        if driven:
+            _drive(sched)
+        toks, done = _tokens(after)
+        st = sched.stats()
+    finally:
+        sched.close()
+    assert [d.reason for d in dones] == ["error", "error"]
+    assert all(error in d.error for d in dones)
+    assert done.reason == "length" and len(toks) == 4
+    assert st.active == st.waiting == st.kv_used == 0
+
+
 @pytest.mark.parametrize("driven", [False, True], ids=["threaded", "driven"])
 def test_a_failing_step_ends_its_sequences_and_the_scheduler_goes_on(engine, monkeypatch, driven):
     """A bug past the forward (here: making the third token event raises) ends the step's
@@ -243,23 +265,7 @@ def test_a_failing_step_ends_its_sequences_and_the_scheduler_goes_on(engine, mon
             super().__init__(*args)
 
     monkeypatch.setattr(batch, "Token", Boom)
-    sched = Scheduler(engine.model, BatchOptions(max_batch=4, prefill_chunk=8), driven=driven)
-    try:
-        hs = [sched.submit(list(p), 8, SamplingParams()) for p in PROMPTS[:2]]
-        if driven:
-            _drive(sched)
-        dones = [_tokens(h)[1] for h in hs]
-        after = sched.submit(list(PROMPTS[2]), 4, SamplingParams())
-        if driven:
-            _drive(sched)
-        toks, done = _tokens(after)
-        st = sched.stats()
-    finally:
-        sched.close()
-    assert [d.reason for d in dones] == ["error", "error"]
-    assert all("RuntimeError: boom" in d.error for d in dones)
-    assert done.reason == "length" and len(toks) == 4
-    assert st.active == st.waiting == st.kv_used == 0
+    _failed_step_then_one_more(engine, driven, "RuntimeError: boom")
 
 
 def test_a_failing_forward_ends_its_steps_sequences(engine, monkeypatch):
@@ -277,18 +283,4 @@ def test_a_failing_forward_ends_its_steps_sequences(engine, monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(batch, "forward_batch", forward)
-    sched = Scheduler(engine.model, BatchOptions(max_batch=4, prefill_chunk=8), driven=True)
-    try:
-        hs = [sched.submit(list(p), 8, SamplingParams()) for p in PROMPTS[:2]]
-        _drive(sched)
-        dones = [_tokens(h)[1] for h in hs]
-        after = sched.submit(list(PROMPTS[2]), 4, SamplingParams())
-        _drive(sched)
-        toks, done = _tokens(after)
-        st = sched.stats()
-    finally:
-        sched.close()
-    assert [d.reason for d in dones] == ["error", "error"]
-    assert all("ChecksumError: expert (1, 2)" in d.error for d in dones)
-    assert done.reason == "length" and len(toks) == 4
-    assert st.active == st.waiting == st.kv_used == 0
+    _failed_step_then_one_more(engine, True, "ChecksumError: expert (1, 2)")
