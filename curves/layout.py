@@ -20,8 +20,9 @@ Class permutation: ``class_perm[layer][expert]`` is the class value of the
 expert the router calls ``expert`` (its output byte) in that layer, e.g. a
 co-activation order learned from routing traces. The curve runs over class
 values, so the permutation is applied before the curve. Every method here takes
-the router's expert index; :meth:`ExpertLayout.class_of` gives the class byte
-that goes into the expert's key.
+the router's expert index; :meth:`ExpertLayout.class_of` gives the class value
+that goes into the expert's key (the class byte itself with at most 256 experts a
+layer; ``czyx.expert_key`` splits larger values between class byte and ``y``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from czyx.curves.registry import make_curve
 
 LAYOUT_VERSION = 1
 OUTER_CURVES = ("morton", "hilbert", "rowmajor")
-MAX_CLASSES = 256  # the class is one key byte
+MAX_CLASSES = 1 << 16  # class values; the key splits those above 255 (czyx.expert_key)
 MAX_LAYERS = 1 << 24  # keeps the curve ordinal in one word and the tables small
 
 
@@ -80,7 +81,7 @@ class ExpertLayout:
     n_layers : int
         Number of MoE layers (the key's ``z``).
     n_classes : int
-        Routed experts per layer, at most 256.
+        Routed experts per layer (class values), at most ``MAX_CLASSES``.
     outer : {"morton", "hilbert", "rowmajor"}
         Curve over ``(layer, class value)``, layer as axis 0.
     class_perm : array_like, optional
@@ -178,7 +179,7 @@ class ExpertLayout:
         return int(layer), int(expert)
 
     def class_of(self, layer: int, expert: int) -> int:
-        """Class value (key class byte) of router byte ``expert`` in ``layer``."""
+        """Class value of router index ``expert`` in ``layer`` (the key class byte up to 256)."""
         layer, expert = self._check_cell(layer, expert)
         return int(self._cls[layer, expert])
 

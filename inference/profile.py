@@ -106,6 +106,9 @@ class RouteRecorder:
         self._col = {layer: j for j, layer in enumerate(self.moe_layers)}
         self.n_experts = n_experts
         self.top_k = top_k
+        from czyx.inference.trace import index_dtype
+
+        self._index_dtype = index_dtype(n_experts)
         self._idx: list[list[np.ndarray]] = [[] for _ in self.moe_layers]
         self._w: list[list[np.ndarray]] = [[] for _ in self.moe_layers]
         self._segments: list[np.ndarray] = []
@@ -119,7 +122,7 @@ class RouteRecorder:
     def record(self, layer: int, idx: np.ndarray, weights: np.ndarray) -> None:
         """One forward pass of ``layer``: ``idx``/``weights`` are ``[T, k]``."""
         j = self._col[layer]
-        self._idx[j].append(idx.astype(np.uint8))
+        self._idx[j].append(idx.astype(self._index_dtype))
         self._w[j].append(weights.astype(np.float32))
 
     def trace(self, model_id: str, text_sha256: str, weights_kind: str) -> Any:

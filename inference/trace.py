@@ -11,8 +11,8 @@ loaded with ``allow_pickle=False``):
 =============  =========================  ===========================================
 member         dtype / shape              meaning
 =============  =========================  ===========================================
-``experts``    uint8 ``[T, L, k]``        selected router indices (the class byte
-                                          before any remapping), in the model's
+``experts``    uint8 ``[T, L, k]``        selected router indices (the class value
+               (uint16 above 256 experts)  before any remapping), in the model's
                                           top-k order (highest weight first)
 ``weights``    float32 ``[T, L, k]``      the router weight the model applied to each
                                           selected expert (after its top-k
@@ -27,8 +27,9 @@ member         dtype / shape              meaning
                                           of the L trace layers), ``weights_kind``
 =============  =========================  ===========================================
 
-Rows within a ``(t, l)`` hold distinct experts. ``n_experts`` is at most 256:
-a class is one byte.
+Rows within a ``(t, l)`` hold distinct experts. ``experts`` is uint8 up to
+256 experts a layer (a router index is the class byte) and uint16 above, up to
+:data:`czyx.expert_key.MAX_EXPERTS` (:func:`index_dtype`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from czyx.expert_key import CLASS_VALUES, MAX_EXPERTS
 from czyx.inference.locality.errors import TraceError
 
 FORMAT = "czyx-routing-trace"
@@ -55,7 +57,7 @@ class RoutingTrace:
     Attributes
     ----------
     experts : np.ndarray
-        uint8 ``[T, L, k]`` selected router indices.
+        uint8 ``[T, L, k]`` selected router indices (uint16 above 256 experts).
     weights : np.ndarray
         float32 ``[T, L, k]`` router weights of the selections.
     segments : np.ndarray
@@ -110,8 +112,14 @@ class RoutingTrace:
             Name used in error messages (the file path when loading).
         """
         e, w, s = self.experts, self.weights, self.segments
-        if not isinstance(e, np.ndarray) or e.dtype != np.uint8 or e.ndim != 3:
-            raise TraceError(f"{source}: 'experts' must be uint8 [T, L, k], got {_desc(e)}")
+        if not isinstance(self.n_experts, int) or not 1 <= self.n_experts <= MAX_EXPERTS:
+            raise TraceError(f"{source}: n_experts {self.n_experts} outside [1, {MAX_EXPERTS}]")
+        want = index_dtype(self.n_experts)
+        if not isinstance(e, np.ndarray) or e.dtype != want or e.ndim != 3:
+            raise TraceError(
+                f"{source}: 'experts' must be {want.name} [T, L, k] for {self.n_experts} "
+                f"experts, got {_desc(e)}"
+            )
         if not isinstance(w, np.ndarray) or w.dtype != np.float32 or w.shape != e.shape:
             raise TraceError(
                 f"{source}: 'weights' must be float32 of shape {e.shape}, got {_desc(w)}"
@@ -120,8 +128,6 @@ class RoutingTrace:
             raise TraceError(
                 f"{source}: 'segments' must be int32 of shape {e.shape[:1]}, got {_desc(s)}"
             )
-        if not 1 <= self.n_experts <= 256:
-            raise TraceError(f"{source}: n_experts {self.n_experts} outside [1, 256]")
         if e.shape[2] < 1 or e.shape[2] > self.n_experts:
             raise TraceError(f"{source}: top_k {e.shape[2]} outside [1, n_experts]")
         if e.size and int(e.max()) >= self.n_experts:
@@ -244,6 +250,11 @@ class RoutingTrace:
         return self.take(0, cut), self.take(cut, self.n_tokens)
 
 
+def index_dtype(n_experts: int) -> np.dtype:
+    """The dtype of a trace's router indices: uint8 up to 256 experts a layer, else uint16."""
+    return np.dtype(np.uint8 if n_experts <= CLASS_VALUES else np.uint16)
+
+
 def _desc(a: object) -> str:
     if isinstance(a, np.ndarray):
         return f"{a.dtype} {list(a.shape)}"
@@ -302,7 +313,7 @@ def trace_from_router_logits(
         w = w / w.sum(axis=2, keepdims=True)
     t = logits.shape[0]
     return RoutingTrace(
-        experts=idx.astype(np.uint8),
+        experts=idx.astype(index_dtype(n_experts)),
         weights=w.astype(np.float32),
         segments=np.zeros(t, np.int32) if segments is None else np.asarray(segments, np.int32),
         model_id=model_id,

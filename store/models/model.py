@@ -6,13 +6,15 @@ tensors (resident, float32; or, with ``lazy_trunk``, per-layer tensors read
 and verified on each call) and expert extents (raw reads into caller slots,
 checksum verified). Everything that needs a dict, an LMDB transaction or the
 manifest happens in :func:`open_version`; per fetch there is only arithmetic on
-``int64`` tables indexed ``[layer, router byte]`` (the class permutation and
+``int64`` tables indexed ``[layer, router index]`` (the class permutation and
 the layout's curve ordinal are already folded in), one ``pread`` and one
-checksum.
+checksum. A router index is a byte up to 256 experts a layer and wider above
+(:mod:`czyx.expert_key`); the tables are ``max(256, n_experts)`` wide.
 
 ``open_version`` also checks that every extent a space owns sits at
 ``data_start + ordinal * stride`` of its block file (the layout's contract),
-that each record's class is the layout's class of its router byte, and that
+that each record's key is the layout's class value of its router index (class
+byte and ``y``), and that
 every block file is the one its space published (``Store.open_reader``
 verifies identity and size), so a drifted manifest or a stale block file is
 an error at open, not a wrong expert at run time.
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from czyx.expert_key import MAX_EXPERTS, class_shift, expert_key, key_classes
 from czyx.key import Key
 from czyx.space import Selector
 from czyx.store.consumer import ExpertExtent, ModelInfo
@@ -93,8 +96,10 @@ class ModelSpace:
     blocks
         Selectors of the block files the expert tables point into.
     blk, off, sums
-        ``int64 [n_layers, 256]`` tables by router byte (``blk == -1``: no
-        expert), ``uint64`` checksums.
+        ``int64 [n_layers, width]`` tables by router index (``width`` is
+        ``max(256, n_experts)``; ``blk == -1``: no expert), ``uint64`` checksums.
+    class_shift
+        Bits of a class value held in the key's ``y`` (:mod:`czyx.expert_key`).
     records
         ``{(layer, router byte): record}`` of the most derived version (for export).
     trunk
@@ -112,7 +117,14 @@ class ModelSpace:
         self.n_layers, self.n_experts = int(ex["n_layers"]), int(ex["n_experts"])
         self.nbytes, self.stride = int(ex["nbytes"]), int(ex["stride"])
         self.layout = layout_from_manifest(self.root)
-        shape = (self.n_layers, 256)
+        if (self.layout.n_layers, self.layout.n_classes) != (self.n_layers, self.n_experts):
+            raise ModelSpaceError(
+                f"space {self.selector.hex()}: layout is {self.layout.n_layers} x "
+                f"{self.layout.n_classes}, manifest says {self.n_layers} x {self.n_experts}"
+            )
+        self.class_shift = class_shift(self.n_experts)
+        self.width = max(256, self.n_experts)
+        shape = (self.n_layers, self.width)
         self.blk = np.full(shape, _NO_BLOCK, np.int64)
         self.off = np.zeros(shape, np.int64)
         self.sums = np.zeros(shape, np.uint64)
@@ -138,7 +150,7 @@ class ModelSpace:
         ex = self.root.get("expert")
         if not isinstance(ex, dict):
             raise ModelSpaceError(f"{where}: manifest has no expert table")
-        bounds = {"n_layers": (1, 1024), "n_experts": (1, 256), "nbytes": (1, 1 << 36)}
+        bounds = {"n_layers": (1, 1024), "n_experts": (1, MAX_EXPERTS), "nbytes": (1, 1 << 36)}
         bounds["stride"] = (1, 1 << 36)
         for key, (lo, hi) in bounds.items():
             v = ex.get(key)
@@ -187,11 +199,12 @@ class ModelSpace:
                     f"space {sel.hex()}: record {key.hex()} is outside "
                     f"{self.n_layers} layers x {self.n_experts} experts"
                 )
-            if self.layout.class_of(layer, byte) != k.cls or rec.get("layer") != layer:
+            want = expert_key(self.layout.class_of(layer, byte), layer, self.class_shift)
+            if want != k or rec.get("layer") != layer:
                 raise ModelSpaceError(
                     f"space {sel.hex()}: record of layer {layer} expert "
-                    f"{byte} sits at class {k.cls}, layout says "
-                    f"{self.layout.class_of(layer, byte)}"
+                    f"{byte} sits at class {k.cls} y {k.y}, layout says "
+                    f"class {want.cls} y {want.y}"
                 )
             if rec["len"] != self.nbytes:
                 raise ModelSpaceError(
@@ -241,7 +254,8 @@ class ModelSpace:
             for row, layer in enumerate(sparse):
                 if layers[0] <= layer <= layers[1]:
                     for e in range(self.n_experts):
-                        want[row, e] = lo <= self.layout.class_of(layer, e) <= hi
+                        cls = self.layout.class_of(layer, e) >> self.class_shift
+                        want[row, e] = lo <= cls <= hi
             have |= ~want
         if not have.all():
             layer, byte = np.argwhere(~have)[0]
@@ -311,14 +325,16 @@ class StoreModel(BlockFileExperts):
         self._readers = [store.open_reader(sel, direct=direct) for sel in space.blocks]
         self._blk, self._off, self._sums = space.blk, space.off, space.sums
         self._direct = direct
-        # Class byte of every (layer, router byte): the portal checks classes.
+        # Key class byte of every (layer, router index): the portal checks classes.
         n = space.n_experts
-        self._cls = np.zeros((space.n_layers, 256), np.int64)
-        self._cls[:, :n] = space.layout.class_array(
-            np.arange(space.n_layers)[:, None], np.arange(n)[None, :]
+        self._width = space.width
+        self._cls = np.zeros((space.n_layers, space.width), np.int64)
+        self._cls[:, :n] = key_classes(
+            space.layout.class_array(np.arange(space.n_layers)[:, None], np.arange(n)[None, :]),
+            space.class_shift,
         )
         self._view = view
-        self._allowed = np.ones((space.n_layers, 256), bool)
+        self._allowed = np.ones((space.n_layers, space.width), bool)
         if view is not None:
             layers = np.arange(space.n_layers)
             in_range = (layers >= view.layer_lo) & (layers <= view.layer_hi)
@@ -461,7 +477,7 @@ class StoreModel(BlockFileExperts):
 
     @property
     def allowed_experts(self) -> np.ndarray:
-        """``bool [n_layers, n_experts]``: the experts (by router byte) the portal permits.
+        """``bool [n_layers, n_experts]``: the experts (by router index) the portal permits.
 
         All true without a portal. The engine masks routing with it, so a scoped
         portal constrains which experts are chosen, not only which may be read.
@@ -472,10 +488,10 @@ class StoreModel(BlockFileExperts):
 
     # -- experts -----------------------------------------------------------------------
     def _check(self, layer: int, router_byte: int) -> int:
-        if not (0 <= layer < self.info.n_layers and 0 <= router_byte < 256):
+        if not (0 <= layer < self.info.n_layers and 0 <= router_byte < self._width):
             raise ExpertIndexError(
-                f"expert (layer {layer}, byte {router_byte}) outside "
-                f"{self.info.n_layers} layers x 256 bytes"
+                f"expert (layer {layer}, index {router_byte}) outside "
+                f"{self.info.n_layers} layers x {self._width} router indices"
             )
         if not self._allowed[layer, router_byte]:
             cls = int(self._cls[layer, router_byte])

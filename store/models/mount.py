@@ -4,7 +4,9 @@ Scope: turning one validated checkpoint (see :mod:`store.mount_plan`) into
 published spaces and a tag. A model version is
 
 * an **expert space** (the version's selector, what ``NAME@VERSION`` points
-  at): one record per routed expert at ``Key(cls=class value, z=layer)``; its
+  at): one record per routed expert at ``Key(cls=class value, z=layer)`` (with
+  more than 256 experts a layer the class value's high bits go into ``y``:
+  :mod:`czyx.expert_key`); its
   extent is gate ``[I, H]`` | up ``[I, H]`` | down ``[H, I]``, row-major, in
   the checkpoint's own dtype (bytes kept exactly, so an export is
   bit-identical), placed at ``data_start + ordinal * stride`` where the
@@ -72,7 +74,12 @@ from czyx.store.models.archs import (
     TOKENIZER_ROLE,
 )
 from czyx.store.models.checkpoint import DTYPES, Checkpoint
-from czyx.store.models.expert_layout import DEFAULT_OUTER, layout_from_manifest, make_layout
+from czyx.store.models.expert_layout import (
+    DEFAULT_OUTER,
+    expert_record_key,
+    layout_from_manifest,
+    make_layout,
+)
 from czyx.store.models.mount_errors import (
     ModelSpaceError,
     MountError,
@@ -482,7 +489,7 @@ def _mount_one_pass(
                 else:
                     rec.update(ext.record())
                     new += nbytes
-                w.put(Key(layout.class_of(layer, e), layer).pack(), rec)
+                w.put(expert_record_key(layout, layer, e), rec)
     return _tag_new(store, src, tag, sel, trunk_sel, len(ckpt), total, written + new, shared, t0)
 
 
@@ -849,7 +856,7 @@ def _write_experts(
                 src.assemble((layer, e), buf)
                 rec.update(w.write_extent(buf).record())
                 new += nbytes
-            w.put(Key(layout.class_of(layer, e), layer).pack(), rec)
+            w.put(expert_record_key(layout, layer, e), rec)
             bar.update(nbytes)
     return new, shared
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from czyx.expert_key import MAX_EXPERTS
 from czyx.store.models.archs import MTP_ROLE, ArchSpec, TensorKind, arch_for_config
 from czyx.store.models.checkpoint import DTYPES, FORMAT_OF_DTYPE, Checkpoint
 from czyx.store.models.mount_errors import (
@@ -107,9 +108,9 @@ CONFIG_INTS: dict[str, tuple[int, int]] = {
     "vocab_size": (1, 1 << 23),
     "max_position_embeddings": (1, 1 << 24),
     "num_experts_per_tok": (1, 256),
-    "num_local_experts": (1, 256),
-    "num_experts": (1, 256),
-    "n_routed_experts": (1, 256),
+    "num_local_experts": (1, MAX_EXPERTS),
+    "num_experts": (1, MAX_EXPERTS),
+    "n_routed_experts": (1, MAX_EXPERTS),
     "n_shared_experts": (0, 256),
     "n_group": (1, 256),
     "topk_group": (1, 256),
@@ -211,10 +212,6 @@ def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
     hidden, inter = spec.hidden_size(cfg), spec.expert_intermediate(cfg)
     sparse = spec.sparse_layers(cfg)
     rope_params(cfg, spec.rope_head_dim(cfg))  # an unsupported rope is refused here, not at run
-    if n_experts > 256:
-        raise UnexpectedTensorError(
-            f"{n_experts} routed experts; a class byte holds 256", file=str(ckpt.path)
-        )
     trunk: list[TrunkEntry] = []
     seen_roles: dict[tuple[str, int | None], str] = {}
     per_expert: dict[tuple[int, int], dict[str, str]] = {}

@@ -3,14 +3,16 @@
 Scope: converting the serialised importance map of
 :meth:`inference.calibration.ImportanceCollector.to_dict` into records keyed
 like the model's own records, and back. A routed expert's map (its input and
-its down projection's input) sits at the expert's key, ``Key(cls=class value,
-z=layer)``, exactly where its weights are. A trunk input is stored at the key
+its down projection's input) sits at the expert's key (``Key(cls=class value,
+z=layer)``; :func:`czyx.expert_key.expert_key` with the model's class shift),
+exactly where its weights are. A trunk input is stored at the key
 of the first trunk matrix that reads it (``L{l}.attn_in`` at ``q_proj``,
 ``L{l}.o_in`` at ``o_proj``, ``L{l}.moe_in`` at ``router``, the shared
 expert's and dense MLP's down inputs at their ``down_proj``, ``lm_head_in`` at
-``lm_head``), i.e. ``Key(cls=role index, z=layer, y=1)``: the trunk's key
-with ``y = 1``, so it can live in the same space as expert records without
-colliding. Sums and counts are stored (not means) so that maps merge exactly.
+``lm_head``), i.e. ``Key(cls=role index, z=layer, y=2**shift)``: the trunk's key
+with ``y`` one past the largest ``y`` an expert key of the model has (``y = 1``
+with at most 256 experts a layer), so it can live in the same space as expert
+records without colliding. Sums and counts are stored (not means) so that maps merge exactly.
 
 The store code that publishes the records (a space per calibration, its
 manifest holding the provenance) is the caller's; this module does no I/O.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping
 
+from czyx.expert_key import expert_key
 from czyx.key import Key
 from czyx.store.interfaces import StoreInterface
 from czyx.store.quant.errors import CalibrationError
@@ -44,6 +47,7 @@ def importance_records(
     data: Mapping[str, object],
     class_of: Callable[[int, int], int],
     role_index: Mapping[str, int],
+    class_shift: int = 0,
 ) -> list[tuple[bytes, dict]]:
     """Records for every matrix input of a serialised importance map.
 
@@ -55,6 +59,8 @@ def importance_records(
         ``(layer, router byte) -> class value`` of the model's layout.
     role_index : mapping
         Trunk role -> class value of the model's trunk keys.
+    class_shift : int
+        The model's :func:`czyx.expert_key.class_shift` (0 up to 256 experts a layer).
 
     Returns
     -------
@@ -87,10 +93,10 @@ def importance_records(
             raise CalibrationError(f"importance {name!r} is not a known matrix input")
         if role not in role_index:
             raise CalibrationError(f"importance {name!r}: the model has no role {role!r} index")
-        key = Key(int(role_index[role]), layer, 1, 0).pack()
+        key = Key(int(role_index[role]), layer, 1 << class_shift, 0).pack()
         out.append((key, {"name": name, **entry}))
     for (layer, byte), rec in sorted(experts.items()):
-        out.append((Key(int(class_of(layer, byte)), layer, 0, 0).pack(), rec))
+        out.append((expert_key(int(class_of(layer, byte)), layer, class_shift).pack(), rec))
     return out
 
 
@@ -125,6 +131,7 @@ def publish_importance(
     class_of: Callable[[int, int], int],
     role_index: Mapping[str, int],
     tag: str | None = None,
+    class_shift: int = 0,
 ) -> object:
     """Publish an importance map as its own sealed space beside the model version.
 
@@ -141,7 +148,7 @@ def publish_importance(
         The model version's selector (its expert space).
     data : mapping
         ``ImportanceCollector.to_dict(provenance)``.
-    class_of, role_index
+    class_of, role_index, class_shift
         As for :func:`importance_records` (the model's layout and trunk roles).
     tag : str or None
         A tag to point at the space (``set_tag`` semantics: idempotent).
@@ -157,7 +164,7 @@ def publish_importance(
 
     from czyx.space import Selector
 
-    recs = importance_records(data, class_of, role_index)
+    recs = importance_records(data, class_of, role_index, class_shift)
     digest = hashlib.sha256()
     for key, rec in sorted(recs, key=lambda kr: kr[0]):
         digest.update(key)

@@ -101,7 +101,7 @@ def test_errors():
     with pytest.raises(CurveError, match="n_layers"):
         ExpertLayout(0, 4)
     with pytest.raises(CurveError, match="n_classes"):
-        ExpertLayout(2, 257)
+        ExpertLayout(2, (1 << 16) + 1)
     with pytest.raises(CurveError, match="n_classes"):
         ExpertLayout(2, 4.0)
     with pytest.raises(CurveError, match="outer"):

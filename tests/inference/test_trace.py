@@ -72,7 +72,8 @@ def _good(**kw: object) -> dict:
         ({"weights": np.zeros((2, 1, 2), np.float64)}, "'weights'"),
         ({"weights": np.array([[[0.5, np.nan]], [[1, 0]]], np.float32)}, "not finite"),
         ({"segments": np.array([1, 0], np.int32)}, "decrease at token 1"),
-        ({"n_experts": 300}, "n_experts"),
+        ({"n_experts": 70000}, "n_experts"),
+        ({"n_experts": 300}, "must be uint16"),  # above 256 experts the indices are wider
         ({"moe_layers": (0, 1)}, "moe_layers"),
     ],
 )

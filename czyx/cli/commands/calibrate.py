@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     """Calibrate, publish, print the one-line summary."""
     import numpy as np
 
+    from czyx.expert_key import class_shift
     from czyx.inference.calibration import Provenance, collect
     from czyx.inference.engine import Engine
     from czyx.inference.tokenizer import tokenizer_for
@@ -78,7 +79,13 @@ def run(args: argparse.Namespace) -> int:
             )
             args.tag = f"{name}-importance@{version}"
         imp_sel = publish_importance(
-            store, sel, col.to_dict(prov), layout.class_of, ROLE_INDEX, tag=args.tag
+            store,
+            sel,
+            col.to_dict(prov),
+            layout.class_of,
+            ROLE_INDEX,
+            tag=args.tag,
+            class_shift=class_shift(layout.n_classes),
         )
     print(
         f"calibrated: {args.ref} over {n} tokens ({len(windows)} windows of {args.window}), "

@@ -252,3 +252,26 @@ def test_gguf_blocks_repack_every_code_as_unpacking_does(rows, groups, seed, bit
         mq = np.ascontiguousarray(m).view(np.uint8).reshape(rows, groups, 2)
         want = np.concatenate([dq, mq, (u[:, :, :16] | (u[:, :, 16:] << 4)).astype(np.uint8)], 2)
     assert np.array_equal(blocks, want.reshape(rows, -1))
+
+
+def test_gguf_with_384_experts_mounts_runs_and_round_trips(tmp_path):
+    """Kimi-K2's expert count in a layout llama.cpp's converter writes (qwen3moe here: the
+    DeepSeek GGUF layout is not mounted yet): logits as the source, export bit-exact."""
+    import gguf
+
+    from .test_gguf import _mount_and_run, _want
+
+    model = gguf_model("qwen3_moe", num_experts=384, num_experts_per_tok=8)
+    _, manifest, got = _mount_and_run(tmp_path, model, "q8_0")
+    assert manifest["expert"]["n_experts"] == 384
+    want = _want(reference_model(model, "q8_0"))
+    assert np.abs(got - want).max() < 1e-5 * float(want.max() - want.min())
+    with Store.open(tmp_path / "s") as store:
+        (path,) = export_gguf(store, "m@1", tmp_path / "out.gguf")
+    src = {t.name: t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    out = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert set(src) == set(out)
+    assert out["blk.0.ffn_gate_exps.weight"].shape[-1] == 384
+    for name, t in src.items():
+        assert out[name].tensor_type == t.tensor_type, name
+        assert np.array_equal(np.asarray(out[name].data), np.asarray(t.data)), name
