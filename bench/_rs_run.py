@@ -12,6 +12,19 @@ the argmax instead (the cross-engine token check).
 Reported: prefill and decode tokens/s (wall), the greedy or fed tokens, and for
 czyx the expert cache's hits, misses and bytes read; the process's own peak RSS
 (``VmHWM``); the caller reads the group's peak itself.
+
+``--bound`` (czyx): the timed decode also records every expert transfer (X-Ray),
+and afterwards, in the same process and memory group, reads exactly the extents
+those transfers read, in the order they were requested, with the store's
+O_DIRECT reader into one huge-page buffer and no compute (``raw_read_s``): the
+read half of the overlap bound. Also reported: the exposed I/O wait (the time
+the engine was blocked on a completion) and how long before its first use each
+read was requested (``lead_us``: median and 10th percentile). The run's routing
+is recorded too, and Belady's offline optimum (MIN with bypass,
+:func:`czyx.inference.locality.replay.belady`) replayed on it with the run's
+slot count, from the same cold start, gives the fewest expert bytes any policy
+could have read over the timed tokens (``belady_read_bytes``), beside the
+engine's own (``bytes_read``, prefetches included).
 """
 
 from __future__ import annotations
@@ -113,12 +126,25 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
         if a.prewarm:  # every expert read before the first token (a resident run)
             info = model.consumer.info
             hot = [(i, e) for i in range(info.n_layers) for e in range(info.n_experts)]
-        eng = Engine(model.consumer, options=opts, hot=hot, threads=a.threads, **kw)
+        xray = None
+        if a.bound:
+            from czyx.inference.xray import XRay
+
+            xray = XRay()
+        eng = Engine(model.consumer, options=opts, hot=hot, threads=a.threads, xray=xray, **kw)
+        rec = None
         try:
             load = time.perf_counter() - t0
             if a.warm_prefill:  # not timed, as for llama.cpp
                 eng.prefill(prompt)
                 eng.reset()
+            if a.bound:
+                from czyx.inference.profile import RouteRecorder
+
+                cfg = eng.model.cfg
+                rec = RouteRecorder(cfg.sparse_layers, cfg.n_experts, cfg.top_k)
+                rec.new_segment(len(prompt) + len(warm) + len(feed))
+                eng.model.recorder = rec
             t0 = time.perf_counter()
             logits = eng.prefill(prompt)
             prefill = time.perf_counter() - t0
@@ -129,6 +155,7 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
             s0 = eng.stats()
             toks = []
             r0 = read_bytes()
+            t0_ns = time.monotonic_ns()
             t0 = time.perf_counter()
             for i in range(len(feed)):
                 tok = int(np.argmax(logits)) if a.greedy else feed[i]
@@ -152,9 +179,58 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
                 "decode_read_bytes": r1 - r0,
                 "decode_in_c": bool(eng.model.decode_in_c()),
             }
+            if xray is not None:
+                out.update(bound_figures(model.consumer, xray.transfers, t0_ns))
+                out["belady_read_bytes"] = belady_bytes(rec, len(feed), st.n_slots, eng)
         finally:
             eng.cache.close()
     return out
+
+
+def belady_bytes(rec, n_timed: int, n_slots: int, eng) -> int:
+    """Bytes Belady's MIN would read over the last ``n_timed`` tokens of the recorded routing."""
+    from czyx.inference.locality.replay import belady, request_stream
+
+    trace = rec.trace("realshape", "", "router")
+    ids, _ = request_stream(trace)
+    per_token = trace.n_layers * trace.top_k
+    hits = belady(ids, n_slots)
+    misses = int((~hits[len(ids) - n_timed * per_token :]).sum())
+    return misses * int(eng.cache.slot_nbytes)
+
+
+def bound_figures(consumer, transfers, t0_ns: int) -> dict:
+    """The read half of the overlap bound, timed on the run's own extents (see the docstring)."""
+    from czyx.store.io.reader import RawReader, aligned_empty
+
+    window = [t for t in transfers if t.t_request >= t0_ns and t.error is None]
+    exts = [consumer.expert_extent(t.layer, t.expert) for t in window]
+    exposed = sum(t.exposed_ns for t in window) / 1e9
+    leads = [(t.t_first_use - t.t_request) / 1e3 for t in window if t.t_first_use is not None]
+    raw = 0.0
+    if exts:
+        buf = aligned_empty(max(x.length for x in exts), hugepage=True)
+        paths = consumer.expert_block_paths()
+        readers = {}
+        try:
+            for x in exts:
+                if x.block not in readers:
+                    readers[x.block] = RawReader(paths[x.block], direct=True)
+            t0 = time.perf_counter()
+            for x in exts:
+                readers[x.block].read_into(x.offset, buf[: x.length])
+            raw = time.perf_counter() - t0
+        finally:
+            for r in readers.values():
+                r.close()
+    return {
+        "raw_reads": len(exts),
+        "raw_read_bytes": int(sum(x.length for x in exts)),
+        "raw_read_s": raw,
+        "exposed_wait_s": exposed,
+        "lead_us_median": float(np.median(leads)) if leads else float("nan"),
+        "lead_us_p10": float(np.percentile(leads, 10)) if leads else float("nan"),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -181,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
         "--warm-prefill", action="store_true", help="an untimed prefill of the prompt first"
     )
     ap.add_argument("--logits", default=None, help="save the prompt's last logits (.npy)")
+    ap.add_argument(
+        "--bound", action="store_true", help="czyx: time the run's own reads without compute"
+    )
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     if a.default_budget and a.cache_mb:

@@ -22,6 +22,18 @@ the full Qwen3-30B-A3B shape is generated in q4 only).
    Where cgroups are not writable, this part is skipped with a message.
 3. The dial: czyx (no cgroup) with slot budgets of 100/50/25/12.5 % of the
    expert bytes: decode tokens/s, hit rate, bytes read per token.
+4. The overlap bound, for every capped and dial czyx run, from the same round:
+   the read time of exactly the extents that run read (re-read afterwards in
+   its process with the same O_DIRECT path and no compute, ``_rs_run.py
+   --bound``), the compute time per token of the resident czyx run, their
+   maximum (the time a token would take if reads and compute overlapped fully)
+   and sum (if they ran one after the other), the run's own time per token as
+   a fraction of the bound (1: at the bound), the exposed I/O wait per token,
+   and how early before its first use each read was requested; and the bytes
+   the engine read over the timed tokens against Belady's offline optimum on
+   the same run's routing with the same slot count.
+
+``--no-llama`` runs czyx alone (where llama-cpp-python is not built).
 
 Decode is teacher-forced (see ``bench/_rs_run.py``). Writes ``--md``
 (``bench/SCALE.md``) with the machine, load averages, every figure and the
@@ -133,9 +145,13 @@ def run(args: list[str], cap: int | None, name: str) -> dict:
     return res
 
 
+def _skipped() -> dict:
+    return {"rc": -2, "stderr": "llama.cpp not run (--no-llama)"}
+
+
 def one_round(a, llama: list[str], czyx: list[str], files, stored: int, capped_ok: bool):
     """Resident, capped and dial runs once, each engine a fresh process, files evicted first."""
-    res_l = run(llama, None, "llama-resident")
+    res_l = run(llama, None, "llama-resident") if not a.no_llama else _skipped()
     res_c = run([*czyx, "--prewarm"], None, "czyx-resident")
     print(fmt_row("llama resident", res_l), flush=True)
     print(fmt_row("czyx resident", res_c), flush=True)
@@ -146,16 +162,16 @@ def one_round(a, llama: list[str], czyx: list[str], files, stored: int, capped_o
         cap = int(stored / r)
         budget_mb = int((cap * (1 - a.margin) - other) / 2**20)
         evict(files)
-        rl = run(llama, cap, f"llama-{r}")
+        rl = run(llama, cap, f"llama-{r}") if not a.no_llama else _skipped()
         print(fmt_row(f"llama cap {cap / 2**20:.0f} MiB", rl), flush=True)
         evict(files)
         if a.czyx_budget == "default":  # as a user runs it: the engine sizes its slots
-            rc = run([*czyx, "--default-budget"], cap, f"czyx-{r}")
+            rc = run([*czyx, "--default-budget", "--bound"], cap, f"czyx-{r}")
             budget_mb = int(rc.get("budget_bytes", 0) / 2**20)
         elif budget_mb <= 0:
             rc = {"rc": -1, "stderr": f"no room for slots: {other / 2**20:.0f} MiB besides"}
         else:
-            rc = run([*czyx, "--cache-mb", str(budget_mb)], cap, f"czyx-{r}")
+            rc = run([*czyx, "--cache-mb", str(budget_mb), "--bound"], cap, f"czyx-{r}")
         print(fmt_row(f"czyx cap {cap / 2**20:.0f} MiB ({budget_mb} MiB slots)", rc), flush=True)
         capped.append((r, cap, rl, rc, budget_mb))
     dial = []
@@ -163,7 +179,7 @@ def one_round(a, llama: list[str], czyx: list[str], files, stored: int, capped_o
     for f in a.dial:
         mb = max(1, int(exp_mb * f))
         evict(files)
-        rd = run([*czyx, "--cache-mb", str(mb)], None, f"dial-{f}")
+        rd = run([*czyx, "--cache-mb", str(mb), "--bound"], None, f"dial-{f}")
         print(fmt_row(f"czyx dial {f:.3f} ({mb} MiB)", rd), flush=True)
         dial.append((f, mb, rd))
     return res_l, res_c, capped, dial
@@ -175,7 +191,47 @@ def _median_run(runs: list[dict]) -> dict:
     return order[(len(order) - 1) // 2]
 
 
+def bound_of(run_: dict, resident: dict) -> dict | None:
+    """The overlap-bound figures of one streamed run against the same round's resident run."""
+    if run_.get("rc") != 0 or resident.get("rc") != 0 or "raw_read_s" not in run_:
+        return None
+    n = max(1, run_["n_decode"])
+    read = run_["raw_read_s"] / n
+    compute = resident["decode_s"] / max(1, resident["n_decode"])
+    actual = run_["decode_s"] / n
+    return {
+        "read": read,
+        "compute": compute,
+        "bound": max(read, compute),
+        "serial": read + compute,
+        "actual": actual,
+        "fraction": max(read, compute) / actual,
+        "exposed": run_["exposed_wait_s"] / n,
+        "lead_med": run_["lead_us_median"],
+        "lead_p10": run_["lead_us_p10"],
+        "mb": run_["raw_read_bytes"] / n / 1e6,
+        "vs_belady": run_["bytes_read"] / max(1, run_["belady_read_bytes"]),
+    }
+
+
+def bound_rows(label: str, per_round: list[dict | None]) -> str:
+    """A table row: the round with the median fraction, and every round's fraction."""
+    got = sorted((b for b in per_round if b is not None), key=lambda b: b["fraction"])
+    if not got:
+        return f"| {label} | failed | | | | | | | | | |"
+    b = got[(len(got) - 1) // 2]
+    each = ", ".join(f"{x['fraction']:.2f}" for x in got)
+    return (
+        f"| {label} | {b['mb']:.1f} | {b['read'] * 1e3:.1f} | {b['compute'] * 1e3:.1f} | "
+        f"{b['bound'] * 1e3:.1f} | {b['serial'] * 1e3:.1f} | {b['actual'] * 1e3:.1f} | "
+        f"{b['fraction']:.2f} ({each}) | {b['exposed'] * 1e3:.1f} | "
+        f"{b['lead_med']:.0f} / {b['lead_p10']:.0f} | {b['vs_belady']:.2f} |"
+    )
+
+
 def fmt_row(label: str, r: dict) -> str:
+    if r.get("rc", 0) == -2:
+        return f"| {label} | not run | | | | | |"
     if r.get("rc", 0) != 0:
         return f"| {label} | failed (rc {r.get('rc')}) | | | | | |"
     bpt = r.get("decode_read_bytes", 0) / max(1, r["n_decode"])
@@ -223,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         "margin) or default (no budget given: the engine's own, from the group's room)",
     )
     ap.add_argument("--md", default=str(HERE / "SCALE.md"))
+    ap.add_argument("--no-llama", action="store_true", help="czyx alone (llama.cpp not built)")
     ap.add_argument("--stats-tokens", type=int, default=256)
     ap.add_argument(
         "--rounds", type=int, default=1, help="interleaved rounds; each row is its median round"
@@ -289,9 +346,10 @@ def main(argv: list[str] | None = None) -> None:
     for j, (r, *_rest) in enumerate(capped):
         vs_llama, vs_res = [], []
         for rl0, rc0, rr in ((x[2][j][2], x[2][j][3], x[1]) for x in rounds):
-            if rl0.get("rc") == 0 and rc0.get("rc") == 0 and rr.get("rc") == 0:
-                vs_llama.append(rc0["decode_tok_s"] / rl0["decode_tok_s"])
+            if rc0.get("rc") == 0 and rr.get("rc") == 0:
                 vs_res.append(rc0["decode_tok_s"] / rr["decode_tok_s"])
+                if rl0.get("rc") == 0:
+                    vs_llama.append(rc0["decode_tok_s"] / rl0["decode_tok_s"])
         ratios.append((r, vs_llama, vs_res))
     load1 = os.getloadavg()
 
@@ -348,14 +406,43 @@ def main(argv: list[str] | None = None) -> None:
                 f"(rounds: {each}); czyx capped / czyx resident = "
                 f"{statistics.median(vs_res):.2f}x"
             )
+        elif vs_res:
+            each = ", ".join(f"{x:.2f}" for x in vs_res)
+            md.append(
+                f"- stored {r}x cap: czyx capped / czyx resident = "
+                f"{statistics.median(vs_res):.2f}x (rounds: {each}); llama.cpp not run"
+            )
         else:
             md.append(f"- stored {r}x cap: a run failed (see the table)")
     if dial:  # (--dial with no fractions: no section)
         md += ["", "## The dial (czyx, no cgroup, files evicted first)", "", head, sep]
         for f, mb, rd in dial:
             md.append(fmt_row(f"{f * 100:g} % of expert bytes ({mb} MiB)", rd))
+    md += [
+        "",
+        "## The overlap bound (czyx, same round)",
+        "",
+        "Per decode token: MB read; the raw O_DIRECT read time of exactly the extents the "
+        "run read, re-read afterwards in its process with no compute; the resident run's "
+        "compute time; the bound max(read, compute) and the serial sum; the run's own time; "
+        "bound / own time (1: at the bound; the median round, then every round); the exposed "
+        "I/O wait; and how early each read was requested before its first use (median / 10th "
+        "percentile, microseconds); the expert bytes the engine read over the timed tokens "
+        "(prefetches included) over Belady's offline optimum on the run's own routing with "
+        "its slot count.",
+        "",
+        "| run | MB read | read ms | compute ms | bound ms | serial ms | own ms | "
+        "bound / own | exposed wait ms | lead us (median / p10) | bytes / Belady |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for j, (r, cap, _rl, _rc, _mb) in enumerate(capped):
+        per = [bound_of(x[2][j][3], x[1]) for x in rounds]
+        md.append(bound_rows(f"cap {cap / 2**20:.0f} MiB (stored {r}x cap)", per))
+    for j, (f, _mb, _rd) in enumerate(dial):
+        per = [bound_of(x[3][j][2], x[1]) for x in rounds]
+        md.append(bound_rows(f"dial {f * 100:g} %", per))
     for label, r in [*rows, *[(f"cap {c[0]}", c[3]) for c in capped]]:
-        if r.get("rc", 0) != 0:
+        if r.get("rc", 0) not in (0, -2):
             md += ["", f"{label} stderr tail: `{r.get('stderr', '')[-300:]}`"]
     md.append("")
     Path(a.md).write_text("\n".join(md))

@@ -11,7 +11,11 @@ Writes, once, into ``--out`` (outside the repository, e.g. ``/work/data/realshap
 Shapes: OLMoE-1B-7B by default (16 layers, 64 experts top-8, hidden 2048,
 expert intermediate 1024, 16 heads, vocab 50304); ``--full`` is Qwen3-30B-A3B's
 (48 layers, 128 experts top-8, hidden 2048, expert intermediate 768, GQA 32/4,
-head dim 128, vocab 151936). ``--scale F`` keeps every per-tensor shape (so an
+head dim 128, vocab 151936); ``--shape qwen3-next`` is Qwen3-Next-80B-A3B's
+MoE shape (48 layers, 512 experts top-10, hidden 2048, expert intermediate 512,
+GQA 16/2, head dim 256, vocab 151936) on Qwen3-MoE's full attention (its gated
+DeltaNet layers and shared expert are not generated: the bench measures expert
+streaming, which they do not change). ``--scale F`` keeps every per-tensor shape (so an
 expert is as big as the real one and reads cost what they cost) and keeps
 ``F`` of the layers: a smaller model of the same shape class.
 
@@ -104,11 +108,14 @@ DEEP_MIX = 0.5
 
 OLMOE = Shape("olmoe", 16, 64, 8, 2048, 1024, 50304, 16, 16, 128, False, 10000.0, 1e-5)
 QWEN3 = Shape("qwen3_moe", 48, 128, 8, 2048, 768, 151936, 32, 4, 128, True, 1e6, 1e-6)
+QWEN3_NEXT = Shape("qwen3_moe", 48, 512, 10, 2048, 512, 151936, 16, 2, 256, True, 1e7, 1e-6)
+SHAPES = {"olmoe": OLMOE, "qwen3": QWEN3, "qwen3-next": QWEN3_NEXT}
 
 
-def make_shape(full: bool, scale: float) -> Shape:
-    """The published shape, keeping ``scale`` of its layers (at least one)."""
-    base = QWEN3 if full else OLMOE
+def make_shape(full: bool | str, scale: float) -> Shape:
+    """The published shape (``True``: Qwen3-30B-A3B's; or a :data:`SHAPES` name),
+    keeping ``scale`` of its layers (at least one)."""
+    base = SHAPES[full] if isinstance(full, str) else (QWEN3 if full else OLMOE)
     if not 0 < scale <= 1:
         raise SystemExit(f"--scale must be in (0, 1], got {scale}")
     layers = max(1, round(base.layers * scale))
@@ -507,7 +514,7 @@ GGUF_OF = {"q8": "q8_0", "q4": "q4_0"}
 
 
 def cmd_gen(a: argparse.Namespace) -> None:
-    s = make_shape(a.full, a.scale)
+    s = make_shape(a.shape or a.full, a.scale)
     out = Path(a.out)
     if a.no_hf:
         missing = [q for q in a.czyx if GGUF_OF.get(q) not in a.gguf]
@@ -518,6 +525,7 @@ def cmd_gen(a: argparse.Namespace) -> None:
             )
     out.mkdir(parents=True, exist_ok=True)
     meta = {**asdict(s), "seed": a.seed, "mix": a.mix, "source": "gguf" if a.no_hf else "hf"}
+    meta["name"] = a.shape or ("qwen3" if a.full else "olmoe")
     (out / "shape.json").write_text(json.dumps(meta))
     print(
         f"{s.arch} shape: {s.layers} layers x {s.experts} experts (top-{s.top_k}), hidden "
@@ -712,6 +720,7 @@ def main(argv: list[str] | None = None) -> None:
     g = sub.add_parser("gen", help="write the checkpoint, GGUF files and czyx versions")
     g.add_argument("--out", required=True)
     g.add_argument("--full", action="store_true", help="Qwen3-30B-A3B's shape")
+    g.add_argument("--shape", choices=sorted(SHAPES), default=None, help="a named shape")
     g.add_argument("--scale", type=float, default=1.0, help="fraction of the layers kept")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--mix", type=float, default=8.0, help="attention output vs embedding")
