@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from czyx.expert_key import class_shift
 from czyx.key import Key
 from czyx.space import Selector, canonical_manifest
 from czyx.store.errors import TagConflictError, TagNotFoundError
@@ -897,6 +898,7 @@ def summarize(store: StoreInterface, ref: str | Selector) -> dict[str, Any]:
         "expert_bytes": ex["nbytes"],
         "layout": m["layout"].get("outer"),
         "bytes_per_class": {int(c): int(per_class[c]) for c in np.flatnonzero(per_class)},
+        "experts_per_class": 1 << class_shift(int(ex["n_experts"])),
         "expert_bytes_own": own,
         "expert_bytes_shared": shared,
         "trunk_tensors": trunk_n,

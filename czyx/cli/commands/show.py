@@ -38,7 +38,12 @@ def run(args: argparse.Namespace) -> int:
         f"{info['experts_per_layer']} experts/layer, {info['experts']} expert extents",
         f"  experts: {info['expert_format']}, {info['expert_bytes']} bytes each, "
         f"layout {info['layout']}",
-        f"  bytes per class: {len(per_class)} classes, {lo}..{hi} bytes",
+        f"  bytes per class: {len(per_class)} classes, {lo}..{hi} bytes"
+        + (
+            f" ({info['experts_per_class']} consecutive experts a class per layer)"
+            if info["experts_per_class"] > 1
+            else ""
+        ),
         f"  expert bytes: {info['expert_bytes_own']} own, {info['expert_bytes_shared']} shared",
         f"  trunk: {info['trunk_tensors']} tensors, {info['trunk_bytes']} bytes",
         "  formats: " + ", ".join(f"{k} x{v}" for k, v in sorted(info["formats"].items())),

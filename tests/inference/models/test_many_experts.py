@@ -131,3 +131,13 @@ def test_routing_traces_keep_indices_above_255(tmp_path):
     trace.save(tmp_path / "t.npz")
     back = RoutingTrace.load(tmp_path / "t.npz")
     assert np.array_equal(back.experts, trace.experts) and back.n_experts == 384
+
+
+def test_czyx_show_names_the_classes_of_a_384_expert_version(kimi_store, capsys):
+    from czyx.cli import main
+
+    store_dir, _ = kimi_store
+    assert main(["show", "kimi@1", "--store", str(store_dir)]) == 0
+    shown = capsys.readouterr().out
+    assert "384 experts/layer" in shown
+    assert "192 classes" in shown and "(2 consecutive experts a class per layer)" in shown
