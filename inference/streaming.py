@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from czyx.inference.cache import EvictionPolicy, ExpertCache
+from czyx.inference.cache import RESIDENT_PREFETCHED, EvictionPolicy, ExpertCache
 from czyx.inference.errors import SlotInUseError
 from czyx.inference.kernels.linear import mm_t
 from czyx.inference.options import renamed
@@ -411,6 +411,17 @@ class StreamingExpertCache(ExpertCache):
             self.release()
             raise
         return self._out[: len(experts)]
+
+    def residency(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """As :meth:`ExpertCache.residency`, telling apart the experts an unused prefetch
+        brought in (or is bringing in): :data:`~inference.cache.RESIDENT_PREFETCHED`."""
+        out = super().residency(layer, experts)
+        slots = self.table[layer, np.asarray(experts, np.int64)]
+        for j, s in enumerate(slots.tolist()):
+            t = self._xfer[s] if s >= 0 else None
+            if t is not None and not t.used and t.kind == PREFETCH:
+                out[j] = RESIDENT_PREFETCHED
+        return out
 
     def _score_prediction(self, layer: int, experts: np.ndarray) -> None:
         """Count how many of ``experts`` were predicted for ``layer`` (recall); clear it."""
