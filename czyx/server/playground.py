@@ -138,6 +138,10 @@ def _caveats(d: dict, names: dict[str, str]) -> str:
             parts.append("classes=" + str(c["classes"]))
         elif "layers" in c:
             parts.append("layers=" + str(c["layers"]))
+        elif "tenant" in c:
+            parts.append("tenant=" + str(c["tenant"]))
+        elif c.get("kind") == "Expires":
+            continue  # (its own column)
         elif c.get("kind"):
             parts.append(str(c["kind"]).lower())
     return " ".join(parts) or "(everything)"
@@ -152,15 +156,21 @@ def store_view(store, served: list[str]) -> dict[str, Any]:
     names: dict[str, list[str]] = {}
     for tag, sel in sorted(tags.items()):
         names.setdefault(sel.hex(), []).append(tag)
-    spaces = []
-    for sel in store.spaces():
-        m = store.manifest(sel)
-        spaces.append({
-            "selector": sel.hex(),
+    manifests = {sel.hex(): store.manifest(sel) for sel in store.spaces()}
+    trunk_of: dict[str, list[str]] = {}  # a trunk space -> the tags whose version holds it
+    for sel, m in manifests.items():
+        if isinstance(m.get("trunk"), str):
+            trunk_of.setdefault(m["trunk"], []).extend(names.get(sel, []))
+    spaces = [
+        {
+            "selector": sel,
             "kind": m.get("kind"),
             "arch": m.get("arch"),
-            "tags": names.get(sel.hex(), []),
-        })  # fmt: skip
+            "tags": names.get(sel, []),
+            "trunk_of": sorted(trunk_of.get(sel, [])),
+        }
+        for sel, m in manifests.items()
+    ]
     versions = []
     for tag, sel in sorted(tags.items()):
         m = store.manifest(sel) if store.has_space(sel) else {}
@@ -188,7 +198,8 @@ def store_view(store, served: list[str]) -> dict[str, Any]:
                 for s, b in sorted(shared.items())
             ],
         })  # fmt: skip
-    short = {s: t[0] for s, t in names.items()}
+    short = {s: t[0] + " trunk" for s, t in trunk_of.items() if t}
+    short.update({s: t[0] for s, t in names.items()})
     portals = [
         {
             "id": d.get("id"),

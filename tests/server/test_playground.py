@@ -86,30 +86,14 @@ def test_render_is_the_chat_template_the_api_uses(served):
     assert bad.status_code == 400
 
 
-def _second_version(path):
-    """The bundled checkpoint with its final norm tripled (content no other space has)."""
-    import shutil
-
-    from safetensors.numpy import load_file, save_file
-
-    from czyx.inference.assets import bundled_model_dir
-
-    src = bundled_model_dir()
-    path.mkdir()
-    shutil.copy(src / "config.json", path / "config.json")
-    tensors = load_file(src / "model.safetensors")
-    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 3
-    save_file(tensors, path / "model.safetensors")
-    return path
-
-
 def test_store_view_only_for_a_store_wide_granting_portal(served, tmp_path):
     from czyx.store.models.mount import mount
+    from tests.server.conftest import second_version
 
     url, tokens, ids, app = served[0], served[1], served[2], served[3]
     # A second version of the same name, its experts unchanged (one norm differs): it
     # shares every expert extent of stdlib@1.
-    mount(app.state.czyx.store, _second_version(tmp_path / "v2"), "stdlib@2")
+    mount(app.state.czyx.store, second_version(tmp_path / "v2"), "stdlib@2")
     denied = _get(url, "/v1/czyx/store", tokens["alice"])
     assert denied.status_code == 403 and "grant right" in denied.json()["error"]["message"]
     view = _get(url, "/v1/czyx/store", tokens["root"]).json()

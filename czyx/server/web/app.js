@@ -157,6 +157,9 @@ async function loadLayout(model) {
   grid.replaceChildren();
   app.cells = [];
   const cols = Math.ceil(Math.sqrt(lay.n_experts));
+  // Few experts: bigger cells; many (DeepSeek's 256 a layer): small ones.
+  const px = lay.n_experts <= 64 ? 22 : lay.n_experts <= 128 ? 14 : 10;
+  grid.style.setProperty("--cell", px + "px");
   for (let l = 0; l < lay.n_layers; l++) {
     app.cells.push([]);
     if (!lay.sparse_layers[l]) continue;
@@ -167,7 +170,7 @@ async function loadLayout(model) {
     name.textContent = "L" + l;
     const cells = document.createElement("div");
     cells.className = "cells";
-    cells.style.gridTemplateColumns = "repeat(" + cols + ", 16px)";
+    cells.style.gridTemplateColumns = "repeat(" + cols + ", " + px + "px)";
     for (const e of lay.order[l]) {
       const c = document.createElement("div");
       c.className = "cell";
@@ -510,7 +513,10 @@ async function loadStore() {
       x.served ? "yes" : "",
     ]));
   table("t-spaces", ["selector", "kind", "arch", "tags"],
-    v.spaces.map((s) => [{ text: s.selector.slice(0, 16) + "\u2026", cls: "mono" }, s.kind, s.arch, s.tags.join(", ")]));
+    v.spaces.map((s) => [
+      { text: s.selector.slice(0, 16) + "\u2026", cls: "mono" }, s.kind, s.arch,
+      s.tags.join(", ") || (s.trunk_of.length ? "trunk of " + s.trunk_of.join(", ") : ""),
+    ]));
   table("t-portals", ["id", "status", "tenant", "parent", "created", "expires", "caveats"],
     v.portals.map((p) => [
       { text: p.id.slice(0, 12), cls: "mono" }, { text: p.status, cls: "status-" + p.status },
