@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,29 @@ def test_store_view_for_the_owner_and_a_narrow_window(web, browser):
     width = page.evaluate("() => document.scrollingElement.scrollWidth")
     assert width <= 420, width
     _shot(page, "narrow", full_page=True)
+    # A named session: the server keeps the conversation, the second turn resumes it.
+    page.get_by_label("Session").fill("notes")
+    _chat(page, "x = 1")
+    assert "session notes v1" in page.locator("#status").inner_text()
+    _chat(page, "y = 2")
+    status = page.locator("#status").inner_text()
+    assert "session notes v2" in status and "cached" in status
+    # Stop: the stream ends at once and the server frees the sequence.
+    page.get_by_label("Session").fill("")
+    page.get_by_text("Sampling").click()
+    page.get_by_label("Max tokens").fill("900")
+    page.get_by_label("Message").fill("for i in range(")
+    page.get_by_role("button", name="Send").click()
+    page.wait_for_function("() => document.querySelectorAll('#tokens button').length >= 5")
+    page.get_by_role("button", name="Stop").click()
+    page.wait_for_function("() => document.querySelector('#status').textContent.includes('stop')")
+    assert "finish: stopped" in page.locator("#status").inner_text()
+    assert page.locator("#tokens button").count() < 899
+    sched = app.state.czyx.models["stdlib@1"].scheduler
+    deadline = time.monotonic() + 10
+    while sched.stats().active and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sched.stats().active == 0
     assert not errors, errors
     page.close()
 
