@@ -151,6 +151,11 @@ def test_sign_in_chat_streams_and_the_expert_grid_follows_the_tokens(web, browse
     cfg = app.state.czyx.models["stdlib@1"].engine.cfg
     n_sparse = sum(cfg.sparse_layers)
     assert page.locator("#grid .cell").count() == n_sparse * cfg.n_experts
+    # The prompt as the API's chat template renders it.
+    page.get_by_label("Message").fill("hi")
+    page.get_by_role("button", name="Show prompt").click()
+    page.wait_for_selector("#rendered:not([hidden])")
+    assert page.locator("#rendered").inner_text().startswith("<user>hi\n<assistant>")
     page.get_by_text("Sampling").click()
     page.get_by_label("Max tokens").fill("40")
     page.evaluate(WATCH_JS)
