@@ -9,8 +9,9 @@ its next request, and the page then signs out):
 
 - ``GET /``: the page; ``GET /web/{app.js,app.css}``: its script and style.
 - ``GET /v1/czyx/whoami``: the caller: tenant, portal id, rights, expiry, the
-  served versions it may run (each with its experts, top-k and whether it has a
-  chat template) and ``store_view``, whether it may see the store view.
+  served versions it may run (each with its experts, top-k, whether it has a
+  chat template and whether its scheduler reports routing, ``watch``) and
+  ``store_view``, whether it may see the store view.
 - ``GET /v1/czyx/models/{model}/layout``: the version's expert grid: per layer
   its experts in the order of the expert space's outer curve
   (:class:`~czyx.curves.layout.ExpertLayout`), their class values, the sparse layers.
@@ -40,6 +41,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from czyx.inference.batch import Scheduler
 from czyx.portals.caveats import GRANT
 from czyx.portals.permission import Permission, Scope
 from czyx.server.app import ApiError, ServedModel, ServerError, _bad, chat_text
@@ -280,6 +282,8 @@ class Playground:
                     "n_experts": int(cfg.n_experts),
                     "top_k": int(cfg.top_k),
                     "chat_template": served.template is not None,
+                    # (a scheduler of another kind, czyx serve --ray's, reports no routing)
+                    "watch": isinstance(served.scheduler, Scheduler),
                 })  # fmt: skip
             return None, {
                 "tenant": caller.tenant,

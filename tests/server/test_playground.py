@@ -43,7 +43,7 @@ def test_whoami_lists_what_the_portal_may_run(served):
     alice = _get(url, "/v1/czyx/whoami", tokens["alice"]).json()
     assert alice["tenant"] == "alice" and alice["store_view"] is False
     assert [m["id"] for m in alice["models"]] == ["stdlib@1"]
-    assert alice["models"][0]["chat_template"] is True
+    assert alice["models"][0]["chat_template"] is True and alice["models"][0]["watch"] is True
     root = _get(url, "/v1/czyx/whoami", tokens["root"]).json()
     assert root["store_view"] is True and "grant" in root["rights"]
     assert sorted(m["id"] for m in root["models"]) == ["stdlib@1", "tiny@1"]

@@ -374,7 +374,10 @@ async function send(text) {
   const out = addMessage("assistant", "");
   out.parentElement.setAttribute("aria-busy", "true");
   resetFrames();
-  const headers = { "Content-Type": "application/json", "X-Czyx-Watch": "routes" };
+  const headers = { "Content-Type": "application/json" };
+  const info = app.me.models.find((m) => m.id === model);
+  if (info && info.watch) headers["X-Czyx-Watch"] = "routes";
+  else $("frame-label").textContent = "(this version's scheduler reports no routing)";
   const session = $("session").value.trim();
   if (session) headers["X-Czyx-Session"] = session;
   const body = Object.assign({
