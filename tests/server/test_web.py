@@ -176,6 +176,7 @@ def test_sign_in_chat_streams_and_the_expert_grid_follows_the_tokens(web, browse
         assert routed == n_sparse * cfg.top_k  # top-k experts per layer, each coloured
     assert any("miss" in sig for sig in seen["grids"])  # half the experts fit: some reads
     assert page.locator("#v-hit").inner_text().endswith("%")
+    assert page.evaluate("() => document.scrollingElement.scrollWidth") <= 1280  # fits 1280x800
     _shot(page, "chat")
     # Replay by hand: the first token's frame comes back as the grid showed it live.
     page.locator("#tokens button").first.click()
