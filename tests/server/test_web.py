@@ -258,6 +258,8 @@ def test_a_revoked_token_is_signed_out_on_its_next_request(web, browser):
     page, errors = _page(browser, url)
     _sign_in(page, grant.token)
     assert page.evaluate("() => sessionStorage.getItem('czyx.token')") == grant.token
+    page.reload()  # the tab's session storage keeps it signed in
+    page.wait_for_selector("body[data-signed-in=true]")
     open_authority(store).revoke(grant.id_hex, reason="test")
     page.get_by_label("Message").fill("hello")
     page.get_by_role("button", name="Send").click()
