@@ -73,6 +73,7 @@ from czyx.inference.models.base import (
     swiglu_columns,
     swiglu_fused,
 )
+from czyx.inference.routewatch import RouteFrame, StepWatch
 from czyx.inference.sampling import Sampler, SamplingParams
 
 _log = logging.getLogger("czyx.inference.batch")
@@ -197,6 +198,8 @@ def forward_batch(
         raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
     if allowed is not None and len(allowed) != len(ids):
         raise ValueError("forward_batch needs one allowed-experts entry per chunk")
+    # A step with a watched sequence (inference.routewatch) is told each pass's chunks.
+    segment = getattr(model.recorder, "segment", None)
     fast = []
     if c_decode and decodes_in_c(model):
         # Prompt chunks too, unless the rope's tables depend on the length reached.
@@ -206,16 +209,22 @@ def forward_batch(
             if (allowed is None or allowed[s] is None) and (c.size == 1 or not model._length_rope)
         ]
     if not fast:
+        if segment is not None:
+            segment(range(len(ids)), False)
         with model.kernel_threads():  # a prompt's quantized products on the engine's threads
             return _forward_rows(model, ids, kvs, allowed)
     model.experts.advance(int(every.size))
     out: list[np.ndarray | None] = [None] * len(ids)
+    if segment is not None:
+        segment(fast, True)
     got = _forward_c(model, [ids[s] for s in fast], [kvs[s] for s in fast])
     for s, lg in zip(fast, got, strict=True):
         out[s] = lg
     rest = [s for s in range(len(ids)) if out[s] is None]
     if rest:
         sub = None if allowed is None else [allowed[s] for s in rest]
+        if segment is not None:
+            segment(rest, False)
         with model.kernel_threads():
             got = _forward_rows(model, [ids[s] for s in rest], [kvs[s] for s in rest], sub, False)
         for s, lg in zip(rest, got, strict=True):
@@ -760,7 +769,7 @@ class Done:
     reused: int = 0  # prompt positions taken from the prefix cache
 
 
-Event = Token | Done
+Event = Token | Done | RouteFrame  # (RouteFrame: only to a sequence submitted with watch)
 
 
 class Handle:
@@ -811,7 +820,7 @@ class Handle:
         for ev in self.events(timeout):
             if isinstance(ev, Token):
                 toks.append(ev.token)
-            else:
+            elif isinstance(ev, Done):
                 return toks, ev
         raise BatchError("unreachable")  # pragma: no cover
 
@@ -832,6 +841,7 @@ class _Seq:
     closing: str | None = None  # keep_state: the end reason, once the last token is fed
     reused: int = 0  # prompt positions taken from the prefix cache
     allowed: np.ndarray | None = None  # bool [n_layers, n_experts] a scoped portal permits
+    watch: bool = False  # a RouteFrame before each decode step's Token (routewatch)
 
 
 @dataclass(frozen=True)
@@ -907,6 +917,9 @@ class Scheduler:
         )
         self._prefix_bytes = 0
         self._prefix_hits = self._prefix_tokens = 0
+        # Sequences submitted with watch, not yet finished: a step looks at this count
+        # only, so requests that do not watch pay nothing per token.
+        self._watching = 0
         self.on_wake = on_wake
         self._thread: threading.Thread | None = None
         if not driven:
@@ -925,6 +938,7 @@ class Scheduler:
         history: tuple[Sequence[int], KVCache] | None = None,
         keep_state: bool = False,
         allowed: np.ndarray | None = None,
+        watch: bool = False,
     ) -> Handle:
         """Queue a request; its events follow on the returned :class:`Handle`.
 
@@ -934,6 +948,9 @@ class Scheduler:
         more step), so :class:`Done` carries a complete :class:`FinalState` to save.
         ``allowed``: ``bool [n_layers, n_experts]``, the experts this request may
         route to (a scoped portal); each sparse layer must keep at least top-k.
+        ``watch``: before each decode step's :class:`Token`, a
+        :class:`~czyx.inference.routewatch.RouteFrame` with the routing of the token
+        that step fed (the live expert view; requests without it pay nothing for it).
 
         Raises
         ------
@@ -995,6 +1012,8 @@ class Scheduler:
             seq.history = hist
             seq.keep_state = bool(keep_state)
             seq.allowed = allowed
+            seq.watch = bool(watch)
+            self._watching += seq.watch
             self._waiting.append(seq)
             self._lock.notify_all()
         if self.on_wake is not None:
@@ -1144,6 +1163,9 @@ class Scheduler:
     def _finish(
         self, seq: _Seq, reason: str, error: str | None = None, final: FinalState | None = None
     ) -> None:
+        if seq.watch:
+            seq.watch = False
+            self._watching -= 1
         if seq.kv is not None:
             self._kv_used -= seq.kv_need
             if reason in ("stop", "length") and final is None:
@@ -1229,15 +1251,22 @@ class Scheduler:
     def _step_work(self, work: list[tuple[_Seq, np.ndarray]]) -> None:
         t0 = time.perf_counter()
         allowed = [s.allowed for s, _ in work]
-        logits = forward_batch(
-            self.model,
-            [c for _, c in work],
-            [s.kv for s, _ in work],
-            allowed if any(a is not None for a in allowed) else None,
-            self.options.c_decode,
-        )
+        watch = self._watch_step(work) if self._watching else None
+        try:
+            logits = forward_batch(
+                self.model,
+                [c for _, c in work],
+                [s.kv for s, _ in work],
+                allowed if any(a is not None for a in allowed) else None,
+                self.options.c_decode,
+            )
+        finally:
+            if watch is not None:
+                self.model.recorder = watch[0]
         now = time.perf_counter()
         n_tokens = sum(int(c.size) for _, c in work)
+        if watch is not None:
+            self._emit_frames(work, watch, n_tokens, now - t0)
         with self._lock:
             self._steps += 1
             self._step_tokens += n_tokens
@@ -1276,3 +1305,34 @@ class Scheduler:
                     self._end(seq, "length")
         if self.on_step is not None:
             self.on_step(len(work), n_tokens, now - t0)
+
+    def _watch_step(self, work: list[tuple[_Seq, np.ndarray]]):
+        """A step with watching sequences: their decode chunks get a route recorder for the
+        step. Returns (the recorder it replaced, the watch, the cache counters before) or
+        None when no watched sequence decodes this step."""
+        watched = [j for j, (s, c) in enumerate(work) if s.watch and c.size == 1 and s.generated]
+        if not watched:
+            return None
+        model = self.model
+        cache = model.experts
+        sw = StepWatch(cache, [int(c.size) for _, c in work], watched)
+        before = (int(cache.bytes_read), int(cache.hits), int(cache.misses))
+        prev, model.recorder = model.recorder, sw
+        return prev, sw, before
+
+    def _emit_frames(self, work, watch, n_tokens: int, seconds: float) -> None:
+        """Each watched decode chunk's :class:`RouteFrame`, before the step's tokens."""
+        _, sw, (b0, h0, m0) = watch
+        cache = self.model.experts
+        step = {
+            "step_sequences": len(work),
+            "step_tokens": n_tokens,
+            "bytes_read": int(cache.bytes_read) - b0,
+            "hits": int(cache.hits) - h0,
+            "misses": int(cache.misses) - m0,
+            "seconds": seconds,
+        }
+        for j in sorted(sw.kept):
+            seq, chunk = work[j]
+            index = len(seq.generated) - 1
+            seq.handle._emit(sw.frame(j, index, int(chunk[0]), **step))

@@ -262,6 +262,11 @@ def _convert_into(dst: np.ndarray, src: np.ndarray, fmt: str) -> None:
         )
 
 
+#: :meth:`ExpertCache.residency` codes: the expert is in a slot (a hit), was read (or is
+#: being read) by a prefetch not yet used, or must be read (a miss).
+RESIDENT_HIT, RESIDENT_PREFETCHED, RESIDENT_MISS = 0, 1, 2
+
+
 class ExpertCache:
     """A fixed byte budget of equal expert slots in one aligned arena.
 
@@ -451,6 +456,18 @@ class ExpertCache:
         self.tokens += int(n_tokens)
         if self._set_token is not None:
             self._set_token(self.tokens - 1)
+
+    def residency(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """What :meth:`acquire` would find for each of ``experts`` of ``layer`` now, without
+        counting or holding anything: ``int8`` codes :data:`RESIDENT_HIT` (in a slot),
+        :data:`RESIDENT_PREFETCHED` (in a slot or in flight, read by a prefetch not yet
+        used; the streaming cache only) or :data:`RESIDENT_MISS` (to be read).
+
+        For watchers of a generation (the server's live expert view): the engine
+        never calls it.
+        """
+        slots = self.table[layer, np.asarray(experts, np.int64)]
+        return np.where(slots < 0, RESIDENT_MISS, RESIDENT_HIT).astype(np.int8)
 
     def acquire(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """Make ``experts`` of ``layer`` resident and hold them until :meth:`release`.

@@ -46,7 +46,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from czyx.inference.cache import EvictionPolicy, ExpertCache
+from czyx.inference.cache import (
+    RESIDENT_HIT,
+    RESIDENT_MISS,
+    RESIDENT_PREFETCHED,
+    EvictionPolicy,
+    ExpertCache,
+)
 from czyx.inference.errors import SlotInUseError
 from czyx.inference.kernels.linear import mm_t
 from czyx.inference.options import renamed
@@ -411,6 +417,22 @@ class StreamingExpertCache(ExpertCache):
             self.release()
             raise
         return self._out[: len(experts)]
+
+    def residency(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """As :meth:`ExpertCache.residency`, telling apart the experts an unused prefetch
+        brought in (or is bringing in): :data:`~inference.cache.RESIDENT_PREFETCHED`."""
+        row, xfer = self.table[layer], self._xfer
+        out = np.empty(len(experts), np.int8)
+        for j, e in enumerate(np.asarray(experts).tolist()):  # (top-k of them: a loop)
+            s = int(row[e])
+            t = xfer[s] if s >= 0 else None
+            if s < 0:
+                out[j] = RESIDENT_MISS
+            elif t is not None and not t.used and t.kind == PREFETCH:
+                out[j] = RESIDENT_PREFETCHED
+            else:
+                out[j] = RESIDENT_HIT
+        return out
 
     def _score_prediction(self, layer: int, experts: np.ndarray) -> None:
         """Count how many of ``experts`` were predicted for ``layer`` (recall); clear it."""

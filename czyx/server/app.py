@@ -2,9 +2,10 @@
 
 Scope: Starlette routes (``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` streamed as server-sent events or not,
-``GET /health``, ``GET /metrics``) over one :class:`~czyx.inference.batch.Scheduler`
-per served version, all versions opened from one store with the owner's
-portal; each request is authorised by its own bearer portal
+``GET /health``, ``GET /metrics``, and the web playground at ``/`` with its
+endpoints under ``/v1/czyx``: :mod:`czyx.server.playground`) over one
+:class:`~czyx.inference.batch.Scheduler` per served version, all versions opened
+from one store with the owner's portal; each request is authorised by its own bearer portal
 (:mod:`czyx.server.auth`) and audited. ``czyx serve`` is a thin layer over
 :func:`create_app`; a script serves the same way with uvicorn.
 
@@ -24,6 +25,12 @@ Sessions: a request naming a session in the ``X-Czyx-Session`` header resumes
 the caller's saved KV state and saves the new one as the session's next
 version, as ``czyx run --session`` does. The OpenAI ``user`` field keeps its
 meaning (the end user a client serves): it goes to the audit log only.
+
+Watching: a streamed request with the header ``X-Czyx-Watch: routes`` (the web
+playground's, :mod:`czyx.server.playground`) also receives, before each decode
+token's chunk, an SSE event ``event: czyx.routes`` whose data is that token's
+routing per layer (:func:`route_frame_json`). Only such a request makes the
+scheduler record routes; requests without the header pay nothing per token.
 
 Stepping: each version's scheduler is driven on the event loop itself (one
 task per version calls :meth:`~czyx.inference.batch.Scheduler.step_once`
@@ -66,6 +73,7 @@ from czyx.inference.batch import (
     Token,
 )
 from czyx.inference.errors import SamplingError
+from czyx.inference.routewatch import RouteFrame
 from czyx.inference.sampling import SamplingParams
 from czyx.inference.tokenizer import ByteTokenizer
 from czyx.server.auth import AuthError, Caller, ServedVersion, TokenGate
@@ -86,6 +94,9 @@ MAX_END_USER = 256
 SESSION_HEADER = "x-czyx-session"
 #: Response header: the session version a non-streamed request saved.
 SESSION_VERSION_HEADER = "X-Czyx-Session-Version"
+#: Request header asking a streamed generation for its routing (value :data:`WATCH_ROUTES`).
+WATCH_HEADER = "x-czyx-watch"
+WATCH_ROUTES = "routes"
 
 
 class ServerError(CzyxError):
@@ -558,6 +569,15 @@ def _completion_prompt(body: dict, served: ServedModel) -> list[int]:
 
 
 def _chat_prompt(body: dict, served: ServedModel) -> list[int]:
+    ids = served.tokenizer.encode(chat_text(body, served))
+    if not ids:
+        raise _bad("the rendered chat prompt is empty", "messages")
+    return ids
+
+
+def chat_text(body: dict, served: ServedModel) -> str:
+    """The prompt text a chat request's ``messages`` render to with the version's chat
+    template (what ``/v1/chat/completions`` encodes); :class:`ApiError` 400 as it answers."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages must be a non-empty list", "messages")
@@ -584,13 +604,9 @@ def _chat_prompt(body: dict, served: ServedModel) -> list[int]:
             "model",
         )
     try:
-        text = served.template.render(plain, add_generation_prompt=True)
+        return served.template.render(plain, add_generation_prompt=True)
     except TemplateError as exc:
         raise _bad(str(exc), "messages") from None
-    ids = served.tokenizer.encode(text)
-    if not ids:
-        raise _bad("the rendered chat prompt is empty", "messages")
-    return ids
 
 
 # --------------------------------------------------------------------------- generation
@@ -924,6 +940,7 @@ class _Job:
         t0: float,
         session: _Session | None,
         allowed: np.ndarray | None,
+        watch: bool = False,
     ) -> None:
         self.state = state
         self.served = served
@@ -942,6 +959,9 @@ class _Job:
         self.done = False
         self._last = t0
         self._texts: list[str] = []
+        #: Watching: the route frames taken with the last burst (oldest first).
+        self.watch = watch
+        self.frames: list[RouteFrame] = []
         self._ttft = state.metrics.ttft.labels(served.ref)
         self._itl = state.metrics.itl.labels(served.ref)
 
@@ -963,6 +983,8 @@ class _Job:
                 post(ch, ev)
 
         session = self.session
+        # (only a watching request names watch: a scheduler of another kind never sees it)
+        extra = {"watch": True} if self.watch else {}
         try:
             self.handle = self.served.scheduler.submit(
                 self.ids,
@@ -973,6 +995,7 @@ class _Job:
                 history=None if session is None else session.history,
                 keep_state=session is not None,
                 allowed=self.allowed,
+                **extra,
             )
         except QueueFull as exc:
             raise ApiError(
@@ -1019,6 +1042,8 @@ class _Job:
                     out.finish = "stop"
                     self._end()
                     break
+            elif type(ev) is RouteFrame:  # (only a watching request's scheduler sends these)
+                self.frames.append(ev)
             else:
                 if ev.reason == "error":
                     out.error = ev.error
@@ -1087,6 +1112,47 @@ def _usage(out: _Outcome) -> dict[str, Any]:
     if out.cached_tokens:
         usage["prompt_tokens_details"] = {"cached_tokens": out.cached_tokens}
     return usage
+
+
+def _watch_requested(request: Request) -> bool:
+    """Whether a request asks for its routing (``X-Czyx-Watch: routes``); 400 for another
+    value (never silently ignored)."""
+    value = request.headers.get(WATCH_HEADER)
+    if value is None:
+        return False
+    if value.strip().lower() != WATCH_ROUTES:
+        raise _bad(f"X-Czyx-Watch: {value!r}: the only value is {WATCH_ROUTES!r}", WATCH_HEADER)
+    return True
+
+
+def route_frame_json(frame: RouteFrame, tokenizer) -> dict[str, Any]:
+    """A :class:`~czyx.inference.routewatch.RouteFrame` as the ``czyx.routes`` event's data.
+
+    ``index`` (the generated token fed, 0 first), ``token`` and its ``text``; per
+    routed layer (``layers``) the ``experts`` chosen in the router's order, their
+    ``weights`` and ``state`` (0 hit, 1 prefetched, 2 miss, as the cache stood when
+    the layer routed), and ``resident``: the experts the cache held then, as a hex
+    bitmask (bit ``e`` of byte ``e // 8``, least significant first); ``step``: the
+    step's sequences, tokens, bytes read, hits, misses and seconds (shared by the batch).
+    """
+    return {
+        "index": frame.index,
+        "token": frame.token,
+        "text": tokenizer.decode([frame.token]),
+        "layers": frame.layers.tolist(),
+        "experts": frame.experts.tolist(),
+        "weights": np.round(frame.weights.astype(np.float64), 4).tolist(),
+        "state": frame.state.tolist(),
+        "resident": [np.packbits(r, bitorder="little").tobytes().hex() for r in frame.resident],
+        "step": {
+            "sequences": frame.step_sequences,
+            "tokens": frame.step_tokens,
+            "bytes_read": frame.bytes_read,
+            "hits": frame.hits,
+            "misses": frame.misses,
+            "seconds": round(frame.seconds, 6),
+        },
+    }
 
 
 def _session_name(request: Request) -> str | None:
@@ -1319,6 +1385,14 @@ class _Api:
             model = req.model
             served, allowed = self._served(caller, req.model)
             ids = _chat_prompt(body, served) if chat else _completion_prompt(body, served)
+            watch = _watch_requested(request)
+            if watch and not req.stream:
+                raise _bad("X-Czyx-Watch needs a streamed request (stream: true)", "stream")
+            if watch and not isinstance(served.scheduler, Scheduler):
+                raise _bad(
+                    f"{served.ref}: its scheduler does not report routing (X-Czyx-Watch)",
+                    WATCH_HEADER,
+                )
             session = None
             name = _session_name(request)
             if name:
@@ -1330,7 +1404,7 @@ class _Api:
             return exc.response()
         eos = served.chat_eos_ids if chat else served.eos_ids
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        job = _Job(self.state, served, ids, req, eos, time.perf_counter(), session, allowed)
+        job = _Job(self.state, served, ids, req, eos, time.perf_counter(), session, allowed, watch)
         try:
             job.submit()  # a full queue (429) or a refused request (400) answers at once
         except ApiError as exc:
@@ -1492,7 +1566,22 @@ class _SSEResponse(Response):
                 await send({"type": "http.response.body", "body": role, "more_body": True})
             texts, burst = chunks.texts, job.burst
             interval = self.api.state.options.stream_interval
-            if not interval:
+            if job.watch:  # each burst's route frames, then its text (no stream interval)
+                frames, tok = job.frames, job.served.tokenizer
+                while not job.done:
+                    pieces = await burst()
+                    body = b"".join(
+                        b"event: czyx.routes\ndata: "
+                        + json.dumps(route_frame_json(f, tok)).encode()
+                        + b"\n\n"
+                        for f in frames
+                    )
+                    frames.clear()
+                    if pieces:
+                        body += texts(pieces)
+                    if body:
+                        await send({"type": _BODY, "body": body, "more_body": True})
+            elif not interval:
                 while not job.done:
                     pieces = await burst()
                     if pieces:
@@ -1596,7 +1685,10 @@ def create_app(
             finally:
                 await run_in_threadpool(state.close)
 
+    from czyx.server.playground import Playground
+
     routes: list[BaseRoute] = [
+        *Playground(api).routes(),  # the web page at / and its endpoints under /v1/czyx
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),

@@ -35,6 +35,22 @@ def other_checkpoint(path):
     return path
 
 
+def second_version(path):
+    """The bundled checkpoint with its final norm tripled: mounted as ``stdlib@2`` (content
+    no other space has) it shares every expert extent of ``stdlib@1``."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = bundled_model_dir()
+    path.mkdir()
+    shutil.copy(src / "config.json", path / "config.json")
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 3
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
 def make_store(root):
     """A store with ``stdlib@1`` (bundled) and ``tiny@1``; returns (dir, config path, tokens)."""
     store_dir = root / "store"

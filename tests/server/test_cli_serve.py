@@ -91,6 +91,7 @@ def test_serve_says_when_a_version_streams_for_lack_of_memory(tmp_path, monkeypa
     err = capsys.readouterr().err
     host, port = ran[0]
     assert host == "127.0.0.1" and port > 0 and f"on http://127.0.0.1:{port}/v1" in err
+    assert f"web playground at http://127.0.0.1:{port}/\n" in err
     assert "czyx serve: stdlib@1: expert slots:" in err and "--cache-mb" in err
     # how a client gets its bearer token, for the store being served
     assert f"czyx grant stdlib@1 --tenant NAME --rights infer --store {store_dir}" in err

@@ -152,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         host, port = sock.getsockname()[:2]  # (--port 0: the one the system chose)
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         print(f"czyx serve: {refs}{over} on {url}", file=sys.stderr)
+        print(f"czyx serve: web playground at {url[: -len('v1')]}", file=sys.stderr)
         # Every request needs a portal token: say how to make one (the first thing a new
         # user's client asks for, as an API key).
         first = shlex.quote(next(iter(app.state.czyx.models), "NAME@VER"))
