@@ -159,6 +159,7 @@ def forward_batch(
     kvs: Sequence[KVCache],
     allowed: Sequence[np.ndarray | None] | None = None,
     c_decode: bool = True,
+    all_logits: bool = False,
 ) -> list[np.ndarray]:
     """One forward step over several sequences together.
 
@@ -180,11 +181,16 @@ def forward_batch(
         Chunks (decode tokens and prompt chunks) take the engine's C decode where
         the model has it (the default); False runs every chunk through the numpy
         step (for comparison).
+    all_logits
+        Return every token's logits, not only the last one's (speculative
+        decoding verifies a chunk of drafted tokens in one step: each token's
+        logits are those of the same step without it, the head is row-independent).
 
     Returns
     -------
     list of numpy.ndarray
-        Per sequence, the ``[V]`` float32 logits of its chunk's last token.
+        Per sequence, the ``[V]`` float32 logits of its chunk's last token, or with
+        ``all_logits`` the ``[T_s, V]`` logits of every token of its chunk.
     """
     cfg = model.cfg
     if len(chunks) != len(kvs) or not chunks:
@@ -207,17 +213,19 @@ def forward_batch(
         ]
     if not fast:
         with model.kernel_threads():  # a prompt's quantized products on the engine's threads
-            return _forward_rows(model, ids, kvs, allowed)
+            return _forward_rows(model, ids, kvs, allowed, all_logits=all_logits)
     model.experts.advance(int(every.size))
     out: list[np.ndarray | None] = [None] * len(ids)
-    got = _forward_c(model, [ids[s] for s in fast], [kvs[s] for s in fast])
+    got = _forward_c(model, [ids[s] for s in fast], [kvs[s] for s in fast], all_logits)
     for s, lg in zip(fast, got, strict=True):
         out[s] = lg
     rest = [s for s in range(len(ids)) if out[s] is None]
     if rest:
         sub = None if allowed is None else [allowed[s] for s in rest]
         with model.kernel_threads():
-            got = _forward_rows(model, [ids[s] for s in rest], [kvs[s] for s in rest], sub, False)
+            got = _forward_rows(
+                model, [ids[s] for s in rest], [kvs[s] for s in rest], sub, False, all_logits
+            )
         for s, lg in zip(rest, got, strict=True):
             out[s] = lg
     return out  # type: ignore[return-value]
@@ -248,7 +256,9 @@ def _base_finish_logits():
     return MoEDecoder.finish_logits
 
 
-def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[np.ndarray]:
+def _forward_c(
+    model, chunks: list[np.ndarray], kvs: Sequence[KVCache], all_logits: bool = False
+) -> list[np.ndarray]:
     """Chunks of tokens (a decode token, or a prompt chunk, per sequence) through the
     engine's C kernels, all at once.
 
@@ -269,10 +279,11 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
     one-input result), so the arithmetic per token is
     :meth:`MoEDecoder._forward_one`'s: the logits and the KV written are the
     engine's decode, bit for bit, whatever the batch, the chunking of a prompt
-    and the thread count.
+    and the thread count. ``all_logits``: every row's logits, per chunk ``[T, V]``.
     """
     if model._length_rope:  # (decode tokens only: forward_batch sends chunks elsewhere)
-        return _forward_c_each(model, [int(c[0]) for c in chunks], kvs)
+        got = _forward_c_each(model, [int(c[0]) for c in chunks], kvs)
+        return [g[None] for g in got] if all_logits else got
     cfg = model.cfg
     kern = model.kernels()
     lens = [int(c.size) for c in chunks]
@@ -282,9 +293,9 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
     if max(lens) == 1:
         waves = None
         row_kv, row_pos, tokens = list(kvs), None, [int(c[0]) for c in chunks]
-        last = None
+        last, rows = None, [np.array([q]) for q in range(len(chunks))]
     else:
-        waves, row_kv, row_pos, tokens, last = _waves(chunks, kvs, starts, kern.pool.threads)
+        waves, row_kv, row_pos, tokens, last, rows = _waves(chunks, kvs, starts, kern.pool.threads)
     n = len(tokens)
     bt = kern.begin_batch(row_kv, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, model.rotary, row_pos)
     kern.embed_batch(model.embed, tokens)
@@ -324,6 +335,13 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
                 cache.release()
     for kv, s, t in zip(kvs, starts, lens, strict=True):
         kv.length = s + t
+    if all_logits:  # every row, each chunk's rows together in token order
+        order = np.concatenate(rows)
+        bt.h[:n] = bt.h[order]
+        logits = kern.head_batch(model.final_norm, model.lm_head, cfg.rms_eps, n).copy()
+        kern.pool.park()
+        ends = np.cumsum([0, *lens])
+        return [model.finish_logits(logits[a:b]) for a, b in itertools.pairwise(ends)]
     if last is not None:  # each chunk's last row into rows 0 .. len(chunks), for the head
         bt.h[: len(chunks)] = bt.h[last]
     logits = kern.head_batch(model.final_norm, model.lm_head, cfg.rms_eps, len(chunks)).copy()
@@ -335,7 +353,7 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
 
 def _waves(chunks: list[np.ndarray], kvs: Sequence[KVCache], starts: list[int], threads: int):
     """The rows of a step with prompt chunks: ``((waves, groups), row caches, row
-    positions, row tokens, each chunk's last row)``.
+    positions, row tokens, each chunk's last row, each chunk's rows)``.
 
     A prompt chunk's tokens go in groups of up to four consecutive ones (a group's
     rows share each weight row and attend in order), its ``j``-th group in wave
@@ -351,10 +369,12 @@ def _waves(chunks: list[np.ndarray], kvs: Sequence[KVCache], starts: list[int], 
     row_pos: list[int] = []
     tokens: list[int] = []
     last = np.empty(len(chunks), np.int64)
+    rows: list[list[int]] = [[] for _ in chunks]
     groups, waves = [0], [0]
 
     def put(q: int, j0: int, j1: int) -> None:  # tokens j0 .. j1 of chunk q, as rows
         for j in range(j0, j1):
+            rows[q].append(len(tokens))
             row_kv.append(kvs[q])
             row_pos.append(starts[q] + j)
             tokens.append(int(chunks[q][j]))
@@ -378,6 +398,7 @@ def _waves(chunks: list[np.ndarray], kvs: Sequence[KVCache], starts: list[int], 
         row_pos,
         tokens,
         last,
+        [np.array(r, np.int64) for r in rows],
     )
 
 
@@ -490,8 +511,10 @@ def _forward_rows(
     kvs: Sequence[KVCache],
     allowed: Sequence[np.ndarray | None] | None,
     advance: bool = True,
+    all_logits: bool = False,
 ) -> list[np.ndarray]:
-    """The numpy step over ``ids`` (row-independent products in :data:`BLOCK` columns)."""
+    """The numpy step over ``ids`` (row-independent products in :data:`BLOCK` columns);
+    the last token's logits per sequence, or with ``all_logits`` every token's."""
     cfg = model.cfg
     lens = [int(c.size) for c in ids]
     offs = np.concatenate([[0], np.cumsum(lens)]).astype(int)
@@ -540,6 +563,10 @@ def _forward_rows(
         h = h + model.mlp_out(routed)
     for kv, s, n in zip(kvs, starts, lens, strict=True):
         kv.length = s + n
+    if all_logits:
+        hn = rms_norm(h, model.final_norm, cfg.rms_eps)
+        out = model.finish_logits(linear_rows(hn, model.lm_head))
+        return [out[offs[j] : offs[j + 1]] for j in range(len(ids))]
     last = h[offs[1:] - 1]
     hn = rms_norm(last, model.final_norm, cfg.rms_eps)
     out = model.finish_logits(linear_rows(hn, model.lm_head))
