@@ -31,12 +31,12 @@ accepted: exact, without the batching.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from czyx.inference.engine import Engine
 from czyx.inference.errors import InferenceError
@@ -44,10 +44,9 @@ from czyx.inference.options import SpeculateOptions
 from czyx.inference.sampling import Sampler
 from czyx.store.interfaces import StoreInterface
 
-#: The relative cost of one more verified row beside a one-token decode, which the
-#: adaptive length weighs against the measured acceptance (``bench/SPECULATE.md``
-#: measures the verification step on the bundled model).
-VERIFY_COST = 0.15
+#: The relative cost of one more verified row beside a plain decode step before any
+#: is measured (:class:`DraftLength` measures it as it goes).
+VERIFY_COST = 0.25
 
 #: Steps without drafts (the adaptive length at 0) before one draft is tried again,
 #: so a text that becomes predictable is noticed.
@@ -80,8 +79,10 @@ class PromptLookup:
     history's last n-gram (``ngram`` tokens, then shorter ones down to 1).
 
     Code and quoting text repeat their own spans (names, lines, call patterns), so
-    the continuation of the last match is often the next tokens; prose rarely
-    matches, and then nothing is proposed (no verification cost).
+    the continuation of the last match is often the next tokens; prose matches
+    less, and the adaptive length then stops drafting. The n-grams are indexed
+    as the history grows (a dictionary per length: n-gram -> where its latest
+    continuation starts), so a step costs the new tokens, not the history.
     """
 
     name = "lookup"
@@ -90,21 +91,34 @@ class PromptLookup:
         if ngram < 1:
             raise ValueError(f"ngram {ngram} must be at least 1")
         self.ngram = ngram
+        self._hist: list[int] = []
+        self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(ngram + 1)]
+
+    def _sync(self, history: Sequence[int]) -> None:
+        """Index ``history``'s new positions (from scratch when it is not an extension)."""
+        seen = len(self._hist)
+        if seen > len(history) or list(history[:seen]) != self._hist:
+            self._hist, seen = [], 0
+            self._index = [{} for _ in range(self.ngram + 1)]
+        h = self._hist
+        h.extend(history[seen:])
+        # A continuation starting at e (< len(h)) follows the n-gram h[e-n:e]; the
+        # tail's own n-grams (e == len(h)) have none yet and are indexed next time.
+        for e in range(max(seen, 1), len(h)):
+            for n in range(1, min(self.ngram, e) + 1):
+                self._index[n][tuple(h[e - n : e])] = e
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest match of the history's tail."""
         size = len(history)
         if k <= 0 or size < 2:
             return []
-        h = np.asarray(history, np.int64)
+        self._sync(history)
+        h = self._hist
         for n in range(min(self.ngram, size - 1), 0, -1):
-            # Windows over h[:-1] start at 0 .. size-1-n: each has a token after it,
-            # and the tail's own window (starting at size-n) is not among them.
-            win = sliding_window_view(h[:-1], n)
-            hits = np.flatnonzero((win == h[size - n :]).all(axis=1))
-            if hits.size:
-                at = int(hits[-1]) + n
-                return h[at : at + k].tolist()
+            at = self._index[n].get(tuple(h[size - n :]))
+            if at is not None:
+                return h[at : at + k]
         return []
 
     def close(self) -> None:
@@ -171,17 +185,24 @@ class ModelDrafter:
 
 
 class DraftLength:
-    """The draft length of each step, chosen from the acceptance measured so far.
+    """The draft length of each step, chosen from the acceptance and step times measured.
 
     The acceptance ``a`` is the fraction of drafted tokens accepted given their
     predecessors were (an exponentially decaying count of successes and first
     failures: the geometric model's estimate). A step of ``k`` drafts then yields
-    ``(1 - a^(k+1)) / (1 - a)`` tokens for ``1 + cost * k`` of a one-token decode's
-    time; the length that maximises the ratio is chosen (0: decode without
-    drafts, as when acceptance is low, so unpredictable prose is not slowed).
-    At 0, one draft is tried every :data:`PROBE_EVERY` steps to measure again.
-    Deterministic: the same acceptances give the same lengths (a seeded sampled
-    run is reproducible).
+    ``(1 - a^(k+1)) / (1 - a)`` tokens for ``1 + r * k`` of a plain decode step's
+    time, ``r`` being the measured cost of one more verified row (drafting
+    included) relative to a plain step: small where a step is dominated by reading
+    weights (each routed expert read once for every row), near 1 on a small
+    resident model whose step is its arithmetic. The length that maximises the
+    ratio is chosen (0: decode without drafts, so unpredictable text is not
+    slowed); at 0, one draft is tried every :data:`PROBE_EVERY` steps to measure
+    again. The first step is a plain one (it measures the plain step's time).
+
+    ``measure=False`` keeps ``r`` at ``cost`` and ignores times: the lengths then
+    follow the acceptances alone (a seeded sampled run is reproducible; with
+    measured times the draft lengths, and so which random draws a seeded
+    sampler makes, depend on the machine's speed, though never the distribution).
     """
 
     def __init__(
@@ -189,6 +210,7 @@ class DraftLength:
         most: int,
         adaptive: bool = True,
         cost: float = VERIFY_COST,
+        measure: bool = True,
         decay: float = 0.9,
         prior: float = 0.5,
     ) -> None:
@@ -197,10 +219,12 @@ class DraftLength:
         self.most = most
         self.adaptive = adaptive
         self.cost = cost
+        self.measure = measure
         self.decay = decay
         self._ok = prior * 2.0  # pseudo-counts: the prior acceptance over two observations
         self._bad = (1.0 - prior) * 2.0
         self._idle = 0
+        self._plain: float | None = None  # seconds of a plain step (decaying mean)
 
     @property
     def acceptance(self) -> float:
@@ -221,6 +245,8 @@ class DraftLength:
         """This step's draft length."""
         if not self.adaptive:
             return self.most
+        if self.measure and self._plain is None:
+            return 0  # a plain step first: its time is the unit
         k = self.best()
         if k == 0:
             self._idle += 1
@@ -229,13 +255,23 @@ class DraftLength:
                 return 1
         return k
 
-    def update(self, drafted: int, accepted: int) -> None:
-        """Count a step's outcome: ``accepted`` of ``drafted`` (a prefix) accepted."""
+    def plain(self, seconds: float) -> None:
+        """Count a plain (draftless) step's time."""
+        if self.measure and seconds > 0:
+            p = self._plain
+            self._plain = seconds if p is None else 0.8 * p + 0.2 * seconds
+
+    def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        """Count a step's outcome: ``accepted`` of ``drafted`` (a prefix) accepted, in
+        ``seconds`` (drafting and verification) where measured."""
         if drafted <= 0:
             return
         d = self.decay**drafted
         self._ok = self._ok * d + accepted
         self._bad = self._bad * d + (1.0 if accepted < drafted else 0.0)
+        if self.measure and seconds is not None and self._plain:
+            r = max(0.0, (seconds / self._plain - 1.0) / drafted)
+            self.cost = 0.8 * self.cost + 0.2 * r
 
 
 @dataclass
@@ -347,12 +383,16 @@ def speculative_decode(
     if emit(pending):
         return out, "eos" if pending in eos else "max_tokens"
     batched = engine.verifies_in_one_step
+    clock = time.perf_counter
     while True:
+        t0 = clock()
         k = min(spec.length.next(), max_tokens - len(out) - 1)
         drafts = spec.drafter.propose(history, k)[:k] if k > 0 else []
         if not drafts:
+            logits = engine.decode(pending)
+            spec.length.plain(clock() - t0)
             spec.steps.append((0, 0))
-            pending = sampler(engine.decode(pending))
+            pending = sampler(logits)
             if emit(pending):
                 break
             continue
@@ -379,7 +419,7 @@ def speculative_decode(
             stop = emit(tok)
         if engine.position > keep:
             engine.rollback(keep)
-        spec.length.update(len(drafts), accepted)
+        spec.length.update(len(drafts), accepted, clock() - t0)
         spec.steps.append((len(drafts), accepted))
         pending = tok
         if stop:

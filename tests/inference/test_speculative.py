@@ -67,7 +67,7 @@ def test_prompt_lookup_takes_the_latest_longest_match() -> None:
 
 
 def test_draft_length_follows_the_acceptance() -> None:
-    dl = DraftLength(6)
+    dl = DraftLength(6, measure=False)
     assert 0 < dl.best() < 6  # the prior
     for _ in range(20):
         dl.update(6, 6)
@@ -80,6 +80,17 @@ def test_draft_length_follows_the_acceptance() -> None:
     assert DraftLength(3, adaptive=False).next() == 3
     with pytest.raises(ValueError):
         DraftLength(0)
+
+
+def test_draft_length_weighs_the_measured_step_cost() -> None:
+    cheap, dear = DraftLength(4), DraftLength(4)
+    assert cheap.next() == 0  # a plain step first, to time it
+    for dl, verify_s in ((cheap, 1.2), (dear, 5.0)):
+        dl.plain(1.0)
+        for _ in range(30):
+            dl.update(4, 3, verify_s)  # acceptance 3/4 of each step's 4 drafts
+    assert cheap.cost < 0.1 and cheap.next() == 4  # rows nearly free: draft the most
+    assert dear.cost > 0.9 and dear.next() <= 1  # a row costs a step: hardly worth it
 
 
 def test_speculate_options_fail_closed() -> None:
