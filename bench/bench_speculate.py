@@ -130,28 +130,94 @@ def load() -> str:
     return f"{a:.2f} {b:.2f} {c:.2f}"
 
 
+class Replay:
+    """Drafts the reference continuation with each token kept with probability
+    ``acceptance`` (else replaced by a wrong one), seeded: a drafter of a set
+    acceptance, to measure what verification saves at that acceptance."""
+
+    name = "replay"
+
+    def __init__(self, ref: list[int], acceptance: float, vocab: int, seed: int = 0) -> None:
+        import numpy as np
+
+        self.ref, self.acceptance, self.vocab = ref, acceptance, vocab
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, history, k):
+        n = len(history)
+        out = self.ref[n : n + k]
+        keep = self.rng.random(len(out)) < self.acceptance
+        return [t if ok else (t + 1) % self.vocab for t, ok in zip(out, keep, strict=True)]
+
+    def close(self) -> None:
+        pass
+
+
+def interleaved(engine, prompts, configs, tokens, rounds, make_spec):
+    """Run every (prompt, config) ``rounds`` times, interleaved; per (prompt, config) the
+    decode tok/s of each round and the summed (accepted, drafted, passes, tokens,
+    decode expert bytes read). Checks the tokens equal the config ``off``'s."""
+    from czyx.inference.generate import generate_ids
+
+    want = {name: generate_ids(engine, ids, tokens)[0] for name, ids in prompts.items()}
+    rate = {p: {c: [] for c in configs} for p in prompts}
+    acc = {p: {c: [0, 0, 0, 0, 0] for c in configs} for p in prompts}
+    for _ in range(rounds):
+        for name, ids in prompts.items():
+            for cfg in configs:
+                spec = make_spec(cfg, ids + want[name])
+                out, st = generate_ids(engine, ids, tokens, speculate=spec)
+                if out != want[name]:
+                    raise SystemExit(f"{cfg} on {name!r}: tokens differ from non-speculative")
+                rate[name][cfg].append(st.decode_tokens_per_s)
+                a = acc[name][cfg]
+                a[0] += st.accepted
+                a[1] += st.drafted
+                a[2] += len(st.draft_steps) if st.draft_steps else st.decode_steps
+                a[3] += st.decode_steps
+                a[4] += st.decode_cache.bytes_read
+    return rate, acc
+
+
+def rows(rate, acc, configs, bytes_column=False):
+    """The table rows: per prompt and config, median tok/s and its ratio to ``off``."""
+    out = []
+    for name in rate:
+        base = statistics.median(rate[name]["off"])
+        for cfg in configs:
+            med = statistics.median(rate[name][cfg])
+            a = acc[name][cfg]
+            accept = f"{a[0] / a[1]:.2f} ({a[0]}/{a[1]})" if a[1] else "-"
+            per_pass = a[3] / a[2] if a[2] else 0.0
+            row = f"| {name} | {cfg} | {med:.1f} | {med / base:.2f}x | {accept} | {per_pass:.2f} |"
+            if bytes_column:
+                row += f" {a[4] / max(a[3], 1) / 1024:.1f} |"
+            out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=96, help="tokens generated per run")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per run")
     ap.add_argument("--rounds", type=int, default=5, help="rounds (configurations interleaved)")
-    ap.add_argument("--draft-tokens", type=int, default=None, help="draft length at most")
+    ap.add_argument("--draft-tokens", type=int, default=4, help="draft length at most")
+    ap.add_argument("--threads", type=int, default=1, help="engine kernel threads")
+    ap.add_argument("--fraction", type=float, default=0.25, help="streamed: expert cache share")
     ap.add_argument("--self", action="store_true", help="also the q4 version as the draft")
     ap.add_argument("--out", default=str(ROOT / "bench" / "SPECULATE.md"))
     args = ap.parse_args(argv)
 
     from czyx.inference.assets import bundled_model_dir
     from czyx.inference.engine import Engine
-    from czyx.inference.generate import generate_ids
     from czyx.inference.opened import OpenedModel
     from czyx.inference.options import SpeculateOptions
-    from czyx.inference.speculative import Speculator
+    from czyx.inference.speculative import DraftLength, Speculator
     from czyx.store import Store
     from czyx.store.models.mount import mount
 
-    spec_opts = SpeculateOptions("lookup")
-    if args.draft_tokens is not None:
-        spec_opts = SpeculateOptions("lookup", draft_tokens=args.draft_tokens)
+    lookup_opts = SpeculateOptions("lookup", draft_tokens=args.draft_tokens)
     load0 = load()
+    t_start = time.perf_counter()
     tmp = tempfile.TemporaryDirectory(prefix="czyx-spec-")
     store_dir = str(Path(tmp.name) / "store")
     with Store.open(store_dir) as st:
@@ -162,50 +228,55 @@ def main(argv: list[str] | None = None) -> int:
 
             mount(st, bundled_model_dir(), "stdlib@q4", quant=QuantCodec(parse_policy("q4-all")))
     opened = OpenedModel(store_dir, "stdlib@1", None)
-    engine = Engine(opened.consumer)
+    prompts = {name: list(text.encode()) for name, text in PROMPTS.items()}
+
+    # A: prompt lookup (and the q4 self-draft), every expert resident.
+    engine = Engine(opened.consumer, threads=args.threads)
     configs = ["off", "lookup"] + (["draft:stdlib@q4"] if args.self else [])
-    speculators = {
-        "off": None,
-        "lookup": Speculator.open(spec_opts, engine),
-    }
+    draft = None
     if args.self:
-        speculators["draft:stdlib@q4"] = Speculator.open(
-            SpeculateOptions("draft:stdlib@q4", draft_tokens=spec_opts.draft_tokens),
+        draft = Speculator.open(
+            SpeculateOptions("draft:stdlib@q4", draft_tokens=args.draft_tokens),
             engine,
             opened.store,
         )
-    prompts = {name: list(text.encode()) for name, text in PROMPTS.items()}
-    # rate[prompt][config] = tok/s per round; acc = (accepted, drafted, passes, tokens)
-    rate = {p: {c: [] for c in configs} for p in prompts}
-    acc = {p: {c: [0, 0, 0, 0] for c in configs} for p in prompts}
-    want: dict[str, list[int]] = {}
-    for name, ids in prompts.items():  # warm-up (caches, kernels) and the reference tokens
-        want[name], _ = generate_ids(engine, ids, args.tokens)
-    t_start = time.perf_counter()
-    for _ in range(args.rounds):
-        for name, ids in prompts.items():
-            for cfg in configs:
-                spec = speculators[cfg]
-                if spec is not None:
-                    spec.length = type(spec.length)(spec_opts.draft_tokens, spec_opts.adaptive)
-                out, st = generate_ids(engine, ids, args.tokens, speculate=spec)
-                if out != want[name]:
-                    raise SystemExit(f"{cfg} on {name!r}: tokens differ from non-speculative")
-                rate[name][cfg].append(st.decode_tokens_per_s)
-                a = acc[name][cfg]
-                a[0] += st.accepted
-                a[1] += st.drafted
-                a[2] += len(st.draft_steps) if st.draft_steps else st.decode_steps
-                a[3] += st.decode_steps
-    wall = time.perf_counter() - t_start
-    load1 = load()
-    for spec in speculators.values():
-        if spec is not None:
-            spec.close()
+
+    def make_spec(cfg, ref):
+        if cfg == "off":
+            return None
+        if cfg == "lookup":
+            return Speculator.open(lookup_opts, engine)
+        draft.length = DraftLength(args.draft_tokens)  # a fresh measurement per run
+        draft.steps.clear()
+        return draft
+
+    rate_a, acc_a = interleaved(engine, prompts, configs, args.tokens, args.rounds, make_spec)
+    engine.close()
+    if draft is not None:
+        draft.close()
+
+    # B: experts streamed through a partial cache, drafts at set acceptances.
+    code = {k: v for k, v in prompts.items() if k.startswith("code")}
+    engine = Engine(opened.consumer, cache_fraction=args.fraction, threads=args.threads)
+    vocab = engine.cfg.vocab_size
+    accs = (0.6, 0.8, 1.0)
+    configs_b = ["off"] + [f"replay a={a:.1f}" for a in accs]
+
+    def make_replay(cfg, ref):
+        if cfg == "off":
+            return None
+        a = float(cfg.split("=")[1])
+        return Speculator(Replay(ref, a, vocab), DraftLength(args.draft_tokens, adaptive=False))
+
+    rate_b, acc_b = interleaved(engine, code, configs_b, args.tokens, args.rounds, make_replay)
+    slots = engine.cache.n_slots
     engine.close()
     opened.close()
     tmp.cleanup()
+    wall = time.perf_counter() - t_start
+    load1 = load()
 
+    head = "| prompt | config | decode tok/s | vs off | acceptance | tokens per forward pass |"
     lines = [
         "# Speculative decoding on czyx-moe-stdlib",
         "",
@@ -213,24 +284,33 @@ def main(argv: list[str] | None = None) -> int:
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); {machine()}.",
         "",
         f"Greedy, {args.tokens} tokens per run, {args.rounds} rounds with the configurations "
-        f"interleaved, medians; load average {load0} before, {load1} after ({wall:.0f} s). "
-        f"Engine threads: {engine.threads}, every expert resident and warm. Draft length at "
-        f"most {spec_opts.draft_tokens}, adaptive. The tokens of every speculative run were "
-        "identical to the non-speculative run's (checked).",
+        f"interleaved, medians of decode tokens/s; load average {load0} before, {load1} after "
+        f"({wall:.0f} s in all). Engine kernel threads: {args.threads}. Draft length at most "
+        f"{args.draft_tokens}. The tokens of every speculative run were checked identical to "
+        "the non-speculative run's. Code prompts: code written for this benchmark (the model "
+        "was trained on CPython's standard library; see `bench/bench_speculate.py`).",
         "",
-        "| prompt | config | decode tok/s | vs off | acceptance | tokens per forward pass |",
+        "## Prompt lookup, every expert resident",
+        "",
+        "Adaptive draft length (`--speculate lookup`, the default adaptivity)."
+        + (" `draft:stdlib@q4`: the model's own q4-all version drafting." if args.self else ""),
+        "",
+        head,
         "| --- | --- | --- | --- | --- | --- |",
+        *rows(rate_a, acc_a, configs),
+        "",
+        f"## Experts streamed ({args.fraction:.0%} of them in {slots} slots), drafts at set "
+        "acceptances",
+        "",
+        "The drafts replay the non-speculative continuation, each token kept with the given "
+        "probability (else a wrong token; seeded), fixed length: what verifying in one "
+        "batched step saves at that acceptance (a drafter's real acceptance is in the table "
+        "above). Bytes: expert bytes read per decoded token.",
+        "",
+        head + " expert KiB per token |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *rows(rate_b, acc_b, configs_b, bytes_column=True),
     ]
-    for name in prompts:
-        base = statistics.median(rate[name]["off"])
-        for cfg in configs:
-            med = statistics.median(rate[name][cfg])
-            a = acc[name][cfg]
-            accept = f"{a[0] / a[1]:.2f} ({a[0]}/{a[1]})" if a[1] else "-"
-            per_pass = a[3] / a[2] if a[2] else 0.0
-            lines.append(
-                f"| {name} | {cfg} | {med:.1f} | {med / base:.2f}x | {accept} | {per_pass:.2f} |"
-            )
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)

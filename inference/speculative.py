@@ -197,7 +197,8 @@ class DraftLength:
     resident model whose step is its arithmetic. The length that maximises the
     ratio is chosen (0: decode without drafts, so unpredictable text is not
     slowed); at 0, one draft is tried every :data:`PROBE_EVERY` steps to measure
-    again. The first step is a plain one (it measures the plain step's time).
+    again (twice as rarely after each probe rejected, down to one in eight times
+    that). The first step is a plain one (it measures the plain step's time).
 
     ``measure=False`` keeps ``r`` at ``cost`` and ignores times: the lengths then
     follow the acceptances alone (a seeded sampled run is reproducible; with
@@ -221,9 +222,11 @@ class DraftLength:
         self.cost = cost
         self.measure = measure
         self.decay = decay
-        self._ok = prior * 2.0  # pseudo-counts: the prior acceptance over two observations
-        self._bad = (1.0 - prior) * 2.0
+        self._ok = prior  # pseudo-counts: the prior acceptance as one observation
+        self._bad = 1.0 - prior
         self._idle = 0
+        self._probe_every = PROBE_EVERY  # doubled by each failed probe (to 8x), reset on success
+        self._measured = False  # whether `cost` is a measurement yet
         self._plain: float | None = None  # seconds of a plain step (decaying mean)
 
     @property
@@ -250,7 +253,7 @@ class DraftLength:
         k = self.best()
         if k == 0:
             self._idle += 1
-            if self._idle >= PROBE_EVERY:
+            if self._idle >= self._probe_every:
                 self._idle = 0
                 return 1
         return k
@@ -266,12 +269,17 @@ class DraftLength:
         ``seconds`` (drafting and verification) where measured."""
         if drafted <= 0:
             return
+        if self.best() == 0:  # a probe: back off while they fail
+            fail = accepted == 0
+            self._probe_every = min(8 * PROBE_EVERY, 2 * self._probe_every) if fail else PROBE_EVERY
         d = self.decay**drafted
         self._ok = self._ok * d + accepted
         self._bad = self._bad * d + (1.0 if accepted < drafted else 0.0)
         if self.measure and seconds is not None and self._plain:
             r = max(0.0, (seconds / self._plain - 1.0) / drafted)
-            self.cost = 0.8 * self.cost + 0.2 * r
+            # The first measurement replaces the prior; then a decaying mean.
+            self.cost = 0.7 * self.cost + 0.3 * r if self._measured else r
+            self._measured = True
 
 
 @dataclass
