@@ -226,6 +226,7 @@ class DraftLength:
         self._bad = 1.0 - prior
         self._idle = 0
         self._probe_every = PROBE_EVERY  # doubled by each failed probe (to 8x), reset on success
+        self._probing = False  # whether the last length given was a probe
         self._measured = False  # whether `cost` is a measurement yet
         self._plain: float | None = None  # seconds of a plain step (decaying mean)
 
@@ -255,6 +256,7 @@ class DraftLength:
             self._idle += 1
             if self._idle >= self._probe_every:
                 self._idle = 0
+                self._probing = True
                 return 1
         return k
 
@@ -269,7 +271,8 @@ class DraftLength:
         ``seconds`` (drafting and verification) where measured."""
         if drafted <= 0:
             return
-        if self.best() == 0:  # a probe: back off while they fail
+        if self._probing:  # back off while probes fail
+            self._probing = False
             fail = accepted == 0
             self._probe_every = min(8 * PROBE_EVERY, 2 * self._probe_every) if fail else PROBE_EVERY
         d = self.decay**drafted

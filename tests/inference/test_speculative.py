@@ -77,6 +77,9 @@ def test_draft_length_follows_the_acceptance() -> None:
     assert dl.acceptance < 0.1 and dl.best() == 0
     ks = [dl.next() for _ in range(PROBE_EVERY)]
     assert ks == [0] * (PROBE_EVERY - 1) + [1]  # a probe after PROBE_EVERY idle steps
+    dl.update(1, 0)  # rejected: the next probe comes twice as late
+    ks = [dl.next() for _ in range(2 * PROBE_EVERY)]
+    assert ks == [0] * (2 * PROBE_EVERY - 1) + [1]
     assert DraftLength(3, adaptive=False).next() == 3
     with pytest.raises(ValueError):
         DraftLength(0)
