@@ -159,7 +159,7 @@ def forward_batch(
     kvs: Sequence[KVCache],
     allowed: Sequence[np.ndarray | None] | None = None,
     c_decode: bool = True,
-    all_logits: bool = False,
+    all_logits: bool | Sequence[bool] = False,
 ) -> list[np.ndarray]:
     """One forward step over several sequences together.
 
@@ -184,7 +184,8 @@ def forward_batch(
     all_logits
         Return every token's logits, not only the last one's (speculative
         decoding verifies a chunk of drafted tokens in one step: each token's
-        logits are those of the same step without it, the head is row-independent).
+        logits are those of the same step without it, the head is row-independent);
+        one flag for every sequence, or one per sequence.
 
     Returns
     -------
@@ -192,6 +193,12 @@ def forward_batch(
         Per sequence, the ``[V]`` float32 logits of its chunk's last token, or with
         ``all_logits`` the ``[T_s, V]`` logits of every token of its chunk.
     """
+    if isinstance(all_logits, bool):
+        every_row = [all_logits] * len(chunks)
+    else:
+        every_row = [bool(a) for a in all_logits]
+        if len(every_row) != len(chunks):
+            raise ValueError("forward_batch needs one all_logits flag per chunk")
     cfg = model.cfg
     if len(chunks) != len(kvs) or not chunks:
         raise ValueError("forward_batch needs one KV cache per chunk, and at least one chunk")
@@ -213,10 +220,12 @@ def forward_batch(
         ]
     if not fast:
         with model.kernel_threads():  # a prompt's quantized products on the engine's threads
-            return _forward_rows(model, ids, kvs, allowed, all_logits=all_logits)
+            return _forward_rows(model, ids, kvs, allowed, all_logits=every_row)
     model.experts.advance(int(every.size))
     out: list[np.ndarray | None] = [None] * len(ids)
-    got = _forward_c(model, [ids[s] for s in fast], [kvs[s] for s in fast], all_logits)
+    got = _forward_c(
+        model, [ids[s] for s in fast], [kvs[s] for s in fast], [every_row[s] for s in fast]
+    )
     for s, lg in zip(fast, got, strict=True):
         out[s] = lg
     rest = [s for s in range(len(ids)) if out[s] is None]
@@ -224,7 +233,12 @@ def forward_batch(
         sub = None if allowed is None else [allowed[s] for s in rest]
         with model.kernel_threads():
             got = _forward_rows(
-                model, [ids[s] for s in rest], [kvs[s] for s in rest], sub, False, all_logits
+                model,
+                [ids[s] for s in rest],
+                [kvs[s] for s in rest],
+                sub,
+                False,
+                [every_row[s] for s in rest],
             )
         for s, lg in zip(rest, got, strict=True):
             out[s] = lg
@@ -257,7 +271,7 @@ def _base_finish_logits():
 
 
 def _forward_c(
-    model, chunks: list[np.ndarray], kvs: Sequence[KVCache], all_logits: bool = False
+    model, chunks: list[np.ndarray], kvs: Sequence[KVCache], all_logits: Sequence[bool] = ()
 ) -> list[np.ndarray]:
     """Chunks of tokens (a decode token, or a prompt chunk, per sequence) through the
     engine's C kernels, all at once.
@@ -279,11 +293,11 @@ def _forward_c(
     one-input result), so the arithmetic per token is
     :meth:`MoEDecoder._forward_one`'s: the logits and the KV written are the
     engine's decode, bit for bit, whatever the batch, the chunking of a prompt
-    and the thread count. ``all_logits``: every row's logits, per chunk ``[T, V]``.
+    and the thread count. ``all_logits[q]``: every row's logits for chunk ``q``, ``[T, V]``.
     """
     if model._length_rope:  # (decode tokens only: forward_batch sends chunks elsewhere)
         got = _forward_c_each(model, [int(c[0]) for c in chunks], kvs)
-        return [g[None] for g in got] if all_logits else got
+        return [g[None] if a else g for g, a in zip(got, all_logits or [False] * len(got))]
     cfg = model.cfg
     kern = model.kernels()
     lens = [int(c.size) for c in chunks]
@@ -335,13 +349,17 @@ def _forward_c(
                 cache.release()
     for kv, s, t in zip(kvs, starts, lens, strict=True):
         kv.length = s + t
-    if all_logits:  # every row, each chunk's rows together in token order
-        order = np.concatenate(rows)
-        bt.h[:n] = bt.h[order]
-        logits = kern.head_batch(model.final_norm, model.lm_head, cfg.rms_eps, n).copy()
+    if any(all_logits):  # every row of those chunks, the last of the others, in order
+        picks = [r if a else r[-1:] for r, a in zip(rows, all_logits, strict=True)]
+        order = np.concatenate(picks)
+        bt.h[: order.size] = bt.h[order]
+        logits = kern.head_batch(model.final_norm, model.lm_head, cfg.rms_eps, order.size).copy()
         kern.pool.park()
-        ends = np.cumsum([0, *lens])
-        return [model.finish_logits(logits[a:b]) for a, b in itertools.pairwise(ends)]
+        ends = np.cumsum([0, *(p.size for p in picks)])
+        return [
+            model.finish_logits(logits[a:b] if every else logits[a])
+            for a, b, every in zip(ends[:-1], ends[1:], all_logits, strict=True)
+        ]
     if last is not None:  # each chunk's last row into rows 0 .. len(chunks), for the head
         bt.h[: len(chunks)] = bt.h[last]
     logits = kern.head_batch(model.final_norm, model.lm_head, cfg.rms_eps, len(chunks)).copy()
@@ -511,7 +529,7 @@ def _forward_rows(
     kvs: Sequence[KVCache],
     allowed: Sequence[np.ndarray | None] | None,
     advance: bool = True,
-    all_logits: bool = False,
+    all_logits: Sequence[bool] = (),
 ) -> list[np.ndarray]:
     """The numpy step over ``ids`` (row-independent products in :data:`BLOCK` columns);
     the last token's logits per sequence, or with ``all_logits`` every token's."""
@@ -563,10 +581,17 @@ def _forward_rows(
         h = h + model.mlp_out(routed)
     for kv, s, n in zip(kvs, starts, lens, strict=True):
         kv.length = s + n
-    if all_logits:
-        hn = rms_norm(h, model.final_norm, cfg.rms_eps)
+    if any(all_logits):  # every row of those sequences, the last of the others
+        picks = [
+            np.arange(offs[j], offs[j + 1]) if all_logits[j] else np.array([offs[j + 1] - 1])
+            for j in range(len(ids))
+        ]
+        hn = rms_norm(h[np.concatenate(picks)], model.final_norm, cfg.rms_eps)
         out = model.finish_logits(linear_rows(hn, model.lm_head))
-        return [out[offs[j] : offs[j + 1]] for j in range(len(ids))]
+        ends = np.cumsum([0, *(p.size for p in picks)])
+        return [
+            out[ends[j] : ends[j + 1]] if all_logits[j] else out[ends[j]] for j in range(len(ids))
+        ]
     last = h[offs[1:] - 1]
     hn = rms_norm(last, model.final_norm, cfg.rms_eps)
     out = model.finish_logits(linear_rows(hn, model.lm_head))

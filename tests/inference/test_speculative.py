@@ -292,8 +292,13 @@ def test_verify_rows_are_one_token_decodes(bundled) -> None:
     kv_a, kv_b = model.new_kv(), model.new_kv()
     forward_batch(model, [np.array(prompt)], [kv_a])
     forward_batch(model, [np.array([5, 6])], [kv_b])
-    got = forward_batch(model, [np.array(chunk), np.array([7])], [kv_a, kv_b], all_logits=True)
-    assert np.array_equal(got[0], rows) and got[1].shape == (1, eng.cfg.vocab_size)
+    kv_c = model.new_kv()
+    forward_batch(model, [np.array([5, 6])], [kv_c])
+    last = forward_batch(model, [np.array([7])], [kv_c])[0]
+    got = forward_batch(
+        model, [np.array(chunk), np.array([7])], [kv_a, kv_b], all_logits=[True, False]
+    )
+    assert np.array_equal(got[0], rows) and np.array_equal(got[1], last)
 
 
 def test_czyx_run_speculates_with_the_same_text(tmp_path, monkeypatch, capsys) -> None:
