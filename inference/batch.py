@@ -73,7 +73,9 @@ from czyx.inference.models.base import (
     swiglu_columns,
     swiglu_fused,
 )
+from czyx.inference.options import SPECULATE_OFF, SpeculateOptions
 from czyx.inference.sampling import Sampler, SamplingParams
+from czyx.inference.speculative import DraftLength, PromptLookup, Speculator
 
 _log = logging.getLogger("czyx.inference.batch")
 
@@ -751,6 +753,11 @@ class BatchOptions:
         every chunk (the batched path before it, kept for comparison; results
         then differ from the engine's decode by rounding, still independent of
         the batch).
+    speculate
+        Speculative decoding of a request that asks nothing else (``czyx serve
+        --speculate``): ``off`` or ``lookup`` (prompt lookup; a draft version is
+        not served). A decoding sequence's drafts ride in the step as extra rows
+        of its chunk, verified together with every other sequence's work.
     """
 
     max_batch: int = 16
@@ -760,8 +767,10 @@ class BatchOptions:
     kv_bytes: int | None = None
     prefix_cache_bytes: int = 0
     c_decode: bool = True
+    speculate: SpeculateOptions = SPECULATE_OFF
 
     def __post_init__(self) -> None:
+        _served_speculation(self.speculate)
         if self.max_batch < 1:
             raise ValueError(f"max_batch {self.max_batch} must be at least 1")
         if self.max_queue < 0:
@@ -774,6 +783,15 @@ class BatchOptions:
             raise ValueError(f"kv budget {self.kv_bytes} B must be positive")
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"prefix cache {self.prefix_cache_bytes} B is negative")
+
+
+def _served_speculation(options: SpeculateOptions) -> None:
+    """Refuse what the scheduler cannot speculate with (a draft version)."""
+    if options.draft_ref is not None:
+        raise ValueError(
+            f"speculate: {options.mode} is not served (the server drafts by prompt lookup: "
+            "off or lookup)"
+        )
 
 
 @dataclass(frozen=True)
@@ -884,6 +902,9 @@ class _Seq:
     closing: str | None = None  # keep_state: the end reason, once the last token is fed
     reused: int = 0  # prompt positions taken from the prefix cache
     allowed: np.ndarray | None = None  # bool [n_layers, n_experts] a scoped portal permits
+    spec: Speculator | None = None  # speculative decoding (prompt lookup), or None
+    text: list[int] = field(default_factory=list)  # with spec: every token so far
+    drafts: list[int] = field(default_factory=list)  # this step's drafted tokens
 
 
 @dataclass(frozen=True)
@@ -904,6 +925,8 @@ class SchedulerStats:
     prefix_tokens: int = 0  # prompt positions reused instead of computed
     prefix_entries: int = 0
     prefix_bytes: int = 0
+    drafted: int = 0  # tokens drafted (speculative decoding)
+    accepted: int = 0  # drafted tokens accepted
 
 
 class Scheduler:
@@ -959,6 +982,7 @@ class Scheduler:
         )
         self._prefix_bytes = 0
         self._prefix_hits = self._prefix_tokens = 0
+        self._drafted = self._accepted = 0
         self.on_wake = on_wake
         self._thread: threading.Thread | None = None
         if not driven:
@@ -977,6 +1001,7 @@ class Scheduler:
         history: tuple[Sequence[int], KVCache] | None = None,
         keep_state: bool = False,
         allowed: np.ndarray | None = None,
+        speculate: SpeculateOptions | None = None,
     ) -> Handle:
         """Queue a request; its events follow on the returned :class:`Handle`.
 
@@ -986,6 +1011,10 @@ class Scheduler:
         more step), so :class:`Done` carries a complete :class:`FinalState` to save.
         ``allowed``: ``bool [n_layers, n_experts]``, the experts this request may
         route to (a scoped portal); each sparse layer must keep at least top-k.
+        ``speculate``: this request's speculative decoding (None: the options'
+        default); greedy tokens are unchanged, sampled ones keep their
+        distribution. Not with ``keep_state``, nor on a model whose rope depends
+        on the length reached (those decode without drafts).
 
         Raises
         ------
@@ -1027,6 +1056,13 @@ class Scheduler:
                     f"history of {h_ids.size} tokens with a KV cache of {history[1].length}"
                 )
             hist = (h_ids, history[1])
+        spec_opts = self.options.speculate if speculate is None else speculate
+        _served_speculation(spec_opts)
+        spec = None
+        if spec_opts.enabled and not keep_state and not self.model._length_rope:
+            # Step times are shared by the batch: the draft length follows acceptance only.
+            length = DraftLength(spec_opts.draft_tokens, spec_opts.adaptive, measure=False)
+            spec = Speculator(PromptLookup(spec_opts.ngram), length)
         restored = 0 if hist is None else int(hist[0].size)
         need = (restored + int(ids.size) + int(max_tokens) + 1) * self.kv_bytes_per_token
         budget = self.options.kv_bytes
@@ -1047,6 +1083,9 @@ class Scheduler:
             seq.history = hist
             seq.keep_state = bool(keep_state)
             seq.allowed = allowed
+            if spec is not None:
+                seq.spec = spec
+                seq.text = [*([] if hist is None else hist[0].tolist()), *ids.tolist()]
             self._waiting.append(seq)
             self._lock.notify_all()
         if self.on_wake is not None:
@@ -1071,6 +1110,8 @@ class Scheduler:
                 prefix_tokens=self._prefix_tokens,
                 prefix_entries=len(self._prefixes),
                 prefix_bytes=self._prefix_bytes,
+                drafted=self._drafted,
+                accepted=self._accepted,
             )
 
     def close(self, timeout: float = 30.0) -> None:
@@ -1231,8 +1272,13 @@ class Scheduler:
         budget = self.options.step_tokens
         for seq in self._active:
             if seq.fed == seq.prompt.size and seq.generated:
-                work.append((seq, np.array(seq.generated[-1:], np.int64)))
-                budget -= 1
+                seq.drafts = []
+                if seq.spec is not None and seq.closing is None:
+                    k = min(seq.spec.length.next(), seq.max_tokens - len(seq.generated) - 1)
+                    if k > 0:
+                        seq.drafts = seq.spec.drafter.propose(seq.text, k)[:k]
+                work.append((seq, np.array([seq.generated[-1], *seq.drafts], np.int64)))
+                budget -= 1 + len(seq.drafts)
         for seq in self._active:
             if seq.fed < seq.prompt.size:
                 chunk = seq.prompt[seq.fed : seq.fed + self.options.prefill_chunk]
@@ -1281,12 +1327,14 @@ class Scheduler:
     def _step_work(self, work: list[tuple[_Seq, np.ndarray]]) -> None:
         t0 = time.perf_counter()
         allowed = [s.allowed for s, _ in work]
+        verify = [bool(s.drafts) and s.fed == s.prompt.size for s, _ in work]
         logits = forward_batch(
             self.model,
             [c for _, c in work],
             [s.kv for s, _ in work],
             allowed if any(a is not None for a in allowed) else None,
             self.options.c_decode,
+            verify if any(verify) else False,
         )
         now = time.perf_counter()
         n_tokens = sum(int(c.size) for _, c in work)
@@ -1305,6 +1353,9 @@ class Scheduler:
                     self._finish(seq, seq.closing, final=final)
                     continue
                 decoding = seq.fed == seq.prompt.size
+                if decoding and seq.drafts:
+                    self._verify(seq, chunk, lg, now)
+                    continue
                 if decoding:
                     self._decode_tokens += 1
                 else:
@@ -1319,12 +1370,58 @@ class Scheduler:
                     self._active.remove(seq)
                     self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
                     continue
-                seq.generated.append(tok)
-                self._generated += 1
-                seq.handle._emit(Token(tok, len(seq.generated) - 1, now))
-                if tok in seq.eos:
-                    self._end(seq, "stop")
-                elif len(seq.generated) >= seq.max_tokens:
-                    self._end(seq, "length")
+                if seq.spec is not None and decoding:
+                    seq.spec.steps.append((0, 0))
+                self._emit_token(seq, tok, now)
         if self.on_step is not None:
             self.on_step(len(work), n_tokens, now - t0)
+
+    def _emit_token(self, seq: _Seq, tok: int, now: float) -> bool:
+        """Under the lock: ``seq`` chose ``tok``; True when that ended it."""
+        seq.generated.append(tok)
+        if seq.spec is not None:
+            seq.text.append(tok)
+        self._generated += 1
+        seq.handle._emit(Token(tok, len(seq.generated) - 1, now))
+        if tok in seq.eos:
+            self._end(seq, "stop")
+            return True
+        if len(seq.generated) >= seq.max_tokens:
+            self._end(seq, "length")
+            return True
+        return False
+
+    def _verify(self, seq: _Seq, chunk: np.ndarray, rows: np.ndarray, now: float) -> None:
+        """Under the lock: a decoding sequence's pending token and drafts were stepped;
+        ``rows`` are their logits. The tokens are chosen as
+        :func:`~czyx.inference.speculative.speculative_decode` chooses them (each
+        draft by :meth:`Sampler.verify` until one is rejected, then the last row's
+        token when none was), and the KV of the rejected drafts is cut back."""
+        drafts, seq.drafts = seq.drafts, []
+        keep = seq.kv.length - int(chunk.size) + 1  # the pending token's position, kept
+        accepted, ended = 0, False
+        try:
+            for i, d in enumerate(drafts):
+                tok, ok = seq.sampler.verify(rows[i], d)
+                self._decode_tokens += 1
+                ended = self._emit_token(seq, tok, now)
+                if not ok or ended:
+                    accepted += ok
+                    break
+                accepted += 1
+                keep += 1
+            else:
+                tok = seq.sampler(rows[len(drafts)])  # every draft accepted: one more
+                self._decode_tokens += 1
+                ended = self._emit_token(seq, tok, now)
+        except Exception as exc:  # fail closed: this sequence alone ends, with the error
+            if seq in self._active:
+                self._active.remove(seq)
+                self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            return
+        self._drafted += len(drafts)
+        self._accepted += accepted
+        seq.spec.length.update(len(drafts), accepted)
+        seq.spec.steps.append((len(drafts), accepted))
+        if not ended and seq.kv is not None and seq.kv.length > keep:
+            seq.kv.truncate(keep)

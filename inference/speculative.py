@@ -34,15 +34,17 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
-from czyx.inference.engine import Engine
 from czyx.inference.errors import InferenceError
 from czyx.inference.options import SpeculateOptions
 from czyx.inference.sampling import Sampler
 from czyx.store.interfaces import StoreInterface
+
+if TYPE_CHECKING:
+    from czyx.inference.engine import Engine
 
 #: The relative cost of one more verified row beside a plain decode step before any
 #: is measured (:class:`DraftLength` measures it as it goes).
@@ -325,6 +327,7 @@ class Speculator:
             return cls(PromptLookup(options.ngram), length)
         if store is None:
             raise SpeculationError(f"draft model {ref}: no store to open it from")
+        from czyx.inference.engine import Engine
         from czyx.portals import open_consumer
 
         consumer = open_consumer(store, token or None, ref, direct=True)

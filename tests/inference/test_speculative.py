@@ -334,3 +334,49 @@ def test_czyx_run_speculates_with_the_same_text(tmp_path, monkeypatch, capsys) -
     capsys.readouterr()
     assert main(["run", "s@1", "--prompt", prompt, "--speculate", "sometimes"]) != 0
     assert "speculate: 'sometimes' is not one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("c_decode", [True, False])
+def test_served_drafts_ride_in_the_batch_and_change_no_token(bundled, c_decode) -> None:
+    """The scheduler with prompt lookup as its default: eight requests at once give the
+    tokens each gives without speculation (greedy), drafts verified in shared steps; a
+    request may turn it off; a draft version is refused."""
+    from czyx.inference.batch import BatchOptions, Scheduler
+
+    _, eng = bundled
+    prompts = [
+        b"def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+        b"import os\nimport sys\nimport ",
+        b"self.x = x\n        self.y = y\n        self.",
+        b"for i in range(10):\n    for j in range(",
+        b"if x:\n    pass\nif y:\n    pass\nif ",
+        b"# Copyright",
+        b"raise ValueError(",
+        b"class A:\n    pass\n\n\nclass B:\n",
+    ]
+    n = 24 if c_decode else 12  # (the numpy step is slower: fewer tokens)
+    base = BatchOptions(max_batch=8, prefill_chunk=8, step_tokens=64, c_decode=c_decode)
+    spec = SpeculateOptions("lookup", draft_tokens=3, adaptive=False)
+    plain = Scheduler(eng.model, base)
+    try:
+        want = [plain.submit(list(p), n).result(timeout=60)[0] for p in prompts]
+    finally:
+        plain.close()
+    from dataclasses import replace
+
+    sched = Scheduler(eng.model, replace(base, speculate=spec))
+    try:
+        handles = [sched.submit(list(p), n) for p in prompts]
+        got = [h.result(timeout=120)[0] for h in handles]
+        st = sched.stats()
+        off = sched.submit(list(prompts[0]), n, speculate=SpeculateOptions()).result(60)[0]
+        assert sched.stats().drafted == st.drafted  # that request drafted nothing
+        with pytest.raises(ValueError, match="not served"):
+            sched.submit(list(prompts[0]), 4, speculate=SpeculateOptions("draft:m@q2"))
+    finally:
+        sched.close()
+    assert got == want and off == want[0]
+    assert 0 < st.accepted < st.drafted
+    assert st.active == 0 and st.kv_used == 0
+    with pytest.raises(ValueError, match="not served"):
+        BatchOptions(speculate=SpeculateOptions("draft:m@q2"))
