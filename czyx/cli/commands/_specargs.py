@@ -8,16 +8,22 @@ import argparse
 from czyx.inference.options import SPECULATE_OFF, SpeculateOptions
 
 
-def add_speculate_args(p: argparse.ArgumentParser) -> None:
-    """``--speculate``, ``--draft-tokens``, ``--fixed-draft`` and ``--draft-cache-mb``."""
-    p.add_argument(
-        "--speculate",
-        metavar="MODE",
-        default=SPECULATE_OFF.mode,
-        help="speculative decoding: off (default), lookup (drafts from the prompt and the "
-        "text so far) or draft:NAME@VER (a version of the same store, e.g. a low-bit copy "
-        "of the model); greedy output is unchanged, sampled output keeps its distribution",
-    )
+def add_speculate_args(p: argparse.ArgumentParser, served: bool = False) -> None:
+    """``--speculate``, ``--draft-tokens``, ``--fixed-draft`` and ``--draft-cache-mb``;
+    ``served``: the server's default (prompt lookup or off: ``czyx serve``, ``czyx chat``)."""
+    if served:
+        what = (
+            "speculative decoding of a request that names none (its 'speculate' field): off "
+            "(default) or lookup (drafts from the prompt and the text so far, verified in the "
+            "batch's steps); greedy output is unchanged, sampled output keeps its distribution"
+        )
+    else:
+        what = (
+            "speculative decoding: off (default), lookup (drafts from the prompt and the text "
+            "so far) or draft:NAME@VER (a version of the same store, e.g. a low-bit copy of "
+            "the model); greedy output is unchanged, sampled output keeps its distribution"
+        )
+    p.add_argument("--speculate", metavar="MODE", default=SPECULATE_OFF.mode, help=what)
     p.add_argument(
         "--draft-tokens",
         type=int,
@@ -31,6 +37,8 @@ def add_speculate_args(p: argparse.ArgumentParser) -> None:
         help="always draft --draft-tokens (default: fewer, down to none, as the measured "
         "acceptance falls)",
     )
+    if served:
+        return
     p.add_argument(
         "--draft-cache-mb",
         type=float,
@@ -46,5 +54,5 @@ def speculate_options(args: argparse.Namespace) -> SpeculateOptions:
         mode=args.speculate,
         draft_tokens=args.draft_tokens,
         adaptive=not args.fixed_draft,
-        draft_cache_mb=args.draft_cache_mb,
+        draft_cache_mb=getattr(args, "draft_cache_mb", None),
     )
