@@ -380,3 +380,28 @@ def test_served_drafts_ride_in_the_batch_and_change_no_token(bundled, c_decode) 
     assert st.active == 0 and st.kv_used == 0
     with pytest.raises(ValueError, match="not served"):
         BatchOptions(speculate=SpeculateOptions("draft:m@q2"))
+
+
+def test_scoped_windowed_and_streamed_engines_speculate_unchanged(tmp_path) -> None:
+    """A scoped portal's routing restriction (numpy verification with its mask), a trunk
+    window and a partial expert cache: greedy tokens as without drafts."""
+    from czyx.inference.assets import bundled_model_dir
+    from czyx.portals.model import grant_model
+
+    with Store.open(tmp_path / "s") as st:
+        mount(st, bundled_model_dir(), "m@1")
+        scoped = grant_model(st, "m@1", tenant="a", classes="0-7").token
+    prompt = list(b"def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")
+    for kw, token, lazy in (
+        ({}, scoped, False),
+        ({"trunk_window": 1}, None, True),
+        ({"cache_fraction": 0.3}, None, False),
+    ):
+        with OpenedModel(str(tmp_path / "s"), "m@1", token, lazy_trunk=lazy) as om:
+            eng = Engine(om.consumer, threads=1, **kw)
+            assert (eng.route_restriction is not None) == (token is not None)
+            want, _ = generate_ids(eng, prompt, 32)
+            got, st = generate_ids(eng, prompt, 32, speculate=_spec(PromptLookup(), 4))
+            assert got == want, kw
+            assert st.drafted > st.accepted > 0
+            eng.close()
