@@ -12,7 +12,7 @@ Writes ``bench/SPECULATE.md``.
 
 Usage::
 
-    python bench/bench_speculate.py                 # 96 tokens x 5 rounds (~1-2 min)
+    python bench/bench_speculate.py                 # 96 tokens x 3 rounds (~2-3 min)
     python bench/bench_speculate.py --self          # also the q4 version as the draft
 """
 
@@ -312,8 +312,8 @@ def wide_rounds(args, scratch: Path):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per run")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds (configurations interleaved)")
+    ap.add_argument("--tokens", type=int, default=96, help="tokens generated per run")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds (configurations interleaved)")
     ap.add_argument("--draft-tokens", type=int, default=4, help="draft length at most")
     ap.add_argument("--threads", type=int, default=1, help="engine kernel threads")
     ap.add_argument("--fraction", type=float, default=0.5, help="streamed: expert cache share")

@@ -1274,7 +1274,8 @@ class Scheduler:
             if seq.fed == seq.prompt.size and seq.generated:
                 seq.drafts = []
                 if seq.spec is not None and seq.closing is None:
-                    k = min(seq.spec.length.next(), seq.max_tokens - len(seq.generated) - 1)
+                    room = min(seq.max_tokens - len(seq.generated), budget) - 1
+                    k = min(seq.spec.length.next(), room)
                     if k > 0:
                         seq.drafts = seq.spec.drafter.propose(seq.text, k)[:k]
                 work.append((seq, np.array([seq.generated[-1], *seq.drafts], np.int64)))
@@ -1398,6 +1399,8 @@ class Scheduler:
         draft by :meth:`Sampler.verify` until one is rejected, then the last row's
         token when none was), and the KV of the rejected drafts is cut back."""
         drafts, seq.drafts = seq.drafts, []
+        if seq.handle.cancelled:
+            return  # reaped before the next step
         keep = seq.kv.length - int(chunk.size) + 1  # the pending token's position, kept
         accepted, ended = 0, False
         try:
