@@ -976,6 +976,13 @@ class _Job:
                 post(ch, ev)
 
         session = self.session
+        extra = {}
+        spec = self.req.speculate
+        if spec is not None:
+            if isinstance(self.served.scheduler, Scheduler):
+                extra["speculate"] = spec
+            elif spec.enabled:  # (a version placed over Ray steps without drafts)
+                raise _bad(f"speculate: {self.served.ref} is not served locally", "speculate")
         try:
             self.handle = self.served.scheduler.submit(
                 self.ids,
@@ -986,7 +993,7 @@ class _Job:
                 history=None if session is None else session.history,
                 keep_state=session is not None,
                 allowed=self.allowed,
-                **({} if self.req.speculate is None else {"speculate": self.req.speculate}),
+                **extra,
             )
         except QueueFull as exc:
             raise ApiError(

@@ -195,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "ray", None):
         from czyx.cli.commands._ray_run import run_ray
 
+        if speculate_options(args).enabled:
+            raise ValueError("--speculate: not with --ray (the cluster decodes without drafts)")
+
         return run_ray(args)
     sampling = SamplingParams(
         args.temperature,

@@ -111,6 +111,8 @@ def serve_options(args: argparse.Namespace):
         speculate=speculate_options(args),
     )
     scheduler = None
+    if getattr(args, "ray", None) and batch.speculate.enabled:
+        raise ValueError("--speculate: not with --ray (the cluster steps without drafts)")
     if getattr(args, "ray", None):  # each version placed over the Ray cluster
         from czyx.cli.commands._ray_run import scheduler_factory
 
