@@ -334,6 +334,8 @@ def test_czyx_run_speculates_with_the_same_text(tmp_path, monkeypatch, capsys) -
     capsys.readouterr()
     assert main(["run", "s@1", "--prompt", prompt, "--speculate", "sometimes"]) != 0
     assert "speculate: 'sometimes' is not one of" in capsys.readouterr().err
+    assert main(["run", "s@1", "--prompt", prompt, "--speculate", "lookup", "--ray", "x"]) != 0
+    assert "--speculate: not with --ray" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("c_decode", [True, False])
