@@ -30,7 +30,9 @@ accepted: exact, without the batching.
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +51,9 @@ if TYPE_CHECKING:
 #: The relative cost of one more verified row beside a plain decode step before any
 #: is measured (:class:`DraftLength` measures it as it goes).
 VERIFY_COST = 0.25
+
+#: Recent step times whose medians :class:`DraftLength` weighs.
+WINDOW = 9
 
 #: Steps without drafts (the adaptive length at 0) before one draft is tried again,
 #: so a text that becomes predictable is noticed.
@@ -193,8 +198,9 @@ class DraftLength:
     predecessors were (an exponentially decaying count of successes and first
     failures: the geometric model's estimate). A step of ``k`` drafts then yields
     ``(1 - a^(k+1)) / (1 - a)`` tokens for ``1 + r * k`` of a plain decode step's
-    time, ``r`` being the measured cost of one more verified row (drafting
-    included) relative to a plain step: small where a step is dominated by reading
+    time, ``r`` being the measured cost of one more verified row relative to a
+    plain step (medians of the last :data:`WINDOW` plain steps
+    and verification steps): small where a step is dominated by reading
     weights (each routed expert read once for every row), near 1 on a small
     resident model whose step is its arithmetic. The length that maximises the
     ratio is chosen (0: decode without drafts, so unpredictable text is not
@@ -229,8 +235,10 @@ class DraftLength:
         self._idle = 0
         self._probe_every = PROBE_EVERY  # doubled by each failed probe (to 8x), reset on success
         self._probing = False  # whether the last length given was a probe
-        self._measured = False  # whether `cost` is a measurement yet
-        self._plain: float | None = None  # seconds of a plain step (decaying mean)
+        # Recent plain-step seconds and row-cost observations: their medians, so one step
+        # slowed by another process (a shared machine) does not swing the length.
+        self._plains: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._rows: collections.deque[float] = collections.deque(maxlen=WINDOW)
 
     @property
     def acceptance(self) -> float:
@@ -251,7 +259,7 @@ class DraftLength:
         """This step's draft length."""
         if not self.adaptive:
             return self.most
-        if self.measure and self._plain is None:
+        if self.measure and not self._plains:
             return 0  # a plain step first: its time is the unit
         k = self.best()
         if k == 0:
@@ -265,12 +273,11 @@ class DraftLength:
     def plain(self, seconds: float) -> None:
         """Count a plain (draftless) step's time."""
         if self.measure and seconds > 0:
-            p = self._plain
-            self._plain = seconds if p is None else 0.8 * p + 0.2 * seconds
+            self._plains.append(seconds)
 
     def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         """Count a step's outcome: ``accepted`` of ``drafted`` (a prefix) accepted, in
-        ``seconds`` (drafting and verification) where measured."""
+        ``seconds`` (its forward pass and choices) where measured."""
         if drafted <= 0:
             return
         if self._probing:  # back off while probes fail
@@ -280,11 +287,10 @@ class DraftLength:
         d = self.decay**drafted
         self._ok = self._ok * d + accepted
         self._bad = self._bad * d + (1.0 if accepted < drafted else 0.0)
-        if self.measure and seconds is not None and self._plain:
-            r = max(0.0, (seconds / self._plain - 1.0) / drafted)
-            # The first measurement replaces the prior; then a decaying mean.
-            self.cost = 0.7 * self.cost + 0.3 * r if self._measured else r
-            self._measured = True
+        if self.measure and seconds is not None and self._plains:
+            plain = statistics.median(self._plains)
+            self._rows.append(max(0.0, (seconds / plain - 1.0) / drafted))
+            self.cost = statistics.median(self._rows)  # (the first replaces the prior)
 
 
 @dataclass
@@ -399,9 +405,11 @@ def speculative_decode(
     batched = engine.verifies_in_one_step
     clock = time.perf_counter
     while True:
-        t0 = clock()
         k = min(spec.length.next(), max_tokens - len(out) - 1)
         drafts = spec.drafter.propose(history, k)[:k] if k > 0 else []
+        # Timed from here: the step's forward pass and choices. (Drafting is not timed:
+        # prompt lookup's first call indexes the whole prompt, a one-time cost.)
+        t0 = clock()
         if not drafts:
             logits = engine.decode(pending)
             spec.length.plain(clock() - t0)
