@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 #: is measured (:class:`DraftLength` measures it as it goes).
 VERIFY_COST = 0.25
 
-#: Recent step times whose medians :class:`DraftLength` weighs.
+#: Recent step times :class:`DraftLength` weighs.
 WINDOW = 9
 
 #: Steps without drafts (the adaptive length at 0) before one draft is tried again,
@@ -199,8 +199,8 @@ class DraftLength:
     failures: the geometric model's estimate). A step of ``k`` drafts then yields
     ``(1 - a^(k+1)) / (1 - a)`` tokens for ``1 + r * k`` of a plain decode step's
     time, ``r`` being the measured cost of one more verified row relative to a
-    plain step (medians of the last :data:`WINDOW` plain steps
-    and verification steps): small where a step is dominated by reading
+    plain step (the quickest of the last :data:`WINDOW` plain steps, the median of
+    the last verification steps' costs): small where a step is dominated by reading
     weights (each routed expert read once for every row), near 1 on a small
     resident model whose step is its arithmetic. The length that maximises the
     ratio is chosen (0: decode without drafts, so unpredictable text is not
@@ -235,8 +235,8 @@ class DraftLength:
         self._idle = 0
         self._probe_every = PROBE_EVERY  # doubled by each failed probe (to 8x), reset on success
         self._probing = False  # whether the last length given was a probe
-        # Recent plain-step seconds and row-cost observations: their medians, so one step
-        # slowed by another process (a shared machine) does not swing the length.
+        # Recent plain-step seconds and row-cost observations (their minimum and median):
+        # one step slowed by another process (a shared machine) does not swing the length.
         self._plains: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self._rows: collections.deque[float] = collections.deque(maxlen=WINDOW)
 
@@ -288,7 +288,9 @@ class DraftLength:
         self._ok = self._ok * d + accepted
         self._bad = self._bad * d + (1.0 if accepted < drafted else 0.0)
         if self.measure and seconds is not None and self._plains:
-            plain = statistics.median(self._plains)
+            # The quickest recent plain step: a plain step slowed by another process would
+            # make rows look cheap, and drafts that do not pay are what must not happen.
+            plain = min(self._plains)
             self._rows.append(max(0.0, (seconds / plain - 1.0) / drafted))
             self.cost = statistics.median(self._rows)  # (the first replaces the prior)
 
