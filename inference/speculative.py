@@ -55,6 +55,11 @@ VERIFY_COST = 0.25
 #: Recent step times :class:`DraftLength` weighs.
 WINDOW = 9
 
+#: Plain steps timed before the first draft, and the drafting steps between two plain
+#: ones that keep the plain step's time current.
+PLAIN_FIRST = 3
+REMEASURE_EVERY = 16
+
 #: Steps without drafts (the adaptive length at 0) before one draft is tried again,
 #: so a text that becomes predictable is noticed.
 PROBE_EVERY = 16
@@ -206,7 +211,9 @@ class DraftLength:
     ratio is chosen (0: decode without drafts, so unpredictable text is not
     slowed); at 0, one draft is tried every :data:`PROBE_EVERY` steps to measure
     again (twice as rarely after each probe rejected, down to one in eight times
-    that). The first step is a plain one (it measures the plain step's time).
+    that). The first :data:`PLAIN_FIRST` steps are plain ones (they measure the
+    plain step's time), and so is every :data:`REMEASURE_EVERY`-th step that would
+    draft.
 
     ``measure=False`` keeps ``r`` at ``cost`` and ignores times: the lengths then
     follow the acceptances alone (a seeded sampled run is reproducible; with
@@ -235,6 +242,7 @@ class DraftLength:
         self._idle = 0
         self._probe_every = PROBE_EVERY  # doubled by each failed probe (to 8x), reset on success
         self._probing = False  # whether the last length given was a probe
+        self._drafting = 0  # steps given drafts (every REMEASURE_EVERY-th is plain instead)
         # Recent plain-step seconds and row-cost observations (their minimum and median):
         # one step slowed by another process (a shared machine) does not swing the length.
         self._plains: collections.deque[float] = collections.deque(maxlen=WINDOW)
@@ -259,9 +267,13 @@ class DraftLength:
         """This step's draft length."""
         if not self.adaptive:
             return self.most
-        if self.measure and not self._plains:
-            return 0  # a plain step first: its time is the unit
+        if self.measure and len(self._plains) < PLAIN_FIRST:
+            return 0  # plain steps first: their time is the unit
         k = self.best()
+        if k > 0 and self.measure:
+            self._drafting += 1
+            if self._drafting % REMEASURE_EVERY == 0:
+                return 0  # a plain step now and then: the unit stays current
         if k == 0:
             self._idle += 1
             if self._idle >= self._probe_every:
