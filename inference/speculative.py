@@ -123,9 +123,11 @@ class PromptLookup:
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest match of the history's tail."""
         size = len(history)
-        if k <= 0 or size < 2:
+        if size < 2:
             return []
-        self._sync(history)
+        self._sync(history)  # (k = 0 indexes the history alone)
+        if k <= 0:
+            return []
         h = self._hist
         for n in range(min(self.ngram, size - 1), 0, -1):
             at = self._index[n].get(tuple(h[size - n :]))
@@ -164,8 +166,9 @@ class ModelDrafter:
         self._seen: list[int] = []  # the tokens in the draft engine's KV cache
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
-        """``k`` greedy tokens of the draft engine after ``history``."""
-        if k <= 0 or not history:
+        """``k`` greedy tokens of the draft engine after ``history`` (k = 0: only bring its
+        KV cache up to the history)."""
+        if not history:
             return []
         seen = self._seen
         common = 0
@@ -178,13 +181,14 @@ class ModelDrafter:
         logits = eng.decode(rest[0]) if len(rest) == 1 else eng.prefill(rest)
         seen[common:] = rest
         out: list[int] = []
-        while True:
+        while k > 0:
             tok = int(np.argmax(logits))
             out.append(tok)
             if len(out) == k:
                 return out
             logits = eng.decode(tok)
             seen.append(tok)
+        return out
 
     def close(self) -> None:
         """Close the draft engine (and what was opened for it, where it owns that)."""
@@ -203,8 +207,8 @@ class DraftLength:
     predecessors were (an exponentially decaying count of successes and first
     failures: the geometric model's estimate). A step of ``k`` drafts then yields
     ``(1 - a^(k+1)) / (1 - a)`` tokens for ``1 + r * k`` of a plain decode step's
-    time, ``r`` being the measured cost of one more verified row relative to a
-    plain step (the quickest of the last :data:`WINDOW` plain steps, the median of
+    time, ``r`` being the measured cost of one more drafted and verified row
+    relative to a plain step (the quickest of the last :data:`WINDOW` plain steps, the median of
     the last verification steps' costs): small where a step is dominated by reading
     weights (each routed expert read once for every row), near 1 on a small
     resident model whose step is its arithmetic. The length that maximises the
@@ -289,7 +293,7 @@ class DraftLength:
 
     def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         """Count a step's outcome: ``accepted`` of ``drafted`` (a prefix) accepted, in
-        ``seconds`` (its forward pass and choices) where measured."""
+        ``seconds`` (drafting, forward pass and choices) where measured."""
         if drafted <= 0:
             return
         if self._probing:  # back off while probes fail
@@ -418,12 +422,13 @@ def speculative_decode(
         return out, "eos" if pending in eos else "max_tokens"
     batched = engine.verifies_in_one_step
     clock = time.perf_counter
+    # The drafter takes in the prompt before the steps are timed (prompt lookup indexes
+    # it, a draft model prefills it): a one-time cost, not a step's.
+    spec.drafter.propose(history, 0)
     while True:
+        t0 = clock()
         k = min(spec.length.next(), max_tokens - len(out) - 1)
         drafts = spec.drafter.propose(history, k)[:k] if k > 0 else []
-        # Timed from here: the step's forward pass and choices. (Drafting is not timed:
-        # prompt lookup's first call indexes the whole prompt, a one-time cost.)
-        t0 = clock()
         if not drafts:
             logits = engine.decode(pending)
             spec.length.plain(clock() - t0)
