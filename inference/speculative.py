@@ -10,8 +10,10 @@ when given a :class:`Speculator`.
 Why it pays for a model streamed from disk: the pending token and ``k`` drafts go
 through one batched step (:meth:`Engine.verify`, over
 :func:`~czyx.inference.batch.forward_batch`), which acquires each routed expert once
-for every token that chose it, so expert bytes read and trunk weights streamed per
-generated token fall with the acceptance.
+for every token that chose it, so a step's reads and weight streaming serve every
+token it keeps. With most drafts accepted the bytes read per generated token fall;
+rejected drafts' experts were read too, so at low acceptance they rise (measured in
+``bench/SPECULATE.md``), which the adaptive length weighs as step time.
 
 Why the output does not change: each position's token is chosen from the target
 model's own logits for that position (:meth:`Sampler.verify`): greedy takes the
@@ -31,7 +33,6 @@ accepted: exact, without the batching.
 from __future__ import annotations
 
 import collections
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -466,9 +467,3 @@ def speculative_decode(
         if stop:
             break
     return out, "eos" if out[-1] in eos else "max_tokens"
-
-
-def acceptance_rate(steps: Sequence[tuple[int, int]]) -> float:
-    """Accepted over drafted tokens (NaN where nothing was drafted)."""
-    drafted = sum(d for d, _ in steps)
-    return sum(a for _, a in steps) / drafted if drafted else math.nan
