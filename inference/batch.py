@@ -73,8 +73,10 @@ from czyx.inference.models.base import (
     swiglu_columns,
     swiglu_fused,
 )
+from czyx.inference.options import SPECULATE_OFF, SpeculateOptions
 from czyx.inference.routewatch import RouteFrame, StepWatch
 from czyx.inference.sampling import Sampler, SamplingParams
+from czyx.inference.speculative import DraftLength, PromptLookup, Speculator
 
 _log = logging.getLogger("czyx.inference.batch")
 
@@ -160,6 +162,7 @@ def forward_batch(
     kvs: Sequence[KVCache],
     allowed: Sequence[np.ndarray | None] | None = None,
     c_decode: bool = True,
+    all_logits: bool | Sequence[bool] = False,
 ) -> list[np.ndarray]:
     """One forward step over several sequences together.
 
@@ -181,12 +184,24 @@ def forward_batch(
         Chunks (decode tokens and prompt chunks) take the engine's C decode where
         the model has it (the default); False runs every chunk through the numpy
         step (for comparison).
+    all_logits
+        Return every token's logits, not only the last one's (speculative
+        decoding verifies a chunk of drafted tokens in one step: each token's
+        logits are those of the same step without it, the head is row-independent);
+        one flag for every sequence, or one per sequence.
 
     Returns
     -------
     list of numpy.ndarray
-        Per sequence, the ``[V]`` float32 logits of its chunk's last token.
+        Per sequence, the ``[V]`` float32 logits of its chunk's last token, or with
+        ``all_logits`` the ``[T_s, V]`` logits of every token of its chunk.
     """
+    if isinstance(all_logits, bool):
+        every_row = [all_logits] * len(chunks)
+    else:
+        every_row = [bool(a) for a in all_logits]
+        if len(every_row) != len(chunks):
+            raise ValueError("forward_batch needs one all_logits flag per chunk")
     cfg = model.cfg
     if len(chunks) != len(kvs) or not chunks:
         raise ValueError("forward_batch needs one KV cache per chunk, and at least one chunk")
@@ -212,12 +227,14 @@ def forward_batch(
         if segment is not None:
             segment(range(len(ids)), False)
         with model.kernel_threads():  # a prompt's quantized products on the engine's threads
-            return _forward_rows(model, ids, kvs, allowed)
+            return _forward_rows(model, ids, kvs, allowed, all_logits=every_row)
     model.experts.advance(int(every.size))
     out: list[np.ndarray | None] = [None] * len(ids)
     if segment is not None:
         segment(fast, True)
-    got = _forward_c(model, [ids[s] for s in fast], [kvs[s] for s in fast])
+    got = _forward_c(
+        model, [ids[s] for s in fast], [kvs[s] for s in fast], [every_row[s] for s in fast]
+    )
     for s, lg in zip(fast, got, strict=True):
         out[s] = lg
     rest = [s for s in range(len(ids)) if out[s] is None]
@@ -226,7 +243,14 @@ def forward_batch(
         if segment is not None:
             segment(rest, False)
         with model.kernel_threads():
-            got = _forward_rows(model, [ids[s] for s in rest], [kvs[s] for s in rest], sub, False)
+            got = _forward_rows(
+                model,
+                [ids[s] for s in rest],
+                [kvs[s] for s in rest],
+                sub,
+                False,
+                [every_row[s] for s in rest],
+            )
         for s, lg in zip(rest, got, strict=True):
             out[s] = lg
     return out  # type: ignore[return-value]
@@ -257,7 +281,9 @@ def _base_finish_logits():
     return MoEDecoder.finish_logits
 
 
-def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[np.ndarray]:
+def _forward_c(
+    model, chunks: list[np.ndarray], kvs: Sequence[KVCache], all_logits: Sequence[bool] = ()
+) -> list[np.ndarray]:
     """Chunks of tokens (a decode token, or a prompt chunk, per sequence) through the
     engine's C kernels, all at once.
 
@@ -278,10 +304,11 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
     one-input result), so the arithmetic per token is
     :meth:`MoEDecoder._forward_one`'s: the logits and the KV written are the
     engine's decode, bit for bit, whatever the batch, the chunking of a prompt
-    and the thread count.
+    and the thread count. ``all_logits[q]``: every row's logits for chunk ``q``, ``[T, V]``.
     """
     if model._length_rope:  # (decode tokens only: forward_batch sends chunks elsewhere)
-        return _forward_c_each(model, [int(c[0]) for c in chunks], kvs)
+        got = _forward_c_each(model, [int(c[0]) for c in chunks], kvs)
+        return [g[None] if a else g for g, a in zip(got, all_logits or [False] * len(got))]
     cfg = model.cfg
     kern = model.kernels()
     lens = [int(c.size) for c in chunks]
@@ -291,9 +318,9 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
     if max(lens) == 1:
         waves = None
         row_kv, row_pos, tokens = list(kvs), None, [int(c[0]) for c in chunks]
-        last = None
+        last, rows = None, [np.array([q]) for q in range(len(chunks))]
     else:
-        waves, row_kv, row_pos, tokens, last = _waves(chunks, kvs, starts, kern.pool.threads)
+        waves, row_kv, row_pos, tokens, last, rows = _waves(chunks, kvs, starts, kern.pool.threads)
     n = len(tokens)
     bt = kern.begin_batch(row_kv, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, model.rotary, row_pos)
     kern.embed_batch(model.embed, tokens)
@@ -333,6 +360,17 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
                 cache.release()
     for kv, s, t in zip(kvs, starts, lens, strict=True):
         kv.length = s + t
+    if any(all_logits):  # every row of those chunks, the last of the others, in order
+        picks = [r if a else r[-1:] for r, a in zip(rows, all_logits, strict=True)]
+        order = np.concatenate(picks)
+        bt.h[: order.size] = bt.h[order]
+        logits = kern.head_batch(model.final_norm, model.lm_head, cfg.rms_eps, order.size).copy()
+        kern.pool.park()
+        ends = np.cumsum([0, *(p.size for p in picks)])
+        return [
+            model.finish_logits(logits[a:b] if every else logits[a])
+            for a, b, every in zip(ends[:-1], ends[1:], all_logits, strict=True)
+        ]
     if last is not None:  # each chunk's last row into rows 0 .. len(chunks), for the head
         bt.h[: len(chunks)] = bt.h[last]
     logits = kern.head_batch(model.final_norm, model.lm_head, cfg.rms_eps, len(chunks)).copy()
@@ -344,7 +382,7 @@ def _forward_c(model, chunks: list[np.ndarray], kvs: Sequence[KVCache]) -> list[
 
 def _waves(chunks: list[np.ndarray], kvs: Sequence[KVCache], starts: list[int], threads: int):
     """The rows of a step with prompt chunks: ``((waves, groups), row caches, row
-    positions, row tokens, each chunk's last row)``.
+    positions, row tokens, each chunk's last row, each chunk's rows)``.
 
     A prompt chunk's tokens go in groups of up to four consecutive ones (a group's
     rows share each weight row and attend in order), its ``j``-th group in wave
@@ -360,10 +398,12 @@ def _waves(chunks: list[np.ndarray], kvs: Sequence[KVCache], starts: list[int], 
     row_pos: list[int] = []
     tokens: list[int] = []
     last = np.empty(len(chunks), np.int64)
+    rows: list[list[int]] = [[] for _ in chunks]
     groups, waves = [0], [0]
 
     def put(q: int, j0: int, j1: int) -> None:  # tokens j0 .. j1 of chunk q, as rows
         for j in range(j0, j1):
+            rows[q].append(len(tokens))
             row_kv.append(kvs[q])
             row_pos.append(starts[q] + j)
             tokens.append(int(chunks[q][j]))
@@ -387,6 +427,7 @@ def _waves(chunks: list[np.ndarray], kvs: Sequence[KVCache], starts: list[int], 
         row_pos,
         tokens,
         last,
+        [np.array(r, np.int64) for r in rows],
     )
 
 
@@ -499,8 +540,10 @@ def _forward_rows(
     kvs: Sequence[KVCache],
     allowed: Sequence[np.ndarray | None] | None,
     advance: bool = True,
+    all_logits: Sequence[bool] = (),
 ) -> list[np.ndarray]:
-    """The numpy step over ``ids`` (row-independent products in :data:`BLOCK` columns)."""
+    """The numpy step over ``ids`` (row-independent products in :data:`BLOCK` columns);
+    the last token's logits per sequence, or with ``all_logits`` every token's."""
     cfg = model.cfg
     lens = [int(c.size) for c in ids]
     offs = np.concatenate([[0], np.cumsum(lens)]).astype(int)
@@ -549,6 +592,17 @@ def _forward_rows(
         h = h + model.mlp_out(routed)
     for kv, s, n in zip(kvs, starts, lens, strict=True):
         kv.length = s + n
+    if any(all_logits):  # every row of those sequences, the last of the others
+        picks = [
+            np.arange(offs[j], offs[j + 1]) if all_logits[j] else np.array([offs[j + 1] - 1])
+            for j in range(len(ids))
+        ]
+        hn = rms_norm(h[np.concatenate(picks)], model.final_norm, cfg.rms_eps)
+        out = model.finish_logits(linear_rows(hn, model.lm_head))
+        ends = np.cumsum([0, *(p.size for p in picks)])
+        return [
+            out[ends[j] : ends[j + 1]] if all_logits[j] else out[ends[j]] for j in range(len(ids))
+        ]
     last = h[offs[1:] - 1]
     hn = rms_norm(last, model.final_norm, cfg.rms_eps)
     out = model.finish_logits(linear_rows(hn, model.lm_head))
@@ -708,6 +762,11 @@ class BatchOptions:
         every chunk (the batched path before it, kept for comparison; results
         then differ from the engine's decode by rounding, still independent of
         the batch).
+    speculate
+        Speculative decoding of a request that asks nothing else (``czyx serve
+        --speculate``): ``off`` or ``lookup`` (prompt lookup; a draft version is
+        not served). A decoding sequence's drafts ride in the step as extra rows
+        of its chunk, verified together with every other sequence's work.
     """
 
     max_batch: int = 16
@@ -717,8 +776,10 @@ class BatchOptions:
     kv_bytes: int | None = None
     prefix_cache_bytes: int = 0
     c_decode: bool = True
+    speculate: SpeculateOptions = SPECULATE_OFF
 
     def __post_init__(self) -> None:
+        _served_speculation(self.speculate)
         if self.max_batch < 1:
             raise ValueError(f"max_batch {self.max_batch} must be at least 1")
         if self.max_queue < 0:
@@ -731,6 +792,15 @@ class BatchOptions:
             raise ValueError(f"kv budget {self.kv_bytes} B must be positive")
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"prefix cache {self.prefix_cache_bytes} B is negative")
+
+
+def _served_speculation(options: SpeculateOptions) -> None:
+    """Refuse what the scheduler cannot speculate with (a draft version)."""
+    if options.draft_ref is not None:
+        raise ValueError(
+            f"speculate: {options.mode} is not served (the server drafts by prompt lookup: "
+            "off or lookup)"
+        )
 
 
 @dataclass(frozen=True)
@@ -842,6 +912,9 @@ class _Seq:
     reused: int = 0  # prompt positions taken from the prefix cache
     allowed: np.ndarray | None = None  # bool [n_layers, n_experts] a scoped portal permits
     watch: bool = False  # a RouteFrame before each decode step's Token (routewatch)
+    spec: Speculator | None = None  # speculative decoding (prompt lookup), or None
+    text: list[int] = field(default_factory=list)  # with spec: every token so far
+    drafts: list[int] = field(default_factory=list)  # this step's drafted tokens
 
 
 @dataclass(frozen=True)
@@ -862,6 +935,8 @@ class SchedulerStats:
     prefix_tokens: int = 0  # prompt positions reused instead of computed
     prefix_entries: int = 0
     prefix_bytes: int = 0
+    drafted: int = 0  # tokens drafted (speculative decoding)
+    accepted: int = 0  # drafted tokens accepted
 
 
 class Scheduler:
@@ -920,6 +995,7 @@ class Scheduler:
         # Sequences submitted with watch, not yet finished: a step looks at this count
         # only, so requests that do not watch pay nothing per token.
         self._watching = 0
+        self._drafted = self._accepted = 0
         self.on_wake = on_wake
         self._thread: threading.Thread | None = None
         if not driven:
@@ -939,6 +1015,7 @@ class Scheduler:
         keep_state: bool = False,
         allowed: np.ndarray | None = None,
         watch: bool = False,
+        speculate: SpeculateOptions | None = None,
     ) -> Handle:
         """Queue a request; its events follow on the returned :class:`Handle`.
 
@@ -951,6 +1028,10 @@ class Scheduler:
         ``watch``: before each decode step's :class:`Token`, a
         :class:`~czyx.inference.routewatch.RouteFrame` with the routing of the token
         that step fed (the live expert view; requests without it pay nothing for it).
+        ``speculate``: this request's speculative decoding (None: the options'
+        default); greedy tokens are unchanged, sampled ones keep their
+        distribution. Not with ``keep_state``, nor on a model whose rope depends
+        on the length reached (those decode without drafts).
 
         Raises
         ------
@@ -992,6 +1073,13 @@ class Scheduler:
                     f"history of {h_ids.size} tokens with a KV cache of {history[1].length}"
                 )
             hist = (h_ids, history[1])
+        spec_opts = self.options.speculate if speculate is None else speculate
+        _served_speculation(spec_opts)
+        spec = None
+        if spec_opts.enabled and not keep_state and not self.model._length_rope:
+            # Step times are shared by the batch: the draft length follows acceptance only.
+            length = DraftLength(spec_opts.draft_tokens, spec_opts.adaptive, measure=False)
+            spec = Speculator(PromptLookup(spec_opts.ngram), length)
         restored = 0 if hist is None else int(hist[0].size)
         need = (restored + int(ids.size) + int(max_tokens) + 1) * self.kv_bytes_per_token
         budget = self.options.kv_bytes
@@ -1014,6 +1102,9 @@ class Scheduler:
             seq.allowed = allowed
             seq.watch = bool(watch)
             self._watching += seq.watch
+            if spec is not None:
+                seq.spec = spec
+                seq.text = [*([] if hist is None else hist[0].tolist()), *ids.tolist()]
             self._waiting.append(seq)
             self._lock.notify_all()
         if self.on_wake is not None:
@@ -1038,6 +1129,8 @@ class Scheduler:
                 prefix_tokens=self._prefix_tokens,
                 prefix_entries=len(self._prefixes),
                 prefix_bytes=self._prefix_bytes,
+                drafted=self._drafted,
+                accepted=self._accepted,
             )
 
     def close(self, timeout: float = 30.0) -> None:
@@ -1201,8 +1294,14 @@ class Scheduler:
         budget = self.options.step_tokens
         for seq in self._active:
             if seq.fed == seq.prompt.size and seq.generated:
-                work.append((seq, np.array(seq.generated[-1:], np.int64)))
-                budget -= 1
+                seq.drafts = []
+                if seq.spec is not None and seq.closing is None:
+                    room = min(seq.max_tokens - len(seq.generated), budget) - 1
+                    k = min(seq.spec.length.next(), room)
+                    if k > 0:
+                        seq.drafts = seq.spec.drafter.propose(seq.text, k)[:k]
+                work.append((seq, np.array([seq.generated[-1], *seq.drafts], np.int64)))
+                budget -= 1 + len(seq.drafts)
         for seq in self._active:
             if seq.fed < seq.prompt.size:
                 chunk = seq.prompt[seq.fed : seq.fed + self.options.prefill_chunk]
@@ -1251,6 +1350,7 @@ class Scheduler:
     def _step_work(self, work: list[tuple[_Seq, np.ndarray]]) -> None:
         t0 = time.perf_counter()
         allowed = [s.allowed for s, _ in work]
+        verify = [bool(s.drafts) and s.fed == s.prompt.size for s, _ in work]
         watch = self._watch_step(work) if self._watching else None
         try:
             logits = forward_batch(
@@ -1259,6 +1359,7 @@ class Scheduler:
                 [s.kv for s, _ in work],
                 allowed if any(a is not None for a in allowed) else None,
                 self.options.c_decode,
+                verify if any(verify) else False,
             )
         finally:
             if watch is not None:
@@ -1282,6 +1383,9 @@ class Scheduler:
                     self._finish(seq, seq.closing, final=final)
                     continue
                 decoding = seq.fed == seq.prompt.size
+                if decoding and seq.drafts:
+                    self._verify(seq, chunk, lg, now)
+                    continue
                 if decoding:
                     self._decode_tokens += 1
                 else:
@@ -1296,13 +1400,9 @@ class Scheduler:
                     self._active.remove(seq)
                     self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
                     continue
-                seq.generated.append(tok)
-                self._generated += 1
-                seq.handle._emit(Token(tok, len(seq.generated) - 1, now))
-                if tok in seq.eos:
-                    self._end(seq, "stop")
-                elif len(seq.generated) >= seq.max_tokens:
-                    self._end(seq, "length")
+                if seq.spec is not None and decoding:
+                    seq.spec.steps.append((0, 0))
+                self._emit_token(seq, tok, now)
         if self.on_step is not None:
             self.on_step(len(work), n_tokens, now - t0)
 
@@ -1336,3 +1436,55 @@ class Scheduler:
             seq, chunk = work[j]
             index = len(seq.generated) - 1
             seq.handle._emit(sw.frame(j, index, int(chunk[0]), **step))
+
+    def _emit_token(self, seq: _Seq, tok: int, now: float) -> bool:
+        """Under the lock: ``seq`` chose ``tok``; True when that ended it."""
+        seq.generated.append(tok)
+        if seq.spec is not None:
+            seq.text.append(tok)
+        self._generated += 1
+        seq.handle._emit(Token(tok, len(seq.generated) - 1, now))
+        if tok in seq.eos:
+            self._end(seq, "stop")
+            return True
+        if len(seq.generated) >= seq.max_tokens:
+            self._end(seq, "length")
+            return True
+        return False
+
+    def _verify(self, seq: _Seq, chunk: np.ndarray, rows: np.ndarray, now: float) -> None:
+        """Under the lock: a decoding sequence's pending token and drafts were stepped;
+        ``rows`` are their logits. The tokens are chosen as
+        :func:`~czyx.inference.speculative.speculative_decode` chooses them (each
+        draft by :meth:`Sampler.verify` until one is rejected, then the last row's
+        token when none was), and the KV of the rejected drafts is cut back."""
+        drafts, seq.drafts = seq.drafts, []
+        if seq.handle.cancelled:
+            return  # reaped before the next step
+        keep = seq.kv.length - int(chunk.size) + 1  # the pending token's position, kept
+        accepted, ended = 0, False
+        try:
+            for i, d in enumerate(drafts):
+                tok, ok = seq.sampler.verify(rows[i], d)
+                self._decode_tokens += 1
+                ended = self._emit_token(seq, tok, now)
+                if not ok or ended:
+                    accepted += ok
+                    break
+                accepted += 1
+                keep += 1
+            else:
+                tok = seq.sampler(rows[len(drafts)])  # every draft accepted: one more
+                self._decode_tokens += 1
+                ended = self._emit_token(seq, tok, now)
+        except Exception as exc:  # fail closed: this sequence alone ends, with the error
+            if seq in self._active:
+                self._active.remove(seq)
+                self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            return
+        self._drafted += len(drafts)
+        self._accepted += accepted
+        seq.spec.length.update(len(drafts), accepted)
+        seq.spec.steps.append((len(drafts), accepted))
+        if not ended and seq.kv is not None and seq.kv.length > keep:
+            seq.kv.truncate(keep)

@@ -370,6 +370,41 @@ class Engine:
         with self._blas:
             return self.model.forward(np.array([token], np.int64), self.kv)
 
+    @property
+    def verifies_in_one_step(self) -> bool:
+        """Whether :meth:`verify` runs its tokens in one batched step. False for a rope
+        whose tables depend on the length reached (dynamic NTK, LongRoPE): a step over
+        several positions would set them for its furthest one, so speculative decoding
+        then checks each drafted token with :meth:`decode`, one after another."""
+        return not self.model._length_rope
+
+    def verify(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Process ``tokens`` in one batched step; every token's ``[T, V]`` logits.
+
+        Speculative decoding's verification: the pending token and the drafts after
+        it go through :func:`~inference.batch.forward_batch` together, so each
+        routed expert is acquired once for every token that chose it. Where the
+        model decodes in C each token's logits (and KV) are bit for bit those of
+        :meth:`decode` (the batched C step computes each row with the one-token
+        kernels); elsewhere they agree to float32 rounding (the batched numpy
+        step's row-independent products). One token is :meth:`decode` itself.
+        The caller drops rejected positions with :meth:`rollback`.
+        """
+        ids = np.asarray(tokens, np.int64).reshape(-1)
+        if ids.size == 1:
+            return self.decode(int(ids[0]))[None]
+        if not self.verifies_in_one_step:
+            raise ValueError("verify: this model's rope decodes one position at a time")
+        mask = self.model.route_mask
+        allowed = None if mask is None else [mask]
+        with self._blas:
+            return forward_batch(self.model, [ids], [self.kv], allowed, all_logits=True)[0]
+
+    def rollback(self, length: int) -> None:
+        """Forget the positions from ``length`` on (rejected drafts): the KV cache is cut
+        back, the expert cache stays as it is."""
+        self.kv.truncate(length)
+
     def routing_profile(self) -> RoutingProfile:
         """The routing counts of everything this engine has run."""
         return RoutingProfile(self.model.route_counts.copy())

@@ -13,11 +13,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from czyx.inference.cache import CacheStats
 from czyx.inference.engine import Engine
 from czyx.inference.sampling import Sampler, SamplingParams
 from czyx.inference.tokenizer import StreamDecoder, Tokenizer
+
+if TYPE_CHECKING:
+    from czyx.inference.speculative import Speculator
 
 GREEDY = SamplingParams()
 
@@ -33,6 +37,24 @@ class GenerationStats:
     prefill_cache: CacheStats
     decode_cache: CacheStats
     stop_reason: str  # "eos" | "max_tokens"
+    #: Speculative decoding, per decode step: (tokens drafted, drafts accepted); empty
+    #: without speculation.
+    draft_steps: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def drafted(self) -> int:
+        """Tokens drafted over the run."""
+        return sum(d for d, _ in self.draft_steps)
+
+    @property
+    def accepted(self) -> int:
+        """Drafted tokens accepted over the run."""
+        return sum(a for _, a in self.draft_steps)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over drafted tokens (0.0 where nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -47,7 +69,8 @@ class GenerationStats:
 
     @property
     def decode_steps(self) -> int:
-        """Decode forward passes: every generated token but the first, which prefill gives."""
+        """Decoded tokens: every generated token but the first, which prefill gives
+        (with speculation a forward pass may give several: :attr:`draft_steps`)."""
         return max(self.generated_tokens - 1, 0)
 
     @property
@@ -75,6 +98,13 @@ class GenerationStats:
 
     def summary(self) -> str:
         """One human line per figure."""
+        spec = []
+        if self.draft_steps:
+            spec = [
+                f"speculation: {self.accepted} of {self.drafted} drafted tokens accepted "
+                f"({self.acceptance_rate:.2f}), {len(self.draft_steps)} forward passes for "
+                f"{self.decode_steps} tokens"
+            ]
         return "\n".join(
             [
                 f"prefill: {self.prompt_tokens} tokens, {self.prefill_tokens_per_s:.1f} tok/s",
@@ -85,6 +115,7 @@ class GenerationStats:
                 f"disk: {self.bytes_per_token / 1e6:.3f} MB/token overall, "
                 f"{self.decode_bytes_per_token / 1e6:.3f} MB/token in decode",
                 f"exposed I/O wait: {self.io_wait_seconds * 1e3:.1f} ms",
+                *spec,
             ]
         )
 
@@ -105,10 +136,14 @@ def generate_ids(
     sampling: SamplingParams = GREEDY,
     eos_ids: Sequence[int] = (),
     on_token: Callable[[int], None] | None = None,
+    speculate: Speculator | None = None,
 ) -> tuple[list[int], GenerationStats]:
     """Generate up to ``max_tokens`` ids after ``prompt_ids`` (a fresh sequence).
 
-    ``on_token`` is called with each id as soon as it is chosen.
+    ``on_token`` is called with each id as soon as it is chosen. ``speculate``:
+    draft and verify several tokens per step
+    (:func:`~czyx.inference.speculative.speculative_decode`; the same tokens greedily,
+    the same distribution sampled).
     """
     if not prompt_ids:
         raise ValueError("the prompt is empty: nothing to condition on")
@@ -124,7 +159,14 @@ def generate_ids(
     c1 = engine.stats()
     out: list[int] = []
     reason = "max_tokens"
-    while len(out) < max_tokens:
+    steps0 = len(speculate.steps) if speculate is not None else 0
+    if speculate is not None:
+        from czyx.inference.speculative import speculative_decode
+
+        out, reason = speculative_decode(
+            engine, logits, list(prompt_ids), max_tokens, sampler, eos, speculate, on_token
+        )
+    while speculate is None and len(out) < max_tokens:
         tok = sampler(logits)
         out.append(tok)
         if on_token is not None:
@@ -145,6 +187,7 @@ def generate_ids(
         prefill_cache=c1.minus(c0),
         decode_cache=c2.minus(c1),
         stop_reason=reason,
+        draft_steps=tuple(speculate.steps[steps0:]) if speculate is not None else (),
     )
     return out, stats
 
@@ -156,10 +199,12 @@ def generate(
     max_tokens: int = 64,
     sampling: SamplingParams = GREEDY,
     on_text: Callable[[str], None] | None = None,
+    speculate: Speculator | None = None,
 ) -> Generation:
     """Generate text after ``prompt``, streaming pieces to ``on_text``.
 
-    Stops on the tokenizer's or the config's end-of-sequence ids.
+    Stops on the tokenizer's or the config's end-of-sequence ids. ``speculate``:
+    as :func:`generate_ids`.
     """
     stream = StreamDecoder(tokenizer)
 
@@ -170,7 +215,7 @@ def generate(
 
     eos = tuple(tokenizer.eos_ids) + tuple(engine.cfg.eos_token_ids)
     ids, stats = generate_ids(
-        engine, tokenizer.encode(prompt), max_tokens, sampling, eos, on_token=emit
+        engine, tokenizer.encode(prompt), max_tokens, sampling, eos, emit, speculate
     )
     rest = stream.flush()
     if rest and on_text is not None:

@@ -125,3 +125,66 @@ DEFAULT_OPTIONS = EngineOptions()
 #: which layer comes next decides what is needed soonest (``bench/SERVE.md`` replays
 #: every policy and the offline optimum on the same acquires).
 BATCHED_OPTIONS = EngineOptions(policy="cyclic", prefetch=False)
+
+
+#: The draft modes :class:`SpeculateOptions` accepts (``draft:NAME@VER`` besides these).
+SPECULATE_MODES = ("off", "lookup")
+
+
+@dataclass(frozen=True)
+class SpeculateOptions:
+    """Speculative decoding: what drafts the next tokens, and how many at most.
+
+    One value whose defaults ``czyx run``, ``czyx serve`` (its server default and
+    each request's) and the benches share (:mod:`czyx.inference.speculative`).
+
+    Attributes
+    ----------
+    mode
+        ``"off"``; ``"lookup"`` (prompt lookup: the tokens that followed the
+        latest earlier occurrence of the text's last n-gram); or
+        ``"draft:NAME@VER"``, a version of the same store (a low-bit copy of the
+        same model, say) whose greedy tokens are the drafts.
+    draft_tokens
+        Tokens drafted per step at most (the verification step's extra rows).
+    adaptive
+        Choose each step's draft length from the acceptance measured so far (fewer,
+        down to none, where drafts are mostly rejected); False: always
+        ``draft_tokens`` (as many as the drafter proposes).
+    ngram
+        Prompt lookup: the longest suffix n-gram searched for (then shorter ones, down to 1).
+    draft_cache_mb
+        A draft version's own expert slot budget in MiB (None: the engine's
+        default for that version).
+    """
+
+    mode: str = "off"
+    draft_tokens: int = 4
+    adaptive: bool = True
+    ngram: int = 3
+    draft_cache_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in SPECULATE_MODES and not (
+            self.mode.startswith("draft:") and "@" in self.mode[6:]
+        ):
+            raise ValueError(f"speculate: {self.mode!r} is not one of off, lookup, draft:NAME@VER")
+        if not 1 <= self.draft_tokens <= 32:
+            raise ValueError(f"draft tokens: {self.draft_tokens} is not in 1..32")
+        if self.ngram < 1:
+            raise ValueError(f"ngram: {self.ngram} must be at least 1")
+        if self.draft_cache_mb is not None and not self.draft_cache_mb > 0:
+            raise ValueError(f"draft cache: {self.draft_cache_mb} MiB must be positive")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything drafts."""
+        return self.mode != "off"
+
+    @property
+    def draft_ref(self) -> str | None:
+        """The draft version's ``NAME@VER`` (``draft:`` mode), else None."""
+        return self.mode[6:] if self.mode.startswith("draft:") else None
+
+
+SPECULATE_OFF = SpeculateOptions()

@@ -92,3 +92,34 @@ class Sampler:
         if self._penalize:
             self._counts[tok] = self._counts.get(tok, 0) + 1
         return tok
+
+    def verify(self, logits: np.ndarray, draft: int) -> tuple[int, bool]:
+        """The next token id given a drafted one: ``(token, whether it is the draft)``.
+
+        Speculative sampling's rule for a draft proposed with certainty (every
+        drafter here proposes one token, not a distribution): accept ``draft``
+        with probability ``min(1, p(draft) / 1) = p(draft)``, else draw from
+        ``max(0, p - onehot(draft))`` normalised, which is ``p`` without the
+        draft. The token is then distributed exactly as :meth:`__call__`'s
+        (``p(draft)`` for the draft, ``(1 - p(draft)) p(t) / (1 - p(draft))`` for
+        any other ``t``). Greedy: the argmax, accepted where it is the draft, so
+        the tokens are :meth:`__call__`'s. Counted as :meth:`__call__` counts.
+        """
+        z = self.penalized(logits)
+        if self.params.temperature == 0.0:
+            tok = int(np.argmax(z))
+        else:
+            probs = self.probabilities(z)
+            if not 0 <= draft < probs.size:
+                raise SamplingError(f"drafted token {draft} is outside the vocabulary")
+            p = float(probs[draft])
+            if self.rng.random() < p:
+                tok = draft
+            else:
+                rest = probs.copy()
+                rest[draft] = 0.0
+                rest /= rest.sum()  # (> 0: p < 1 here, since the draw was >= p)
+                tok = int(self.rng.choice(rest.size, p=rest))
+        if self._penalize:
+            self._counts[tok] = self._counts.get(tok, 0) + 1
+        return tok, tok == draft

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -166,6 +167,7 @@ class XRay:
         trunk_bytes: int = 0,
         extra: dict[str, Any] | None = None,
         since_mark: bool = False,
+        speculation: Sequence[tuple[int, int]] | None = None,
     ) -> dict[str, Any]:
         """The whole report: ``{"schema_version", "run", "transfers"}``.
 
@@ -183,6 +185,10 @@ class XRay:
         since_mark
             Report only the window since :meth:`mark` (``tokens`` should then
             count that window's tokens).
+        speculation
+            Speculative decoding's ``(drafted, accepted)`` per decode step
+            (:attr:`GenerationStats.draft_steps`): reported as ``run.speculation``
+            with its totals; None: no speculation, no field.
         """
         transfers = self.transfers
         base = (0, 0, 0, 0, 0)
@@ -248,6 +254,15 @@ class XRay:
             ),
             "extra": extra or {},
         }
+        if speculation is not None:
+            drafted = sum(int(d) for d, _ in speculation)
+            accepted = sum(int(a) for _, a in speculation)
+            run["speculation"] = {
+                "drafted": drafted,
+                "accepted": accepted,
+                "acceptance_rate": accepted / drafted if drafted else None,
+                "steps": [[int(d), int(a)] for d, a in speculation],
+            }
         return {"schema_version": SCHEMA_VERSION, "run": run, "transfers": recs}
 
     def write_json(self, path: str | os.PathLike, report: dict[str, Any]) -> Path:

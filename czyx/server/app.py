@@ -15,7 +15,9 @@ Request semantics follow the OpenAI API: ``max_tokens`` (chat also
 text ends before the first match), ``n`` (1 only), ``stream`` with
 ``stream_options.include_usage``, ``usage`` and ``finish_reason`` ("stop":
 end-of-sequence token or stop string; "length": ``max_tokens``); ``top_k`` as
-vLLM and llama.cpp take it. Unsupported fields that would change the answer
+vLLM and llama.cpp take it; czyx's ``speculate`` (``"off"`` or ``"lookup"``: speculative
+decoding by prompt lookup, the server's ``--speculate`` when absent) and ``draft_tokens``.
+Unsupported fields that would change the answer
 (``echo``, ``logprobs``, ``best_of`` > 1, tools, ``response_format`` other than
 text, other servers' penalties, grammars and guided decoding) are refused with
 400, never ignored; a number that is not finite too. Errors use the OpenAI
@@ -73,6 +75,7 @@ from czyx.inference.batch import (
     Token,
 )
 from czyx.inference.errors import SamplingError
+from czyx.inference.options import SPECULATE_OFF, SpeculateOptions
 from czyx.inference.routewatch import RouteFrame
 from czyx.inference.sampling import SamplingParams
 from czyx.inference.tokenizer import ByteTokenizer
@@ -433,6 +436,7 @@ class GenRequest:
     stream: bool
     include_usage: bool
     end_user: str | None = None  # OpenAI's ``user``: who the caller serves (audited)
+    speculate: SpeculateOptions | None = None  # None: the server's default
 
 
 def _number(body: dict, key: str, kind: type, default, lo=None, hi=None):
@@ -520,6 +524,14 @@ def _parse_common(body: dict, default_max: int, max_keys: tuple[str, ...]) -> Ge
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_END_USER):
         raise _bad(f"user must be a string of at most {MAX_END_USER} characters", "user")
+    speculate = None
+    mode, n_draft = body.get("speculate"), body.get("draft_tokens")
+    if mode is not None or n_draft is not None:
+        # czyx's extension: "off" or "lookup" (prompt lookup), up to draft_tokens per step.
+        if mode is not None and mode not in ("off", "lookup"):
+            raise _bad("speculate must be 'off' or 'lookup'", "speculate")
+        k = _number(body, "draft_tokens", int, SPECULATE_OFF.draft_tokens, 1, 32)
+        speculate = SpeculateOptions(mode or "lookup", draft_tokens=k)
     stream = bool(body.get("stream", False))
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
@@ -543,6 +555,7 @@ def _parse_common(body: dict, default_max: int, max_keys: tuple[str, ...]) -> Ge
         stream=stream,
         include_usage=bool(opts.get("include_usage", False)),
         end_user=user or None,
+        speculate=speculate,
     )
 
 
@@ -985,6 +998,12 @@ class _Job:
         session = self.session
         # (only a watching request names watch: a scheduler of another kind never sees it)
         extra = {"watch": True} if self.watch else {}
+        spec = self.req.speculate
+        if spec is not None:
+            if isinstance(self.served.scheduler, Scheduler):
+                extra["speculate"] = spec
+            elif spec.enabled:  # (a version placed over Ray steps without drafts)
+                raise _bad(f"speculate: {self.served.ref} is not served locally", "speculate")
         try:
             self.handle = self.served.scheduler.submit(
                 self.ids,

@@ -202,6 +202,21 @@ class _Live:
             "prompt positions reused from the prefix cache",
             labels=["version"],
         )
+        drafted = CounterMetricFamily(
+            "czyx_speculative_drafted_tokens",
+            "tokens drafted by speculative decoding",
+            labels=["version"],
+        )
+        accepted = CounterMetricFamily(
+            "czyx_speculative_accepted_tokens",
+            "drafted tokens accepted by verification",
+            labels=["version"],
+        )
+        rate = GaugeMetricFamily(
+            "czyx_speculative_acceptance_rate",
+            "accepted over drafted tokens since start (0 before any draft)",
+            labels=["version"],
+        )
         for ref, s, c in self.source():
             queue.add_metric([ref], s.waiting)
             active.add_metric([ref], s.active)
@@ -213,4 +228,9 @@ class _Live:
             wait.add_metric([ref], c.read_seconds)
             steps.add_metric([ref], s.steps)
             reused.add_metric([ref], s.prefix_tokens)
-        yield from (queue, active, kv, hit, bpt, read, wait, steps, reused)
+            # (a scheduler without speculation, e.g. a Ray one, reports none)
+            d, a = getattr(s, "drafted", 0), getattr(s, "accepted", 0)
+            drafted.add_metric([ref], d)
+            accepted.add_metric([ref], a)
+            rate.add_metric([ref], a / d if d else 0.0)
+        yield from (queue, active, kv, hit, bpt, read, wait, steps, reused, drafted, accepted, rate)

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from czyx.cli.commands._engineargs import add_engine_args
 from czyx.cli.commands._samplingargs import add_penalty_args
+from czyx.cli.commands._specargs import add_speculate_args, speculate_options
 from czyx.cli.commands._storearg import add_store_arg, store_dir
 
 
@@ -52,6 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_store_arg(p)
     add_engine_args(p)
+    add_speculate_args(p, served=True)
     p.set_defaults(func=run)
 
 
@@ -140,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.seed is not None:
         params["seed"] = args.seed
+    if args.speculate != "off":  # czyx's request extension (a local server has it as default too)
+        speculate_options(args)  # (a bad mode fails here, before anything starts)
+        params["extra_body"] = {"speculate": args.speculate, "draft_tokens": args.draft_tokens}
     with contextlib.ExitStack() as stack:
         if args.url:
             url, token = args.url.rstrip("/"), args.portal

@@ -25,6 +25,7 @@ from czyx.cli.commands._engineargs import add_engine_args, parse_class_range
 from czyx.cli.commands._engineargs import engine_options as engine_options  # re-exported
 from czyx.cli.commands._engineargs import stream_options as _stream_options
 from czyx.cli.commands._samplingargs import add_penalty_args
+from czyx.cli.commands._specargs import add_speculate_args, speculate_options
 from czyx.cli.commands._storearg import add_store_arg, store_dir
 from czyx.inference.opened import OpenedModel
 from czyx.store.interfaces import StoreInterface
@@ -60,6 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     add_penalty_args(p)
     add_engine_args(p)
+    add_speculate_args(p)
     p.add_argument(
         "--xray", metavar="FILE", help="write the X-Ray transfer report (JSON) and print a summary"
     )
@@ -159,6 +161,7 @@ def _write_xray(args: argparse.Namespace, engine, xray, stats) -> None:
     engine.cache.planner.drain()
     extra = {
         "model": args.ref,
+        "speculate": args.speculate,
         "budget_bytes": engine.budget_bytes,
         "expert_bytes": engine.expert_bytes,
         "prefetch": not args.no_prefetch,
@@ -174,6 +177,7 @@ def _write_xray(args: argparse.Namespace, engine, xray, stats) -> None:
         # With a trunk window: the small per-layer tensors plus the window's peak.
         trunk_bytes=engine.model.trunk_nbytes(),
         extra=extra,
+        speculation=stats.draft_steps if args.speculate != "off" else None,
     )
     path = xray.write_json(args.xray, report)
     print(table(report), file=sys.stderr)
@@ -191,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "ray", None):
         from czyx.cli.commands._ray_run import run_ray
 
+        if speculate_options(args).enabled:
+            raise ValueError("--speculate: not with --ray (the cluster decodes without drafts)")
+
         return run_ray(args)
     sampling = SamplingParams(
         args.temperature,
@@ -201,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty,
     )
     pin = parse_class_range(args.pin_classes)
+    speculate = speculate_options(args)
+    if speculate.enabled and args.session:
+        raise ValueError("--speculate: not with --session (a session decodes without drafts)")
     if args.max_tokens < 0:
         raise ValueError(f"--max-tokens {args.max_tokens} is negative")
     args.prompt = read_prompt(args)
@@ -251,8 +261,18 @@ def run(args: argparse.Namespace) -> int:
             engine.close()
             return 0
         n_positions = consumer.info.config.get("max_position_embeddings")
-        max_tokens = fit_context(len(tokenizer.encode(args.prompt)), args.max_tokens, n_positions)
-        out = generate(engine, tokenizer, args.prompt, max_tokens, sampling, on_text=emit)
+        n_prompt = len(tokenizer.encode(args.prompt))
+        max_tokens = fit_context(n_prompt, args.max_tokens, n_positions)
+        from czyx.inference.speculative import Speculator
+
+        spec = Speculator.open(speculate, engine, opened.store, args.portal)
+        try:
+            out = generate(
+                engine, tokenizer, args.prompt, max_tokens, sampling, on_text=emit, speculate=spec
+            )
+        finally:
+            if spec is not None:
+                spec.close()
         sys.stdout.write("\n")
         sys.stdout.flush()
         budget_mb = engine.cache.n_slots * engine.cache.slot_nbytes / 2**20

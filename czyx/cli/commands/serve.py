@@ -19,6 +19,7 @@ import socket
 import sys
 
 from czyx.cli.commands._engineargs import add_engine_args, check_engine_args, engine_kwargs
+from czyx.cli.commands._specargs import add_speculate_args, speculate_options
 from czyx.cli.commands._storearg import add_store_arg, store_dir
 from czyx.inference.options import BATCHED_OPTIONS
 
@@ -71,6 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--default-max-tokens", type=int, default=256, help="chat max_tokens when none is given"
     )
     p.add_argument("--no-audit", action="store_true", help="no per-request audit entries")
+    add_speculate_args(p, served=True)
     p.add_argument(
         "--stream-interval-ms",
         type=float,
@@ -106,8 +108,11 @@ def serve_options(args: argparse.Namespace):
         step_tokens=args.step_tokens,
         kv_bytes=None if args.kv_mb is None else int(args.kv_mb * 2**20),
         prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
+        speculate=speculate_options(args),
     )
     scheduler = None
+    if getattr(args, "ray", None) and batch.speculate.enabled:
+        raise ValueError("--speculate: not with --ray (the cluster steps without drafts)")
     if getattr(args, "ray", None):  # each version placed over the Ray cluster
         from czyx.cli.commands._ray_run import scheduler_factory
 

@@ -1,0 +1,469 @@
+"""Speculative decoding: drafted tokens verified in one batched step, KV rolled back.
+
+Scope: the :class:`Drafter` interface and its drafters (:class:`PromptLookup`, the
+latest earlier occurrence of the text's last n-gram; :class:`ModelDrafter`, the
+greedy tokens of a second engine, such as a low-bit version of the same model), the
+adaptive draft length (:class:`DraftLength`) and the decode loop
+(:func:`speculative_decode`) that :func:`~czyx.inference.generate.generate_ids` runs
+when given a :class:`Speculator`.
+
+Why it pays for a model streamed from disk: the pending token and ``k`` drafts go
+through one batched step (:meth:`Engine.verify`, over
+:func:`~czyx.inference.batch.forward_batch`), which acquires each routed expert once
+for every token that chose it, so a step's reads and weight streaming serve every
+token it keeps. With most drafts accepted the bytes read per generated token fall;
+rejected drafts' experts were read too, so at low acceptance they rise (measured in
+``bench/SPECULATE.md``), which the adaptive length weighs as step time.
+
+Why the output does not change: each position's token is chosen from the target
+model's own logits for that position (:meth:`Sampler.verify`): greedy takes the
+argmax, accepted where it is the draft; sampling follows the speculative-sampling
+rule for a draft proposed with certainty (accept with probability ``p(draft)``, else
+draw from ``p`` without the draft), which leaves each token's distribution
+:meth:`Sampler.__call__`'s. The first rejected position ends the step: its token is
+the correction, the positions after it are rolled back (:meth:`Engine.rollback`);
+when every draft is accepted the last row's logits give one more token. Where the
+model decodes in C the batched rows are bit-identical to one-token decodes, so the
+greedy tokens are those of decoding without drafts; elsewhere they agree to float32
+rounding (see :meth:`Engine.verify`). A rope whose tables depend on the length
+reached verifies each draft with a one-token decode, only after its predecessor was
+accepted: exact, without the batching.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import numpy as np
+
+from czyx.inference.errors import InferenceError
+from czyx.inference.options import SpeculateOptions
+from czyx.inference.sampling import Sampler
+from czyx.store.interfaces import StoreInterface
+
+if TYPE_CHECKING:
+    from czyx.inference.engine import Engine
+
+#: The relative cost of one more verified row beside a plain decode step before any
+#: is measured (:class:`DraftLength` measures it as it goes).
+VERIFY_COST = 0.25
+
+#: Recent step times :class:`DraftLength` weighs.
+WINDOW = 9
+
+#: Plain steps timed before the first draft, and the drafting steps between two plain
+#: ones that keep the plain step's time current.
+PLAIN_FIRST = 3
+REMEASURE_EVERY = 16
+
+#: Steps without drafts (the adaptive length at 0) before one draft is tried again,
+#: so a text that becomes predictable is noticed.
+PROBE_EVERY = 16
+
+
+class SpeculationError(InferenceError):
+    """A drafter could not be built or used (a draft model of another vocabulary)."""
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes the next tokens of a text.
+
+    ``propose(history, k)`` returns at most ``k`` token ids that might follow
+    ``history`` (every token so far: prompt and generated); fewer, or none, where
+    it has no guess. A drafter may keep state between calls (a draft model's KV
+    cache) but must not assume its previous drafts were accepted.
+    """
+
+    name: str
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]: ...
+
+    def close(self) -> None: ...
+
+
+class PromptLookup:
+    """Prompt-lookup drafts: the tokens after the latest earlier occurrence of the
+    history's last n-gram (``ngram`` tokens, then shorter ones down to 1).
+
+    Code and quoting text repeat their own spans (names, lines, call patterns), so
+    the continuation of the last match is often the next tokens; prose matches
+    less, and the adaptive length then stops drafting. The n-grams are indexed
+    as the history grows (a dictionary per length: n-gram -> where its latest
+    continuation starts), so a step costs the new tokens, not the history.
+    """
+
+    name = "lookup"
+
+    def __init__(self, ngram: int = 3) -> None:
+        if ngram < 1:
+            raise ValueError(f"ngram {ngram} must be at least 1")
+        self.ngram = ngram
+        self._hist: list[int] = []
+        self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(ngram + 1)]
+
+    def _sync(self, history: Sequence[int]) -> None:
+        """Index ``history``'s new positions (from scratch when it is not an extension)."""
+        seen = len(self._hist)
+        if seen > len(history) or list(history[:seen]) != self._hist:
+            self._hist, seen = [], 0
+            self._index = [{} for _ in range(self.ngram + 1)]
+        h = self._hist
+        h.extend(history[seen:])
+        # A continuation starting at e (< len(h)) follows the n-gram h[e-n:e]; the
+        # tail's own n-grams (e == len(h)) have none yet and are indexed next time.
+        for e in range(max(seen, 1), len(h)):
+            for n in range(1, min(self.ngram, e) + 1):
+                self._index[n][tuple(h[e - n : e])] = e
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest match of the history's tail."""
+        size = len(history)
+        if size < 2:
+            return []
+        self._sync(history)  # (k = 0 indexes the history alone)
+        if k <= 0:
+            return []
+        h = self._hist
+        for n in range(min(self.ngram, size - 1), 0, -1):
+            at = self._index[n].get(tuple(h[size - n :]))
+            if at is not None:
+                return h[at : at + k]
+        return []
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class ModelDrafter:
+    """Drafts from a second engine: its greedy tokens after the history.
+
+    The draft engine (a low-bit version of the same model, with its own small
+    expert cache) keeps its KV cache of the tokens it has seen; each call cuts it
+    back to the longest common prefix with ``history`` and processes the rest, so
+    accepted tokens are not recomputed and rejected ones are dropped.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        name: str = "draft",
+        vocab_size: int | None = None,
+        owned: Callable[[], None] | None = None,
+    ) -> None:
+        if vocab_size is not None and engine.cfg.vocab_size != vocab_size:
+            raise SpeculationError(
+                f"draft model {name}: vocabulary of {engine.cfg.vocab_size} tokens, the "
+                f"model's has {vocab_size}: drafts must be the same model's tokens"
+            )
+        self.engine = engine
+        self.name = name
+        self._owned = owned  # closes what was opened for this drafter (its store, consumer)
+        self._seen: list[int] = []  # the tokens in the draft engine's KV cache
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        """``k`` greedy tokens of the draft engine after ``history`` (k = 0: only bring its
+        KV cache up to the history)."""
+        if not history:
+            return []
+        seen = self._seen
+        common = 0
+        limit = min(len(seen), len(history) - 1)  # at least one token left to process
+        while common < limit and seen[common] == history[common]:
+            common += 1
+        eng = self.engine
+        eng.rollback(common)
+        rest = list(history[common:])
+        logits = eng.decode(rest[0]) if len(rest) == 1 else eng.prefill(rest)
+        seen[common:] = rest
+        out: list[int] = []
+        while k > 0:
+            tok = int(np.argmax(logits))
+            out.append(tok)
+            if len(out) == k:
+                return out
+            logits = eng.decode(tok)
+            seen.append(tok)
+        return out
+
+    def close(self) -> None:
+        """Close the draft engine (and what was opened for it, where it owns that)."""
+        try:
+            self.engine.close()
+        finally:
+            if self._owned is not None:
+                self._owned()
+                self._owned = None
+
+
+class DraftLength:
+    """The draft length of each step, chosen from the acceptance and step times measured.
+
+    The acceptance ``a`` is the fraction of drafted tokens accepted given their
+    predecessors were (an exponentially decaying count of successes and first
+    failures: the geometric model's estimate). A step of ``k`` drafts then yields
+    ``(1 - a^(k+1)) / (1 - a)`` tokens for ``1 + r * k`` of a plain decode step's
+    time, ``r`` being the measured cost of one more drafted and verified row
+    relative to a plain step (the quickest of the last :data:`WINDOW` plain steps, the median of
+    the last verification steps' costs): small where a step is dominated by reading
+    weights (each routed expert read once for every row), near 1 on a small
+    resident model whose step is its arithmetic. The length that maximises the
+    ratio is chosen (0: decode without drafts, so unpredictable text is not
+    slowed); at 0, one draft is tried every :data:`PROBE_EVERY` steps to measure
+    again (twice as rarely after each probe rejected, down to one in eight times
+    that). The first :data:`PLAIN_FIRST` steps are plain ones (they measure the
+    plain step's time), and so is every :data:`REMEASURE_EVERY`-th step that would
+    draft.
+
+    ``measure=False`` keeps ``r`` at ``cost`` and ignores times: the lengths then
+    follow the acceptances alone (a seeded sampled run is reproducible; with
+    measured times the draft lengths, and so which random draws a seeded
+    sampler makes, depend on the machine's speed, though never the distribution).
+    """
+
+    def __init__(
+        self,
+        most: int,
+        adaptive: bool = True,
+        cost: float = VERIFY_COST,
+        measure: bool = True,
+        decay: float = 0.9,
+        prior: float = 0.5,
+    ) -> None:
+        if most < 1:
+            raise ValueError(f"draft length {most} must be at least 1")
+        self.most = most
+        self.adaptive = adaptive
+        self.cost = cost
+        self.measure = measure
+        self.decay = decay
+        self._ok = prior  # pseudo-counts: the prior acceptance as one observation
+        self._bad = 1.0 - prior
+        self._idle = 0
+        self._probe_every = PROBE_EVERY  # doubled by each failed probe (to 8x), reset on success
+        self._probing = False  # whether the last length given was a probe
+        self._drafting = 0  # steps given drafts (every REMEASURE_EVERY-th is plain instead)
+        # Recent plain-step seconds and row-cost observations (their minimum and median):
+        # one step slowed by another process (a shared machine) does not swing the length.
+        self._plains: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._rows: collections.deque[float] = collections.deque(maxlen=WINDOW)
+
+    @property
+    def acceptance(self) -> float:
+        """The measured per-token acceptance (the prior before any draft)."""
+        return self._ok / (self._ok + self._bad)
+
+    def best(self) -> int:
+        """The length maximising expected tokens per unit of step time."""
+        a = min(self.acceptance, 1.0 - 1e-9)
+        best, score = 0, 1.0
+        for k in range(1, self.most + 1):
+            s = (1.0 - a ** (k + 1)) / (1.0 - a) / (1.0 + self.cost * k)
+            if s > score + 1e-12:
+                best, score = k, s
+        return best
+
+    def next(self) -> int:
+        """This step's draft length."""
+        if not self.adaptive:
+            return self.most
+        if self.measure and len(self._plains) < PLAIN_FIRST:
+            return 0  # plain steps first: their time is the unit
+        k = self.best()
+        if k > 0 and self.measure:
+            self._drafting += 1
+            if self._drafting % REMEASURE_EVERY == 0:
+                return 0  # a plain step now and then: the unit stays current
+        if k == 0:
+            self._idle += 1
+            if self._idle >= self._probe_every:
+                self._idle = 0
+                self._probing = True
+                return 1
+        return k
+
+    def plain(self, seconds: float) -> None:
+        """Count a plain (draftless) step's time."""
+        if self.measure and seconds > 0:
+            self._plains.append(seconds)
+
+    def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        """Count a step's outcome: ``accepted`` of ``drafted`` (a prefix) accepted, in
+        ``seconds`` (drafting, forward pass and choices) where measured."""
+        if drafted <= 0:
+            return
+        if self._probing:  # back off while probes fail
+            self._probing = False
+            fail = accepted == 0
+            self._probe_every = min(8 * PROBE_EVERY, 2 * self._probe_every) if fail else PROBE_EVERY
+        d = self.decay**drafted
+        self._ok = self._ok * d + accepted
+        self._bad = self._bad * d + (1.0 if accepted < drafted else 0.0)
+        if self.measure and seconds is not None and self._plains:
+            # The quickest recent plain step: a plain step slowed by another process would
+            # make rows look cheap, and drafts that do not pay are what must not happen.
+            plain = min(self._plains)
+            self._rows.append(max(0.0, (seconds / plain - 1.0) / drafted))
+            self.cost = statistics.median(self._rows)  # (the first replaces the prior)
+
+
+@dataclass
+class Speculator:
+    """A drafter and its draft length: what :func:`generate_ids` speculates with.
+
+    ``steps`` records ``(drafted, accepted)`` per decode step (X-Ray's per-step
+    record); a step without drafts is ``(0, 0)``.
+    """
+
+    drafter: Drafter
+    length: DraftLength
+    steps: list[tuple[int, int]] = field(default_factory=list)
+
+    @classmethod
+    def lookup(cls, options: SpeculateOptions) -> Speculator:
+        """Prompt lookup with ``options``' n-gram, length and adaptivity."""
+        return cls(PromptLookup(options.ngram), DraftLength(options.draft_tokens, options.adaptive))
+
+    @classmethod
+    def open(
+        cls,
+        options: SpeculateOptions,
+        engine: Engine,
+        store: StoreInterface | None = None,
+        token: str | None = None,
+    ) -> Speculator | None:
+        """The speculator ``options`` describe for ``engine`` (None when ``off``).
+
+        ``draft:NAME@VER`` opens that version of ``store`` (the open store the
+        target came from) through the portal ``token`` (the owner's when None),
+        with its own expert budget (``options.draft_cache_mb``) and the target's
+        reader options; it must share the target's vocabulary.
+        """
+        if not options.enabled:
+            return None
+        length = DraftLength(options.draft_tokens, options.adaptive)
+        ref = options.draft_ref
+        if ref is None:
+            return cls(PromptLookup(options.ngram), length)
+        if store is None:
+            raise SpeculationError(f"draft model {ref}: no store to open it from")
+        from czyx.inference.engine import Engine
+        from czyx.portals import open_consumer
+
+        consumer = open_consumer(store, token or None, ref, direct=True)
+        try:
+            cache = None if options.draft_cache_mb is None else int(options.draft_cache_mb * 2**20)
+            draft = Engine(
+                consumer, cache_bytes=cache, options=engine.options, threads=engine.threads
+            )
+        except BaseException:
+            consumer.close()
+            raise
+        try:
+            drafter = ModelDrafter(draft, ref, engine.cfg.vocab_size, owned=consumer.close)
+        except BaseException:
+            draft.close()
+            consumer.close()
+            raise
+        return cls(drafter, length)
+
+    @property
+    def drafted(self) -> int:
+        """Tokens drafted so far."""
+        return sum(d for d, _ in self.steps)
+
+    @property
+    def accepted(self) -> int:
+        """Drafted tokens accepted so far."""
+        return sum(a for _, a in self.steps)
+
+    def close(self) -> None:
+        """Release the drafter."""
+        self.drafter.close()
+
+
+def speculative_decode(
+    engine: Engine,
+    logits: np.ndarray,
+    history: list[int],
+    max_tokens: int,
+    sampler: Sampler,
+    eos: set[int],
+    spec: Speculator,
+    on_token: Callable[[int], None] | None = None,
+) -> tuple[list[int], str]:
+    """Generate after a prefill whose last logits are ``logits``: ``(tokens, stop reason)``.
+
+    ``history`` is the prompt (extended in place with every generated token). Each
+    step drafts up to the :class:`DraftLength`'s tokens, verifies the pending token
+    and the drafts in one step (:meth:`Engine.verify`), keeps the accepted prefix
+    and the token chosen at the first rejection (or after the last draft) and
+    rolls the KV cache back to them. No drafts: a plain :meth:`Engine.decode`.
+    Stops after an end-of-sequence id or ``max_tokens``; the last token is left
+    pending (unprocessed), as without speculation.
+    """
+    out: list[int] = []
+
+    def emit(tok: int) -> bool:  # True: stop here
+        out.append(tok)
+        history.append(tok)
+        if on_token is not None:
+            on_token(tok)
+        return tok in eos or len(out) >= max_tokens
+
+    if max_tokens <= 0:
+        return out, "max_tokens"
+    pending = sampler(logits)
+    if emit(pending):
+        return out, "eos" if pending in eos else "max_tokens"
+    batched = engine.verifies_in_one_step
+    clock = time.perf_counter
+    # The drafter takes in the prompt before the steps are timed (prompt lookup indexes
+    # it, a draft model prefills it): a one-time cost, not a step's.
+    spec.drafter.propose(history, 0)
+    while True:
+        t0 = clock()
+        k = min(spec.length.next(), max_tokens - len(out) - 1)
+        drafts = spec.drafter.propose(history, k)[:k] if k > 0 else []
+        if not drafts:
+            logits = engine.decode(pending)
+            spec.length.plain(clock() - t0)
+            spec.steps.append((0, 0))
+            pending = sampler(logits)
+            if emit(pending):
+                break
+            continue
+        base = engine.position  # the pending token's position
+        if batched:
+            rows = engine.verify([pending, *drafts])
+        else:
+            rows = [engine.decode(pending)]
+        accepted, stop = 0, False
+        keep = base + 1  # the positions to keep: the pending token's and accepted drafts'
+        for i, d in enumerate(drafts):
+            tok, ok = sampler.verify(rows[i], d)
+            stop = emit(tok)
+            if not ok:
+                break
+            accepted += 1
+            if stop:  # the run ends on this draft: left unprocessed, as a pending token is
+                break
+            keep += 1
+            if not batched:  # the next draft's logits, now that this one is in
+                rows.append(engine.decode(d))
+        if accepted == len(drafts) and not stop:
+            tok = sampler(rows[accepted])  # every draft accepted: one more token
+            stop = emit(tok)
+        if engine.position > keep:
+            engine.rollback(keep)
+        spec.length.update(len(drafts), accepted, clock() - t0)
+        spec.steps.append((len(drafts), accepted))
+        pending = tok
+        if stop:
+            break
+    return out, "eos" if out[-1] in eos else "max_tokens"
