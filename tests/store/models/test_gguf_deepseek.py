@@ -138,15 +138,35 @@ def test_kv_b_split_and_join_are_inverse():
     assert np.array_equal(kv_b_join(k_b, v_b), kv_b)
 
 
-def test_deepseek_config_llama_cpp_cannot_express_is_refused_at_export(tmp_path):
+@pytest.mark.parametrize(
+    ("arch", "over", "policy", "match"),
+    [
+        (
+            "deepseek_v2",
+            dict(n_group=2, topk_group=1, topk_method="group_limited_greedy"),
+            None,
+            "topk_method",
+        ),
+        ("deepseek_v3", dict(num_key_value_heads=1), None, "num_key_value_heads"),
+        ("deepseek_v3", dict(rope_interleave=False), None, "rope_interleave"),
+        ("deepseek_v3", {}, "q4-all", "kv_b_proj"),
+    ],
+    ids=["v2-group-limited", "kv-heads", "rope-halves", "quantized-kv_b"],
+)
+def test_deepseek_config_llama_cpp_cannot_express_is_refused_at_export(
+    tmp_path, arch, over, policy, match
+):
+    from czyx.store.quant.codec import QuantCodec
+    from czyx.store.quant.policy import parse_policy
     from czyx.testing.archparity import write_checkpoint
 
-    model = ds_model("deepseek_v2", n_group=2, topk_group=1, topk_method="group_limited_greedy")
-    write_checkpoint(model, tmp_path / "ckpt", fused=False)
+    write_checkpoint(ds_model(arch, **over), tmp_path / "ckpt", fused=False)
+    quant = None if policy is None else QuantCodec(parse_policy(policy))
     with Store.open(tmp_path / "s") as store:
-        mount(store, tmp_path / "ckpt", "m@1")
-        with pytest.raises(UnsupportedGGUFError, match="topk_method"):
+        mount(store, tmp_path / "ckpt", "m@1", quant=quant)
+        with pytest.raises(UnsupportedGGUFError, match=match) as err:
             export_gguf(store, "m@1", tmp_path / "x.gguf")
+    assert "\n" not in str(err.value)
     assert not (tmp_path / "x.gguf").exists()
 
 
@@ -162,7 +182,8 @@ def _rewrite(src, dst, drop=(), meta=None) -> None:
         sub = f.types[-1] if len(f.types) > 1 else None
         w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
     for key, (value, vtype) in (meta or {}).items():
-        w.add_key_value(key, value, vtype)
+        if value is not None:  # None: the key left out
+            w.add_key_value(key, value, vtype)
     for t in r.tensors:
         if t.name not in drop:
             w.add_tensor(t.name, np.asarray(t.data))  # (an f32 file: typed by the array)
@@ -178,9 +199,17 @@ def _rewrite(src, dst, drop=(), meta=None) -> None:
         ((), {"deepseek2.expert_gating_func": (3, "u32")}, "expert_gating_func 3"),
         ((), {"deepseek2.rope.scaling.type": ("yarn", "str")}, "rope scaling 'yarn'"),
         ((), {"deepseek2.expert_gating_func": (1, "u32")}, "never renormalises"),
+        (
+            (),
+            {
+                "deepseek2.expert_gating_func": (1, "u32"),
+                "deepseek2.expert_weights_norm": (None, "u32"),
+            },
+            "group_limited_greedy",
+        ),
         (("blk.1.attn_v_b.weight",), {}, "pairs"),
     ],
-    ids=["gating", "yarn", "v2-renormalised", "half-missing"],
+    ids=["gating", "yarn", "v2-renormalised", "v2-groups", "half-missing"],
 )
 def test_deepseek_gguf_czyx_cannot_read_is_refused(tmp_path, drop, meta, match):
     import gguf
