@@ -63,11 +63,16 @@ def _mount(tmp_path, model, qtype: str):
 
 
 def _run(tmp_path, token, prompt) -> tuple[np.ndarray, list[int]]:
+    """Logits over ``prompt`` and the greedy tokens after it (the same with a quarter of
+    the experts cached, or the empty list)."""
     with OpenedModel(str(tmp_path / "s"), "m@1", token) as opened:
         with float_inputs():
             logits = Engine(opened.consumer).prefill(prompt, all_logits=True)
         tokens, _ = generate_ids(Engine(opened.consumer), prompt.tolist(), STEPS)
-    return logits, tokens
+        quarter = Engine(opened.consumer, cache_fraction=0.25)
+        again, _ = generate_ids(quarter, prompt.tolist(), STEPS)
+        assert quarter.stats().misses > 0
+    return logits, tokens if again == tokens else []
 
 
 def _same_file(a, b) -> None:
