@@ -365,6 +365,16 @@ def _deepseek_parameters(writer: Any, cfg: Any) -> None:
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(1)
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    yarn = params.get("rope_type") == "yarn"
+    if yarn:  # TextModel.set_gguf_parameters
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(params["factor"])
+        writer.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+        if params.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(params["beta_fast"])
+        if params.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(params["beta_slow"])
     writer.add_rope_freq_base(float(rope))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_expert_count(cfg.n_routed_experts)
@@ -392,6 +402,8 @@ def _deepseek_parameters(writer: Any, cfg: Any) -> None:
     if getattr(cfg, "norm_topk_prob", False):
         writer.add_expert_weights_norm(True)
     writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    if yarn and params.get("mscale_all_dim") is not None:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * params["mscale_all_dim"])
 
 
 def tiny_bpe_tokenizer_json(vocab: int) -> str:

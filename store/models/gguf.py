@@ -22,7 +22,10 @@ told apart by ``expert_gating_func``, sigmoid or softmax, :func:`resolve_arch`):
   ``value_length_mla``) and splits ``kv_b_proj`` into ``attn_k_b`` (the no-rope
   key rows of each head, transposed) and ``attn_v_b`` (:func:`kv_b_split`,
   :func:`kv_b_join`); the selection bias is ``exp_probs_b.bias``, shared experts
-  ``ffn_*_shexp``, the leading dense layers ``ffn_{gate,up,down}``;
+  ``ffn_*_shexp``, the leading dense layers ``ffn_{gate,up,down}``; its YaRN
+  (DeepSeek-V3's and Kimi-K2's rope) is ``rope.scaling.*`` with
+  ``yarn_log_multiplier = 0.1 * mscale_all_dim``, read back with
+  ``mscale == mscale_all_dim`` (what llama.cpp computes);
 * the HF ``config.json`` rebuilt from GGUF metadata (:func:`config_from_gguf`)
   and the metadata written from a config (:func:`gguf_metadata`), with
   llama.cpp's routing conventions made explicit (``norm_topk_prob``: llama.cpp
@@ -37,8 +40,9 @@ told apart by ``expert_gating_func``, sigmoid or softmax, :func:`resolve_arch`):
   so they are repacked without drift; every other type needs an explicit
   conversion policy (:mod:`store.models.gguf_source`).
 
-Anything else (another architecture, an unknown tensor, a rope scaling, a
-sentencepiece vocabulary) is refused with :class:`UnsupportedGGUFError`.
+Anything else (another architecture, an unknown tensor, a rope scaling other
+than deepseek2's YARN, an unknown gating function) is refused with
+:class:`UnsupportedGGUFError`.
 """
 
 from __future__ import annotations
@@ -389,7 +393,7 @@ def config_from_gguf(meta: Mapping[str, Any], arch: GGUFArch, n_vocab: int, tied
     """
     a = arch.gguf
     scaling = _get(meta, f"{a}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none") and not (a == "deepseek2" and scaling == "yarn"):
         raise UnsupportedGGUFError(f"rope scaling {scaling!r} in a GGUF file is not supported")
     hidden = int(_get(meta, f"{a}.embedding_length", need=True))
     heads = int(_get(meta, f"{a}.attention.head_count", need=True))
@@ -527,8 +531,79 @@ def _deepseek_config(meta: Mapping[str, Any], arch: GGUFArch, n_vocab: int, tied
         cfg["rope_interleave"] = True  # llama.cpp's deepseek2 rope rotates adjacent pairs
     else:
         cfg["topk_method"] = "greedy"
+    if _get(meta, f"{a}.rope.scaling.type") == "yarn":
+        cfg["rope_parameters"] = _deepseek_yarn(meta, cfg["rope_theta"])
     _token_ids(meta, cfg)
     return cfg
+
+
+# YaRN keys of llama.cpp that a DeepSeek config has no field for (its yarn is
+# transformers' with an attention scale from mscale / mscale_all_dim).
+_YARN_UNMAPPED = ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor")
+
+
+def _deepseek_yarn(meta: Mapping[str, Any], theta: float) -> dict[str, Any]:
+    """HF ``rope_parameters`` of a deepseek2 file's YaRN keys.
+
+    llama.cpp scales DeepSeek's attention by ``1 + yarn_log_multiplier * ln(factor)``
+    (the converter writes ``0.1 * mscale_all_dim``) and leaves cos/sin unscaled: that
+    is transformers' DeepSeek YaRN with ``mscale == mscale_all_dim``.
+    """
+    a = "deepseek2"
+    for key in _YARN_UNMAPPED:
+        if f"{a}.{key}" in meta:
+            raise UnsupportedGGUFError(f"{a}.{key}: DeepSeek's YaRN has no such parameter")
+    log_mul = _get(meta, f"{a}.rope.scaling.yarn_log_multiplier")
+    if log_mul is None:
+        raise UnsupportedGGUFError(f"{a} YaRN without rope.scaling.yarn_log_multiplier")
+    mscale = round(float(log_mul) / 0.1, 6)  # (a float32 of 0.1 * mscale_all_dim)
+    params: dict[str, Any] = {
+        "rope_type": "yarn",
+        "rope_theta": theta,
+        "factor": float(_get(meta, f"{a}.rope.scaling.factor", need=True)),
+        "original_max_position_embeddings": int(
+            _get(meta, f"{a}.rope.scaling.original_context_length", need=True)
+        ),
+        "mscale": mscale,
+        "mscale_all_dim": mscale,
+    }
+    for field in ("beta_fast", "beta_slow"):
+        v = _get(meta, f"{a}.rope.scaling.yarn_{field}")
+        if v is not None:
+            params[field] = float(v)
+    return params
+
+
+def _deepseek_yarn_metadata(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``rope.scaling.*`` keys of a DeepSeek config (none for the default rope)."""
+    params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return {}
+    if kind != "yarn":
+        raise UnsupportedGGUFError(f"rope scaling {kind!r}: llama.cpp's deepseek2 has only yarn")
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale_all is None or float(mscale or 0) != float(mscale_all):
+        raise UnsupportedGGUFError(
+            f"yarn mscale={mscale} mscale_all_dim={mscale_all}: llama.cpp's deepseek2 needs "
+            "them equal"
+        )
+    for field in ("attention_factor", "extrapolation_factor"):
+        if params.get(field) is not None:
+            raise UnsupportedGGUFError(f"yarn {field}: llama.cpp's deepseek2 has no such key")
+    a = "deepseek2"
+    out: dict[str, Any] = {
+        f"{a}.rope.scaling.type": "yarn",
+        f"{a}.rope.scaling.factor": float(params["factor"]),
+        f"{a}.rope.scaling.original_context_length": int(
+            params.get("original_max_position_embeddings")
+            or config.get("original_max_position_embeddings")
+        ),
+    }
+    for field in ("beta_fast", "beta_slow"):
+        if params.get(field) is not None:
+            out[f"{a}.rope.scaling.yarn_{field}"] = float(params[field])
+    return out
 
 
 def _deepseek_metadata(config: Mapping[str, Any], arch: GGUFArch) -> dict[str, Any]:
@@ -551,6 +626,7 @@ def _deepseek_metadata(config: Mapping[str, Any], arch: GGUFArch) -> dict[str, A
     rope = int(config["qk_rope_head_dim"])
     kv_rank = int(config["kv_lora_rank"])
     theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+    yarn = _deepseek_yarn_metadata(config)
     meta: dict[str, Any] = {
         f"{a}.block_count": int(config["num_hidden_layers"]),
         f"{a}.context_length": int(config.get("max_position_embeddings") or 4096),
@@ -558,6 +634,7 @@ def _deepseek_metadata(config: Mapping[str, Any], arch: GGUFArch) -> dict[str, A
         f"{a}.feed_forward_length": int(config["intermediate_size"]),
         f"{a}.attention.head_count": heads,
         f"{a}.attention.head_count_kv": 1,
+        **yarn,
         f"{a}.rope.freq_base": float(theta or 10000.0),
         f"{a}.attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-6)),
         f"{a}.expert_count": int(config["n_routed_experts"]),
@@ -585,6 +662,10 @@ def _deepseek_metadata(config: Mapping[str, Any], arch: GGUFArch) -> dict[str, A
     if arch.czyx == "deepseek_v3" and config.get("norm_topk_prob", True):
         meta[f"{a}.expert_weights_norm"] = True
     meta[f"{a}.rope.dimension_count"] = rope
+    if yarn:
+        # DeepseekV2Model writes 0.1 * mscale_all_dim ([TAG_DEEPSEEK2_YARN_LOG_MUL_FIX])
+        params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+        meta[f"{a}.rope.scaling.yarn_log_multiplier"] = 0.1 * float(params["mscale_all_dim"])
     return meta
 
 
@@ -600,12 +681,12 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
     arch = BY_CZYX.get(str(config.get("model_type")))
     if arch is None:
         raise UnsupportedGGUFError(f"model_type {config.get('model_type')!r} has no GGUF export")
+    if arch.gguf == "deepseek2":  # (its YaRN has a GGUF form)
+        return arch, _deepseek_metadata(config, arch)
     if config.get("rope_scaling") or (config.get("rope_parameters") or {}).get(
         "rope_type", "default"
     ) not in ("default", None):
         raise UnsupportedGGUFError("a rope scaling cannot be exported to GGUF")
-    if arch.gguf == "deepseek2":
-        return arch, _deepseek_metadata(config, arch)
     if config.get("sliding_window") and (
         arch.czyx == "mixtral" or config.get("use_sliding_window")
     ):

@@ -318,6 +318,8 @@ def _kv_b_half(
 def _add_kv(writer: Any, key: str, value: Any) -> None:
     if isinstance(value, bool):
         writer.add_bool(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
     elif isinstance(value, float):
         writer.add_float32(key, value)
     else:

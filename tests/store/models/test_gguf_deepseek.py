@@ -46,6 +46,20 @@ _DIMS = dict(
     num_hidden_layers=2,
 )
 KIMI = dict(n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1)
+# DeepSeek-V3's and Kimi-K2's YaRN (factor 40 and 32 over 4096 positions), scaled down.
+YARN = dict(
+    max_position_embeddings=256,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=8.0,
+        original_max_position_embeddings=32,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+)
 STEPS = 8
 
 
@@ -101,10 +115,11 @@ def _arch_metadata(path) -> dict:
         ("deepseek_v3", {}, "f16"),
         ("deepseek_v3", {}, "q8_0"),
         ("deepseek_v3", KIMI, "f16"),
+        ("deepseek_v3", {**KIMI, **YARN}, "f32"),
         ("deepseek_v2", {"n_group": None, "topk_group": None}, "f32"),
         ("deepseek_v2", {"q_lora_rank": None, "n_group": None, "topk_group": None}, "f16"),
     ],
-    ids=["v3-f32", "v3-f16", "v3-q8_0", "kimi384-f16", "v2-f32", "v2-lite-f16"],
+    ids=["v3-f32", "v3-f16", "v3-q8_0", "kimi384-f16", "kimi384-yarn-f32", "v2-f32", "v2-lite-f16"],
 )
 def test_deepseek_gguf_mounts_runs_and_exports_back(tmp_path, arch, over, qtype):
     import gguf
@@ -127,7 +142,7 @@ def test_deepseek_gguf_mounts_runs_and_exports_back(tmp_path, arch, over, qtype)
     assert _arch_metadata(path) == _arch_metadata(tmp_path / "m.gguf")
     reader = gguf.GGUFReader(path)
     assert reader.fields["general.architecture"].contents() == "deepseek2"
-    if over is KIMI:
+    if over.get("n_routed_experts") == 384:
         assert manifest["expert"]["n_experts"] == 384
         assert {int(t.shape[-1]) for t in reader.tensors if "_exps" in t.name} == {384}
 
@@ -155,8 +170,14 @@ def test_kv_b_split_and_join_are_inverse():
         ("deepseek_v3", dict(num_key_value_heads=1), None, "num_key_value_heads"),
         ("deepseek_v3", dict(rope_interleave=False), None, "rope_interleave"),
         ("deepseek_v3", {}, "q4-all", "kv_b_proj"),
+        (
+            "deepseek_v3",
+            {"rope_parameters": {**YARN["rope_parameters"], "mscale": 0.5}},
+            None,
+            "mscale",
+        ),
     ],
-    ids=["v2-group-limited", "kv-heads", "rope-halves", "quantized-kv_b"],
+    ids=["v2-group-limited", "kv-heads", "rope-halves", "quantized-kv_b", "yarn-mscale"],
 )
 def test_deepseek_config_llama_cpp_cannot_express_is_refused_at_export(
     tmp_path, arch, over, policy, match
@@ -202,7 +223,8 @@ def _rewrite(src, dst, drop=(), meta=None) -> None:
     ("drop", "meta", "match"),
     [
         ((), {"deepseek2.expert_gating_func": (3, "u32")}, "expert_gating_func 3"),
-        ((), {"deepseek2.rope.scaling.type": ("yarn", "str")}, "rope scaling 'yarn'"),
+        ((), {"deepseek2.rope.scaling.type": ("linear", "str")}, "rope scaling 'linear'"),
+        ((), {"deepseek2.rope.scaling.type": ("yarn", "str")}, "yarn_log_multiplier"),
         ((), {"deepseek2.expert_gating_func": (1, "u32")}, "never renormalises"),
         (
             (),
@@ -214,7 +236,7 @@ def _rewrite(src, dst, drop=(), meta=None) -> None:
         ),
         (("blk.1.attn_v_b.weight",), {}, "pairs"),
     ],
-    ids=["gating", "yarn", "v2-renormalised", "v2-groups", "half-missing"],
+    ids=["gating", "linear-rope", "yarn-no-log-mul", "v2-renorm", "v2-groups", "half-missing"],
 )
 def test_deepseek_gguf_czyx_cannot_read_is_refused(tmp_path, drop, meta, match):
     import gguf
