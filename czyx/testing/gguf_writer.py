@@ -144,7 +144,7 @@ def _state(model: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def _vocab(writer: Any, tokenizer_json: str, n_vocab: int) -> None:
+def _vocab(writer: Any, tokenizer_json: str, n_vocab: int, pre: str = "gpt-2") -> None:
     import gguf
 
     data = json.loads(tokenizer_json)
@@ -168,7 +168,7 @@ def _vocab(writer: Any, tokenizer_json: str, n_vocab: int) -> None:
             tokens.append(t)
             types.append(gguf.TokenType.NORMAL)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     merges = data["model"].get("merges") or []
@@ -256,11 +256,13 @@ def write_gguf(
     spm_vocab: dict[str, Any] | None = None,
     chat_template: str | None = None,
     split_max_tensors: int = 0,
+    pre: str = "gpt-2",
 ) -> list[Path]:
     """Write ``model`` (a transformers MoE ``*ForCausalLM``) as GGUF at ``path``.
 
     ``split_max_tensors > 0`` writes ``-0000N-of-0000M.gguf`` splits as
-    ``gguf-split`` does. Returns the files written.
+    ``gguf-split`` does; ``pre`` is the ``tokenizer.ggml.pre`` the converter's
+    hash of ``tokenizer_json``'s pre-tokenizer would give. Returns the files written.
     """
     import gguf
 
@@ -280,7 +282,7 @@ def write_gguf(
         ]
     )
     if tokenizer_json is not None:
-        _vocab(writer, tokenizer_json, cfg.vocab_size)
+        _vocab(writer, tokenizer_json, cfg.vocab_size, pre)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     if spm_vocab is not None:  # as _set_vocab_sentencepiece writes it

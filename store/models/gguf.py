@@ -741,9 +741,10 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
 
 # ----------------------------------------------------------------- tokenizer
 
-# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp) by tokenizer.ggml.pre.
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp) by tokenizer.ggml.pre; a tuple is
+# applied in turn, each to the pieces of the one before (a Sequence of Splits in HF).
 _GPT2_RX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-PRE_REGEX = {
+PRE_REGEX: dict[str, str | tuple[str, ...]] = {
     "gpt-2": _GPT2_RX,
     "olmo": _GPT2_RX,
     "qwen2": (
@@ -753,6 +754,14 @@ PRE_REGEX = {
     "llama-bpe": (
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
         r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+    # DeepSeek-V3 / R1 (HF tokenizer.json and llama.cpp alike): digits in threes, runs of
+    # CJK ideographs and kana, then a GPT-4-like split
+    "deepseek-v3": (
+        "\\p{N}{1,3}",
+        "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+        "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?"
+        "[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
     ),
 }
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 3, 4, 5, 6
@@ -851,10 +860,8 @@ def tokenizer_json_from_gguf(meta: Mapping[str, Any]) -> str | None:
         raise GGUFError("tokenizer.ggml.tokens has duplicate tokens")
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRE_REGEX[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+        [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in _regexes(pre)]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
     special = [tokens[i] for i, t in enumerate(types) if t == TOKEN_CONTROL]
@@ -921,13 +928,21 @@ def _pre_name(pre: Mapping[str, Any]) -> str | None:
     if pre.get("type") != "Sequence":
         return None
     steps = pre.get("pretokenizers") or []
-    if len(steps) != 2 or steps[1].get("type") != "ByteLevel" or steps[1].get("use_regex"):
+    if len(steps) < 2 or steps[-1].get("type") != "ByteLevel" or steps[-1].get("use_regex"):
         return None
-    split = steps[0]
-    rx = (split.get("pattern") or {}).get("Regex")
-    if split.get("type") != "Split" or split.get("behavior") != "Isolated":
-        return None
-    return next((name for name, known in PRE_REGEX.items() if known == rx), None)
+    rxs = []
+    for split in steps[:-1]:
+        if split.get("type") != "Split" or split.get("behavior") != "Isolated":
+            return None
+        if split.get("invert"):
+            return None
+        rxs.append((split.get("pattern") or {}).get("Regex"))
+    return next((name for name in PRE_REGEX if _regexes(name) == tuple(rxs)), None)
+
+
+def _regexes(pre: str) -> tuple[str, ...]:
+    rx = PRE_REGEX[pre]
+    return (rx,) if isinstance(rx, str) else rx
 
 
 def _spm_fields(data: Mapping[str, Any], model: Mapping[str, Any], n_vocab: int) -> dict:

@@ -317,3 +317,59 @@ def test_gguf_from_before_the_kv_b_split_mounts_the_same(tmp_path):
     got, tokens = _run(tmp_path, token, prompt)
     assert np.abs(got - want).max() < 1e-5 * float(want.max() - want.min())
     assert tokens == want_tokens
+
+
+# DeepSeek-V3's tokenizer.json pre-tokenizer, as published (llama.cpp: "deepseek-v3").
+_DS3_SPLITS = (
+    "\\p{N}{1,3}",
+    "[一-龥\u3040-ゟ゠-ヿ]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?"
+    "[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+)
+
+
+def test_deepseek_v3_pre_tokenizer_travels_both_ways(tmp_path):
+    import json
+
+    import gguf
+    from tokenizers import Tokenizer
+
+    from czyx.inference.tokenizer import tokenizer_for
+    from czyx.testing.gguf_writer import tiny_bpe_tokenizer_json
+
+    data = json.loads(tiny_bpe_tokenizer_json(320))
+    data["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": rx}, "behavior": "Isolated", "invert": False}
+            for rx in _DS3_SPLITS
+        ]
+        + [
+            {
+                "type": "ByteLevel",
+                "add_prefix_space": False,
+                "trim_offsets": True,
+                "use_regex": False,
+            }
+        ],
+    }
+    tj = json.dumps(data)
+    src = Tokenizer.from_str(tj)
+    model = ds_model(vocab_size=320)  # (the byte alphabet alone is 256 tokens)
+    write_gguf(model, tmp_path / "m.gguf", "f16", tokenizer_json=tj, pre="deepseek-v3")
+    with Store.open(tmp_path / "s") as store:
+        mount(store, tmp_path / "m.gguf", "m@1")
+        token = portals.root_token(store)
+        (path,) = export_gguf(store, "m@1", tmp_path / "out.gguf")
+    text = "the fox, 1234567 foxes!x 日本語のテキスト\n\n  jumps"
+    with OpenedModel(str(tmp_path / "s"), "m@1", token) as opened:
+        tok = tokenizer_for(opened.consumer, 320)
+        ids = tok.encode(text)
+        mounted = Tokenizer.from_str(opened.consumer.tokenizer_json())
+    assert ids == src.encode(text, add_special_tokens=False).ids
+    want = src.pre_tokenizer.pre_tokenize_str(text)
+    assert mounted.pre_tokenizer.pre_tokenize_str(text) == want
+    assert ("!x", (22, 24)) in want  # punctuation before letters: one piece
+    pieces = [p for p, _ in src.pre_tokenizer.pre_tokenize_str("1234567")]
+    assert pieces == ["123", "456", "7"]  # digits in threes, as llama.cpp splits them
+    assert gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == "deepseek-v3"
