@@ -291,8 +291,9 @@ def _kv_b_half(
 
     A float kv_b_proj keeps its type. One that mount rebuilt as float32 from
     quantized halves (``source_type``, the GGUF type the half had) is written in that
-    type again only where re-encoding reproduces the stored values exactly (Q8_0 and
-    Q4_0 of values they dequantized to do); otherwise it stays F32.
+    type again only where re-encoding reproduces the stored values exactly (F16/BF16
+    of values they widened to, Q8_0 and Q4_0 of values they dequantized to do);
+    otherwise it stays F32.
     """
     import gguf
 
@@ -305,8 +306,15 @@ def _kv_b_half(
     k_b, v_b = kv_b_split(data, int(config["num_attention_heads"]), int(config["qk_nope_head_dim"]))
     out = np.ascontiguousarray(k_b if half == "k" else v_b)
     want = None if source_type is None else getattr(_q(), source_type, None)
-    if qt != _q().F32 or want is None or want in (_q().F32, _q().F16, _q().BF16):
+    if qt != _q().F32 or want is None or want == _q().F32:
         return out, qt
+    if want == _q().F16:  # a pair of mixed types was joined as F32: F16 again if exact
+        half16 = out.astype(np.float16)
+        return (half16, want) if np.array_equal(half16.astype(np.float32), out) else (out, qt)
+    if want == _q().BF16:
+        bits = (out.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+        exact = np.array_equal((bits.astype(np.uint32) << 16).view(np.float32), out)
+        return (bits, want) if exact else (out, qt)
     try:
         blocks = gguf.quants.quantize(out, want)
         exact = np.array_equal(gguf.quants.dequantize(blocks, want), out)

@@ -114,12 +114,22 @@ def _arch_metadata(path) -> dict:
         ("deepseek_v3", {}, "f32"),
         ("deepseek_v3", {}, "f16"),
         ("deepseek_v3", {}, "q8_0"),
+        ("deepseek_v3", {"kv_lora_rank": 16}, "q8_0"),  # attn_k_b Q8_0, attn_v_b F16
         ("deepseek_v3", KIMI, "f16"),
         ("deepseek_v3", {**KIMI, **YARN}, "q8_0"),
         ("deepseek_v2", {"n_group": None, "topk_group": None}, "f32"),
         ("deepseek_v2", {"q_lora_rank": None, "n_group": None, "topk_group": None}, "f16"),
     ],
-    ids=["v3-f32", "v3-f16", "v3-q8_0", "kimi384-f16", "kimi384-yarn-q8", "v2-f32", "v2-lite-f16"],
+    ids=[
+        "v3-f32",
+        "v3-f16",
+        "v3-q8_0",
+        "v3-q8_0-mixed-kv_b",
+        "kimi384-f16",
+        "kimi384-yarn-q8",
+        "v2-f32",
+        "v2-lite-f16",
+    ],
 )
 def test_deepseek_gguf_mounts_runs_and_exports_back(tmp_path, arch, over, qtype):
     import gguf
