@@ -7,6 +7,10 @@ architectures czyx runs, written with the ``gguf`` package's ``GGUFWriter``:
 * Mixtral as llama.cpp's ``llama`` arch with q/k rows permuted to its rope
   order (``LlamaModel.permute``); Qwen2-MoE ``qwen2moe``, Qwen3-MoE
   ``qwen3moe``, OLMoE ``olmoe`` unpermuted (NEOX rope);
+* DeepSeek-V3 / Kimi-K2 / DeepSeek-V2 as ``deepseek2`` (``DeepseekV2Model``):
+  latent attention as MQA of one head, ``kv_b_proj`` split into ``attn_k_b`` /
+  ``attn_v_b``, ``exp_probs_b.bias``, shared experts ``ffn_*_shexp``,
+  multi-token-prediction layers dropped;
 * routed experts stacked per layer as ``ffn_{gate,up,down}_exps [E, I, H]``;
 * 1-D tensors and the routers (``ffn_gate_inp``) kept F32, as the converter
   forces; other matrices in ``qtype`` (``f32``, ``f16``, ``bf16``, ``q8_0``,
@@ -26,7 +30,14 @@ from typing import Any
 
 import numpy as np
 
-_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+_ARCH = {
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "olmoe": "olmoe",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
+}
 _MAP = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -54,6 +65,26 @@ _LAYER = {
     "mlp.up_proj.weight": "ffn_up",
     "mlp.down_proj.weight": "ffn_down",
 }
+# DeepseekV2Model's names (gguf.MODEL_ARCH.DEEPSEEK2's tensor table); kv_b_proj is split.
+_MLA = {
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "self_attn.q_proj.weight": "attn_q",
+    "self_attn.q_a_proj.weight": "attn_q_a",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm",
+    "self_attn.q_b_proj.weight": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm",
+    "self_attn.o_proj.weight": "attn_output",
+    "mlp.gate.weight": "ffn_gate_inp",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp",
+    "mlp.gate_proj.weight": "ffn_gate",
+    "mlp.up_proj.weight": "ffn_up",
+    "mlp.down_proj.weight": "ffn_down",
+}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -66,7 +97,16 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _state(model: Any) -> dict[str, np.ndarray]:
-    """Per-layer experts stacked as [E, I, H] gate/up and [E, H, I] down, other tensors f32."""
+    """Per-layer experts stacked as [E, I, H] gate/up and [E, H, I] down, other tensors f32.
+
+    DeepSeek (``deepseek2``): ``kv_b_proj`` split per head into ``attn_k_b`` (the
+    no-rope key rows, transposed: ``[n_head, kv_lora_rank, qk_nope]``) and
+    ``attn_v_b`` (``[n_head, v_head_dim, kv_lora_rank]``), as the converter does for
+    llama.cpp's absorbed MLA; the multi-token-prediction layers are dropped.
+    """
+    cfg = model.config
+    mla = _ARCH[cfg.model_type] == "deepseek2"
+    table = _MLA if mla else _LAYER
     out: dict[str, np.ndarray] = {}
     per_expert: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for name, t in model.state_dict().items():
@@ -86,9 +126,16 @@ def _state(model: Any) -> dict[str, np.ndarray]:
             per_expert.setdefault((layer, stack), {})[e] = a
         elif name in _MAP:
             out[_MAP[name]] = a
+        elif mla and name.endswith("kv_b_proj.weight"):
+            heads, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
+            kv_b = a.reshape(heads, -1, a.shape[-1])
+            out[f"blk.{parts[2]}.attn_k_b.weight"] = kv_b[:, :nope].transpose(0, 2, 1)
+            out[f"blk.{parts[2]}.attn_v_b.weight"] = kv_b[:, nope:]
+        elif mla and int(parts[2]) >= cfg.num_hidden_layers:
+            continue  # DeepseekV2Model.skip_mtp
         else:
             rest = ".".join(parts[3:])
-            key = _LAYER[rest]
+            key = table[rest]
             out[f"blk.{parts[2]}.{key}" + ("" if key.endswith(".bias") else ".weight")] = a
     for (layer, stack), experts in per_expert.items():
         out[f"blk.{layer}.ffn_{stack}_exps.weight"] = np.stack(
@@ -97,7 +144,7 @@ def _state(model: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def _vocab(writer: Any, tokenizer_json: str, n_vocab: int) -> None:
+def _vocab(writer: Any, tokenizer_json: str, n_vocab: int, pre: str = "gpt-2") -> None:
     import gguf
 
     data = json.loads(tokenizer_json)
@@ -121,7 +168,7 @@ def _vocab(writer: Any, tokenizer_json: str, n_vocab: int) -> None:
             tokens.append(t)
             types.append(gguf.TokenType.NORMAL)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     merges = data["model"].get("merges") or []
@@ -149,7 +196,10 @@ def _tensor_type(name: str, a: np.ndarray, qt: Any) -> Any:
     import gguf
 
     q = gguf.GGMLQuantizationType
-    if a.ndim == 1 or "ffn_gate_inp" in name or name.endswith((".gate.weight", "_gate.weight")):
+    # routers: GGUF ffn_gate_inp(_shexp), HF *.gate.weight / shared_expert_gate.weight (a
+    # dense layer's ffn_gate / mlp.gate_proj is an ordinary matrix)
+    router = name.endswith((".gate.weight", "shared_expert_gate.weight"))
+    if a.ndim == 1 or "ffn_gate_inp" in name or router:
         return q.F32
     if qt not in (q.F32, q.F16, q.BF16) and a.shape[-1] % 32:
         return q.F16
@@ -166,16 +216,33 @@ def reference_model(model: Any, qtype: str) -> Any:
 
     ref = copy.deepcopy(model)
     qt = _qtype(qtype)
+
+    def held(name: str, a: np.ndarray) -> np.ndarray:
+        t = _tensor_type(name, a, qt)
+        if t == gguf.GGMLQuantizationType.F32:
+            return a
+        if t == gguf.GGMLQuantizationType.F16:
+            return a.astype(np.float16).astype(np.float32)
+        return gguf.quants.dequantize(gguf.quants.quantize(a, t), t)
+
+    mla = _ARCH[model.config.model_type] == "deepseek2"
     with torch.no_grad():
         for name, p in ref.state_dict().items():
             a = p.detach().float().numpy()
-            t = _tensor_type(name, a, qt)
-            if t == gguf.GGMLQuantizationType.F32:
-                continue
-            if t == gguf.GGMLQuantizationType.F16:
-                back = a.astype(np.float16).astype(np.float32)
+            if mla and name.endswith("kv_b_proj.weight"):  # held as its two halves
+                heads, nope = model.config.num_attention_heads, model.config.qk_nope_head_dim
+                kv_b = a.reshape(heads, -1, a.shape[-1])
+                k_b = held("attn_k_b.weight", np.ascontiguousarray(kv_b[:, :nope].swapaxes(1, 2)))
+                v_b = held("attn_v_b.weight", np.ascontiguousarray(kv_b[:, nope:]))
+                back = np.concatenate(
+                    [
+                        k_b.reshape(heads, a.shape[-1], nope).swapaxes(1, 2),
+                        v_b.reshape(heads, -1, a.shape[-1]),
+                    ],
+                    axis=1,
+                )
             else:
-                back = gguf.quants.dequantize(gguf.quants.quantize(a, t), t)
+                back = held(name, a)
             p.copy_(torch.from_numpy(np.ascontiguousarray(back, np.float32)).reshape(p.shape))
     return ref
 
@@ -189,11 +256,13 @@ def write_gguf(
     spm_vocab: dict[str, Any] | None = None,
     chat_template: str | None = None,
     split_max_tensors: int = 0,
+    pre: str = "gpt-2",
 ) -> list[Path]:
     """Write ``model`` (a transformers MoE ``*ForCausalLM``) as GGUF at ``path``.
 
     ``split_max_tensors > 0`` writes ``-0000N-of-0000M.gguf`` splits as
-    ``gguf-split`` does. Returns the files written.
+    ``gguf-split`` does; ``pre`` is the ``tokenizer.ggml.pre`` the converter's
+    hash of ``tokenizer_json``'s pre-tokenizer would give. Returns the files written.
     """
     import gguf
 
@@ -203,6 +272,55 @@ def write_gguf(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
+    if arch == "deepseek2":
+        _deepseek_parameters(writer, cfg)
+    else:
+        _parameters(writer, cfg, arch)
+    writer.add_file_type(
+        {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "mxfp4": 38}[
+            qtype
+        ]
+    )
+    if tokenizer_json is not None:
+        _vocab(writer, tokenizer_json, cfg.vocab_size, pre)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    if spm_vocab is not None:  # as _set_vocab_sentencepiece writes it
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(spm_vocab["tokens"])
+        writer.add_token_scores(spm_vocab["scores"])
+        writer.add_token_types(spm_vocab["types"])
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+        writer.add_add_space_prefix(True)
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    for name, a in _state(model).items():
+        if arch == "llama" and name.endswith("attn_q.weight"):
+            a = _permute(a, heads)
+        elif arch == "llama" and name.endswith("attn_k.weight"):
+            a = _permute(a, kv)
+        a = np.ascontiguousarray(a, np.float32)
+        t = _tensor_type(name, a, qt)
+        if t == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, a)
+        elif t == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, a.astype(np.float16))
+        else:
+            data = gguf.quants.quantize(a, t)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if split_max_tensors:
+        return sorted(path.parent.glob(path.stem + "-*-of-*.gguf"))
+    return [path]
+
+
+def _parameters(writer: Any, cfg: Any, arch: str) -> None:
+    """The hyper-parameters of the non-DeepSeek architectures (``set_gguf_parameters``)."""
     hidden, heads = cfg.hidden_size, cfg.num_attention_heads
     kv = cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
@@ -229,46 +347,65 @@ def write_gguf(
         writer.add_clamp_kqv(float(cfg.clip_qkv))
     if arch == "llama":
         writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(
-        {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "mxfp4": 38}[
-            qtype
-        ]
-    )
-    if tokenizer_json is not None:
-        _vocab(writer, tokenizer_json, cfg.vocab_size)
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
-    if spm_vocab is not None:  # as _set_vocab_sentencepiece writes it
-        writer.add_tokenizer_model("llama")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(spm_vocab["tokens"])
-        writer.add_token_scores(spm_vocab["scores"])
-        writer.add_token_types(spm_vocab["types"])
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-        writer.add_unk_token_id(0)
-        writer.add_add_space_prefix(True)
-    for name, a in _state(model).items():
-        if arch == "llama" and name.endswith("attn_q.weight"):
-            a = _permute(a, heads)
-        elif arch == "llama" and name.endswith("attn_k.weight"):
-            a = _permute(a, kv)
-        a = np.ascontiguousarray(a, np.float32)
-        t = _tensor_type(name, a, qt)
-        if t == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, a)
-        elif t == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(name, a.astype(np.float16))
-        else:
-            data = gguf.quants.quantize(a, t)
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=t)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    if split_max_tensors:
-        return sorted(path.parent.glob(path.stem + "-*-of-*.gguf"))
-    return [path]
+
+
+def _deepseek_parameters(writer: Any, cfg: Any) -> None:
+    """``DeepseekV2Model.set_gguf_parameters`` (after ``TextModel``'s): MLA written as
+    MQA of one latent head, the per-head widths under ``*_mla``.
+
+    The gating function is what the published ``config.json`` names in
+    ``scoring_func`` (DeepSeek-V3 and Kimi-K2 ``sigmoid``, V2 ``softmax``): transformers'
+    configs do not keep that key, their classes imply it.
+    """
+    import gguf
+
+    rope = cfg.rope_theta if hasattr(cfg, "rope_theta") else None
+    rope = rope or (cfg.rope_parameters or {}).get("rope_theta")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(1)
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    yarn = params.get("rope_type") == "yarn"
+    if yarn:  # TextModel.set_gguf_parameters
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(params["factor"])
+        writer.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+        if params.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(params["beta_fast"])
+        if params.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(params["beta_slow"])
+    writer.add_rope_freq_base(float(rope))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_expert_count(cfg.n_routed_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if cfg.n_group is not None:
+        writer.add_expert_group_count(cfg.n_group)
+    if cfg.topk_group is not None:
+        writer.add_expert_group_used_count(cfg.topk_group)
+    sigmoid = cfg.model_type == "deepseek_v3"
+    g = gguf.ExpertGatingFuncType
+    writer.add_expert_gating_func(g.SIGMOID if sigmoid else g.SOFTMAX)
+    writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    writer.add_vocab_size(cfg.vocab_size)
+    if cfg.q_lora_rank is not None:
+        writer.add_q_lora_rank(cfg.q_lora_rank)
+    writer.add_kv_lora_rank(cfg.kv_lora_rank)
+    writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    writer.add_value_length(cfg.kv_lora_rank)
+    writer.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    writer.add_value_length_mla(cfg.v_head_dim)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_shared_count(cfg.n_shared_experts or 0)
+    if cfg.routed_scaling_factor is not None:
+        writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if getattr(cfg, "norm_topk_prob", False):
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    if yarn and params.get("mscale_all_dim") is not None:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * params["mscale_all_dim"])
 
 
 def tiny_bpe_tokenizer_json(vocab: int) -> str:

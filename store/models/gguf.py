@@ -2,7 +2,8 @@
 
 Scope: pure knowledge, no file I/O. For each architecture czyx runs (Mixtral,
 which llama.cpp converts as ``llama``; Qwen2-MoE ``qwen2moe``; Qwen3-MoE
-``qwen3moe``; OLMoE ``olmoe``):
+``qwen3moe``; OLMoE ``olmoe``; DeepSeek-V3, Kimi-K2 and DeepSeek-V2 ``deepseek2``,
+told apart by ``expert_gating_func``, sigmoid or softmax, :func:`resolve_arch`):
 
 * the map between llama.cpp tensor names (``blk.N.attn_q.weight``,
   stacked experts ``blk.N.ffn_{gate,up,down}_exps.weight [E, I, H]``...) and
@@ -13,7 +14,18 @@ which llama.cpp converts as ``llama``; Qwen2-MoE ``qwen2moe``; Qwen3-MoE
   models (Mixtral) from the HF rotate-half order to interleaved pairs
   (``convert_hf_to_gguf.LlamaModel.permute``); :func:`qk_rows` gives the
   row order that undoes it (and, inverted, redoes it on export). The NEOX-rope
-  architectures (Qwen, OLMoE) are stored unpermuted;
+  architectures (Qwen, OLMoE) are stored unpermuted, and so is ``deepseek2``
+  (HF's ``rope_interleave`` and llama.cpp's rope both rotate adjacent pairs);
+* ``deepseek2``'s latent attention: the converter writes MLA as MQA of one
+  latent head (``head_count_kv`` 1, ``key_length`` ``kv_lora_rank +
+  qk_rope_head_dim``, per-head widths under ``key_length_mla`` /
+  ``value_length_mla``) and splits ``kv_b_proj`` into ``attn_k_b`` (the no-rope
+  key rows of each head, transposed) and ``attn_v_b`` (:func:`kv_b_split`,
+  :func:`kv_b_join`); the selection bias is ``exp_probs_b.bias``, shared experts
+  ``ffn_*_shexp``, the leading dense layers ``ffn_{gate,up,down}``; its YaRN
+  (DeepSeek-V3's and Kimi-K2's rope) is ``rope.scaling.*`` with
+  ``yarn_log_multiplier = 0.1 * mscale_all_dim``, read back with
+  ``mscale == mscale_all_dim`` (what llama.cpp computes);
 * the HF ``config.json`` rebuilt from GGUF metadata (:func:`config_from_gguf`)
   and the metadata written from a config (:func:`gguf_metadata`), with
   llama.cpp's routing conventions made explicit (``norm_topk_prob``: llama.cpp
@@ -28,8 +40,9 @@ which llama.cpp converts as ``llama``; Qwen2-MoE ``qwen2moe``; Qwen3-MoE
   so they are repacked without drift; every other type needs an explicit
   conversion policy (:mod:`store.models.gguf_source`).
 
-Anything else (another architecture, an unknown tensor, a rope scaling, a
-sentencepiece vocabulary) is refused with :class:`UnsupportedGGUFError`.
+Anything else (another architecture, an unknown tensor, a rope scaling other
+than deepseek2's YARN, an unknown gating function) is refused with
+:class:`UnsupportedGGUFError`.
 """
 
 from __future__ import annotations
@@ -82,6 +95,27 @@ _MIX = tuple(
     f"model.layers.{{l}}.block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2")
 )
 
+_DEEPSEEK_V3 = GGUFArch(
+    "deepseek2",
+    "deepseek_v3",
+    "DeepseekV3ForCausalLM",
+    False,  # rope_interleave: HF and llama.cpp both rotate adjacent pairs
+    True,
+    "model.layers.{l}.mlp.gate.weight",
+    _PROJ,  # type: ignore[arg-type]
+)
+_DEEPSEEK_V2 = GGUFArch(
+    "deepseek2",
+    "deepseek_v2",
+    "DeepseekV2ForCausalLM",
+    False,
+    False,
+    "model.layers.{l}.mlp.gate.weight",
+    _PROJ,  # type: ignore[arg-type]
+)
+#: llama.cpp's ``expert_gating_func`` values (``LLAMA_EXPERT_GATING_FUNC_TYPE_*``).
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2
+
 ARCHS: dict[str, GGUFArch] = {
     a.gguf: a
     for a in (
@@ -121,9 +155,12 @@ ARCHS: dict[str, GGUFArch] = {
             "model.layers.{l}.mlp.gate.weight",
             _PROJ,  # type: ignore[arg-type]
         ),
+        _DEEPSEEK_V3,
     )
 }
-BY_CZYX = {a.czyx: a for a in ARCHS.values()}
+# llama.cpp's deepseek2 holds DeepSeek-V2 and V3 (and Kimi-K2): the gating function
+# tells them apart (resolve_arch); ARCHS names the V3 reading, BY_CZYX has both.
+BY_CZYX = {a.czyx: a for a in (*ARCHS.values(), _DEEPSEEK_V2)}
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -151,6 +188,31 @@ _LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# deepseek2 (multi-head latent attention): blk.N.<key> -> model.layers.N.<value>. The
+# converter splits kv_b_proj into attn_k_b (the no-rope key rows, transposed per head:
+# [n_head, kv_lora_rank, qk_nope]) and attn_v_b ([n_head, v_head_dim, kv_lora_rank]);
+# files from before that split hold attn_kv_b as HF has it.
+_MLA_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",  # no q LoRA (DeepSeek-V2-Lite)
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+KV_B_HALVES = {"attn_k_b.weight": "k", "attn_v_b.weight": "v"}
+KV_B = "self_attn.kv_b_proj.weight"
 EXPERT_STACKS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 _BLK = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -164,6 +226,7 @@ class GGUFName:
     layer: int | None
     part: int | None = None
     qk: str | None = None  # "q" or "k": rows in rope order when the arch permutes
+    kv: str | None = None  # "k" or "v": a half of deepseek2's split kv_b_proj
 
 
 def classify(arch: GGUFArch, name: str) -> GGUFName | None:
@@ -178,6 +241,11 @@ def classify(arch: GGUFArch, name: str) -> GGUFName | None:
         return GGUFName(None, layer, EXPERT_STACKS.index(rest))
     if rest == "ffn_gate_inp.weight":
         return GGUFName(arch.router.format(l=layer), layer)
+    if arch.gguf == "deepseek2":
+        if rest in KV_B_HALVES:
+            return GGUFName(f"model.layers.{layer}.{KV_B}", layer, kv=KV_B_HALVES[rest])
+        hf = _MLA_LAYER.get(rest)
+        return None if hf is None else GGUFName(f"model.layers.{layer}.{hf}", layer)
     hf = _LAYER.get(rest)
     if hf is None:
         return None
@@ -212,9 +280,37 @@ def gguf_name(arch: GGUFArch, role: str, layer: int | None) -> str:
         "mlp_up_proj": "ffn_up.weight",
         "mlp_down_proj": "ffn_down.weight",
     }
+    if arch.gguf == "deepseek2":
+        inv = {
+            **{k: v for k, v in inv.items() if k in _MLA_ROLES_KEPT},
+            "q_a_proj": "attn_q_a.weight",
+            "q_a_norm": "attn_q_a_norm.weight",
+            "q_b_proj": "attn_q_b.weight",
+            "kv_a_proj": "attn_kv_a_mqa.weight",
+            "kv_a_norm": "attn_kv_a_norm.weight",
+            "router_bias": "exp_probs_b.bias",
+        }
     if role not in inv:
         _refuse_role(role)
     return f"blk.{layer}.{inv[role]}"
+
+
+# The shared roles a deepseek2 layer has (kv_b_proj is written as its two halves).
+_MLA_ROLES_KEPT = frozenset(
+    (
+        "input_norm",
+        "post_attn_norm",
+        "q_proj",
+        "o_proj",
+        "router",
+        "shared_gate_proj",
+        "shared_up_proj",
+        "shared_down_proj",
+        "mlp_gate_proj",
+        "mlp_up_proj",
+        "mlp_down_proj",
+    )
+)
 
 
 def _refuse_role(role: str) -> str:
@@ -233,6 +329,44 @@ def qk_rows(rows: int, n_head: int) -> np.ndarray:
     # GGUF row (h, j, t) holds HF row (h, t, j): gguf = hf[permute]
     permute = np.arange(rows).reshape(n_head, 2, half).swapaxes(1, 2).reshape(-1)
     return np.argsort(permute)
+
+
+def kv_b_join(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """HF ``kv_b_proj [n_head * (qk_nope + v_head_dim), kv_lora_rank]`` of llama.cpp's
+    ``attn_k_b [n_head, kv_lora_rank, qk_nope]`` and ``attn_v_b [n_head, v_head_dim,
+    kv_lora_rank]`` (numpy shapes; any element type)."""
+    if k_b.ndim != 3 or v_b.ndim != 3 or k_b.shape[0] != v_b.shape[0]:
+        raise GGUFError(f"attn_k_b {list(k_b.shape)} and attn_v_b {list(v_b.shape)} do not pair")
+    if k_b.shape[1] != v_b.shape[2]:
+        raise GGUFError(f"attn_k_b {list(k_b.shape)} and attn_v_b {list(v_b.shape)} do not pair")
+    joined = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
+    return np.ascontiguousarray(joined.reshape(-1, k_b.shape[1]))
+
+
+def kv_b_split(kv_b: np.ndarray, n_head: int, qk_nope: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(attn_k_b, attn_v_b)`` of HF ``kv_b_proj``, as llama.cpp's converter splits it."""
+    rows, rank = kv_b.shape
+    if rows % n_head or rows // n_head <= qk_nope:
+        raise GGUFError(f"kv_b_proj rows {rows} are not {n_head} heads of more than {qk_nope}")
+    per_head = kv_b.reshape(n_head, rows // n_head, rank)
+    k_b = np.ascontiguousarray(per_head[:, :qk_nope].transpose(0, 2, 1))
+    return k_b, np.ascontiguousarray(per_head[:, qk_nope:])
+
+
+def resolve_arch(name: str, meta: Mapping[str, Any]) -> GGUFArch | None:
+    """The :class:`GGUFArch` of a file's ``general.architecture``; ``None`` if unknown.
+
+    ``deepseek2`` is DeepSeek-V3 (Kimi-K2...) when its experts are gated by a sigmoid
+    and DeepSeek-V2 when by a softmax (llama.cpp's default when the key is absent).
+    """
+    if name != "deepseek2":
+        return ARCHS.get(name)
+    gating = int(_get(meta, "deepseek2.expert_gating_func", GATING_SOFTMAX))
+    if gating == GATING_SIGMOID:
+        return _DEEPSEEK_V3
+    if gating == GATING_SOFTMAX:
+        return _DEEPSEEK_V2
+    raise UnsupportedGGUFError(f"deepseek2.expert_gating_func {gating} is not supported")
 
 
 def qk_permute(rows: int, n_head: int) -> np.ndarray:
@@ -259,13 +393,15 @@ def config_from_gguf(meta: Mapping[str, Any], arch: GGUFArch, n_vocab: int, tied
     """
     a = arch.gguf
     scaling = _get(meta, f"{a}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none") and not (a == "deepseek2" and scaling == "yarn"):
         raise UnsupportedGGUFError(f"rope scaling {scaling!r} in a GGUF file is not supported")
     hidden = int(_get(meta, f"{a}.embedding_length", need=True))
     heads = int(_get(meta, f"{a}.attention.head_count", need=True))
     n_experts = int(_get(meta, f"{a}.expert_count", 0) or 0)
     if n_experts == 0:
         raise UnsupportedGGUFError(f"{a} GGUF without experts (a dense model) is not a MoE")
+    if arch.gguf == "deepseek2":
+        return _deepseek_config(meta, arch, n_vocab, tied)
     cfg: dict[str, Any] = {
         "architectures": [arch.hf_class],
         "model_type": arch.czyx,
@@ -304,6 +440,11 @@ def config_from_gguf(meta: Mapping[str, Any], arch: GGUFArch, n_vocab: int, tied
             shared = _get(meta, f"{a}.expert_shared_feed_forward_length")
             if shared is not None:
                 cfg["shared_expert_intermediate_size"] = int(shared)
+    _token_ids(meta, cfg)
+    return cfg
+
+
+def _token_ids(meta: Mapping[str, Any], cfg: dict[str, Any]) -> None:
     for field, key in (
         ("bos_token_id", "tokenizer.ggml.bos_token_id"),
         ("eos_token_id", "tokenizer.ggml.eos_token_id"),
@@ -311,7 +452,221 @@ def config_from_gguf(meta: Mapping[str, Any], arch: GGUFArch, n_vocab: int, tied
     ):
         if key in meta:
             cfg[field] = int(meta[key])
+
+
+def _deepseek_config(meta: Mapping[str, Any], arch: GGUFArch, n_vocab: int, tied: bool) -> dict:
+    """The HF config of a ``deepseek2`` GGUF (DeepSeek-V2 or V3, see :func:`resolve_arch`).
+
+    llama.cpp's converter writes MLA as MQA of one latent head: ``head_count_kv`` 1,
+    ``key_length`` ``kv_lora_rank + qk_rope_head_dim``, ``value_length`` ``kv_lora_rank``,
+    the per-head widths under ``key_length_mla`` / ``value_length_mla`` (files from
+    before those keys hold them in ``key_length`` / ``value_length``).
+    """
+    a = arch.gguf
+    heads = int(_get(meta, f"{a}.attention.head_count", need=True))
+    n_experts = int(_get(meta, f"{a}.expert_count", 0) or 0)
+    if n_experts == 0:
+        raise UnsupportedGGUFError(f"{a} GGUF without experts (a dense model) is not a MoE")
+    rope = int(_get(meta, f"{a}.rope.dimension_count", need=True))
+    kv_rank = int(_get(meta, f"{a}.attention.kv_lora_rank", need=True))
+    if f"{a}.attention.key_length_mla" in meta:
+        qk_head = int(meta[f"{a}.attention.key_length_mla"])
+        v_head = int(_get(meta, f"{a}.attention.value_length_mla", need=True))
+    else:
+        qk_head = int(_get(meta, f"{a}.attention.key_length", need=True))
+        v_head = int(_get(meta, f"{a}.attention.value_length", need=True))
+    if qk_head <= rope:
+        raise GGUFError(f"{a}: key length {qk_head} leaves no no-rope part beside rope {rope}")
+    q_rank = _get(meta, f"{a}.attention.q_lora_rank")
+    # kept absent when the file has none (both engines read absent as 1), so an
+    # export writes back exactly the keys it read
+    groups = _get(meta, f"{a}.expert_group_count")
+    groups_used = _get(meta, f"{a}.expert_group_used_count")
+    scale = _get(meta, f"{a}.expert_weights_scale")
+    n_group = int(groups or 1)
+    topk_group = int(groups_used or 1)
+    norm = bool(_get(meta, f"{a}.expert_weights_norm", False))
+    if arch.czyx == "deepseek_v2" and norm:
+        raise UnsupportedGGUFError(
+            "deepseek2 softmax gating with expert_weights_norm: DeepSeek-V2 never renormalises"
+        )
+    if arch.czyx == "deepseek_v2" and n_group > 1 and topk_group < n_group:
+        raise UnsupportedGGUFError(
+            "deepseek2 softmax gating with expert groups: llama.cpp scores a group by its two "
+            "best experts, DeepSeek-V2's group_limited_greedy by its best"
+        )
+    cfg: dict[str, Any] = {
+        "architectures": [arch.hf_class],
+        "model_type": arch.czyx,
+        "hidden_size": int(_get(meta, f"{a}.embedding_length", need=True)),
+        "num_hidden_layers": int(_get(meta, f"{a}.block_count", need=True)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,  # MLA: the converter's head_count_kv 1 is its MQA view
+        "max_position_embeddings": int(_get(meta, f"{a}.context_length", 4096)),
+        "rms_norm_eps": float(_get(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_get(meta, f"{a}.rope.freq_base", 10000.0)),
+        "vocab_size": n_vocab,
+        "tie_word_embeddings": tied,
+        "hidden_act": "silu",
+        "intermediate_size": int(_get(meta, f"{a}.feed_forward_length", need=True)),
+        "moe_intermediate_size": int(_get(meta, f"{a}.expert_feed_forward_length", need=True)),
+        "n_routed_experts": n_experts,
+        "n_shared_experts": int(_get(meta, f"{a}.expert_shared_count", 0) or 0),
+        "num_experts_per_tok": int(_get(meta, f"{a}.expert_used_count", need=True)),
+        "first_k_dense_replace": int(_get(meta, f"{a}.leading_dense_block_count", 0) or 0),
+        "moe_layer_freq": 1,
+        "q_lora_rank": None if q_rank is None else int(q_rank),
+        "kv_lora_rank": kv_rank,
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": qk_head - rope,
+        "v_head_dim": v_head,
+        "head_dim": rope,  # transformers' DeepSeek configs set head_dim to the rope width
+        "n_group": None if groups is None else n_group,
+        "topk_group": None if groups_used is None else topk_group,
+        "routed_scaling_factor": None if scale is None else float(scale),
+        "norm_topk_prob": norm,
+        "num_nextn_predict_layers": 0,  # the converter drops multi-token-prediction layers
+    }
+    if arch.czyx == "deepseek_v3":
+        cfg["rope_interleave"] = True  # llama.cpp's deepseek2 rope rotates adjacent pairs
+    else:
+        cfg["topk_method"] = "greedy"
+    if _get(meta, f"{a}.rope.scaling.type") == "yarn":
+        cfg["rope_parameters"] = _deepseek_yarn(meta, cfg["rope_theta"])
+    _token_ids(meta, cfg)
     return cfg
+
+
+# YaRN keys of llama.cpp that a DeepSeek config has no field for (its yarn is
+# transformers' with an attention scale from mscale / mscale_all_dim).
+_YARN_UNMAPPED = ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor")
+
+
+def _deepseek_yarn(meta: Mapping[str, Any], theta: float) -> dict[str, Any]:
+    """HF ``rope_parameters`` of a deepseek2 file's YaRN keys.
+
+    llama.cpp scales DeepSeek's attention by ``1 + yarn_log_multiplier * ln(factor)``
+    (the converter writes ``0.1 * mscale_all_dim``) and leaves cos/sin unscaled: that
+    is transformers' DeepSeek YaRN with ``mscale == mscale_all_dim``.
+    """
+    a = "deepseek2"
+    for key in _YARN_UNMAPPED:
+        if f"{a}.{key}" in meta:
+            raise UnsupportedGGUFError(f"{a}.{key}: DeepSeek's YaRN has no such parameter")
+    log_mul = _get(meta, f"{a}.rope.scaling.yarn_log_multiplier")
+    if log_mul is None:
+        raise UnsupportedGGUFError(f"{a} YaRN without rope.scaling.yarn_log_multiplier")
+    mscale = round(float(log_mul) / 0.1, 6)  # (a float32 of 0.1 * mscale_all_dim)
+    params: dict[str, Any] = {
+        "rope_type": "yarn",
+        "rope_theta": theta,
+        "factor": float(_get(meta, f"{a}.rope.scaling.factor", need=True)),
+        "original_max_position_embeddings": int(
+            _get(meta, f"{a}.rope.scaling.original_context_length", need=True)
+        ),
+        "mscale": mscale,
+        "mscale_all_dim": mscale,
+    }
+    for field in ("beta_fast", "beta_slow"):
+        v = _get(meta, f"{a}.rope.scaling.yarn_{field}")
+        if v is not None:
+            params[field] = float(v)
+    return params
+
+
+def _deepseek_yarn_metadata(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``rope.scaling.*`` keys of a DeepSeek config (none for the default rope)."""
+    params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return {}
+    if kind != "yarn":
+        raise UnsupportedGGUFError(f"rope scaling {kind!r}: llama.cpp's deepseek2 has only yarn")
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale_all is None or float(mscale or 0) != float(mscale_all):
+        raise UnsupportedGGUFError(
+            f"yarn mscale={mscale} mscale_all_dim={mscale_all}: llama.cpp's deepseek2 needs "
+            "them equal"
+        )
+    for field in ("attention_factor", "extrapolation_factor"):
+        if params.get(field) is not None:
+            raise UnsupportedGGUFError(f"yarn {field}: llama.cpp's deepseek2 has no such key")
+    a = "deepseek2"
+    out: dict[str, Any] = {
+        f"{a}.rope.scaling.type": "yarn",
+        f"{a}.rope.scaling.factor": float(params["factor"]),
+        f"{a}.rope.scaling.original_context_length": int(
+            params.get("original_max_position_embeddings")
+            or config.get("original_max_position_embeddings")
+        ),
+    }
+    for field in ("beta_fast", "beta_slow"):
+        if params.get(field) is not None:
+            out[f"{a}.rope.scaling.yarn_{field}"] = float(params[field])
+    return out
+
+
+def _deepseek_metadata(config: Mapping[str, Any], arch: GGUFArch) -> dict[str, Any]:
+    """``deepseek2`` metadata of a DeepSeek-V2/V3 config, as the converter writes it."""
+    a = arch.gguf
+    heads = int(config["num_attention_heads"])
+    kv_heads = config.get("num_key_value_heads")
+    if kv_heads is not None and int(kv_heads) != heads:
+        # the converter splits kv_b_proj by num_key_value_heads: only MLA's own count works
+        raise UnsupportedGGUFError("llama.cpp's deepseek2 needs num_key_value_heads == heads")
+    if arch.czyx == "deepseek_v3" and not config.get("rope_interleave", True):
+        raise UnsupportedGGUFError("rope_interleave=false: llama.cpp's deepseek2 rotates pairs")
+    if int(config.get("moe_layer_freq") or 1) != 1:
+        raise UnsupportedGGUFError("moe_layer_freq > 1: deepseek2 has only leading dense layers")
+    if arch.czyx == "deepseek_v2" and (config.get("topk_method") or "greedy") != "greedy":
+        raise UnsupportedGGUFError(
+            f"topk_method={config.get('topk_method')!r}: llama.cpp's deepseek2 scores "
+            "expert groups otherwise"
+        )
+    rope = int(config["qk_rope_head_dim"])
+    kv_rank = int(config["kv_lora_rank"])
+    theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+    yarn = _deepseek_yarn_metadata(config)
+    meta: dict[str, Any] = {
+        f"{a}.block_count": int(config["num_hidden_layers"]),
+        f"{a}.context_length": int(config.get("max_position_embeddings") or 4096),
+        f"{a}.embedding_length": int(config["hidden_size"]),
+        f"{a}.feed_forward_length": int(config["intermediate_size"]),
+        f"{a}.attention.head_count": heads,
+        f"{a}.attention.head_count_kv": 1,
+        **yarn,
+        f"{a}.rope.freq_base": float(theta or 10000.0),
+        f"{a}.attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-6)),
+        f"{a}.expert_count": int(config["n_routed_experts"]),
+        f"{a}.expert_used_count": int(config["num_experts_per_tok"]),
+    }
+    if config.get("n_group") is not None:
+        meta[f"{a}.expert_group_count"] = int(config["n_group"])
+    if config.get("topk_group") is not None:
+        meta[f"{a}.expert_group_used_count"] = int(config["topk_group"])
+    gating = GATING_SIGMOID if arch.czyx == "deepseek_v3" else GATING_SOFTMAX
+    meta[f"{a}.expert_gating_func"] = gating
+    meta[f"{a}.leading_dense_block_count"] = int(config.get("first_k_dense_replace") or 0)
+    meta[f"{a}.vocab_size"] = int(config["vocab_size"])
+    if config.get("q_lora_rank") is not None:
+        meta[f"{a}.attention.q_lora_rank"] = int(config["q_lora_rank"])
+    meta[f"{a}.attention.kv_lora_rank"] = kv_rank
+    meta[f"{a}.attention.key_length"] = kv_rank + rope
+    meta[f"{a}.attention.value_length"] = kv_rank
+    meta[f"{a}.attention.key_length_mla"] = int(config["qk_nope_head_dim"]) + rope
+    meta[f"{a}.attention.value_length_mla"] = int(config["v_head_dim"])
+    meta[f"{a}.expert_feed_forward_length"] = int(config["moe_intermediate_size"])
+    meta[f"{a}.expert_shared_count"] = int(config.get("n_shared_experts") or 0)
+    if config.get("routed_scaling_factor") is not None:
+        meta[f"{a}.expert_weights_scale"] = float(config["routed_scaling_factor"])
+    if arch.czyx == "deepseek_v3" and config.get("norm_topk_prob", True):
+        meta[f"{a}.expert_weights_norm"] = True
+    meta[f"{a}.rope.dimension_count"] = rope
+    if yarn:
+        # DeepseekV2Model writes 0.1 * mscale_all_dim ([TAG_DEEPSEEK2_YARN_LOG_MUL_FIX])
+        params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+        meta[f"{a}.rope.scaling.yarn_log_multiplier"] = 0.1 * float(params["mscale_all_dim"])
+    return meta
 
 
 def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
@@ -326,6 +681,8 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
     arch = BY_CZYX.get(str(config.get("model_type")))
     if arch is None:
         raise UnsupportedGGUFError(f"model_type {config.get('model_type')!r} has no GGUF export")
+    if arch.gguf == "deepseek2":  # (its YaRN has a GGUF form)
+        return arch, _deepseek_metadata(config, arch)
     if config.get("rope_scaling") or (config.get("rope_parameters") or {}).get(
         "rope_type", "default"
     ) not in ("default", None):
@@ -384,9 +741,10 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
 
 # ----------------------------------------------------------------- tokenizer
 
-# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp) by tokenizer.ggml.pre.
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp) by tokenizer.ggml.pre; a tuple is
+# applied in turn, each to the pieces of the one before (a Sequence of Splits in HF).
 _GPT2_RX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-PRE_REGEX = {
+PRE_REGEX: dict[str, str | tuple[str, ...]] = {
     "gpt-2": _GPT2_RX,
     "olmo": _GPT2_RX,
     "qwen2": (
@@ -396,6 +754,14 @@ PRE_REGEX = {
     "llama-bpe": (
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
         r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+    # DeepSeek-V3 / R1 (HF tokenizer.json and llama.cpp alike): digits in threes, runs of
+    # CJK ideographs and kana, then a GPT-4-like split
+    "deepseek-v3": (
+        "\\p{N}{1,3}",
+        "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+        "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?"
+        "[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
     ),
 }
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 3, 4, 5, 6
@@ -494,10 +860,8 @@ def tokenizer_json_from_gguf(meta: Mapping[str, Any]) -> str | None:
         raise GGUFError("tokenizer.ggml.tokens has duplicate tokens")
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRE_REGEX[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+        [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in _regexes(pre)]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
     special = [tokens[i] for i, t in enumerate(types) if t == TOKEN_CONTROL]
@@ -564,13 +928,21 @@ def _pre_name(pre: Mapping[str, Any]) -> str | None:
     if pre.get("type") != "Sequence":
         return None
     steps = pre.get("pretokenizers") or []
-    if len(steps) != 2 or steps[1].get("type") != "ByteLevel" or steps[1].get("use_regex"):
+    if len(steps) < 2 or steps[-1].get("type") != "ByteLevel" or steps[-1].get("use_regex"):
         return None
-    split = steps[0]
-    rx = (split.get("pattern") or {}).get("Regex")
-    if split.get("type") != "Split" or split.get("behavior") != "Isolated":
-        return None
-    return next((name for name, known in PRE_REGEX.items() if known == rx), None)
+    rxs = []
+    for split in steps[:-1]:
+        if split.get("type") != "Split" or split.get("behavior") != "Isolated":
+            return None
+        if split.get("invert"):
+            return None
+        rxs.append((split.get("pattern") or {}).get("Regex"))
+    return next((name for name in PRE_REGEX if _regexes(name) == tuple(rxs)), None)
+
+
+def _regexes(pre: str) -> tuple[str, ...]:
+    rx = PRE_REGEX[pre]
+    return (rx,) if isinstance(rx, str) else rx
 
 
 def _spm_fields(data: Mapping[str, Any], model: Mapping[str, Any], n_vocab: int) -> dict:

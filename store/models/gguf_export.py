@@ -15,6 +15,12 @@ q8 (groups of 32)  Q8_0 when every group is symmetric (``m = -128 d``, as a
 anything else      refused (:class:`~store.models.gguf.UnsupportedGGUFError`)
 =================  =====================================================
 
+DeepSeek's ``kv_b_proj`` is written as llama.cpp's ``attn_k_b`` / ``attn_v_b``
+halves (a quantized store format of it is refused: the k half is its transpose);
+where mount rebuilt it as float32 from quantized halves, each half gets the type
+the source file gave it back if, and only if, re-encoding reproduces the stored
+values exactly (it does for the values a Q8_0/Q4_0 dequantized to).
+
 Routed experts are stacked per layer as ``ffn_{gate,up,down}_exps``; q/k rows
 of ``llama``-arch models (Mixtral) are permuted to llama.cpp's rope order; the
 mounted ``tokenizer.json`` (byte-level BPE) becomes the ``tokenizer.ggml.*``
@@ -42,6 +48,7 @@ from czyx.store.models.gguf import (
     gguf_metadata,
     gguf_name,
     gguf_tokenizer_fields,
+    kv_b_split,
     qk_permute,
 )
 from czyx.store.models.model import ModelSpace
@@ -175,13 +182,19 @@ def export_gguf(
             tokenizer = space.read_trunk_raw(tref).tobytes().decode("utf-8")
         elif role in FILE_ROLES:  # kept files (generation/tokenizer config): no GGUF tensor
             kept[role] = space.read_trunk_raw(tref).tobytes()
+        elif arch.gguf == "deepseek2" and role == "kv_b_proj":  # written as its two halves
+            trunk.append((f"blk.{layer}.attn_k_b.weight", "kv_b_proj:k", tref))
+            trunk.append((f"blk.{layer}.attn_v_b.weight", "kv_b_proj:v", tref))
         else:
             trunk.append((gguf_name(arch, role, layer), role, tref))
+    source_types = (space.root.get("source") or {}).get("tensor_types") or {}
 
     def trunk_tensor(name: str, role: str, tref: Any) -> tuple[np.ndarray, Any]:
         raw = space.read_trunk_raw(tref)
         shape = tuple(tref.shape)
         qfmt = tref.record.get("qfmt")
+        if role.startswith("kv_b_proj:"):
+            return _kv_b_half(raw, tref, qfmt, config, role[-1], source_types.get(name), name)
         if qfmt is not None:
             data, qt = to_gguf_blocks(raw, qfmt, (shape[0], shape[1]), name)
         else:
@@ -264,8 +277,58 @@ def _add_tokenizer(writer: Any, tokenizer: str, vocab_size: int) -> None:
             writer.add_unk_token_id(fields["tokenizer.ggml.unknown_token_id"])
 
 
+def _kv_b_half(
+    raw: np.ndarray,
+    tref: Any,
+    qfmt: str | None,
+    config: dict,
+    half: str,
+    source_type: str | None,
+    name: str,
+) -> tuple[np.ndarray, Any]:
+    """deepseek2's ``attn_k_b`` (``half`` "k") or ``attn_v_b`` ("v") of a stored
+    ``kv_b_proj``, as the converter splits it.
+
+    A float kv_b_proj keeps its type. One that mount rebuilt as float32 from
+    quantized halves (``source_type``, the GGUF type the half had) is written in that
+    type again only where re-encoding reproduces the stored values exactly (F16/BF16
+    of values they widened to, Q8_0 and Q4_0 of values they dequantized to do);
+    otherwise it stays F32.
+    """
+    import gguf
+
+    if qfmt is not None:  # the k half is the transpose: quant groups would cross heads
+        raise UnsupportedGGUFError(
+            f"{name}: a {qfmt} kv_b_proj has no GGUF form (llama.cpp's attn_k_b is its "
+            "transpose per head)"
+        )
+    data, qt = _float_tensor(raw, tref.dtype, tuple(tref.shape))
+    k_b, v_b = kv_b_split(data, int(config["num_attention_heads"]), int(config["qk_nope_head_dim"]))
+    out = np.ascontiguousarray(k_b if half == "k" else v_b)
+    want = None if source_type is None else getattr(_q(), source_type, None)
+    if qt != _q().F32 or want is None or want == _q().F32:
+        return out, qt
+    if want == _q().F16:  # a pair of mixed types was joined as F32: F16 again if exact
+        half16 = out.astype(np.float16)
+        return (half16, want) if np.array_equal(half16.astype(np.float32), out) else (out, qt)
+    if want == _q().BF16:
+        bits = (out.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+        exact = np.array_equal((bits.astype(np.uint32) << 16).view(np.float32), out)
+        return (bits, want) if exact else (out, qt)
+    try:
+        blocks = gguf.quants.quantize(out, want)
+        exact = np.array_equal(gguf.quants.dequantize(blocks, want), out)
+    except (NotImplementedError, ValueError):  # a type the package cannot encode
+        exact = False
+    return (blocks, want) if exact else (out, qt)
+
+
 def _add_kv(writer: Any, key: str, value: Any) -> None:
-    if isinstance(value, float):
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, float):
         writer.add_float32(key, value)
     else:
         writer.add_uint32(key, int(value))

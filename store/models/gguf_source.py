@@ -19,6 +19,11 @@ reference dequantizers). :class:`GGUFMountSource` then decides what is stored:
   dequantization, and max abs error) is measured at mount and recorded in
   the manifest's ``quant.converted``, and printed by the CLI.
 
+DeepSeek's ``kv_b_proj`` is rebuilt from its two GGUF halves (``attn_k_b``,
+transposed per head, and ``attn_v_b``): in their float type when they share one,
+else as the exact float32 of their values (a quantized half's rows run along the
+other axis, so no store group format can hold it without requantizing).
+
 The routed experts of a version share one format (one extent layout): if the
 expert stacks do not all have the same native type, the policy decides for
 all of them (``native`` refuses).
@@ -43,7 +48,9 @@ from czyx.store.models.gguf import (
     UnsupportedGGUFError,
     classify,
     config_from_gguf,
+    kv_b_join,
     qk_rows,
+    resolve_arch,
     tokenizer_json_from_gguf,
 )
 from czyx.store.models.mount_errors import MissingTensorError
@@ -76,7 +83,13 @@ def _native_types() -> dict[Any, str]:
 @dataclass(frozen=True)
 class VTensor:
     """One HF tensor seen through a GGUF tensor: ``expert`` selects a slice of a
-    stack, ``rows`` reorders rows (q/k rope order), ``dtype`` is what readers get."""
+    stack, ``rows`` reorders rows (q/k rope order), ``dtype`` is what readers get.
+
+    ``halves``: deepseek2's ``(attn_k_b, attn_v_b)`` that together are HF's
+    ``kv_b_proj`` (``tensor`` is the first); ``joined`` the type they are read as:
+    their own float type when they share one, else F32 (a quantized half's exact
+    dequantized values, a float one widened exactly).
+    """
 
     name: str
     gguf: str
@@ -86,10 +99,12 @@ class VTensor:
     dtype: str
     expert: int | None = None
     rows: np.ndarray | None = None
+    halves: tuple[Any, Any] | None = None
+    joined: Any = None
 
     @property
     def qtype(self) -> Any:
-        return self.tensor.tensor_type
+        return self.joined if self.halves is not None else self.tensor.tensor_type
 
     @property
     def type_name(self) -> str:
@@ -172,7 +187,7 @@ class GGUFCheckpoint:
         if count != len(self.files):
             raise GGUFError(f"split.count {count} but {len(self.files)} files", file=str(path))
         arch_name = self.metadata.get("general.architecture")
-        self.arch: GGUFArch | None = ARCHS.get(str(arch_name))
+        self.arch: GGUFArch | None = resolve_arch(str(arch_name), self.metadata)
         if self.arch is None:
             raise UnsupportedGGUFError(
                 f"GGUF architecture {arch_name!r} is not supported (known: "
@@ -194,8 +209,10 @@ class GGUFCheckpoint:
         )
         self.tokenizer_json = tokenizer_json_from_gguf(self.metadata)
         self._vt: dict[str, VTensor] = {}
+        self._halves: dict[str, dict[str, tuple[str, Any, Path]]] = {}
         for name, (t, f) in raw.items():
             self._add(name, t, f)
+        self._join_kv_b()
 
     # -- naming ---------------------------------------------------------------------
     def _dtype(self, t: Any, name: str) -> str:
@@ -221,6 +238,11 @@ class GGUFCheckpoint:
             )
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         dtype = self._dtype(t, name)
+        if kind.kv is not None:  # a half of kv_b_proj: joined once both are seen
+            if len(shape) != 3:
+                raise GGUFError(f"kv_b half of shape {list(shape)}", file=str(f), tensor=name)
+            self._halves.setdefault(kind.hf, {})[kind.kv] = (name, t, f)
+            return
         if kind.part is not None:
             if len(shape) != 3:
                 raise GGUFError(f"expert stack of shape {list(shape)}", file=str(f), tensor=name)
@@ -237,6 +259,59 @@ class GGUFCheckpoint:
             heads = int(self.metadata[f"{self.arch.gguf}.{key}"])
             rows = qk_rows(shape[0], heads)
         self._vt[kind.hf] = VTensor(kind.hf, name, t, f, shape, dtype, rows=rows)
+
+    def _join_kv_b(self) -> None:
+        """HF ``kv_b_proj`` of each layer's ``attn_k_b`` / ``attn_v_b`` pair."""
+        ftypes = _float_types()
+        for hf, halves in self._halves.items():
+            if set(halves) != {"k", "v"}:
+                have = next(iter(halves.values()))[0]
+                raise MissingTensorError(
+                    "attn_k_b and attn_v_b come in pairs", file=str(self.path), tensor=have
+                )
+            if hf in self._vt:
+                raise GGUFError("both attn_kv_b and its split halves", file=str(self.path))
+            (kname, k, f), (_, v, _) = halves["k"], halves["v"]
+            heads, rank, nope = (int(d) for d in reversed(k.shape.tolist()))
+            vheads, vdim, vrank = (int(d) for d in reversed(v.shape.tolist()))
+            cfg = self.config
+            if (heads, nope, vheads, vdim, rank) != (
+                cfg["num_attention_heads"],
+                cfg["qk_nope_head_dim"],
+                cfg["num_attention_heads"],
+                cfg["v_head_dim"],
+                cfg["kv_lora_rank"],
+            ) or vrank != rank:
+                raise GGUFError(
+                    f"attn_k_b {[heads, rank, nope]} / attn_v_b {[vheads, vdim, vrank]} do not "
+                    "match the metadata's heads and latent widths",
+                    file=str(f),
+                    tensor=kname,
+                )
+            same = k.tensor_type == v.tensor_type and k.tensor_type in ftypes
+            joined = k.tensor_type if same else _qt().F32
+            dtype = ftypes[joined]  # (under every policy: the F32 of a quantized pair is exact)
+            shape = (heads * (nope + vdim), rank)
+            self._vt[hf] = VTensor(hf, kname, k, f, shape, dtype, halves=(k, v), joined=joined)
+
+    def _half(self, t: Any) -> np.ndarray:
+        """One kv_b half as a numpy ``[n_head, ., .]`` of its float type (bf16 as uint16
+        bits), or, quantized, its reference float32 dequantization."""
+        import gguf
+
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if t.tensor_type in _float_types():
+            data = np.asarray(t.data)
+            if t.tensor_type == _qt().BF16:
+                data = data.view(np.uint16)
+            return data.reshape(shape)
+        return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
+
+    def _kv_b_rows(self, vt: VTensor) -> np.ndarray:
+        k, v = (self._half(t) for t in vt.halves)  # type: ignore[union-attr]
+        if vt.joined == _qt().F32:  # a quantized or mixed pair: exact float32 values
+            k, v = (_widened(a, t) for a, t in zip((k, v), vt.halves, strict=True))  # type: ignore[arg-type]
+        return kv_b_join(k, v)
 
     # -- the Checkpoint interface ---------------------------------------------------
     def names(self) -> list[str]:
@@ -270,6 +345,8 @@ class GGUFCheckpoint:
 
     def gguf_rows(self, vt: VTensor) -> np.ndarray:
         """The tensor's stored rows as numpy (quantized: ``uint8 [R, row bytes]``), HF order."""
+        if vt.halves is not None:
+            return self._kv_b_rows(vt)
         data = vt.tensor.data
         if vt.expert is not None:
             data = data[vt.expert]
@@ -360,6 +437,14 @@ def _plain(v: Any) -> Any:
     if isinstance(v, list):
         return [_plain(x) for x in v]
     return v
+
+
+def _widened(a: np.ndarray, t: Any) -> np.ndarray:
+    """Float32 of a kv_b half read by ``_half`` (exact: f16/bf16 widen, f32 and
+    dequantized values are already float32)."""
+    if t.tensor_type == _qt().BF16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32, copy=False)
 
 
 def _to_bf16(x: np.ndarray) -> np.ndarray:

@@ -255,8 +255,8 @@ def test_gguf_blocks_repack_every_code_as_unpacking_does(rows, groups, seed, bit
 
 
 def test_gguf_with_384_experts_mounts_runs_and_round_trips(tmp_path):
-    """Kimi-K2's expert count in a layout llama.cpp's converter writes (qwen3moe here: the
-    DeepSeek GGUF layout is not mounted yet): logits as the source, export bit-exact."""
+    """384 experts a layer in qwen3moe's layout: logits as the source, export bit-exact
+    (Kimi-K2 itself, DeepSeek-V3's deepseek2 layout: test_gguf_deepseek.py)."""
     import gguf
 
     from .test_gguf import _mount_and_run, _want
