@@ -32,7 +32,7 @@ ARCHES = (
 # The architectures the numpy engine runs. GPT-OSS is not in ARCHES: its experts
 # exist only stacked and transposed (store.models.expert_transform), and the
 # store tests over ARCHES check the per-expert and contract-layout fused forms.
-ENGINE_ARCHES = (*ARCHES, "gpt_oss", "granitemoe")
+ENGINE_ARCHES = (*ARCHES, "gpt_oss", "granitemoe", "qwen3_next")
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 32,
@@ -118,6 +118,24 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "bos_token_id": None,
         "pad_token_id": None,
     },
+    # Hybrid: three gated-DeltaNet layers, then one gated-attention layer (rotary on a
+    # quarter of each 16-wide head).
+    "qwen3_next": {
+        "num_hidden_layers": 4,
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 24,
+        "num_experts": 8,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "pad_token_id": None,
+    },
     # transformers' default rope here is YaRN (factor 32 over 4096 positions).
     "gpt_oss": {
         "intermediate_size": 16,
@@ -138,6 +156,7 @@ _CLASSES = {
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
 }
 
 

@@ -2472,3 +2472,73 @@ int czk_rows_take(const czk_mat *m, int B, const int64_t *tokens, float *out) {
         if (czk_row(m, tokens[b], out + (int64_t)b * m->cols)) return -1;
     return 0;
 }
+
+/* Gated DeltaNet (Qwen3-Next linear attention): T tokens of one layer, token by token, in
+ * place on the layer's recurrent state (decode is T = 1: O(1) work per token, whatever the
+ * length reached).
+ *
+ * mixed [T, C]: the q | k | v projections before the convolution (C = 2 * nk * dk + nv * dv);
+ * b, a [T, nv]: the beta and decay inputs; conv_w [C, K]: the depthwise causal convolution;
+ * conv_state [K - 1, C]: the K - 1 previous inputs, oldest first; a_log, dt_bias [nv];
+ * state [nv, dk, dv]; out [T, nv, dv]. Value head h reads key head h / (nv / nk).
+ *
+ * Per token, as transformers' torch_recurrent_gated_delta_rule after causal_conv1d_update:
+ *   y = silu(sum_j w[:, j] * window[j])   (window: the K - 1 previous inputs, then this one)
+ *   q, k = l2norm(q), l2norm(k) (eps 1e-6 inside the root); q *= dk ** -0.5
+ *   beta = sigmoid(b); g = -exp(a_log) * softplus(a + dt_bias) (softplus = x above 20)
+ *   S *= exp(g); delta = (v - k S) * beta; S += k (x) delta; o = q S
+ * Every sum runs in index order (the numpy reference's order); returns -1 on bad sizes or
+ * when its scratch cannot be allocated. */
+int czk_gdn(int64_t T, int nk, int nv, int dk, int dv, int K, const float *mixed,
+            const float *b, const float *a, const float *conv_w, const float *a_log,
+            const float *dt_bias, float *conv_state, float *state, float *out) {
+    if (T < 0 || nk <= 0 || nv <= 0 || dk <= 0 || dv <= 0 || K <= 0 || nv % nk) return -1;
+    const int64_t key = (int64_t)nk * dk, C = 2 * key + (int64_t)nv * dv;
+    float *y = (float *)malloc(sizeof(float) * (size_t)(C + 2 * dv));
+    if (!y) return -1;
+    float *mem = y + C, *delta = mem + dv;
+    const int rep = nv / nk;
+    const float scale = 1.0f / sqrtf((float)dk);
+    for (int64_t t = 0; t < T; t++) {
+        const float *x = mixed + t * C;
+        for (int64_t c = 0; c < C; c++) {
+            const float *w = conv_w + c * K;
+            float acc = 0.0f;
+            for (int j = 0; j < K - 1; j++) acc += w[j] * conv_state[(int64_t)j * C + c];
+            acc += w[K - 1] * x[c];
+            y[c] = acc / (1.0f + expf(-acc));
+        }
+        if (K > 1) {
+            memmove(conv_state, conv_state + C, sizeof(float) * (size_t)((K - 2) * C));
+            memcpy(conv_state + (int64_t)(K - 2) * C, x, sizeof(float) * (size_t)C);
+        }
+        for (int hk = 0; hk < 2 * nk; hk++) { /* l2norm each query head, then each key head */
+            float *v = y + (int64_t)hk * dk, ss = 0.0f;
+            for (int i = 0; i < dk; i++) ss += v[i] * v[i];
+            const float inv = 1.0f / sqrtf(ss + 1e-6f);
+            for (int i = 0; i < dk; i++) v[i] = v[i] * inv;
+        }
+        for (int64_t i = 0; i < key; i++) y[i] = y[i] * scale;
+        for (int h = 0; h < nv; h++) {
+            const float *q = y + (int64_t)(h / rep) * dk, *k = y + key + (int64_t)(h / rep) * dk;
+            const float *v = y + 2 * key + (int64_t)h * dv;
+            const float beta = 1.0f / (1.0f + expf(-b[t * nv + h]));
+            const float sp = a[t * nv + h] + dt_bias[h];
+            const float soft = sp > 20.0f ? sp : log1pf(expf(sp));
+            const float decay = expf(-expf(a_log[h]) * soft);
+            float *S = state + (int64_t)h * dk * dv, *o = out + (t * nv + h) * (int64_t)dv;
+            for (int64_t i = 0; i < (int64_t)dk * dv; i++) S[i] = S[i] * decay;
+            for (int j = 0; j < dv; j++) mem[j] = 0.0f;
+            for (int i = 0; i < dk; i++)
+                for (int j = 0; j < dv; j++) mem[j] += S[i * dv + j] * k[i];
+            for (int j = 0; j < dv; j++) delta[j] = (v[j] - mem[j]) * beta;
+            for (int i = 0; i < dk; i++)
+                for (int j = 0; j < dv; j++) S[i * dv + j] += k[i] * delta[j];
+            for (int j = 0; j < dv; j++) o[j] = 0.0f;
+            for (int i = 0; i < dk; i++)
+                for (int j = 0; j < dv; j++) o[j] += S[i * dv + j] * q[i];
+        }
+    }
+    free(y);
+    return 0;
+}

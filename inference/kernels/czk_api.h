@@ -75,3 +75,6 @@ int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slo
 int czk_head_batch(czk_pool *p, int B, const float *h, int64_t H, const float *norm, float eps,
                    const czk_mat *lm_head, float *logits, void *work, int64_t wstride);
 int czk_rows_take(const czk_mat *m, int B, const int64_t *tokens, float *out);
+int czk_gdn(int64_t T, int nk, int nv, int dk, int dv, int K, const float *mixed,
+            const float *b, const float *a, const float *conv_w, const float *a_log,
+            const float *dt_bias, float *conv_state, float *state, float *out);

@@ -20,6 +20,7 @@ from czyx.inference.models.mixtral import MixtralDecoder
 from czyx.inference.models.olmoe import OlmoeDecoder
 from czyx.inference.models.qwen2_moe import Qwen2MoeDecoder
 from czyx.inference.models.qwen3_moe import Qwen3MoeDecoder
+from czyx.inference.models.qwen3_next import Qwen3NextDecoder
 
 DECODERS: dict[str, type[MoEDecoder]] = {
     cls.arch: cls
@@ -35,6 +36,7 @@ DECODERS: dict[str, type[MoEDecoder]] = {
         Ernie45MoeDecoder,
         GraniteMoeDecoder,
         HunYuanMoeV1Decoder,
+        Qwen3NextDecoder,
     )
 }
 

@@ -51,7 +51,16 @@ NEWER_ROLES = (
     "expert_gate_up_bias",  # [E, 2I] GPT-OSS routed experts' gate/up biases (gate, then up)
     "expert_down_bias",  # [E, H] GPT-OSS routed experts' down biases
     "mtp",  # a multi-token-prediction layer's tensor: kept verbatim, never run
+    # Qwen3-Next's gated-DeltaNet linear-attention layers (their out_proj is the o_proj role).
+    "lin_qkvz",  # [2 * key_dim + 2 * value_dim, H] in_proj_qkvz (per key-head groups)
+    "lin_ba",  # [2 * n_v_heads, H] in_proj_ba (beta and decay inputs, per key-head groups)
+    "lin_conv",  # [key_dim * 2 + value_dim, 1, kernel] depthwise causal conv1d
+    "lin_dt_bias",  # [n_v_heads]
+    "lin_a_log",  # [n_v_heads]
+    "lin_norm",  # [value_head_dim] the gated RMS norm's weight
 )
+#: The roles only a linear-attention (gated DeltaNet) layer has.
+LINEAR_ATTN_ROLES = ("lin_qkvz", "lin_ba", "lin_conv", "lin_dt_bias", "lin_a_log", "lin_norm")
 #: Per-layer roles beyond the consumer contract's (the engine's Layer has a slot each).
 EXTRA_ROLES = MLA_ROLES + NEWER_ROLES
 #: The role of kept multi-token-prediction tensors (layer = their index in name order).
@@ -160,6 +169,15 @@ _MLA = (
     (r"self_attn\.o_proj\.weight", "o_proj"),
 )
 _ROUTER = ((r"mlp\.gate\.weight", "router"),)
+_GATED_DELTANET = (
+    (r"linear_attn\.in_proj_qkvz\.weight", "lin_qkvz"),
+    (r"linear_attn\.in_proj_ba\.weight", "lin_ba"),
+    (r"linear_attn\.conv1d\.weight", "lin_conv"),
+    (r"linear_attn\.dt_bias", "lin_dt_bias"),
+    (r"linear_attn\.A_log", "lin_a_log"),
+    (r"linear_attn\.norm\.weight", "lin_norm"),
+    (r"linear_attn\.out_proj\.weight", "o_proj"),
+)
 _MIXTRAL_ROUTER = ((r"(?:block_sparse_moe|mlp)\.gate\.weight", "router"),)
 _QWEN2_SHARED = (
     (r"mlp\.shared_expert\.gate_proj\.weight", "shared_gate_proj"),
@@ -274,6 +292,8 @@ class ArchSpec:
         a full decoder layer plus ``enorm``, ``hnorm``, ``eh_proj`` and a
         ``shared_head``). transformers ignores them; mount keeps them verbatim.
         """
+        if self.name == "qwen3_next" and name.startswith("mtp."):
+            return 0  # Qwen3-Next keeps its MTP module apart (mtp.*), also ignored by transformers
         extra = int(config.get("num_nextn_predict_layers") or 0)
         m = _LAYER_PREFIX.match(name) if extra > 0 else None
         if m is None:
@@ -296,7 +316,7 @@ class ArchSpec:
     def sparse_layers(self, config: Mapping[str, Any]) -> tuple[int, ...]:
         """Layers whose MLP is a routed mixture (the others are dense)."""
         n = self.n_layers(config)
-        if self.name in ("qwen2_moe", "qwen3_moe"):
+        if self.name in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
             step = int(config.get("decoder_sparse_step") or 1)
             dense = set(config.get("mlp_only_layers") or ())
             return tuple(l for l in range(n) if l not in dense and (l + 1) % step == 0)
@@ -370,6 +390,14 @@ ARCHS: dict[str, ArchSpec] = {
             _NORMS + _ATTN + _QKV_BIAS + _O_BIAS + _QK_NORM + _ROUTER + _DENSE_MLP,
             _EXPERT_PROJ,
             _QWEN_EXPERT_KEYS,
+            ("moe_intermediate_size",),
+        ),
+        ArchSpec(
+            "qwen3_next",
+            ("qwen3_next",),
+            _NORMS + _ATTN + _QK_NORM + _GATED_DELTANET + _ROUTER + _QWEN2_SHARED + _DENSE_MLP,
+            _EXPERT_PROJ,
+            ("num_experts",),
             ("moe_intermediate_size",),
         ),
         ArchSpec(
