@@ -127,6 +127,18 @@ class Qwen3NextDecoder(MoEDecoder):
             + (self.sparse_roles if self.cfg.sparse_layers[i] else self.dense_roles)
         )
 
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep keys and values (the attention layers)."""
+        return self.n_full
+
+    @property
+    def recurrent_nbytes(self) -> int:
+        """Bytes of one sequence's recurrent state (constant in its length)."""
+        d = self.dims
+        per = (d.conv_kernel - 1) * d.conv_dim + d.n_v_heads * d.k_head_dim * d.v_head_dim
+        return 4 * per * self.n_linear
+
     def new_kv(self, capacity: int = 64) -> HybridCache:
         """An empty hybrid cache: KV of the attention layers, state of the linear ones."""
         cfg = self.cfg

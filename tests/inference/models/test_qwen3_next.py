@@ -1,0 +1,152 @@
+"""Qwen3-Next (hybrid gated DeltaNet + gated attention) against transformers, through the store.
+
+Logits within 1e-5 of the logit range (transformers' own two float32 paths, its
+chunked prompt and its token-by-token decode, differ by about as much as we do
+from either), greedy equal at full and quarter cache, byte-identical export, in
+both expert layouts. The C kernel of the DeltaNet recurrence against its numpy
+reference; the hybrid cache's constant-size state and its checkpoint rollback.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from czyx.inference.engine import Engine
+from czyx.inference.errors import RecurrentStateError, UnsupportedModelError
+from czyx.inference.models.deltanet import (
+    DeltaNetDims,
+    HybridCache,
+    gdn,
+    gdn_reference,
+    have_gdn_kernel,
+)
+from czyx.inference.models.qwen3_next import layer_types
+from czyx.inference.opened import OpenedModel
+from czyx.store import Store
+from czyx.store.models.mount import mount
+from czyx.store.models.mount_errors import ConfigError
+from czyx.store.models.mount_plan import validate_config
+from czyx.testing.archparity import run_parity
+from czyx.testing.tiny_models import make_tiny_checkpoint
+
+
+@pytest.mark.parametrize(
+    ("fused", "overrides"),
+    [(False, {}), (True, {"mlp_only_layers": [1]})],
+    ids=["per_expert", "fused_dense_layer"],
+)
+def test_mounted_qwen3_next_matches_transformers(tmp_path, fused, overrides):
+    r = run_parity("qwen3_next", tmp_path, fused=fused, initializer_range=0.2, **overrides)
+    assert r.refused is None, r.refused
+    assert r.source_layout == ("fused" if fused else "per_expert")
+    assert r.logit_range > 1.0 and r.max_diff <= 1e-5 * r.logit_range, r
+    assert r.greedy_full and r.greedy_quarter and r.quarter_misses > 0
+    assert r.export_identical and r.export_max_diff <= 1e-5 * r.logit_range
+
+
+def _inputs(rng: np.random.Generator, d: DeltaNetDims, t: int):
+    mixed = rng.standard_normal((t, d.conv_dim)).astype(np.float32)
+    b = rng.standard_normal((t, d.n_v_heads)).astype(np.float32)
+    a = (rng.standard_normal((t, d.n_v_heads)) * 3).astype(np.float32)
+    a[0, 0] = 25.0  # softplus above its threshold: the identity
+    conv_w = rng.standard_normal((d.conv_dim, d.conv_kernel)).astype(np.float32)
+    a_log = rng.uniform(-1, 2, d.n_v_heads).astype(np.float32)
+    dt_bias = rng.standard_normal(d.n_v_heads).astype(np.float32)
+    return mixed, b, a, conv_w, a_log, dt_bias
+
+
+@pytest.mark.skipif(not have_gdn_kernel(), reason="the C kernels are not compiled")
+def test_c_recurrence_matches_the_numpy_reference() -> None:
+    d = DeltaNetDims(n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=6, conv_kernel=4)
+    rng = np.random.default_rng(5)
+    mixed, b, a, conv_w, a_log, dt_bias = _inputs(rng, d, 9)
+    states = [
+        (np.zeros((d.conv_kernel - 1, d.conv_dim), np.float32), np.zeros((4, 8, 6), np.float32))
+        for _ in range(3)
+    ]
+    want = gdn_reference(mixed, b, a, conv_w, a_log, dt_bias, *states[0], d)
+    got = gdn(mixed, b, a, conv_w, a_log, dt_bias, *states[1], d)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    for x, y in zip(states[0], states[1], strict=True):
+        assert np.abs(x - y).max() <= 1e-5 * np.abs(x).max()
+    # A prompt in one call is the same arithmetic as its tokens one call each.
+    steps = np.concatenate(
+        [gdn(mixed[t : t + 1], b[t : t + 1], a[t : t + 1], conv_w, a_log, dt_bias, *states[2], d)
+         for t in range(9)]
+    )  # fmt: skip
+    assert np.array_equal(steps, got)
+    assert all(np.array_equal(x, y) for x, y in zip(states[1], states[2], strict=True))
+
+
+def test_the_kernel_refuses_a_state_it_would_misread() -> None:
+    if not have_gdn_kernel():
+        pytest.skip("the C kernels are not compiled")
+    d = DeltaNetDims(2, 2, 4, 4, 3)
+    mixed, b, a, conv_w, a_log, dt_bias = _inputs(np.random.default_rng(1), d, 1)
+    conv = np.zeros((2, d.conv_dim), np.float32)
+    with pytest.raises(RecurrentStateError, match="not f32"):
+        gdn(mixed, b, a, conv_w, a_log, dt_bias, conv, np.zeros((2, 4, 4), np.float64), d)
+
+
+def test_layer_types_follow_the_config() -> None:
+    assert layer_types({"full_attention_interval": 2}, 4) == (
+        "linear_attention", "full_attention", "linear_attention", "full_attention",
+    )  # fmt: skip
+    assert layer_types({}, 4)[3] == "full_attention" and layer_types({}, 4)[0] != "full_attention"
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        layer_types({"layer_types": ["sliding_attention"]}, 1)
+    with pytest.raises(ConfigError, match="layer_types"):
+        validate_config({"num_hidden_layers": 2, "layer_types": ["full_attention"]})
+    with pytest.raises(ConfigError, match="linear_num_value_heads"):
+        validate_config({"linear_num_key_heads": 3, "linear_num_value_heads": 4})
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("q3n")
+    ckpt = make_tiny_checkpoint("qwen3_next", tmp / "ckpt", initializer_range=0.2)
+    with Store.open(tmp / "store") as st:
+        mount(st, ckpt, "m@1")
+    with OpenedModel(str(tmp / "store"), "m@1", None) as om:
+        eng = Engine(om.consumer)
+        yield eng
+        eng.close()
+
+
+def test_decode_state_is_constant_in_the_length(engine) -> None:
+    """The linear layers keep a fixed-size state (O(1) per decoded token); KV is kept for
+    the attention layer only."""
+    model = engine.model
+    kv = model.new_kv(4)
+    assert isinstance(kv, HybridCache)
+    assert len(kv.k) == model.n_full == 1 and kv.n_linear_layers == model.n_linear == 3
+    before = [a.shape for a in kv.recurrent_arrays()]
+    model.forward(np.arange(7), kv)
+    for t in range(30):
+        model.forward(np.array([t % 96]), kv)
+    assert [a.shape for a in kv.recurrent_arrays()] == before
+    assert kv.recurrent_nbytes() == model.recurrent_nbytes
+    assert kv.length == 37 and kv.capacity >= 37
+
+
+def test_checkpoint_rollback_replays_bit_identically(engine) -> None:
+    """Speculation's rollback: a checkpoint, some tokens, a truncate back to it, and the
+    same tokens again give the very same logits and state."""
+    model = engine.model
+    kv = model.new_kv()
+    model.forward(np.array([5, 9, 14, 2]), kv)
+    snap = kv.checkpoint()
+    first = [model.forward(np.array([t]), kv) for t in (7, 30, 1)]
+    state = [a.copy() for a in kv.recurrent_arrays()]
+    with pytest.raises(RecurrentStateError, match="checkpoint"):
+        kv.truncate(5)  # no snapshot there
+    kv.rollback(3)
+    assert kv.length == snap.length == 4
+    again = [model.forward(np.array([t]), kv) for t in (7, 30, 1)]
+    assert all(np.array_equal(x, y) for x, y in zip(first, again, strict=True))
+    assert all(np.array_equal(x, y) for x, y in zip(state, kv.recurrent_arrays(), strict=True))
+    kv.truncate(0)
+    assert kv.length == 0 and not any(a.any() for a in kv.recurrent_arrays())
+    assert np.array_equal(model.forward(np.array([5, 9, 14, 2]), kv), model.forward(
+        np.array([5, 9, 14, 2]), model.new_kv()))  # fmt: skip
