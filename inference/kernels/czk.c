@@ -2527,16 +2527,27 @@ int czk_gdn(int64_t T, int nk, int nv, int dk, int dv, int K, const float *mixed
             const float soft = sp > 20.0f ? sp : log1pf(expf(sp));
             const float decay = expf(-expf(a_log[h]) * soft);
             float *S = state + (int64_t)h * dk * dv, *o = out + (t * nv + h) * (int64_t)dv;
-            for (int64_t i = 0; i < (int64_t)dk * dv; i++) S[i] = S[i] * decay;
+            /* Two passes over the state (it is the memory traffic): decay and k S, then
+             * the update and q S; each row is used while it is in cache. */
             for (int j = 0; j < dv; j++) mem[j] = 0.0f;
-            for (int i = 0; i < dk; i++)
-                for (int j = 0; j < dv; j++) mem[j] += S[i * dv + j] * k[i];
+            for (int i = 0; i < dk; i++) {
+                float *row = S + (int64_t)i * dv;
+                const float ki = k[i];
+                for (int j = 0; j < dv; j++) {
+                    row[j] = row[j] * decay;
+                    mem[j] += row[j] * ki;
+                }
+            }
             for (int j = 0; j < dv; j++) delta[j] = (v[j] - mem[j]) * beta;
-            for (int i = 0; i < dk; i++)
-                for (int j = 0; j < dv; j++) S[i * dv + j] += k[i] * delta[j];
             for (int j = 0; j < dv; j++) o[j] = 0.0f;
-            for (int i = 0; i < dk; i++)
-                for (int j = 0; j < dv; j++) o[j] += S[i * dv + j] * q[i];
+            for (int i = 0; i < dk; i++) {
+                float *row = S + (int64_t)i * dv;
+                const float ki = k[i], qi = q[i];
+                for (int j = 0; j < dv; j++) {
+                    row[j] += ki * delta[j];
+                    o[j] += row[j] * qi;
+                }
+            }
         }
     }
     free(y);
