@@ -46,6 +46,8 @@ SUPPORTED = [
     ("hunyuan_v1_moe", dict(initializer_range=0.2)),
     ("qwen3_next", dict(initializer_range=0.2)),
     ("qwen3_next", dict(initializer_range=0.2, mlp_only_layers=[1])),
+    ("jamba", dict(initializer_range=0.2)),
+    ("jamba", dict(initializer_range=0.2, attn_layer_offset=1, mamba_conv_bias=False)),
 ]
 # GPT-OSS experts exist in one form only (save_pretrained writes the stacked,
 # transposed tensors transformers holds), so it has one row.
@@ -55,7 +57,6 @@ ONE_LAYOUT = {"gpt_oss"}
 REFUSED = {
     "llama4_text": "chunked and NoPE attention layers, sigmoid top-1 router beside a "
     "shared expert, interleaved dense/MoE layers",
-    "jamba": "Mamba (selective state space) layers beside attention layers",
     "phimoe": "sparsemixer routing and LayerNorm (not RMSNorm)",
 }
 

@@ -2553,3 +2553,60 @@ int czk_gdn(int64_t T, int nk, int nv, int dk, int dv, int K, const float *mixed
     free(y);
     return 0;
 }
+
+/* A depthwise causal convolution with bias, then silu, over T tokens, in place on its state
+ * (Jamba's Mamba layers). x [T, C] with row stride xstride, w [C, K], bias [C] or NULL,
+ * conv_state [K - 1, C] (the previous inputs, oldest first), out [T, C]:
+ *   out[t, c] = silu(sum_j w[c, j] * window[j][c] + bias[c]), sums in j order. */
+int czk_conv_silu(int64_t T, int64_t C, int K, const float *x, int64_t xstride,
+                  const float *w, const float *bias, float *conv_state, float *out) {
+    if (T < 0 || C <= 0 || K <= 0 || xstride < C) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * xstride;
+        float *o = out + t * C;
+        for (int64_t c = 0; c < C; c++) {
+            const float *wc = w + c * K;
+            float acc = 0.0f;
+            for (int j = 0; j < K - 1; j++) acc += wc[j] * conv_state[(int64_t)j * C + c];
+            acc += wc[K - 1] * xt[c];
+            if (bias) acc += bias[c];
+            o[c] = acc / (1.0f + expf(-acc));
+        }
+        if (K > 1) {
+            memmove(conv_state, conv_state + C, sizeof(float) * (size_t)((K - 2) * C));
+            memcpy(conv_state + (int64_t)(K - 2) * C, xt, sizeof(float) * (size_t)C);
+        }
+    }
+    return 0;
+}
+
+/* Mamba's selective scan over T tokens, in place on state [I, N] (transformers'
+ * mamba_selective_state_update per token). x, dt [T, I] (dt before its bias and softplus),
+ * dt_bias, D [I], a_log [I, N], B, Cm [T, N], z [T, I] with row stride zstride, out [T, I]:
+ *   d = softplus(dt + dt_bias); s[c, n] = s[c, n] * exp(d * -exp(a_log[c, n])) + d * B[n] * x[c]
+ *   out[c] = (sum_n s[c, n] * Cm[n] + x[c] * D[c]) * silu(z[c])            (sums in n order) */
+int czk_mamba_scan(int64_t T, int64_t I, int N, const float *x, const float *dt,
+                   const float *dt_bias, const float *a_log, const float *B, const float *Cm,
+                   const float *D, const float *z, int64_t zstride, float *state, float *out) {
+    if (T < 0 || I <= 0 || N <= 0 || zstride < I) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * I, *dtt = dt + t * I, *Bt = B + t * N, *Ct = Cm + t * N;
+        const float *zt = z + t * zstride;
+        float *o = out + t * I;
+        for (int64_t c = 0; c < I; c++) {
+            const float sp = dtt[c] + dt_bias[c];
+            const float d = sp > 20.0f ? sp : log1pf(expf(sp));
+            float *s = state + c * N;
+            const float *al = a_log + c * N;
+            float acc = 0.0f;
+            for (int n = 0; n < N; n++) {
+                const float dA = expf(d * -expf(al[n]));
+                s[n] = s[n] * dA + (d * Bt[n]) * xt[c];
+                acc += s[n] * Ct[n];
+            }
+            const float zc = zt[c];
+            o[c] = (acc + xt[c] * D[c]) * (zc / (1.0f + expf(-zc)));
+        }
+    }
+    return 0;
+}

@@ -63,6 +63,16 @@ class DeltaNetDims:
         """Channels of the causal convolution: queries, keys and values."""
         return 2 * self.key_dim + self.value_dim
 
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        """A linear layer's convolution state: the previous ``kernel - 1`` inputs."""
+        return (self.conv_kernel - 1, self.conv_dim)
+
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        """A linear layer's recurrent state."""
+        return (self.n_v_heads, self.k_head_dim, self.v_head_dim)
+
     @classmethod
     def from_config(cls, c: dict[str, Any]) -> DeltaNetDims:
         """Read the ``linear_*`` fields (transformers' defaults where absent)."""
@@ -101,6 +111,10 @@ class HybridCache(KVCache):
     ``conv[j]`` is ``[kernel - 1, conv_dim]`` (the previous convolution inputs,
     oldest first) and ``state[j]`` is ``[n_v_heads, dk, dv]``.
 
+    The same cache serves Jamba's Mamba layers (``dims`` a
+    :class:`~inference.models.mamba.MambaDims`: conv ``[d_conv - 1, I]``, state
+    ``[I, d_state]``).
+
     The recurrent state exists only at the length reached, so the cache cannot
     be cut back like a KV cache. Rollback (speculative decoding) goes through
     snapshots: :meth:`checkpoint` copies the state at the current length, and
@@ -116,16 +130,14 @@ class HybridCache(KVCache):
         n_kv_heads: int,
         head_dim: int,
         n_linear_layers: int,
-        dims: DeltaNetDims,
+        dims: Any,
         capacity: int = 64,
     ) -> None:
         super().__init__(n_attn_layers, n_kv_heads, head_dim, capacity)
         self._cap = capacity
-        self.dims = dims
-        conv_shape = (dims.conv_kernel - 1, dims.conv_dim)
-        state_shape = (dims.n_v_heads, dims.k_head_dim, dims.v_head_dim)
-        self.conv = [np.zeros(conv_shape, F32) for _ in range(n_linear_layers)]
-        self.state = [np.zeros(state_shape, F32) for _ in range(n_linear_layers)]
+        self.dims = dims  # DeltaNetDims or MambaDims: their conv_shape and state_shape
+        self.conv = [np.zeros(dims.conv_shape, F32) for _ in range(n_linear_layers)]
+        self.state = [np.zeros(dims.state_shape, F32) for _ in range(n_linear_layers)]
         self._snaps: dict[int, RecurrentSnapshot] = {}
 
     @property

@@ -122,6 +122,13 @@ CONFIG_INTS: dict[str, tuple[int, int]] = {
     "linear_value_head_dim": (1, 4096),
     "linear_num_key_heads": (1, 4096),
     "linear_num_value_heads": (1, 4096),
+    "mamba_d_state": (1, 4096),
+    "mamba_d_conv": (1, 64),
+    "mamba_expand": (1, 64),
+    "attn_layer_period": (1, 1024),
+    "attn_layer_offset": (0, 1023),
+    "expert_layer_period": (1, 1024),
+    "expert_layer_offset": (0, 1023),
 }
 
 # Float fields: (exclusive least, greatest); all must be finite.

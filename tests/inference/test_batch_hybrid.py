@@ -1,4 +1,4 @@
-"""The batch scheduler (czyx serve's step) on a hybrid model (Qwen3-Next).
+"""The batch scheduler (czyx serve's step) on hybrid models (Qwen3-Next, Jamba).
 
 Each sequence carries its linear layers' recurrent state in its own cache:
 sequences batched together get what each gets alone, a saved sequence resumes
@@ -20,9 +20,9 @@ from czyx.testing.tiny_models import build_tiny_model
 PROMPTS = [[3, 17, 5, 60, 1, 88, 42, 9, 11, 2, 40], [7, 7, 30], [50, 4, 19, 23, 8, 61, 2]]
 
 
-@pytest.fixture(scope="module")
-def engine():
-    eng = Engine(StateDictConsumer(build_tiny_model("qwen3_next", 1, initializer_range=0.2)))
+@pytest.fixture(scope="module", params=["qwen3_next", "jamba"])
+def engine(request):
+    eng = Engine(StateDictConsumer(build_tiny_model(request.param, 1, initializer_range=0.2)))
     yield eng
     eng.close()
 

@@ -1,4 +1,4 @@
-"""Sessions on a hybrid model (Qwen3-Next): the recurrent state saved, resumed, forked.
+"""Sessions on hybrid models (Qwen3-Next, Jamba): the recurrent state saved, resumed, forked.
 
 The goal tested exactly: a saved state resumes with zero reprocessing (no
 token runs through the model on resume) and the continuation's logits are
@@ -35,9 +35,9 @@ from tests.inference.sessions.helpers import (
 SAMPLED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=77)
 
 
-@pytest.fixture(scope="module")
-def make():
-    return engine_factory(build_tiny_model("qwen3_next", 3, initializer_range=0.2), MODEL_A)
+@pytest.fixture(scope="module", params=["qwen3_next", "jamba"])
+def make(request):
+    return engine_factory(build_tiny_model(request.param, 3, initializer_range=0.2), MODEL_A)
 
 
 @pytest.fixture

@@ -44,7 +44,8 @@ def test_plan_covers_every_tensor(ckpts, arch, fused):
         # Expert bytes are those of transformers' own fused in-memory parameters.
         model = build_tiny_model(arch)
         layer, e = plan.sparse_layers[-1], plan.n_experts - 1
-        mlp = model.model.layers[layer].mlp
+        block = model.model.layers[layer]
+        mlp = block.feed_forward if arch == "jamba" else block.mlp  # Jamba names it so
         gate_up = mlp.experts.gate_up_proj[e].detach()
         want = (gate_up[: plan.inter], gate_up[plan.inter :], mlp.experts.down_proj[e].detach())
         for src, w in zip(plan.experts[(layer, e)], want):
