@@ -122,6 +122,11 @@ class HybridCache(KVCache):
     a length without a snapshot raises :class:`RecurrentStateError`. Snapshots
     past a restored length are dropped (their positions are about to be
     rewritten). ``truncate(0)`` always works (a fresh sequence).
+
+    For speculative decoding, :meth:`track` makes every position a forward
+    reaches a snapshot (a verify pass over several drafted tokens runs its
+    linear layers token by token, the same arithmetic as one call): after it,
+    ``truncate(start + accepted)`` rewinds to any of them without recomputing.
     """
 
     def __init__(
@@ -139,6 +144,29 @@ class HybridCache(KVCache):
         self.conv = [np.zeros(dims.conv_shape, F32) for _ in range(n_linear_layers)]
         self.state = [np.zeros(dims.state_shape, F32) for _ in range(n_linear_layers)]
         self._snaps: dict[int, RecurrentSnapshot] = {}
+        self.tracking = False
+        # Per position reached while tracking: each linear layer's (conv, state) copies,
+        # filled layer by layer during a forward; a snapshot once every layer has it.
+        self._tracked: dict[int, list[tuple[np.ndarray, np.ndarray] | None]] = {}
+
+    def track(self, on: bool = True) -> None:
+        """Snapshot every position reached from now on (``False``: stop, drop the pending ones)."""
+        self.tracking = bool(on)
+        if not on:
+            self._tracked.clear()
+
+    def record(self, j: int, position: int) -> None:
+        """Keep linear layer ``j``'s state as it is after ``position`` positions (tracking)."""
+        slots = self._tracked.setdefault(position, [None] * self.n_linear_layers)
+        slots[j] = (self.conv[j].copy(), self.state[j].copy())
+        if all(x is not None for x in slots):
+            del self._tracked[position]
+            self._snaps.pop(position, None)
+            self._snaps[position] = RecurrentSnapshot(
+                position, tuple(x[0] for x in slots), tuple(x[1] for x in slots)
+            )
+            while len(self._snaps) > MAX_SNAPSHOTS:
+                self._snaps.pop(next(iter(self._snaps)))
 
     @property
     def capacity(self) -> int:
@@ -234,6 +262,7 @@ class HybridCache(KVCache):
         self.load_recurrent([a for pair in zip(snap.conv, snap.state) for a in pair])
         self.length = snap.length
         self._snaps = {n: s for n, s in self._snaps.items() if n <= snap.length}
+        self._tracked.clear()
 
     def truncate(self, length: int) -> None:
         """Go back to ``length`` positions: 0, the current length, or a checkpointed one.
@@ -252,6 +281,7 @@ class HybridCache(KVCache):
                 a.fill(0.0)
             self.length = 0
             self._snaps.clear()
+            self._tracked.clear()
             return
         snap = self._snaps.get(length)
         if snap is None:
@@ -402,6 +432,25 @@ def gdn(
     if rc:
         raise RecurrentStateError(f"czk_gdn refused its arguments ({d}, {t} tokens)")
     return out
+
+
+def run_recurrent(
+    kv: HybridCache,
+    j: int,
+    start: int,
+    t: int,
+    step: Any,
+) -> np.ndarray:
+    """``step(lo, hi)`` over a layer's ``t`` new tokens: one call, or (while ``kv`` tracks)
+    one call per token with layer ``j``'s state recorded after each (the same arithmetic:
+    the kernels run a prompt token by token either way)."""
+    if not kv.tracking:
+        return step(0, t)
+    outs = []
+    for s in range(t):
+        outs.append(step(s, s + 1))
+        kv.record(j, start + s + 1)
+    return np.concatenate(outs)
 
 
 def gated_rms_norm(x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -23,7 +23,7 @@ from czyx.inference.errors import UnsupportedModelError
 from czyx.inference.kernels.linear import mm_t
 from czyx.inference.models.base import KVCache, attention, rms_norm
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
-from czyx.inference.models.deltanet import HybridCache
+from czyx.inference.models.deltanet import HybridCache, run_recurrent
 from czyx.inference.models.mamba import MambaDims, conv_silu, scan
 from czyx.store.consumer import ModelConsumer, ModelInfo
 from czyx.store.models.archs import MAMBA_ROLES
@@ -104,7 +104,7 @@ class JambaDecoder(MoEDecoder):
         if self.observer is not None:
             self.observer(f"L{i}.attn_in", x)
         if self.block_types[i] == MAMBA:
-            return self._mamba(i, lw, x, kv)
+            return self._mamba(i, lw, x, kv, start)
         cfg = self.cfg
         t, hd = x.shape[0], cfg.head_dim
         q = mm_t(x, lw.q_proj).reshape(t, cfg.n_heads, hd).transpose(1, 0, 2)
@@ -119,7 +119,7 @@ class JambaDecoder(MoEDecoder):
             self.observer(f"L{i}.o_in", out)
         return mm_t(out, lw.o_proj)
 
-    def _mamba(self, i: int, lw: Layer, x: np.ndarray, kv: KVCache) -> np.ndarray:
+    def _mamba(self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int) -> np.ndarray:
         """The Mamba mixer over ``x [T, H]``, advancing layer ``i``'s conv and scan states."""
         if not isinstance(kv, HybridCache):
             raise UnsupportedModelError("a jamba model runs on its own new_kv() cache")
@@ -128,13 +128,34 @@ class JambaDecoder(MoEDecoder):
         xz = mm_t(x, lw.mamba_in_proj)
         j = self.slot[i]
         conv_w = lw.mamba_conv.reshape(inner, d.d_conv)
-        xc = conv_silu(xz[:, :inner], conv_w, lw.mamba_conv_bias, kv.conv[j])
+        # The convolution needs no later token: it runs over the whole chunk first, its
+        # states after each token kept (while tracking) for the snapshots below.
+        conv_after: list[np.ndarray] = []
+
+        def conv_step(lo: int, hi: int) -> np.ndarray:
+            out = conv_silu(xz[lo:hi, :inner], conv_w, lw.mamba_conv_bias, kv.conv[j])
+            conv_after.append(kv.conv[j].copy())
+            return out
+
+        t = x.shape[0]
+        xc = conv_step(0, t) if not kv.tracking else np.concatenate(
+            [conv_step(s, s + 1) for s in range(t)]
+        )  # fmt: skip
         proj = mm_t(xc, lw.mamba_x_proj)
         dt = mm_t(rms_norm(proj[:, :r], lw.mamba_dt_norm, eps), lw.mamba_dt_proj)
         b = rms_norm(proj[:, r : r + n], lw.mamba_b_norm, eps)
         c = rms_norm(proj[:, r + n :], lw.mamba_c_norm, eps)
-        y = scan(xc, dt, lw.mamba_dt_bias, lw.mamba_a_log, b, c, lw.mamba_d, xz[:, inner:],
-                 kv.state[j])  # fmt: skip
+        z = xz[:, inner:]
+        final_conv = kv.conv[j].copy()
+
+        def scan_step(lo: int, hi: int) -> np.ndarray:
+            if kv.tracking:  # the snapshot after token lo pairs its conv and scan states
+                kv.conv[j][...] = conv_after[lo]
+            return scan(xc[lo:hi], dt[lo:hi], lw.mamba_dt_bias, lw.mamba_a_log, b[lo:hi],
+                        c[lo:hi], lw.mamba_d, z[lo:hi], kv.state[j])  # fmt: skip
+
+        y = run_recurrent(kv, j, start, t, scan_step)
+        kv.conv[j][...] = final_conv
         if self.observer is not None:
             self.observer(f"L{i}.o_in", y)
         return mm_t(y, lw.o_proj)

@@ -42,6 +42,7 @@ from czyx.inference.models.deltanet import (
     HybridCache,
     gated_rms_norm,
     gdn,
+    run_recurrent,
     split_projections,
 )
 from czyx.store.consumer import ModelConsumer, ModelInfo
@@ -154,7 +155,7 @@ class Qwen3NextDecoder(MoEDecoder):
         if self.observer is not None:
             self.observer(f"L{i}.attn_in", x)
         if self.layer_types[i] == LINEAR:
-            return self._linear_attention(i, lw, x, kv)
+            return self._linear_attention(i, lw, x, kv, start)
         return self._gated_attention(i, lw, x, kv, start, positions)
 
     def _gated_attention(
@@ -179,7 +180,9 @@ class Qwen3NextDecoder(MoEDecoder):
             self.observer(f"L{i}.o_in", out)
         return mm_t(out, lw.o_proj)
 
-    def _linear_attention(self, i: int, lw: Layer, x: np.ndarray, kv: KVCache) -> np.ndarray:
+    def _linear_attention(
+        self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int
+    ) -> np.ndarray:
         """Gated DeltaNet over ``x [T, H]``, advancing layer ``i``'s conv and DeltaNet states."""
         if not isinstance(kv, HybridCache):
             raise UnsupportedModelError("a qwen3_next model runs on its own new_kv() cache")
@@ -187,7 +190,11 @@ class Qwen3NextDecoder(MoEDecoder):
         mixed, z, b, a = split_projections(mm_t(x, lw.lin_qkvz), mm_t(x, lw.lin_ba), d)
         j = self.slot[i]
         conv_w = lw.lin_conv.reshape(d.conv_dim, d.conv_kernel)
-        core = gdn(mixed, b, a, conv_w, lw.lin_a_log, lw.lin_dt_bias, kv.conv[j], kv.state[j], d)
+        core = run_recurrent(
+            kv, j, start, t,
+            lambda lo, hi: gdn(mixed[lo:hi], b[lo:hi], a[lo:hi], conv_w, lw.lin_a_log,
+                               lw.lin_dt_bias, kv.conv[j], kv.state[j], d),
+        )  # fmt: skip
         y = gated_rms_norm(core, z, lw.lin_norm, self.cfg.rms_eps).reshape(t, d.value_dim)
         if self.observer is not None:
             self.observer(f"L{i}.o_in", y)

@@ -150,3 +150,36 @@ def test_checkpoint_rollback_replays_bit_identically(engine) -> None:
     assert kv.length == 0 and not any(a.any() for a in kv.recurrent_arrays())
     assert np.array_equal(model.forward(np.array([5, 9, 14, 2]), kv), model.forward(
         np.array([5, 9, 14, 2]), model.new_kv()))  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "jamba"])
+def test_tracking_rewinds_a_verify_pass_to_any_accepted_length(arch) -> None:
+    """Speculation: a verify pass over drafted tokens with ``track()`` on leaves a snapshot
+    at every position, so rejecting the tail is a ``truncate`` (no recomputation)."""
+    from czyx.testing.refmodels import StateDictConsumer
+    from czyx.testing.tiny_models import build_tiny_model
+
+    eng = Engine(StateDictConsumer(build_tiny_model(arch, 2, initializer_range=0.2)))
+    model = eng.model
+    prompt, drafts = np.array([4, 8, 15, 16, 23]), np.array([42, 7, 19, 3])
+    plain, tracked = model.new_kv(), model.new_kv()
+    model.forward(prompt, plain)
+    model.forward(prompt, tracked)
+    tracked.track()
+    # Tracking runs the linear layers token by token: the very same numbers.
+    assert np.array_equal(
+        model.forward(drafts, tracked, all_logits=True),
+        model.forward(drafts, plain, all_logits=True),
+    )
+    assert all(np.array_equal(x, y) for x, y in zip(
+        tracked.recurrent_arrays(), plain.recurrent_arrays(), strict=True))  # fmt: skip
+    tracked.track(False)
+    tracked.truncate(len(prompt) + 2)  # two drafts accepted
+    ref = model.new_kv()
+    model.forward(np.concatenate([prompt, drafts[:2]]), ref)
+    for x, y in zip(tracked.recurrent_arrays(), ref.recurrent_arrays(), strict=True):
+        assert np.abs(x - y).max() <= 1e-5 * max(float(np.abs(y).max()), 1e-6)
+    got, want = model.forward(np.array([11]), tracked), model.forward(np.array([11]), ref)
+    assert np.abs(got - want).max() <= 1e-5 * float(want.max() - want.min())
+    assert int(got.argmax()) == int(want.argmax())
+    eng.close()
