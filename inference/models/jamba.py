@@ -141,8 +141,13 @@ class JambaDecoder(MoEDecoder):
         xc = conv_step(0, t) if not kv.tracking else np.concatenate(
             [conv_step(s, s + 1) for s in range(t)]
         )  # fmt: skip
+        if self.observer is not None:  # calibration: the inputs of the inner matrices
+            self.observer(f"L{i}.mamba.x_in", xc)
         proj = mm_t(xc, lw.mamba_x_proj)
-        dt = mm_t(rms_norm(proj[:, :r], lw.mamba_dt_norm, eps), lw.mamba_dt_proj)
+        dt_in = rms_norm(proj[:, :r], lw.mamba_dt_norm, eps)
+        if self.observer is not None:
+            self.observer(f"L{i}.mamba.dt_in", dt_in)
+        dt = mm_t(dt_in, lw.mamba_dt_proj)
         b = rms_norm(proj[:, r : r + n], lw.mamba_b_norm, eps)
         c = rms_norm(proj[:, r + n :], lw.mamba_c_norm, eps)
         z = xz[:, inner:]

@@ -183,3 +183,23 @@ def test_tracking_rewinds_a_verify_pass_to_any_accepted_length(arch) -> None:
     assert np.abs(got - want).max() <= 1e-5 * float(want.max() - want.min())
     assert int(got.argmax()) == int(want.argmax())
     eng.close()
+
+
+@pytest.mark.parametrize(("arch", "role"), [("qwen3_next", "lin_qkvz"), ("jamba", "mamba_in_proj")])
+def test_a_quantized_hybrid_mount_runs_on_packed_projections(tmp_path, arch, role) -> None:
+    """``--quant q4-all``: the linear layers' projections are packed (the recurrence's
+    parameters stay float) and the engine runs on them."""
+    from czyx.store.quant.codec import QuantCodec
+    from czyx.store.quant.policy import POLICIES
+
+    ckpt = make_tiny_checkpoint(arch, tmp_path / "ck", hidden_size=64, intermediate_size=64,
+                                moe_intermediate_size=64)  # fmt: skip
+    with Store.open(tmp_path / "st") as st:
+        mount(st, ckpt, "m@q4", quant=QuantCodec(POLICIES["q4-all"]))
+    with OpenedModel(str(tmp_path / "st"), "m@q4", None) as om:
+        assert om.consumer.trunk_quantized(role, 0) is not None
+        eng = Engine(om.consumer)
+        logits = eng.prefill(np.arange(9))
+        nxt = eng.decode(int(logits.argmax()))
+        assert np.isfinite(logits).all() and np.isfinite(nxt).all()
+        eng.close()
