@@ -3,10 +3,12 @@
 Two measurements, each against a baseline measured in the same run (interleaved
 rounds, medians; the load average printed):
 
-1. **Kernel**: one decoded token of one gated-DeltaNet layer at Qwen3-Next-80B's
+1. **Kernels**: one decoded token of one gated-DeltaNet layer at Qwen3-Next-80B's
    widths (16 key heads, 32 value heads of 128, kernel 4): the causal conv step
    plus the gated delta rule, in C (``czk_gdn``) against its numpy reference
-   (``gdn_reference``, the baseline).
+   (``gdn_reference``, the baseline); and one token of one Mamba scan at
+   Jamba-1.5-Mini's widths (8192 channels, state 16): ``czk_mamba_scan`` against
+   ``scan_reference``. C on one thread (the decode pool would split the heads).
 2. **Length**: a random mid-size Qwen3-Next (hidden 256, 4 layers: three
    DeltaNet, one gated attention) decoding after a context of 128 and of 2048
    tokens: milliseconds per token of its linear-attention layers and of its
@@ -38,8 +40,31 @@ def _median_ms(samples: list[float]) -> float:
     return 1e3 * statistics.median(samples)
 
 
+def bench_mamba(rounds: int) -> tuple[float, float]:
+    """Median ms per token of one Mamba scan: numpy reference, C kernel (interleaved)."""
+    from czyx.inference.models.mamba import scan, scan_reference
+
+    rng = np.random.default_rng(0)
+    inner, n = 8192, 16
+    x, dt, z = (rng.standard_normal((1, inner)).astype(np.float32) for _ in range(3))
+    b, c = (rng.standard_normal((1, n)).astype(np.float32) for _ in range(2))
+    a_log = -np.tile(np.arange(1, n + 1, dtype=np.float32), (inner, 1))  # -exp(A_log)
+    dt_bias, d_skip = np.zeros(inner, np.float32), np.ones(inner, np.float32)
+    state = np.zeros((inner, n), np.float32)
+    ref, cc = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        scan_reference(x, dt, dt_bias, a_log, b, c, d_skip, z, state)
+        t1 = time.perf_counter()
+        scan(x, dt, dt_bias, a_log, b, c, d_skip, z, state)
+        t2 = time.perf_counter()
+        ref.append(t1 - t0)
+        cc.append(t2 - t1)
+    return _median_ms(ref), _median_ms(cc)
+
+
 def bench_kernel(rounds: int) -> tuple[float, float]:
-    """Median seconds per token: numpy reference, C kernel (interleaved)."""
+    """Median ms per token: numpy reference, C kernel (interleaved)."""
     from czyx.inference.models.deltanet import DeltaNetDims, gdn, gdn_reference, have_gdn_kernel
 
     if not have_gdn_kernel():
@@ -120,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     load = os.getloadavg()[0]
     ref, c = bench_kernel(args.rounds)
+    mref, mc = bench_mamba(args.rounds)
     short, long_ = 128, 2048
     per = bench_length(args.rounds, (short, long_))
     load_after = os.getloadavg()[0]
@@ -137,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         "| --- | --- |",
         f"| numpy reference `gdn_reference` (baseline) | {ref:.3f} |",
         f"| C `czk_gdn` | {c:.3f} ({ref / c:.1f}x faster) |",
+        "",
+        "| one decoded token of one Mamba scan (8192 channels, state 16) | ms |",
+        "| --- | --- |",
+        f"| numpy reference `scan_reference` (baseline) | {mref:.3f} |",
+        f"| C `czk_mamba_scan` | {mc:.3f} ({mref / mc:.1f}x faster) |",
         "",
         "| per decoded token, random Qwen3-Next (hidden 256, 3 DeltaNet + 1 attention) "
         f"| context {short} | context {long_} | ratio {long_} / {short} |",

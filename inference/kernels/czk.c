@@ -2487,17 +2487,62 @@ int czk_rows_take(const czk_mat *m, int B, const int64_t *tokens, float *out) {
  *   q, k = l2norm(q), l2norm(k) (eps 1e-6 inside the root); q *= dk ** -0.5
  *   beta = sigmoid(b); g = -exp(a_log) * softplus(a + dt_bias) (softplus = x above 20)
  *   S *= exp(g); delta = (v - k S) * beta; S += k (x) delta; o = q S
- * Every sum runs in index order (the numpy reference's order); returns -1 on bad sizes or
- * when its scratch cannot be allocated. */
-int czk_gdn(int64_t T, int nk, int nv, int dk, int dv, int K, const float *mixed,
+ * Every sum runs in index order (the numpy reference's order). The value heads of a token
+ * are spread over the pool (p may be NULL): each head is one thread's, so the result does
+ * not depend on the thread count. Returns -1 on bad sizes or when its scratch cannot be
+ * allocated. */
+typedef struct {
+    int64_t key, t;
+    int nv, dk, dv, rep;
+    const float *y, *b, *a, *a_log, *dt_bias;
+    float *state, *out, *scratch; /* scratch: 2 * dv floats per head */
+} czk_gdn_ctx;
+
+static void czk_gdn_heads(void *vc, int64_t h0, int64_t h1) {
+    const czk_gdn_ctx *c = (const czk_gdn_ctx *)vc;
+    const int dk = c->dk, dv = c->dv, nv = c->nv;
+    const int64_t t = c->t;
+    for (int64_t h = h0; h < h1; h++) {
+        const float *q = c->y + (h / c->rep) * dk, *k = c->y + c->key + (h / c->rep) * dk;
+        const float *v = c->y + 2 * c->key + h * dv;
+        float *mem = c->scratch + h * 2 * dv, *delta = mem + dv;
+        const float beta = 1.0f / (1.0f + expf(-c->b[t * nv + h]));
+        const float sp = c->a[t * nv + h] + c->dt_bias[h];
+        const float soft = sp > 20.0f ? sp : log1pf(expf(sp));
+        const float decay = expf(-expf(c->a_log[h]) * soft);
+        float *S = c->state + h * dk * dv, *o = c->out + (t * nv + h) * (int64_t)dv;
+        /* Two passes over the state (it is the memory traffic): decay and k S, then the
+         * update and q S; each row is used while it is in cache. */
+        for (int j = 0; j < dv; j++) mem[j] = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            float *row = S + (int64_t)i * dv;
+            const float ki = k[i];
+            for (int j = 0; j < dv; j++) {
+                row[j] = row[j] * decay;
+                mem[j] += row[j] * ki;
+            }
+        }
+        for (int j = 0; j < dv; j++) delta[j] = (v[j] - mem[j]) * beta;
+        for (int j = 0; j < dv; j++) o[j] = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            float *row = S + (int64_t)i * dv;
+            const float ki = k[i], qi = q[i];
+            for (int j = 0; j < dv; j++) {
+                row[j] += ki * delta[j];
+                o[j] += row[j] * qi;
+            }
+        }
+    }
+}
+
+int czk_gdn(czk_pool *p, int64_t T, int nk, int nv, int dk, int dv, int K, const float *mixed,
             const float *b, const float *a, const float *conv_w, const float *a_log,
             const float *dt_bias, float *conv_state, float *state, float *out) {
     if (T < 0 || nk <= 0 || nv <= 0 || dk <= 0 || dv <= 0 || K <= 0 || nv % nk) return -1;
     const int64_t key = (int64_t)nk * dk, C = 2 * key + (int64_t)nv * dv;
-    float *y = (float *)malloc(sizeof(float) * (size_t)(C + 2 * dv));
+    float *y = (float *)malloc(sizeof(float) * (size_t)(C + 2 * (int64_t)nv * dv));
     if (!y) return -1;
-    float *mem = y + C, *delta = mem + dv;
-    const int rep = nv / nk;
+    czk_gdn_ctx ctx = {key, 0, nv, dk, dv, nv / nk, y, b, a, a_log, dt_bias, state, out, y + C};
     const float scale = 1.0f / sqrtf((float)dk);
     for (int64_t t = 0; t < T; t++) {
         const float *x = mixed + t * C;
@@ -2519,36 +2564,8 @@ int czk_gdn(int64_t T, int nk, int nv, int dk, int dv, int K, const float *mixed
             for (int i = 0; i < dk; i++) v[i] = v[i] * inv;
         }
         for (int64_t i = 0; i < key; i++) y[i] = y[i] * scale;
-        for (int h = 0; h < nv; h++) {
-            const float *q = y + (int64_t)(h / rep) * dk, *k = y + key + (int64_t)(h / rep) * dk;
-            const float *v = y + 2 * key + (int64_t)h * dv;
-            const float beta = 1.0f / (1.0f + expf(-b[t * nv + h]));
-            const float sp = a[t * nv + h] + dt_bias[h];
-            const float soft = sp > 20.0f ? sp : log1pf(expf(sp));
-            const float decay = expf(-expf(a_log[h]) * soft);
-            float *S = state + (int64_t)h * dk * dv, *o = out + (t * nv + h) * (int64_t)dv;
-            /* Two passes over the state (it is the memory traffic): decay and k S, then
-             * the update and q S; each row is used while it is in cache. */
-            for (int j = 0; j < dv; j++) mem[j] = 0.0f;
-            for (int i = 0; i < dk; i++) {
-                float *row = S + (int64_t)i * dv;
-                const float ki = k[i];
-                for (int j = 0; j < dv; j++) {
-                    row[j] = row[j] * decay;
-                    mem[j] += row[j] * ki;
-                }
-            }
-            for (int j = 0; j < dv; j++) delta[j] = (v[j] - mem[j]) * beta;
-            for (int j = 0; j < dv; j++) o[j] = 0.0f;
-            for (int i = 0; i < dk; i++) {
-                float *row = S + (int64_t)i * dv;
-                const float ki = k[i], qi = q[i];
-                for (int j = 0; j < dv; j++) {
-                    row[j] += ki * delta[j];
-                    o[j] += row[j] * qi;
-                }
-            }
-        }
+        ctx.t = t;
+        czk_run(p, czk_gdn_heads, &ctx, nv, 4 * (int64_t)nv * dk * dv);
     }
     free(y);
     return 0;
@@ -2582,31 +2599,49 @@ int czk_conv_silu(int64_t T, int64_t C, int K, const float *x, int64_t xstride,
 
 /* Mamba's selective scan over T tokens, in place on state [I, N] (transformers'
  * mamba_selective_state_update per token). x, dt [T, I] (dt before its bias and softplus),
- * dt_bias, D [I], a_log [I, N], B, Cm [T, N], z [T, I] with row stride zstride, out [T, I]:
- *   d = softplus(dt + dt_bias); s[c, n] = s[c, n] * exp(d * -exp(a_log[c, n])) + d * B[n] * x[c]
- *   out[c] = (sum_n s[c, n] * Cm[n] + x[c] * D[c]) * silu(z[c])            (sums in n order) */
-int czk_mamba_scan(int64_t T, int64_t I, int N, const float *x, const float *dt,
-                   const float *dt_bias, const float *a_log, const float *B, const float *Cm,
+ * dt_bias, D [I], neg_a [I, N] (-exp(A_log), a layer constant), B, Cm [T, N], z [T, I] with
+ * row stride zstride, out [T, I]:
+ *   d = softplus(dt + dt_bias); s[c, n] = s[c, n] * exp(d * neg_a[c, n]) + d * B[n] * x[c]
+ *   out[c] = (sum_n s[c, n] * Cm[n] + x[c] * D[c]) * silu(z[c])            (sums in n order)
+ * The channels are spread over the pool (p may be NULL), each one thread's. */
+typedef struct {
+    int64_t t, I, zstride;
+    int N;
+    const float *x, *dt, *dt_bias, *neg_a, *B, *Cm, *D, *z;
+    float *state, *out;
+} czk_scan_ctx;
+
+static void czk_scan_channels(void *vc, int64_t c0, int64_t c1) {
+    const czk_scan_ctx *c = (const czk_scan_ctx *)vc;
+    const int64_t t = c->t, I = c->I;
+    const int N = c->N;
+    const float *xt = c->x + t * I, *dtt = c->dt + t * I, *Bt = c->B + t * N;
+    const float *Ct = c->Cm + t * N, *zt = c->z + t * c->zstride;
+    float *o = c->out + t * I;
+    for (int64_t ch = c0; ch < c1; ch++) {
+        const float sp = dtt[ch] + c->dt_bias[ch];
+        const float d = sp > 20.0f ? sp : log1pf(expf(sp));
+        float *s = c->state + ch * N;
+        const float *na = c->neg_a + ch * N;
+        float acc = 0.0f;
+        for (int n = 0; n < N; n++) {
+            const float dA = expf(d * na[n]);
+            s[n] = s[n] * dA + (d * Bt[n]) * xt[ch];
+            acc += s[n] * Ct[n];
+        }
+        const float zc = zt[ch];
+        o[ch] = (acc + xt[ch] * c->D[ch]) * (zc / (1.0f + expf(-zc)));
+    }
+}
+
+int czk_mamba_scan(czk_pool *p, int64_t T, int64_t I, int N, const float *x, const float *dt,
+                   const float *dt_bias, const float *neg_a, const float *B, const float *Cm,
                    const float *D, const float *z, int64_t zstride, float *state, float *out) {
     if (T < 0 || I <= 0 || N <= 0 || zstride < I) return -1;
+    czk_scan_ctx c = {0, I, zstride, N, x, dt, dt_bias, neg_a, B, Cm, D, z, state, out};
     for (int64_t t = 0; t < T; t++) {
-        const float *xt = x + t * I, *dtt = dt + t * I, *Bt = B + t * N, *Ct = Cm + t * N;
-        const float *zt = z + t * zstride;
-        float *o = out + t * I;
-        for (int64_t c = 0; c < I; c++) {
-            const float sp = dtt[c] + dt_bias[c];
-            const float d = sp > 20.0f ? sp : log1pf(expf(sp));
-            float *s = state + c * N;
-            const float *al = a_log + c * N;
-            float acc = 0.0f;
-            for (int n = 0; n < N; n++) {
-                const float dA = expf(d * -expf(al[n]));
-                s[n] = s[n] * dA + (d * Bt[n]) * xt[c];
-                acc += s[n] * Ct[n];
-            }
-            const float zc = zt[c];
-            o[c] = (acc + xt[c] * D[c]) * (zc / (1.0f + expf(-zc)));
-        }
+        c.t = t;
+        czk_run(p, czk_scan_channels, &c, I, 8 * I * N);
     }
     return 0;
 }

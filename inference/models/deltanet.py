@@ -395,8 +395,12 @@ def gdn(
     conv_state: np.ndarray,
     state: np.ndarray,
     d: DeltaNetDims,
+    pool: Any = None,
 ) -> np.ndarray:
     """:func:`gdn_reference` in the C kernel ``czk_gdn`` (the reference where it is not built).
+
+    ``pool``: a ``czk_pool *`` (the decode kernels' threads) to spread the value heads
+    over, or None (this thread); the result does not depend on it.
 
     Raises
     ------
@@ -426,6 +430,7 @@ def gdn(
         return _ffi.cast("float *", _ffi.from_buffer(x))
 
     rc = _lib.czk_gdn(
+        _ffi.NULL if pool is None else pool,
         t, d.n_k_heads, d.n_v_heads, d.k_head_dim, d.v_head_dim, d.conv_kernel,
         p(mixed), p(b), p(a), p(conv_w), p(a_log), p(dt_bias), p(conv_state), p(state), p(out),
     )  # fmt: skip

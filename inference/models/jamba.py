@@ -24,7 +24,7 @@ from czyx.inference.kernels.linear import mm_t
 from czyx.inference.models.base import KVCache, attention, rms_norm
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
 from czyx.inference.models.deltanet import HybridCache, run_recurrent
-from czyx.inference.models.mamba import MambaDims, conv_silu, scan
+from czyx.inference.models.mamba import MambaDims, conv_silu, neg_a_of, scan
 from czyx.store.consumer import ModelConsumer, ModelInfo
 from czyx.store.models.archs import MAMBA_ROLES
 
@@ -57,6 +57,7 @@ class JambaDecoder(MoEDecoder):
         mamba = [i for i, t in enumerate(self.block_types) if t == MAMBA]
         self.slot = {i: j for j, i in enumerate(attn)} | {i: j for j, i in enumerate(mamba)}
         self.n_full, self.n_linear = len(attn), len(mamba)
+        self._neg_a: dict[int, np.ndarray] = {}  # layer -> -exp(A_log), made on first use
         super().__init__(consumer, experts, trunk_window)
 
     @classmethod
@@ -152,12 +153,16 @@ class JambaDecoder(MoEDecoder):
         c = rms_norm(proj[:, r + n :], lw.mamba_c_norm, eps)
         z = xz[:, inner:]
         final_conv = kv.conv[j].copy()
+        neg_a = self._neg_a.get(i)
+        if neg_a is None:  # -exp(A_log): the layer's constant, computed once
+            neg_a = self._neg_a[i] = neg_a_of(lw.mamba_a_log)
+        pool = self.kernels().pool.ptr if self._czk else None  # the decode kernels' threads
 
         def scan_step(lo: int, hi: int) -> np.ndarray:
             if kv.tracking:  # the snapshot after token lo pairs its conv and scan states
                 kv.conv[j][...] = conv_after[lo]
-            return scan(xc[lo:hi], dt[lo:hi], lw.mamba_dt_bias, lw.mamba_a_log, b[lo:hi],
-                        c[lo:hi], lw.mamba_d, z[lo:hi], kv.state[j])  # fmt: skip
+            return scan(xc[lo:hi], dt[lo:hi], lw.mamba_dt_bias, neg_a, b[lo:hi],
+                        c[lo:hi], lw.mamba_d, z[lo:hi], kv.state[j], pool)  # fmt: skip
 
         y = run_recurrent(kv, j, start, t, scan_step)
         kv.conv[j][...] = final_conv

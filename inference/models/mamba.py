@@ -6,7 +6,7 @@ Per token, after ``in_proj`` splits the input into ``x`` and a gate ``z``
     x = silu(causal_conv(x) + conv_bias)
     dt_r, B, C = split(x_proj @ x);  dt_r, B, C = rms_norm(dt_r), rms_norm(B), rms_norm(C)
     d = softplus(dt_proj @ dt_r + dt_bias)
-    s = s * exp(d * -exp(A_log)) + (d * B) * x          (s: [I, d_state])
+    s = s * exp(d * A) + (d * B) * x                    (s: [I, d_state], A = -exp(A_log))
     y = (s @ C + x * D) * silu(z)
 
 The convolution (:func:`conv_silu`) and the scan (:func:`scan`) run in C
@@ -93,7 +93,7 @@ def scan_reference(
     x: np.ndarray,
     dt: np.ndarray,
     dt_bias: np.ndarray,
-    a_log: np.ndarray,
+    neg_a: np.ndarray,
     b: np.ndarray,
     c: np.ndarray,
     d_skip: np.ndarray,
@@ -102,10 +102,10 @@ def scan_reference(
 ) -> np.ndarray:
     """The selective scan over ``T`` tokens in numpy (the reference of ``czk_mamba_scan``).
 
-    ``x``, ``dt``, ``z [T, I]``, ``b``, ``c [T, N]``, ``state [I, N]`` (advanced in place).
+    ``x``, ``dt``, ``z [T, I]``, ``b``, ``c [T, N]``, ``state [I, N]`` (advanced in place);
+    ``neg_a [I, N]`` is ``-exp(A_log)`` (:func:`neg_a_of`, computed once per layer).
     """
     out = np.empty(x.shape, F32)
-    neg_a = -np.exp(a_log.astype(F32))
     for t in range(x.shape[0]):
         d = softplus((dt[t] + dt_bias).astype(F32))
         da = np.exp(d[:, None] * neg_a)
@@ -115,6 +115,11 @@ def scan_reference(
             acc += state[:, n] * c[t, n]
         out[t] = (acc + x[t] * d_skip) * silu(z[t])
     return out
+
+
+def neg_a_of(a_log: np.ndarray) -> np.ndarray:
+    """``A = -exp(A_log)`` in float32: a layer's constant, computed once (the scan's input)."""
+    return np.ascontiguousarray(-np.exp(np.asarray(a_log, F32)), F32)
 
 
 def have_mamba_kernels() -> bool:
@@ -153,24 +158,27 @@ def scan(
     x: np.ndarray,
     dt: np.ndarray,
     dt_bias: np.ndarray,
-    a_log: np.ndarray,
+    neg_a: np.ndarray,
     b: np.ndarray,
     c: np.ndarray,
     d_skip: np.ndarray,
     z: np.ndarray,
     state: np.ndarray,
+    pool: Any = None,
 ) -> np.ndarray:
-    """:func:`scan_reference` in C (``czk_mamba_scan``)."""
+    """:func:`scan_reference` in C (``czk_mamba_scan``); ``pool`` a ``czk_pool *`` to spread
+    the channels over (None: this thread; the result does not depend on it)."""
     if not have_mamba_kernels():
-        return scan_reference(x, dt, dt_bias, a_log, b, c, d_skip, z, state)
+        return scan_reference(x, dt, dt_bias, neg_a, b, c, d_skip, z, state)
     t, inner = x.shape
     n = state.shape[1]
     _state(state, (inner, n), "mamba scan state")
     x, dt, b, c, z = (np.ascontiguousarray(a, F32) for a in (x, dt, b, c, z))
-    dt_bias, a_log, d_skip = (np.ascontiguousarray(a, F32) for a in (dt_bias, a_log, d_skip))
+    dt_bias, neg_a, d_skip = (np.ascontiguousarray(a, F32) for a in (dt_bias, neg_a, d_skip))
     out = np.empty((t, inner), F32)
     rc = _lib.czk_mamba_scan(
-        t, inner, n, _p(x), _p(dt), _p(dt_bias), _p(a_log), _p(b), _p(c), _p(d_skip),
+        _ffi.NULL if pool is None else pool,
+        t, inner, n, _p(x), _p(dt), _p(dt_bias), _p(neg_a), _p(b), _p(c), _p(d_skip),
         _p(z), inner, _p(state), _p(out),
     )  # fmt: skip
     if rc:

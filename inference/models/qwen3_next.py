@@ -190,10 +190,11 @@ class Qwen3NextDecoder(MoEDecoder):
         mixed, z, b, a = split_projections(mm_t(x, lw.lin_qkvz), mm_t(x, lw.lin_ba), d)
         j = self.slot[i]
         conv_w = lw.lin_conv.reshape(d.conv_dim, d.conv_kernel)
+        pool = self.kernels().pool.ptr if self._czk else None  # the decode kernels' threads
         core = run_recurrent(
             kv, j, start, t,
             lambda lo, hi: gdn(mixed[lo:hi], b[lo:hi], a[lo:hi], conv_w, lw.lin_a_log,
-                               lw.lin_dt_bias, kv.conv[j], kv.state[j], d),
+                               lw.lin_dt_bias, kv.conv[j], kv.state[j], d, pool),
         )  # fmt: skip
         y = gated_rms_norm(core, z, lw.lin_norm, self.cfg.rms_eps).reshape(t, d.value_dim)
         if self.observer is not None:

@@ -19,6 +19,7 @@ from czyx.inference.models.mamba import (
     conv_silu,
     conv_silu_reference,
     have_mamba_kernels,
+    neg_a_of,
     scan,
     scan_reference,
 )
@@ -59,19 +60,20 @@ def test_c_conv_and_scan_match_their_numpy_references() -> None:
     dt[0, 0] = 30.0  # softplus above its threshold
     dt_bias = rng.standard_normal(inner).astype(np.float32)
     a_log = np.log(rng.uniform(0.5, 8, (inner, n))).astype(np.float32)
+    neg_a = neg_a_of(a_log)
     b, c = (rng.standard_normal((t, n)).astype(np.float32) for _ in range(2))
     d_skip = rng.standard_normal(inner).astype(np.float32)
     z = rng.standard_normal((t, inner)).astype(np.float32)
     st = [np.zeros((inner, n), np.float32) for _ in range(3)]
-    want = scan_reference(want, dt, dt_bias, a_log, b, c, d_skip, z, st[0])
-    got = scan(got, dt, dt_bias, a_log, b, c, d_skip, z, st[1])
+    want = scan_reference(want, dt, dt_bias, neg_a, b, c, d_skip, z, st[0])
+    got = scan(got, dt, dt_bias, neg_a, b, c, d_skip, z, st[1])
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     assert np.abs(st[1] - st[0]).max() <= 1e-5 * np.abs(st[0]).max()
     one = np.concatenate(
-        [scan(x[i : i + 1], dt[i : i + 1], dt_bias, a_log, b[i : i + 1], c[i : i + 1], d_skip,
+        [scan(x[i : i + 1], dt[i : i + 1], dt_bias, neg_a, b[i : i + 1], c[i : i + 1], d_skip,
               z[i : i + 1], st[2]) for i in range(t)]
     )  # fmt: skip
-    assert np.array_equal(one, scan(x, dt, dt_bias, a_log, b, c, d_skip, z,
+    assert np.array_equal(one, scan(x, dt, dt_bias, neg_a, b, c, d_skip, z,
                                     np.zeros((inner, n), np.float32)))  # fmt: skip
 
 

@@ -203,3 +203,37 @@ def test_a_quantized_hybrid_mount_runs_on_packed_projections(tmp_path, arch, rol
         nxt = eng.decode(int(logits.argmax()))
         assert np.isfinite(logits).all() and np.isfinite(nxt).all()
         eng.close()
+
+
+@pytest.mark.skipif(not have_gdn_kernel(), reason="the C kernels are not compiled")
+@pytest.mark.parametrize("threads", [2, 3])
+def test_recurrences_spread_over_threads_are_bit_identical(split_loops, threads) -> None:
+    """The value heads (DeltaNet) and channels (Mamba) split over the decode kernels'
+    pool: each is one thread's, so the results are those of one thread, bit for bit."""
+    from czyx.inference.kernels.fused import Pool
+    from czyx.inference.models.mamba import scan
+
+    pool = Pool(threads)
+    try:
+        d = DeltaNetDims(2, 6, 8, 8, 4)
+        rng = np.random.default_rng(9)
+        mixed, b, a, conv_w, a_log, dt_bias = _inputs(rng, d, 5)
+        outs, states = [], []
+        for p in (None, pool.ptr):
+            conv = np.zeros((3, d.conv_dim), np.float32)
+            st = np.zeros((6, 8, 8), np.float32)
+            outs.append(gdn(mixed, b, a, conv_w, a_log, dt_bias, conv, st, d, p))
+            states.append(st)
+        assert np.array_equal(outs[0], outs[1]) and np.array_equal(states[0], states[1])
+        t, inner, n = 4, 40, 6
+        x, dt, z = (rng.standard_normal((t, inner)).astype(np.float32) for _ in range(3))
+        bb, cc = (rng.standard_normal((t, n)).astype(np.float32) for _ in range(2))
+        a_log2 = -np.exp(rng.standard_normal((inner, n))).astype(np.float32)
+        vecs = [rng.standard_normal(inner).astype(np.float32) for _ in range(2)]
+        got = [
+            scan(x, dt, vecs[0], a_log2, bb, cc, vecs[1], z, np.zeros((inner, n), np.float32), p)
+            for p in (None, pool.ptr)
+        ]
+        assert np.array_equal(got[0], got[1])
+    finally:
+        pool.close()
