@@ -237,3 +237,33 @@ def test_recurrences_spread_over_threads_are_bit_identical(split_loops, threads)
         assert np.array_equal(got[0], got[1])
     finally:
         pool.close()
+
+
+def test_mtp_tensors_are_kept_not_run_and_export_back(tmp_path) -> None:
+    """Released Qwen3-Next checkpoints carry a multi-token-prediction module under ``mtp.*``
+    (transformers ignores it): mount keeps it verbatim, the engine never reads it, export
+    writes the file back byte for byte."""
+    from safetensors.numpy import load_file, save_file
+
+    from czyx.store.models.export import export
+    from czyx.store.models.model import ModelSpace
+
+    ckpt = make_tiny_checkpoint("qwen3_next", tmp_path / "ckpt")
+    file = ckpt / "model.safetensors"
+    rng = np.random.default_rng(0)
+    mtp = {
+        "mtp.fc.weight": rng.standard_normal((32, 64)).astype(np.float32),
+        "mtp.norm.weight": rng.standard_normal(32).astype(np.float32),
+        "mtp.layers.0.input_layernorm.weight": rng.standard_normal(32).astype(np.float32),
+    }
+    save_file({**load_file(str(file)), **mtp}, str(file), metadata={"format": "pt"})
+    with Store.open(tmp_path / "st") as st:
+        mount(st, ckpt, "m@1")
+        kept = [k for k in ModelSpace(st, "m@1").trunk if k[0] == "mtp"]
+        assert len(kept) == len(mtp)
+        export(st, "m@1", tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == file.read_bytes()
+    with OpenedModel(str(tmp_path / "st"), "m@1", None) as om:
+        eng = Engine(om.consumer)
+        assert np.isfinite(eng.prefill(np.arange(6))).all()
+        eng.close()
