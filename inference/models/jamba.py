@@ -135,7 +135,8 @@ class JambaDecoder(MoEDecoder):
 
         def conv_step(lo: int, hi: int) -> np.ndarray:
             out = conv_silu(xz[lo:hi, :inner], conv_w, lw.mamba_conv_bias, kv.conv[j])
-            conv_after.append(kv.conv[j].copy())
+            if kv.tracking:
+                conv_after.append(kv.conv[j].copy())
             return out
 
         t = x.shape[0]
