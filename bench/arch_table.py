@@ -44,6 +44,10 @@ SUPPORTED = [
     ("ernie4_5_moe", dict(initializer_range=0.2, num_hidden_layers=3)),
     ("granitemoe", dict(initializer_range=0.2, num_hidden_layers=3)),
     ("hunyuan_v1_moe", dict(initializer_range=0.2)),
+    ("qwen3_next", dict(initializer_range=0.2)),
+    ("qwen3_next", dict(initializer_range=0.2, mlp_only_layers=[1])),
+    ("jamba", dict(initializer_range=0.2)),
+    ("jamba", dict(initializer_range=0.2, attn_layer_offset=1, mamba_conv_bias=False)),
 ]
 # GPT-OSS experts exist in one form only (save_pretrained writes the stacked,
 # transposed tensors transformers holds), so it has one row.
@@ -53,7 +57,6 @@ ONE_LAYOUT = {"gpt_oss"}
 REFUSED = {
     "llama4_text": "chunked and NoPE attention layers, sigmoid top-1 router beside a "
     "shared expert, interleaved dense/MoE layers",
-    "qwen3_next": "hybrid gated-DeltaNet linear attention and gated attention layers",
     "phimoe": "sparsemixer routing and LayerNorm (not RMSNorm)",
 }
 
@@ -154,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             "tokens against transformers' own argmax loop over its KV cache, with every expert "
             "resident and with a quarter of the experts' bytes as cache; `czyx export` "
             "compared byte for byte with the source files and reloaded by transformers. "
-            "Green: logits within 1e-5, both greedy runs equal, export identical. Refused rows: "
-            "a checkpoint with that model_type's default config, mounted; the message is "
-            "mount's own one line.",
+            "Green: logits within 1e-5 of the logit range, both greedy runs equal, export "
+            "identical. Refused rows: a checkpoint with that model_type's default config, "
+            "mounted; the message is mount's own one line.",
             "",
             *head,
             *lines,

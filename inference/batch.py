@@ -723,7 +723,15 @@ def _routed(model, i: int, lw, x: np.ndarray, offs, masks, own_expert: bool) -> 
 
 
 def _copy_kv(dst: KVCache, src: KVCache, n: int) -> None:
-    """The first ``n`` positions of ``src`` into ``dst`` (which then holds exactly them)."""
+    """The first ``n`` positions of ``src`` into ``dst`` (which then holds exactly them).
+
+    A hybrid model's cache (:class:`~inference.models.deltanet.HybridCache`) copies
+    itself, recurrent state included, and only whole (its state exists only there).
+    """
+    copy_from = getattr(dst, "copy_from", None)
+    if copy_from is not None:
+        copy_from(src, n)
+        return
     for i in range(len(src.k)):
         dst.k[i][:, :n] = src.k[i][:, :n]
         dst.v[i][:, :n] = src.v[i][:, :n]
@@ -976,7 +984,10 @@ class Scheduler:
         self.options = options
         self.on_step = on_step
         cfg = model.cfg
-        self.kv_bytes_per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+        # A hybrid model keeps KV in its attention layers only, plus a fixed recurrent state.
+        kv_layers = getattr(model, "kv_layers", cfg.n_layers)
+        self.kv_bytes_per_token = 2 * kv_layers * cfg.n_kv_heads * cfg.head_dim * 4
+        self.kv_bytes_fixed = int(getattr(model, "recurrent_nbytes", 0))
         self._lock = threading.Condition()
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._active: list[_Seq] = []
@@ -1082,6 +1093,7 @@ class Scheduler:
             spec = Speculator(PromptLookup(spec_opts.ngram), length)
         restored = 0 if hist is None else int(hist[0].size)
         need = (restored + int(ids.size) + int(max_tokens) + 1) * self.kv_bytes_per_token
+        need += self.kv_bytes_fixed
         budget = self.options.kv_bytes
         if budget is not None and need > budget:
             raise RequestTooLarge(
@@ -1243,6 +1255,8 @@ class Scheduler:
         valid = min(int(seq.prompt.size) // c * c, int(seq.fed))  # whole chunks only
         if budget <= 0 or seq.kv is None or seq.history is not None or valid <= 0:
             return
+        if hasattr(seq.kv, "recurrent_arrays"):
+            return  # a hybrid cache's recurrent state exists at its end only, not at `valid`
         kv = seq.kv
         nbytes = sum(int(a.nbytes) for a in (*kv.k, *kv.v))
         if nbytes > budget:

@@ -44,3 +44,7 @@ class DemoCheckError(InferenceError):
 
 class ScopeRoutingError(InferenceError):
     """A scoped portal permits fewer experts at a layer than the model routes per token."""
+
+
+class RecurrentStateError(InferenceError):
+    """A hybrid model's recurrent state cannot be rewound, cut or restored as asked."""

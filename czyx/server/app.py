@@ -1195,6 +1195,7 @@ def _open_session(store, tenant: str, name: str, served: ServedModel) -> _Sessio
     version, 403 for another tenant's session.
     """
     from czyx.inference.sessions import errors as serr
+    from czyx.inference.sessions.live import restore_cache
     from czyx.inference.sessions.store import SessionStore, check_name
     from czyx.portals.errors import PortalDenied
 
@@ -1209,18 +1210,8 @@ def _open_session(store, tenant: str, name: str, served: ServedModel) -> _Sessio
             return _Session(name, sessions, 0, model, None)
         head = versions[-1][0]
         parsed = sessions.read(name, head, model=model)
-        cfg = served.engine.cfg
-        lay = parsed.layout
-        if (lay.n_layers, lay.n_kv_heads, lay.head_dim) != (
-            cfg.n_layers,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-        ):
-            raise serr.ModelVersionMismatchError(f"session {name!r}: KV shape differs")
         rows = parsed.rows
-        kv = served.engine.model.new_kv(max(rows, 1))
-        parsed.copy_kv_into(kv.k, kv.v, rows)
-        kv.length = rows
+        kv = restore_cache(served.engine.model, parsed, rows, rows)  # KV and recurrent state
         return _Session(name, sessions, head, model, ([int(t) for t in parsed.tokens[:rows]], kv))
     except (serr.WrongTenantError, PortalDenied) as exc:
         raise ApiError(
@@ -1235,6 +1226,7 @@ def _save_session(session: _Session, final) -> int:
     from dataclasses import asdict
 
     from czyx.inference.sessions.format import SessionState
+    from czyx.inference.sessions.live import recurrent_of
 
     kv = final.kv
     n = kv.length
@@ -1248,6 +1240,7 @@ def _save_session(session: _Session, final) -> int:
         sampling=asdict(final.sampler.params),
         rng_state=final.sampler.rng.bit_generator.state,
         capacity=kv.capacity,
+        recurrent=recurrent_of(kv),  # a hybrid model's linear-attention state
     )
     info = session.sessions.save(session.name, state, expect_version=session.head)
     return int(info.version)

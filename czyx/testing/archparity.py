@@ -49,14 +49,21 @@ class ParityResult:
 
     @property
     def green(self) -> bool:
-        """Mounted, logits within 1e-5, greedy equal at full and quarter cache, export exact."""
+        """Mounted, logits within 1e-5 of the logit range, greedy equal at full and quarter
+        cache, export exact.
+
+        Relative to the range, as the goal is stated: a hybrid model's float32 noise
+        floor is above 1e-5 absolute (transformers' own chunked prompt and token-by-token
+        decode of Qwen3-Next differ by 1.4e-5 on its tiny config).
+        """
+        tol = 1e-5 * self.logit_range
         return (
             self.refused is None
-            and self.max_diff <= 1e-5
+            and self.max_diff <= tol
             and self.greedy_full
             and self.greedy_quarter
             and self.export_identical
-            and self.export_max_diff <= 1e-5
+            and self.export_max_diff <= tol
         )
 
 

@@ -28,6 +28,8 @@ ARCHES = (
     "glm4_moe",
     "ernie4_5_moe",
     "hunyuan_v1_moe",
+    "qwen3_next",
+    "jamba",
 )
 # The architectures the numpy engine runs. GPT-OSS is not in ARCHES: its experts
 # exist only stacked and transposed (store.models.expert_transform), and the
@@ -118,6 +120,41 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "bos_token_id": None,
         "pad_token_id": None,
     },
+    # Hybrid: three gated-DeltaNet layers, then one gated-attention layer (rotary on a
+    # quarter of each 16-wide head).
+    "qwen3_next": {
+        "num_hidden_layers": 4,
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 24,
+        "num_experts": 8,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "pad_token_id": None,
+    },
+    # Hybrid: Mamba layers 0, 1, 3 and attention layer 2; experts in layers 1 and 3.
+    "jamba": {
+        "num_hidden_layers": 4,
+        "intermediate_size": 24,
+        "num_experts": 8,
+        "attn_layer_period": 4,
+        "attn_layer_offset": 2,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "mamba_d_state": 8,
+        "mamba_dt_rank": 4,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "pad_token_id": None,
+    },
     # transformers' default rope here is YaRN (factor 32 over 4096 positions).
     "gpt_oss": {
         "intermediate_size": 16,
@@ -138,6 +175,8 @@ _CLASSES = {
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "jamba": ("JambaConfig", "JambaForCausalLM"),
 }
 
 

@@ -2472,3 +2472,176 @@ int czk_rows_take(const czk_mat *m, int B, const int64_t *tokens, float *out) {
         if (czk_row(m, tokens[b], out + (int64_t)b * m->cols)) return -1;
     return 0;
 }
+
+/* Gated DeltaNet (Qwen3-Next linear attention): T tokens of one layer, token by token, in
+ * place on the layer's recurrent state (decode is T = 1: O(1) work per token, whatever the
+ * length reached).
+ *
+ * mixed [T, C]: the q | k | v projections before the convolution (C = 2 * nk * dk + nv * dv);
+ * b, a [T, nv]: the beta and decay inputs; conv_w [C, K]: the depthwise causal convolution;
+ * conv_state [K - 1, C]: the K - 1 previous inputs, oldest first; a_log, dt_bias [nv];
+ * state [nv, dk, dv]; out [T, nv, dv]. Value head h reads key head h / (nv / nk).
+ *
+ * Per token, as transformers' torch_recurrent_gated_delta_rule after causal_conv1d_update:
+ *   y = silu(sum_j w[:, j] * window[j])   (window: the K - 1 previous inputs, then this one)
+ *   q, k = l2norm(q), l2norm(k) (eps 1e-6 inside the root); q *= dk ** -0.5
+ *   beta = sigmoid(b); g = -exp(a_log) * softplus(a + dt_bias) (softplus = x above 20)
+ *   S *= exp(g); delta = (v - k S) * beta; S += k (x) delta; o = q S
+ * Every sum runs in index order (the numpy reference's order). The value heads of a token
+ * are spread over the pool (p may be NULL): each head is one thread's, so the result does
+ * not depend on the thread count. Returns -1 on bad sizes or when its scratch cannot be
+ * allocated. */
+typedef struct {
+    int64_t key, t;
+    int nv, dk, dv, rep;
+    const float *y, *b, *a, *a_log, *dt_bias;
+    float *state, *out, *scratch; /* scratch: 2 * dv floats per head */
+} czk_gdn_ctx;
+
+static void czk_gdn_heads(void *vc, int64_t h0, int64_t h1) {
+    const czk_gdn_ctx *c = (const czk_gdn_ctx *)vc;
+    const int dk = c->dk, dv = c->dv, nv = c->nv;
+    const int64_t t = c->t;
+    for (int64_t h = h0; h < h1; h++) {
+        const float *q = c->y + (h / c->rep) * dk, *k = c->y + c->key + (h / c->rep) * dk;
+        const float *v = c->y + 2 * c->key + h * dv;
+        float *mem = c->scratch + h * 2 * dv, *delta = mem + dv;
+        const float beta = 1.0f / (1.0f + expf(-c->b[t * nv + h]));
+        const float sp = c->a[t * nv + h] + c->dt_bias[h];
+        const float soft = sp > 20.0f ? sp : log1pf(expf(sp));
+        const float decay = expf(-expf(c->a_log[h]) * soft);
+        float *S = c->state + h * dk * dv, *o = c->out + (t * nv + h) * (int64_t)dv;
+        /* Two passes over the state (it is the memory traffic): decay and k S, then the
+         * update and q S; each row is used while it is in cache. */
+        for (int j = 0; j < dv; j++) mem[j] = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            float *row = S + (int64_t)i * dv;
+            const float ki = k[i];
+            for (int j = 0; j < dv; j++) {
+                row[j] = row[j] * decay;
+                mem[j] += row[j] * ki;
+            }
+        }
+        for (int j = 0; j < dv; j++) delta[j] = (v[j] - mem[j]) * beta;
+        for (int j = 0; j < dv; j++) o[j] = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            float *row = S + (int64_t)i * dv;
+            const float ki = k[i], qi = q[i];
+            for (int j = 0; j < dv; j++) {
+                row[j] += ki * delta[j];
+                o[j] += row[j] * qi;
+            }
+        }
+    }
+}
+
+int czk_gdn(czk_pool *p, int64_t T, int nk, int nv, int dk, int dv, int K, const float *mixed,
+            const float *b, const float *a, const float *conv_w, const float *a_log,
+            const float *dt_bias, float *conv_state, float *state, float *out) {
+    if (T < 0 || nk <= 0 || nv <= 0 || dk <= 0 || dv <= 0 || K <= 0 || nv % nk) return -1;
+    const int64_t key = (int64_t)nk * dk, C = 2 * key + (int64_t)nv * dv;
+    float *y = (float *)malloc(sizeof(float) * (size_t)(C + 2 * (int64_t)nv * dv));
+    if (!y) return -1;
+    czk_gdn_ctx ctx = {key, 0, nv, dk, dv, nv / nk, y, b, a, a_log, dt_bias, state, out, y + C};
+    const float scale = 1.0f / sqrtf((float)dk);
+    for (int64_t t = 0; t < T; t++) {
+        const float *x = mixed + t * C;
+        for (int64_t c = 0; c < C; c++) {
+            const float *w = conv_w + c * K;
+            float acc = 0.0f;
+            for (int j = 0; j < K - 1; j++) acc += w[j] * conv_state[(int64_t)j * C + c];
+            acc += w[K - 1] * x[c];
+            y[c] = acc / (1.0f + expf(-acc));
+        }
+        if (K > 1) {
+            memmove(conv_state, conv_state + C, sizeof(float) * (size_t)((K - 2) * C));
+            memcpy(conv_state + (int64_t)(K - 2) * C, x, sizeof(float) * (size_t)C);
+        }
+        for (int hk = 0; hk < 2 * nk; hk++) { /* l2norm each query head, then each key head */
+            float *v = y + (int64_t)hk * dk, ss = 0.0f;
+            for (int i = 0; i < dk; i++) ss += v[i] * v[i];
+            const float inv = 1.0f / sqrtf(ss + 1e-6f);
+            for (int i = 0; i < dk; i++) v[i] = v[i] * inv;
+        }
+        for (int64_t i = 0; i < key; i++) y[i] = y[i] * scale;
+        ctx.t = t;
+        czk_run(p, czk_gdn_heads, &ctx, nv, 4 * (int64_t)nv * dk * dv);
+    }
+    free(y);
+    return 0;
+}
+
+/* A depthwise causal convolution with bias, then silu, over T tokens, in place on its state
+ * (Jamba's Mamba layers). x [T, C] with row stride xstride, w [C, K], bias [C] or NULL,
+ * conv_state [K - 1, C] (the previous inputs, oldest first), out [T, C]:
+ *   out[t, c] = silu(sum_j w[c, j] * window[j][c] + bias[c]), sums in j order. */
+int czk_conv_silu(int64_t T, int64_t C, int K, const float *x, int64_t xstride,
+                  const float *w, const float *bias, float *conv_state, float *out) {
+    if (T < 0 || C <= 0 || K <= 0 || xstride < C) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * xstride;
+        float *o = out + t * C;
+        for (int64_t c = 0; c < C; c++) {
+            const float *wc = w + c * K;
+            float acc = 0.0f;
+            for (int j = 0; j < K - 1; j++) acc += wc[j] * conv_state[(int64_t)j * C + c];
+            acc += wc[K - 1] * xt[c];
+            if (bias) acc += bias[c];
+            o[c] = acc / (1.0f + expf(-acc));
+        }
+        if (K > 1) {
+            memmove(conv_state, conv_state + C, sizeof(float) * (size_t)((K - 2) * C));
+            memcpy(conv_state + (int64_t)(K - 2) * C, xt, sizeof(float) * (size_t)C);
+        }
+    }
+    return 0;
+}
+
+/* Mamba's selective scan over T tokens, in place on state [I, N] (transformers'
+ * mamba_selective_state_update per token). x, dt [T, I] (dt before its bias and softplus),
+ * dt_bias, D [I], neg_a [I, N] (-exp(A_log), a layer constant), B, Cm [T, N], z [T, I] with
+ * row stride zstride, out [T, I]:
+ *   d = softplus(dt + dt_bias); s[c, n] = s[c, n] * exp(d * neg_a[c, n]) + d * B[n] * x[c]
+ *   out[c] = (sum_n s[c, n] * Cm[n] + x[c] * D[c]) * silu(z[c])            (sums in n order)
+ * The channels are spread over the pool (p may be NULL), each one thread's. */
+typedef struct {
+    int64_t t, I, zstride;
+    int N;
+    const float *x, *dt, *dt_bias, *neg_a, *B, *Cm, *D, *z;
+    float *state, *out;
+} czk_scan_ctx;
+
+static void czk_scan_channels(void *vc, int64_t c0, int64_t c1) {
+    const czk_scan_ctx *c = (const czk_scan_ctx *)vc;
+    const int64_t t = c->t, I = c->I;
+    const int N = c->N;
+    const float *xt = c->x + t * I, *dtt = c->dt + t * I, *Bt = c->B + t * N;
+    const float *Ct = c->Cm + t * N, *zt = c->z + t * c->zstride;
+    float *o = c->out + t * I;
+    for (int64_t ch = c0; ch < c1; ch++) {
+        const float sp = dtt[ch] + c->dt_bias[ch];
+        const float d = sp > 20.0f ? sp : log1pf(expf(sp));
+        float *s = c->state + ch * N;
+        const float *na = c->neg_a + ch * N;
+        float acc = 0.0f;
+        for (int n = 0; n < N; n++) {
+            const float dA = expf(d * na[n]);
+            s[n] = s[n] * dA + (d * Bt[n]) * xt[ch];
+            acc += s[n] * Ct[n];
+        }
+        const float zc = zt[ch];
+        o[ch] = (acc + xt[ch] * c->D[ch]) * (zc / (1.0f + expf(-zc)));
+    }
+}
+
+int czk_mamba_scan(czk_pool *p, int64_t T, int64_t I, int N, const float *x, const float *dt,
+                   const float *dt_bias, const float *neg_a, const float *B, const float *Cm,
+                   const float *D, const float *z, int64_t zstride, float *state, float *out) {
+    if (T < 0 || I <= 0 || N <= 0 || zstride < I) return -1;
+    czk_scan_ctx c = {0, I, zstride, N, x, dt, dt_bias, neg_a, B, Cm, D, z, state, out};
+    for (int64_t t = 0; t < T; t++) {
+        c.t = t;
+        czk_run(p, czk_scan_channels, &c, I, 8 * I * N);
+    }
+    return 0;
+}

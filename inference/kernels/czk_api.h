@@ -75,3 +75,11 @@ int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slo
 int czk_head_batch(czk_pool *p, int B, const float *h, int64_t H, const float *norm, float eps,
                    const czk_mat *lm_head, float *logits, void *work, int64_t wstride);
 int czk_rows_take(const czk_mat *m, int B, const int64_t *tokens, float *out);
+int czk_gdn(czk_pool *p, int64_t T, int nk, int nv, int dk, int dv, int K, const float *mixed,
+            const float *b, const float *a, const float *conv_w, const float *a_log,
+            const float *dt_bias, float *conv_state, float *state, float *out);
+int czk_conv_silu(int64_t T, int64_t C, int K, const float *x, int64_t xstride,
+                  const float *w, const float *bias, float *conv_state, float *out);
+int czk_mamba_scan(czk_pool *p, int64_t T, int64_t I, int N, const float *x, const float *dt,
+                   const float *dt_bias, const float *neg_a, const float *B, const float *Cm,
+                   const float *D, const float *z, int64_t zstride, float *state, float *out);

@@ -16,10 +16,12 @@ from czyx.inference.models.glm4_moe import Glm4MoeDecoder
 from czyx.inference.models.gpt_oss import GptOssDecoder
 from czyx.inference.models.granitemoe import GraniteMoeDecoder
 from czyx.inference.models.hunyuan_v1_moe import HunYuanMoeV1Decoder
+from czyx.inference.models.jamba import JambaDecoder
 from czyx.inference.models.mixtral import MixtralDecoder
 from czyx.inference.models.olmoe import OlmoeDecoder
 from czyx.inference.models.qwen2_moe import Qwen2MoeDecoder
 from czyx.inference.models.qwen3_moe import Qwen3MoeDecoder
+from czyx.inference.models.qwen3_next import Qwen3NextDecoder
 
 DECODERS: dict[str, type[MoEDecoder]] = {
     cls.arch: cls
@@ -35,6 +37,8 @@ DECODERS: dict[str, type[MoEDecoder]] = {
         Ernie45MoeDecoder,
         GraniteMoeDecoder,
         HunYuanMoeV1Decoder,
+        Qwen3NextDecoder,
+        JambaDecoder,
     )
 }
 

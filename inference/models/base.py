@@ -382,6 +382,15 @@ class KVCache:
             raise ValueError(f"cannot truncate a KV cache of length {self.length} to {length}")
         self.length = length
 
+    def track(self, on: bool = True) -> None:
+        """Make every position a later forward reaches one :meth:`truncate` may return to.
+
+        Nothing to do here: a KV cache can be cut at any position. A hybrid model's
+        cache (:class:`~czyx.inference.models.deltanet.HybridCache`) snapshots its
+        recurrent state instead, so speculative decoding calls ``track()`` then
+        ``truncate(start + accepted)`` on either.
+        """
+
 
 def attention(
     q: np.ndarray,

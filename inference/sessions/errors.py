@@ -40,3 +40,11 @@ class WrongTenantError(SessionError):
 
 class SessionFormatError(SessionError):
     """A SES extent or record is malformed: bad magic, version, field or offset."""
+
+
+class RecurrentCutError(SessionError):
+    """A hybrid model's state was asked for at fewer positions than it was saved with.
+
+    Its recurrent (linear-attention) state exists only at the saved length: a
+    cut fork or a prefix of it cannot be resumed without reprocessing.
+    """

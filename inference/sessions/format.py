@@ -11,7 +11,18 @@ Layout (little-endian; every section offset is recorded in the header)::
     meta_off           meta     msgpack: tenant, sampling params, RNG state
     tokens_off         tokens   int32 [L]                 (8-byte aligned)
     logits_off         logits   float32 [V], or absent    (8-byte aligned)
+    rec_off            recurrent float32 arrays, or absent (8-byte aligned; format 2)
     kv_off             KV       ceil(L / B) blocks        (4096-byte aligned)
+
+Format 2 (a hybrid model's state) adds the recurrent section: the
+linear-attention layers' states (:meth:`HybridCache.recurrent_arrays
+<czyx.inference.models.deltanet.HybridCache.recurrent_arrays>`), their shapes
+listed in the meta under ``"recurrent"``. It sits in the head, so the head's
+checksum covers it and every read (a prefix too) has it. A state without one
+is written as format 1, byte for byte as before, and both formats are read.
+The recurrent state exists only at the saved length: a hybrid state is
+resumed whole (:class:`~inference.sessions.errors.RecurrentCutError` for a
+prefix of it), never recomputed.
 
 The KV is stored *block-major*: block ``b`` holds positions
 ``[b*B, min((b+1)*B, L))`` of every layer as ``float32 [n_layers, 2, n_kv, n, hd]``
@@ -41,11 +52,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from czyx.inference.sessions.errors import SessionFormatError
+from czyx.inference.sessions.errors import RecurrentCutError, SessionFormatError
 from czyx.store.core.checksum import checksum
 
 MAGIC = b"CZYXSES\x00"
 FORMAT_VERSION = 1
+#: The format of a state with a recurrent section (a hybrid model's).
+FORMAT_RECURRENT = 2
+FORMATS = (FORMAT_VERSION, FORMAT_RECURRENT)
 BLOCK = 64  # positions per KV block and per prefix-hash step
 KV_ALIGN = 4096
 HEADER = struct.Struct("<8sIIIIIIQQQQQQQQ32s")
@@ -81,6 +95,9 @@ class SessionState:
         ``numpy.random.Generator.bit_generator.state`` of the sampler, or ``None``.
     capacity
         The KV cache capacity (positions) when it was saved.
+    recurrent
+        A hybrid model's recurrent arrays at length ``L`` (float32, in
+        :meth:`HybridCache.recurrent_arrays` order), or ``()``.
     """
 
     model: bytes
@@ -92,6 +109,7 @@ class SessionState:
     sampling: dict[str, Any] = field(default_factory=dict)
     rng_state: dict[str, Any] | None = None
     capacity: int = 0
+    recurrent: tuple[np.ndarray, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, bytes) or len(self.model) != 32:
@@ -111,6 +129,14 @@ class SessionState:
                 raise SessionFormatError(
                     f"state: layer {i} k/v shapes {k.shape}/{v.shape}, expected {shape}"
                 )
+        for i, a in enumerate(self.recurrent):
+            if a.dtype != np.float32 or a.ndim < 1:
+                raise SessionFormatError(f"state: recurrent array {i} is {a.dtype}, not f32")
+
+    @property
+    def format(self) -> int:
+        """The extent format this state is written in (2 with a recurrent section)."""
+        return FORMAT_RECURRENT if self.recurrent else FORMAT_VERSION
 
     @property
     def length(self) -> int:
@@ -141,6 +167,7 @@ class Layout:
     vocab: int
     meta_len: int
     block: int = BLOCK
+    rec_len: int = 0  # bytes of the recurrent section (format 2)
 
     @property
     def meta_off(self) -> int:
@@ -155,8 +182,13 @@ class Layout:
         return _round_up(self.tokens_off + 4 * self.length, 8)
 
     @property
+    def rec_off(self) -> int:
+        return _round_up(self.logits_off + 4 * self.vocab, 8)
+
+    @property
     def kv_off(self) -> int:
-        return _round_up(self.logits_off + 4 * self.vocab, KV_ALIGN)
+        # rec_len 0: the same offset as format 1 (4096 is a multiple of 8).
+        return _round_up(self.rec_off + self.rec_len, KV_ALIGN)
 
     @property
     def row_bytes(self) -> int:
@@ -195,10 +227,10 @@ class Layout:
 def _meta_bytes(state: SessionState) -> bytes:
     # The PCG64 state holds 128-bit integers, beyond msgpack's 64; JSON keeps them exact.
     rng = None if state.rng_state is None else json.dumps(state.rng_state, sort_keys=True)
-    return msgpack.packb(
-        {"tenant": state.tenant, "sampling": dict(state.sampling), "rng": rng},
-        use_bin_type=True,
-    )
+    meta: dict[str, Any] = {"tenant": state.tenant, "sampling": dict(state.sampling), "rng": rng}
+    if state.recurrent:  # format 2 only: a format-1 meta keeps its exact bytes
+        meta["recurrent"] = [list(a.shape) for a in state.recurrent]
+    return msgpack.packb(meta, use_bin_type=True)
 
 
 @dataclass(frozen=True)
@@ -221,13 +253,17 @@ def encode(state: SessionState) -> Encoded:
     """
     meta = _meta_bytes(state)
     vocab = 0 if state.logits is None else int(state.logits.shape[0])
-    lay = Layout(state.n_layers, state.n_kv_heads, state.head_dim, state.length, vocab, len(meta))
+    rec_len = sum(4 * a.size for a in state.recurrent)
+    lay = Layout(
+        state.n_layers, state.n_kv_heads, state.head_dim, state.length, vocab, len(meta),
+        rec_len=rec_len,
+    )  # fmt: skip
     buf = np.zeros(lay.total, np.uint8)
     HEADER.pack_into(
         buf,
         0,
         MAGIC,
-        FORMAT_VERSION,
+        state.format,
         lay.block,
         lay.n_layers,
         lay.n_kv_heads,
@@ -247,6 +283,10 @@ def encode(state: SessionState) -> Encoded:
     buf[lay.tokens_off : lay.tokens_off + 4 * lay.length].view(I32)[:] = state.tokens
     if vocab:
         buf[lay.logits_off : lay.logits_off + 4 * vocab].view(F32)[:] = state.logits
+    off = lay.rec_off
+    for a in state.recurrent:
+        buf[off : off + 4 * a.size].view(F32)[:] = a.reshape(-1)
+        off += 4 * a.size
     sums = []
     for b in range(lay.n_blocks):
         n, p0 = lay.block_len(b), b * lay.block
@@ -317,15 +357,35 @@ class ParsedExtent:
         ) = HEADER.unpack_from(buf, 0)
         if magic != MAGIC:
             raise SessionFormatError(f"{where}: bad magic {magic!r} at offset 0")
-        if version != FORMAT_VERSION:
-            raise SessionFormatError(
-                f"{where}: format version {version}, expected {FORMAT_VERSION}"
-            )
+        if version not in FORMATS:
+            raise SessionFormatError(f"{where}: format version {version}, expected {FORMATS}")
         if block <= 0 or n_layers <= 0 or n_kv <= 0 or hd <= 0:
             raise SessionFormatError(
                 f"{where}: header dims block={block} n_layers={n_layers} n_kv={n_kv} hd={hd}"
             )
-        lay = Layout(n_layers, n_kv, hd, length, vocab, meta_len, block)
+        if meta_off != HEADER.size:
+            raise SessionFormatError(f"{where}: header field meta_off={meta_off}, layout says 128")
+        if buf.size < meta_off + meta_len:
+            raise SessionFormatError(
+                f"{where}: {buf.size} bytes, its meta needs {meta_off + meta_len} (truncated read?)"
+            )
+        try:
+            meta = msgpack.unpackb(bytes(buf[meta_off : meta_off + meta_len]), raw=False)
+            rng = None if meta.get("rng") is None else json.loads(meta["rng"])
+            tenant, sampling = meta["tenant"], dict(meta["sampling"])
+            shapes = [tuple(int(n) for n in s) for s in meta.get("recurrent") or ()]
+        except Exception as exc:
+            raise SessionFormatError(
+                f"{where}: undecodable meta at offset {meta_off} ({exc})"
+            ) from exc
+        if (version == FORMAT_RECURRENT) != bool(shapes) or any(
+            not s or min(s) <= 0 for s in shapes
+        ):
+            raise SessionFormatError(
+                f"{where}: format {version} with recurrent shapes {shapes} (format 2 needs some)"
+            )
+        sizes = [int(np.prod(s)) for s in shapes]
+        lay = Layout(n_layers, n_kv, hd, length, vocab, meta_len, block, 4 * sum(sizes))
         for name, got, want in (
             ("meta_off", meta_off, lay.meta_off),
             ("tokens_off", tokens_off, lay.tokens_off),
@@ -343,14 +403,6 @@ class ParsedExtent:
             raise SessionFormatError(
                 f"{where}: {buf.size} bytes, {rows} positions need {need} (truncated read?)"
             )
-        try:
-            meta = msgpack.unpackb(bytes(buf[meta_off : meta_off + meta_len]), raw=False)
-            rng = None if meta.get("rng") is None else json.loads(meta["rng"])
-            tenant, sampling = meta["tenant"], dict(meta["sampling"])
-        except Exception as exc:
-            raise SessionFormatError(
-                f"{where}: undecodable meta at offset {meta_off} ({exc})"
-            ) from exc
         self.where = where
         self.layout = lay
         self.rows = rows
@@ -361,6 +413,12 @@ class ParsedExtent:
         self.rng_state: dict[str, Any] | None = rng
         self.tokens = buf[tokens_off : tokens_off + 4 * length].view(I32)
         self.logits = buf[logits_off : logits_off + 4 * vocab].view(F32) if vocab else None
+        rec, off = [], lay.rec_off
+        for shape, n in zip(shapes, sizes, strict=True):
+            rec.append(buf[off : off + 4 * n].view(F32).reshape(shape))
+            off += 4 * n
+        #: The recurrent arrays (views of the buffer), or () for a format-1 state.
+        self.recurrent: tuple[np.ndarray, ...] = tuple(rec)
         self._buf = buf
 
     def verify(self, head_sum: int, block_sums: list[int] | tuple[int, ...]) -> None:
@@ -437,6 +495,11 @@ class ParsedExtent:
         no logits for its last position).
         """
         lay, rows = self.layout, self.rows
+        if self.recurrent and rows != lay.length:
+            raise RecurrentCutError(
+                f"{self.where}: a hybrid model's state exists at its {lay.length} positions "
+                f"only; {rows} would need the recurrent state there (fork or resume it whole)"
+            )
         shape = (lay.n_kv_heads, rows, lay.head_dim)
         k = [np.empty(shape, np.float32) for _ in range(lay.n_layers)]
         v = [np.empty(shape, np.float32) for _ in range(lay.n_layers)]
@@ -452,4 +515,5 @@ class ParsedExtent:
             sampling=dict(self.sampling),
             rng_state=self.rng_state,
             capacity=self.capacity if full else rows,
+            recurrent=tuple(a.copy() for a in self.recurrent),
         )

@@ -12,7 +12,10 @@ history and ``logits`` are those of the next position. A saved state is
 therefore complete: resuming samples straight from the saved logits and
 never reprocesses a token. Because the KV bytes, the cache capacity, the
 logits and the RNG state all round-trip exactly, a resumed run is
-bit-identical to one that never stopped.
+bit-identical to one that never stopped. A hybrid model's state (Qwen3-Next:
+linear-attention layers) also carries each linear layer's recurrent state,
+restored as saved: it exists only at the saved length, so such a state
+resumes whole (a shorter prefix of it is recomputed, never guessed).
 """
 
 from __future__ import annotations
@@ -20,15 +23,68 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
 from czyx.inference.engine import Engine
+from czyx.inference.models.base import KVCache
 from czyx.inference.sampling import Sampler, SamplingParams
-from czyx.inference.sessions.errors import ModelVersionMismatchError, SessionError
+from czyx.inference.sessions.errors import (
+    ModelVersionMismatchError,
+    RecurrentCutError,
+    SessionError,
+)
 from czyx.inference.sessions.format import ParsedExtent, SessionState
 from czyx.inference.sessions.store import RECORD_KEY, SessionInfo, SessionStore
 from czyx.inference.tokenizer import StreamDecoder, Tokenizer
+
+
+def restore_cache(model: Any, parsed: ParsedExtent, rows: int, capacity: int) -> KVCache:
+    """A new cache of ``model`` (capacity ``capacity``) holding ``parsed``'s first ``rows``.
+
+    The KV is checked against the cache's own shapes (a hybrid model's KV covers
+    its attention layers only) and copied; a hybrid model's recurrent state is
+    checked and copied too, which needs ``rows`` to be the saved length.
+
+    Raises
+    ------
+    ModelVersionMismatchError
+        The KV shapes or the recurrent state's differ from the model's.
+    RecurrentCutError
+        ``rows`` is short of a hybrid state's saved length.
+    """
+    lay = parsed.layout
+    kv = model.new_kv(max(capacity, 1))
+    mine = (len(kv.k), kv.n_kv_heads, kv.head_dim)
+    if (lay.n_layers, lay.n_kv_heads, lay.head_dim) != mine:
+        raise ModelVersionMismatchError(
+            f"{parsed.where}: KV shape (layers, kv heads, head dim) "
+            f"{(lay.n_layers, lay.n_kv_heads, lay.head_dim)} != the engine's {mine}"
+        )
+    recurrent = getattr(kv, "recurrent_arrays", None)
+    want = () if recurrent is None else tuple(a.shape for a in recurrent())
+    if tuple(a.shape for a in parsed.recurrent) != want:
+        raise ModelVersionMismatchError(
+            f"{parsed.where}: recurrent state {[a.shape for a in parsed.recurrent]} != the "
+            f"engine's {list(want)}"
+        )
+    if want and rows != lay.length:
+        raise RecurrentCutError(
+            f"{parsed.where}: a hybrid model's state resumes at its {lay.length} positions "
+            f"only, not {rows}"
+        )
+    parsed.copy_kv_into(kv.k, kv.v, rows)
+    if want:
+        kv.load_recurrent(parsed.recurrent)
+    kv.length = rows
+    return kv
+
+
+def recurrent_of(kv: KVCache) -> tuple[np.ndarray, ...]:
+    """The recurrent arrays a saved state of ``kv`` carries (views; ``()`` for a KV cache)."""
+    arrays = getattr(kv, "recurrent_arrays", None)
+    return () if arrays is None else arrays()
 
 
 class LiveSession:
@@ -83,9 +139,10 @@ class LiveSession:
         Raises
         ------
         ModelVersionMismatchError
-            The engine's model selector or KV shapes differ from the state's.
+            The engine's model selector, KV shapes or recurrent state differ from the state's.
+        RecurrentCutError
+            ``rows`` is short of a hybrid model's saved length.
         """
-        cfg = engine.cfg
         info = engine.consumer.info
         lay = parsed.layout
         if bytes(info.selector) != parsed.model:
@@ -93,25 +150,12 @@ class LiveSession:
                 f"{parsed.where} was saved against model version {parsed.model.hex()[:16]}..., "
                 f"the engine runs {bytes(info.selector).hex()[:16]}..."
             )
-        if (lay.n_layers, lay.n_kv_heads, lay.head_dim) != (
-            cfg.n_layers,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-        ):
-            raise ModelVersionMismatchError(
-                f"{parsed.where}: KV shape (layers, kv heads, head dim) "
-                f"{(lay.n_layers, lay.n_kv_heads, lay.head_dim)} != the engine's "
-                f"{(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)}"
-            )
-        if parsed.tenant != tenant:
-            raise SessionError(f"{parsed.where}: tenant mismatch")
         rows = parsed.rows if rows is None else rows
         full = rows == lay.length and parsed.logits is not None
         cap = parsed.capacity if full else rows
-        kv = engine.model.new_kv(max(cap, 1))
-        parsed.copy_kv_into(kv.k, kv.v, rows)
-        kv.length = rows
-        engine.kv = kv
+        if parsed.tenant != tenant:
+            raise SessionError(f"{parsed.where}: tenant mismatch")
+        engine.kv = restore_cache(engine.model, parsed, rows, cap)
         if sampling is None:
             sampler = Sampler(SamplingParams(**parsed.sampling))
             if parsed.rng_state is not None:
@@ -160,6 +204,8 @@ class LiveSession:
         common = int(neq[0]) if neq.size else n
         exact = common == len(prompt) == parsed.layout.length and parsed.logits is not None
         rows = common if exact else min(common, len(prompt) - 1)
+        if parsed.recurrent and rows != parsed.layout.length:
+            rows = 0  # a hybrid state is only valid whole: recompute the prompt instead
         if rows <= 0:
             live = cls.start(engine, sampling, sessions.tenant)
         else:
@@ -223,6 +269,7 @@ class LiveSession:
             sampling=asdict(self.sampler.params),
             rng_state=self.sampler.rng.bit_generator.state,
             capacity=kv.capacity,
+            recurrent=recurrent_of(kv),
         )
 
 

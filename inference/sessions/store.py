@@ -65,7 +65,7 @@ from czyx.inference.sessions.errors import (
 )
 from czyx.inference.sessions.format import (
     BLOCK,
-    FORMAT_VERSION,
+    FORMATS,
     Layout,
     ParsedExtent,
     SessionState,
@@ -142,6 +142,7 @@ def _layout(rec: dict) -> Layout:
         rec["vocab"],
         rec["meta_len"],
         rec["block"],
+        int(rec.get("rec_len", 0)),  # format 2 (a hybrid model's recurrent state) only
     )
 
 
@@ -300,7 +301,7 @@ class SessionStore:
         enc = encode(state)
         digest = xxhash.xxh3_128_digest(memoryview(enc.payload))
         identity = msgpack.packb(
-            ["czyx-session", FORMAT_VERSION, state.tenant, state.model, digest], use_bin_type=True
+            ["czyx-session", state.format, state.tenant, state.model, digest], use_bin_type=True
         )
         space = Selector.from_content(identity)
         lay = enc.layout
@@ -310,7 +311,7 @@ class SessionStore:
                 return space, rec
         record = {
             "kind": "ses",
-            "format": FORMAT_VERSION,
+            "format": state.format,
             "tenant": state.tenant,
             "model": state.model,
             "length": lay.length,
@@ -324,6 +325,8 @@ class SessionStore:
             "head_sum": enc.head_sum,
             "block_sums": list(enc.block_sums),
         }
+        if lay.rec_len:  # format 2: format-1 records keep exactly their fields
+            record["rec_len"] = lay.rec_len
         manifest = {
             "kind": "session",
             "tenant": state.tenant,
@@ -445,10 +448,8 @@ class SessionStore:
             if rec is None or rec.get("kind") != "ses":
                 raise SessionNotFoundError(f"{what}: space {sel.hex()} holds no SES record")
             self._check_tenant(rec.get("tenant"), what)
-            if rec.get("format") != FORMAT_VERSION:
-                raise SessionFormatError(
-                    f"{what}: format {rec.get('format')}, expected {FORMAT_VERSION}"
-                )
+            if rec.get("format") not in FORMATS:
+                raise SessionFormatError(f"{what}: format {rec.get('format')}, expected {FORMATS}")
             if model is not None and bytes(rec["model"]) != bytes(model):
                 raise ModelVersionMismatchError(
                     f"{what} was saved against model version {bytes(rec['model']).hex()[:16]}..., "

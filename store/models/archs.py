@@ -51,6 +51,41 @@ NEWER_ROLES = (
     "expert_gate_up_bias",  # [E, 2I] GPT-OSS routed experts' gate/up biases (gate, then up)
     "expert_down_bias",  # [E, H] GPT-OSS routed experts' down biases
     "mtp",  # a multi-token-prediction layer's tensor: kept verbatim, never run
+    # Qwen3-Next's gated-DeltaNet linear-attention layers (their out_proj is the o_proj role).
+    "lin_qkvz",  # [2 * key_dim + 2 * value_dim, H] in_proj_qkvz (per key-head groups)
+    "lin_ba",  # [2 * n_v_heads, H] in_proj_ba (beta and decay inputs, per key-head groups)
+    "lin_conv",  # [key_dim * 2 + value_dim, 1, kernel] depthwise causal conv1d
+    "lin_dt_bias",  # [n_v_heads]
+    "lin_a_log",  # [n_v_heads]
+    "lin_norm",  # [value_head_dim] the gated RMS norm's weight
+    # Jamba's Mamba layers (their out_proj is the o_proj role); I = mamba_expand * H.
+    "mamba_in_proj",  # [2 * I, H] (x, then the gate z)
+    "mamba_conv",  # [I, 1, d_conv] depthwise causal conv1d
+    "mamba_conv_bias",  # [I]
+    "mamba_x_proj",  # [dt_rank + 2 * d_state, I]
+    "mamba_dt_proj",  # [I, dt_rank]
+    "mamba_dt_bias",  # [I]
+    "mamba_a_log",  # [I, d_state]
+    "mamba_d",  # [I]
+    "mamba_dt_norm",  # [dt_rank]
+    "mamba_b_norm",  # [d_state]
+    "mamba_c_norm",  # [d_state]
+)
+#: The roles only a linear-attention (gated DeltaNet) layer has.
+LINEAR_ATTN_ROLES = ("lin_qkvz", "lin_ba", "lin_conv", "lin_dt_bias", "lin_a_log", "lin_norm")
+#: The roles only a Mamba (selective state space) layer has.
+MAMBA_ROLES = (
+    "mamba_in_proj",
+    "mamba_conv",
+    "mamba_conv_bias",
+    "mamba_x_proj",
+    "mamba_dt_proj",
+    "mamba_dt_bias",
+    "mamba_a_log",
+    "mamba_d",
+    "mamba_dt_norm",
+    "mamba_b_norm",
+    "mamba_c_norm",
 )
 #: Per-layer roles beyond the consumer contract's (the engine's Layer has a slot each).
 EXTRA_ROLES = MLA_ROLES + NEWER_ROLES
@@ -108,7 +143,7 @@ _LAYER_PREFIX = re.compile(_L)
 # Trunk fragments shared by the tables: (regex after the layer prefix, role).
 _GLOBAL = (
     (r"model\.embed_tokens\.weight", "embed"),
-    (r"model\.norm\.weight", "final_norm"),
+    (r"model\.(?:norm|final_layernorm)\.weight", "final_norm"),  # Jamba: final_layernorm
     (r"lm_head\.weight", "lm_head"),
 )
 _NORMS = (
@@ -160,6 +195,35 @@ _MLA = (
     (r"self_attn\.o_proj\.weight", "o_proj"),
 )
 _ROUTER = ((r"mlp\.gate\.weight", "router"),)
+_GATED_DELTANET = (
+    (r"linear_attn\.in_proj_qkvz\.weight", "lin_qkvz"),
+    (r"linear_attn\.in_proj_ba\.weight", "lin_ba"),
+    (r"linear_attn\.conv1d\.weight", "lin_conv"),
+    (r"linear_attn\.dt_bias", "lin_dt_bias"),
+    (r"linear_attn\.A_log", "lin_a_log"),
+    (r"linear_attn\.norm\.weight", "lin_norm"),
+    (r"linear_attn\.out_proj\.weight", "o_proj"),
+)
+_JAMBA = (
+    (r"input_layernorm\.weight", "input_norm"),
+    (r"pre_ff_layernorm\.weight", "post_attn_norm"),
+    (r"mamba\.in_proj\.weight", "mamba_in_proj"),
+    (r"mamba\.conv1d\.weight", "mamba_conv"),
+    (r"mamba\.conv1d\.bias", "mamba_conv_bias"),
+    (r"mamba\.x_proj\.weight", "mamba_x_proj"),
+    (r"mamba\.dt_proj\.weight", "mamba_dt_proj"),
+    (r"mamba\.dt_proj\.bias", "mamba_dt_bias"),
+    (r"mamba\.A_log", "mamba_a_log"),
+    (r"mamba\.D", "mamba_d"),
+    (r"mamba\.dt_layernorm\.weight", "mamba_dt_norm"),
+    (r"mamba\.b_layernorm\.weight", "mamba_b_norm"),
+    (r"mamba\.c_layernorm\.weight", "mamba_c_norm"),
+    (r"mamba\.out_proj\.weight", "o_proj"),
+    (r"feed_forward\.router\.weight", "router"),
+    (r"feed_forward\.gate_proj\.weight", "mlp_gate_proj"),
+    (r"feed_forward\.up_proj\.weight", "mlp_up_proj"),
+    (r"feed_forward\.down_proj\.weight", "mlp_down_proj"),
+)
 _MIXTRAL_ROUTER = ((r"(?:block_sparse_moe|mlp)\.gate\.weight", "router"),)
 _QWEN2_SHARED = (
     (r"mlp\.shared_expert\.gate_proj\.weight", "shared_gate_proj"),
@@ -182,8 +246,11 @@ _DENSE_MLP = (
 # Expert name patterns: groups (layer, expert, part-token).
 _EXPERT_MIXTRAL = re.compile(_L + r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2)\.weight")
 _EXPERT_PROJ = re.compile(_L + r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_JAMBA = re.compile(
+    _L + r"feed_forward\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"
+)
 _FUSED = re.compile(
-    _L + r"(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?"
+    _L + r"(?:block_sparse_moe|mlp|feed_forward)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?"
 )
 # GraniteMoE's saved names for its stacked experts (gate then up rows, as the contract).
 _FUSED_GRANITE = re.compile(_L + r"block_sparse_moe\.(input_linear|output_linear)\.weight")
@@ -274,6 +341,8 @@ class ArchSpec:
         a full decoder layer plus ``enorm``, ``hnorm``, ``eh_proj`` and a
         ``shared_head``). transformers ignores them; mount keeps them verbatim.
         """
+        if self.name == "qwen3_next" and name.startswith("mtp."):
+            return 0  # Qwen3-Next keeps its MTP module apart (mtp.*), also ignored by transformers
         extra = int(config.get("num_nextn_predict_layers") or 0)
         m = _LAYER_PREFIX.match(name) if extra > 0 else None
         if m is None:
@@ -296,7 +365,7 @@ class ArchSpec:
     def sparse_layers(self, config: Mapping[str, Any]) -> tuple[int, ...]:
         """Layers whose MLP is a routed mixture (the others are dense)."""
         n = self.n_layers(config)
-        if self.name in ("qwen2_moe", "qwen3_moe"):
+        if self.name in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
             step = int(config.get("decoder_sparse_step") or 1)
             dense = set(config.get("mlp_only_layers") or ())
             return tuple(l for l in range(n) if l not in dense and (l + 1) % step == 0)
@@ -306,6 +375,11 @@ class ArchSpec:
             last = config.get("moe_layer_end_index")
             last = n - 1 if last is None or int(last) < 0 else int(last)
             return tuple(l for l in range(n) if (l + 1) % step == 0 and first <= l <= last)
+        if self.name == "jamba":
+            period = int(config.get("expert_layer_period") or 2)
+            offset = config.get("expert_layer_offset")
+            offset = 1 if offset is None else int(offset)  # transformers' default
+            return tuple(l for l in range(n) if l % period == offset)
         if self.name == "glm4_moe":
             first = int(config.get("first_k_dense_replace") or 0)
             return tuple(range(first, n))
@@ -371,6 +445,22 @@ ARCHS: dict[str, ArchSpec] = {
             _EXPERT_PROJ,
             _QWEN_EXPERT_KEYS,
             ("moe_intermediate_size",),
+        ),
+        ArchSpec(
+            "qwen3_next",
+            ("qwen3_next",),
+            _NORMS + _ATTN + _QK_NORM + _GATED_DELTANET + _ROUTER + _QWEN2_SHARED + _DENSE_MLP,
+            _EXPERT_PROJ,
+            ("num_experts",),
+            ("moe_intermediate_size",),
+        ),
+        ArchSpec(
+            "jamba",
+            ("jamba",),
+            _ATTN + _JAMBA,
+            _EXPERT_JAMBA,
+            ("num_experts",),
+            ("intermediate_size",),
         ),
         ArchSpec(
             "olmoe",

@@ -117,7 +117,21 @@ CONFIG_INTS: dict[str, tuple[int, int]] = {
     "first_k_dense_replace": (0, 1024),
     "moe_layer_freq": (1, 1024),
     "decoder_sparse_step": (1, 1024),
+    "full_attention_interval": (1, 1024),
+    "linear_conv_kernel_dim": (1, 64),
+    "linear_key_head_dim": (1, 4096),
+    "linear_value_head_dim": (1, 4096),
+    "linear_num_key_heads": (1, 4096),
+    "linear_num_value_heads": (1, 4096),
+    "mamba_d_state": (1, 4096),
+    "mamba_d_conv": (1, 64),
+    "mamba_expand": (1, 64),
+    "attn_layer_period": (1, 1024),
+    "attn_layer_offset": (0, 1023),
+    "expert_layer_period": (1, 1024),
+    "expert_layer_offset": (0, 1023),
 }
+
 # Float fields: (exclusive least, greatest); all must be finite.
 CONFIG_FLOATS: dict[str, tuple[float, float]] = {
     "rms_norm_eps": (0.0, 1.0),
@@ -178,6 +192,20 @@ def validate_config(config: Mapping[str, Any], n_experts: int | None = None) -> 
     ng, tg = config.get("n_group"), config.get("topk_group")
     if ng is not None and tg is not None and tg > ng:
         raise ConfigError(f"config: topk_group={tg} > n_group={ng}")
+    lk, lv = config.get("linear_num_key_heads"), config.get("linear_num_value_heads")
+    if lk is not None and lv is not None and lv % lk:
+        raise ConfigError(
+            f"config: linear_num_value_heads={lv} not a multiple of linear_num_key_heads={lk}"
+        )
+    types = config.get("layer_types")
+    if types is not None:
+        n = config.get("num_hidden_layers") or 0
+        if (
+            not isinstance(types, list)
+            or len(types) != n
+            or not all(isinstance(t, str) for t in types)
+        ):
+            raise ConfigError(f"config: layer_types={types!r:.60} is not {n} layer names")
     dense = config.get("mlp_only_layers")
     if dense is not None:
         n = config.get("num_hidden_layers") or 0

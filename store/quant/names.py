@@ -35,6 +35,12 @@ _LAYER_INPUT = {
     "kv_a_proj": "attn_in",
     "q_b_proj": "q_b_in",
     "kv_b_proj": "kv_b_in",
+    # Hybrid layers: Qwen3-Next's DeltaNet and Jamba's Mamba projections.
+    "lin_qkvz": "attn_in",
+    "lin_ba": "attn_in",
+    "mamba_in_proj": "attn_in",
+    "mamba_x_proj": "mamba.x_in",
+    "mamba_dt_proj": "mamba.dt_in",
 }
 
 

@@ -105,6 +105,25 @@ _ROLE_TO_CLASS = {
     "sinks": "bias",
     "expert_gate_up_bias": "bias",
     "expert_down_bias": "bias",
+    # Hybrid layers: their projections are matrices like attention's; the recurrence's
+    # per-channel parameters (conv taps, decays, skips) stay float with the vectors.
+    "lin_qkvz": "attention",
+    "lin_ba": "attention",
+    "mamba_in_proj": "attention",
+    "mamba_x_proj": "attention",
+    "mamba_dt_proj": "attention",
+    "lin_norm": "norm",
+    "mamba_dt_norm": "norm",
+    "mamba_b_norm": "norm",
+    "mamba_c_norm": "norm",
+    "lin_conv": "bias",
+    "lin_dt_bias": "bias",
+    "lin_a_log": "bias",
+    "mamba_conv": "bias",
+    "mamba_conv_bias": "bias",
+    "mamba_dt_bias": "bias",
+    "mamba_a_log": "bias",
+    "mamba_d": "bias",
 }
 
 _FLOAT_NAMES = ("f32", "float", "none")

@@ -49,6 +49,8 @@ def test_batched_step_matches_the_engine(tmp_path, arch) -> None:
             for i in range(len(kv.k)):
                 engine_kv.k[i][:] = kv.k[i]
                 engine_kv.v[i][:] = kv.v[i]
+            if hasattr(kv, "recurrent_arrays"):  # a hybrid model's linear-attention state
+                engine_kv.load_recurrent(kv.recurrent_arrays())
             engine_kv.length = kv.length
             assert np.array_equal(forward_batch(model, [np.array([t])], [kv])[0], got)
             # The engine's own decode of the same token after the same positions: exactly

@@ -44,7 +44,8 @@ def test_plan_covers_every_tensor(ckpts, arch, fused):
         # Expert bytes are those of transformers' own fused in-memory parameters.
         model = build_tiny_model(arch)
         layer, e = plan.sparse_layers[-1], plan.n_experts - 1
-        mlp = model.model.layers[layer].mlp
+        block = model.model.layers[layer]
+        mlp = block.feed_forward if arch == "jamba" else block.mlp  # Jamba names it so
         gate_up = mlp.experts.gate_up_proj[e].detach()
         want = (gate_up[: plan.inter], gate_up[plan.inter :], mlp.experts.down_proj[e].detach())
         for src, w in zip(plan.experts[(layer, e)], want):
@@ -220,6 +221,10 @@ _PARTS = {
         {"gate": "w1", "up": "w3", "down": "w2"},
     ),
     "qwen3_moe": ("mlp.experts.{e}.{t}_proj.weight", {"gate": "gate", "up": "up", "down": "down"}),
+    "jamba": (
+        "feed_forward.experts.{e}.{t}_proj.weight",
+        {"gate": "gate", "up": "up", "down": "down"},
+    ),
 }
 
 
@@ -231,12 +236,13 @@ _PARTS = {
     part=st.sampled_from(["gate", "up", "down"]),
 )
 def test_expert_names_classify_for_all_indices(arch, layer, expert, part):
-    template, tokens = _PARTS["mixtral" if arch == "mixtral" else "qwen3_moe"]
+    template, tokens = _PARTS[arch if arch in _PARTS else "qwen3_moe"]
     name = f"model.layers.{layer}." + template.format(e=expert, t=tokens[part])
     kind = ARCHS[arch].classify(name)
     assert (kind.kind, kind.layer, kind.expert, kind.part) == ("expert", layer, expert, part)
     stacked = "down" if part == "down" else "gate_up"
-    fused = ARCHS[arch].classify(f"model.layers.{layer}.mlp.experts.{stacked}_proj")
+    block = "feed_forward" if arch == "jamba" else "mlp"
+    fused = ARCHS[arch].classify(f"model.layers.{layer}.{block}.experts.{stacked}_proj")
     assert (fused.kind, fused.layer, fused.part) == ("fused", layer, stacked)
 
 
