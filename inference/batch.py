@@ -1365,6 +1365,9 @@ class Scheduler:
         t0 = time.perf_counter()
         allowed = [s.allowed for s, _ in work]
         verify = [bool(s.drafts) and s.fed == s.prompt.size for s, _ in work]
+        tracked = [s.kv for (s, _), v in zip(work, verify, strict=True) if v]
+        for kv in tracked:  # the positions a verify reaches: where its rejections cut back to
+            kv.track()
         watch = self._watch_step(work) if self._watching else None
         try:
             logits = forward_batch(
@@ -1376,6 +1379,8 @@ class Scheduler:
                 verify if any(verify) else False,
             )
         finally:
+            for kv in tracked:
+                kv.track(False)
             if watch is not None:
                 self.model.recorder = watch[0]
         now = time.perf_counter()

@@ -397,12 +397,19 @@ class Engine:
             raise ValueError("verify: this model's rope decodes one position at a time")
         mask = self.model.route_mask
         allowed = None if mask is None else [mask]
-        with self._blas:
-            return forward_batch(self.model, [ids], [self.kv], allowed, all_logits=True)[0]
+        # Every position this step reaches becomes one rollback may return to (a
+        # hybrid model's recurrent state is snapshotted; a KV cache needs nothing).
+        self.kv.track()
+        try:
+            with self._blas:
+                return forward_batch(self.model, [ids], [self.kv], allowed, all_logits=True)[0]
+        finally:
+            self.kv.track(False)
 
     def rollback(self, length: int) -> None:
         """Forget the positions from ``length`` on (rejected drafts): the KV cache is cut
-        back, the expert cache stays as it is."""
+        back (a hybrid model's recurrent state returns to the snapshot :meth:`verify`
+        took there), the expert cache stays as it is."""
         self.kv.truncate(length)
 
     def routing_profile(self) -> RoutingProfile:

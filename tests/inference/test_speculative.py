@@ -413,3 +413,36 @@ def test_scoped_windowed_and_streamed_engines_speculate_unchanged(tmp_path) -> N
             assert got == want, kw
             assert st.drafted > st.accepted > 0
             eng.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "jamba"])
+def test_served_drafts_roll_back_a_hybrid_models_recurrent_state(tmp_path, arch) -> None:
+    """Linear-attention layers keep a recurrent state, not a KV cache that can be cut:
+    the scheduler's verify step snapshots it at every position it reaches, so a rejected
+    draft returns the state to the accepted position and greedy tokens are unchanged."""
+    from dataclasses import replace
+
+    from czyx.inference.batch import BatchOptions, Scheduler
+
+    ckpt = make_tiny_checkpoint(arch, tmp_path / "ckpt")
+    with Store.open(tmp_path / "store") as st:
+        mount(st, ckpt, "m@1")
+    prompts = [[3, 17, 5, 60, 1, 88, 3, 17, 5, 60, 1], [7, 7, 30, 7, 7, 30, 7], [50, 4, 19]]
+    base = BatchOptions(max_batch=4, prefill_chunk=8, step_tokens=64)
+    spec = SpeculateOptions("lookup", draft_tokens=3, adaptive=False)
+    with OpenedModel(str(tmp_path / "store"), "m@1", None) as om:
+        eng = Engine(om.consumer)
+        plain = Scheduler(eng.model, base)
+        try:
+            want = [plain.submit(p, 16).result(timeout=60)[0] for p in prompts]
+        finally:
+            plain.close()
+        sched = Scheduler(eng.model, replace(base, speculate=spec))
+        try:
+            got = [h.result(timeout=120)[0] for h in [sched.submit(p, 16) for p in prompts]]
+            st = sched.stats()
+        finally:
+            sched.close()
+        eng.close()
+    assert got == want, arch
+    assert 0 < st.accepted < st.drafted  # drafts were rejected and rolled back
