@@ -28,11 +28,12 @@ ARCHES = (
     "glm4_moe",
     "ernie4_5_moe",
     "hunyuan_v1_moe",
+    "phimoe",
 )
 # The architectures the numpy engine runs. GPT-OSS is not in ARCHES: its experts
-# exist only stacked and transposed (store.models.expert_transform), and the
+# exist only stacked and transposed (store.models.expert_transform; Llama 4's too), and the
 # store tests over ARCHES check the per-expert and contract-layout fused forms.
-ENGINE_ARCHES = (*ARCHES, "gpt_oss", "granitemoe")
+ENGINE_ARCHES = (*ARCHES, "gpt_oss", "granitemoe", "llama4_text")
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 32,
@@ -118,6 +119,32 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "bos_token_id": None,
         "pad_token_id": None,
     },
+    "phimoe": {
+        "intermediate_size": 16,
+        "num_local_experts": 8,
+        "attention_bias": True,
+        "lm_head_bias": True,
+        "router_jitter_noise": 0.3,
+        "eos_token_id": None,
+        "bos_token_id": None,
+    },
+    # Two MoE layers between dense ones, a NoPE layer (the last), chunks of 4 positions
+    # and a temperature floor of 4 so that every feature acts within a few tokens.
+    "llama4_text": {
+        "num_hidden_layers": 4,
+        "head_dim": 8,
+        "intermediate_size": 16,
+        "intermediate_size_mlp": 24,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2,
+        "attention_chunk_size": 4,
+        "floor_scale": 4,
+        "attn_scale": 0.5,
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "pad_token_id": None,
+    },
     # transformers' default rope here is YaRN (factor 32 over 4096 positions).
     "gpt_oss": {
         "intermediate_size": 16,
@@ -138,6 +165,8 @@ _CLASSES = {
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM"),
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
 }
 
 

@@ -53,7 +53,6 @@ from czyx.inference.kernels.linear import mm_t, take_rows
 from czyx.inference.models.base import (
     F32,
     group_by_expert,
-    rms_norm,
     swiglu_columns,
     swiglu_fused,
 )
@@ -214,13 +213,13 @@ class LayerStage(_EngineNode):
     def _forward_batch(self, x: np.ndarray, kv: Any) -> np.ndarray:
         """Several tokens: :meth:`MoEDecoder.run_layers` (the engine's own step) over this
         stage's layers, between the engine's embedding and head."""
-        model, cfg = self.engine.model, self.engine.model.cfg
+        model = self.engine.model
         h = take_rows(model.embed, x.astype(np.int64).reshape(-1)) if self.first else x
         start, t = kv.length, h.shape[0]
         h = model.run_layers(h, kv, start, self.lo, self.hi)
         kv.length = start + t
         if self.last:
-            hn = rms_norm(h[-1:], model.final_norm, cfg.rms_eps)
+            hn = model.norm(h[-1:], model.final_norm, model.final_norm_bias)
             return model.finish_logits(mm_t(hn, model.lm_head))[0]
         return h
 

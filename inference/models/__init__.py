@@ -17,7 +17,9 @@ from czyx.inference.models.gpt_oss import GptOssDecoder
 from czyx.inference.models.granitemoe import GraniteMoeDecoder
 from czyx.inference.models.hunyuan_v1_moe import HunYuanMoeV1Decoder
 from czyx.inference.models.mixtral import MixtralDecoder
+from czyx.inference.models.llama4 import Llama4TextDecoder
 from czyx.inference.models.olmoe import OlmoeDecoder
+from czyx.inference.models.phimoe import PhimoeDecoder
 from czyx.inference.models.qwen2_moe import Qwen2MoeDecoder
 from czyx.inference.models.qwen3_moe import Qwen3MoeDecoder
 
@@ -35,6 +37,8 @@ DECODERS: dict[str, type[MoEDecoder]] = {
         Ernie45MoeDecoder,
         GraniteMoeDecoder,
         HunYuanMoeV1Decoder,
+        PhimoeDecoder,
+        Llama4TextDecoder,
     )
 }
 

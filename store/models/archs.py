@@ -51,14 +51,21 @@ NEWER_ROLES = (
     "expert_gate_up_bias",  # [E, 2I] GPT-OSS routed experts' gate/up biases (gate, then up)
     "expert_down_bias",  # [E, H] GPT-OSS routed experts' down biases
     "mtp",  # a multi-token-prediction layer's tensor: kept verbatim, never run
+    "input_norm_bias",  # [H] PhiMoE's LayerNorm biases
+    "post_attn_norm_bias",  # [H]
+)
+# Global roles added after the per-layer ones (appended, so no class byte moves).
+NEWER_GLOBAL_ROLES = (
+    "final_norm_bias",  # [H] PhiMoE's final LayerNorm bias
+    "lm_head_bias",  # [V] PhiMoE's lm_head bias (lm_head_bias)
 )
 #: Per-layer roles beyond the consumer contract's (the engine's Layer has a slot each).
 EXTRA_ROLES = MLA_ROLES + NEWER_ROLES
 #: The role of kept multi-token-prediction tensors (layer = their index in name order).
 MTP_ROLE = "mtp"
-ALL_GLOBAL_ROLES = GLOBAL_ROLES
+ALL_GLOBAL_ROLES = GLOBAL_ROLES + NEWER_GLOBAL_ROLES
 ALL_LAYER_ROLES = LAYER_ROLES + EXTRA_ROLES
-ALL_ROLES = ALL_GLOBAL_ROLES + ALL_LAYER_ROLES
+ALL_ROLES = GLOBAL_ROLES + ALL_LAYER_ROLES + NEWER_GLOBAL_ROLES
 # A role's index is its class byte in the trunk space (see store.mount).
 ROLE_INDEX = {role: i for i, role in enumerate(ALL_ROLES)}
 # The checkpoint's tokenizer.json, when it has one, is a trunk record too, at a
@@ -145,6 +152,25 @@ _HUNYUAN = (
     (r"mlp\.shared_mlp\.down_proj\.weight", "shared_down_proj"),
 )
 _NO_PER_EXPERT = re.compile(r"(?!)")  # GPT-OSS has only stacked expert tensors
+# PhiMoE: LayerNorms with biases, a biased lm_head; save_pretrained writes Mixtral's
+# block_sparse_moe.gate / experts.N.w1|w3|w2 names, memory holds mlp.router / mlp.experts.
+_PHIMOE = (
+    (r"input_layernorm\.bias", "input_norm_bias"),
+    (r"post_attention_layernorm\.bias", "post_attn_norm_bias"),
+    (r"(?:block_sparse_moe|mlp)\.gate\.weight", "router"),
+    (r"mlp\.router\.weight", "router"),
+)
+_PHIMOE_GLOBAL = ((r"model\.norm\.bias", "final_norm_bias"), (r"lm_head\.bias", "lm_head_bias"))
+# Llama 4 text: everything MLP-side under feed_forward (its experts only stacked).
+_LLAMA4 = (
+    (r"feed_forward\.router\.weight", "router"),
+    (r"feed_forward\.shared_expert\.gate_proj\.weight", "shared_gate_proj"),
+    (r"feed_forward\.shared_expert\.up_proj\.weight", "shared_up_proj"),
+    (r"feed_forward\.shared_expert\.down_proj\.weight", "shared_down_proj"),
+    (r"feed_forward\.gate_proj\.weight", "mlp_gate_proj"),
+    (r"feed_forward\.up_proj\.weight", "mlp_up_proj"),
+    (r"feed_forward\.down_proj\.weight", "mlp_down_proj"),
+)
 _QK_NORM = (
     (r"self_attn\.q_norm\.weight", "q_norm"),
     (r"self_attn\.k_norm\.weight", "k_norm"),
@@ -222,27 +248,34 @@ class ArchSpec:
     n_experts_keys: tuple[str, ...]
     expert_inter_keys: tuple[str, ...]
     expert_transform: str | None = None
+    global_trunk: tuple[tuple[str, str], ...] = ()
+    fused_pattern: re.Pattern[str] | None = None
 
     def __post_init__(self) -> None:
         # One compiled alternation per table: classification is a single match
         # instead of a loop over patterns (mount classifies every tensor once).
-        globals_ = "|".join(f"(?P<g{i}>{rx})" for i, (rx, _) in enumerate(_GLOBAL))
+        globals_ = "|".join(f"(?P<g{i}>{rx})" for i, (rx, _) in enumerate(self.globals))
         layers = "|".join(f"(?P<l{i}>{rx})" for i, (rx, _) in enumerate(self.layer_trunk))
         object.__setattr__(self, "_global_rx", re.compile(globals_))
         object.__setattr__(self, "_layer_rx", re.compile(_L + f"(?:{layers})"))
+
+    @property
+    def globals(self) -> tuple[tuple[str, str], ...]:
+        """``(regex, role)`` of the global tensors: the shared ones plus the family's own."""
+        return _GLOBAL + self.global_trunk
 
     def classify(self, name: str) -> TensorKind | None:
         """Classify one tensor name; ``None`` if this table does not know it."""
         m = self._global_rx.fullmatch(name)  # type: ignore[attr-defined]
         if m:
-            return TensorKind("trunk", None, _GLOBAL[int(m.lastgroup[1:])][1])
+            return TensorKind("trunk", None, self.globals[int(m.lastgroup[1:])][1])
         m = self._layer_rx.fullmatch(name)  # type: ignore[attr-defined]
         if m:
             return TensorKind("trunk", int(m.group(1)), self.layer_trunk[int(m.lastgroup[1:])][1])
         m = self.expert_pattern.fullmatch(name)
         if m:
             return TensorKind("expert", int(m.group(1)), expert=int(m.group(2)), part=_PART[m[3]])
-        m = _FUSED.fullmatch(name)
+        m = (self.fused_pattern or _FUSED).fullmatch(name)
         if m:
             return TensorKind("fused", int(m.group(1)), part=m.group(2).removesuffix("_proj"))
         m = _FUSED_GRANITE.fullmatch(name) if self.name == "granitemoe" else None
@@ -313,7 +346,23 @@ class ArchSpec:
             first = int(config.get("first_k_dense_replace") or 0)
             freq = int(config.get("moe_layer_freq") or 1)
             return tuple(l for l in range(n) if l >= first and l % freq == 0)
+        if self.name == "llama4_text":
+            return llama4_moe_layers(config, n)
         return tuple(range(n))
+
+
+def llama4_moe_layers(config: Mapping[str, Any], n: int) -> tuple[int, ...]:
+    """Llama 4's MoE layers: ``moe_layers`` as the config lists them, else every
+    ``interleave_moe_layer_step``-th layer (transformers' ``Llama4TextConfig``)."""
+    listed = config.get("moe_layers")
+    if listed is None:
+        step = int(config.get("interleave_moe_layer_step") or 1)
+        return tuple(range(step - 1, n, step))
+    if not isinstance(listed, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in listed
+    ):
+        raise UnknownArchitectureError(f"config.json of llama4_text: moe_layers={listed!r:.60}")
+    return tuple(sorted(set(listed)))
 
 
 def arch_facts(arch: str, config: Mapping[str, Any]) -> ArchFacts:
@@ -435,6 +484,25 @@ ARCHS: dict[str, ArchSpec] = {
             _EXPERT_PROJ,
             ("num_experts",),
             ("intermediate_size",),
+        ),
+        ArchSpec(
+            "phimoe",
+            ("phimoe",),
+            _NORMS + _PHIMOE + _ATTN + _QKV_BIAS + _O_BIAS,
+            _EXPERT_MIXTRAL,
+            ("num_local_experts",),
+            ("intermediate_size",),
+            global_trunk=_PHIMOE_GLOBAL,
+        ),
+        ArchSpec(
+            "llama4_text",
+            ("llama4_text",),
+            _NORMS + _ATTN + _QKV_BIAS + _O_BIAS + _LLAMA4,
+            _NO_PER_EXPERT,
+            ("num_local_experts",),
+            ("intermediate_size",),
+            "gate_up_t",
+            fused_pattern=re.compile(_L + r"feed_forward\.experts\.(gate_up_proj|down_proj)"),
         ),
         ArchSpec(
             "glm4_moe",
