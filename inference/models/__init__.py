@@ -16,8 +16,8 @@ from czyx.inference.models.glm4_moe import Glm4MoeDecoder
 from czyx.inference.models.gpt_oss import GptOssDecoder
 from czyx.inference.models.granitemoe import GraniteMoeDecoder
 from czyx.inference.models.hunyuan_v1_moe import HunYuanMoeV1Decoder
-from czyx.inference.models.mixtral import MixtralDecoder
 from czyx.inference.models.llama4 import Llama4TextDecoder
+from czyx.inference.models.mixtral import MixtralDecoder
 from czyx.inference.models.olmoe import OlmoeDecoder
 from czyx.inference.models.phimoe import PhimoeDecoder
 from czyx.inference.models.qwen2_moe import Qwen2MoeDecoder

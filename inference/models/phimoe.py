@@ -33,7 +33,9 @@ from czyx.inference.models.rope import RopeConfig, Rotary
 from czyx.store.consumer import ModelInfo
 
 
-def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: float) -> np.ndarray:
+def layer_norm(
+    x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: float
+) -> np.ndarray:
     """``nn.LayerNorm`` over the last axis: ``(x - mean) / sqrt(var + eps) * weight + bias``."""
     xc = x - np.mean(x, axis=-1, keepdims=True)
     var = np.mean(np.square(xc), axis=-1, keepdims=True)
@@ -44,7 +46,9 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: 
     return out
 
 
-def _masked_weight(scores: np.ndarray, top: np.ndarray, eps: float, gates: np.ndarray) -> np.ndarray:
+def _masked_weight(
+    scores: np.ndarray, top: np.ndarray, eps: float, gates: np.ndarray
+) -> np.ndarray:
     """Softmax of ``gates`` with every logit farther than ``2 eps`` (relative) below ``top``
     masked out, as sparsemixer's threshold (``|scores|`` clamped at ``top`` as the scale)."""
     factor = np.maximum(np.abs(scores), top)
@@ -83,7 +87,7 @@ class PhimoeRotary(Rotary):
         self._grow(max(self._cos.shape[0], 1))
 
     def apply(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Rotate ``x [heads, T, head_dim]`` at ``positions``, scaled as the pass's last one says."""
+        """Rotate ``x [heads, T, head_dim]`` at ``positions``, scaled by the pass's mscale."""
         need = int(positions.max()) + 1
         if need > self._cos.shape[0]:
             self._grow(max(need, 2 * self._cos.shape[0]))
@@ -139,10 +143,9 @@ class PhimoeDecoder(MoEDecoder):
                     f"phimoe longrope needs numeric short_mscale and long_mscale, got {scales}"
                 )
             self.rotary = PhimoeRotary(self.cfg.rope, float(scales[0]), float(scales[1]))
-        v = self.cfg.vocab_size
-        self.lm_head_bias = (
-            self._trunk("lm_head_bias", None, (v,)) if self.consumer.has_trunk("lm_head_bias") else None
-        )
+        self.lm_head_bias = None
+        if self.consumer.has_trunk("lm_head_bias"):
+            self.lm_head_bias = self._trunk("lm_head_bias", None, (self.cfg.vocab_size,))
 
     def norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
         """LayerNorm with its bias (eps ``rms_norm_eps``)."""

@@ -325,9 +325,7 @@ def _export_experts(
             raw = buf
             if transform is not None:  # back to the source's layout (store.models.expert_transform)
                 item = DTYPES[ex["dtype"]][1]
-                raw = from_contract(
-                    buf[: space.nbytes], ex["inter"], ex["hidden"], item, transform
-                )
+                raw = from_contract(buf[: space.nbytes], ex["inter"], ex["hidden"], item, transform)
             pos = 0
             for _, tensor, start, nbytes in src:
                 fname, at = _where(where, tensor)
