@@ -30,10 +30,13 @@ ARCHES = (
     "hunyuan_v1_moe",
     "phimoe",
 )
+# Model types that are another architecture's transformers class under their own
+# config class (mounted as that architecture), and small variants of one.
+ALIASES = ("sarvam_mla", "dots1", "solar_open")
 # The architectures the numpy engine runs. GPT-OSS is not in ARCHES: its experts
 # exist only stacked and transposed (store.models.expert_transform; Llama 4's too), and the
 # store tests over ARCHES check the per-expert and contract-layout fused forms.
-ENGINE_ARCHES = (*ARCHES, "gpt_oss", "granitemoe", "llama4_text")
+ENGINE_ARCHES = (*ARCHES, "gpt_oss", "granitemoe", "llama4_text", *ALIASES)
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 32,
@@ -109,6 +112,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "eos_token_id": None,
         "bos_token_id": None,
     },
+    "sarvam_mla": _DEEPSEEK,
+    "dots1": {},  # filled below from glm4_moe's
+    "solar_open": {},
     "hunyuan_v1_moe": {
         "intermediate_size": 16,
         "num_experts": 8,
@@ -153,6 +159,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "sliding_window": 5,
     },
 }
+_GLM_LIKE = {k: v for k, v in CONFIGS["glm4_moe"].items() if k != "use_qk_norm"}
+CONFIGS["dots1"] = {**_GLM_LIKE, "sliding_window": 5, "layer_types": None, "max_window_layers": 1}
+CONFIGS["solar_open"] = _GLM_LIKE
 _CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
@@ -166,6 +175,9 @@ _CLASSES = {
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM"),
+    "sarvam_mla": ("SarvamMLAConfig", "DeepseekV3ForCausalLM"),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM"),
+    "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM"),
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
 }
 

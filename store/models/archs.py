@@ -339,7 +339,7 @@ class ArchSpec:
             last = config.get("moe_layer_end_index")
             last = n - 1 if last is None or int(last) < 0 else int(last)
             return tuple(l for l in range(n) if (l + 1) % step == 0 and first <= l <= last)
-        if self.name == "glm4_moe":
+        if self.name in ("glm4_moe", "dots1"):
             first = int(config.get("first_k_dense_replace") or 0)
             return tuple(range(first, n))
         if self.name in ("deepseek_v2", "deepseek_v3"):
@@ -439,7 +439,7 @@ ARCHS: dict[str, ArchSpec] = {
         ),
         ArchSpec(
             "deepseek_v3",
-            ("deepseek_v3",),
+            ("deepseek_v3", "sarvam_mla"),  # Sarvam-MLA: DeepseekV3ForCausalLM
             _NORMS + _MLA + _ROUTER + _DEEPSEEK_SHARED + _DENSE_MLP,
             _EXPERT_PROJ,
             ("n_routed_experts",),
@@ -508,6 +508,31 @@ ARCHS: dict[str, ArchSpec] = {
             "glm4_moe",
             ("glm4_moe",),
             _NORMS + _ATTN + _QKV_BIAS + _QK_NORM + _ROUTER + _DEEPSEEK_SHARED + _DENSE_MLP,
+            _EXPERT_PROJ,
+            ("n_routed_experts",),
+            ("moe_intermediate_size",),
+        ),
+        # dots.llm1: Qwen3 attention (per-head q/k norms, sliding layers) on GLM-4.5's
+        # (DeepSeek-V3's) MoE; Solar-Open: Llama attention on it, every layer MoE.
+        ArchSpec(
+            "dots1",
+            ("dots1",),
+            _NORMS
+            + _ATTN
+            + _QKV_BIAS
+            + _O_BIAS
+            + _QK_NORM
+            + _ROUTER
+            + _DEEPSEEK_SHARED
+            + _DENSE_MLP,
+            _EXPERT_PROJ,
+            ("n_routed_experts",),
+            ("moe_intermediate_size",),
+        ),
+        ArchSpec(
+            "solar_open",
+            ("solar_open",),
+            _NORMS + _ATTN + _QKV_BIAS + _ROUTER + _DEEPSEEK_SHARED + _DENSE_MLP,
             _EXPERT_PROJ,
             ("n_routed_experts",),
             ("moe_intermediate_size",),

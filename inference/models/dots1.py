@@ -1,0 +1,72 @@
+"""dots.llm1 (``dots1``) and Solar-Open (``solar_open``): GLM-4.5's MoE under other attention.
+
+Both keep GLM-4.5's MoE block as it is (DeepSeek-V3 routing: sigmoid scores,
+``e_score_correction_bias``, group-limited selection, ``norm_topk_prob``,
+``routed_scaling_factor``; ungated shared experts) and its tensor names.
+dots1 keeps its first ``first_k_dense_replace`` layers dense too. The
+attention differs:
+
+* dots1 is Qwen3's: per-head q/k RMS norms before RoPE, q/k/v/o biases with
+  ``attention_bias``, the whole head rotates, and ``layer_types`` ``sliding_attention`` layers see the last
+  ``sliding_window`` positions;
+* Solar-Open is Llama's: no q/k norms, the whole head rotates, no sliding window,
+  and every layer is MoE (no dense first layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from czyx.inference.models.base import KVCache
+from czyx.inference.models.decoder import DecoderConfig, Layer, common_config
+from czyx.inference.models.glm4_moe import Glm4MoeDecoder
+from czyx.store.consumer import ModelInfo
+
+
+def _glm_like(info: ModelInfo, windows: list[int | None]) -> DecoderConfig:
+    c = dict(info.config)
+    c["num_experts"] = c.get("n_routed_experts")  # the sparse layers are the store's facts
+    renorm = bool(c.get("norm_topk_prob", True))
+    return common_config(dataclasses.replace(info, config=c), renorm, windows)
+
+
+class Dots1Decoder(Glm4MoeDecoder):
+    """``Dots1ForCausalLM`` in numpy."""
+
+    arch = "dots1"
+    optional_roles = (*Glm4MoeDecoder.optional_roles, "o_bias")
+
+    @classmethod
+    def parse_config(cls, info: ModelInfo) -> DecoderConfig:
+        """dots1 config: full-width rope, sliding layers as ``layer_types`` says."""
+        c, n = info.config, info.n_layers
+        window = c.get("sliding_window") or None
+        types = c.get("layer_types") or [
+            "sliding_attention"
+            if window is not None and i >= int(c.get("max_window_layers") or 0)
+            else "full_attention"
+            for i in range(n)
+        ]
+        return _glm_like(info, [window if t == "sliding_attention" else None for t in types])
+
+    def _attention(
+        self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
+    ) -> np.ndarray:
+        out = super()._attention(i, lw, x, kv, start, positions)
+        return out if lw.o_bias is None else out + lw.o_bias
+
+    # The C attention call adds the layer's o_bias itself: it reproduces this override.
+    c_attention = _attention
+
+
+class SolarOpenDecoder(Glm4MoeDecoder):
+    """``SolarOpenForCausalLM`` in numpy."""
+
+    arch = "solar_open"
+
+    @classmethod
+    def parse_config(cls, info: ModelInfo) -> DecoderConfig:
+        """Solar-Open config: full-width rope, every layer full attention."""
+        return _glm_like(info, [None] * info.n_layers)
