@@ -7,8 +7,8 @@ dots1 keeps its first ``first_k_dense_replace`` layers dense too. The
 attention differs:
 
 * dots1 is Qwen3's: per-head q/k RMS norms before RoPE, q/k/v/o biases with
-  ``attention_bias``, the whole head rotates, and ``layer_types`` ``sliding_attention`` layers see the last
-  ``sliding_window`` positions;
+  ``attention_bias``, the whole head rotates, and ``layer_types``
+  ``sliding_attention`` layers see the last ``sliding_window`` positions;
 * Solar-Open is Llama's: no q/k norms, the whole head rotates, no sliding window,
   and every layer is MoE (no dense first layers).
 """
