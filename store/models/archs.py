@@ -541,6 +541,79 @@ ARCHS: dict[str, ArchSpec] = {
 }
 _BY_MODEL_TYPE = {mt: spec for spec in ARCHS.values() for mt in spec.model_types}
 
+#: MoE model types transformers has and czyx does not run, each with what it lacks: mount
+#: refuses them with this reason (one line). tests/store/models/test_moe_coverage.py checks
+#: that every MoE causal-LM model type of the installed transformers is either run
+#: (:data:`ARCHS`) or listed here.
+REFUSED_MOE: dict[str, str] = {
+    # hybrid layers (linear attention, state-space or convolution mixers beside attention)
+    "qwen3_next": "hybrid gated-DeltaNet linear-attention layers and gated attention",
+    "qwen3_5_moe": "hybrid gated-DeltaNet linear-attention layers and gated attention "
+    "(and a vision tower)",
+    "qwen3_5_moe_text": "hybrid gated-DeltaNet linear-attention layers and gated attention",
+    "qwen4_exp": "gated-DeltaNet layers, a sparse-attention indexer, n-gram and per-layer "
+    "embeddings (and a vision tower)",
+    "qwen4_exp_text": "gated-DeltaNet layers, a sparse-attention indexer, n-gram and per-layer "
+    "embeddings",
+    "jamba": "Mamba state-space layers beside attention",
+    "granitemoehybrid": "Mamba-2 state-space layers beside attention",
+    "nemotron_h": "Mamba-2 state-space layers beside attention and MLP layers",
+    "kimi_linear": "Kimi delta-attention (linear attention) layers beside MLA",
+    "bailing_hybrid": "delta-attention (linear attention) layers beside attention",
+    "lara_mini": "gated-DeltaNet linear-attention layers beside attention",
+    "minimax": "lightning (linear) attention layers beside softmax attention",
+    "lfm2_moe": "short-convolution mixer layers beside attention",
+    "inkling_text": "short-convolution mixer layers",
+    "inkling2_text": "short and dynamic short-convolution mixer layers",
+    "inkling2_loop_text": "looped (weight-shared, repeated) layers and short-convolution mixers",
+    # sparse attention (a learned indexer picks the keys) and other attention forms
+    "deepseek_v32": "DeepSeek sparse attention (a lightning indexer selecting the keys)",
+    "deepseek_v4": "hyper-connections, compressed sparse attention and hash routing",
+    "glm_moe_dsa": "DeepSeek sparse attention (an indexer selecting the keys) on MLA",
+    "axk2": "DeepSeek sparse attention (an indexer selecting the keys) and gated norms",
+    "kolibri1_1": "sparse attention (an indexer selecting the keys)",
+    "hy_v4": "hyper-connections and sparse attention (an indexer selecting the keys)",
+    "dots3_note": "sparse attention (an indexer selecting the keys) and audio/vision towers",
+    "dots3_note_text": "sparse attention (an indexer selecting the keys)",
+    "minimax_m3_vl_text": "sparse attention (an indexer selecting the keys)",
+    "jetmoe": "mixture-of-attention-heads (routed attention experts) and a biased "
+    "parallel-expert MLP",
+    "dbrx": "fused Wqkv attention with clip_qkv, LayerNorms without bias, and ffn.experts "
+    "mlp.w1/v1/w2 tensors (no name table)",
+    "doge": "dynamic-mask attention and cross-domain MoE (product-key expert embeddings)",
+    "zaya": "compressed convolutional attention (CCA), an MLP router and residual scaling",
+    "longcat_flash": "zero-computation experts, two attention blocks a layer and a "
+    "shortcut-connected MoE",
+    "flex_olmo": "OLMo-2 post-norm layers (norms after attention and MLP, none before)",
+    "afmoe": "gated attention output (gate_proj), norms before and after the MLP, and "
+    "its token-choice router",
+    "beam": "gated attention output, norms before and after the MLP and residual re-use",
+    "ergo": "fused qkv attention, per-expert norms, residual gates and sandwich norms",
+    "laguna": "gated attention output (g_proj) and its router",
+    "flint": "attention sinks on Qwen3-MoE attention",
+    "mimo_v2_flash": "attention sinks and its sliding/full layer mix on GLM-4.5 routing",
+    "granitemoe_swa": "attention sinks and sliding-window layers on GraniteMoE",
+    "granitemoeshared": "GraniteMoE's shared MLP (shared_mlp.input_linear/output_linear)",
+    "gemma4": "Gemma-4's MoE beside a dense MLP, per-layer embeddings and a vision tower",
+    "gemma4_text": "Gemma-4's MoE beside a dense MLP and per-layer embeddings",
+    "gemma4_assistant": "Gemma-4's MoE beside a dense MLP and per-layer embeddings",
+    "cohere2_moe": "parallel attention and MoE from one norm, sliding/NoPE layer mix, "
+    "logit scaling",
+    "exaone_moe": "EXAONE-4 attention (NoPE global layers beside sliding rope layers)",
+    "hy_v3": "Apertus attention and its MiniMax-M2-style biased sigmoid router",
+    "minimax_m2": "full-width q/k norms with a biased sigmoid router",
+    "mellum": "Laguna-style decoder layers on Qwen3-MoE attention",
+    "kolibri1": "EXAONE-4 attention and post-attention/post-MLP sandwich norms",
+    "minicpm5_moe": "gated queries (q_gate_proj) and MiniCPM's embedding and depth scaling",
+    "glm4_moe_lite": "MLA attention under GLM-4.5's MoE and its yarn mscale",
+    "axk1": "MLA attention under GLM-4.5-Lite decoder layers",
+    "param2moe": "fused query_key_value and Bailing tensor names (renamed by transformers at load)",
+    "sarvam_moe": "fused query_key_value and Bailing tensor names (renamed by transformers "
+    "at load)",
+    "aria_text": "Aria's grouped-GEMM experts (fc1/fc2) with shared experts",
+    "llama4": "Llama-4 vision tower or multimodal wrapper (mount its llama4_text model)",
+}
+
 
 def arch_for_config(config: Mapping[str, Any]) -> ArchSpec:
     """The :class:`ArchSpec` selected by ``config["model_type"]``.
@@ -552,6 +625,11 @@ def arch_for_config(config: Mapping[str, Any]) -> ArchSpec:
     """
     model_type = config.get("model_type")
     spec = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    if spec is None and model_type in REFUSED_MOE:
+        raise UnknownArchitectureError(
+            f"config.json: model_type {model_type!r} is not supported: czyx has no "
+            f"{REFUSED_MOE[model_type]}"
+        )
     if spec is None:
         known = ", ".join(sorted(_BY_MODEL_TYPE))
         raise UnknownArchitectureError(
