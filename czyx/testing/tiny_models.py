@@ -32,7 +32,7 @@ ARCHES = (
 )
 # Model types that are another architecture's transformers class under their own
 # config class (mounted as that architecture), and small variants of one.
-ALIASES = ("sarvam_mla", "dots1", "solar_open")
+ALIASES = ("sarvam_mla", "glm4_moe_lite", "dots1", "solar_open")
 # The architectures the numpy engine runs. GPT-OSS is not in ARCHES: its experts
 # exist only stacked and transposed (store.models.expert_transform; Llama 4's too), and the
 # store tests over ARCHES check the per-expert and contract-layout fused forms.
@@ -113,6 +113,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "bos_token_id": None,
     },
     "sarvam_mla": _DEEPSEEK,
+    "glm4_moe_lite": {k: v for k, v in _DEEPSEEK.items() if k != "first_k_dense_replace"},
     "dots1": {},  # filled below from glm4_moe's
     "solar_open": {},
     "hunyuan_v1_moe": {
@@ -176,6 +177,7 @@ _CLASSES = {
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM"),
     "sarvam_mla": ("SarvamMLAConfig", "DeepseekV3ForCausalLM"),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM"),
     "dots1": ("Dots1Config", "Dots1ForCausalLM"),
     "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM"),
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),

@@ -342,6 +342,8 @@ class ArchSpec:
         if self.name in ("glm4_moe", "dots1"):
             first = int(config.get("first_k_dense_replace") or 0)
             return tuple(range(first, n))
+        if self.name in ("deepseek_v2", "deepseek_v3") and config.get("mlp_layer_types"):
+            return _listed_sparse(config["mlp_layer_types"], n, self.name)
         if self.name in ("deepseek_v2", "deepseek_v3"):
             first = int(config.get("first_k_dense_replace") or 0)
             freq = int(config.get("moe_layer_freq") or 1)
@@ -349,6 +351,13 @@ class ArchSpec:
         if self.name == "llama4_text":
             return llama4_moe_layers(config, n)
         return tuple(range(n))
+
+
+def _listed_sparse(types: Any, n: int, arch: str) -> tuple[int, ...]:
+    """The sparse layers of an ``mlp_layer_types`` list (GLM-4.5-Lite: "dense"/"sparse")."""
+    if not isinstance(types, list) or len(types) != n or not set(types) <= {"dense", "sparse"}:
+        raise UnknownArchitectureError(f"config.json of {arch}: mlp_layer_types={types!r:.60}")
+    return tuple(i for i, t in enumerate(types) if t == "sparse")
 
 
 def llama4_moe_layers(config: Mapping[str, Any], n: int) -> tuple[int, ...]:
@@ -439,7 +448,9 @@ ARCHS: dict[str, ArchSpec] = {
         ),
         ArchSpec(
             "deepseek_v3",
-            ("deepseek_v3", "sarvam_mla"),  # Sarvam-MLA: DeepseekV3ForCausalLM
+            # Sarvam-MLA is DeepseekV3ForCausalLM; GLM-4.5-Lite the same layers with the
+            # dense ones listed in mlp_layer_types.
+            ("deepseek_v3", "sarvam_mla", "glm4_moe_lite"),
             _NORMS + _MLA + _ROUTER + _DEEPSEEK_SHARED + _DENSE_MLP,
             _EXPERT_PROJ,
             ("n_routed_experts",),
@@ -605,8 +616,7 @@ REFUSED_MOE: dict[str, str] = {
     "mellum": "Laguna-style decoder layers on Qwen3-MoE attention",
     "kolibri1": "EXAONE-4 attention and post-attention/post-MLP sandwich norms",
     "minicpm5_moe": "gated queries (q_gate_proj) and MiniCPM's embedding and depth scaling",
-    "glm4_moe_lite": "MLA attention under GLM-4.5's MoE and its yarn mscale",
-    "axk1": "MLA attention under GLM-4.5-Lite decoder layers",
+    "axk1": "RMSNorm on the MoE block's output (post_mlp_layernorm) on DeepSeek-V3 layers",
     "param2moe": "fused query_key_value and Bailing tensor names (renamed by transformers at load)",
     "sarvam_moe": "fused query_key_value and Bailing tensor names (renamed by transformers "
     "at load)",
