@@ -6,7 +6,8 @@ architectures czyx runs, written with the ``gguf`` package's ``GGUFWriter``:
 
 * Mixtral as llama.cpp's ``llama`` arch with q/k rows permuted to its rope
   order (``LlamaModel.permute``); Qwen2-MoE ``qwen2moe``, Qwen3-MoE
-  ``qwen3moe``, OLMoE ``olmoe`` unpermuted (NEOX rope);
+  ``qwen3moe``, OLMoE ``olmoe``, PhiMoE ``phimoe`` (``PhiMoeModel``: its
+  LayerNorm, attention and head biases kept) unpermuted (NEOX rope);
 * routed experts stacked per layer as ``ffn_{gate,up,down}_exps [E, I, H]``;
 * 1-D tensors and the routers (``ffn_gate_inp``) kept F32, as the converter
   forces; other matrices in ``qtype`` (``f32``, ``f16``, ``bf16``, ``q8_0``,
@@ -26,11 +27,19 @@ from typing import Any
 
 import numpy as np
 
-_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+_ARCH = {
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "olmoe": "olmoe",
+    "phimoe": "phimoe",
+}
 _MAP = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
+    "model.norm.bias": "output_norm.bias",
+    "lm_head.bias": "output.bias",
 }
 _LAYER = {
     "input_layernorm.weight": "attn_norm",
@@ -42,6 +51,10 @@ _LAYER = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "input_layernorm.bias": "attn_norm.bias",
+    "post_attention_layernorm.bias": "ffn_norm.bias",
+    "mlp.router.weight": "ffn_gate_inp",
     "self_attn.q_norm.weight": "attn_q_norm",
     "self_attn.k_norm.weight": "attn_k_norm",
     "mlp.gate.weight": "ffn_gate_inp",
@@ -149,7 +162,8 @@ def _tensor_type(name: str, a: np.ndarray, qt: Any) -> Any:
     import gguf
 
     q = gguf.GGMLQuantizationType
-    if a.ndim == 1 or "ffn_gate_inp" in name or name.endswith((".gate.weight", "_gate.weight")):
+    routers = (".gate.weight", "_gate.weight", ".router.weight")
+    if a.ndim == 1 or "ffn_gate_inp" in name or name.endswith(routers):
         return q.F32
     if qt not in (q.F32, q.F16, q.BF16) and a.shape[-1] % 32:
         return q.F16
@@ -218,9 +232,12 @@ def write_gguf(
     n_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     writer.add_expert_count(n_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if arch != "phimoe":  # Phi3MiniModel.set_gguf_parameters writes no key/value length
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
+    if arch == "phimoe":
+        writer.add_sliding_window(cfg.sliding_window or 0)
     if arch in ("qwen2moe", "qwen3moe"):
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "qwen2moe":
