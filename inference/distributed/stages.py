@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from czyx.inference.engine import Engine, prompt_in_c
+from czyx.inference.errors import UnsupportedModelError
 from czyx.inference.kernels import fused
 from czyx.inference.kernels.linear import mm_t, take_rows
 from czyx.inference.models.base import (
@@ -309,6 +310,11 @@ class ExpertShard(_EngineNode):
             store_dir, ref, token, cache_fraction, lazy=False, own=own
         )
         model = self.engine.model
+        if model.weight_expert_input:  # _expert_partial weights the outputs, as the base
+            self.close()
+            raise UnsupportedModelError(
+                f"{model.arch}: an expert shard cannot serve experts whose input is weighted"
+            )
         self.owner = owner["map"]
         self.index = index
         self.dispatch: Dispatch | None = None
