@@ -90,3 +90,11 @@ def test_refusals_at_mount_are_one_line_naming_what_is_missing(tmp_path):
                 mount(store, ckpt, "x@1")
             msg = str(err.value)
             assert "\n" not in msg and f"{mt!r}" in msg and f"czyx has no {why}" in msg
+
+
+def test_no_type_is_both_run_and_refused():
+    """A type that gains a decoder leaves the refusal table (its entry would be stale)."""
+    from czyx.store.models.archs import ARCHS
+
+    run = {mt for spec in ARCHS.values() for mt in spec.model_types}
+    assert not run & set(REFUSED_MOE)
