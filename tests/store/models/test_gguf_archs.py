@@ -48,8 +48,7 @@ def _run(store_dir, tag, steps=12):
     return logits, tokens
 
 
-@pytest.mark.parametrize("qtype", ["f32", "f16", "q8_0"])
-@pytest.mark.parametrize("window", [None, 5], ids=["full", "sliding"])
+@pytest.mark.parametrize(("qtype", "window"), [("f32", None), ("f16", 5), ("q8_0", None)])
 def test_phimoe_gguf_runs_as_transformers(tmp_path, qtype, window):
     model = phimoe(sliding_window=window)
     write_gguf(model, tmp_path / "m.gguf", qtype)
