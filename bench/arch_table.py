@@ -50,6 +50,7 @@ SUPPORTED = [
     ("solar_open", dict(initializer_range=0.2, num_hidden_layers=3)),
     ("sarvam_mla", dict(initializer_range=0.2, num_hidden_layers=3)),
     ("glm4_moe_lite", dict(initializer_range=0.2, num_hidden_layers=3)),
+    ("granitemoeshared", dict(initializer_range=0.2, num_hidden_layers=3)),
 ]
 # GPT-OSS and Llama 4 experts exist in one form only (save_pretrained writes the
 # stacked, transposed tensors transformers holds), so each has one row.

@@ -32,7 +32,7 @@ ARCHES = (
 )
 # Model types that are another architecture's transformers class under their own
 # config class (mounted as that architecture), and small variants of one.
-ALIASES = ("sarvam_mla", "glm4_moe_lite", "dots1", "solar_open")
+ALIASES = ("sarvam_mla", "glm4_moe_lite", "dots1", "solar_open", "granitemoeshared")
 # The architectures the numpy engine runs. GPT-OSS is not in ARCHES: its experts
 # exist only stacked and transposed (store.models.expert_transform; Llama 4's too), and the
 # store tests over ARCHES check the per-expert and contract-layout fused forms.
@@ -163,6 +163,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 _GLM_LIKE = {k: v for k, v in CONFIGS["glm4_moe"].items() if k != "use_qk_norm"}
 CONFIGS["dots1"] = {**_GLM_LIKE, "sliding_window": 5, "layer_types": None, "max_window_layers": 1}
 CONFIGS["solar_open"] = _GLM_LIKE
+CONFIGS["granitemoeshared"] = {**CONFIGS["granitemoe"], "shared_intermediate_size": 24}
 _CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
@@ -174,6 +175,7 @@ _CLASSES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM"),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM"),
     "sarvam_mla": ("SarvamMLAConfig", "DeepseekV3ForCausalLM"),

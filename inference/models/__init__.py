@@ -15,7 +15,7 @@ from czyx.inference.models.dots1 import Dots1Decoder, SolarOpenDecoder
 from czyx.inference.models.ernie4_5_moe import Ernie45MoeDecoder
 from czyx.inference.models.glm4_moe import Glm4MoeDecoder
 from czyx.inference.models.gpt_oss import GptOssDecoder
-from czyx.inference.models.granitemoe import GraniteMoeDecoder
+from czyx.inference.models.granitemoe import GraniteMoeDecoder, GraniteMoeSharedDecoder
 from czyx.inference.models.hunyuan_v1_moe import HunYuanMoeV1Decoder
 from czyx.inference.models.llama4 import Llama4TextDecoder
 from czyx.inference.models.mixtral import MixtralDecoder
@@ -42,6 +42,7 @@ DECODERS: dict[str, type[MoEDecoder]] = {
         Llama4TextDecoder,
         Dots1Decoder,
         SolarOpenDecoder,
+        GraniteMoeSharedDecoder,
     )
 }
 

@@ -53,6 +53,7 @@ NEWER_ROLES = (
     "mtp",  # a multi-token-prediction layer's tensor: kept verbatim, never run
     "input_norm_bias",  # [H] PhiMoE's LayerNorm biases
     "post_attn_norm_bias",  # [H]
+    "shared_gate_up_proj",  # [2I, H] GraniteMoeShared's shared MLP input (gate rows, then up)
 )
 # Global roles added after the per-layer ones (appended, so no class byte moves).
 NEWER_GLOBAL_ROLES = (
@@ -278,7 +279,8 @@ class ArchSpec:
         m = (self.fused_pattern or _FUSED).fullmatch(name)
         if m:
             return TensorKind("fused", int(m.group(1)), part=m.group(2).removesuffix("_proj"))
-        m = _FUSED_GRANITE.fullmatch(name) if self.name == "granitemoe" else None
+        granite = self.name in ("granitemoe", "granitemoeshared")
+        m = _FUSED_GRANITE.fullmatch(name) if granite else None
         if m:
             return TensorKind("fused", int(m.group(1)), part=_GRANITE_PART[m.group(2)])
         return None
@@ -489,6 +491,20 @@ ARCHS: dict[str, ArchSpec] = {
             ("intermediate_size",),
         ),
         ArchSpec(
+            "granitemoeshared",
+            ("granitemoeshared",),
+            _NORMS
+            + _ATTN
+            + (
+                (r"block_sparse_moe\.router(?:\.layer)?\.weight", "router"),
+                (r"shared_mlp\.input_linear\.weight", "shared_gate_up_proj"),
+                (r"shared_mlp\.output_linear\.weight", "shared_down_proj"),
+            ),
+            _NO_PER_EXPERT,
+            ("num_local_experts",),
+            ("intermediate_size",),
+        ),
+        ArchSpec(
             "hunyuan_v1_moe",
             ("hunyuan_v1_moe",),
             _NORMS + _ATTN + _QKV_BIAS + _O_BIAS + _HUNYUAN,
@@ -604,7 +620,6 @@ REFUSED_MOE: dict[str, str] = {
     "flint": "attention sinks on Qwen3-MoE attention",
     "mimo_v2_flash": "attention sinks and its sliding/full layer mix on GLM-4.5 routing",
     "granitemoe_swa": "attention sinks and sliding-window layers on GraniteMoE",
-    "granitemoeshared": "GraniteMoE's shared MLP (shared_mlp.input_linear/output_linear)",
     "gemma4": "Gemma-4's MoE beside a dense MLP, per-layer embeddings and a vision tower",
     "gemma4_text": "Gemma-4's MoE beside a dense MLP and per-layer embeddings",
     "gemma4_assistant": "Gemma-4's MoE beside a dense MLP and per-layer embeddings",
