@@ -32,7 +32,14 @@ ARCHES = (
 )
 # Model types that are another architecture's transformers class under their own
 # config class (mounted as that architecture), and small variants of one.
-ALIASES = ("sarvam_mla", "glm4_moe_lite", "dots1", "solar_open", "granitemoeshared")
+ALIASES = (
+    "sarvam_mla",
+    "glm4_moe_lite",
+    "dots1",
+    "solar_open",
+    "granitemoeshared",
+    "minimax_m2",
+)
 # The architectures the numpy engine runs. GPT-OSS is not in ARCHES: its experts
 # exist only stacked and transposed (store.models.expert_transform; Llama 4's too), and the
 # store tests over ARCHES check the per-expert and contract-layout fused forms.
@@ -163,6 +170,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
 _GLM_LIKE = {k: v for k, v in CONFIGS["glm4_moe"].items() if k != "use_qk_norm"}
 CONFIGS["dots1"] = {**_GLM_LIKE, "sliding_window": 5, "layer_types": None, "max_window_layers": 1}
 CONFIGS["solar_open"] = _GLM_LIKE
+CONFIGS["minimax_m2"] = {
+    "intermediate_size": 16,
+    "num_local_experts": 8,
+    "head_dim": 8,
+    "eos_token_id": None,
+    "bos_token_id": None,
+}
 CONFIGS["granitemoeshared"] = {**CONFIGS["granitemoe"], "shared_intermediate_size": 24}
 _CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
@@ -176,6 +190,7 @@ _CLASSES = {
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
     "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM"),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM"),
     "sarvam_mla": ("SarvamMLAConfig", "DeepseekV3ForCausalLM"),

@@ -19,7 +19,7 @@ from czyx.inference.models.granitemoe import GraniteMoeDecoder, GraniteMoeShared
 from czyx.inference.models.hunyuan_v1_moe import HunYuanMoeV1Decoder
 from czyx.inference.models.llama4 import Llama4TextDecoder
 from czyx.inference.models.mixtral import MixtralDecoder
-from czyx.inference.models.olmoe import OlmoeDecoder
+from czyx.inference.models.olmoe import MiniMaxM2Decoder, OlmoeDecoder
 from czyx.inference.models.phimoe import PhimoeDecoder
 from czyx.inference.models.qwen2_moe import Qwen2MoeDecoder
 from czyx.inference.models.qwen3_moe import Qwen3MoeDecoder
@@ -43,6 +43,7 @@ DECODERS: dict[str, type[MoEDecoder]] = {
         Dots1Decoder,
         SolarOpenDecoder,
         GraniteMoeSharedDecoder,
+        MiniMaxM2Decoder,
     )
 }
 

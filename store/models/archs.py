@@ -490,6 +490,20 @@ ARCHS: dict[str, ArchSpec] = {
             ("num_local_experts",),
             ("intermediate_size",),
         ),
+        # MiniMax-M2: OLMo-2-style full-width q/k norms, Mixtral's expert names, a
+        # sigmoid router with DeepSeek-V3's selection bias (one group, renormalised).
+        ArchSpec(
+            "minimax_m2",
+            ("minimax_m2",),
+            _NORMS
+            + _ATTN
+            + _QK_NORM
+            + _MIXTRAL_ROUTER
+            + ((r"(?:block_sparse_moe|mlp)\.e_score_correction_bias", "router_bias"),),
+            _EXPERT_MIXTRAL,
+            ("num_local_experts",),
+            ("intermediate_size",),
+        ),
         ArchSpec(
             "granitemoeshared",
             ("granitemoeshared",),
@@ -627,7 +641,6 @@ REFUSED_MOE: dict[str, str] = {
     "logit scaling",
     "exaone_moe": "EXAONE-4 attention (NoPE global layers beside sliding rope layers)",
     "hy_v3": "Apertus attention and its MiniMax-M2-style biased sigmoid router",
-    "minimax_m2": "full-width q/k norms with a biased sigmoid router",
     "mellum": "Laguna-style decoder layers on Qwen3-MoE attention",
     "kolibri1": "EXAONE-4 attention and post-attention/post-MLP sandwich norms",
     "minicpm5_moe": "gated queries (q_gate_proj) and MiniCPM's embedding and depth scaling",

@@ -344,7 +344,7 @@ _PROJ_EXPERT = "model.layers.{l}.mlp.experts.{e}.{p}_proj.weight"
 
 def expert_tensor_name(arch: str, layer: int, expert: int, part: int) -> str:
     """The HF per-expert tensor name of ``part`` (0 gate, 1 up, 2 down)."""
-    if arch in ("mixtral", "phimoe"):
+    if arch in ("mixtral", "phimoe", "minimax_m2"):
         return _MIXTRAL_EXPERT.format(l=layer, e=expert, p=("w1", "w3", "w2")[part])
     return _PROJ_EXPERT.format(l=layer, e=expert, p=("gate", "up", "down")[part])
 
