@@ -663,7 +663,7 @@ def arch_for_config(config: Mapping[str, Any]) -> ArchSpec:
     """
     model_type = config.get("model_type")
     spec = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
-    if spec is None and model_type in REFUSED_MOE:
+    if spec is None and isinstance(model_type, str) and model_type in REFUSED_MOE:
         raise UnknownArchitectureError(
             f"config.json: model_type {model_type!r} is not supported: czyx has no "
             f"{REFUSED_MOE[model_type]}"

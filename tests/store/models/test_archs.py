@@ -237,7 +237,8 @@ _PARTS = {
     part=st.sampled_from(["gate", "up", "down"]),
 )
 def test_expert_names_classify_for_all_indices(arch, layer, expert, part):
-    template, tokens = _PARTS["mixtral" if arch in ("mixtral", "phimoe") else "qwen3_moe"]
+    mixtral_names = arch in ("mixtral", "phimoe", "minimax_m2")
+    template, tokens = _PARTS["mixtral" if mixtral_names else "qwen3_moe"]
     name = f"model.layers.{layer}." + template.format(e=expert, t=tokens[part])
     kind = ARCHS[arch].classify(name)
     assert (kind.kind, kind.layer, kind.expert, kind.part) == ("expert", layer, expert, part)
