@@ -39,6 +39,7 @@ ALIASES = (
     "solar_open",
     "granitemoeshared",
     "minimax_m2",
+    "hy_v3",
 )
 # The architectures the numpy engine runs. GPT-OSS is not in ARCHES: its experts
 # exist only stacked and transposed (store.models.expert_transform; Llama 4's too), and the
@@ -177,6 +178,14 @@ CONFIGS["minimax_m2"] = {
     "eos_token_id": None,
     "bos_token_id": None,
 }
+CONFIGS["hy_v3"] = {
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "num_experts": 8,
+    "head_dim": 8,
+    "attention_bias": True,
+    "mlp_layer_types": ["dense", "sparse"],
+}
 CONFIGS["granitemoeshared"] = {**CONFIGS["granitemoe"], "shared_intermediate_size": 24}
 _CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
@@ -191,6 +200,7 @@ _CLASSES = {
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
     "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM"),
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
+    "hy_v3": ("HYV3Config", "HYV3ForCausalLM"),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM"),
     "sarvam_mla": ("SarvamMLAConfig", "DeepseekV3ForCausalLM"),

@@ -19,8 +19,11 @@ import dataclasses
 
 import numpy as np
 
+from czyx.inference.errors import MissingTensorError, UnsupportedModelError
+from czyx.inference.kernels.linear import mm_t
 from czyx.inference.models.base import KVCache
 from czyx.inference.models.decoder import DecoderConfig, Layer, common_config
+from czyx.inference.models.deepseek_v3 import sigmoid_group_topk
 from czyx.inference.models.glm4_moe import Glm4MoeDecoder
 from czyx.store.consumer import ModelInfo
 
@@ -70,3 +73,30 @@ class SolarOpenDecoder(Glm4MoeDecoder):
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
         """Solar-Open config: full-width rope, every layer full attention."""
         return _glm_like(info, [None] * info.n_layers)
+
+
+class HYV3Decoder(Dots1Decoder):
+    """``HYV3ForCausalLM`` (Hunyuan-V3) in numpy: dots1's attention (per-head q/k norms,
+    q/k/v/o biases with ``attention_bias``) and MoE block, every layer full attention,
+    dense layers as ``mlp_layer_types`` lists them, one routing group, and its
+    ``router_scaling_factor`` (not ``routed_scaling_factor``) on the renormalised weights."""
+
+    arch = "hy_v3"
+
+    @classmethod
+    def parse_config(cls, info: ModelInfo) -> DecoderConfig:
+        """Hunyuan-V3 config: the chosen sigmoids always renormalised."""
+        if info.config.get("mlp_bias"):
+            raise UnsupportedModelError("config mlp_bias=true (hy_v3) is not supported")
+        return common_config(info, True, [None] * info.n_layers)
+
+    def route(
+        self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Sigmoid scores, top-k of scores plus the selection bias, renormalised, scaled."""
+        if lw.router_bias is None:
+            raise MissingTensorError(f"layer {lw.index} has no expert_bias")
+        scale = float(self.consumer.info.config.get("router_scaling_factor") or 1.0)
+        return sigmoid_group_topk(
+            mm_t(x, lw.router), lw.router_bias, self.cfg.top_k, 1, 1, True, scale, mask
+        )

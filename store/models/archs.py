@@ -162,6 +162,14 @@ _PHIMOE = (
     (r"mlp\.router\.weight", "router"),
 )
 _PHIMOE_GLOBAL = ((r"model\.norm\.bias", "final_norm_bias"), (r"lm_head\.bias", "lm_head_bias"))
+# Hunyuan-V3 MoE block: in memory (the state dict) and as save_pretrained writes it.
+_HY_V3 = (
+    (r"mlp\.(?:router\.)?gate\.weight", "router"),
+    (r"mlp\.(?:e_score_correction_bias|expert_bias)", "router_bias"),
+    (r"mlp\.shared_(?:experts|mlp)\.gate_proj\.weight", "shared_gate_proj"),
+    (r"mlp\.shared_(?:experts|mlp)\.up_proj\.weight", "shared_up_proj"),
+    (r"mlp\.shared_(?:experts|mlp)\.down_proj\.weight", "shared_down_proj"),
+)
 # Llama 4 text: everything MLP-side under feed_forward (its experts only stacked).
 _LLAMA4 = (
     (r"feed_forward\.router\.weight", "router"),
@@ -344,7 +352,7 @@ class ArchSpec:
         if self.name in ("glm4_moe", "dots1"):
             first = int(config.get("first_k_dense_replace") or 0)
             return tuple(range(first, n))
-        if self.name in ("deepseek_v2", "deepseek_v3") and config.get("mlp_layer_types"):
+        if self.name in ("deepseek_v2", "deepseek_v3", "hy_v3") and config.get("mlp_layer_types"):
             return _listed_sparse(config["mlp_layer_types"], n, self.name)
         if self.name in ("deepseek_v2", "deepseek_v3"):
             first = int(config.get("first_k_dense_replace") or 0)
@@ -504,6 +512,16 @@ ARCHS: dict[str, ArchSpec] = {
             ("num_local_experts",),
             ("intermediate_size",),
         ),
+        # Hunyuan-V3 (hy_v3): dots1's attention (per-head q/k norms) on DeepSeek-V3-style
+        # sigmoid routing with shared experts; save_pretrained renames the MoE tensors.
+        ArchSpec(
+            "hy_v3",
+            ("hy_v3",),
+            _NORMS + _ATTN + _QKV_BIAS + _O_BIAS + _QK_NORM + _DENSE_MLP + _HY_V3,
+            _EXPERT_PROJ,
+            ("num_experts", "num_local_experts"),
+            ("moe_intermediate_size",),
+        ),
         ArchSpec(
             "granitemoeshared",
             ("granitemoeshared",),
@@ -640,7 +658,6 @@ REFUSED_MOE: dict[str, str] = {
     "cohere2_moe": "parallel attention and MoE from one norm, sliding/NoPE layer mix, "
     "logit scaling",
     "exaone_moe": "EXAONE-4 attention (NoPE global layers beside sliding rope layers)",
-    "hy_v3": "Apertus attention and its MiniMax-M2-style biased sigmoid router",
     "mellum": "Laguna-style decoder layers on Qwen3-MoE attention",
     "kolibri1": "EXAONE-4 attention and post-attention/post-MLP sandwich norms",
     "minicpm5_moe": "gated queries (q_gate_proj) and MiniCPM's embedding and depth scaling",
