@@ -53,6 +53,7 @@ SUPPORTED = [
     ("granitemoeshared", dict(initializer_range=0.2, num_hidden_layers=3)),
     ("minimax_m2", dict(initializer_range=0.2)),
     ("hy_v3", dict(initializer_range=0.2)),
+    ("exaone_moe", dict(initializer_range=0.2)),
 ]
 # GPT-OSS and Llama 4 experts exist in one form only (save_pretrained writes the
 # stacked, transposed tensors transformers holds), so each has one row.

@@ -40,6 +40,7 @@ ALIASES = (
     "granitemoeshared",
     "minimax_m2",
     "hy_v3",
+    "exaone_moe",
 )
 # The architectures the numpy engine runs. GPT-OSS is not in ARCHES: its experts
 # exist only stacked and transposed (store.models.expert_transform; Llama 4's too), and the
@@ -186,6 +187,21 @@ CONFIGS["hy_v3"] = {
     "attention_bias": True,
     "mlp_layer_types": ["dense", "sparse"],
 }
+# Sliding (rope) and full (NoPE) layers alternate; windows of 4 positions.
+CONFIGS["exaone_moe"] = {
+    "num_hidden_layers": 4,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "num_experts": 8,
+    "head_dim": 8,
+    "sliding_window": 4,
+    "sliding_window_pattern": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "eos_token_id": None,
+    "bos_token_id": None,
+    "pad_token_id": None,
+}
 CONFIGS["granitemoeshared"] = {**CONFIGS["granitemoe"], "shared_intermediate_size": 24}
 _CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
@@ -201,6 +217,7 @@ _CLASSES = {
     "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM"),
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
     "hy_v3": ("HYV3Config", "HYV3ForCausalLM"),
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM"),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM"),
     "sarvam_mla": ("SarvamMLAConfig", "DeepseekV3ForCausalLM"),

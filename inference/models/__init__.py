@@ -11,7 +11,12 @@ from czyx.inference.errors import UnsupportedModelError
 from czyx.inference.models.decoder import DecoderConfig, MoEDecoder
 from czyx.inference.models.deepseek_v2 import DeepseekV2Decoder
 from czyx.inference.models.deepseek_v3 import DeepseekV3Decoder
-from czyx.inference.models.dots1 import Dots1Decoder, HYV3Decoder, SolarOpenDecoder
+from czyx.inference.models.dots1 import (
+    Dots1Decoder,
+    ExaoneMoeDecoder,
+    HYV3Decoder,
+    SolarOpenDecoder,
+)
 from czyx.inference.models.ernie4_5_moe import Ernie45MoeDecoder
 from czyx.inference.models.glm4_moe import Glm4MoeDecoder
 from czyx.inference.models.gpt_oss import GptOssDecoder
@@ -45,6 +50,7 @@ DECODERS: dict[str, type[MoEDecoder]] = {
         GraniteMoeSharedDecoder,
         MiniMaxM2Decoder,
         HYV3Decoder,
+        ExaoneMoeDecoder,
     )
 }
 

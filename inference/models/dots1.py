@@ -21,7 +21,7 @@ import numpy as np
 
 from czyx.inference.errors import MissingTensorError, UnsupportedModelError
 from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import KVCache
+from czyx.inference.models.base import KVCache, attention
 from czyx.inference.models.decoder import DecoderConfig, Layer, common_config
 from czyx.inference.models.deepseek_v3 import sigmoid_group_topk
 from czyx.inference.models.glm4_moe import Glm4MoeDecoder
@@ -30,7 +30,8 @@ from czyx.store.consumer import ModelInfo
 
 def _glm_like(info: ModelInfo, windows: list[int | None]) -> DecoderConfig:
     c = dict(info.config)
-    c["num_experts"] = c.get("n_routed_experts")  # the sparse layers are the store's facts
+    if c.get("n_routed_experts") is not None:
+        c["num_experts"] = c["n_routed_experts"]
     renorm = bool(c.get("norm_topk_prob", True))
     return common_config(dataclasses.replace(info, config=c), renorm, windows)
 
@@ -100,3 +101,50 @@ class HYV3Decoder(Dots1Decoder):
         return sigmoid_group_topk(
             mm_t(x, lw.router), lw.router_bias, self.cfg.top_k, 1, 1, True, scale, mask
         )
+
+
+class ExaoneMoeDecoder(Dots1Decoder):
+    """``ExaoneMoeForCausalLM`` in numpy: EXAONE-4 attention on DeepSeek-V3 routing.
+
+    Queries and keys are RMS-normalised per head, then rotated only on the
+    ``sliding_attention`` layers when a ``sliding_window`` is set (the full
+    layers are NoPE; without a window every layer rotates); the MoE block is
+    DeepSeek-V3's (``n_group``, ``topk_group``, ``routed_scaling_factor``,
+    shared experts), dense layers as ``mlp_layer_types`` lists them.
+    """
+
+    arch = "exaone_moe"
+    # The C attention call always rotates: this class's _attention does not.
+    c_attention = None
+
+    @classmethod
+    def parse_config(cls, info: ModelInfo) -> DecoderConfig:
+        """EXAONE-MoE config: sliding layers from ``layer_types``."""
+        c, n = info.config, info.n_layers
+        window = c.get("sliding_window") or None
+        types = c.get("layer_types") or ["full_attention"] * n
+        windows = [window if t == "sliding_attention" else None for t in types]
+        return _glm_like(info, windows)
+
+    def _attention(
+        self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
+    ) -> np.ndarray:
+        cfg = self.cfg
+        t, hd = x.shape[0], cfg.head_dim
+        if self.observer is not None:
+            self.observer(f"L{i}.attn_in", x)
+        q, k, v = self.finish_qkv(lw, mm_t(x, lw.q_proj), mm_t(x, lw.k_proj), mm_t(x, lw.v_proj))
+        q = q.reshape(t, cfg.n_heads, hd).transpose(1, 0, 2)
+        k = k.reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
+        v = v.reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
+        nope = self.consumer.info.config.get("sliding_window") and not cfg.sliding_windows[i]
+        if not nope:
+            q = self.rotary.apply(q, positions)
+            k = self.rotary.apply(k, positions)
+        kv.write(i, start, k, v)
+        end = start + t
+        out = attention(q, kv.k[i][:, :end], kv.v[i][:, :end], positions, cfg.sliding_windows[i])
+        if self.observer is not None:
+            self.observer(f"L{i}.o_in", out)
+        out = mm_t(out, lw.o_proj)
+        return out if lw.o_bias is None else out + lw.o_bias

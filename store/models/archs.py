@@ -352,7 +352,8 @@ class ArchSpec:
         if self.name in ("glm4_moe", "dots1"):
             first = int(config.get("first_k_dense_replace") or 0)
             return tuple(range(first, n))
-        if self.name in ("deepseek_v2", "deepseek_v3", "hy_v3") and config.get("mlp_layer_types"):
+        listed = ("deepseek_v2", "deepseek_v3", "hy_v3", "exaone_moe")
+        if self.name in listed and config.get("mlp_layer_types"):
             return _listed_sparse(config["mlp_layer_types"], n, self.name)
         if self.name in ("deepseek_v2", "deepseek_v3"):
             first = int(config.get("first_k_dense_replace") or 0)
@@ -522,6 +523,16 @@ ARCHS: dict[str, ArchSpec] = {
             ("num_experts", "num_local_experts"),
             ("moe_intermediate_size",),
         ),
+        # EXAONE-MoE: EXAONE-4 attention (per-head q/k norms, NoPE full layers beside
+        # sliding rope layers) on DeepSeek-V3 routing with shared experts.
+        ArchSpec(
+            "exaone_moe",
+            ("exaone_moe",),
+            _NORMS + _ATTN + _QK_NORM + _DENSE_MLP + _HY_V3 + _DEEPSEEK_SHARED[3:],
+            _EXPERT_PROJ,
+            ("num_experts", "num_local_experts"),
+            ("moe_intermediate_size",),
+        ),
         ArchSpec(
             "granitemoeshared",
             ("granitemoeshared",),
@@ -657,7 +668,6 @@ REFUSED_MOE: dict[str, str] = {
     "gemma4_assistant": "Gemma-4's MoE beside a dense MLP and per-layer embeddings",
     "cohere2_moe": "parallel attention and MoE from one norm, sliding/NoPE layer mix, "
     "logit scaling",
-    "exaone_moe": "EXAONE-4 attention (NoPE global layers beside sliding rope layers)",
     "mellum": "Laguna-style decoder layers on Qwen3-MoE attention",
     "kolibri1": "EXAONE-4 attention and post-attention/post-MLP sandwich norms",
     "minicpm5_moe": "gated queries (q_gate_proj) and MiniCPM's embedding and depth scaling",
