@@ -44,7 +44,8 @@ MLA_ROLES = (
     "router_bias",  # [E] DeepSeek-V3 e_score_correction_bias
 )
 # Roles of the other newer architectures, appended so every earlier role keeps
-# its class byte (mounted trunks stay readable).
+# its class byte (mounted trunks stay readable). Global ones are appended here too
+# (and listed in NEWER_GLOBAL_ROLES): a role added later never moves their bytes.
 NEWER_ROLES = (
     "o_bias",  # [H] o_proj bias (Qwen3-MoE attention_bias, GPT-OSS)
     "sinks",  # [n_heads] GPT-OSS attention sink logits
@@ -53,20 +54,20 @@ NEWER_ROLES = (
     "mtp",  # a multi-token-prediction layer's tensor: kept verbatim, never run
     "input_norm_bias",  # [H] PhiMoE's LayerNorm biases
     "post_attn_norm_bias",  # [H]
+    "final_norm_bias",  # [H] (global) PhiMoE's final LayerNorm bias
+    "lm_head_bias",  # [V] (global) PhiMoE's lm_head bias
     "shared_gate_up_proj",  # [2I, H] GraniteMoeShared's shared MLP input (gate rows, then up)
 )
-# Global roles added after the per-layer ones (appended, so no class byte moves).
-NEWER_GLOBAL_ROLES = (
-    "final_norm_bias",  # [H] PhiMoE's final LayerNorm bias
-    "lm_head_bias",  # [V] PhiMoE's lm_head bias (lm_head_bias)
-)
+#: The global roles among NEWER_ROLES (layer None).
+NEWER_GLOBAL_ROLES = ("final_norm_bias", "lm_head_bias")
 #: Per-layer roles beyond the consumer contract's (the engine's Layer has a slot each).
-EXTRA_ROLES = MLA_ROLES + NEWER_ROLES
+EXTRA_ROLES = MLA_ROLES + tuple(r for r in NEWER_ROLES if r not in NEWER_GLOBAL_ROLES)
 #: The role of kept multi-token-prediction tensors (layer = their index in name order).
 MTP_ROLE = "mtp"
 ALL_GLOBAL_ROLES = GLOBAL_ROLES + NEWER_GLOBAL_ROLES
 ALL_LAYER_ROLES = LAYER_ROLES + EXTRA_ROLES
-ALL_ROLES = GLOBAL_ROLES + ALL_LAYER_ROLES + NEWER_GLOBAL_ROLES
+#: Every role in class-byte order: each list appended to, never reordered.
+ALL_ROLES = GLOBAL_ROLES + LAYER_ROLES + MLA_ROLES + NEWER_ROLES
 # A role's index is its class byte in the trunk space (see store.mount).
 ROLE_INDEX = {role: i for i, role in enumerate(ALL_ROLES)}
 # The checkpoint's tokenizer.json, when it has one, is a trunk record too, at a
