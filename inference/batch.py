@@ -68,7 +68,6 @@ from czyx.inference.models.base import (
     attention,
     group_by_expert,
     matmul_small,
-    rms_norm,
     silu,
     swiglu_columns,
     swiglu_fused,
@@ -562,7 +561,7 @@ def _forward_rows(
             lw = window.layer(i)
         if model.layer_hook is not None:
             model.layer_hook(i, h)
-        x = rms_norm(h, lw.input_norm, cfg.rms_eps)
+        x = model.norm(h, lw.input_norm, lw.input_norm_bias)
         if hooks.attention:
             # The architecture's own attention, one sequence at a time (its rows only,
             # so a sequence's result does not depend on what it is batched with).
@@ -572,7 +571,7 @@ def _forward_rows(
             ])  # fmt: skip
         else:
             h = h + _attention(model, i, lw, x, kvs, starts, positions, offs)
-        x = rms_norm(h, lw.post_attn_norm, cfg.rms_eps)
+        x = model.norm(h, lw.post_attn_norm, lw.post_attn_norm_bias)
         if not cfg.sparse_layers[i]:
             gate = linear_rows(x, lw.mlp_gate_proj)
             act = silu(gate) * linear_rows(x, lw.mlp_up_proj)
@@ -597,14 +596,14 @@ def _forward_rows(
             np.arange(offs[j], offs[j + 1]) if all_logits[j] else np.array([offs[j + 1] - 1])
             for j in range(len(ids))
         ]
-        hn = rms_norm(h[np.concatenate(picks)], model.final_norm, cfg.rms_eps)
+        hn = model.norm(h[np.concatenate(picks)], model.final_norm, model.final_norm_bias)
         out = model.finish_logits(linear_rows(hn, model.lm_head))
         ends = np.cumsum([0, *(p.size for p in picks)])
         return [
             out[ends[j] : ends[j + 1]] if all_logits[j] else out[ends[j]] for j in range(len(ids))
         ]
     last = h[offs[1:] - 1]
-    hn = rms_norm(last, model.final_norm, cfg.rms_eps)
+    hn = model.norm(last, model.final_norm, model.final_norm_bias)
     out = model.finish_logits(linear_rows(hn, model.lm_head))
     return [out[j] for j in range(len(ids))]
 
@@ -707,13 +706,15 @@ def _routed(model, i: int, lw, x: np.ndarray, offs, masks, own_expert: bool) -> 
                 e = int(group[j])
                 sel = pairs[ends[e] - counts[e] : ends[e]]
                 xe = x[sel // cfg.top_k]
+                if model.weight_expert_input:  # Llama 4: the weight scales the input
+                    xe = xe * wflat[sel, None]
                 if own_expert:
                     y = _blockwise(
                         lambda a, _b, e=e, g=gate_up, d=down: model._expert(i, e, a, g, d), xe, xe
                     )
                 else:
                     y = expert_rows(xe, gate_up, down)
-                cflat[sel] = y * wflat[sel, None]
+                cflat[sel] = y if model.weight_expert_input else y * wflat[sel, None]
         finally:
             cache.release()
     return contrib.sum(axis=1)  # fixed top-k order, as the single-sequence path

@@ -6,7 +6,8 @@ architectures czyx runs, written with the ``gguf`` package's ``GGUFWriter``:
 
 * Mixtral as llama.cpp's ``llama`` arch with q/k rows permuted to its rope
   order (``LlamaModel.permute``); Qwen2-MoE ``qwen2moe``, Qwen3-MoE
-  ``qwen3moe``, OLMoE ``olmoe`` unpermuted (NEOX rope);
+  ``qwen3moe``, OLMoE ``olmoe``, PhiMoE ``phimoe`` (``PhiMoeModel``: its
+  LayerNorm, attention and head biases kept) unpermuted (NEOX rope);
 * DeepSeek-V3 / Kimi-K2 / DeepSeek-V2 as ``deepseek2`` (``DeepseekV2Model``):
   latent attention as MQA of one head, ``kv_b_proj`` split into ``attn_k_b`` /
   ``attn_v_b``, ``exp_probs_b.bias``, shared experts ``ffn_*_shexp``,
@@ -37,11 +38,14 @@ _ARCH = {
     "olmoe": "olmoe",
     "deepseek_v2": "deepseek2",
     "deepseek_v3": "deepseek2",
+    "phimoe": "phimoe",
 }
 _MAP = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
+    "model.norm.bias": "output_norm.bias",
+    "lm_head.bias": "output.bias",
 }
 _LAYER = {
     "input_layernorm.weight": "attn_norm",
@@ -53,6 +57,10 @@ _LAYER = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "input_layernorm.bias": "attn_norm.bias",
+    "post_attention_layernorm.bias": "ffn_norm.bias",
+    "mlp.router.weight": "ffn_gate_inp",
     "self_attn.q_norm.weight": "attn_q_norm",
     "self_attn.k_norm.weight": "attn_k_norm",
     "mlp.gate.weight": "ffn_gate_inp",
@@ -196,9 +204,9 @@ def _tensor_type(name: str, a: np.ndarray, qt: Any) -> Any:
     import gguf
 
     q = gguf.GGMLQuantizationType
-    # routers: GGUF ffn_gate_inp(_shexp), HF *.gate.weight / shared_expert_gate.weight (a
-    # dense layer's ffn_gate / mlp.gate_proj is an ordinary matrix)
-    router = name.endswith((".gate.weight", "shared_expert_gate.weight"))
+    # routers: GGUF ffn_gate_inp(_shexp), HF *.gate.weight / shared_expert_gate.weight /
+    # *.router.weight (a dense layer's ffn_gate / mlp.gate_proj is an ordinary matrix)
+    router = name.endswith((".gate.weight", "shared_expert_gate.weight", ".router.weight"))
     if a.ndim == 1 or "ffn_gate_inp" in name or router:
         return q.F32
     if qt not in (q.F32, q.F16, q.BF16) and a.shape[-1] % 32:
@@ -336,9 +344,12 @@ def _parameters(writer: Any, cfg: Any, arch: str) -> None:
     n_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     writer.add_expert_count(n_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if arch != "phimoe":  # Phi3MiniModel.set_gguf_parameters writes no key/value length
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
+    if arch == "phimoe":
+        writer.add_sliding_window(cfg.sliding_window or 0)
     if arch in ("qwen2moe", "qwen3moe"):
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "qwen2moe":

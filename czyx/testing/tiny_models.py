@@ -30,11 +30,24 @@ ARCHES = (
     "hunyuan_v1_moe",
     "qwen3_next",
     "jamba",
+    "phimoe",
+)
+# Model types that are another architecture's transformers class under their own
+# config class (mounted as that architecture), and small variants of one.
+ALIASES = (
+    "sarvam_mla",
+    "glm4_moe_lite",
+    "dots1",
+    "solar_open",
+    "granitemoeshared",
+    "minimax_m2",
+    "hy_v3",
+    "exaone_moe",
 )
 # The architectures the numpy engine runs. GPT-OSS is not in ARCHES: its experts
-# exist only stacked and transposed (store.models.expert_transform), and the
+# exist only stacked and transposed (store.models.expert_transform; Llama 4's too), and the
 # store tests over ARCHES check the per-expert and contract-layout fused forms.
-ENGINE_ARCHES = (*ARCHES, "gpt_oss", "granitemoe")
+ENGINE_ARCHES = (*ARCHES, "gpt_oss", "granitemoe", "llama4_text", *ALIASES)
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 32,
@@ -110,6 +123,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "eos_token_id": None,
         "bos_token_id": None,
     },
+    "sarvam_mla": _DEEPSEEK,
+    "glm4_moe_lite": {k: v for k, v in _DEEPSEEK.items() if k != "first_k_dense_replace"},
+    "dots1": {},  # filled below from glm4_moe's
+    "solar_open": {},
     "hunyuan_v1_moe": {
         "intermediate_size": 16,
         "num_experts": 8,
@@ -155,6 +172,32 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "bos_token_id": None,
         "pad_token_id": None,
     },
+    "phimoe": {
+        "intermediate_size": 16,
+        "num_local_experts": 8,
+        "attention_bias": True,
+        "lm_head_bias": True,
+        "router_jitter_noise": 0.3,
+        "eos_token_id": None,
+        "bos_token_id": None,
+    },
+    # Two MoE layers between dense ones, a NoPE layer (the last), chunks of 4 positions
+    # and a temperature floor of 4 so that every feature acts within a few tokens.
+    "llama4_text": {
+        "num_hidden_layers": 4,
+        "head_dim": 8,
+        "intermediate_size": 16,
+        "intermediate_size_mlp": 24,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2,
+        "attention_chunk_size": 4,
+        "floor_scale": 4,
+        "attn_scale": 0.5,
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "pad_token_id": None,
+    },
     # transformers' default rope here is YaRN (factor 32 over 4096 positions).
     "gpt_oss": {
         "intermediate_size": 16,
@@ -163,6 +206,40 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "sliding_window": 5,
     },
 }
+_GLM_LIKE = {k: v for k, v in CONFIGS["glm4_moe"].items() if k != "use_qk_norm"}
+CONFIGS["dots1"] = {**_GLM_LIKE, "sliding_window": 5, "layer_types": None, "max_window_layers": 1}
+CONFIGS["solar_open"] = _GLM_LIKE
+CONFIGS["minimax_m2"] = {
+    "intermediate_size": 16,
+    "num_local_experts": 8,
+    "head_dim": 8,
+    "eos_token_id": None,
+    "bos_token_id": None,
+}
+CONFIGS["hy_v3"] = {
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "num_experts": 8,
+    "head_dim": 8,
+    "attention_bias": True,
+    "mlp_layer_types": ["dense", "sparse"],
+}
+# Sliding (rope) and full (NoPE) layers alternate; windows of 4 positions.
+CONFIGS["exaone_moe"] = {
+    "num_hidden_layers": 4,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "num_experts": 8,
+    "head_dim": 8,
+    "sliding_window": 4,
+    "sliding_window_pattern": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "eos_token_id": None,
+    "bos_token_id": None,
+    "pad_token_id": None,
+}
+CONFIGS["granitemoeshared"] = {**CONFIGS["granitemoe"], "shared_intermediate_size": 24}
 _CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
@@ -174,9 +251,19 @@ _CLASSES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM"),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
+    "hy_v3": ("HYV3Config", "HYV3ForCausalLM"),
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM"),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "jamba": ("JambaConfig", "JambaForCausalLM"),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM"),
+    "sarvam_mla": ("SarvamMLAConfig", "DeepseekV3ForCausalLM"),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM"),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM"),
+    "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM"),
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
 }
 
 

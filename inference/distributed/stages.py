@@ -48,12 +48,12 @@ from typing import Any
 import numpy as np
 
 from czyx.inference.engine import Engine, prompt_in_c
+from czyx.inference.errors import UnsupportedModelError
 from czyx.inference.kernels import fused
 from czyx.inference.kernels.linear import mm_t, take_rows
 from czyx.inference.models.base import (
     F32,
     group_by_expert,
-    rms_norm,
     swiglu_columns,
     swiglu_fused,
 )
@@ -214,13 +214,13 @@ class LayerStage(_EngineNode):
     def _forward_batch(self, x: np.ndarray, kv: Any) -> np.ndarray:
         """Several tokens: :meth:`MoEDecoder.run_layers` (the engine's own step) over this
         stage's layers, between the engine's embedding and head."""
-        model, cfg = self.engine.model, self.engine.model.cfg
+        model = self.engine.model
         h = take_rows(model.embed, x.astype(np.int64).reshape(-1)) if self.first else x
         start, t = kv.length, h.shape[0]
         h = model.run_layers(h, kv, start, self.lo, self.hi)
         kv.length = start + t
         if self.last:
-            hn = rms_norm(h[-1:], model.final_norm, cfg.rms_eps)
+            hn = model.norm(h[-1:], model.final_norm, model.final_norm_bias)
             return model.finish_logits(mm_t(hn, model.lm_head))[0]
         return h
 
@@ -310,6 +310,11 @@ class ExpertShard(_EngineNode):
             store_dir, ref, token, cache_fraction, lazy=False, own=own
         )
         model = self.engine.model
+        if model.weight_expert_input:  # _expert_partial weights the outputs, as the base
+            self.close()
+            raise UnsupportedModelError(
+                f"{model.arch}: an expert shard cannot serve experts whose input is weighted"
+            )
         self.owner = owner["map"]
         self.index = index
         self.dispatch: Dispatch | None = None

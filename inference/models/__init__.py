@@ -11,14 +11,22 @@ from czyx.inference.errors import UnsupportedModelError
 from czyx.inference.models.decoder import DecoderConfig, MoEDecoder
 from czyx.inference.models.deepseek_v2 import DeepseekV2Decoder
 from czyx.inference.models.deepseek_v3 import DeepseekV3Decoder
+from czyx.inference.models.dots1 import (
+    Dots1Decoder,
+    ExaoneMoeDecoder,
+    HYV3Decoder,
+    SolarOpenDecoder,
+)
 from czyx.inference.models.ernie4_5_moe import Ernie45MoeDecoder
 from czyx.inference.models.glm4_moe import Glm4MoeDecoder
 from czyx.inference.models.gpt_oss import GptOssDecoder
-from czyx.inference.models.granitemoe import GraniteMoeDecoder
+from czyx.inference.models.granitemoe import GraniteMoeDecoder, GraniteMoeSharedDecoder
 from czyx.inference.models.hunyuan_v1_moe import HunYuanMoeV1Decoder
 from czyx.inference.models.jamba import JambaDecoder
+from czyx.inference.models.llama4 import Llama4TextDecoder
 from czyx.inference.models.mixtral import MixtralDecoder
-from czyx.inference.models.olmoe import OlmoeDecoder
+from czyx.inference.models.olmoe import MiniMaxM2Decoder, OlmoeDecoder
+from czyx.inference.models.phimoe import PhimoeDecoder
 from czyx.inference.models.qwen2_moe import Qwen2MoeDecoder
 from czyx.inference.models.qwen3_moe import Qwen3MoeDecoder
 from czyx.inference.models.qwen3_next import Qwen3NextDecoder
@@ -39,6 +47,14 @@ DECODERS: dict[str, type[MoEDecoder]] = {
         HunYuanMoeV1Decoder,
         Qwen3NextDecoder,
         JambaDecoder,
+        PhimoeDecoder,
+        Llama4TextDecoder,
+        Dots1Decoder,
+        SolarOpenDecoder,
+        GraniteMoeSharedDecoder,
+        MiniMaxM2Decoder,
+        HYV3Decoder,
+        ExaoneMoeDecoder,
     )
 }
 

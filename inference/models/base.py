@@ -398,6 +398,7 @@ def attention(
     v_all: np.ndarray,
     q_positions: np.ndarray,
     sliding_window: int | None,
+    chunk: int | None = None,
 ) -> np.ndarray:
     """Grouped-query causal attention of new queries over cached keys/values.
 
@@ -413,6 +414,9 @@ def attention(
     sliding_window
         When set, a query at ``p`` sees keys at ``j`` with ``p - j < window``
         (transformers' sliding-window mask).
+    chunk
+        When set, a query at ``p`` sees only keys of its own chunk,
+        ``j // chunk == p // chunk`` (Llama 4's chunked attention).
 
     Returns
     -------
@@ -429,6 +433,8 @@ def attention(
     masked = keys[None, :] > q_positions[:, None]
     if sliding_window:
         masked |= (q_positions[:, None] - keys[None, :]) >= sliding_window
+    if chunk:
+        masked |= (keys[None, :] // chunk) != (q_positions[:, None] // chunk)
     if masked.any():  # built once per call, broadcast over heads, applied in place
         np.copyto(scores, F32(-np.inf), where=masked[None, None])
     # Softmax in place: the same operations as softmax(), without temporaries.

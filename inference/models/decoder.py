@@ -187,6 +187,9 @@ class MoEDecoder:
     """
 
     arch: ClassVar[str] = ""
+    #: Llama 4 scales a routed expert's *input* by its router weight (and adds its
+    #: output unweighted); every other architecture weights the output.
+    weight_expert_input: ClassVar[bool] = False
     required_roles: ClassVar[tuple[str, ...]] = (
         "input_norm",
         "post_attn_norm",
@@ -222,6 +225,12 @@ class MoEDecoder:
         cfg = self.cfg
         self.embed = self._trunk("embed", None, (cfg.vocab_size, cfg.hidden_size))
         self.final_norm = self._trunk("final_norm", None, (cfg.hidden_size,))
+        # A LayerNorm's bias (PhiMoE); None for the RMSNorm architectures.
+        self.final_norm_bias = (
+            self._trunk("final_norm_bias", None, (cfg.hidden_size,))
+            if consumer.has_trunk("final_norm_bias")
+            else None
+        )
         if consumer.has_trunk("lm_head"):
             self.lm_head = self._trunk("lm_head", None, (cfg.vocab_size, cfg.hidden_size))
         else:  # tied embeddings
@@ -267,7 +276,9 @@ class MoEDecoder:
         self.threads = fused.default_threads()
         self._kernels: fused.DecodeKernels | None = None
         self._plain_routing = type(self).route is MoEDecoder.route
-        self._czk = fused.have_czk()
+        # The C kernels normalise by RMSNorm: an architecture with another norm (PhiMoE's
+        # LayerNorm) runs every step in numpy.
+        self._czk = fused.have_czk() and type(self).norm is MoEDecoder.norm
         cls = type(self)
         # Whether a one-token step needs no numpy product (see decode_in_c).
         # How the C attention call reproduces post_qkv (None: it cannot).
@@ -389,6 +400,15 @@ class MoEDecoder:
 
     # ------------------------------------------------------------------ hooks
 
+    def norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        """The decoder's normalisation of ``x [T, H]`` (RMSNorm; ``bias`` is None here).
+
+        An architecture with another norm (PhiMoE's LayerNorm) overrides it; the
+        C decode kernels then step aside (they implement RMSNorm), and every path
+        that normalises (the batched step's too) calls this.
+        """
+        return rms_norm(x, weight, self.cfg.rms_eps)
+
     def post_qkv(
         self, lw: Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -482,7 +502,7 @@ class MoEDecoder:
         kv.length = start + t
         if not all_logits:
             h = h[-1:]
-        hn = rms_norm(h, self.final_norm, cfg.rms_eps)
+        hn = self.norm(h, self.final_norm, self.final_norm_bias)
         if self.observer is not None:
             self.observer("lm_head_in", hn)
         with self.kernel_threads():
@@ -507,7 +527,6 @@ class MoEDecoder:
         Writes those layers' KV at ``start..start+T-1`` (the caller reserved it and
         advances ``kv.length``); returns the residual stream after layer ``hi - 1``.
         """
-        cfg = self.cfg
         positions = np.arange(start, start + h.shape[0])
         window = self.trunk_window
         with self.kernel_threads():
@@ -515,9 +534,9 @@ class MoEDecoder:
                 lw = window.layer(i) if window is not None else self.layers[i]  # window: waits
                 if self.layer_hook is not None:
                     self.layer_hook(i, h)
-                x = rms_norm(h, lw.input_norm, cfg.rms_eps)
+                x = self.norm(h, lw.input_norm, lw.input_norm_bias)
                 h = h + self._attention(i, lw, x, kv, start, positions)
-                x = rms_norm(h, lw.post_attn_norm, cfg.rms_eps)
+                x = self.norm(h, lw.post_attn_norm, lw.post_attn_norm_bias)
                 h = h + self._mlp(i, lw, x)
         return h
 
@@ -609,9 +628,9 @@ class MoEDecoder:
             else:
                 if positions is None:
                     positions = np.arange(start, start + 1)
-                x = rms_norm(h2, lw.input_norm, cfg.rms_eps)
+                x = self.norm(h2, lw.input_norm, lw.input_norm_bias)
                 h += self._attention(i, lw, x, kv, start, positions)[0]
-                np.copyto(kern.x, rms_norm(h2, lw.post_attn_norm, cfg.rms_eps)[0])
+                np.copyto(kern.x, self.norm(h2, lw.post_attn_norm, lw.post_attn_norm_bias)[0])
             if direct:  # what _mlp -> _routed would do, without the dispatch
                 if route_hook is not None:
                     route_hook(i, x2)
@@ -722,25 +741,30 @@ class MoEDecoder:
                 for j, s in enumerate(slots.tolist()):
                     gate_up, down = cache.weights(s)
                     e = int(group[j])
+                    scale_in = self.weight_expert_input
                     if t == 1:
+                        xe = x * w[0, j] if scale_in else x
                         if self.observer is not None:
-                            self.observer(f"L{i}.E{e}.in", x)
-                        y = swiglu_fused(x, gate_up, down, self._observe(f"L{i}.E{e}.down_in"))
-                        contrib[0, j] = y[0] * w[0, j]
+                            self.observer(f"L{i}.E{e}.in", xe)
+                        y = swiglu_fused(xe, gate_up, down, self._observe(f"L{i}.E{e}.down_in"))
+                        contrib[0, j] = y[0] if scale_in else y[0] * w[0, j]
                         continue
                     sel = pairs[ends[e] - counts[e] : ends[e]]  # flat (token, k) indices
                     rows = sel // cfg.top_k
                     obs = self._observe(f"L{i}.E{e}.down_in")
                     if isinstance(gate_up, np.ndarray):
                         xe = np.take(xt, rows, axis=1)  # C order: [H, n]
+                        if scale_in:
+                            xe *= wflat[sel]
                         if self.observer is not None:
                             self.observer(f"L{i}.E{e}.in", xe.T)
                         y = swiglu_columns(xe, gate_up, down, obs).T
                     else:
+                        xe = x[rows] * wflat[sel, None] if scale_in else x[rows]
                         if self.observer is not None:
-                            self.observer(f"L{i}.E{e}.in", x[rows])
-                        y = swiglu_fused(x[rows], gate_up, down, obs)
-                    cflat[sel] = y * wflat[sel, None]
+                            self.observer(f"L{i}.E{e}.in", xe)
+                        y = swiglu_fused(xe, gate_up, down, obs)
+                    cflat[sel] = y if scale_in else y * wflat[sel, None]
             finally:
                 cache.release()
         # Fixed top-k order: independent of which experts hit or missed.

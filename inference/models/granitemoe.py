@@ -15,7 +15,7 @@ import numpy as np
 
 from czyx.inference.errors import ScopeRoutingError, UnsupportedModelError
 from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import F32, KVCache
+from czyx.inference.models.base import F32, KVCache, silu
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
 from czyx.store.consumer import ModelInfo
 
@@ -85,3 +85,28 @@ class GraniteMoeDecoder(MoEDecoder):
     def finish_logits(self, logits: np.ndarray) -> np.ndarray:
         """Logits divided by ``logits_scaling``."""
         return logits / self.logits_scaling
+
+
+class GraniteMoeSharedDecoder(GraniteMoeDecoder):
+    """``GraniteMoeSharedForCausalLM`` in numpy: GraniteMoE plus an ungated shared MLP.
+
+    The shared MLP's ``input_linear [2I, H]`` (trunk role ``shared_gate_up_proj``:
+    gate rows, then up rows) and ``output_linear`` (``shared_down_proj``) run on the
+    same input as the routed experts; their sum is scaled by ``residual_multiplier``.
+    ``shared_intermediate_size`` 0 means no shared MLP.
+    """
+
+    arch = "granitemoeshared"
+    optional_roles = (*GraniteMoeDecoder.optional_roles, "shared_gate_up_proj", "shared_down_proj")
+    window_roles = GraniteMoeDecoder.window_roles | {"shared_gate_up_proj"}
+
+    def routed_extra(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
+        """``routed`` plus the shared MLP (none: ``routed``)."""
+        if lw.shared_gate_up_proj is None:
+            return routed
+        gu = mm_t(x, lw.shared_gate_up_proj)
+        inter = gu.shape[1] // 2
+        act = silu(gu[:, :inter]) * gu[:, inter:]
+        if self.observer is not None:
+            self.observer(f"L{lw.index}.shared.down_in", act)
+        return routed + mm_t(act, lw.shared_down_proj)

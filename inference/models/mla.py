@@ -38,6 +38,9 @@ from czyx.inference.models.rope import Rotary, rope_config
 from czyx.store.consumer import ModelConsumer, ModelInfo
 from czyx.store.models.archs import arch_for_config
 
+#: eps of the q/kv latent RMSNorms (transformers' DeepSeek-V2/V3 RMSNorm default).
+LATENT_NORM_EPS = 1e-6
+
 
 class MLACache(KVCache):
     """Per layer one latent array ``[1, capacity, 2 * head_dim]`` (``c | k_rot``, zero-padded).
@@ -211,7 +214,9 @@ class MLADecoder(MoEDecoder):
     def _attention(
         self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
     ) -> np.ndarray:
-        m, eps = self.mla, self.cfg.rms_eps
+        # The latent norms keep RMSNorm's default eps whatever rms_norm_eps says
+        # (transformers builds q_a_layernorm / kv_a_layernorm without it).
+        m, eps = self.mla, LATENT_NORM_EPS
         t = x.shape[0]
         if self.observer is not None:
             self.observer(f"L{i}.attn_in", x)

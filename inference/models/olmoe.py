@@ -44,3 +44,26 @@ class OlmoeDecoder(QKNormDecoder):
         if type(self).post_qkv is not OlmoeDecoder.post_qkv:
             return None
         return (1, self.cfg.clip_qkv)
+
+
+class MiniMaxM2Decoder(OlmoeDecoder):
+    """``MiniMaxM2ForCausalLM`` in numpy: OLMoE's full-width q/k norms (no clamp), the
+    rope of its config (a partial ``partial_rotary_factor`` as GLM-4.5's), and the
+    sigmoid router of DeepSeek-V3 (``e_score_correction_bias`` biases the selection,
+    the chosen sigmoids are renormalised; one group, no scaling, no shared expert)."""
+
+    arch = "minimax_m2"
+    sparse_roles = ("router", "router_bias")
+
+    @classmethod
+    def parse_config(cls, info: ModelInfo) -> DecoderConfig:
+        """MiniMax-M2 config: renormalised top-k, full attention on every layer."""
+        return common_config(info, True, [None] * int(info.config["num_hidden_layers"]))
+
+    def route(
+        self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Sigmoid scores, top-k of scores plus the selection bias, renormalised."""
+        from czyx.inference.models.deepseek_v3 import sigmoid_group_route
+
+        return sigmoid_group_route(self, lw, x, mask)

@@ -44,13 +44,19 @@ MLA_ROLES = (
     "router_bias",  # [E] DeepSeek-V3 e_score_correction_bias
 )
 # Roles of the other newer architectures, appended so every earlier role keeps
-# its class byte (mounted trunks stay readable).
+# its class byte (mounted trunks stay readable). Global ones are appended here too
+# (and listed in NEWER_GLOBAL_ROLES): a role added later never moves their bytes.
 NEWER_ROLES = (
     "o_bias",  # [H] o_proj bias (Qwen3-MoE attention_bias, GPT-OSS)
     "sinks",  # [n_heads] GPT-OSS attention sink logits
     "expert_gate_up_bias",  # [E, 2I] GPT-OSS routed experts' gate/up biases (gate, then up)
     "expert_down_bias",  # [E, H] GPT-OSS routed experts' down biases
     "mtp",  # a multi-token-prediction layer's tensor: kept verbatim, never run
+    "input_norm_bias",  # [H] PhiMoE's LayerNorm biases
+    "post_attn_norm_bias",  # [H]
+    "final_norm_bias",  # [H] (global) PhiMoE's final LayerNorm bias
+    "lm_head_bias",  # [V] (global) PhiMoE's lm_head bias
+    "shared_gate_up_proj",  # [2I, H] GraniteMoeShared's shared MLP input (gate rows, then up)
     # Qwen3-Next's gated-DeltaNet linear-attention layers (their out_proj is the o_proj role).
     "lin_qkvz",  # [2 * key_dim + 2 * value_dim, H] in_proj_qkvz (per key-head groups)
     "lin_ba",  # [2 * n_v_heads, H] in_proj_ba (beta and decay inputs, per key-head groups)
@@ -87,13 +93,16 @@ MAMBA_ROLES = (
     "mamba_b_norm",
     "mamba_c_norm",
 )
+#: The global roles among NEWER_ROLES (layer None).
+NEWER_GLOBAL_ROLES = ("final_norm_bias", "lm_head_bias")
 #: Per-layer roles beyond the consumer contract's (the engine's Layer has a slot each).
-EXTRA_ROLES = MLA_ROLES + NEWER_ROLES
+EXTRA_ROLES = MLA_ROLES + tuple(r for r in NEWER_ROLES if r not in NEWER_GLOBAL_ROLES)
 #: The role of kept multi-token-prediction tensors (layer = their index in name order).
 MTP_ROLE = "mtp"
-ALL_GLOBAL_ROLES = GLOBAL_ROLES
+ALL_GLOBAL_ROLES = GLOBAL_ROLES + NEWER_GLOBAL_ROLES
 ALL_LAYER_ROLES = LAYER_ROLES + EXTRA_ROLES
-ALL_ROLES = ALL_GLOBAL_ROLES + ALL_LAYER_ROLES
+#: Every role in class-byte order: each list appended to, never reordered.
+ALL_ROLES = GLOBAL_ROLES + LAYER_ROLES + MLA_ROLES + NEWER_ROLES
 # A role's index is its class byte in the trunk space (see store.mount).
 ROLE_INDEX = {role: i for i, role in enumerate(ALL_ROLES)}
 # The checkpoint's tokenizer.json, when it has one, is a trunk record too, at a
@@ -180,6 +189,33 @@ _HUNYUAN = (
     (r"mlp\.shared_mlp\.down_proj\.weight", "shared_down_proj"),
 )
 _NO_PER_EXPERT = re.compile(r"(?!)")  # GPT-OSS has only stacked expert tensors
+# PhiMoE: LayerNorms with biases, a biased lm_head; save_pretrained writes Mixtral's
+# block_sparse_moe.gate / experts.N.w1|w3|w2 names, memory holds mlp.router / mlp.experts.
+_PHIMOE = (
+    (r"input_layernorm\.bias", "input_norm_bias"),
+    (r"post_attention_layernorm\.bias", "post_attn_norm_bias"),
+    (r"(?:block_sparse_moe|mlp)\.gate\.weight", "router"),
+    (r"mlp\.router\.weight", "router"),
+)
+_PHIMOE_GLOBAL = ((r"model\.norm\.bias", "final_norm_bias"), (r"lm_head\.bias", "lm_head_bias"))
+# Hunyuan-V3 MoE block: in memory (the state dict) and as save_pretrained writes it.
+_HY_V3 = (
+    (r"mlp\.(?:router\.)?gate\.weight", "router"),
+    (r"mlp\.(?:e_score_correction_bias|expert_bias)", "router_bias"),
+    (r"mlp\.shared_(?:experts|mlp)\.gate_proj\.weight", "shared_gate_proj"),
+    (r"mlp\.shared_(?:experts|mlp)\.up_proj\.weight", "shared_up_proj"),
+    (r"mlp\.shared_(?:experts|mlp)\.down_proj\.weight", "shared_down_proj"),
+)
+# Llama 4 text: everything MLP-side under feed_forward (its experts only stacked).
+_LLAMA4 = (
+    (r"feed_forward\.router\.weight", "router"),
+    (r"feed_forward\.shared_expert\.gate_proj\.weight", "shared_gate_proj"),
+    (r"feed_forward\.shared_expert\.up_proj\.weight", "shared_up_proj"),
+    (r"feed_forward\.shared_expert\.down_proj\.weight", "shared_down_proj"),
+    (r"feed_forward\.gate_proj\.weight", "mlp_gate_proj"),
+    (r"feed_forward\.up_proj\.weight", "mlp_up_proj"),
+    (r"feed_forward\.down_proj\.weight", "mlp_down_proj"),
+)
 _QK_NORM = (
     (r"self_attn\.q_norm\.weight", "q_norm"),
     (r"self_attn\.k_norm\.weight", "k_norm"),
@@ -289,30 +325,38 @@ class ArchSpec:
     n_experts_keys: tuple[str, ...]
     expert_inter_keys: tuple[str, ...]
     expert_transform: str | None = None
+    global_trunk: tuple[tuple[str, str], ...] = ()
+    fused_pattern: re.Pattern[str] | None = None
 
     def __post_init__(self) -> None:
         # One compiled alternation per table: classification is a single match
         # instead of a loop over patterns (mount classifies every tensor once).
-        globals_ = "|".join(f"(?P<g{i}>{rx})" for i, (rx, _) in enumerate(_GLOBAL))
+        globals_ = "|".join(f"(?P<g{i}>{rx})" for i, (rx, _) in enumerate(self.globals))
         layers = "|".join(f"(?P<l{i}>{rx})" for i, (rx, _) in enumerate(self.layer_trunk))
         object.__setattr__(self, "_global_rx", re.compile(globals_))
         object.__setattr__(self, "_layer_rx", re.compile(_L + f"(?:{layers})"))
+
+    @property
+    def globals(self) -> tuple[tuple[str, str], ...]:
+        """``(regex, role)`` of the global tensors: the shared ones plus the family's own."""
+        return _GLOBAL + self.global_trunk
 
     def classify(self, name: str) -> TensorKind | None:
         """Classify one tensor name; ``None`` if this table does not know it."""
         m = self._global_rx.fullmatch(name)  # type: ignore[attr-defined]
         if m:
-            return TensorKind("trunk", None, _GLOBAL[int(m.lastgroup[1:])][1])
+            return TensorKind("trunk", None, self.globals[int(m.lastgroup[1:])][1])
         m = self._layer_rx.fullmatch(name)  # type: ignore[attr-defined]
         if m:
             return TensorKind("trunk", int(m.group(1)), self.layer_trunk[int(m.lastgroup[1:])][1])
         m = self.expert_pattern.fullmatch(name)
         if m:
             return TensorKind("expert", int(m.group(1)), expert=int(m.group(2)), part=_PART[m[3]])
-        m = _FUSED.fullmatch(name)
+        m = (self.fused_pattern or _FUSED).fullmatch(name)
         if m:
             return TensorKind("fused", int(m.group(1)), part=m.group(2).removesuffix("_proj"))
-        m = _FUSED_GRANITE.fullmatch(name) if self.name == "granitemoe" else None
+        granite = self.name in ("granitemoe", "granitemoeshared")
+        m = _FUSED_GRANITE.fullmatch(name) if granite else None
         if m:
             return TensorKind("fused", int(m.group(1)), part=_GRANITE_PART[m.group(2)])
         return None
@@ -380,14 +424,40 @@ class ArchSpec:
             offset = config.get("expert_layer_offset")
             offset = 1 if offset is None else int(offset)  # transformers' default
             return tuple(l for l in range(n) if l % period == offset)
-        if self.name == "glm4_moe":
+        if self.name in ("glm4_moe", "dots1"):
             first = int(config.get("first_k_dense_replace") or 0)
             return tuple(range(first, n))
+        listed = ("deepseek_v2", "deepseek_v3", "hy_v3", "exaone_moe")
+        if self.name in listed and config.get("mlp_layer_types"):
+            return _listed_sparse(config["mlp_layer_types"], n, self.name)
         if self.name in ("deepseek_v2", "deepseek_v3"):
             first = int(config.get("first_k_dense_replace") or 0)
             freq = int(config.get("moe_layer_freq") or 1)
             return tuple(l for l in range(n) if l >= first and l % freq == 0)
+        if self.name == "llama4_text":
+            return llama4_moe_layers(config, n)
         return tuple(range(n))
+
+
+def _listed_sparse(types: Any, n: int, arch: str) -> tuple[int, ...]:
+    """The sparse layers of an ``mlp_layer_types`` list (GLM-4.5-Lite: "dense"/"sparse")."""
+    if not isinstance(types, list) or len(types) != n or not set(types) <= {"dense", "sparse"}:
+        raise UnknownArchitectureError(f"config.json of {arch}: mlp_layer_types={types!r:.60}")
+    return tuple(i for i, t in enumerate(types) if t == "sparse")
+
+
+def llama4_moe_layers(config: Mapping[str, Any], n: int) -> tuple[int, ...]:
+    """Llama 4's MoE layers: ``moe_layers`` as the config lists them, else every
+    ``interleave_moe_layer_step``-th layer (transformers' ``Llama4TextConfig``)."""
+    listed = config.get("moe_layers")
+    if listed is None:
+        step = int(config.get("interleave_moe_layer_step") or 1)
+        return tuple(range(step - 1, n, step))
+    if not isinstance(listed, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in listed
+    ):
+        raise UnknownArchitectureError(f"config.json of llama4_text: moe_layers={listed!r:.60}")
+    return tuple(sorted(set(listed)))
 
 
 def arch_facts(arch: str, config: Mapping[str, Any]) -> ArchFacts:
@@ -480,7 +550,9 @@ ARCHS: dict[str, ArchSpec] = {
         ),
         ArchSpec(
             "deepseek_v3",
-            ("deepseek_v3",),
+            # Sarvam-MLA is DeepseekV3ForCausalLM; GLM-4.5-Lite the same layers with the
+            # dense ones listed in mlp_layer_types.
+            ("deepseek_v3", "sarvam_mla", "glm4_moe_lite"),
             _NORMS + _MLA + _ROUTER + _DEEPSEEK_SHARED + _DENSE_MLP,
             _EXPERT_PROJ,
             ("n_routed_experts",),
@@ -518,6 +590,54 @@ ARCHS: dict[str, ArchSpec] = {
             ("num_local_experts",),
             ("intermediate_size",),
         ),
+        # MiniMax-M2: OLMo-2-style full-width q/k norms, Mixtral's expert names, a
+        # sigmoid router with DeepSeek-V3's selection bias (one group, renormalised).
+        ArchSpec(
+            "minimax_m2",
+            ("minimax_m2",),
+            _NORMS
+            + _ATTN
+            + _QK_NORM
+            + _MIXTRAL_ROUTER
+            + ((r"(?:block_sparse_moe|mlp)\.e_score_correction_bias", "router_bias"),),
+            _EXPERT_MIXTRAL,
+            ("num_local_experts",),
+            ("intermediate_size",),
+        ),
+        # Hunyuan-V3 (hy_v3): dots1's attention (per-head q/k norms) on DeepSeek-V3-style
+        # sigmoid routing with shared experts; save_pretrained renames the MoE tensors.
+        ArchSpec(
+            "hy_v3",
+            ("hy_v3",),
+            _NORMS + _ATTN + _QKV_BIAS + _O_BIAS + _QK_NORM + _DENSE_MLP + _HY_V3,
+            _EXPERT_PROJ,
+            ("num_experts", "num_local_experts"),
+            ("moe_intermediate_size",),
+        ),
+        # EXAONE-MoE: EXAONE-4 attention (per-head q/k norms, NoPE full layers beside
+        # sliding rope layers) on DeepSeek-V3 routing with shared experts.
+        ArchSpec(
+            "exaone_moe",
+            ("exaone_moe",),
+            _NORMS + _ATTN + _QK_NORM + _DENSE_MLP + _HY_V3 + _DEEPSEEK_SHARED[3:],
+            _EXPERT_PROJ,
+            ("num_experts", "num_local_experts"),
+            ("moe_intermediate_size",),
+        ),
+        ArchSpec(
+            "granitemoeshared",
+            ("granitemoeshared",),
+            _NORMS
+            + _ATTN
+            + (
+                (r"block_sparse_moe\.router(?:\.layer)?\.weight", "router"),
+                (r"shared_mlp\.input_linear\.weight", "shared_gate_up_proj"),
+                (r"shared_mlp\.output_linear\.weight", "shared_down_proj"),
+            ),
+            _NO_PER_EXPERT,
+            ("num_local_experts",),
+            ("intermediate_size",),
+        ),
         ArchSpec(
             "hunyuan_v1_moe",
             ("hunyuan_v1_moe",),
@@ -527,6 +647,25 @@ ARCHS: dict[str, ArchSpec] = {
             ("intermediate_size",),
         ),
         ArchSpec(
+            "phimoe",
+            ("phimoe",),
+            _NORMS + _PHIMOE + _ATTN + _QKV_BIAS + _O_BIAS,
+            _EXPERT_MIXTRAL,
+            ("num_local_experts",),
+            ("intermediate_size",),
+            global_trunk=_PHIMOE_GLOBAL,
+        ),
+        ArchSpec(
+            "llama4_text",
+            ("llama4_text",),
+            _NORMS + _ATTN + _QKV_BIAS + _O_BIAS + _LLAMA4,
+            _NO_PER_EXPERT,
+            ("num_local_experts",),
+            ("intermediate_size",),
+            "gate_up_t",
+            fused_pattern=re.compile(_L + r"feed_forward\.experts\.(gate_up_proj|down_proj)"),
+        ),
+        ArchSpec(
             "glm4_moe",
             ("glm4_moe",),
             _NORMS + _ATTN + _QKV_BIAS + _QK_NORM + _ROUTER + _DEEPSEEK_SHARED + _DENSE_MLP,
@@ -534,9 +673,101 @@ ARCHS: dict[str, ArchSpec] = {
             ("n_routed_experts",),
             ("moe_intermediate_size",),
         ),
+        # dots.llm1: Qwen3 attention (per-head q/k norms, sliding layers) on GLM-4.5's
+        # (DeepSeek-V3's) MoE; Solar-Open: Llama attention on it, every layer MoE.
+        ArchSpec(
+            "dots1",
+            ("dots1",),
+            _NORMS
+            + _ATTN
+            + _QKV_BIAS
+            + _O_BIAS
+            + _QK_NORM
+            + _ROUTER
+            + _DEEPSEEK_SHARED
+            + _DENSE_MLP,
+            _EXPERT_PROJ,
+            ("n_routed_experts",),
+            ("moe_intermediate_size",),
+        ),
+        ArchSpec(
+            "solar_open",
+            ("solar_open",),
+            _NORMS + _ATTN + _QKV_BIAS + _ROUTER + _DEEPSEEK_SHARED + _DENSE_MLP,
+            _EXPERT_PROJ,
+            ("n_routed_experts",),
+            ("moe_intermediate_size",),
+        ),
     )
 }
 _BY_MODEL_TYPE = {mt: spec for spec in ARCHS.values() for mt in spec.model_types}
+
+#: MoE model types transformers has and czyx does not run, each with what it lacks: mount
+#: refuses them with this reason (one line). tests/store/models/test_moe_coverage.py checks
+#: that every MoE causal-LM model type of the installed transformers is either run
+#: (:data:`ARCHS`) or listed here.
+REFUSED_MOE: dict[str, str] = {
+    # hybrid layers (linear attention, state-space or convolution mixers beside attention)
+    "qwen3_5_moe": "mapping of Qwen3.5's tensor layout (its gated-DeltaNet hybrid runs as "
+    "qwen3_next) and a vision tower",
+    "qwen3_5_moe_text": "mapping of Qwen3.5's tensor layout (its gated-DeltaNet hybrid runs as "
+    "qwen3_next)",
+    "qwen4_exp": "gated-DeltaNet layers, a sparse-attention indexer, n-gram and per-layer "
+    "embeddings (and a vision tower)",
+    "qwen4_exp_text": "gated-DeltaNet layers, a sparse-attention indexer, n-gram and per-layer "
+    "embeddings",
+    "granitemoehybrid": "Mamba-2 state-space layers beside attention",
+    "nemotron_h": "Mamba-2 state-space layers beside attention and MLP layers",
+    "kimi_linear": "Kimi delta-attention (linear attention) layers beside MLA",
+    "bailing_hybrid": "delta-attention (linear attention) layers beside attention",
+    "lara_mini": "gated-DeltaNet linear-attention layers beside attention",
+    "minimax": "lightning (linear) attention layers beside softmax attention",
+    "lfm2_moe": "short-convolution mixer layers beside attention",
+    "inkling_text": "short-convolution mixer layers",
+    "inkling2_text": "short and dynamic short-convolution mixer layers",
+    "inkling2_loop_text": "looped (weight-shared, repeated) layers and short-convolution mixers",
+    # sparse attention (a learned indexer picks the keys) and other attention forms
+    "deepseek_v32": "DeepSeek sparse attention (a lightning indexer selecting the keys)",
+    "deepseek_v4": "hyper-connections, compressed sparse attention and hash routing",
+    "glm_moe_dsa": "DeepSeek sparse attention (an indexer selecting the keys) on MLA",
+    "axk2": "DeepSeek sparse attention (an indexer selecting the keys) and gated norms",
+    "kolibri1_1": "sparse attention (an indexer selecting the keys)",
+    "hy_v4": "hyper-connections and sparse attention (an indexer selecting the keys)",
+    "dots3_note": "sparse attention (an indexer selecting the keys) and audio/vision towers",
+    "dots3_note_text": "sparse attention (an indexer selecting the keys)",
+    "minimax_m3_vl_text": "sparse attention (an indexer selecting the keys)",
+    "jetmoe": "mixture-of-attention-heads (routed attention experts) and a biased "
+    "parallel-expert MLP",
+    "dbrx": "fused Wqkv attention with clip_qkv, LayerNorms without bias, and ffn.experts "
+    "mlp.w1/v1/w2 tensors (no name table)",
+    "doge": "dynamic-mask attention and cross-domain MoE (product-key expert embeddings)",
+    "zaya": "compressed convolutional attention (CCA), an MLP router and residual scaling",
+    "longcat_flash": "zero-computation experts, two attention blocks a layer and a "
+    "shortcut-connected MoE",
+    "flex_olmo": "OLMo-2 post-norm layers (norms after attention and MLP, none before)",
+    "afmoe": "gated attention output (gate_proj), norms before and after the MLP, and "
+    "its token-choice router",
+    "beam": "gated attention output, norms before and after the MLP and residual re-use",
+    "ergo": "fused qkv attention, per-expert norms, residual gates and sandwich norms",
+    "laguna": "gated attention output (g_proj) and its router",
+    "flint": "attention sinks on Qwen3-MoE attention",
+    "mimo_v2_flash": "attention sinks and its sliding/full layer mix on GLM-4.5 routing",
+    "granitemoe_swa": "attention sinks and sliding-window layers on GraniteMoE",
+    "gemma4": "Gemma-4's MoE beside a dense MLP, per-layer embeddings and a vision tower",
+    "gemma4_text": "Gemma-4's MoE beside a dense MLP and per-layer embeddings",
+    "gemma4_assistant": "Gemma-4's MoE beside a dense MLP and per-layer embeddings",
+    "cohere2_moe": "parallel attention and MoE from one norm, sliding/NoPE layer mix, "
+    "logit scaling",
+    "mellum": "Laguna-style decoder layers on Qwen3-MoE attention",
+    "kolibri1": "EXAONE-4 attention and post-attention/post-MLP sandwich norms",
+    "minicpm5_moe": "gated queries (q_gate_proj) and MiniCPM's embedding and depth scaling",
+    "axk1": "RMSNorm on the MoE block's output (post_mlp_layernorm) on DeepSeek-V3 layers",
+    "param2moe": "fused query_key_value and Bailing tensor names (renamed by transformers at load)",
+    "sarvam_moe": "fused query_key_value and Bailing tensor names (renamed by transformers "
+    "at load)",
+    "aria_text": "Aria's grouped-GEMM experts (fc1/fc2) with shared experts",
+    "llama4": "Llama-4 vision tower or multimodal wrapper (mount its llama4_text model)",
+}
 
 
 def arch_for_config(config: Mapping[str, Any]) -> ArchSpec:
@@ -549,6 +780,11 @@ def arch_for_config(config: Mapping[str, Any]) -> ArchSpec:
     """
     model_type = config.get("model_type")
     spec = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    if spec is None and isinstance(model_type, str) and model_type in REFUSED_MOE:
+        raise UnknownArchitectureError(
+            f"config.json: model_type {model_type!r} is not supported: czyx has no "
+            f"{REFUSED_MOE[model_type]}"
+        )
     if spec is None:
         known = ", ".join(sorted(_BY_MODEL_TYPE))
         raise UnknownArchitectureError(

@@ -325,7 +325,7 @@ def _export_experts(
             raw = buf
             if transform is not None:  # back to the source's layout (store.models.expert_transform)
                 item = DTYPES[ex["dtype"]][1]
-                raw = from_contract(buf[: space.nbytes], ex["inter"], ex["hidden"], item)
+                raw = from_contract(buf[: space.nbytes], ex["inter"], ex["hidden"], item, transform)
             pos = 0
             for _, tensor, start, nbytes in src:
                 fname, at = _where(where, tensor)
@@ -344,7 +344,7 @@ _PROJ_EXPERT = "model.layers.{l}.mlp.experts.{e}.{p}_proj.weight"
 
 def expert_tensor_name(arch: str, layer: int, expert: int, part: int) -> str:
     """The HF per-expert tensor name of ``part`` (0 gate, 1 up, 2 down)."""
-    if arch == "mixtral":
+    if arch in ("mixtral", "phimoe", "minimax_m2"):
         return _MIXTRAL_EXPERT.format(l=layer, e=expert, p=("w1", "w3", "w2")[part])
     return _PROJ_EXPERT.format(l=layer, e=expert, p=("gate", "up", "down")[part])
 
@@ -382,7 +382,7 @@ def _export_rebuilt(space: ModelSpace, out: Path, progress: Progress | None) -> 
     shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
     transform = ex.get("transform")
     if transform is not None:  # stacked in the source's layout (GPT-OSS: nothing per expert)
-        entries += _stacked_entries(space, dtype, inter, hidden)
+        entries += _stacked_entries(space, dtype, inter, hidden, root["arch"])
     for layer, e in sorted(space.records) if transform is None else ():
         for part in range(3):
             name = expert_tensor_name(root["arch"], layer, e, part)
@@ -401,7 +401,7 @@ def _export_rebuilt(space: ModelSpace, out: Path, progress: Progress | None) -> 
             values = dequantize_packed(raw, ref.record["qfmt"], tuple(ref.shape))
             return _cast(values, ref.dtype)
         if what[0] == "stacked":
-            return _stacked(what, dtype, inter, hidden, expert_parts)
+            return _stacked(what, dtype, inter, hidden, expert_parts, transform)
         _, layer, e, part = what
         return expert_parts(layer, e)[part]
 
@@ -457,19 +457,22 @@ def _export_side_files(space: ModelSpace, out: Path) -> list[Path]:
     return written
 
 
-def _stacked_entries(space: ModelSpace, dtype: str, inter: int, hidden: int) -> list:
-    """GPT-OSS's stacked ``gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]`` per layer."""
+def _stacked_entries(space: ModelSpace, dtype: str, inter: int, hidden: int, arch: str) -> list:
+    """GPT-OSS's (Llama 4's) stacked ``gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]``."""
+    block = "feed_forward" if arch == "llama4_text" else "mlp"
     layers = sorted({layer for layer, _ in space.records})
     n = {layer: 1 + max(e for lay, e in space.records if lay == layer) for layer in layers}
     out = []
     for layer in layers:
-        pre, e = f"model.layers.{layer}.mlp.experts.", n[layer]
+        pre, e = f"model.layers.{layer}.{block}.experts.", n[layer]
         out.append((pre + "gate_up_proj", dtype, (e, hidden, 2 * inter), ("stacked", layer, 0, e)))
         out.append((pre + "down_proj", dtype, (e, inter, hidden), ("stacked", layer, 1, e)))
     return out
 
 
-def _stacked(what: Any, dtype: str, inter: int, hidden: int, parts: Any) -> np.ndarray:
+def _stacked(
+    what: Any, dtype: str, inter: int, hidden: int, parts: Any, transform: str
+) -> np.ndarray:
     """One stacked tensor's bytes: each expert's gate | up | down back to the source layout
     (``expert_transform.from_contract``, exact)."""
     _, layer, which, count = what
@@ -480,7 +483,7 @@ def _stacked(what: Any, dtype: str, inter: int, hidden: int, parts: Any) -> np.n
         ext = np.concatenate(
             [np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in (gate, up, down)]
         )
-        src = from_contract(ext, inter, hidden, item)
+        src = from_contract(ext, inter, hidden, item, transform)
         out.append(src[: 2 * n] if which == 0 else src[2 * n :])
     return np.concatenate(out)
 

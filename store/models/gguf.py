@@ -2,7 +2,8 @@
 
 Scope: pure knowledge, no file I/O. For each architecture czyx runs (Mixtral,
 which llama.cpp converts as ``llama``; Qwen2-MoE ``qwen2moe``; Qwen3-MoE
-``qwen3moe``; OLMoE ``olmoe``; DeepSeek-V3, Kimi-K2 and DeepSeek-V2 ``deepseek2``,
+``qwen3moe``; OLMoE ``olmoe``; PhiMoE ``phimoe``, with its LayerNorm,
+attention and head biases; DeepSeek-V3, Kimi-K2 and DeepSeek-V2 ``deepseek2``,
 told apart by ``expert_gating_func``, sigmoid or softmax, :func:`resolve_arch`):
 
 * the map between llama.cpp tensor names (``blk.N.attn_q.weight``,
@@ -49,13 +50,17 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from czyx.store.models.mount_errors import CheckpointError
+
+#: PhiMoE's ``router_jitter_noise`` (transformers' default): GGUF has no field for it,
+#: so only this value goes to and comes from a GGUF file.
+PHIMOE_JITTER = 0.01
 
 
 class GGUFError(CheckpointError):
@@ -146,6 +151,18 @@ ARCHS: dict[str, GGUFArch] = {
             "model.layers.{l}.mlp.gate.weight",
             _PROJ,  # type: ignore[arg-type]
         ),
+        # PhiMoE: NEOX rope (unpermuted), biased LayerNorms, attention and head biases.
+        # llama.cpp routes it by softmax top-2; the file is read as the HF checkpoint it
+        # was converted from, whose sparsemixer routing czyx runs.
+        GGUFArch(
+            "phimoe",
+            "phimoe",
+            "PhimoeForCausalLM",
+            False,
+            False,
+            "model.layers.{l}.block_sparse_moe.gate.weight",
+            _MIX,  # type: ignore[arg-type]
+        ),
         GGUFArch(
             "olmoe",
             "olmoe",
@@ -166,6 +183,8 @@ _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "output_norm.bias": "model.norm.bias",  # PhiMoE's LayerNorm and head biases
+    "output.bias": "lm_head.bias",
 }
 # blk.N.<key> -> model.layers.N.<value>
 _LAYER = {
@@ -178,6 +197,9 @@ _LAYER = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_norm.bias": "input_layernorm.bias",
+    "ffn_norm.bias": "post_attention_layernorm.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
@@ -256,9 +278,13 @@ def classify(arch: GGUFArch, name: str) -> GGUFName | None:
 def gguf_name(arch: GGUFArch, role: str, layer: int | None) -> str:
     """The llama.cpp name of trunk ``role`` (czyx role names, :mod:`store.models.archs`)."""
     if layer is None:
-        return {"embed": "token_embd.weight", "final_norm": "output_norm.weight"}.get(
-            role, "output.weight" if role == "lm_head" else ""
-        ) or _refuse_role(role)
+        return {
+            "embed": "token_embd.weight",
+            "final_norm": "output_norm.weight",
+            "lm_head": "output.weight",
+            "final_norm_bias": "output_norm.bias",
+            "lm_head_bias": "output.bias",
+        }.get(role) or _refuse_role(role)
     inv = {
         "input_norm": "attn_norm.weight",
         "post_attn_norm": "ffn_norm.weight",
@@ -269,6 +295,9 @@ def gguf_name(arch: GGUFArch, role: str, layer: int | None) -> str:
         "q_bias": "attn_q.bias",
         "k_bias": "attn_k.bias",
         "v_bias": "attn_v.bias",
+        "o_bias": "attn_output.bias",
+        "input_norm_bias": "attn_norm.bias",
+        "post_attn_norm_bias": "ffn_norm.bias",
         "q_norm": "attn_q_norm.weight",
         "k_norm": "attn_k_norm.weight",
         "router": "ffn_gate_inp.weight",
@@ -385,11 +414,19 @@ def _get(meta: Mapping[str, Any], key: str, default: Any = None, *, need: bool =
     return default
 
 
-def config_from_gguf(meta: Mapping[str, Any], arch: GGUFArch, n_vocab: int, tied: bool) -> dict:
-    """The HF ``config.json`` of a GGUF model, from its metadata.
+def config_from_gguf(
+    meta: Mapping[str, Any],
+    arch: GGUFArch,
+    n_vocab: int,
+    tied: bool,
+    names: Collection[str] = (),
+) -> dict:
+    """The HF ``config.json`` of a GGUF model, from its metadata (and tensor ``names``,
+    which say whether PhiMoE's attention and head carry biases).
 
     Fields the metadata cannot hold take llama.cpp's behaviour (routing
-    renormalisation per architecture, no sliding window).
+    renormalisation per architecture, no sliding window), or, for PhiMoE's
+    ``router_jitter_noise`` (its sparsemixer threshold), transformers' default.
     """
     a = arch.gguf
     scaling = _get(meta, f"{a}.rope.scaling.type")
@@ -425,6 +462,21 @@ def config_from_gguf(meta: Mapping[str, Any], arch: GGUFArch, n_vocab: int, tied
     expert_ff = _get(meta, f"{a}.expert_feed_forward_length")
     if arch.czyx == "mixtral":
         cfg.update(num_local_experts=n_experts, intermediate_size=int(ff), sliding_window=None)
+    elif arch.czyx == "phimoe":
+        if f"{a}.rope.scaling.attn_factor" in meta or "rope_factors_long.weight" in names:
+            raise UnsupportedGGUFError(
+                "a phimoe GGUF with longrope: its short_mscale/long_mscale have no GGUF field"
+            )
+        window = int(_get(meta, f"{a}.attention.sliding_window", 0) or 0)
+        cfg.update(
+            num_local_experts=n_experts,
+            intermediate_size=int(ff),
+            sliding_window=window or None,
+            attention_bias="blk.0.attn_q.bias" in names,
+            lm_head_bias="output.bias" in names,
+            router_jitter_noise=PHIMOE_JITTER,
+        )
+        del cfg["norm_topk_prob"]
     elif arch.czyx == "olmoe":
         cfg.update(num_experts=n_experts, intermediate_size=int(expert_ff or ff))
         clamp = _get(meta, f"{a}.attention.clamp_kqv")
@@ -689,9 +741,15 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
         raise UnsupportedGGUFError("a rope scaling cannot be exported to GGUF")
     if config.get("sliding_window") and (
         arch.czyx == "mixtral" or config.get("use_sliding_window")
-    ):
+    ):  # (PhiMoE's window is a GGUF field: phimoe.attention.sliding_window)
         raise UnsupportedGGUFError("llama.cpp runs these architectures without a sliding window")
-    if bool(config.get("norm_topk_prob")) != arch.renormalize and arch.czyx != "mixtral":
+    if arch.czyx == "phimoe" and float(config.get("router_jitter_noise", 0.01)) != PHIMOE_JITTER:
+        raise UnsupportedGGUFError(
+            f"router_jitter_noise={config.get('router_jitter_noise')}: GGUF has no field for "
+            f"PhiMoE's sparsemixer threshold (only {PHIMOE_JITTER} round-trips)"
+        )
+    routes_by_topk = arch.czyx not in ("mixtral", "phimoe")  # (PhiMoE: sparsemixer)
+    if routes_by_topk and bool(config.get("norm_topk_prob")) != arch.renormalize:
         raise UnsupportedGGUFError(
             f"norm_topk_prob={config.get('norm_topk_prob')}: llama.cpp's {arch.gguf} "
             f"{'always' if arch.renormalize else 'never'} renormalises the top-k weights"
@@ -723,6 +781,12 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
         meta[f"{a}.expert_count"] = int(config["num_local_experts"])
         meta[f"{a}.feed_forward_length"] = int(config["intermediate_size"])
         meta[f"{a}.vocab_size"] = int(config["vocab_size"])
+    elif arch.czyx == "phimoe":  # as Phi3MiniModel.set_gguf_parameters writes it
+        meta[f"{a}.expert_count"] = int(config["num_local_experts"])
+        meta[f"{a}.feed_forward_length"] = int(config["intermediate_size"])
+        meta[f"{a}.attention.sliding_window"] = int(config.get("sliding_window") or 0)
+        for k in ("key_length", "value_length"):
+            del meta[f"{a}.attention.{k}"]
     elif arch.czyx == "olmoe":
         meta[f"{a}.expert_count"] = int(config.get("num_experts") or config["num_local_experts"])
         meta[f"{a}.feed_forward_length"] = int(config["intermediate_size"])

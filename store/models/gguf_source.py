@@ -205,7 +205,7 @@ class GGUFCheckpoint:
         if not n_vocab:
             raise MissingTensorError("no token_embd.weight", file=str(self.files[0]))
         self.config = config_from_gguf(
-            self.metadata, self.arch, n_vocab, "output.weight" not in raw
+            self.metadata, self.arch, n_vocab, "output.weight" not in raw, raw.keys()
         )
         self.tokenizer_json = tokenizer_json_from_gguf(self.metadata)
         self._vt: dict[str, VTensor] = {}

@@ -243,7 +243,7 @@ class MountSource:
         if transform is not None:  # the source's layout -> gate | up | down
             item = DTYPES[self.plan.dtype][1]
             raw = to_contract(
-                raw[: self.plan.expert_nbytes], self.plan.inter, self.plan.hidden, item
+                raw[: self.plan.expert_nbytes], self.plan.inter, self.plan.hidden, item, transform
             )
             if self.qlayout is None:
                 out[:] = raw
@@ -396,7 +396,9 @@ class MountSource:
         if transform is None:
             return raw[: self.plan.expert_nbytes]
         item = DTYPES[self.plan.dtype][1]
-        return to_contract(raw[: self.plan.expert_nbytes], self.plan.inter, self.plan.hidden, item)
+        return to_contract(
+            raw[: self.plan.expert_nbytes], self.plan.inter, self.plan.hidden, item, transform
+        )
 
     def tensor(self, name: str) -> np.ndarray:
         """The whole tensor ``name``'s bytes, in a scratch buffer valid until the next call."""

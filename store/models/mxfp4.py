@@ -296,7 +296,9 @@ class MXFP4MountSource(MountSource):
                 )
         ref = np.concatenate(parts)
         if plan.expert_transform is not None:
-            ref = to_contract(ref.view(np.uint8), plan.inter, plan.hidden, 4).view(np.float32)
+            ref = to_contract(
+                ref.view(np.uint8), plan.inter, plan.hidden, 4, plan.expert_transform
+            ).view(np.float32)
         return ref
 
     def stored_tensor(self, t: Any) -> tuple[np.ndarray, str | None]:

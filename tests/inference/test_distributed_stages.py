@@ -108,3 +108,16 @@ def test_class_owners_refuses_gaps_and_overlaps():
         class_owners(cmap, [(0, 7), (9, 255)])
     with pytest.raises(ValueError, match="overlaps"):
         class_owners(cmap, [(0, 8), (8, 255)])
+
+
+def test_expert_shard_refuses_input_weighted_experts(tmp_path):
+    """Llama 4 scales an expert's input by its weight; a shard's partial products weight
+    outputs, so it is refused rather than run wrong."""
+    from czyx.inference.errors import UnsupportedModelError
+    from czyx.testing.tiny_models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint("llama4_text", tmp_path / "ckpt")
+    with Store.open(tmp_path / "s") as store:
+        mount(store, ckpt, "l@1")
+    with pytest.raises(UnsupportedModelError, match="input is weighted"):
+        ExpertShard(str(tmp_path / "s"), "l@1", None, 0, [(0, 255)])

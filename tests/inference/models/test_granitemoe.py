@@ -20,3 +20,20 @@ def test_mounted_granitemoe_matches_transformers(tmp_path, fused):
     assert r.max_diff < 1e-5 and r.logit_range > 1.0
     assert r.greedy_full and r.greedy_quarter and r.quarter_misses > 0
     assert r.export_identical and r.export_max_diff < 1e-5
+
+
+@pytest.mark.parametrize("shared", [24, 0], ids=["shared_mlp", "no_shared_mlp"])
+def test_mounted_granitemoeshared_matches_transformers(tmp_path, shared):
+    """GraniteMoeShared: GraniteMoE plus an ungated shared MLP (input_linear / output_linear)."""
+    r = run_parity(
+        "granitemoeshared",
+        tmp_path,
+        fused=False,
+        initializer_range=0.2,
+        num_hidden_layers=3,
+        shared_intermediate_size=shared,
+    )
+    assert r.refused is None, r.refused
+    assert r.max_diff < 1e-5 and r.logit_range > 1.0
+    assert r.greedy_full and r.greedy_quarter and r.quarter_misses > 0
+    assert r.export_identical and r.export_max_diff < 1e-5

@@ -229,14 +229,22 @@ _PARTS = {
 
 
 @given(
-    # GPT-OSS and GraniteMoE have no per-expert tensor names (only stacked experts).
-    arch=st.sampled_from(sorted(a for a in ARCHS if a not in ("gpt_oss", "granitemoe"))),
+    # GPT-OSS, the GraniteMoEs and Llama 4 have no per-expert tensor names (only stacked).
+    arch=st.sampled_from(
+        sorted(
+            a
+            for a in ARCHS
+            if a not in ("gpt_oss", "granitemoe", "granitemoeshared", "llama4_text")
+        )
+    ),
     layer=st.integers(0, 10**6),
     expert=st.integers(0, 10**4),
     part=st.sampled_from(["gate", "up", "down"]),
 )
 def test_expert_names_classify_for_all_indices(arch, layer, expert, part):
-    template, tokens = _PARTS[arch if arch in _PARTS else "qwen3_moe"]
+    mixtral_names = arch in ("mixtral", "phimoe", "minimax_m2")
+    parts = "mixtral" if mixtral_names else arch if arch in _PARTS else "qwen3_moe"
+    template, tokens = _PARTS[parts]
     name = f"model.layers.{layer}." + template.format(e=expert, t=tokens[part])
     kind = ARCHS[arch].classify(name)
     assert (kind.kind, kind.layer, kind.expert, kind.part) == ("expert", layer, expert, part)
