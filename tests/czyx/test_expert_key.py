@@ -52,11 +52,12 @@ def test_expert_key_round_trips_and_class_is_the_high_part(cell):
     assert Key.unpack(k.pack()) == k
 
 
-@settings(max_examples=100, deadline=None)
-@given(N_EXPERTS, st.integers(0, 255), st.integers(0, 255))
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 2048), st.integers(0, 255), st.integers(0, 255))
 def test_a_class_range_is_a_contiguous_expert_range_and_a_key_range(n, a, b):
     """For all n: the experts whose keys fall in a class range are exactly the
-    values [lo << s, (hi + 1) << s), the prefix range of the index."""
+    values [lo << s, (hi + 1) << s), the prefix range of the index (shifts 0 to 3;
+    each example packs n keys)."""
     s = class_shift(n)
     lo, hi = min(a, b), max(a, b)
     values = np.arange(n)
