@@ -153,6 +153,8 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
             for tok in warm:  # not timed
                 logits = eng.decode(tok)
             s0 = eng.stats()
+            c = eng.cache  # prefetch counters (a streaming cache has them)
+            p0 = (getattr(c, "prefetches", 0), getattr(c, "prefetch_hits", 0))
             toks = []
             r0 = read_bytes()
             t0_ns = time.monotonic_ns()
@@ -178,6 +180,9 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
                 "hit_rate": st.hit_rate,
                 "decode_read_bytes": r1 - r0,
                 "decode_in_c": bool(eng.model.decode_in_c()),
+                # prefetched experts over the timed tokens, and those later used
+                "prefetches": getattr(c, "prefetches", 0) - p0[0],
+                "prefetches_used": getattr(c, "prefetch_hits", 0) - p0[1],
             }
             if xray is not None:
                 out.update(bound_figures(model.consumer, xray.transfers, t0_ns))
