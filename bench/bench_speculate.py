@@ -14,6 +14,7 @@ Usage::
 
     python bench/bench_speculate.py                 # 96 tokens x 5 rounds (~2-3 min)
     python bench/bench_speculate.py --self          # also the q4 version as the draft
+    python bench/bench_speculate.py --self --draft-policy selective --out bench/SPECULATE-q2.md
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from bench._machine import machine  # noqa: E402
 
 # Code the model never saw: written for this benchmark (its training set is CPython's
 # own standard library; see inference/assets/czyx-moe-stdlib/TRAINING.md).
+DRAFT_TAG = "stdlib@draft"  # the --self draft version (quantized by --draft-policy)
+
 PROMPTS = {
     "code: ring buffer": '''class RingBuffer:
     """A fixed-size buffer that overwrites its oldest item."""
@@ -319,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fraction", type=float, default=0.5, help="streamed: expert cache share")
     ap.add_argument("--self", action="store_true", help="also the q4 version as the draft")
     ap.add_argument(
+        "--draft-policy",
+        default="q4-all",
+        help="quantization policy of the --self draft version (selective: experts q2)",
+    )
+    ap.add_argument(
         "--wide", type=int, default=512, metavar="H", help="synthetic model's hidden (0: skip)"
     )
     ap.add_argument("--out", default=str(ROOT / "bench" / "SPECULATE.md"))
@@ -343,17 +351,18 @@ def main(argv: list[str] | None = None) -> int:
             from czyx.store.quant.codec import QuantCodec
             from czyx.store.quant.policy import parse_policy
 
-            mount(st, bundled_model_dir(), "stdlib@q4", quant=QuantCodec(parse_policy("q4-all")))
+            policy = QuantCodec(parse_policy(args.draft_policy))
+            mount(st, bundled_model_dir(), DRAFT_TAG, quant=policy)
     opened = OpenedModel(store_dir, "stdlib@1", None)
     prompts = {name: list(text.encode()) for name, text in PROMPTS.items()}
 
     # A: prompt lookup (and the q4 self-draft), every expert resident.
     engine = Engine(opened.consumer, threads=args.threads)
-    configs = ["off", "lookup"] + (["draft:stdlib@q4"] if args.self else [])
+    configs = ["off", "lookup"] + ([f"draft:{DRAFT_TAG}"] if args.self else [])
     draft = None
     if args.self:
         draft = Speculator.open(
-            SpeculateOptions("draft:stdlib@q4", draft_tokens=args.draft_tokens),
+            SpeculateOptions(f"draft:{DRAFT_TAG}", draft_tokens=args.draft_tokens),
             engine,
             opened.store,
         )
@@ -403,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Speculative decoding on czyx-moe-stdlib",
         "",
-        f"`python bench/bench_speculate.py{' --self' if args.self else ''}` "
+        f"`python bench/bench_speculate.py{' --self' if args.self else ''}"
+        f"{'' if args.draft_policy == 'q4-all' else ' --draft-policy ' + args.draft_policy}` "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); {machine()}.",
         "",
         f"Greedy, {args.tokens} tokens per run, {args.rounds} rounds with the configurations "
@@ -417,8 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "Adaptive draft length (`--speculate lookup`, the default adaptivity)."
         + (
-            " `draft:stdlib@q4`: the model's own q4-all version drafting, fixed length (the "
-            "adaptive length would stop it: its decode costs as much as the model's)."
+            f" `draft:{DRAFT_TAG}`: the model's own version quantized by the policy "
+            f"`{args.draft_policy}` drafting, fixed length (the adaptive length would stop "
+            "it: its decode costs as much as the model's)."
             if args.self
             else ""
         ),
@@ -488,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         "- Every expert resident, a verified row costs about as much as a plain step on this "
         "model (its weights fit the CPU caches: there is no read to share), so speculation "
         "cannot pay there and the measured row cost keeps the adaptive length near 0. The "
-        "q4 self-draft is accepted often but its decode costs as much as the model's own.",
+        "quantized self-draft is accepted often but its decode costs as much as the model's own.",
         "- Where experts are read (the streamed and wider tables), one step reads each "
         "chosen expert once for all its rows, and tokens/s rises with the acceptance; "
         "expert bytes per token rise with rejected drafts (a step's rows choose a union of "
