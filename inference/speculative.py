@@ -87,6 +87,9 @@ class Drafter(Protocol):
     def close(self) -> None: ...
 
 
+_CHECKED_TAIL = 64  # indexed tokens PromptLookup compares to tell an extension from a new text
+
+
 class PromptLookup:
     """Prompt-lookup drafts: the tokens after the latest earlier occurrence of the
     history's last n-gram (``ngram`` tokens, then shorter ones down to 1).
@@ -110,7 +113,12 @@ class PromptLookup:
     def _sync(self, history: Sequence[int]) -> None:
         """Index ``history``'s new positions (from scratch when it is not an extension)."""
         seen = len(self._hist)
-        if seen > len(history) or list(history[:seen]) != self._hist:
+        # A history extends the last one (a sequence's text grows by accepted tokens):
+        # comparing its indexed tail, not all of it, keeps a step O(new tokens). A
+        # different history that happened to share that tail would only draft worse
+        # tokens, which verification rejects: never a wrong output.
+        tail = max(0, seen - _CHECKED_TAIL)
+        if seen > len(history) or list(history[tail:seen]) != self._hist[tail:]:
             self._hist, seen = [], 0
             self._index = [{} for _ in range(self.ngram + 1)]
         h = self._hist

@@ -68,6 +68,18 @@ def test_prompt_lookup_takes_the_latest_longest_match() -> None:
         PromptLookup(0)
 
 
+def test_prompt_lookup_reindexes_a_history_that_is_not_an_extension() -> None:
+    look = PromptLookup(ngram=2)
+    long_a = [*range(100, 300), 5, 6, 7, 5, 6]
+    assert look.propose(long_a, 1) == [7]
+    grown = [*long_a, 7, 8, 5, 6]  # an extension: the latest (5, 6) is followed by 7 still
+    assert look.propose(grown, 2) == [7, 8]
+    other = [5, 6, 9, 9, 5, 6]  # a new text, shorter: indexed afresh
+    assert look.propose(other, 2) == [9, 9]
+    changed_tail = [*grown[:-3], 1, 5, 6]  # same length class, its recent tokens differ
+    assert look.propose(changed_tail, 1) == [7]
+
+
 def test_draft_length_follows_the_acceptance() -> None:
     dl = DraftLength(6, measure=False)
     assert 0 < dl.best() < 6  # the prior
