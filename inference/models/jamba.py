@@ -24,6 +24,7 @@ from czyx.inference.kernels.linear import mm_t
 from czyx.inference.models.base import KVCache, attention, rms_norm
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
 from czyx.inference.models.deltanet import HybridCache, run_recurrent
+from czyx.inference.models.hybrid import HybridDecoder
 from czyx.inference.models.mamba import MambaDims, conv_silu, neg_a_of, scan
 from czyx.store.consumer import ModelConsumer, ModelInfo
 from czyx.store.models.archs import MAMBA_ROLES
@@ -39,7 +40,7 @@ def block_types(config: dict[str, Any], n_layers: int) -> tuple[str, ...]:
     return tuple(ATTENTION if i % period == offset else MAMBA for i in range(n_layers))
 
 
-class JambaDecoder(MoEDecoder):
+class JambaDecoder(HybridDecoder):
     """``JambaForCausalLM`` in numpy, its Mamba convolution and scan in C."""
 
     arch = "jamba"
@@ -55,8 +56,7 @@ class JambaDecoder(MoEDecoder):
         self.dims = MambaDims.from_config(c)
         attn = [i for i, t in enumerate(self.block_types) if t == ATTENTION]
         mamba = [i for i, t in enumerate(self.block_types) if t == MAMBA]
-        self.slot = {i: j for j, i in enumerate(attn)} | {i: j for j, i in enumerate(mamba)}
-        self.n_full, self.n_linear = len(attn), len(mamba)
+        self._place(attn, mamba)
         self._neg_a: dict[int, np.ndarray] = {}  # layer -> -exp(A_log), made on first use
         super().__init__(consumer, experts, trunk_window)
 
@@ -69,35 +69,11 @@ class JambaDecoder(MoEDecoder):
         n = int(c["num_hidden_layers"])
         return common_config(info, False, [None] * n)
 
-    def _roles(self, i: int) -> tuple[str, ...]:
+    def _mixer_roles(self, i: int) -> tuple[str, ...]:
         if self.block_types[i] == MAMBA:
             has_bias = self.consumer.has_trunk("mamba_conv_bias", i)
-            mixer = tuple(r for r in MAMBA_ROLES if r != "mamba_conv_bias" or has_bias)
-        else:
-            mixer = ("q_proj", "k_proj", "v_proj")
-        return (
-            self.required_roles
-            + mixer
-            + (self.sparse_roles if self.cfg.sparse_layers[i] else self.dense_roles)
-        )
-
-    @property
-    def kv_layers(self) -> int:
-        """Layers that keep keys and values (the attention layers)."""
-        return self.n_full
-
-    @property
-    def recurrent_nbytes(self) -> int:
-        """Bytes of one sequence's recurrent state (constant in its length)."""
-        d = self.dims
-        return 4 * self.n_linear * ((d.d_conv - 1) * d.inner + d.inner * d.d_state)
-
-    def new_kv(self, capacity: int = 64) -> HybridCache:
-        """An empty hybrid cache: KV of the attention layers, state of the Mamba ones."""
-        cfg = self.cfg
-        return HybridCache(
-            self.n_full, cfg.n_kv_heads, cfg.head_dim, self.n_linear, self.dims, capacity
-        )
+            return tuple(r for r in MAMBA_ROLES if r != "mamba_conv_bias" or has_bias)
+        return ("q_proj", "k_proj", "v_proj")
 
     def _attention(
         self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray

@@ -45,6 +45,7 @@ from czyx.inference.models.deltanet import (
     run_recurrent,
     split_projections,
 )
+from czyx.inference.models.hybrid import HybridDecoder
 from czyx.store.consumer import ModelConsumer, ModelInfo
 from czyx.store.models.archs import LINEAR_ATTN_ROLES
 
@@ -73,7 +74,7 @@ def layer_types(config: dict[str, Any], n_layers: int) -> tuple[str, ...]:
     return tuple(types)
 
 
-class Qwen3NextDecoder(MoEDecoder):
+class Qwen3NextDecoder(HybridDecoder):
     """``Qwen3NextForCausalLM`` in numpy, its DeltaNet recurrence in C (``czk_gdn``)."""
 
     arch = "qwen3_next"
@@ -97,9 +98,7 @@ class Qwen3NextDecoder(MoEDecoder):
         self.dims = DeltaNetDims.from_config(c)
         full = [i for i, t in enumerate(self.layer_types) if t == FULL]
         linear = [i for i, t in enumerate(self.layer_types) if t == LINEAR]
-        # Layer index -> its KV slot (attention layers) or its state slot (linear layers).
-        self.slot = {i: j for j, i in enumerate(full)} | {i: j for j, i in enumerate(linear)}
-        self.n_full, self.n_linear = len(full), len(linear)
+        self._place(full, linear)
         super().__init__(consumer, experts, trunk_window)
 
     @classmethod
@@ -120,32 +119,8 @@ class Qwen3NextDecoder(MoEDecoder):
             t = F32(1.0) + t  # transformers: normed * (1.0 + weight), in float32
         return t
 
-    def _roles(self, i: int) -> tuple[str, ...]:
-        mixer = LINEAR_ATTN_ROLES if self.layer_types[i] == LINEAR else self.attention_roles
-        return (
-            self.required_roles
-            + mixer
-            + (self.sparse_roles if self.cfg.sparse_layers[i] else self.dense_roles)
-        )
-
-    @property
-    def kv_layers(self) -> int:
-        """Layers that keep keys and values (the attention layers)."""
-        return self.n_full
-
-    @property
-    def recurrent_nbytes(self) -> int:
-        """Bytes of one sequence's recurrent state (constant in its length)."""
-        d = self.dims
-        per = (d.conv_kernel - 1) * d.conv_dim + d.n_v_heads * d.k_head_dim * d.v_head_dim
-        return 4 * per * self.n_linear
-
-    def new_kv(self, capacity: int = 64) -> HybridCache:
-        """An empty hybrid cache: KV of the attention layers, state of the linear ones."""
-        cfg = self.cfg
-        return HybridCache(
-            self.n_full, cfg.n_kv_heads, cfg.head_dim, self.n_linear, self.dims, capacity
-        )
+    def _mixer_roles(self, i: int) -> tuple[str, ...]:
+        return LINEAR_ATTN_ROLES if self.layer_types[i] == LINEAR else self.attention_roles
 
     # ------------------------------------------------------------------ mixers
 
