@@ -75,7 +75,7 @@ from czyx.inference.models.base import (
 from czyx.inference.options import SPECULATE_OFF, SpeculateOptions
 from czyx.inference.routewatch import RouteFrame, StepWatch
 from czyx.inference.sampling import Sampler, SamplingParams
-from czyx.inference.speculative import DraftLength, PromptLookup, Speculator
+from czyx.inference.speculative import Speculator
 
 _log = logging.getLogger("czyx.inference.batch")
 
@@ -317,7 +317,7 @@ def _forward_c(
     if max(lens) == 1:
         waves = None
         row_kv, row_pos, tokens = list(kvs), None, [int(c[0]) for c in chunks]
-        last, rows = None, [np.array([q]) for q in range(len(chunks))]
+        last, rows = None, None  # one row a chunk: every row is its last
     else:
         waves, row_kv, row_pos, tokens, last, rows = _waves(chunks, kvs, starts, kern.pool.threads)
     n = len(tokens)
@@ -359,7 +359,7 @@ def _forward_c(
                 cache.release()
     for kv, s, t in zip(kvs, starts, lens, strict=True):
         kv.length = s + t
-    if any(all_logits):  # every row of those chunks, the last of the others, in order
+    if rows is not None and any(all_logits):  # those chunks' every row, others' last, in order
         picks = [r if a else r[-1:] for r, a in zip(rows, all_logits, strict=True)]
         order = np.concatenate(picks)
         bt.h[: order.size] = bt.h[order]
@@ -1089,9 +1089,7 @@ class Scheduler:
         _served_speculation(spec_opts)
         spec = None
         if spec_opts.enabled and not keep_state and not self.model._length_rope:
-            # Step times are shared by the batch: the draft length follows acceptance only.
-            length = DraftLength(spec_opts.draft_tokens, spec_opts.adaptive, measure=False)
-            spec = Speculator(PromptLookup(spec_opts.ngram), length)
+            spec = Speculator.lookup(spec_opts, measure=False)  # step times are shared
         restored = 0 if hist is None else int(hist[0].size)
         need = (restored + int(ids.size) + int(max_tokens) + 1) * self.kv_bytes_per_token
         need += self.kv_bytes_fixed
@@ -1420,8 +1418,6 @@ class Scheduler:
                     self._active.remove(seq)
                     self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
                     continue
-                if seq.spec is not None and decoding:
-                    seq.spec.steps.append((0, 0))
                 self._emit_token(seq, tok, now)
         if self.on_step is not None:
             self.on_step(len(work), n_tokens, now - t0)
@@ -1505,6 +1501,5 @@ class Scheduler:
         self._drafted += len(drafts)
         self._accepted += accepted
         seq.spec.length.update(len(drafts), accepted)
-        seq.spec.steps.append((len(drafts), accepted))
         if not ended and seq.kv is not None and seq.kv.length > keep:
             seq.kv.truncate(keep)

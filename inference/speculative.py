@@ -87,7 +87,7 @@ class Drafter(Protocol):
     def close(self) -> None: ...
 
 
-_CHECKED_TAIL = 64  # indexed tokens PromptLookup compares to tell an extension from a new text
+_CHECKED_TAIL = 64  # tokens a drafter compares to tell an extended history from a new one
 
 
 class PromptLookup:
@@ -180,8 +180,12 @@ class ModelDrafter:
         if not history:
             return []
         seen = self._seen
-        common = 0
         limit = min(len(seen), len(history) - 1)  # at least one token left to process
+        # An extension of the last history (the usual step) differs only in its last
+        # drafted tokens: scan the tail window, all of it only for another text.
+        common = max(0, limit - _CHECKED_TAIL)
+        if common and seen[common - 1] != history[common - 1]:
+            common = 0
         while common < limit and seen[common] == history[common]:
             common += 1
         eng = self.engine
@@ -333,9 +337,12 @@ class Speculator:
     steps: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
-    def lookup(cls, options: SpeculateOptions) -> Speculator:
-        """Prompt lookup with ``options``' n-gram, length and adaptivity."""
-        return cls(PromptLookup(options.ngram), DraftLength(options.draft_tokens, options.adaptive))
+    def lookup(cls, options: SpeculateOptions, measure: bool = True) -> Speculator:
+        """Prompt lookup with ``options``' n-gram, length and adaptivity (``measure``: the
+        length also weighs the measured cost of a verified row; a batch, whose step times
+        are shared, follows the acceptance only)."""
+        length = DraftLength(options.draft_tokens, options.adaptive, measure=measure)
+        return cls(PromptLookup(options.ngram), length)
 
     @classmethod
     def open(
