@@ -120,9 +120,15 @@ def bench_length(rounds: int, lengths: tuple[int, int]) -> dict[int, tuple[float
     rng = np.random.default_rng(1)
     kvs = {}
     for n in lengths:
+        eng.kv = dec.new_kv(n + 8)  # a cache of its own per length (reset() empties eng.kv)
         eng.reset()
         eng.prefill(rng.integers(0, 1024, n))
         kvs[n] = eng.kv
+    if len({id(kv) for kv in kvs.values()}) != len(kvs) or [kv.length for kv in kvs.values()] != [
+        *lengths
+    ]:
+        got = [kv.length for kv in kvs.values()]
+        raise SystemExit(f"bench_length: each length needs its own cache at that length ({got})")
     samples: dict[int, tuple[list[float], list[float]]] = {n: ([], []) for n in lengths}
     for r in range(rounds):
         for n in lengths:  # interleaved: each round decodes one token at every length
