@@ -291,7 +291,15 @@ class MoEDecoder:
                 return True  # an override the C attention call reproduces (an o_bias)
             return getattr(cls, m) is getattr(MoEDecoder, m)
 
-        self._all_c = self._czk and all(map(in_c, self._C_DECODE_BASE)) and all(cfg.sparse_layers)
+        # The C MoE calls weight each expert's output: a model that weights its input
+        # (weight_expert_input) must take the numpy routed path, however it routes.
+        weighs_output = not cls.weight_expert_input
+        self._all_c = (
+            self._czk
+            and weighs_output
+            and all(map(in_c, self._C_DECODE_BASE))
+            and all(cfg.sparse_layers)
+        )
         self._fast_attn = all(map(in_c, self._C_ATTN_BASE))
         # Whether a decode layer may go straight from the attention call to the routed
         # call (_routed_one), skipping the _mlp -> _routed dispatch that, for this
@@ -299,6 +307,7 @@ class MoEDecoder:
         # no instance override of _routed).
         self._direct_moe = (
             self._plain_routing
+            and weighs_output
             and all(cfg.sparse_layers)
             and all(getattr(cls, m) is getattr(MoEDecoder, m) for m in self._DIRECT_BASE)
         )
@@ -714,7 +723,8 @@ class MoEDecoder:
         kern = self._kernels
         # The C decode path routes by softmax top-k itself: only for the base scoring
         # and an unrestricted portal; overridden scorings and masks take the numpy path.
-        if kern is not None and x is kern.x2 and mask is None and self._plain_routing:
+        plain = self._plain_routing and not self.weight_expert_input
+        if kern is not None and x is kern.x2 and mask is None and plain:
             return self._routed_one(i, lw, kern)
         idx, w = self.route(lw, x, mask)
         self.count_routes(i, idx, w)
@@ -734,6 +744,7 @@ class MoEDecoder:
             # Tokens as columns, once: each expert gathers its columns from here.
             xt = np.ascontiguousarray(x.T)
         chunk = cache.max_acquire
+        scale_in = self.weight_expert_input
         for c0 in range(0, len(order), chunk):
             group = order[c0 : c0 + chunk]
             slots = cache.acquire(i, group)
@@ -741,7 +752,6 @@ class MoEDecoder:
                 for j, s in enumerate(slots.tolist()):
                     gate_up, down = cache.weights(s)
                     e = int(group[j])
-                    scale_in = self.weight_expert_input
                     if t == 1:
                         xe = x * w[0, j] if scale_in else x
                         if self.observer is not None:

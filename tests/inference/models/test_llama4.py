@@ -83,3 +83,24 @@ def test_gate_up_halves_transform_is_an_exact_inverse_pair(inter, hidden, itemsi
     gu = el[: 2 * inter * hidden].reshape(hidden, 2 * inter)
     gate = ext.view(el.dtype)[: inter * hidden].reshape(inter, hidden)
     assert np.array_equal(gate, gu[:, :inter].T)
+
+
+def test_input_weighted_experts_never_take_the_output_weighting_c_path(monkeypatch):
+    """The C MoE calls weight each expert's output; a decoder that weights the input
+    (Llama 4's flag) must decode through the numpy routed path even when it routes as
+    the base does, so its decode equals its own prefill."""
+    from czyx.inference.engine import Engine
+    from czyx.inference.models.mixtral import MixtralDecoder
+    from czyx.testing.refmodels import StateDictConsumer, tiny_model
+
+    monkeypatch.setattr(MixtralDecoder, "weight_expert_input", True)
+    eng = Engine(StateDictConsumer(tiny_model("mixtral", seed=3)), threads=1)
+    model = eng.model
+    assert not model.decode_in_c() and not model._direct_moe
+    prompt = [3, 17, 5, 60, 1, 88, 42]
+    want = eng.prefill(prompt, all_logits=True)[-1]
+    eng.reset()
+    eng.prefill(prompt[:-1])
+    got = eng.decode(prompt[-1])
+    eng.close()
+    assert np.abs(got - want).max() <= 1e-5 * float(want.max() - want.min())
