@@ -93,6 +93,7 @@ def _load_files() -> dict[str, bytes]:
 def _layout(store, served: ServedModel) -> dict[str, Any]:
     """The layout endpoint's body for ``served`` (computed once per version)."""
     from czyx.store.models.expert_layout import layout_from_manifest
+    from czyx.store.models.mount_errors import ModelSpaceError
 
     cfg = served.engine.cfg
     n_layers, n_experts = int(cfg.n_layers), int(cfg.n_experts)
@@ -102,7 +103,13 @@ def _layout(store, served: ServedModel) -> dict[str, Any]:
         if isinstance(manifest.get("layout"), dict):
             lay = layout_from_manifest(manifest)
             break
-    if lay is not None and (lay.n_layers, lay.n_classes) == (n_layers, n_experts):
+    if lay is not None and (lay.n_layers, lay.n_classes) != (n_layers, n_experts):
+        # (opening the version refuses this already: never draw one grid as another's)
+        raise ModelSpaceError(
+            f"{served.ref}: its layout is {lay.n_layers} x {lay.n_classes}, "
+            f"the model {n_layers} x {n_experts}"
+        )
+    if lay is not None:
         slots = lay.slot_table
         order = np.argsort(slots, axis=1, kind="stable")  # experts by curve slot, per layer
         classes = lay.class_array(np.arange(n_layers)[:, None], np.arange(n_experts)[None, :])

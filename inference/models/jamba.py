@@ -129,7 +129,8 @@ class JambaDecoder(HybridDecoder):
         b = rms_norm(proj[:, r : r + n], lw.mamba_b_norm, eps)
         c = rms_norm(proj[:, r + n :], lw.mamba_c_norm, eps)
         z = xz[:, inner:]
-        final_conv = kv.conv[j].copy()
+        # Tracking rewinds the conv state per token (below): keep the final one to restore.
+        final_conv = kv.conv[j].copy() if kv.tracking else None
         neg_a = self._neg_a.get(i)
         if neg_a is None:  # -exp(A_log): the layer's constant, computed once
             neg_a = self._neg_a[i] = neg_a_of(lw.mamba_a_log)
@@ -142,7 +143,8 @@ class JambaDecoder(HybridDecoder):
                         c[lo:hi], lw.mamba_d, z[lo:hi], kv.state[j], pool)  # fmt: skip
 
         y = run_recurrent(kv, j, start, t, scan_step)
-        kv.conv[j][...] = final_conv
+        if final_conv is not None:
+            kv.conv[j][...] = final_conv
         if self.observer is not None:
             self.observer(f"L{i}.o_in", y)
         return mm_t(y, lw.o_proj)
