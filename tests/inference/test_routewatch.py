@@ -98,7 +98,7 @@ def test_frames_are_the_engines_routing_whatever_shares_the_step(engine, c_decod
     # One frame per fed token (the last token is never fed), in order.
     assert [f.index for f in frames] == list(range(N - 1))
     assert [f.token for f in frames] == toks[:-1]
-    for toks_o, done_o in rest:  # (result() skips nothing it should not: no frames there)
+    for toks_o, done_o in rest:  # the others ran to completion beside the watched one
         assert done_o.completion_tokens == len(toks_o)
     want = _engine_routes(engine, list(PROMPT), toks[:-1])
     cfg = engine.cfg
