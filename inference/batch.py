@@ -986,9 +986,8 @@ class Scheduler:
         self.on_step = on_step
         cfg = model.cfg
         # A hybrid model keeps KV in its attention layers only, plus a fixed recurrent state.
-        kv_layers = getattr(model, "kv_layers", cfg.n_layers)
-        self.kv_bytes_per_token = 2 * kv_layers * cfg.n_kv_heads * cfg.head_dim * 4
-        self.kv_bytes_fixed = int(getattr(model, "recurrent_nbytes", 0))
+        self.kv_bytes_per_token = 2 * model.kv_layers * cfg.n_kv_heads * cfg.head_dim * 4
+        self.kv_bytes_fixed = int(model.recurrent_nbytes)
         self._lock = threading.Condition()
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._active: list[_Seq] = []

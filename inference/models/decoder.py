@@ -482,6 +482,16 @@ class MoEDecoder:
 
     # ------------------------------------------------------------------ forward
 
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep keys and values: all of them (a hybrid's attention layers only)."""
+        return self.cfg.n_layers
+
+    @property
+    def recurrent_nbytes(self) -> int:
+        """Bytes of one sequence's fixed-size recurrent state: none (a hybrid's, constant)."""
+        return 0
+
     def new_kv(self, capacity: int = 64) -> KVCache:
         """An empty KV cache sized for this model."""
         return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, capacity)
