@@ -488,6 +488,20 @@ class ExpertCache:
         self._hold_layer(layer, experts, self._fill)
         return self._out[: len(experts)]
 
+    def acquire_streamed(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """As :meth:`acquire`, returning before the bytes of its reads have arrived.
+
+        Returns the slots and the positions (indices into ``experts``) whose
+        bytes are still on their way, in the order they were requested: a
+        caller computes the other positions first and calls
+        :meth:`wait_ready` on each of these before reading its slot. This
+        cache reads synchronously, so nothing is ever pending.
+        """
+        return self.acquire(layer, experts), []
+
+    def wait_ready(self, j: int) -> None:
+        """Position ``j`` of the last :meth:`acquire_streamed` may be read (always here)."""
+
     def _acquire_ready(self, layer: int, experts: np.ndarray) -> np.ndarray | None:
         """The slots of ``experts`` when every one is resident and ready, else None.
 

@@ -213,6 +213,8 @@ class StreamingExpertCache(ExpertCache):
         self._route_mask: np.ndarray | None = None
         self.prefetches = self.prefetch_hits = 0
         self.predicted_total = self.predicted_correct = 0
+        self._waits: list[Transfer] = []  # the current acquire's transfers to wait for
+        self._pending_at: dict[int, Transfer] = {}  # position -> transfer, until waited
 
     # ------------------------------------------------------------------ look-ahead
 
@@ -371,6 +373,27 @@ class StreamingExpertCache(ExpertCache):
         ShortReadError, ReadIOError, ChecksumError, StaleSourceError, DeadlineMissedError
             A transfer this layer depends on failed (its slot is unmapped first).
         """
+        out, pending = self.acquire_streamed(layer, experts)
+        try:
+            for j in pending:
+                self.wait_ready(j)
+        except BaseException:
+            self.release()
+            raise
+        return out
+
+    def acquire_streamed(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """As :meth:`acquire`, returning once every read is issued, not when it is done.
+
+        Returns the slots and the positions whose transfers (demand reads, or
+        prefetches not yet used) the caller must :meth:`wait_ready` for before
+        reading their slots, in request order: computing the resident experts
+        first hides those reads (the pipeline at the granularity of one
+        expert). A failed wait unmaps its slot and raises; the caller releases.
+        """
+        self._waits.clear()
+        if self._pending_at:
+            self._pending_at = {}  # an earlier call's positions that were never waited for
         if self.never_evicts and not self._pending:
             out = self._acquire_ready(layer, experts)
             if out is not None:
@@ -378,12 +401,12 @@ class StreamingExpertCache(ExpertCache):
                 if self._has_prediction[layer]:
                     self._score_prediction(layer, experts)
                 self._reading[layer] = False
-                return out
+                return out, []
             self._reading[layer] = True
         self._reap()
         if self._has_prediction[layer]:
             self._score_prediction(layer, experts)
-        waits: list[Transfer] = []
+        waits = self._waits
 
         def on_hit(s: int) -> None:  # resident or in flight: wait for an unused transfer
             t = self._xfer[s]
@@ -411,12 +434,29 @@ class StreamingExpertCache(ExpertCache):
             # all held before any miss picks a victim.
             self._hold_layer(layer, experts, fill, on_hit)
             self._issue_prefetch()
-            for t in waits:
-                self._wait(t)
         except BaseException:
             self.release()
             raise
-        return self._out[: len(experts)]
+        out = self._out[: len(experts)]
+        if not waits:
+            return out, []
+        # Position of each awaited slot, in request order (transfer ids increase).
+        by_slot = {t.slot: t for t in waits}
+        pending = sorted(
+            (j for j, s in enumerate(out.tolist()) if s in by_slot),
+            key=lambda j: by_slot[int(out[j])].id,
+        )
+        self._pending_at = {j: by_slot[int(out[j])] for j in pending}
+        return out, pending
+
+    def wait_ready(self, j: int) -> None:
+        """Wait until position ``j`` of the last :meth:`acquire_streamed` is read and verified.
+
+        Raises the transfer's typed error (its slot unmapped first).
+        """
+        t = self._pending_at.pop(j, None)
+        if t is not None:
+            self._wait(t)
 
     def residency(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """As :meth:`ExpertCache.residency`, telling apart the experts an unused prefetch

@@ -1394,6 +1394,60 @@ int czk_moe(czk_pool *p, int n, const czk_mat *table, const int64_t *slots, cons
     return 0;
 }
 
+/* The same layer one expert at a time, for decode under a slot budget: a read
+ * that is still in flight need not hold back the experts already resident.
+ * czk_moe_one computes expert j's unweighted output into row j of the work
+ * buffer (in whatever order the experts' bytes arrive); czk_moe_sum then adds
+ * the rows weighted, in j order, with the arithmetic czk_moe uses (its down
+ * task writes w0 * d0 and adds w[j] * d[j]; 1.0f * d is d exactly), so the
+ * result is bit-identical to czk_moe's on the same experts. Each call
+ * quantizes x for its own expert, so experts of different formats may share
+ * one sum. Work: czk_moe_one_work_bytes(n, H, I) bytes. */
+int64_t czk_moe_one_work_bytes(int n, int64_t H, int64_t I) {
+    return (int64_t)sizeof(float) * ((int64_t)n * H + I) + 3 * 64 + czk_work_bytes(H) +
+           czk_work_bytes(I);
+}
+
+int czk_moe_one(czk_pool *p, int n, int j, const czk_mat *table, int64_t slot, int64_t I,
+                const float *x, void *work) {
+    if (n <= 0 || n > CZK_MAXK || j < 0 || j >= n) return -1;
+    const czk_mat *g = &table[3 * slot];
+    const int64_t H = g->cols;
+    if (g->rows != I || !czk_experts_ok(table, &slot, 1, H)) return -1;
+    const int quant = g->kind == CZK_Q;
+    float *rows = (float *)czk_align(work);
+    float *act = rows + (int64_t)n * H;
+    uint8_t *m = (uint8_t *)czk_align(act + I);
+    czk_xq ax, aact;
+    if (quant) {
+        czk_xq_bind(&ax, m, H);
+        m = (uint8_t *)czk_align(m + czk_xq_bytes(H));
+        czk_xq_bind(&aact, m, I);
+        czk_quantize(x, &ax);
+        czk_xq_groups(&ax, g->group);
+    }
+    static const float one = 1.0f;
+    czk_moe_ctx c = {1, H, I, table, &slot, &one, x, quant ? &ax : NULL, act, NULL,
+                     rows + (int64_t)j * H};
+    czk_run(p, czk_moe_gu_task, &c, I, 2 * I * H);
+    if (quant) {
+        czk_quantize(act, &aact);
+        czk_xq_groups(&aact, g[2].group);
+        c.aact = &aact;
+    }
+    czk_run(p, czk_moe_down_task, &c, H, I * H);
+    return 0;
+}
+
+void czk_moe_sum(int n, int64_t H, const float *w, const void *work, float *y) {
+    const float *rows = (const float *)czk_align((void *)work);
+    for (int64_t i = 0; i < H; i++) y[i] = w[0] * rows[i];
+    for (int j = 1; j < n; j++) {
+        const float wj = w[j], *d = rows + (int64_t)j * H;
+        for (int64_t i = 0; i < H; i++) y[i] += wj * d[i];
+    }
+}
+
 /* ------------------------------------------------------------ attention block */
 
 static void czk_rms(const float *x, const float *w, int64_t n, float eps, float *out) {

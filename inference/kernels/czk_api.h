@@ -45,6 +45,10 @@ int czk_matmul(czk_pool *p, const czk_mat *m, const float *x, int64_t nvec, floa
 int64_t czk_moe_work_bytes(int n, int64_t H, int64_t I);
 int czk_moe(czk_pool *p, int n, const czk_mat *table, const int64_t *slots, const float *w,
             const float *x, float *y, void *work);
+int64_t czk_moe_one_work_bytes(int n, int64_t H, int64_t I);
+int czk_moe_one(czk_pool *p, int n, int j, const czk_mat *table, int64_t slot, int64_t I,
+                const float *x, void *work);
+void czk_moe_sum(int n, int64_t H, const float *w, const void *work, float *y);
 void czk_rmsnorm(const float *x, const float *w, int64_t n, float eps, float *out);
 int64_t czk_attn_work_bytes(const czk_attn *a, int64_t H, int64_t length);
 int czk_attn_decode(czk_pool *p, const czk_attn *a, int64_t H, float *h, float *x_out,

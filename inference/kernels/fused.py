@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -232,7 +232,7 @@ class DecodeKernels:
         self._mats: dict[int, tuple[Any, Any]] = {}
         self._attn: dict[int, _AttnDesc] = {}
         self._attn_len = 0
-        self._experts: tuple[Any, ExpertTable, int] | None = None
+        self._experts: tuple[Any, ExpertTable, int, int, int] | None = None
         self._rope: tuple[Any, Any, Any, int] | None = None
         self._batch: DecodeBatch | None = None
         self._batch_top = 0
@@ -390,18 +390,25 @@ class DecodeKernels:
         if _lib.czk_topk(self._prl, n, top_k, int(renorm), self._pidx, self._pw):
             raise KernelError(f"czk_topk refused {n} experts, top {top_k}")
 
+    def _expert_table(self, cache: Any) -> tuple[Any, ExpertTable, int, int, int]:
+        """``(cache, descriptors, n_experts, H, I)`` of ``cache``'s slots, made once."""
+        ex = self._experts
+        if ex is None or ex[0] is not cache:
+            table = ExpertTable(cache)
+            first = table.table[0]
+            h, i = int(first.cols), int(first.rows)
+            self._reserve(int(_lib.czk_moe_work_bytes(self.top_k, h, i)))
+            self._reserve(int(_lib.czk_moe_one_work_bytes(self.top_k, h, i)))
+            ex = self._experts = (cache, table, int(cache.n_experts), h, i)
+        return ex
+
     def moe(self, cache: Any, slots: np.ndarray, weights: np.ndarray) -> None:
         """:attr:`y` = the weighted sum of the experts in ``slots`` applied to :attr:`x`.
 
         ``slots`` int64 and ``weights`` float32, contiguous (the cache's acquire
         result and :attr:`w`).
         """
-        ex = self._experts
-        if ex is None or ex[0] is not cache:
-            table = ExpertTable(cache)
-            first = table.table[0]
-            self._reserve(int(_lib.czk_moe_work_bytes(self.top_k, first.cols, first.rows)))
-            ex = self._experts = (cache, table, int(cache.n_experts))
+        ex = self._expert_table(cache)
         if len(slots) > self.top_k:
             raise KernelError(f"{len(slots)} experts for one token, top-k is {self.top_k}")
         rc = _lib.czk_moe(
@@ -411,6 +418,36 @@ class DecodeKernels:
         )  # fmt: skip
         if rc:
             raise KernelError("czk_moe refused the layer's experts (shapes or formats differ)")
+
+    def moe_streamed(
+        self,
+        cache: Any,
+        slots: np.ndarray,
+        weights: np.ndarray,
+        pending: Sequence[int],
+        wait: Callable[[int], None],
+    ) -> None:
+        """:meth:`moe` while the bytes of the experts at positions ``pending`` still arrive.
+
+        The resident experts are computed first, then each pending one as soon
+        as ``wait(j)`` returns (the cache's :meth:`wait_ready`), so a read
+        overlaps the arithmetic of the experts already in. The outputs are
+        added in top-k order at the end: bit-identical to :meth:`moe`.
+        """
+        ex = self._expert_table(cache)
+        n = len(slots)
+        if n > self.top_k:
+            raise KernelError(f"{n} experts for one token, top-k is {self.top_k}")
+        late = np.zeros(n, bool)
+        late[list(pending)] = True
+        order = [j for j in range(n) if not late[j]] + list(pending)
+        table, inter, x, work = ex[1].table, ex[4], self._px, self._pwork
+        for j in order:
+            if late[j]:
+                wait(j)
+            if _lib.czk_moe_one(self.pool.ptr, n, j, table, int(slots[j]), inter, x, work):
+                raise KernelError("czk_moe_one refused an expert (shapes or formats differ)")
+        _lib.czk_moe_sum(n, ex[3], _fptr(weights), work, self._py)
 
     def embed(self, table: np.ndarray | PackedMatrix, token: int) -> None:
         """:attr:`h` = row ``token`` of the embedding (a packed table: that row dequantized)."""
@@ -608,12 +645,7 @@ class DecodeKernels:
         all the kept products, in top-k order: the operations of one call. A product no
         call since the ``"first"`` computed refuses the ``"last"`` call (KernelError,
         ``y`` and ``h`` unchanged)."""
-        ex = self._experts
-        if ex is None or ex[0] is not cache:
-            table = ExpertTable(cache)
-            first = table.table[0]
-            self._reserve(int(_lib.czk_moe_work_bytes(self.top_k, first.cols, first.rows)))
-            ex = self._experts = (cache, table, int(cache.n_experts))
+        ex = self._expert_table(cache)
         bt = self._batch
         if bt.moe_table is not ex[1]:  # scratch for a whole batch of rows (not per row)
             first = ex[1].table[0]

@@ -803,9 +803,12 @@ class MoEDecoder:
         if self.recorder is not None:
             self.recorder.record(i, idx[None].copy(), kern.w[None].copy())
         cache = self.experts
-        slots = cache.acquire(i, idx)
+        slots, pending = cache.acquire_streamed(i, idx)
         try:
-            kern.moe(cache, slots, kern.w)
+            if pending:  # reads in flight: compute the resident experts while they land
+                kern.moe_streamed(cache, slots, kern.w, pending, cache.wait_ready)
+            else:
+                kern.moe(cache, slots, kern.w)
         finally:
             cache.release()
         return kern.y2

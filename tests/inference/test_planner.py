@@ -205,7 +205,15 @@ def test_late_transfer_is_a_counted_stall_or_a_typed_error(synth, gate):
         p, slots, _ = _planner(synth, io="pread", strict_deadlines=strict)
         try:
             t = p.submit(0, 4, 0, kind=PREFETCH, deadline_ns=0)  # deadline already passed
-            threading.Timer(0.02, gate.set).start()
+            wait = p.reads.wait
+
+            def opened_on_wait(read, wait=wait):
+                # The device answers once the consumer waits: the read completes after
+                # its first use, however loaded the machine (a timer could fire first).
+                threading.Timer(0.02, gate.set).start()
+                return wait(read)
+
+            p.reads.wait = opened_on_wait
             if strict:
                 with pytest.raises(DeadlineMissedError, match="after its deadline"):
                     p.wait(t)

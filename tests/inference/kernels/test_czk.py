@@ -239,7 +239,7 @@ class _Slots:
 
 def _moe(kern, table, slots, w, x):
     np.copyto(kern.x, x)
-    kern._experts = (table, table)
+    kern._experts = (table, table, 0, 64, 96)  # (cache, table, n_experts, H, I)
     slots = np.asarray(slots, np.int64)
     kern._reserve(int(fused._lib.czk_moe_work_bytes(len(slots), 64, 96)))
     kern.moe(table, slots, np.asarray(w, F32))
@@ -288,6 +288,54 @@ def test_moe_layer_matches_float64_reference(level, fmt):
         ]
         want = _moe_ref(deq, slots, w, x)
         assert np.abs(got - want).max() <= 0.03 * np.abs(want).max()
+    kern.close()
+
+
+@pytest.mark.parametrize("fmt", [None, "q8", "q4"])
+def test_one_expert_at_a_time_in_any_arrival_order_is_bit_identical(level, fmt):
+    # The pipelined decode computes resident experts first and each read as it lands;
+    # the sum stays in top-k order, so the output is czk_moe's to the bit.
+    experts = _experts(9)
+    x = np.random.default_rng(10).standard_normal(64).astype(F32)
+    slots, w = np.array([3, 0, 4, 1], np.int64), np.array([0.4, 0.3, 0.2, 0.1], F32)
+    table = _Slots(experts, None if fmt is None else get_format(fmt))
+    kern = _kern()
+    want = _moe(kern, table, slots, w, x)
+    kern._reserve(int(fused._lib.czk_moe_one_work_bytes(len(slots), 64, 96)))
+    for pending in ([], [0], [2, 0], [3, 2, 1, 0]):
+        waited: list[int] = []
+        kern.y[:] = np.nan
+        kern.moe_streamed(table, slots, w, pending, waited.append)
+        assert waited == pending
+        assert np.array_equal(kern.y, want), pending
+    kern.close()
+
+
+def test_one_expert_at_a_time_mixes_formats_in_one_sum(level):
+    # A tiered layer holds some experts at q8 and others at q4: each expert's own format.
+    experts = _experts(11, n=4)
+    fmts = [get_format("q8"), get_format("q4"), get_format("q4"), get_format("q8")]
+    table = fused._ffi.new("czk_mat[]", 12)
+    keep = []
+    for s, (parts, f) in enumerate(zip(experts, fmts, strict=True)):
+        for j, p in enumerate(parts):
+            packed = prepare(quantize(p, f, method="minmax"), f, p.shape)
+            keep += fused.describe(packed, table[3 * s + j])
+    deq = [
+        tuple(dequantize(quantize(p, f, method="minmax"), f, p.shape) for p in e)
+        for e, f in zip(experts, fmts, strict=True)
+    ]
+    x = np.random.default_rng(12).standard_normal(64).astype(F32)
+    slots, w = np.array([1, 0, 2, 3], np.int64), np.array([0.4, 0.3, 0.2, 0.1], F32)
+    kern = _kern()
+    holder = type("T", (), {"table": table})()
+    whole = _moe(kern, holder, slots, w, x)
+    kern._reserve(int(fused._lib.czk_moe_one_work_bytes(4, 64, 96)))
+    kern.moe_streamed(holder, slots, w, [2], lambda j: None)
+    assert np.array_equal(kern.y, whole)
+    want = _moe_ref(deq, slots, w, x)
+    assert np.abs(kern.y - want).max() <= 0.03 * np.abs(want).max()
+    del keep
     kern.close()
 
 
