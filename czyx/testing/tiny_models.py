@@ -345,3 +345,21 @@ def reference_logits(path: str | os.PathLike[str], arch: str, tokens: list[int])
     model = model_class(arch).from_pretrained(path).eval()
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].float()
+
+
+def per_expert_tensors(prefix: str, part: str, stacked: Any) -> dict[str, Any]:
+    """A layer's stacked experts as ``save_pretrained`` writes them, one tensor per expert.
+
+    ``stacked`` is transformers 5.x's in-memory ``gate_up_proj [E, 2I, H]`` or
+    ``down_proj [E, H, I]`` (``part``); the names are ``{prefix}{e}.gate_proj.weight``,
+    ``...up_proj...`` and ``...down_proj...`` (``prefix``: ``model.layers.<L>.mlp.experts.``).
+    """
+    out = {}
+    for e in range(stacked.shape[0]):
+        if part == "gate_up_proj":
+            gate, up = stacked[e].chunk(2, dim=0)
+            out[f"{prefix}{e}.gate_proj.weight"] = gate
+            out[f"{prefix}{e}.up_proj.weight"] = up
+        else:
+            out[f"{prefix}{e}.down_proj.weight"] = stacked[e]
+    return out

@@ -1,0 +1,244 @@
+"""The DeepSeek-V3 multi-token-prediction layer as a draft head (inference.mtp).
+
+A tiny random DeepSeek-V3 is mounted with an MTP layer appended as the published
+checkpoints lay it out (``model.layers.<num_hidden_layers>.*``): its decoder block is
+layer 0 of a second, one-layer transformers model, so that model is the block's
+reference. The head's logits match a torch reference of the MTP formula
+(``eh_proj(cat(enorm(emb(t[i+1])), hnorm(h[i])))``, the block, ``shared_head``)
+written here from the tensors; greedy output with ``--speculate mtp`` is the
+output without drafts; acceptance is reported; a model without MTP is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from czyx.inference.engine import Engine
+from czyx.inference.generate import generate_ids
+from czyx.inference.opened import OpenedModel
+from czyx.inference.options import SpeculateOptions
+from czyx.inference.speculative import SpeculationError, Speculator
+from czyx.inference.xray import XRay, load_schema
+from czyx.store import Store
+from czyx.store.models.mount import mount
+from czyx.testing.archparity import write_checkpoint
+from czyx.testing.tiny_models import build_tiny_model, per_expert_tensors
+
+BASE = dict(initializer_range=0.2, num_hidden_layers=3)
+PROMPT = [int(t) for t in np.random.default_rng(3).integers(0, 96, 12)]
+
+
+def _block_model():
+    """The MTP layer's decoder block: layer 0 of a one-layer DeepSeek-V3 (sparse)."""
+    return build_tiny_model(
+        "deepseek_v3", 7, **{**BASE, "num_hidden_layers": 1}, first_k_dense_replace=0
+    )
+
+
+def _mtp_tensors(main, block, echo: bool) -> dict[str, torch.Tensor]:
+    """The MTP layer's tensors under ``model.layers.<N>.``: ``block``'s layer 0 (its stacked
+    experts split per expert, as a published checkpoint stores them), and random
+    ``enorm``/``hnorm``/``eh_proj``/``embed_tokens``/``shared_head``.
+
+    ``echo``: weights that make the head repeat the main model's own prediction (the
+    block's attention and MLP outputs zeroed, ``eh_proj = [0 | I]``, the main model's
+    final norm and head): its draft is the pending token, accepted wherever the text
+    repeats a token. Random weights give no meaningful acceptance.
+    """
+    n = main.config.num_hidden_layers
+    h = main.config.hidden_size
+    out: dict[str, torch.Tensor] = {}
+    for name, t in block.state_dict().items():
+        if not name.startswith("model.layers.0."):
+            continue
+        rest = name.removeprefix("model.layers.0.")
+        if echo and (rest.endswith("o_proj.weight") or "down_proj" in rest):
+            t = torch.zeros_like(t)
+        if rest.startswith("mlp.experts."):
+            out.update(per_expert_tensors(f"model.layers.{n}.mlp.experts.", rest.split(".")[-1], t))
+            continue
+        out[f"model.layers.{n}.{rest}"] = t
+    g = torch.Generator().manual_seed(11)
+    sd = main.state_dict()
+    v = main.config.vocab_size
+    own = {
+        "enorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+        "hnorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+        "eh_proj.weight": 0.2 * torch.randn((h, 2 * h), generator=g),
+        "embed_tokens.weight": torch.randn((v, h), generator=g),
+        "shared_head.norm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+        "shared_head.head.weight": 0.2 * torch.randn((v, h), generator=g),
+    }
+    if echo:
+        own["hnorm.weight"] = torch.ones(h)
+        own["eh_proj.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1)
+        own["embed_tokens.weight"] = sd["model.embed_tokens.weight"]
+        own["shared_head.norm.weight"] = sd["model.norm.weight"]
+        own["shared_head.head.weight"] = sd["lm_head.weight"]
+    for name, t in own.items():
+        out[f"model.layers.{n}.{name}"] = t
+    return {k: t.detach().clone().contiguous() for k, t in out.items()}
+
+
+def _mounted(tmp_path, main, mtp: dict[str, torch.Tensor] | None) -> OpenedModel:
+    src = write_checkpoint(main, tmp_path / "ckpt", fused=False)
+    if mtp is not None:
+        file = src / "model.safetensors"
+        save_file({**load_file(str(file)), **mtp}, str(file), metadata={"format": "pt"})
+    store = Store.open(tmp_path / "store")
+    try:
+        mount(store, src, "ds@1")
+    finally:
+        store.close()
+    return OpenedModel(str(tmp_path / "store"), "ds@1", None)
+
+
+@pytest.fixture(scope="module")
+def main_model():
+    model = build_tiny_model("deepseek_v3", 2, **BASE)
+    assert model.config.num_nextn_predict_layers == 1
+    return model
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def test_head_logits_match_a_torch_reference_of_the_mtp_formula(tmp_path, main_model) -> None:
+    block = _block_model()
+    mtp = _mtp_tensors(main_model, block, echo=False)
+    n = main_model.config.num_hidden_layers
+    eps = main_model.config.rms_norm_eps
+    ids = torch.tensor([PROMPT])
+    # The main model's last hidden state before its final norm (transformers' own forward).
+    seen: list[torch.Tensor] = []
+    hook = main_model.model.norm.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    with torch.no_grad():
+        main_model(ids)
+    hook.remove()
+    h = seen[0][0, :-1]  # positions 0 .. T-2, each followed by the token after it
+    p = f"model.layers.{n}."
+    emb = mtp[p + "embed_tokens.weight"][ids[0, 1:]]
+    x = torch.cat(
+        [_rms(emb, mtp[p + "enorm.weight"], eps), _rms(h, mtp[p + "hnorm.weight"], eps)], -1
+    )
+    x = x @ mtp[p + "eh_proj.weight"].T
+    out: list[torch.Tensor] = []
+    hook = block.model.norm.register_forward_pre_hook(lambda m, a: out.append(a[0]))
+    with torch.no_grad():
+        block.model(inputs_embeds=x[None])
+    hook.remove()
+    want = (
+        _rms(out[0][0], mtp[p + "shared_head.norm.weight"], eps)
+        @ mtp[p + "shared_head.head.weight"].T
+    )
+
+    from czyx.inference.mtp import MTPDrafter
+
+    opened = _mounted(tmp_path, main_model, mtp)
+    try:
+        engine = Engine(opened.consumer)
+        drafter = MTPDrafter.open(engine)
+        try:
+            engine.prefill(PROMPT[:-1])
+            drafter.propose(PROMPT, 0)  # the module's cache over the prompt's positions
+            head = drafter.head
+            assert head.kv.length == len(PROMPT) - 1
+            # The same positions again, through the head, compared row by row.
+            head.kv.truncate(0)
+            got = head.logits(head.block(PROMPT[1:], drafter._hidden[: len(PROMPT) - 1], 0))
+        finally:
+            drafter.close()
+            engine.close()
+    finally:
+        opened.close()
+    assert got.shape == tuple(want.shape)
+    assert np.abs(got - want.numpy()).max() < 1e-4
+    assert np.ptp(want.numpy()) > 1.0  # decisive logits, not a flat comparison
+
+
+@pytest.mark.parametrize("echo", [False, True], ids=["random", "echo"])
+def test_mtp_greedy_output_is_the_output_without_drafts(tmp_path, main_model, echo) -> None:
+    opened = _mounted(tmp_path, main_model, _mtp_tensors(main_model, _block_model(), echo))
+    xray = XRay()
+    try:
+        engine = Engine(opened.consumer, xray=xray)
+        try:
+            want, _ = generate_ids(engine, PROMPT, 24)
+            options = SpeculateOptions("mtp", draft_tokens=3, adaptive=False)
+            spec = Speculator.open(options, engine)
+            try:
+                got, stats = generate_ids(engine, PROMPT, 24, speculate=spec)
+            finally:
+                spec.close()
+            assert engine.model.hidden_hook is None  # the drafter let go of the engine
+            report = xray.report(engine.cache, tokens=24, speculation=stats.draft_steps)
+        finally:
+            engine.close()
+    finally:
+        opened.close()
+    assert got == want
+    jsonschema.validate(report, load_schema())
+    run = report["run"]["speculation"]
+    assert run["drafted"] == stats.drafted > 0
+    assert run["accepted"] == stats.accepted
+    assert run["acceptance_rate"] == pytest.approx(stats.acceptance_rate)
+    if echo:  # the head echoes the pending token: accepted where the text repeats one
+        assert any(a == b for a, b in itertools.pairwise(want)) and stats.accepted > 0
+
+
+def test_a_model_without_mtp_is_refused_in_one_line(tmp_path, main_model) -> None:
+    opened = _mounted(tmp_path, main_model, None)
+    try:
+        engine = Engine(opened.consumer)
+        try:
+            with pytest.raises(SpeculationError, match="num_nextn_predict_layers") as err:
+                Speculator.open(SpeculateOptions("mtp"), engine)
+            assert "\n" not in str(err.value)
+            assert engine.model.hidden_hook is None
+        finally:
+            engine.close()
+    finally:
+        opened.close()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_every_forward_path_hands_the_same_pre_norm_rows(arch) -> None:
+    """The hidden hook (the drafter's input) on the C paths (a prompt through the batched
+    C step, a decode, a verify) gives the rows of the numpy forward, each at its position,
+    and they are what the final norm and head turn into the logits."""
+    from czyx.inference.batch import forward_batch
+    from czyx.inference.models.base import rms_norm
+    from czyx.testing.refmodels import StateDictConsumer, tiny_model
+
+    model = tiny_model(arch)
+    tokens = [*PROMPT, 5, 7, 9, 11]
+    got: dict[int, np.ndarray] = {}
+
+    def keep(kv, start, h):
+        for j, row in enumerate(np.asarray(h)):
+            got[start + j] = row.copy()
+
+    engine = Engine(StateDictConsumer(model))
+    assert engine.model.decode_in_c()
+    engine.model.hidden_hook = keep
+    engine.prefill(tokens[:12])  # the batched C step
+    engine.decode(tokens[12])  # the one-token C step
+    logits = engine.verify(tokens[13:])  # the batched C step, every row
+    engine.close()
+    numpy = Engine(StateDictConsumer(model))
+    want: dict[int, np.ndarray] = {}
+    numpy.model.hidden_hook = lambda kv, start, h: want.update(enumerate(np.array(h), start))
+    forward_batch(numpy.model, [np.array(tokens)], [numpy.kv], c_decode=False)  # numpy rows
+    cfg = numpy.cfg
+    hn = rms_norm(np.stack([got[p] for p in range(13, 16)]), numpy.model.final_norm, cfg.rms_eps)
+    numpy.close()
+    assert sorted(got) == sorted(want) == list(range(len(tokens)))
+    assert max(np.abs(got[p] - want[p]).max() for p in want) < 1e-4
+    assert np.abs(hn @ numpy.model.lm_head.T - logits).max() < 1e-4
