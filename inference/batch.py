@@ -803,7 +803,7 @@ class BatchOptions:
     speculate: SpeculateOptions = SPECULATE_OFF
 
     def __post_init__(self) -> None:
-        _served_speculation(self.speculate)
+        served_speculation(self.speculate)
         if self.max_batch < 1:
             raise ValueError(f"max_batch {self.max_batch} must be at least 1")
         if self.max_queue < 0:
@@ -818,7 +818,7 @@ class BatchOptions:
             raise ValueError(f"prefix cache {self.prefix_cache_bytes} B is negative")
 
 
-def _served_speculation(options: SpeculateOptions) -> None:
+def served_speculation(options: SpeculateOptions) -> None:
     """Refuse what the scheduler cannot speculate with (a draft version, the MTP layer)."""
     if options.draft_ref is not None or options.mode == "mtp":
         raise ValueError(
@@ -1100,7 +1100,7 @@ class Scheduler:
                 )
             hist = (h_ids, history[1])
         spec_opts = self.options.speculate if speculate is None else speculate
-        _served_speculation(spec_opts)
+        served_speculation(spec_opts)
         spec = None
         if spec_opts.enabled and not keep_state and not self.model._length_rope:
             spec = Speculator.lookup(spec_opts, measure=False)  # step times are shared

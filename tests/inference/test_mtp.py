@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from czyx.inference.batch import BatchOptions
 from czyx.inference.engine import Engine
 from czyx.inference.generate import generate_ids
 from czyx.inference.opened import OpenedModel
@@ -206,6 +207,8 @@ def test_a_model_without_mtp_is_refused_in_one_line(tmp_path, main_model) -> Non
             engine.close()
     finally:
         opened.close()
+    with pytest.raises(ValueError, match="mtp is not served"):  # czyx serve, czyx chat
+        BatchOptions(speculate=SpeculateOptions("mtp"))
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
