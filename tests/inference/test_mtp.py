@@ -35,11 +35,9 @@ BASE = dict(initializer_range=0.2, num_hidden_layers=3)
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(0, 96, 12)]
 
 
-def _block_model():
-    """The MTP layer's decoder block: layer 0 of a one-layer DeepSeek-V3 (sparse)."""
-    return build_tiny_model(
-        "deepseek_v3", 7, **{**BASE, "num_hidden_layers": 1}, first_k_dense_replace=0
-    )
+def _block_model(arch: str = "deepseek_v3"):
+    """The MTP layer's decoder block: layer 0 of a one-layer model of ``arch`` (sparse)."""
+    return build_tiny_model(arch, 7, **{**BASE, "num_hidden_layers": 1}, first_k_dense_replace=0)
 
 
 def _mtp_tensors(main, block, echo: bool) -> dict[str, torch.Tensor]:
@@ -164,9 +162,16 @@ def test_head_logits_match_a_torch_reference_of_the_mtp_formula(tmp_path, main_m
     assert np.ptp(want.numpy()) > 1.0  # decisive logits, not a flat comparison
 
 
-@pytest.mark.parametrize("echo", [False, True], ids=["random", "echo"])
-def test_mtp_greedy_output_is_the_output_without_drafts(tmp_path, main_model, echo) -> None:
-    opened = _mounted(tmp_path, main_model, _mtp_tensors(main_model, _block_model(), echo))
+@pytest.mark.parametrize(
+    "arch, echo",
+    [("deepseek_v3", False), ("deepseek_v3", True), ("glm4_moe", False)],
+    ids=["random", "echo", "glm4_moe"],
+)
+def test_mtp_greedy_output_is_the_output_without_drafts(tmp_path, main_model, arch, echo) -> None:
+    """GLM-4.5 lays its MTP layer out as DeepSeek-V3 does (grouped-query attention)."""
+    if arch != "deepseek_v3":
+        main_model = build_tiny_model(arch, 2, **BASE, num_nextn_predict_layers=1)
+    opened = _mounted(tmp_path, main_model, _mtp_tensors(main_model, _block_model(arch), echo))
     xray = XRay()
     try:
         engine = Engine(opened.consumer, xray=xray)
