@@ -29,7 +29,7 @@ from czyx.inference.xray import XRay, load_schema
 from czyx.store import Store
 from czyx.store.models.mount import mount
 from czyx.testing.archparity import write_checkpoint
-from czyx.testing.tiny_models import build_tiny_model, per_expert_tensors
+from czyx.testing.tiny_models import build_tiny_model, mtp_layer_tensors
 
 BASE = dict(initializer_range=0.2, num_hidden_layers=3)
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(0, 96, 12)]
@@ -38,51 +38,6 @@ PROMPT = [int(t) for t in np.random.default_rng(3).integers(0, 96, 12)]
 def _block_model(arch: str = "deepseek_v3"):
     """The MTP layer's decoder block: layer 0 of a one-layer model of ``arch`` (sparse)."""
     return build_tiny_model(arch, 7, **{**BASE, "num_hidden_layers": 1}, first_k_dense_replace=0)
-
-
-def _mtp_tensors(main, block, echo: bool) -> dict[str, torch.Tensor]:
-    """The MTP layer's tensors under ``model.layers.<N>.``: ``block``'s layer 0 (its stacked
-    experts split per expert, as a published checkpoint stores them), and random
-    ``enorm``/``hnorm``/``eh_proj``/``embed_tokens``/``shared_head``.
-
-    ``echo``: weights that make the head repeat the main model's own prediction (the
-    block's attention and MLP outputs zeroed, ``eh_proj = [0 | I]``, the main model's
-    final norm and head): its draft is the pending token, accepted wherever the text
-    repeats a token. Random weights give no meaningful acceptance.
-    """
-    n = main.config.num_hidden_layers
-    h = main.config.hidden_size
-    out: dict[str, torch.Tensor] = {}
-    for name, t in block.state_dict().items():
-        if not name.startswith("model.layers.0."):
-            continue
-        rest = name.removeprefix("model.layers.0.")
-        if echo and (rest.endswith("o_proj.weight") or "down_proj" in rest):
-            t = torch.zeros_like(t)
-        if rest.startswith("mlp.experts."):
-            out.update(per_expert_tensors(f"model.layers.{n}.mlp.experts.", rest.split(".")[-1], t))
-            continue
-        out[f"model.layers.{n}.{rest}"] = t
-    g = torch.Generator().manual_seed(11)
-    sd = main.state_dict()
-    v = main.config.vocab_size
-    own = {
-        "enorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
-        "hnorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
-        "eh_proj.weight": 0.2 * torch.randn((h, 2 * h), generator=g),
-        "embed_tokens.weight": torch.randn((v, h), generator=g),
-        "shared_head.norm.weight": 1 + 0.2 * torch.randn(h, generator=g),
-        "shared_head.head.weight": 0.2 * torch.randn((v, h), generator=g),
-    }
-    if echo:
-        own["hnorm.weight"] = torch.ones(h)
-        own["eh_proj.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1)
-        own["embed_tokens.weight"] = sd["model.embed_tokens.weight"]
-        own["shared_head.norm.weight"] = sd["model.norm.weight"]
-        own["shared_head.head.weight"] = sd["lm_head.weight"]
-    for name, t in own.items():
-        out[f"model.layers.{n}.{name}"] = t
-    return {k: t.detach().clone().contiguous() for k, t in out.items()}
 
 
 def _mounted(tmp_path, main, mtp: dict[str, torch.Tensor] | None) -> OpenedModel:
@@ -111,7 +66,7 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def test_head_logits_match_a_torch_reference_of_the_mtp_formula(tmp_path, main_model) -> None:
     block = _block_model()
-    mtp = _mtp_tensors(main_model, block, echo=False)
+    mtp = mtp_layer_tensors(main_model, block, echo=False)
     n = main_model.config.num_hidden_layers
     eps = main_model.config.rms_norm_eps
     ids = torch.tensor([PROMPT])
@@ -171,7 +126,7 @@ def test_mtp_greedy_output_is_the_output_without_drafts(tmp_path, main_model, ar
     """GLM-4.5 lays its MTP layer out as DeepSeek-V3 does (grouped-query attention)."""
     if arch != "deepseek_v3":
         main_model = build_tiny_model(arch, 2, **BASE, num_nextn_predict_layers=1)
-    opened = _mounted(tmp_path, main_model, _mtp_tensors(main_model, _block_model(arch), echo))
+    opened = _mounted(tmp_path, main_model, mtp_layer_tensors(main_model, _block_model(arch), echo))
     xray = XRay()
     try:
         engine = Engine(opened.consumer, xray=xray)
