@@ -203,11 +203,21 @@ class MTPHead:
         The main model's engine (its consumer keeps the MTP layer).
     cache_bytes
         The block's expert slot budget (None: the engine's default for it).
+
+    Raises
+    ------
+    SpeculationError
+        No MTP layer (:class:`MTPConsumer`), or a portal that restricts the target's
+        routing (its class caveats do not scope the MTP layer's experts).
     """
 
     def __init__(self, target: Engine, cache_bytes: int | None = None) -> None:
         from czyx.inference.engine import BlasLimit, Engine
 
+        if target.model.route_mask is not None:
+            # The MTP experts are trunk records, outside the expert space a portal's class
+            # caveats scope: a restricted portal does not reach them.
+            raise SpeculationError("speculate mtp: not under a portal that restricts routing")
         consumer = MTPConsumer(target.consumer)
         options: EngineOptions = target.options.with_(stream=False)
         self.engine = Engine(consumer, cache_bytes=cache_bytes, options=options, threads=1)

@@ -167,6 +167,17 @@ def test_a_model_without_mtp_is_refused_in_one_line(tmp_path, main_model) -> Non
             engine.close()
     finally:
         opened.close()
+    opened = _mounted(tmp_path / "with", main_model, mtp_layer_tensors(main_model, _block_model()))
+    try:
+        engine = Engine(opened.consumer)
+        try:  # a portal narrowing routing does not scope the MTP experts: refused
+            engine.model.route_mask = np.ones((3, 8), bool)
+            with pytest.raises(SpeculationError, match="restricts routing"):
+                Speculator.open(SpeculateOptions("mtp"), engine)
+        finally:
+            engine.close()
+    finally:
+        opened.close()
     with pytest.raises(ValueError, match="mtp is not served"):  # czyx serve, czyx chat
         BatchOptions(speculate=SpeculateOptions("mtp"))
 
