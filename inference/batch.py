@@ -359,6 +359,8 @@ def _forward_c(
                 cache.release()
     for kv, s, t in zip(kvs, starts, lens, strict=True):
         kv.length = s + t
+    if model.hidden_hook is not None:
+        _hand_hidden(model, kvs, starts, bt.h, rows or [np.array([q]) for q in range(n)])
     if rows is not None and any(all_logits):  # those chunks' every row, others' last, in order
         picks = [r if a else r[-1:] for r, a in zip(rows, all_logits, strict=True)]
         order = np.concatenate(picks)
@@ -500,12 +502,23 @@ def _forward_c_each(model, tokens: list[int], kvs: Sequence[KVCache]) -> list[np
                 cache.release()
         h += model.mlp_out(y)
     out = []
+    if model.hidden_hook is not None:
+        _hand_hidden(model, kvs, starts, h, [np.array([r]) for r in range(n)])
     for r, kv in enumerate(kvs):
         kv.length = starts[r] + 1
         np.copyto(kern.h, h[r])
         kern.head(model.final_norm, model.lm_head, cfg.rms_eps)
         out.append(model.finish_logits(kern.logits.copy()))
     return out
+
+
+def _hand_hidden(
+    model, kvs: Sequence[KVCache], starts: list[int], h: np.ndarray, rows: Sequence[np.ndarray]
+) -> None:
+    """Give ``model.hidden_hook`` each sequence's pre-norm rows (``h[rows[q]]``: its
+    positions from ``starts[q]``), as the one-sequence forward does."""
+    for kv, start, r in zip(kvs, starts, rows, strict=True):
+        model.hidden_hook(kv, start, h[r])
 
 
 def _acquire_groups(idx: np.ndarray, resident: np.ndarray, cap: int):
@@ -591,6 +604,8 @@ def _forward_rows(
         h = h + model.mlp_out(routed)
     for kv, s, n in zip(kvs, starts, lens, strict=True):
         kv.length = s + n
+    if model.hidden_hook is not None:
+        _hand_hidden(model, kvs, starts, h, [np.arange(a, b) for a, b in itertools.pairwise(offs)])
     if any(all_logits):  # every row of those sequences, the last of the others
         picks = [
             np.arange(offs[j], offs[j + 1]) if all_logits[j] else np.array([offs[j + 1] - 1])
@@ -788,7 +803,7 @@ class BatchOptions:
     speculate: SpeculateOptions = SPECULATE_OFF
 
     def __post_init__(self) -> None:
-        _served_speculation(self.speculate)
+        served_speculation(self.speculate)
         if self.max_batch < 1:
             raise ValueError(f"max_batch {self.max_batch} must be at least 1")
         if self.max_queue < 0:
@@ -803,9 +818,9 @@ class BatchOptions:
             raise ValueError(f"prefix cache {self.prefix_cache_bytes} B is negative")
 
 
-def _served_speculation(options: SpeculateOptions) -> None:
-    """Refuse what the scheduler cannot speculate with (a draft version)."""
-    if options.draft_ref is not None:
+def served_speculation(options: SpeculateOptions) -> None:
+    """Refuse what the scheduler cannot speculate with (a draft version, the MTP layer)."""
+    if options.draft_ref is not None or options.mode == "mtp":
         raise ValueError(
             f"speculate: {options.mode} is not served (the server drafts by prompt lookup: "
             "off or lookup)"
@@ -1085,7 +1100,7 @@ class Scheduler:
                 )
             hist = (h_ids, history[1])
         spec_opts = self.options.speculate if speculate is None else speculate
-        _served_speculation(spec_opts)
+        served_speculation(spec_opts)
         spec = None
         if spec_opts.enabled and not keep_state and not self.model._length_rope:
             spec = Speculator.lookup(spec_opts, measure=False)  # step times are shared

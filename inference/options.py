@@ -128,7 +128,7 @@ BATCHED_OPTIONS = EngineOptions(policy="cyclic", prefetch=False)
 
 
 #: The draft modes :class:`SpeculateOptions` accepts (``draft:NAME@VER`` besides these).
-SPECULATE_MODES = ("off", "lookup")
+SPECULATE_MODES = ("off", "lookup", "mtp")
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,9 @@ class SpeculateOptions:
     ----------
     mode
         ``"off"``; ``"lookup"`` (prompt lookup: the tokens that followed the
-        latest earlier occurrence of the text's last n-gram); or
+        latest earlier occurrence of the text's last n-gram); ``"mtp"`` (the model's
+        own multi-token-prediction layer, DeepSeek-V3 / GLM-4.5's
+        ``num_nextn_predict_layers``: :mod:`czyx.inference.mtp`); or
         ``"draft:NAME@VER"``, a version of the same store (a low-bit copy of the
         same model, say) whose greedy tokens are the drafts.
     draft_tokens
@@ -154,8 +156,8 @@ class SpeculateOptions:
     ngram
         Prompt lookup: the longest suffix n-gram searched for (then shorter ones, down to 1).
     draft_cache_mb
-        A draft version's own expert slot budget in MiB (None: the engine's
-        default for that version).
+        The drafter's own expert slot budget in MiB, a draft version's or the MTP
+        layer's (None: the engine's default for it).
     """
 
     mode: str = "off"
@@ -168,7 +170,9 @@ class SpeculateOptions:
         if self.mode not in SPECULATE_MODES and not (
             self.mode.startswith("draft:") and "@" in self.mode[6:]
         ):
-            raise ValueError(f"speculate: {self.mode!r} is not one of off, lookup, draft:NAME@VER")
+            raise ValueError(
+                f"speculate: {self.mode!r} is not one of off, lookup, mtp, draft:NAME@VER"
+            )
         if not 1 <= self.draft_tokens <= 32:
             raise ValueError(f"draft tokens: {self.draft_tokens} is not in 1..32")
         if self.ngram < 1:

@@ -2,7 +2,8 @@
 
 Scope: the :class:`Drafter` interface and its drafters (:class:`PromptLookup`, the
 latest earlier occurrence of the text's last n-gram; :class:`ModelDrafter`, the
-greedy tokens of a second engine, such as a low-bit version of the same model), the
+greedy tokens of a second engine, such as a low-bit version of the same model;
+the model's own MTP layer, :mod:`czyx.inference.mtp`), the
 adaptive draft length (:class:`DraftLength`) and the decode loop
 (:func:`speculative_decode`) that :func:`~czyx.inference.generate.generate_ids` runs
 when given a :class:`Speculator`.
@@ -88,6 +89,22 @@ class Drafter(Protocol):
 
 
 _CHECKED_TAIL = 64  # tokens a drafter compares to tell an extended history from a new one
+
+
+def common_prefix(seen: Sequence[int], history: Sequence[int], limit: int) -> int:
+    """How many leading tokens ``seen`` (what a drafter's cache holds) and ``history``
+    share, at most ``limit``.
+
+    An extension of the last history (the usual step) differs only in its last
+    drafted tokens: the tail window is scanned, all of it only for another text.
+    """
+    limit = min(len(seen), len(history), limit)
+    common = max(0, limit - _CHECKED_TAIL)
+    if common and seen[common - 1] != history[common - 1]:
+        common = 0
+    while common < limit and seen[common] == history[common]:
+        common += 1
+    return common
 
 
 class PromptLookup:
@@ -180,14 +197,7 @@ class ModelDrafter:
         if not history:
             return []
         seen = self._seen
-        limit = min(len(seen), len(history) - 1)  # at least one token left to process
-        # An extension of the last history (the usual step) differs only in its last
-        # drafted tokens: scan the tail window, all of it only for another text.
-        common = max(0, limit - _CHECKED_TAIL)
-        if common and seen[common - 1] != history[common - 1]:
-            common = 0
-        while common < limit and seen[common] == history[common]:
-            common += 1
+        common = common_prefix(seen, history, len(history) - 1)  # one token left to process
         eng = self.engine
         eng.rollback(common)
         rest = list(history[common:])
@@ -354,14 +364,22 @@ class Speculator:
     ) -> Speculator | None:
         """The speculator ``options`` describe for ``engine`` (None when ``off``).
 
-        ``draft:NAME@VER`` opens that version of ``store`` (the open store the
-        target came from) through the portal ``token`` (the owner's when None),
-        with its own expert budget (``options.draft_cache_mb``) and the target's
-        reader options; it must share the target's vocabulary.
+        ``mtp`` runs the target's own multi-token-prediction layer
+        (:class:`~czyx.inference.mtp.MTPDrafter`; a model without one is refused with
+        a :class:`SpeculationError`), its block under ``options.draft_cache_mb``.
+        ``draft:NAME@VER`` opens that version of ``store`` (the open store the target
+        came from) through the portal ``token`` (the owner's when None), with its own
+        expert budget (``options.draft_cache_mb``) and the target's reader options; it
+        must share the target's vocabulary.
         """
         if not options.enabled:
             return None
         length = DraftLength(options.draft_tokens, options.adaptive)
+        cache = None if options.draft_cache_mb is None else int(options.draft_cache_mb * 2**20)
+        if options.mode == "mtp":
+            from czyx.inference.mtp import MTPDrafter
+
+            return cls(MTPDrafter.open(engine, cache), length)
         ref = options.draft_ref
         if ref is None:
             return cls(PromptLookup(options.ngram), length)
@@ -372,7 +390,6 @@ class Speculator:
 
         consumer = open_consumer(store, token or None, ref, direct=True)
         try:
-            cache = None if options.draft_cache_mb is None else int(options.draft_cache_mb * 2**20)
             draft = Engine(
                 consumer, cache_bytes=cache, options=engine.options, threads=engine.threads
             )

@@ -345,3 +345,69 @@ def reference_logits(path: str | os.PathLike[str], arch: str, tokens: list[int])
     model = model_class(arch).from_pretrained(path).eval()
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].float()
+
+
+def per_expert_tensors(prefix: str, part: str, stacked: Any) -> dict[str, Any]:
+    """A layer's stacked experts as ``save_pretrained`` writes them, one tensor per expert.
+
+    ``stacked`` is transformers 5.x's in-memory ``gate_up_proj [E, 2I, H]`` or
+    ``down_proj [E, H, I]`` (``part``); the names are ``{prefix}{e}.gate_proj.weight``,
+    ``...up_proj...`` and ``...down_proj...`` (``prefix``: ``model.layers.<L>.mlp.experts.``).
+    """
+    out = {}
+    for e in range(stacked.shape[0]):
+        if part == "gate_up_proj":
+            gate, up = stacked[e].chunk(2, dim=0)
+            out[f"{prefix}{e}.gate_proj.weight"] = gate
+            out[f"{prefix}{e}.up_proj.weight"] = up
+        else:
+            out[f"{prefix}{e}.down_proj.weight"] = stacked[e]
+    return out
+
+
+def mtp_layer_tensors(main: Any, block: Any, echo: bool = False) -> dict[str, Any]:
+    """A multi-token-prediction layer for ``main`` (a tiny DeepSeek-V3 / GLM-4.5) as the
+    published checkpoints append it, under ``model.layers.<num_hidden_layers>.``:
+    ``block``'s layer 0 as its decoder block (stacked experts split per expert) and
+    random ``enorm``/``hnorm``/``eh_proj``/``embed_tokens``/``shared_head``.
+
+    ``echo``: weights that make the head repeat the main model's own prediction (the
+    block's attention and MLP outputs zeroed, ``eh_proj = [0 | I]``, the main model's
+    final norm and head): its draft is the pending token, accepted wherever the text
+    repeats a token. Random weights give no meaningful acceptance.
+    """
+    import torch
+
+    n = main.config.num_hidden_layers
+    h = main.config.hidden_size
+    out: dict[str, Any] = {}
+    for name, t in block.state_dict().items():
+        if not name.startswith("model.layers.0."):
+            continue
+        rest = name.removeprefix("model.layers.0.")
+        if echo and (rest.endswith("o_proj.weight") or "down_proj" in rest):
+            t = torch.zeros_like(t)
+        if rest.startswith("mlp.experts."):
+            out.update(per_expert_tensors(f"model.layers.{n}.mlp.experts.", rest.split(".")[-1], t))
+            continue
+        out[f"model.layers.{n}.{rest}"] = t
+    g = torch.Generator().manual_seed(11)
+    sd = main.state_dict()
+    v = main.config.vocab_size
+    own = {
+        "enorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+        "hnorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+        "eh_proj.weight": 0.2 * torch.randn((h, 2 * h), generator=g),
+        "embed_tokens.weight": torch.randn((v, h), generator=g),
+        "shared_head.norm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+        "shared_head.head.weight": 0.2 * torch.randn((v, h), generator=g),
+    }
+    if echo:
+        own["hnorm.weight"] = torch.ones(h)
+        own["eh_proj.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1)
+        own["embed_tokens.weight"] = sd["model.embed_tokens.weight"]
+        own["shared_head.norm.weight"] = sd["model.norm.weight"]
+        own["shared_head.head.weight"] = sd["lm_head.weight"]
+    for name, t in own.items():
+        out[f"model.layers.{n}.{name}"] = t
+    return {k: t.detach().clone().contiguous() for k, t in out.items()}

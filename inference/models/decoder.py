@@ -268,6 +268,12 @@ class MoEDecoder:
         # they are routed (the streaming cache's look-ahead predicts the next sparse
         # layer from it); None on the ordinary path.
         self.route_hook: Callable[[int, np.ndarray], None] | None = None
+        # Called as hidden_hook(kv, start, h) with the residual stream after the last layer,
+        # before the final norm, of every position a forward computed (``h [T, H]``: the
+        # positions ``start ..`` of the KV cache ``kv``), on every path (numpy, C, batched):
+        # the multi-token-prediction drafter's input (:mod:`czyx.inference.mtp`). None on
+        # the ordinary path.
+        self.hidden_hook: Callable[[KVCache, int, np.ndarray], None] | None = None
         # bool [n_layers, n_experts] of the experts a scoped portal permits, or None
         # (everything): routing then picks its top-k among the permitted only.
         self.route_mask: np.ndarray | None = routing_mask(consumer, cfg)
@@ -519,6 +525,8 @@ class MoEDecoder:
         kv.reserve(start + t)
         h = self.run_layers(take_rows(self.embed, tokens), kv, start, 0, cfg.n_layers)
         kv.length = start + t
+        if self.hidden_hook is not None:
+            self.hidden_hook(kv, start, h)
         if not all_logits:
             h = h[-1:]
         hn = self.norm(h, self.final_norm, self.final_norm_bias)
@@ -607,6 +615,8 @@ class MoEDecoder:
         kern.embed(self.embed, token)
         self.run_layers_one(kern, kv, start, 0, cfg.n_layers)
         kv.length = start + 1
+        if self.hidden_hook is not None:
+            self.hidden_hook(kv, start, kern.h[None])
         kern.head(self.final_norm, self.lm_head, cfg.rms_eps)
         out = self.finish_logits(kern.logits.copy())
         return out[None] if all_logits else out

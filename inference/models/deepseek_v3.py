@@ -8,7 +8,8 @@ top-k inside them; the weights are the unbiased scores of the chosen
 experts, renormalised when ``norm_topk_prob`` (plus 1e-20, as transformers)
 and multiplied by ``routed_scaling_factor``. ``rope_interleave`` (default
 true) says the rotary channels are adjacent pairs. The multi-token-prediction
-layer of a published checkpoint is kept by mount and never run.
+layer of a published checkpoint is kept by mount; ``--speculate mtp`` runs it as a
+draft head (:mod:`czyx.inference.mtp`).
 """
 
 from __future__ import annotations

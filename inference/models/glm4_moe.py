@@ -8,7 +8,7 @@ head rotates; routing is DeepSeek-V3's (sigmoid scores, selection biased by
 groups, ``norm_topk_prob``, ``routed_scaling_factor``); ``n_shared_experts``
 ungated shared experts are added; the first ``first_k_dense_replace`` layers
 are dense. The multi-token-prediction layer of a published checkpoint is kept
-by mount and never run.
+by mount; ``--speculate mtp`` runs it as a draft head (:mod:`czyx.inference.mtp`).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ NEWER_ROLES = (
     "sinks",  # [n_heads] GPT-OSS attention sink logits
     "expert_gate_up_bias",  # [E, 2I] GPT-OSS routed experts' gate/up biases (gate, then up)
     "expert_down_bias",  # [E, H] GPT-OSS routed experts' down biases
-    "mtp",  # a multi-token-prediction layer's tensor: kept verbatim, never run
+    "mtp",  # a multi-token-prediction layer's tensor: kept verbatim (a draft head, not the model)
     "input_norm_bias",  # [H] PhiMoE's LayerNorm biases
     "post_attn_norm_bias",  # [H]
     "final_norm_bias",  # [H] (global) PhiMoE's final LayerNorm bias

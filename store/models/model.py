@@ -346,6 +346,8 @@ class StoreModel(BlockFileExperts):
         # holds its stored bytes, not a float32 trunk beside them.
         self._packed: dict[tuple[str, int | None], tuple] = {}
         self._tokenizer_ref = space.trunk.get((TOKENIZER_ROLE, None))
+        # Kept multi-token-prediction tensors by checkpoint name (read on demand: mtp_tensor).
+        self._mtp = {r.record["src"][1]: r for k, r in space.trunk.items() if k[0] == MTP_ROLE}
         # Lazy mode: per-layer refs, read on demand through one reader per trunk
         # space (opened and identity-checked here, so a replaced block file is an
         # error at open, and later reads need no LMDB transaction: they may run on
@@ -459,6 +461,27 @@ class StoreModel(BlockFileExperts):
                 raise ValueError(f"trunk role {role!r} is not one of {ALL_ROLES}") from None
             where = "" if role in ALL_GLOBAL_ROLES else f" at layer {layer}"
             raise MissingTrunkRoleError(f"{self.info.arch} model has no {role}{where}") from None
+
+    def mtp_names(self) -> list[str]:
+        """The checkpoint names of the kept multi-token-prediction tensors (trunk role
+        ``"mtp"``, ``num_nextn_predict_layers`` layers), in name order; empty without them."""
+        return sorted(self._mtp)
+
+    def mtp_tensor(self, name: str) -> np.ndarray:
+        """The float32 values of kept multi-token-prediction tensor ``name``, read and
+        verified now (not held: the caller owns the array).
+
+        Raises
+        ------
+        MissingTrunkRoleError
+            The model keeps no such tensor.
+        ChecksumError, ShortReadError, ReadIOError
+            A bad read (never other bytes).
+        """
+        ref = self._mtp.get(name)
+        if ref is None:
+            raise MissingTrunkRoleError(f"{self.info.arch} model keeps no MTP tensor {name!r}")
+        return _float32(self._space.read_trunk_raw(ref), ref)
 
     def trunk_quantized(self, role: str, layer: int | None = None) -> tuple | None:
         """``(packed uint8 buffer, QuantFormat, shape)`` of a quantized trunk tensor, else None.

@@ -357,6 +357,9 @@ def test_czyx_run_speculates_with_the_same_text(tmp_path, monkeypatch, capsys) -
     assert "speculate: 'sometimes' is not one of" in capsys.readouterr().err
     assert main(["run", "s@1", "--prompt", prompt, "--speculate", "lookup", "--ray", "x"]) != 0
     assert "--speculate: not with --ray" in capsys.readouterr().err
+    assert main(["run", "s@1", "--prompt", prompt, "--speculate", "mtp"]) != 0
+    err = capsys.readouterr().err.strip()  # the bundled model has no MTP layer: one line
+    assert "num_nextn_predict_layers" in err and "\n" not in err
 
 
 @pytest.mark.parametrize("c_decode", [True, False])

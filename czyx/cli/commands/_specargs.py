@@ -20,8 +20,9 @@ def add_speculate_args(p: argparse.ArgumentParser, served: bool = False) -> None
     else:
         what = (
             "speculative decoding: off (default), lookup (drafts from the prompt and the text "
-            "so far) or draft:NAME@VER (a version of the same store, e.g. a low-bit copy of "
-            "the model); greedy output is unchanged, sampled output keeps its distribution"
+            "so far), mtp (the model's own multi-token-prediction layer: DeepSeek-V3, GLM-4.5) "
+            "or draft:NAME@VER (a version of the same store, e.g. a low-bit copy of the "
+            "model); greedy output is unchanged, sampled output keeps its distribution"
         )
     p.add_argument("--speculate", metavar="MODE", default=SPECULATE_OFF.mode, help=what)
     p.add_argument(
@@ -43,7 +44,7 @@ def add_speculate_args(p: argparse.ArgumentParser, served: bool = False) -> None
         "--draft-cache-mb",
         type=float,
         default=SPECULATE_OFF.draft_cache_mb,
-        help="draft:NAME@VER: the draft version's expert slot budget in MiB "
+        help="draft:NAME@VER or mtp: the drafter's expert slot budget in MiB "
         "(default: the engine's default for it)",
     )
 

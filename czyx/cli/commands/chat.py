@@ -143,7 +143,10 @@ def run(args: argparse.Namespace) -> int:
     if args.seed is not None:
         params["seed"] = args.seed
     if args.speculate != "off":  # czyx's request extension (a local server has it as default too)
-        speculate_options(args)  # (a bad mode fails here, before anything starts)
+        from czyx.inference.batch import served_speculation
+
+        # A bad mode, or one the server cannot draft with, fails here, before anything starts.
+        served_speculation(speculate_options(args))
         params["extra_body"] = {"speculate": args.speculate, "draft_tokens": args.draft_tokens}
     with contextlib.ExitStack() as stack:
         if args.url:

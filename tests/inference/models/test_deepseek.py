@@ -31,7 +31,7 @@ from czyx.store.models.mount import mount
 from czyx.store.models.mount_errors import UnexpectedTensorError
 from czyx.testing.archparity import reference, run_parity, write_checkpoint
 from czyx.testing.refmodels import StateDictConsumer
-from czyx.testing.tiny_models import build_tiny_model
+from czyx.testing.tiny_models import build_tiny_model, per_expert_tensors
 
 BASE = dict(initializer_range=0.2, num_hidden_layers=3)
 PROMPT = np.random.default_rng(3).integers(0, 96, 12)
@@ -89,15 +89,9 @@ def _mtp_tensors(model, layer: int) -> dict[str, torch.Tensor]:
         if not name.startswith(f"model.layers.{last}."):
             continue
         rest = name.removeprefix(f"model.layers.{last}.")
-        if rest.startswith("mlp.experts."):
-            part = rest.split(".")[-1]  # gate_up_proj / down_proj stacked in memory
-            for e in range(t.shape[0]):
-                if part == "gate_up_proj":
-                    gate, up = t[e].chunk(2, dim=0)
-                    out[f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight"] = gate
-                    out[f"model.layers.{layer}.mlp.experts.{e}.up_proj.weight"] = up
-                else:
-                    out[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"] = t[e]
+        if rest.startswith("mlp.experts."):  # gate_up_proj / down_proj stacked in memory
+            part = rest.split(".")[-1]
+            out.update(per_expert_tensors(f"model.layers.{layer}.mlp.experts.", part, t))
             continue
         out[f"model.layers.{layer}.{rest}"] = torch.randn(t.shape, generator=g)
     h, v = model.config.hidden_size, model.config.vocab_size
