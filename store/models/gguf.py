@@ -827,6 +827,24 @@ PRE_REGEX: dict[str, str | tuple[str, ...]] = {
         "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?"
         "[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
     ),
+    # Kimi-K2 (tiktoken, its tokenization_kimi.py pat_str): llama-vocab.cpp names it by a
+    # "\p{Han}+" trigger and runs a hand-written splitter of this very pattern (unicode.cpp,
+    # Han excluded from the letter classes); Oniguruma's class intersection (&&) is that
+    # exclusion, so the tiktoken pattern itself is the pre-tokenizer
+    "kimi-k2": "|".join(
+        (
+            r"[\p{Han}]+",
+            r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+            r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+            r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+            r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+            r"\p{N}{1,3}",
+            r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+            r"\s*[\r\n]+",
+            r"\s+(?!\S)",
+            r"\s+",
+        )
+    ),
 }
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 3, 4, 5, 6
 METASPACE = "\u2581"  # sentencepiece's space
