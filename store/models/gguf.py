@@ -204,6 +204,21 @@ ARCHS: dict[str, GGUFArch] = {
         _LLAMA4,
     )
 }
+#: Architectures czyx runs from safetensors whose llama.cpp layout it does not read or
+#: write yet, by llama.cpp name: ``(czyx model_type, what is missing)``. Both directions
+#: refuse them with that line rather than guess at the converter's transforms.
+PENDING: dict[str, tuple[str, str]] = {
+    "qwen3next": (
+        "qwen3_next",
+        "its gated-DeltaNet tensors (Qwen3NextModel's attn_qkv/attn_gate split of "
+        "in_proj_qkvz, ssm_a = -exp(A_log), norms stored as 1 + w) have no czyx mapping yet",
+    ),
+    "jamba": (
+        "jamba",
+        "its Mamba tensors (JambaModel's ssm_a = -exp(A_log), squeezed ssm_conv1d, ssm_x, "
+        "ssm_dt and the dt/B/C norms) have no czyx mapping yet",
+    ),
+}
 # llama.cpp's deepseek2 holds DeepSeek-V2 and V3 (and Kimi-K2): the gating function
 # tells them apart (resolve_arch); ARCHS names the V3 reading, BY_CZYX has both.
 BY_CZYX = {a.czyx: a for a in (*ARCHS.values(), _DEEPSEEK_V2)}
@@ -414,9 +429,12 @@ def kv_b_split(kv_b: np.ndarray, n_head: int, qk_nope: int) -> tuple[np.ndarray,
 def resolve_arch(name: str, meta: Mapping[str, Any]) -> GGUFArch | None:
     """The :class:`GGUFArch` of a file's ``general.architecture``; ``None`` if unknown.
 
+    Raises :class:`UnsupportedGGUFError` for the :data:`PENDING` architectures.
     ``deepseek2`` is DeepSeek-V3 (Kimi-K2...) when its experts are gated by a sigmoid
     and DeepSeek-V2 when by a softmax (llama.cpp's default when the key is absent).
     """
+    if name in PENDING:
+        raise UnsupportedGGUFError(f"GGUF architecture {name!r}: {PENDING[name][1]}")
     if name != "deepseek2":
         return ARCHS.get(name)
     gating = int(_get(meta, "deepseek2.expert_gating_func", GATING_SOFTMAX))
@@ -839,6 +857,12 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
         scaling GGUF cannot express, or routing llama.cpp would compute otherwise.
     """
     arch = BY_CZYX.get(str(config.get("model_type")))
+    pending = {czyx: (gguf, why) for gguf, (czyx, why) in PENDING.items()}
+    if arch is None and config.get("model_type") in pending:
+        gguf, why = pending[config["model_type"]]
+        raise UnsupportedGGUFError(
+            f"model_type {config['model_type']!r} as llama.cpp's {gguf}: {why}"
+        )
     if arch is None:
         raise UnsupportedGGUFError(f"model_type {config.get('model_type')!r} has no GGUF export")
     if arch.gguf == "deepseek2":  # (its YaRN has a GGUF form)
