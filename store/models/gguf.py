@@ -527,7 +527,7 @@ def config_from_gguf(
         )
         del cfg["norm_topk_prob"]
     elif arch.czyx == "llama4_text":
-        _llama4_config(meta, cfg, n_experts, int(ff), int(expert_ff))
+        _llama4_config(meta, cfg, n_experts)
     elif arch.czyx == "olmoe":
         cfg.update(num_experts=n_experts, intermediate_size=int(expert_ff or ff))
         clamp = _get(meta, f"{a}.attention.clamp_kqv")
@@ -557,11 +557,11 @@ LLAMA4_NOPE_INTERVAL = 4
 LLAMA4_TEMPERATURE = {"attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1}
 
 
-def _llama4_config(
-    meta: Mapping[str, Any], cfg: dict[str, Any], n_experts: int, ff: int, expert_ff: int
-) -> None:
+def _llama4_config(meta: Mapping[str, Any], cfg: dict[str, Any], n_experts: int) -> None:
     """The Llama 4 fields of ``cfg`` (see :data:`LLAMA4_CHUNK`)."""
     a, n = "llama4", cfg["num_hidden_layers"]
+    ff = int(_get(meta, f"{a}.feed_forward_length", need=True))
+    expert_ff = int(_get(meta, f"{a}.expert_feed_forward_length", need=True))
     step = int(_get(meta, f"{a}.interleave_moe_layer_step", need=True))
     if step < 1:
         raise GGUFError(f"{a}.interleave_moe_layer_step {step}")

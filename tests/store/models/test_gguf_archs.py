@@ -202,3 +202,13 @@ def test_llama4_features_llama_cpp_fixes_otherwise_are_refused(over, match):
     meta |= {"llama4.block_count": 4, "llama4.expert_count": 8, "llama4.expert_used_count": 1}
     with pytest.raises(UnsupportedGGUFError, match="rope_freqs"):
         config_from_gguf(meta, GGUF_ARCHS["llama4"], 96, True, ["rope_freqs.weight"])
+
+
+def test_llama4_gguf_without_its_feed_forward_lengths_is_malformed():
+    from czyx.store.models.gguf import GGUFError
+
+    meta = {"llama4.embedding_length": 64, "llama4.attention.head_count": 2}
+    meta |= {"llama4.block_count": 4, "llama4.expert_count": 8, "llama4.expert_used_count": 1}
+    meta |= {"llama4.interleave_moe_layer_step": 2, "llama4.feed_forward_length": 64}
+    with pytest.raises(GGUFError, match="expert_feed_forward_length"):
+        config_from_gguf(meta, GGUF_ARCHS["llama4"], 96, True)
