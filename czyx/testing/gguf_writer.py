@@ -39,6 +39,7 @@ _ARCH = {
     "deepseek_v2": "deepseek2",
     "deepseek_v3": "deepseek2",
     "phimoe": "phimoe",
+    "llama4_text": "llama4",
 }
 _MAP = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -95,6 +96,9 @@ _MLA = {
 }
 
 
+_PACKAGE_NAMED = ("llama4",)
+
+
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.LlamaModel.permute."""
     return (
@@ -102,6 +106,38 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(w.shape)
     )
+
+
+def _gguf_package_state(model: Any, arch: str) -> dict[str, np.ndarray]:
+    """The converter's tensors of the architectures it names with the ``gguf`` package's
+    own ``TensorNameMap`` (Llama 4), so this writer shares no name table with czyx.
+
+    Llama 4 (``Llama4Model.modify_tensors``): the stacked experts are HF's transposed
+    ``gate_up_proj [E, H, 2I]`` (gate the first half of the last axis) and ``down_proj
+    [E, I, H]``, written as llama.cpp's ``[E, I, H]`` / ``[E, H, I]`` stacks; q/k rows
+    as they are (``undo_permute = False``).
+    """
+    import gguf
+
+    cfg = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    out: dict[str, np.ndarray] = {}
+    for name, t in model.state_dict().items():
+        a = t.detach().float().numpy()
+        if name.endswith(".experts.gate_up_proj"):
+            gate_up = a.swapaxes(1, 2)
+            half = gate_up.shape[1] // 2
+            stem = name.removesuffix(".gate_up_proj")
+            out[names[f"{stem}.gate_proj"] + ".weight"] = gate_up[:, :half]
+            out[names[f"{stem}.up_proj"] + ".weight"] = gate_up[:, half:]
+        elif name.endswith(".experts.down_proj"):
+            out[names[name] + ".weight"] = a.swapaxes(1, 2)
+        else:
+            mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            if mapped is None:
+                raise KeyError(f"the gguf package maps no {arch} tensor {name}")
+            out[mapped] = a
+    return out
 
 
 def _state(model: Any) -> dict[str, np.ndarray]:
@@ -113,6 +149,8 @@ def _state(model: Any) -> dict[str, np.ndarray]:
     llama.cpp's absorbed MLA; the multi-token-prediction layers are dropped.
     """
     cfg = model.config
+    if _ARCH[cfg.model_type] in _PACKAGE_NAMED:
+        return _gguf_package_state(model, _ARCH[cfg.model_type])
     mla = _ARCH[cfg.model_type] == "deepseek2"
     table = _MLA if mla else _LAYER
     out: dict[str, np.ndarray] = {}
@@ -234,10 +272,13 @@ def reference_model(model: Any, qtype: str) -> Any:
         return gguf.quants.dequantize(gguf.quants.quantize(a, t), t)
 
     mla = _ARCH[model.config.model_type] == "deepseek2"
+    transposed = _ARCH[model.config.model_type] == "llama4"  # HF's experts [E, H, 2I], [E, I, H]
     with torch.no_grad():
         for name, p in ref.state_dict().items():
             a = p.detach().float().numpy()
-            if mla and name.endswith("kv_b_proj.weight"):  # held as its two halves
+            if transposed and name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                back = held(name, a.swapaxes(1, 2).copy()).swapaxes(1, 2)  # ([E, H, .] stacks)
+            elif mla and name.endswith("kv_b_proj.weight"):  # held as its two halves
                 heads, nope = model.config.num_attention_heads, model.config.qk_nope_head_dim
                 kv_b = a.reshape(heads, -1, a.shape[-1])
                 k_b = held("attn_k_b.weight", np.ascontiguousarray(kv_b[:, :nope].swapaxes(1, 2)))
@@ -335,7 +376,8 @@ def _parameters(writer: Any, cfg: Any, arch: str) -> None:
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(cfg.intermediate_size)
+    llama4 = arch == "llama4"  # (Llama4Model swaps intermediate_size and _mlp)
+    writer.add_feed_forward_length(cfg.intermediate_size_mlp if llama4 else cfg.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv)
     rope = getattr(cfg, "rope_theta", None) or (cfg.rope_parameters or {}).get("rope_theta")
@@ -356,8 +398,13 @@ def _parameters(writer: Any, cfg: Any, arch: str) -> None:
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if arch == "olmoe" and getattr(cfg, "clip_qkv", None) is not None:
         writer.add_clamp_kqv(float(cfg.clip_qkv))
-    if arch == "llama":
+    if arch in ("llama", "llama4"):
         writer.add_vocab_size(cfg.vocab_size)
+    if llama4:  # Llama4Model.set_gguf_parameters
+        writer.add_interleave_moe_layer_step(cfg.interleave_moe_layer_step)
+        writer.add_expert_feed_forward_length(cfg.intermediate_size)
+        if all(t == "full_attention" for t in getattr(cfg, "layer_types", None) or ["x"]):
+            writer.add_sliding_window(0)  # every layer full attention: llama.cpp's no-SWA
 
 
 def _deepseek_parameters(writer: Any, cfg: Any) -> None:

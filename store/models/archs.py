@@ -659,7 +659,7 @@ ARCHS: dict[str, ArchSpec] = {
             "llama4_text",
             ("llama4_text",),
             _NORMS + _ATTN + _QKV_BIAS + _O_BIAS + _LLAMA4,
-            _NO_PER_EXPERT,
+            _EXPERT_JAMBA,  # (HF saves only stacks; a GGUF's experts read as these names)
             ("num_local_experts",),
             ("intermediate_size",),
             "gate_up_t",

@@ -4,7 +4,9 @@ Scope: pure knowledge, no file I/O. For each architecture czyx runs (Mixtral,
 which llama.cpp converts as ``llama``; Qwen2-MoE ``qwen2moe``; Qwen3-MoE
 ``qwen3moe``; OLMoE ``olmoe``; PhiMoE ``phimoe``, with its LayerNorm,
 attention and head biases; DeepSeek-V3, Kimi-K2 and DeepSeek-V2 ``deepseek2``,
-told apart by ``expert_gating_func``, sigmoid or softmax, :func:`resolve_arch`):
+told apart by ``expert_gating_func``, sigmoid or softmax, :func:`resolve_arch`;
+Llama 4 text ``llama4``, whose chunked attention, NoPE layers and temperature
+llama.cpp fixes in code, :data:`LLAMA4_CHUNK`):
 
 * the map between llama.cpp tensor names (``blk.N.attn_q.weight``,
   stacked experts ``blk.N.ffn_{gate,up,down}_exps.weight [E, I, H]``...) and
@@ -56,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from czyx.store.models.archs import llama4_moe_layers
 from czyx.store.models.mount_errors import CheckpointError
 
 #: PhiMoE's ``router_jitter_noise`` (transformers' default): GGUF has no field for it,
@@ -82,6 +85,8 @@ class GGUFArch:
     ``permute_qk``: q/k rows are in llama.cpp's interleaved rope order.
     ``renormalize``: llama.cpp renormalises the top-k routing weights.
     ``expert_names``: HF per-expert names for gate, up, down (``{l}``, ``{e}``).
+    ``layer_names``: where the HF names of a layer's tensors differ from the common
+    table (``blk.N.<key>`` -> ``model.layers.N.<value>``).
     """
 
     gguf: str
@@ -91,6 +96,7 @@ class GGUFArch:
     renormalize: bool
     router: str
     expert_names: tuple[str, str, str]
+    layer_names: Mapping[str, str] | None = None  # blk.N.<key> overrides of _LAYER
 
 
 _PROJ = tuple(
@@ -117,6 +123,28 @@ _DEEPSEEK_V2 = GGUFArch(
     False,
     "model.layers.{l}.mlp.gate.weight",
     _PROJ,  # type: ignore[arg-type]
+)
+_FEED = "model.layers.{l}.feed_forward"
+# Llama 4: HF's feed_forward.* names (the converter maps them with gguf's TensorNameMap).
+_LLAMA4_LAYER = {
+    "ffn_gate_shexp.weight": "feed_forward.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "feed_forward.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "feed_forward.shared_expert.down_proj.weight",
+    "ffn_gate.weight": "feed_forward.gate_proj.weight",
+    "ffn_up.weight": "feed_forward.up_proj.weight",
+    "ffn_down.weight": "feed_forward.down_proj.weight",
+}
+_LLAMA4 = GGUFArch(
+    "llama4",
+    "llama4_text",
+    "Llama4ForCausalLM",
+    # Llama4Model sets undo_permute = False: HF's Llama 4 rope already rotates adjacent
+    # pairs (complex multiply), as llama.cpp's LLAMA_ROPE_TYPE_NORM does
+    False,
+    False,  # (top-k sigmoid gates: nothing to renormalise)
+    _FEED + ".router.weight",
+    tuple(f"{_FEED}.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")),  # type: ignore[arg-type]
+    _LLAMA4_LAYER,
 )
 #: llama.cpp's ``expert_gating_func`` values (``LLAMA_EXPERT_GATING_FUNC_TYPE_*``).
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
@@ -173,7 +201,23 @@ ARCHS: dict[str, GGUFArch] = {
             _PROJ,  # type: ignore[arg-type]
         ),
         _DEEPSEEK_V3,
+        _LLAMA4,
     )
+}
+#: Architectures czyx runs from safetensors whose llama.cpp layout it does not read or
+#: write yet, by llama.cpp name: ``(czyx model_type, what is missing)``. Both directions
+#: refuse them with that line rather than guess at the converter's transforms.
+PENDING: dict[str, tuple[str, str]] = {
+    "qwen3next": (
+        "qwen3_next",
+        "its gated-DeltaNet tensors (Qwen3NextModel's attn_qkv/attn_gate split of "
+        "in_proj_qkvz, ssm_a = -exp(A_log), norms stored as 1 + w) have no czyx mapping yet",
+    ),
+    "jamba": (
+        "jamba",
+        "its Mamba tensors (JambaModel's ssm_a = -exp(A_log), squeezed ssm_conv1d, ssm_x, "
+        "ssm_dt and the dt/B/C norms) have no czyx mapping yet",
+    ),
 }
 # llama.cpp's deepseek2 holds DeepSeek-V2 and V3 (and Kimi-K2): the gating function
 # tells them apart (resolve_arch); ARCHS names the V3 reading, BY_CZYX has both.
@@ -268,7 +312,7 @@ def classify(arch: GGUFArch, name: str) -> GGUFName | None:
             return GGUFName(f"model.layers.{layer}.{KV_B}", layer, kv=KV_B_HALVES[rest])
         hf = _MLA_LAYER.get(rest)
         return None if hf is None else GGUFName(f"model.layers.{layer}.{hf}", layer)
-    hf = _LAYER.get(rest)
+    hf = (arch.layer_names or {}).get(rest) or _LAYER.get(rest)
     if hf is None:
         return None
     qk = rest[5] if rest.startswith(("attn_q.", "attn_k.")) and arch.permute_qk else None
@@ -385,9 +429,12 @@ def kv_b_split(kv_b: np.ndarray, n_head: int, qk_nope: int) -> tuple[np.ndarray,
 def resolve_arch(name: str, meta: Mapping[str, Any]) -> GGUFArch | None:
     """The :class:`GGUFArch` of a file's ``general.architecture``; ``None`` if unknown.
 
+    Raises :class:`UnsupportedGGUFError` for the :data:`PENDING` architectures.
     ``deepseek2`` is DeepSeek-V3 (Kimi-K2...) when its experts are gated by a sigmoid
     and DeepSeek-V2 when by a softmax (llama.cpp's default when the key is absent).
     """
+    if name in PENDING:
+        raise UnsupportedGGUFError(f"GGUF architecture {name!r}: {PENDING[name][1]}")
     if name != "deepseek2":
         return ARCHS.get(name)
     gating = int(_get(meta, "deepseek2.expert_gating_func", GATING_SOFTMAX))
@@ -439,6 +486,8 @@ def config_from_gguf(
         raise UnsupportedGGUFError(f"{a} GGUF without experts (a dense model) is not a MoE")
     if arch.gguf == "deepseek2":
         return _deepseek_config(meta, arch, n_vocab, tied)
+    if arch.gguf == "llama4" and "rope_freqs.weight" in names:
+        raise UnsupportedGGUFError("a llama4 GGUF with rope_freqs (llama3 rope scaling)")
     cfg: dict[str, Any] = {
         "architectures": [arch.hf_class],
         "model_type": arch.czyx,
@@ -477,6 +526,8 @@ def config_from_gguf(
             router_jitter_noise=PHIMOE_JITTER,
         )
         del cfg["norm_topk_prob"]
+    elif arch.czyx == "llama4_text":
+        _llama4_config(meta, cfg, n_experts)
     elif arch.czyx == "olmoe":
         cfg.update(num_experts=n_experts, intermediate_size=int(expert_ff or ff))
         clamp = _get(meta, f"{a}.attention.clamp_kqv")
@@ -494,6 +545,81 @@ def config_from_gguf(
                 cfg["shared_expert_intermediate_size"] = int(shared)
     _token_ids(meta, cfg)
     return cfg
+
+
+# What llama.cpp's llama4 fixes in code (llama-model.cpp, LLM_ARCH_LLAMA4) rather than
+# reads from the file: chunked attention of 8192 tokens on three layers of four, NoPE on
+# the fourth, whose queries get the temperature scale (floor 8192, scale 0.1); q and k
+# L2-normed on the rope layers. A file with attention.sliding_window 0 (what the
+# converter writes when every layer_types entry is full_attention) turns both off.
+LLAMA4_CHUNK = 8192
+LLAMA4_NOPE_INTERVAL = 4
+LLAMA4_TEMPERATURE = {"attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1}
+
+
+def _llama4_config(meta: Mapping[str, Any], cfg: dict[str, Any], n_experts: int) -> None:
+    """The Llama 4 fields of ``cfg`` (see :data:`LLAMA4_CHUNK`)."""
+    a, n = "llama4", cfg["num_hidden_layers"]
+    ff = int(_get(meta, f"{a}.feed_forward_length", need=True))
+    expert_ff = int(_get(meta, f"{a}.expert_feed_forward_length", need=True))
+    step = int(_get(meta, f"{a}.interleave_moe_layer_step", need=True))
+    if step < 1:
+        raise GGUFError(f"{a}.interleave_moe_layer_step {step}")
+    chunked = int(_get(meta, f"{a}.attention.sliding_window", LLAMA4_CHUNK)) != 0
+    every = LLAMA4_NOPE_INTERVAL if chunked else n + 1
+    cfg.update(
+        num_local_experts=n_experts,
+        intermediate_size=expert_ff,
+        intermediate_size_mlp=ff,
+        interleave_moe_layer_step=step,
+        moe_layers=list(range(step - 1, n, step)),
+        no_rope_layers=[int((i + 1) % every != 0) for i in range(n)],
+        no_rope_layer_interval=LLAMA4_NOPE_INTERVAL,
+        attention_chunk_size=LLAMA4_CHUNK if chunked else None,
+        layer_types=["chunked_attention" if chunked else "full_attention"] * n,
+        use_qk_norm=True,
+        **(LLAMA4_TEMPERATURE if chunked else {"attn_temperature_tuning": False}),
+    )
+    if chunked:
+        for i in range(LLAMA4_NOPE_INTERVAL - 1, n, LLAMA4_NOPE_INTERVAL):
+            cfg["layer_types"][i] = "full_attention"
+    del cfg["norm_topk_prob"]
+
+
+def _llama4_metadata(config: Mapping[str, Any], meta: dict[str, Any]) -> None:
+    """``llama4.*`` keys of a Llama 4 text config (``Llama4Model.set_gguf_parameters``);
+    refuses what llama.cpp would run otherwise (:data:`LLAMA4_CHUNK`)."""
+    a, n = "llama4", int(config["num_hidden_layers"])
+    step = int(config.get("interleave_moe_layer_step") or 1)
+    if list(llama4_moe_layers(config, n)) != list(range(step - 1, n, step)):
+        raise UnsupportedGGUFError(
+            f"moe_layers {config.get('moe_layers')}: llama.cpp's llama4 has only "
+            "interleave_moe_layer_step"
+        )
+    if not config.get("use_qk_norm", True):
+        raise UnsupportedGGUFError("use_qk_norm=false: llama.cpp's llama4 always L2-norms q, k")
+    nope = [int(x) for x in config.get("no_rope_layers") or []]
+    types = list(config.get("layer_types") or [])
+    full = bool(types) and all(t == "full_attention" for t in types)
+    if full and nope == [1] * n:  # rope and full attention everywhere: sliding_window 0
+        meta[f"{a}.attention.sliding_window"] = 0
+    else:
+        want = [int((i + 1) % LLAMA4_NOPE_INTERVAL != 0) for i in range(n)]
+        temp = {k: config.get(k) for k in LLAMA4_TEMPERATURE}
+        if (
+            nope != want
+            or config.get("attention_chunk_size") != LLAMA4_CHUNK
+            or temp != LLAMA4_TEMPERATURE
+        ):
+            raise UnsupportedGGUFError(
+                f"llama.cpp's llama4 fixes chunked attention at {LLAMA4_CHUNK}, NoPE every "
+                f"{LLAMA4_NOPE_INTERVAL}th layer and its temperature {LLAMA4_TEMPERATURE}"
+            )
+    meta[f"{a}.expert_count"] = int(config["num_local_experts"])
+    meta[f"{a}.feed_forward_length"] = int(config["intermediate_size_mlp"])
+    meta[f"{a}.vocab_size"] = int(config["vocab_size"])
+    meta[f"{a}.interleave_moe_layer_step"] = step
+    meta[f"{a}.expert_feed_forward_length"] = int(config["intermediate_size"])
 
 
 def _token_ids(meta: Mapping[str, Any], cfg: dict[str, Any]) -> None:
@@ -731,6 +857,12 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
         scaling GGUF cannot express, or routing llama.cpp would compute otherwise.
     """
     arch = BY_CZYX.get(str(config.get("model_type")))
+    pending = {czyx: (gguf, why) for gguf, (czyx, why) in PENDING.items()}
+    if arch is None and config.get("model_type") in pending:
+        gguf, why = pending[config["model_type"]]
+        raise UnsupportedGGUFError(
+            f"model_type {config['model_type']!r} as llama.cpp's {gguf}: {why}"
+        )
     if arch is None:
         raise UnsupportedGGUFError(f"model_type {config.get('model_type')!r} has no GGUF export")
     if arch.gguf == "deepseek2":  # (its YaRN has a GGUF form)
@@ -748,7 +880,8 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
             f"router_jitter_noise={config.get('router_jitter_noise')}: GGUF has no field for "
             f"PhiMoE's sparsemixer threshold (only {PHIMOE_JITTER} round-trips)"
         )
-    routes_by_topk = arch.czyx not in ("mixtral", "phimoe")  # (PhiMoE: sparsemixer)
+    # (PhiMoE: sparsemixer; Llama 4: sigmoid gates, never renormalised)
+    routes_by_topk = arch.czyx not in ("mixtral", "phimoe", "llama4_text")
     if routes_by_topk and bool(config.get("norm_topk_prob")) != arch.renormalize:
         raise UnsupportedGGUFError(
             f"norm_topk_prob={config.get('norm_topk_prob')}: llama.cpp's {arch.gguf} "
@@ -781,6 +914,8 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
         meta[f"{a}.expert_count"] = int(config["num_local_experts"])
         meta[f"{a}.feed_forward_length"] = int(config["intermediate_size"])
         meta[f"{a}.vocab_size"] = int(config["vocab_size"])
+    elif arch.czyx == "llama4_text":
+        _llama4_metadata(config, meta)
     elif arch.czyx == "phimoe":  # as Phi3MiniModel.set_gguf_parameters writes it
         meta[f"{a}.expert_count"] = int(config["num_local_experts"])
         meta[f"{a}.feed_forward_length"] = int(config["intermediate_size"])
@@ -826,6 +961,24 @@ PRE_REGEX: dict[str, str | tuple[str, ...]] = {
         "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
         "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?"
         "[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+    ),
+    # Kimi-K2 (tiktoken, its tokenization_kimi.py pat_str): llama-vocab.cpp names it by a
+    # "\p{Han}+" trigger and runs a hand-written splitter of this very pattern (unicode.cpp,
+    # Han excluded from the letter classes); Oniguruma's class intersection (&&) is that
+    # exclusion, so the tiktoken pattern itself is the pre-tokenizer
+    "kimi-k2": "|".join(
+        (
+            r"[\p{Han}]+",
+            r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+            r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+            r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+            r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+            r"\p{N}{1,3}",
+            r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+            r"\s*[\r\n]+",
+            r"\s+(?!\S)",
+            r"\s+",
+        )
     ),
 }
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 3, 4, 5, 6

@@ -24,7 +24,13 @@ from czyx.inference.kernels.linear import float_inputs
 from czyx.inference.opened import OpenedModel
 from czyx.inference.tokenizer import tokenizer_for
 from czyx.store import Store
-from czyx.store.models.gguf import ConversionPolicyError, UnsupportedGGUFError, qk_permute, qk_rows
+from czyx.store.models.gguf import (
+    ConversionPolicyError,
+    UnsupportedGGUFError,
+    gguf_metadata,
+    qk_permute,
+    qk_rows,
+)
 from czyx.store.models.gguf_source import native_pack
 from czyx.store.models.mount import mount, summarize
 from czyx.store.quant.formats import dequantize
@@ -178,17 +184,32 @@ def test_tokenizer_travels_from_gguf_metadata(tmp_path):
         assert rendered.render([{"role": "user", "content": "hi"}]).startswith("<user>hi")
 
 
-def test_unsupported_architecture_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    ("arch", "match"),
+    [
+        ("bert", "'bert' is not supported"),
+        ("qwen3next", "'qwen3next': its gated-DeltaNet tensors"),
+        ("jamba", "'jamba': its Mamba tensors"),
+    ],
+)
+def test_unsupported_architecture_is_refused(tmp_path, arch, match):
     import gguf
 
-    w = gguf.GGUFWriter(tmp_path / "x.gguf", "bert")
+    w = gguf.GGUFWriter(tmp_path / "x.gguf", arch)
     w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with Store.open(tmp_path / "s") as store, pytest.raises(UnsupportedGGUFError, match="bert"):
+    with Store.open(tmp_path / "s") as store, pytest.raises(UnsupportedGGUFError, match=match):
         mount(store, tmp_path / "x.gguf", "m@1")
+
+
+@pytest.mark.parametrize(("model_type", "match"), [("qwen3_next", "qwen3next"), ("jamba", "jamba")])
+def test_hybrid_exports_are_refused_naming_what_is_missing(model_type, match):
+    """Qwen3-Next and Jamba run from safetensors; their GGUF form is refused in one line."""
+    with pytest.raises(UnsupportedGGUFError, match=f"as llama.cpp's {match}: .* no czyx mapping"):
+        gguf_metadata({"model_type": model_type})
 
 
 def test_cli_mounts_a_gguf_file(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""GGUF for the architectures llama.cpp converts beyond the first four: PhiMoE.
+"""GGUF for the architectures llama.cpp converts beyond the first four: PhiMoE, Llama 4.
 
 A PhiMoE model written the way llama.cpp's converter lays it out
 (``PhiMoeModel``: the ``phimoe`` arch, experts stacked as
@@ -8,10 +8,15 @@ tokens (the file is read as the HF checkpoint it was converted from, so
 czyx runs its sparsemixer routing); ``export --format gguf`` writes it back
 tensor for tensor; a safetensors PhiMoE exports to a GGUF that mounts again
 with the same logits. What GGUF cannot hold (PhiMoE's longrope mscales, a
-non-default ``router_jitter_noise``) is refused.
+non-default ``router_jitter_noise``) is refused. Llama 4 text the same way
+(``Llama4Model``: ``llama4``, experts from HF's transposed stacks, q/k unpermuted),
+with what llama.cpp fixes in code (chunks of 8192, NoPE every fourth layer, its
+temperature) refused on export when the config differs.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -23,7 +28,7 @@ from czyx.inference.kernels.linear import float_inputs
 from czyx.inference.opened import OpenedModel
 from czyx.store import Store
 from czyx.store.models.gguf import ARCHS as GGUF_ARCHS
-from czyx.store.models.gguf import UnsupportedGGUFError, config_from_gguf
+from czyx.store.models.gguf import UnsupportedGGUFError, config_from_gguf, gguf_metadata
 from czyx.store.models.gguf_export import export_gguf
 from czyx.store.models.mount import mount
 from czyx.testing.archparity import reference
@@ -76,8 +81,9 @@ def test_phimoe_gguf_exports_back_tensor_for_tensor(tmp_path):
     assert gguf.GGUFReader(path).fields["general.architecture"].contents() == "phimoe"
 
 
-def test_safetensors_phimoe_exports_to_a_gguf_that_runs_the_same(tmp_path):
-    model = phimoe(sliding_window=7)
+@pytest.mark.parametrize("make", ["phimoe", "llama4"])
+def test_safetensors_model_exports_to_a_gguf_that_runs_the_same(tmp_path, make):
+    model = phimoe(sliding_window=7) if make == "phimoe" else llama4()
     model.save_pretrained(tmp_path / "ckpt")
     with Store.open(tmp_path / "s") as store:
         mount(store, tmp_path / "ckpt", "m@1")
@@ -107,3 +113,102 @@ def test_what_gguf_cannot_hold_is_refused(tmp_path):
         )
     with pytest.raises(UnsupportedGGUFError, match="longrope"):
         config_from_gguf(meta, GGUF_ARCHS["phimoe"], 8, True, ["rope_factors_long.weight"])
+
+
+# Llama 4 as llama.cpp runs it: chunks of 8192 and a temperature floor of 8192 (fixed in
+# its code), so within a short prompt every layer attends to all earlier tokens.
+LLAMA4 = dict(
+    DIMS,
+    intermediate_size=32,
+    intermediate_size_mlp=64,
+    head_dim=32,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    attention_chunk_size=8192,
+    floor_scale=8192,
+    attn_scale=0.1,
+    vocab_size=96,
+)
+
+
+def llama4(**kw):
+    return build_tiny_model("llama4_text", 3, **{**LLAMA4, **kw})
+
+
+@pytest.mark.parametrize(
+    ("qtype", "over"),
+    [
+        ("f32", {}),
+        ("q8_0", {}),
+        # every layer full attention and rope (MobileLLM-R1): the converter's sliding_window 0
+        ("f16", {"layer_types": ["full_attention"] * 4, "no_rope_layers": [1] * 4}),
+    ],
+    ids=["f32", "q8_0", "all-full-f16"],
+)
+def test_llama4_gguf_runs_as_transformers_and_exports_back(tmp_path, qtype, over):
+    """A Llama 4 text model as ``Llama4Model`` converts it (experts stacked from HF's
+    transposed ``gate_up_proj``, q/k unpermuted, dense and MoE layers interleaved) mounts
+    with transformers' logits and greedy tokens and exports back tensor for tensor."""
+    import gguf
+
+    model = llama4(**over)
+    write_gguf(model, tmp_path / "m.gguf", qtype)
+    with Store.open(tmp_path / "s") as store:
+        manifest = store.manifest(mount(store, tmp_path / "m.gguf", "m@1").selector)
+        (path,) = export_gguf(store, "m@1", tmp_path / "out.gguf")
+    assert manifest["expert"]["sparse_layers"] == [1, 3]
+    got, tokens = _run(tmp_path / "s", "m@1")
+    want, want_tokens = reference(reference_model(model, qtype), PROMPT, 12)
+    assert np.abs(got - want).max() < 1e-5 * float(want.max() - want.min())
+    assert tokens == want_tokens
+    if qtype == "q8_0":
+        assert manifest["expert"]["format"] == "q8"
+    src = {t.name: t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    out = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert set(src) == set(out) and "blk.1.ffn_gate_shexp.weight" in out
+    for name, t in src.items():
+        assert out[name].tensor_type == t.tensor_type, name
+        assert np.array_equal(np.asarray(out[name].data), np.asarray(t.data)), name
+    fields = gguf.GGUFReader(path).fields
+    for key in (
+        "interleave_moe_layer_step",
+        "expert_feed_forward_length",
+        "attention.sliding_window",
+    ):
+        f, g = (
+            fields.get(f"llama4.{key}"),
+            gguf.GGUFReader(tmp_path / "m.gguf").fields.get(f"llama4.{key}"),
+        )
+        assert (f is None) == (g is None) and (f is None or f.contents() == g.contents()), key
+
+
+@pytest.mark.parametrize(
+    ("over", "match"),
+    [
+        ({"attention_chunk_size": 4}, "fixes chunked attention"),
+        ({"floor_scale": 4}, "fixes chunked attention"),
+        ({"no_rope_layers": [1, 0, 1, 1]}, "fixes chunked attention"),
+        ({"use_qk_norm": False}, "use_qk_norm"),
+        ({"moe_layers": [1, 2]}, "moe_layers"),
+    ],
+)
+def test_llama4_features_llama_cpp_fixes_otherwise_are_refused(over, match):
+    config = json.loads(llama4(**over).config.to_json_string())
+    with pytest.raises(UnsupportedGGUFError, match=match):
+        gguf_metadata(config)
+    meta = {"llama4.embedding_length": 64, "llama4.attention.head_count": 2}
+    meta |= {"llama4.block_count": 4, "llama4.expert_count": 8, "llama4.expert_used_count": 1}
+    with pytest.raises(UnsupportedGGUFError, match="rope_freqs"):
+        config_from_gguf(meta, GGUF_ARCHS["llama4"], 96, True, ["rope_freqs.weight"])
+
+
+def test_llama4_gguf_without_its_feed_forward_lengths_is_malformed():
+    from czyx.store.models.gguf import GGUFError
+
+    meta = {"llama4.embedding_length": 64, "llama4.attention.head_count": 2}
+    meta |= {"llama4.block_count": 4, "llama4.expert_count": 8, "llama4.expert_used_count": 1}
+    meta |= {"llama4.interleave_moe_layer_step": 2, "llama4.feed_forward_length": 64}
+    with pytest.raises(GGUFError, match="expert_feed_forward_length"):
+        config_from_gguf(meta, GGUF_ARCHS["llama4"], 96, True)

@@ -21,7 +21,7 @@ from czyx.inference.generate import generate_ids
 from czyx.inference.kernels.linear import float_inputs
 from czyx.inference.opened import OpenedModel
 from czyx.store import Store
-from czyx.store.models.gguf import UnsupportedGGUFError, kv_b_join, kv_b_split
+from czyx.store.models.gguf import PRE_REGEX, UnsupportedGGUFError, kv_b_join, kv_b_split
 from czyx.store.models.gguf_export import export_gguf
 from czyx.store.models.mount import mount
 from czyx.testing.archparity import reference
@@ -338,10 +338,12 @@ _DS3_SPLITS = (
 )
 
 
-def test_deepseek_v3_pre_tokenizer_travels_both_ways(tmp_path):
+def _pre_tokenizer_round_trip(tmp_path, splits, pre: str, text: str):
+    """Write a DeepSeek GGUF whose byte-level BPE pre-tokenizes by ``splits`` (llama.cpp's
+    ``pre``), mount and export it: ``(source tokenizer, mounted tokenizer, mounted ids of
+    text, exported file)``."""
     import json
 
-    import gguf
     from tokenizers import Tokenizer
 
     from czyx.inference.tokenizer import tokenizer_for
@@ -352,7 +354,7 @@ def test_deepseek_v3_pre_tokenizer_travels_both_ways(tmp_path):
         "type": "Sequence",
         "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": rx}, "behavior": "Isolated", "invert": False}
-            for rx in _DS3_SPLITS
+            for rx in splits
         ]
         + [
             {
@@ -364,18 +366,23 @@ def test_deepseek_v3_pre_tokenizer_travels_both_ways(tmp_path):
         ],
     }
     tj = json.dumps(data)
-    src = Tokenizer.from_str(tj)
     model = ds_model(vocab_size=320)  # (the byte alphabet alone is 256 tokens)
-    write_gguf(model, tmp_path / "m.gguf", "f16", tokenizer_json=tj, pre="deepseek-v3")
+    write_gguf(model, tmp_path / "m.gguf", "f16", tokenizer_json=tj, pre=pre)
     with Store.open(tmp_path / "s") as store:
         mount(store, tmp_path / "m.gguf", "m@1")
         token = portals.root_token(store)
         (path,) = export_gguf(store, "m@1", tmp_path / "out.gguf")
-    text = "the fox, 1234567 foxes!x 日本語のテキスト\n\n  jumps"
     with OpenedModel(str(tmp_path / "s"), "m@1", token) as opened:
-        tok = tokenizer_for(opened.consumer, 320)
-        ids = tok.encode(text)
+        ids = tokenizer_for(opened.consumer, 320).encode(text)
         mounted = Tokenizer.from_str(opened.consumer.tokenizer_json())
+    return Tokenizer.from_str(tj), mounted, ids, path
+
+
+def test_deepseek_v3_pre_tokenizer_travels_both_ways(tmp_path):
+    import gguf
+
+    text = "the fox, 1234567 foxes!x 日本語のテキスト\n\n  jumps"
+    src, mounted, ids, path = _pre_tokenizer_round_trip(tmp_path, _DS3_SPLITS, "deepseek-v3", text)
     assert ids == src.encode(text, add_special_tokens=False).ids
     want = src.pre_tokenizer.pre_tokenize_str(text)
     assert mounted.pre_tokenizer.pre_tokenize_str(text) == want
@@ -383,3 +390,34 @@ def test_deepseek_v3_pre_tokenizer_travels_both_ways(tmp_path):
     pieces = [p for p, _ in src.pre_tokenizer.pre_tokenize_str("1234567")]
     assert pieces == ["123", "456", "7"]  # digits in threes, as llama.cpp splits them
     assert gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == "deepseek-v3"
+
+
+# Kimi-K2's tiktoken pat_str (tokenization_kimi.py) as the ``regex`` package's V1 sets
+# spell it: tiktoken's "letters && not Han" is the set difference "letters -- Han".
+_UPPER = r"[[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]--\p{Han}]"
+_LOWER = r"[[\p{Ll}\p{Lm}\p{Lo}\p{M}]--\p{Han}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_KIMI_PAT = (
+    rf"\p{{Han}}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def test_kimi_k2_pre_tokenizer_splits_as_tiktoken_and_travels_back(tmp_path):
+    """llama.cpp's ``kimi-k2`` (what its converter writes for Kimi-K2's tiktoken BPE)
+    mounts as a tokenizer whose pieces are tiktoken's pattern's, checked against the
+    ``regex`` package; export writes ``kimi-k2`` again."""
+    import gguf
+    import regex
+
+    text = "Hello World's FOXes 12345 中文字符かなカナ über\n\n  x!?\r\n  end"
+    src, mounted, ids, path = _pre_tokenizer_round_trip(
+        tmp_path, (PRE_REGEX["kimi-k2"],), "kimi-k2", text
+    )
+    pieces = [text[a:b] for _, (a, b) in mounted.pre_tokenizer.pre_tokenize_str(text)]
+    want = regex.findall(_KIMI_PAT, text, flags=regex.V1)
+    assert pieces == want
+    assert "中文字符" in want and "かなカナ" in want  # Han apart from kana
+    assert ids == src.encode(text, add_special_tokens=False).ids
+    assert gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == "kimi-k2"
