@@ -161,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{r:.0f} | {r / r0:.2f}x |"
         )
     say()
+    say(
+        "Reading: the versions here are in memory (a read is a copy), so tokens/s measures "
+        "compute, not I/O; what tiers save is the bytes column, which only turns into "
+        "speed where reads bound the step (the real-shape capped run, bench/_rs_run.py "
+        "--tiers)."
+    )
+    say()
     say(f"Load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.out:
         Path(args.out).write_text("\n".join(out) + "\n")
