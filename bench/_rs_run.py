@@ -117,15 +117,23 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
 
     threadpool_limits(a.threads)
     t0 = time.perf_counter()
-    with OpenedModel(a.store, a.tag, None) as model:
-        opts = EngineOptions(io=a.io, readers=2, prefetch=not a.no_prefetch)
+    if a.tiers and not a.hot:
+        raise SystemExit("--tiers needs --hot PROFILE (the usage that picks the high experts)")
+    with OpenedModel(a.store, a.tag, None, tiers=a.tiers) as model:
+        opts = EngineOptions(io=a.io, readers=2, prefetch=not a.no_prefetch, tiers=a.tiers)
         kw = {"cache_bytes": a.cache_mb << 20} if a.cache_mb else {"cache_fraction": 1.0}
         if a.default_budget:  # the engine's own choice: what fits this process's memory
             kw = {}
         hot = None
+        info = model.consumer.info
+        if a.hot:  # a routing profile's hot list (czyx profile): prewarmed, and the tiers'
+            from czyx.inference.profile import RoutingProfile
+
+            hot = RoutingProfile.load(a.hot, info.n_layers, info.n_experts).hot_list()
         if a.prewarm:  # every expert read before the first token (a resident run)
-            info = model.consumer.info
-            hot = [(i, e) for i in range(info.n_layers) for e in range(info.n_experts)]
+            every = [(i, e) for i in range(info.n_layers) for e in range(info.n_experts)]
+            seen = set(hot or [])
+            hot = (hot or []) + [p for p in every if p not in seen]
         xray = None
         if a.bound:
             from czyx.inference.xray import XRay
@@ -258,6 +266,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--greedy", action="store_true")
     ap.add_argument("--warmup", type=int, default=0, help="untimed decode tokens first")
     ap.add_argument("--prewarm", action="store_true", help="czyx: read every expert first")
+    ap.add_argument("--hot", default=None, help="czyx: routing profile whose hot list to prewarm")
+    ap.add_argument(
+        "--tiers",
+        default=None,
+        metavar="HIGH,LOW[:FRACTION]",
+        help="czyx: per-expert precision tiers (--tag must be NAME@HIGH; needs --hot)",
+    )
     ap.add_argument(
         "--warm-prefill", action="store_true", help="an untimed prefill of the prompt first"
     )

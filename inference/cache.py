@@ -345,7 +345,29 @@ class ExpertCache:
         self.arena = arena.reshape(n_slots, self.slot_nbytes)
         # Precomputed per-slot views: a fetch indexes a list, it never slices.
         self._slot_views = [self.arena[s] for s in range(n_slots)]
-        self._weights = [self._make_weights(s) for s in range(n_slots)]
+        # Per-expert precision tiers (a consumer with ``tier`` and ``expert_views_at``, a
+        # :class:`~czyx.store.models.tiered.TieredModel`): each slot has kernel views for
+        # either precision, and the ones in use follow the tier of the expert it was last
+        # filled with (:meth:`_filled_at`).
+        tiered = hasattr(consumer, "expert_views_at")
+        #: ``int8 [n_layers, n_experts]`` tier of each expert (None: one precision).
+        self.tier_map: np.ndarray | None = consumer.tier if tiered else None  # type: ignore[attr-defined]
+        n_tiers = len(consumer.formats) if tiered else 1  # type: ignore[attr-defined]
+        self._tier_weights = [
+            [self._make_weights(s, t) for s in range(n_slots)] for t in range(n_tiers)
+        ]
+        self._weights = list(self._tier_weights[0])
+        #: Tier of the expert each slot holds (0 for an empty slot, or without tiers).
+        self.slot_tier = np.zeros(n_slots, np.int8)
+        #: Bytes a miss at each tier counts (the slot stride without tiers).
+        self.tier_nbytes = tuple(consumer.strides) if tiered else (self.slot_nbytes,)  # type: ignore[attr-defined]
+        #: Expert reads per tier (misses, prefetches and prewarm reads alike).
+        self.tier_reads = np.zeros(n_tiers, np.int64)
+        #: Expert reads per tier in each forward step so far (:meth:`advance` closes one).
+        self.tier_steps: list[tuple[int, ...]] = []
+        self._tier_mark: np.ndarray | None = None
+        # Called as hook(slot, tier) when a slot changes tier (the C kernels' descriptors).
+        self._retier_hooks: list = []
         # Formats that are not float32 are widened per use into this one scratch
         # pair (allocated once), so the fetch path still allocates nothing.
         self._scratch: tuple[np.ndarray, np.ndarray] | None = None
@@ -383,19 +405,75 @@ class ExpertCache:
         #: (every expert owns a slot once read), and an acquire whose experts are all
         #: resident and ready is a table read (:meth:`_acquire_ready`).
         self.never_evicts = n_slots >= total
+        #: Routed experts of the model (``(layer, expert)`` pairs of its sparse layers).
+        self.n_experts_total = int(total)
         # The slot of each expert resident and ready to use (verified, for the streaming
         # cache), -1 otherwise, per layer; kept only when the budget never evicts. Python
         # lists: for a top-k of a few experts, indexing them is several times cheaper
         # than a numpy gather and reduction.
         self._ready = [[-1] * self.n_experts for _ in range(self.n_layers)]
 
-    def _make_weights(self, s: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def _make_weights(self, s: int, tier: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
+        if self.tier_map is not None:  # packed formats only (TieredModel refuses others)
+            views = self.consumer.expert_views_at(self._slot_views[s], tier)  # type: ignore[attr-defined]
+            fmt = self.consumer.formats[tier]  # type: ignore[attr-defined]
+            hidden = int(self.consumer.info.config["hidden_size"])
+            return packed_expert_from_views(fmt, hidden, views)
         views = self.consumer.expert_views(self._slot_views[s])
         if is_quant_format(self.format):
             # Packed q2/q3/q4/q8 extents: kernel-ready views of the slot, made once.
             hidden = int(self.consumer.info.config["hidden_size"])
             return packed_expert_from_views(self.format, hidden, views)
         return _float32_weights(views, self._slot_views[s], self.format)
+
+    def _filled_at(self, s: int, layer: int, expert: int) -> int:
+        """Slot ``s`` is being filled with ``(layer, expert)``: switch its views to the
+        expert's tier (before any read into it completes); returns the bytes the miss counts.
+        """
+        tiers = self.tier_map
+        if tiers is None:
+            self.tier_reads[0] += 1
+            return self.slot_nbytes
+        t = int(tiers[layer, expert])
+        if t != self.slot_tier[s]:
+            self.slot_tier[s] = t
+            self._weights[s] = self._tier_weights[t][s]
+            for ref in self._retier_hooks:
+                hook = ref()
+                if hook is not None:
+                    hook(s, t)
+        self.tier_reads[t] += 1
+        return self.tier_nbytes[t]
+
+    def _tier_step(self) -> None:
+        """A forward step starts: the reads per tier since the last one close its entry
+        (reads before the first step, a prewarm's, belong to no step)."""
+        if self._tier_mark is not None:
+            self.tier_steps.append(tuple(int(x) for x in self.tier_reads - self._tier_mark))
+        self._tier_mark = self.tier_reads.copy()
+
+    def tier_report(self) -> dict:
+        """The tiers section of an X-Ray report (a tiered cache): versions, formats, how many
+        experts are high, reads and bytes per tier, and reads per tier of each step."""
+        steps = list(self.tier_steps)
+        if self._tier_mark is not None:  # the step still running
+            steps.append(tuple(int(x) for x in self.tier_reads - self._tier_mark))
+        reads = [int(x) for x in self.tier_reads]
+        return {
+            "versions": list(self.consumer.names),  # type: ignore[attr-defined]
+            "formats": list(self.consumer.formats),  # type: ignore[attr-defined]
+            "high_experts": int((self.tier_map == 0).sum()),  # type: ignore[operator]
+            "experts": int(self.n_experts_total),
+            "reads": reads,
+            "bytes_read": [r * n for r, n in zip(reads, self.tier_nbytes, strict=True)],
+            "steps": [list(s) for s in steps],
+        }
+
+    def on_retier(self, hook) -> None:
+        """Call the bound method ``hook(slot, tier)`` whenever a slot is refilled at another
+        tier than the expert it held (the kernels' per-slot descriptors follow it); held
+        weakly, so a dropped kernel table is not kept alive."""
+        self._retier_hooks.append(weakref.WeakMethod(hook))
 
     # ------------------------------------------------------------------ queries
 
@@ -454,6 +532,8 @@ class ExpertCache:
         stays at token 0 (a decaying policy then never decays: plain LFU).
         """
         self.tokens += int(n_tokens)
+        if self.tier_map is not None:
+            self._tier_step()
         if self._set_token is not None:
             self._set_token(self.tokens - 1)
 
@@ -598,11 +678,12 @@ class ExpertCache:
                 self.evictions += 1
         # The slot is unowned while it is written: a failed read leaves no stale mapping.
         self.owner[s] = -1
+        nbytes = self._filled_at(s, layer, expert)
         t0 = time.perf_counter()
         self.consumer.read_expert(layer, expert, self._slot_views[s])
         self.read_seconds += time.perf_counter() - t0
         self.misses += 1
-        self.bytes_read += self.slot_nbytes
+        self.bytes_read += nbytes
         self.owner[s] = layer * self.n_experts + expert
         self.table[layer, expert] = s
         if self.never_evicts:

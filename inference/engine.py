@@ -27,6 +27,7 @@ from czyx.inference.models.decoder import describe_restriction
 from czyx.inference.options import DEFAULT_OPTIONS, EngineOptions
 from czyx.inference.profile import RoutingProfile
 from czyx.inference.streaming import StreamingExpertCache, StreamOptions, attach
+from czyx.inference.tiers import TierSpec, TierSpecError, check_tiered, high_mask
 from czyx.inference.trunkwindow import TrunkWindowStats
 from czyx.inference.xray import XRay
 from czyx.store.consumer import ModelConsumer
@@ -251,6 +252,10 @@ class Engine:
         stream = options.stream
         cls = decoder_class(consumer.info.arch)
         cfg = cls.parse_config(consumer.info)
+        #: The tiers option parsed (None: one version); see :meth:`set_tiers`.
+        self.tiers = None if options.tiers is None else TierSpec.parse(options.tiers)
+        if self.tiers is not None:
+            check_tiered(consumer, self.tiers)
         self.consumer = consumer
         # The memory this process may take, read at most once: the default budget and the
         # default I/O path (_io_path) are decided from the same reading.
@@ -269,6 +274,9 @@ class Engine:
                 " as routed (--cache-mb or --cache-fraction sets the budget)"
             )
         self.xray = xray
+        if self.tiers is not None:
+            self._sparse_rows = np.asarray(cfg.sparse_layers, bool)
+            self.set_tiers(hot)
         if not stream:
             self.cache = ExpertCache(
                 consumer, self.budget_bytes, cfg.top_k, cfg.n_sparse_experts, policy
@@ -313,6 +321,31 @@ class Engine:
         if hot:
             self.cache.prewarm(hot)
         self.kv = self.model.new_kv()
+
+    def set_tiers(self, hot: Sequence[tuple[int, int]] | None) -> None:
+        """Choose the high-precision experts from the hot list ``hot`` (most used first:
+        a profile's, or :meth:`routing_profile`'s of this run) by the tiers option's policy
+        (:func:`~czyx.inference.tiers.high_mask`); later reads follow it, experts already
+        in a slot keep their precision until evicted.
+
+        Raises
+        ------
+        TierSpecError
+            The engine runs without tiers, or ``hot`` is empty.
+        """
+        if self.tiers is None:
+            raise TierSpecError("set_tiers: this engine runs without tiers")
+        tiered = self.consumer
+        mask = high_mask(
+            hot, tiered.tier.shape, self.budget_bytes, tiered.strides[0], self.tiers.fraction
+        )
+        mask &= self._sparse_rows[:, None]
+        settle = getattr(getattr(self, "cache", None), "_settle", None)
+        if settle is not None:
+            # A read in flight resolves its version (a consumer without block files) when
+            # it runs: none may see the map change under it.
+            settle()
+        tiered.set_high(mask)
 
     def _io_path(self, consumer: ModelConsumer) -> str:
         """The expert I/O path when the options name none.

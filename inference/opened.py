@@ -19,7 +19,13 @@ class OpenedModel:
     """
 
     def __init__(
-        self, store_dir: str, ref: str, token: str | None, *, lazy_trunk: bool = False
+        self,
+        store_dir: str,
+        ref: str,
+        token: str | None,
+        *,
+        lazy_trunk: bool = False,
+        tiers: str | None = None,
     ) -> None:
         from czyx.inference.errors import InferenceError
         from czyx.portals import open_consumer
@@ -30,9 +36,16 @@ class OpenedModel:
         self.store = Store.open(store_dir, create=False)
         try:
             # No token: the owner's root portal (local use); a tenant passes theirs.
-            self.consumer = open_consumer(
-                self.store, token or None, ref, direct=True, lazy_trunk=lazy_trunk
-            )
+            if tiers is not None:  # both versions, one consumer (czyx.inference.tiers)
+                from czyx.inference.tiers import open_tiered
+
+                self.consumer = open_tiered(
+                    self.store, token or None, ref, tiers, direct=True, lazy_trunk=lazy_trunk
+                )
+            else:
+                self.consumer = open_consumer(
+                    self.store, token or None, ref, direct=True, lazy_trunk=lazy_trunk
+                )
         except BaseException:
             self.store.close()
             raise

@@ -61,6 +61,12 @@ class EngineOptions:
         Also predict each sparse layer from the residual stream entering it.
     strict_deadlines
         A transfer that completes after its deadline raises instead of counting a stall.
+    tiers
+        Per-expert precision tiers, ``HIGH,LOW[:FRACTION]`` (``"q4,q2"``): the engine runs
+        over both versions (a :class:`~czyx.store.models.tiered.TieredModel`) and reads the
+        hot list's first experts, filling ``FRACTION`` of the budget (default 0.5), at the
+        high precision, the rest at the low one (:mod:`czyx.inference.tiers`). None (the
+        default): one version. Changes the outputs: opt-in.
     """
 
     policy: str = "decay"
@@ -73,6 +79,7 @@ class EngineOptions:
     width: int | None = None
     early: bool = True
     strict_deadlines: bool = False
+    tiers: str | None = None
 
     def __post_init__(self) -> None:
         if self.readers < 1:
@@ -81,6 +88,10 @@ class EngineOptions:
             raise ValueError(f"lookahead: {self.lookahead}: at least 1, or 0 with early routing")
         if self.width is not None and self.width < 1:
             raise ValueError(f"width: {self.width} must be at least 1")
+        if self.tiers is not None:
+            from czyx.inference.tiers import TierSpec
+
+            TierSpec.parse(self.tiers)  # a malformed spec fails here, not at open
 
     def with_(self, **changes: Any) -> EngineOptions:
         """A copy with ``changes`` (old spellings accepted, with a DeprecationWarning)."""

@@ -95,6 +95,7 @@ class Transfer:
         "stalled",
         "t_first_use",
         "t_request",
+        "tier",
         "used",
     )
 
@@ -117,6 +118,8 @@ class Transfer:
         self.used = False
         self.evicted: tuple[int, int] | None = None
         self.evict_reason = "empty"
+        #: The precision tier the expert was read at (a tiered cache sets it; else None).
+        self.tier: int | None = None
 
     @property
     def error(self) -> BaseException | None:

@@ -503,9 +503,11 @@ class StreamingExpertCache(ExpertCache):
             evicted, reason = (old // self.n_experts, old % self.n_experts), self.policy.name
         self.owner[s] = -1  # unowned while written: a failed read leaves no mapping
         self._xfer[s] = None
+        nbytes = self._filled_at(s, layer, expert)  # the tier's views, before the read
         t = self.planner.submit(
             layer, expert, s, kind=kind, evicted=evicted, evict_reason=reason, priority=priority
         )
+        t.tier = int(self.slot_tier[s])
         key = layer * self.n_experts + expert
         self.inflight[s] = True
         self.owner[s] = key
@@ -516,7 +518,7 @@ class StreamingExpertCache(ExpertCache):
             filled(s, key)
         if kind == PREFETCH:
             self.policy.touch(s)  # a fresh prefetch is not the first victim of the next one
-        self.bytes_read += self.slot_nbytes
+        self.bytes_read += nbytes
         return t
 
     def _wait(self, t: Transfer) -> None:

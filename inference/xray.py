@@ -157,6 +157,7 @@ class XRay:
             "checksum": t.checksum_result,
             "stalled": t.stalled,
             "error": None if t.error is None else f"{type(t.error).__name__}: {t.error}",
+            **({} if t.tier is None else {"tier": t.tier}),
         }
 
     def report(
@@ -254,6 +255,9 @@ class XRay:
             ),
             "extra": extra or {},
         }
+        tiers = getattr(cache, "tier_report", None)
+        if tiers is not None and cache.tier_map is not None:
+            run["tiers"] = tiers()
         if speculation is not None:
             drafted = sum(int(d) for d, _ in speculation)
             accepted = sum(int(a) for _, a in speculation)

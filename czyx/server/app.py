@@ -291,7 +291,13 @@ class ServedModel:
         if not any(k in kwargs for k in ("options", "policy", "stream")):
             kwargs["options"] = BATCHED_OPTIONS
         windowed = kwargs.get("trunk_window") is not None
-        self.consumer = open_consumer(store, None, ref, direct=True, lazy_trunk=windowed)
+        tiers = getattr(kwargs.get("options"), "tiers", None)
+        if tiers is not None:  # both versions as one consumer (czyx.inference.tiers)
+            from czyx.inference.tiers import open_tiered
+
+            self.consumer = open_tiered(store, None, ref, tiers, lazy_trunk=windowed)
+        else:
+            self.consumer = open_consumer(store, None, ref, direct=True, lazy_trunk=windowed)
         try:
             if options.hot_profile:
                 info = self.consumer.info

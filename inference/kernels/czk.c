@@ -1285,8 +1285,8 @@ typedef struct {
     const int64_t *slots;
     const float *w;
     const float *x;
-    const czk_xq *ax;
-    float *act; /* [n, I] */
+    const czk_xq *const *axe; /* [n] the input quantized for expert j's gate/up groups */
+    float *act;               /* [n, I] */
     const czk_xq *aact;
     float *y;
 } czk_moe_ctx;
@@ -1300,8 +1300,9 @@ static void czk_moe_gu_task(void *ctx_, int64_t t0, int64_t t1) {
         if (e > t1) e = t1;
         if (e - t > 64) e = t + 64;
         const czk_mat *gm = &c->mats[3 * c->slots[j]], *um = &c->mats[3 * c->slots[j] + 1];
-        czk_rows(gm, c->x, c->ax, g - r, r, r + (e - t));
-        czk_rows(um, c->x, c->ax, u - r, r, r + (e - t));
+        const czk_xq *ax = c->axe ? c->axe[j] : NULL;
+        czk_rows(gm, c->x, ax, g - r, r, r + (e - t));
+        czk_rows(um, c->x, ax, u - r, r, r + (e - t));
         float *act = c->act + j * c->I;
         for (int64_t i = 0; i < e - t; i++) {
             const float gv = g[i];
@@ -1328,19 +1329,69 @@ static void czk_moe_down_task(void *ctx_, int64_t t0, int64_t t1) {
     }
 }
 
+/* Distinct gate/up group sizes one MoE call's packed experts may mix (experts held
+ * at different precisions: q4's groups of 32 beside q2's of 64). The input is
+ * quantized once; only its per-group sums differ, one array per group size. */
+#define CZK_MAXG 4
+
+/* Bytes of the extra per-group sums of an input of n values (CZK_MAXG - 1 arrays). */
+static int64_t czk_gsum_bytes(int64_t n) {
+    return (CZK_MAXG - 1) * (int64_t)(sizeof(float) * (size_t)(czk_padn(n) / 32) + 64);
+}
+
 /* Scratch bytes of czk_moe for n experts of hidden H and intermediate I. */
 int64_t czk_moe_work_bytes(int n, int64_t H, int64_t I) {
     return (int64_t)(sizeof(float) * (size_t)(n * I)) + 64 + czk_work_bytes(H) +
-           (int64_t)n * czk_work_bytes(I) + 64;
+           czk_gsum_bytes(H) + (int64_t)n * czk_work_bytes(I) + 64;
+}
+
+/* Index of `group` in groups[0 .. *ng), appended when new; -1 past CZK_MAXG. */
+static int czk_group_index(int64_t *groups, int *ng, int64_t group) {
+    for (int i = 0; i < *ng; i++)
+        if (groups[i] == group) return i;
+    if (*ng == CZK_MAXG) return -1;
+    groups[*ng] = group;
+    return (*ng)++;
+}
+
+/* The input x quantized once into xq[0] (bound at *mem), and its group sums for the
+ * gate/up group of each of the n experts at slots: xq[i] shares xq[0]'s codes with
+ * the sums of the i-th distinct group (bound after it); axe[j] is expert j's. */
+static void czk_quantize_groups(const float *x, int64_t H, const czk_mat *table,
+                                const int64_t *slots, int n, czk_xq *xq, const czk_xq **axe,
+                                uint8_t **mem) {
+    uint8_t *m = *mem;
+    czk_xq_bind(&xq[0], m, H);
+    m = (uint8_t *)czk_align(m + czk_xq_bytes(H));
+    czk_quantize(x, &xq[0]);
+    int64_t groups[CZK_MAXG];
+    int ng = 0;
+    for (int j = 0; j < n; j++) {
+        const int64_t g = table[3 * slots[j]].group;
+        const int before = ng, i = czk_group_index(groups, &ng, g);
+        if (ng > before && i > 0) { /* a new group size: its own sums over the same codes */
+            xq[i] = xq[0];
+            xq[i].gsum = (float *)m;
+            xq[i].ggroup = 0;
+            m = (uint8_t *)czk_align(m + sizeof(float) * (size_t)(xq[0].npad / 32));
+        }
+        czk_xq_groups(&xq[i], g);
+        axe[j] = &xq[i];
+    }
+    *mem = m;
 }
 
 /* Whether the n experts at slots of a descriptor table are one MoE layer's:
  * each a valid gate [I, H], up [I, H] and down [H, I] of one kind (float or
- * packed, with the first expert's group sizes), I a multiple of 32 when packed. */
+ * packed; packed experts may differ in bits and group sizes, gate and up of one
+ * expert share theirs, at most CZK_MAXG gate groups in all), I a multiple of 32
+ * when packed. */
 static int czk_experts_ok(const czk_mat *table, const int64_t *slots, int n, int64_t H) {
     const czk_mat *f = &table[3 * slots[0]];
     const int64_t I = f->rows;
     const int quant = f->kind == CZK_Q;
+    int64_t groups[CZK_MAXG];
+    int ng = 0;
     for (int j = 0; j < n; j++) {
         const czk_mat *g = &table[3 * slots[j]], *u = g + 1, *d = g + 2;
         if (!czk_check(g) || !czk_check(u) || !czk_check(d)) return 0;
@@ -1348,8 +1399,7 @@ static int czk_experts_ok(const czk_mat *table, const int64_t *slots, int n, int
             d->cols != I)
             return 0;
         if ((g->kind == CZK_Q) != quant || u->kind != g->kind || d->kind != g->kind) return 0;
-        if (quant && (g->group != f->group || u->group != g->group ||
-                      d->group != table[3 * slots[0] + 2].group))
+        if (quant && (u->group != g->group || czk_group_index(groups, &ng, g->group) < 0))
             return 0;
     }
     return !(quant && I % 32);
@@ -1370,23 +1420,21 @@ int czk_moe(czk_pool *p, int n, const czk_mat *table, const int64_t *slots, cons
     uint8_t *m = (uint8_t *)czk_align(work);
     float *act = (float *)m;
     m = (uint8_t *)czk_align(m + sizeof(float) * (size_t)(n * I));
-    czk_xq ax, aact[CZK_MAXK];
+    czk_xq ax[CZK_MAXG], aact[CZK_MAXK];
+    const czk_xq *axe[CZK_MAXK];
     if (quant) {
-        czk_xq_bind(&ax, m, H);
-        m = (uint8_t *)czk_align(m + czk_xq_bytes(H));
         for (int j = 0; j < n; j++) {
             czk_xq_bind(&aact[j], m, I);
             m = (uint8_t *)czk_align(m + czk_xq_bytes(I));
         }
-        czk_quantize(x, &ax);
-        czk_xq_groups(&ax, table[3 * slots[0]].group);
+        czk_quantize_groups(x, H, table, slots, n, ax, axe, &m);
     }
-    czk_moe_ctx c = {n, H, I, mats, slots, w, x, quant ? &ax : NULL, act, NULL, y};
+    czk_moe_ctx c = {n, H, I, mats, slots, w, x, quant ? axe : NULL, act, NULL, y};
     czk_run(p, czk_moe_gu_task, &c, (int64_t)n * I, 2 * (int64_t)n * I * H);
     if (quant) {
         for (int j = 0; j < n; j++) {
             czk_quantize(act + (int64_t)j * I, &aact[j]);
-            czk_xq_groups(&aact[j], table[3 * slots[0] + 2].group);
+            czk_xq_groups(&aact[j], table[3 * slots[j] + 2].group);
         }
         c.aact = aact;
     }
@@ -2292,7 +2340,9 @@ typedef struct {
     const int32_t *ptok;   /* [P] token of each pair */
     int64_t H, I;
     const float *x;        /* [B, H] */
-    const czk_xq *ax;      /* [B] quantized inputs (quantized experts) */
+    const czk_xq *ax;      /* [G, B] quantized inputs per gate group (quantized experts) */
+    const uint8_t *egrp;   /* [n_held] the gate group (row of ax) of each held expert */
+    int B;
     float *act;            /* [P, I] */
     const czk_xq *aact;    /* [P] quantized activations (quantized experts) */
     float *d;              /* [P, H] */
@@ -2308,6 +2358,7 @@ static void czk_moex_gu_task(void *ctx_, int64_t t0, int64_t t1) {
         if (end - t > 64) end = t + 64;
         const int64_t n = end - t;
         const czk_mat *gm = &c->table[3 * c->eslot[e]], *um = gm + 1;
+        const czk_xq *axg = c->ax ? c->ax + (int64_t)c->egrp[e] * c->B : NULL;
         for (int32_t p0 = c->estart[e]; p0 < c->estart[e + 1]; p0 += 4) {
             const int nv = c->estart[e + 1] - p0 < 4 ? c->estart[e + 1] - p0 : 4;
             const float *xs[4];
@@ -2316,7 +2367,7 @@ static void czk_moex_gu_task(void *ctx_, int64_t t0, int64_t t1) {
             for (int v = 0; v < nv; v++) {
                 const int32_t b = c->ptok[p0 + v];
                 xs[v] = c->x + b * c->H;
-                if (c->ax) av[v] = c->ax[b];
+                if (axg) av[v] = axg[b];
                 gs[v] = gb + 64 * v - r;
                 us[v] = ub + 64 * v - r;
             }
@@ -2360,8 +2411,10 @@ static void czk_moex_down_task(void *ctx_, int64_t t0, int64_t t1) {
  * intermediate I (held experts at most B * k). */
 int64_t czk_moe_batch_work_bytes(int B, int k, int64_t H, int64_t I) {
     const int64_t P = (int64_t)B * k;
-    return 4 * (4 * P + 2) + 8 * P + 4 * P * (I + H) + (int64_t)sizeof(czk_xq) * (B + P) +
-           B * ((int64_t)czk_xq_bytes(H) + 64) + P * ((int64_t)czk_xq_bytes(I) + 64) + 8 * 64;
+    return 4 * (4 * P + 2) + 8 * P + 4 * P * (I + H) + P + 64 +
+           (int64_t)sizeof(czk_xq) * (CZK_MAXG * B + P) +
+           B * ((int64_t)czk_xq_bytes(H) + czk_gsum_bytes(H) + 64) +
+           P * ((int64_t)czk_xq_bytes(I) + 64) + 8 * 64;
 }
 
 /* The MoE layer (czk_moe) for B rows, its experts held at slots: row b's
@@ -2416,8 +2469,9 @@ int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slo
     int64_t *eslot = (int64_t *)czk_align(pout + P);
     float *act = (float *)czk_align(eslot + n_held);
     float *d = (float *)czk_align(act + P * I);
-    czk_xq *ax = (czk_xq *)czk_align(d + P * H);
-    czk_xq *aact = ax + B;
+    uint8_t *egrp = (uint8_t *)(d + P * H);
+    czk_xq *ax = (czk_xq *)czk_align(egrp + n_held);
+    czk_xq *aact = ax + CZK_MAXG * B;
     m = (uint8_t *)czk_align(aact + P);
     for (int j = 0; j <= n_held; j++) estart[j] = 0;
     for (int64_t i = 0; i < P; i++)
@@ -2436,21 +2490,37 @@ int czk_moe_batch(czk_pool *p, int B, int k, const czk_mat *table, int64_t n_slo
         pout[q] = (int32_t)i;
     }
     if (quant) {
+        /* Row b's input quantized once; ax[g * B + b] its sums for held gate group g. */
+        int64_t groups[CZK_MAXG];
+        int ng = 0;
+        for (int j = 0; j < n_held; j++)
+            egrp[j] = (uint8_t)czk_group_index(groups, &ng, table[3 * slots[j]].group);
         for (int b = 0; b < B; b++) {
             czk_xq_bind(&ax[b], m, H);
             m = (uint8_t *)czk_align(m + czk_xq_bytes(H));
             czk_quantize(x + (int64_t)b * H, &ax[b]);
-            czk_xq_groups(&ax[b], f->group);
+            czk_xq_groups(&ax[b], groups[0]);
+            for (int g = 1; g < ng; g++) {
+                czk_xq *a = &ax[(int64_t)g * B + b];
+                *a = ax[b];
+                a->gsum = (float *)m;
+                a->ggroup = 0;
+                m = (uint8_t *)czk_align(m + sizeof(float) * (size_t)(ax[b].npad / 32));
+                czk_xq_groups(a, groups[g]);
+            }
         }
     }
-    czk_moex_ctx c = {table, eslot, estart, ptok, H, I, x, quant ? ax : NULL, act, NULL, d};
+    czk_moex_ctx c = {table, eslot, estart, ptok, H,    I, x, quant ? ax : NULL,
+                      egrp,  B,     act,    NULL, d};
     czk_run(p, czk_moex_gu_task, &c, (int64_t)n_held * I, 2 * P * I * H);
     if (quant) {
-        for (int64_t q = 0; q < estart[n_held]; q++) { /* the pairs of the held experts */
-            czk_xq_bind(&aact[q], m, I);
-            m = (uint8_t *)czk_align(m + czk_xq_bytes(I));
-            czk_quantize(act + q * I, &aact[q]);
-            czk_xq_groups(&aact[q], table[3 * slots[0] + 2].group);
+        for (int j = 0; j < n_held; j++) { /* the pairs of each held expert */
+            for (int64_t q = estart[j]; q < estart[j + 1]; q++) {
+                czk_xq_bind(&aact[q], m, I);
+                m = (uint8_t *)czk_align(m + czk_xq_bytes(I));
+                czk_quantize(act + q * I, &aact[q]);
+                czk_xq_groups(&aact[q], table[3 * slots[j] + 2].group);
+            }
         }
         c.aact = aact;
     }

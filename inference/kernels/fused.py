@@ -192,6 +192,22 @@ class ExpertTable:
                 parts = consumer.expert_views(cache.slot_bytes(s))
             for j, p in enumerate(parts):
                 self._keep += describe(p, self.table[3 * s + j], bf16=fmt == "bf16")
+        if getattr(cache, "tier_map", None) is not None:
+            # A slot refilled at the other precision gets that precision's descriptors
+            # (before its read completes; the kernels only see slots a layer holds).
+            tiers = cache._tier_weights
+            self._tiers = [_ffi.new("czk_mat[]", 3 * max(n, 1)) for _ in tiers]
+            for t, weights in enumerate(tiers):
+                for s, (gate_up, down) in enumerate(weights):
+                    for j, p in enumerate((gate_up.gate, gate_up.up, down)):
+                        self._keep += describe(p, self._tiers[t][3 * s + j])
+            cache.on_retier(self.retier)
+
+    def retier(self, slot: int, tier: int) -> None:
+        """Slot ``slot`` now holds an expert at ``tier``: its descriptors become that tier's."""
+        src = self._tiers[tier]
+        for j in range(3):
+            self.table[3 * slot + j] = src[3 * slot + j]
 
 
 class _AttnDesc:

@@ -22,6 +22,7 @@ an error at open, not a wrong expert at run time.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -539,6 +540,26 @@ class StoreModel(BlockFileExperts):
             self.info.expert_nbytes,
             int(self._sums[layer, router_byte]),
         )
+
+    def trunk_digest(self) -> str:
+        """A digest of the trunk records (role, layer, format, length, checksum): equal for
+        two versions whose trunk tensors are byte for byte the same; reads nothing."""
+        h = hashlib.sha256()
+        for (role, layer), ref in sorted(
+            self._space.trunk.items(),
+            key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1]),
+        ):
+            rec = ref.record
+            fields = (
+                role,
+                layer,
+                rec.get("qfmt"),
+                rec.get("dtype"),
+                rec.get("len"),
+                rec.get("sum"),
+            )
+            h.update(repr(fields).encode())
+        return h.hexdigest()
 
     def expert_block_paths(self) -> list[str]:
         """The block files behind the expert extents, indexed by ``ExpertExtent.block``."""

@@ -96,6 +96,15 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineOptions = DEFAUL
         "is its old spelling)",
     )
     p.add_argument(
+        "--tiers",
+        metavar="HIGH,LOW[:FRACTION]",
+        default=defaults.tiers,
+        help="per-expert precision tiers (off by default; changes the outputs): run the "
+        "versions NAME@HIGH (the one named) and NAME@LOW of the same model together, the "
+        "--hot profile's most used experts read at HIGH until their slots fill FRACTION of "
+        "the budget (default 0.5), every other expert at LOW (e.g. q4,q2)",
+    )
+    p.add_argument(
         "--trunk-window",
         type=int,
         metavar="K",
@@ -144,6 +153,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         lookahead=args.lookahead,
         width=args.width,
         early=not args.no_early,
+        tiers=args.tiers,
     )
 
 
@@ -171,6 +181,15 @@ def check_engine_args(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads {args.threads} must be at least 1")
     parse_class_range(args.pin_classes)
+    if args.tiers is not None:
+        from czyx.inference.tiers import TierSpec, TierSpecError
+
+        TierSpec.parse(args.tiers)
+        if not args.hot:
+            raise TierSpecError(
+                f"--tiers {args.tiers}: needs --hot PROFILE (the measured usage that picks the "
+                "high-precision experts)"
+            )
 
 
 def engine_kwargs(args: argparse.Namespace, consumer: Any) -> dict[str, Any]:

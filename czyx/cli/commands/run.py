@@ -21,7 +21,7 @@ import dataclasses
 import os
 import sys
 
-from czyx.cli.commands._engineargs import add_engine_args, parse_class_range
+from czyx.cli.commands._engineargs import add_engine_args, check_engine_args, parse_class_range
 from czyx.cli.commands._engineargs import engine_options as engine_options  # re-exported
 from czyx.cli.commands._engineargs import stream_options as _stream_options
 from czyx.cli.commands._samplingargs import add_penalty_args
@@ -167,6 +167,7 @@ def _write_xray(args: argparse.Namespace, engine, xray, stats) -> None:
         "prefetch": not args.no_prefetch,
         "lookahead": args.lookahead,
         "early": not args.no_early,
+        "tiers": args.tiers,
     }
     window = engine.trunk_window_stats()
     if window is not None:
@@ -215,12 +216,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens {args.max_tokens} is negative")
     args.prompt = read_prompt(args)
     _check_xray_path(args.xray)
-    if args.trunk_window is not None and args.trunk_window < 1:
-        raise ValueError(f"--trunk-window {args.trunk_window} must be at least 1")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads {args.threads} must be at least 1")
+    check_engine_args(args)
     windowed = args.trunk_window is not None
-    opened = OpenedModel(store_dir(args), args.ref, args.portal, lazy_trunk=windowed)
+    opened = OpenedModel(
+        store_dir(args), args.ref, args.portal, lazy_trunk=windowed, tiers=args.tiers
+    )
     consumer = opened.consumer
     try:
         cache_bytes = None if args.cache_mb is None else int(args.cache_mb * 2**20)
