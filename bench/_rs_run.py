@@ -120,7 +120,13 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
     if a.tiers and not a.hot:
         raise SystemExit("--tiers needs --hot PROFILE (the usage that picks the high experts)")
     with OpenedModel(a.store, a.tag, None, tiers=a.tiers) as model:
-        opts = EngineOptions(io=a.io, readers=2, prefetch=not a.no_prefetch, tiers=a.tiers)
+        opts = EngineOptions(
+            io=a.io,
+            readers=2,
+            prefetch=not a.no_prefetch,
+            prefetch_evicts=a.prefetch_evicts,
+            tiers=a.tiers,
+        )
         kw = {"cache_bytes": a.cache_mb << 20} if a.cache_mb else {"cache_fraction": 1.0}
         if a.default_budget:  # the engine's own choice: what fits this process's memory
             kw = {}
@@ -263,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--io", default="direct")
     ap.add_argument("--no-prefetch", action="store_true")
+    ap.add_argument("--prefetch-evicts", action="store_true", help="czyx: predictions may evict")
     ap.add_argument("--greedy", action="store_true")
     ap.add_argument("--warmup", type=int, default=0, help="untimed decode tokens first")
     ap.add_argument("--prewarm", action="store_true", help="czyx: read every expert first")

@@ -291,6 +291,7 @@ class Engine:
                 io=options.io if options.io is not None else self._io_path(consumer),
                 readers=options.readers,
                 prefetch=options.prefetch,
+                prefetch_evicts=options.prefetch_evicts,
                 lookahead=options.lookahead,
                 width=options.width,
                 early=options.early,

@@ -53,6 +53,13 @@ class EngineOptions:
         Issue predicted reads ahead of use (False: every read is a demand read).
         Under a budget that holds every routed expert, a layer is predicted only
         while it still has to read (:mod:`czyx.inference.streaming`).
+    prefetch_evicts
+        A predicted read may evict a resident expert (False: predictions fill free
+        slots only, so they warm a cache up and stop once it is full). Measured on
+        two-core machines at budgets below the model, evicting prefetch read about
+        twice the bytes (about half its predictions were used) and decoded slower
+        than demand reads, which the per-expert pipeline already overlaps with the
+        resident experts' arithmetic (``bench/STREAMING-bound.md``).
     lookahead
         Sparse layers predicted ahead (0: early routing alone).
     width
@@ -75,6 +82,7 @@ class EngineOptions:
     readers: int = 2
     native: bool | None = None
     prefetch: bool = True
+    prefetch_evicts: bool = False
     lookahead: int = 1
     width: int | None = None
     early: bool = True

@@ -40,7 +40,7 @@ acquires has to read again. Warm, that engine pays nothing for streaming.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,6 +54,7 @@ from czyx.inference.cache import (
     ExpertCache,
 )
 from czyx.inference.errors import SlotInUseError
+from czyx.inference.kernels.fused import have_czk
 from czyx.inference.kernels.linear import mm_t
 from czyx.inference.options import renamed
 from czyx.inference.planner import DEMAND, PREFETCH, Transfer, TransferPlanner
@@ -61,6 +62,7 @@ from czyx.store.consumer import ModelConsumer
 from czyx.store.io.iopaths import default_io_path
 
 if TYPE_CHECKING:
+    from czyx.inference.kernels.fused import DecodeKernels
     from czyx.inference.xray import XRay
 
 
@@ -117,6 +119,9 @@ class StreamingExpertCache(ExpertCache):
     prefetch
         Issue look-ahead reads (False: synchronous streaming through the same
         planner, the baseline prefetch is measured against).
+    prefetch_evicts
+        A prediction may evict a resident expert (False: predictions fill free
+        slots only, and are not computed once none is left).
     lookahead
         How many sparse layers ahead to predict (each with its own router on
         the current hidden state): deeper grows the overlap window and lowers
@@ -146,6 +151,7 @@ class StreamingExpertCache(ExpertCache):
         io: str | None = None,
         readers: int = 2,
         prefetch: bool = True,
+        prefetch_evicts: bool = False,
         lookahead: int = 1,
         width: int | None = None,
         early: bool = True,
@@ -168,6 +174,7 @@ class StreamingExpertCache(ExpertCache):
         # time is I/O, not first-touch faults (zeroing huge pages) of the arena.
         self.arena[:, ::4096] = 0
         self.prefetch_enabled = prefetch
+        self.prefetch_evicts = bool(prefetch_evicts)
         # Under a budget that holds every expert each is read at most once, so a layer's
         # predictions only matter while it is still reading: a layer is "settled" by an
         # acquire whose experts were all resident and verified, and predicted again after
@@ -213,6 +220,8 @@ class StreamingExpertCache(ExpertCache):
         self._route_mask: np.ndarray | None = None
         self.prefetches = self.prefetch_hits = 0
         self.predicted_total = self.predicted_correct = 0
+        self._kernels: Callable[[], DecodeKernels] | None = None
+        self._logit_rows = np.empty(self.table.shape[1], np.float32)
         self._waits: list[Transfer] = []  # the current acquire's transfers to wait for
         self._pending_at: dict[int, Transfer] = {}  # position -> transfer, until waited
 
@@ -251,7 +260,7 @@ class StreamingExpertCache(ExpertCache):
         read into dead slots by the next :meth:`acquire`, after that call has
         protected the slots its own layer needs.
         """
-        if not self.prefetch_enabled or layer >= len(self._next_sparse):
+        if not self._may_prefetch() or layer >= len(self._next_sparse):
             return
         nxt, checked = layer, False
         for _ in range(self.depth):
@@ -264,8 +273,7 @@ class StreamingExpertCache(ExpertCache):
                 if not self._predictable(x.shape[0]):
                     return
                 checked = True
-            # mm_t: the router may be packed (a quantized trunk); for float32 it is x @ r.T.
-            self._pending.append((nxt, self._predict(nxt, mm_t(x, self.routers[nxt]))))
+            self._pending.append((nxt, self._predict(nxt, self._logits(self.routers[nxt], x))))
 
     def preroute(self, layer: int, h: np.ndarray) -> None:
         """The residual stream ``h`` ``[T, H]`` enters ``layer``: read its predicted experts now.
@@ -274,7 +282,7 @@ class StreamingExpertCache(ExpertCache):
         The reads are issued at once, at a higher priority than look-ahead
         reads for later layers, and overlap the layer's attention.
         """
-        if not (self.prefetch_enabled and self.early) or layer >= len(self._early_routers):
+        if not (self.early and self._may_prefetch()) or layer >= len(self._early_routers):
             return
         if not self._reading[layer]:
             return  # settled (a budget that holds every expert): nothing left to hide
@@ -282,8 +290,33 @@ class StreamingExpertCache(ExpertCache):
         if folded is None or not self._predictable(h.shape[0]):
             return
         self._reap()
-        self._pending.append((layer, self._predict(layer, h @ folded.T)))
+        self._pending.append((layer, self._predict(layer, self._logits(folded, h))))
         self._issue_prefetch(base_priority=1)
+
+    def _may_prefetch(self) -> bool:
+        """Whether a prediction may be read now: prefetch is on and a slot may take it
+        (any unheld one when predictions may evict, else one never filled)."""
+        return self.prefetch_enabled and (
+            self.prefetch_evicts or self._n_filled < self.n_slots
+        )
+
+    def set_kernels(self, kernels: Callable[[], DecodeKernels] | None) -> None:
+        """Compute a single token's predictions with the decoder's C kernels.
+
+        ``kernels()`` returns them (made on first use). Without them a
+        prediction is a numpy product, whose BLAS threads spin on after it on
+        the cores the readers and the decode kernels need: on two cores that
+        cost more than the prefetch saved (``bench/STREAMING.md``).
+        """
+        self._kernels = kernels
+
+    def _logits(self, router: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """``x @ router.T``: router logits ``[T, E]`` (the router may be packed)."""
+        if self._kernels is None or x.shape[0] != 1:
+            return mm_t(x, router)  # for float32, x @ router.T
+        out = self._logit_rows[: router.shape[0]]
+        self._kernels().matvec(router, np.ascontiguousarray(x[0], np.float32), out)
+        return out[None]
 
     def _predictable(self, n_tokens: int) -> bool:
         """Whether a batch's predictions fit beside the experts its layer holds.
@@ -350,6 +383,8 @@ class StreamingExpertCache(ExpertCache):
                 for e in miss.tolist():
                     if row[e] >= 0:
                         continue  # claimed above for an earlier entry of the same layer
+                    if not self.prefetch_evicts and self._n_filled >= self.n_slots:
+                        return  # no free slot left, and a prediction may not evict
                     s = self._victim()
                     if s < 0:
                         return  # no dead slot: prefetch is optional, demand will fetch it
@@ -597,5 +632,7 @@ def attach(model, cache: StreamingExpertCache) -> None:
         [getattr(lw, "router", None) for lw in model.layers],
         [getattr(lw, "post_attn_norm", None) for lw in model.layers],
     )
+    if have_czk() and callable(getattr(model, "kernels", None)):
+        cache.set_kernels(model.kernels)
     model.layer_hook = cache.preroute
     model.route_hook = cache.lookahead

@@ -1475,7 +1475,8 @@ int czk_moe_one(czk_pool *p, int n, int j, const czk_mat *table, int64_t slot, i
         czk_xq_groups(&ax, g->group);
     }
     static const float one = 1.0f;
-    czk_moe_ctx c = {1, H, I, table, &slot, &one, x, quant ? &ax : NULL, act, NULL,
+    const czk_xq *axe[1] = {&ax};
+    czk_moe_ctx c = {1, H, I, table, &slot, &one, x, quant ? axe : NULL, act, NULL,
                      rows + (int64_t)j * H};
     czk_run(p, czk_moe_gu_task, &c, I, 2 * I * H);
     if (quant) {

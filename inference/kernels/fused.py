@@ -460,6 +460,8 @@ class DecodeKernels:
         table, inter, x, work = ex[1].table, ex[4], self._px, self._pwork
         for j in order:
             if late[j]:
+                # The workers would spin through the wait on a core the readers need.
+                self.pool.park()
                 wait(j)
             if _lib.czk_moe_one(self.pool.ptr, n, j, table, int(slots[j]), inter, x, work):
                 raise KernelError("czk_moe_one refused an expert (shapes or formats differ)")

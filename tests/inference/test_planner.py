@@ -229,7 +229,7 @@ def test_late_transfer_is_a_counted_stall_or_a_typed_error(synth, gate):
 
 def test_in_flight_and_held_slots_are_never_victims(synth, gate):
     # 4 slots, top-2: two held by layer 0, two prefetched for layer 1 while the device stalls.
-    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", readers=1)
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", prefetch_evicts=True, readers=1)
     cache.set_routers([np.eye(8, 5, dtype=np.float32)] * 3)
     n = synth.info.expert_nbytes
     try:
@@ -268,7 +268,7 @@ def test_in_flight_and_held_slots_are_never_victims(synth, gate):
 
 def test_early_routing_reads_the_layer_predicted_from_the_residual_stream(synth):
     """preroute: the layer's own router, its norm folded in, on the stream entering it."""
-    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", readers=1)
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", prefetch_evicts=True, readers=1)
     router = np.eye(8, 5, dtype=np.float32)  # expert e < 5 responds to coordinate e
     norm = np.array([0.1, 0.1, 1, 1, 1], np.float32)
     cache.set_routers([router] * 3, [norm] * 3)
@@ -336,7 +336,10 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
             for p in ("decay", "slru")
             for b in (budget, tight)
         ]
-        for io, threads, prefetch, nbytes, depth, width, policy, early in runs:
+        runs = [(*r, True) for r in runs] + [  # predictions that only fill free slots
+            ("pread", 2, True, b, 1, None, "lru", True, False) for b in (budget, tight)
+        ]
+        for io, threads, prefetch, nbytes, depth, width, policy, early, evicts in runs:
             cache = StreamingExpertCache(
                 fc,
                 nbytes,
@@ -346,6 +349,7 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
                 io=io,
                 readers=threads,
                 prefetch=prefetch,
+                prefetch_evicts=evicts,
                 lookahead=depth,
                 width=width,
                 early=early,
@@ -356,8 +360,17 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
             got = [m.forward(np.array(tokens[:4]), kv)]
             before = cache.predicted_total, cache.hits + cache.misses
             got += [m.forward(np.array([tok]), kv) for tok in tokens[4:]]
-            run = (io, threads, prefetch, nbytes, depth, width, policy, early)
+            run = (io, threads, prefetch, nbytes, depth, width, policy, early, evicts)
             assert np.array_equal(np.stack(got), want), run
+            if not evicts:
+                # Full, the cache predicts nothing more: no product, no read.
+                assert cache._n_filled == cache.n_slots
+                p0 = cache.predicted_total, cache.prefetches
+                m.forward(np.array([5]), kv)
+                assert (cache.predicted_total, cache.prefetches) == p0, run
+                cache.check()
+                cache.close()
+                continue
             assert cache.misses > 0 and (cache.prefetches > 0) == prefetch
             # Decoding, early routing predicts every sparse layer, the first one of each
             # token too; look-ahead alone never predicts the first.
@@ -388,6 +401,35 @@ def test_a_demand_read_is_exposed_but_not_a_deadline_stall(synth, gate):
         p.close()
 
 
+def test_predictions_fill_free_slots_and_stop_when_none_is_left(synth):
+    """Without prefetch_evicts a prediction never evicts: it warms a cache up, then stops."""
+    cache = StreamingExpertCache(synth, 3 * 4096 * 3, 2, io="pread", readers=1)
+    router = np.eye(8, 5, dtype=np.float32)  # expert e < 5 responds to coordinate e
+    cache.set_routers([router] * 3, [np.ones(5, np.float32)] * 3)
+    try:
+        cache.acquire(0, np.array([0]))
+        cache.release()
+        cache.preroute(1, np.array([[0, 0, 3, 2, 0]], np.float32))  # predicts {2, 3}
+        # Two free slots: both predictions are read, nothing is evicted.
+        assert cache.prefetches == 2 and cache.evictions == 0
+        assert cache.table[1, 2] >= 0 and cache.table[1, 3] >= 0 and cache.table[0, 0] >= 0
+        cache.acquire(1, np.array([2, 3]))
+        cache.release()
+        predicted = cache.predicted_total
+        cache.preroute(2, np.array([[3, 2, 0, 0, 0]], np.float32))  # full: no prediction
+        cache.lookahead(1, np.array([[3, 2, 0, 0, 0]], np.float32))
+        assert cache.prefetches == 2 and not cache._has_prediction.any()
+        got = cache.acquire(2, np.array([0, 1]))  # demand reads evict as ever
+        n = synth.info.expert_nbytes
+        for e, s in zip((0, 1), got.tolist()):
+            assert np.array_equal(cache.slot_bytes(s)[:n], synth.base.blobs[(2, e)])
+        assert cache.predicted_total == predicted and cache.evictions == 2
+        cache.release()
+        cache.check()
+    finally:
+        cache.close()
+
+
 def test_prefetch_width_is_validated(synth):
     with pytest.raises(ValueError, match="width"):
         StreamingExpertCache(synth, 4 * 4096 * 3, 2, width=3)
@@ -408,7 +450,7 @@ def test_lookahead_depth_zero_needs_early_routing(synth):
 
 def test_a_prefill_batch_too_wide_for_the_budget_does_not_prefetch(synth):
     """Its predictions would evict one another and the layer's own experts before use."""
-    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread")
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", prefetch_evicts=True)
     cache.set_routers([np.eye(8, 5, dtype=np.float32)] * 3, [np.ones(5, np.float32)] * 3)
     try:
         batch = np.eye(3, 5, dtype=np.float32)  # three tokens: up to 6 predictions, 4 slots

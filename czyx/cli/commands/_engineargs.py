@@ -74,6 +74,13 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineOptions = DEFAUL
         help="look-ahead expert prefetch" + (" (the default)" if defaults.prefetch else ""),
     )
     p.add_argument(
+        "--prefetch-evicts",
+        action="store_true",
+        default=defaults.prefetch_evicts,
+        help="a predicted read may evict a resident expert (default: predictions only fill "
+        "free slots)",
+    )
+    p.add_argument(
         "--lookahead",
         type=int,
         default=defaults.lookahead,
@@ -150,6 +157,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         io=None if args.io == "auto" else args.io,  # auto: the engine decides
         readers=args.readers,
         prefetch=not args.no_prefetch,
+        prefetch_evicts=args.prefetch_evicts,
         lookahead=args.lookahead,
         width=args.width,
         early=not args.no_early,
