@@ -229,7 +229,9 @@ def test_late_transfer_is_a_counted_stall_or_a_typed_error(synth, gate):
 
 def test_in_flight_and_held_slots_are_never_victims(synth, gate):
     # 4 slots, top-2: two held by layer 0, two prefetched for layer 1 while the device stalls.
-    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", prefetch_evicts=True, readers=1)
+    cache = StreamingExpertCache(
+        synth, 4 * 4096 * 3, 2, io="pread", prefetch_evicts=True, readers=1
+    )
     cache.set_routers([np.eye(8, 5, dtype=np.float32)] * 3)
     n = synth.info.expert_nbytes
     try:
@@ -268,7 +270,9 @@ def test_in_flight_and_held_slots_are_never_victims(synth, gate):
 
 def test_early_routing_reads_the_layer_predicted_from_the_residual_stream(synth):
     """preroute: the layer's own router, its norm folded in, on the stream entering it."""
-    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", prefetch_evicts=True, readers=1)
+    cache = StreamingExpertCache(
+        synth, 4 * 4096 * 3, 2, io="pread", prefetch_evicts=True, readers=1
+    )
     router = np.eye(8, 5, dtype=np.float32)  # expert e < 5 responds to coordinate e
     norm = np.array([0.1, 0.1, 1, 1, 1], np.float32)
     cache.set_routers([router] * 3, [norm] * 3)
