@@ -296,9 +296,7 @@ class StreamingExpertCache(ExpertCache):
     def _may_prefetch(self) -> bool:
         """Whether a prediction may be read now: prefetch is on and a slot may take it
         (any unheld one when predictions may evict, else one never filled)."""
-        return self.prefetch_enabled and (
-            self.prefetch_evicts or self._n_filled < self.n_slots
-        )
+        return self.prefetch_enabled and (self.prefetch_evicts or self._n_filled < self.n_slots)
 
     def set_kernels(self, kernels: Callable[[], DecodeKernels] | None) -> None:
         """Compute a single token's predictions with the decoder's C kernels.
