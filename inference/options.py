@@ -59,7 +59,7 @@ class EngineOptions:
         two-core machines at budgets below the model, evicting prefetch read about
         twice the bytes (about half its predictions were used) and decoded slower
         than demand reads, which the per-expert pipeline already overlaps with the
-        resident experts' arithmetic (``bench/STREAMING-bound.md``).
+        resident experts' arithmetic (``bench/PREFETCH.md``).
     lookahead
         Sparse layers predicted ahead (0: early routing alone).
     width

@@ -303,8 +303,8 @@ class StreamingExpertCache(ExpertCache):
 
         ``kernels()`` returns them (made on first use). Without them a
         prediction is a numpy product, whose BLAS threads spin on after it on
-        the cores the readers and the decode kernels need: on two cores that
-        cost more than the prefetch saved (``bench/STREAMING.md``).
+        the cores the readers and the decode kernels need (on two cores that
+        slowed decode more than the predictions' reads saved).
         """
         self._kernels = kernels
 

@@ -55,7 +55,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from json.encoder import encode_basestring_ascii as _ascii_json
 from typing import Any
 
@@ -443,6 +443,7 @@ class GenRequest:
     include_usage: bool
     end_user: str | None = None  # OpenAI's ``user``: who the caller serves (audited)
     speculate: SpeculateOptions | None = None  # None: the server's default
+    draft_tokens: int | None = None  # the request's own draft_tokens (None: the server's)
 
 
 def _number(body: dict, key: str, kind: type, default, lo=None, hi=None):
@@ -536,7 +537,8 @@ def _parse_common(body: dict, default_max: int, max_keys: tuple[str, ...]) -> Ge
         # czyx's extension: "off" or "lookup" (prompt lookup), up to draft_tokens per step.
         if mode is not None and mode not in ("off", "lookup"):
             raise _bad("speculate must be 'off' or 'lookup'", "speculate")
-        k = _number(body, "draft_tokens", int, SPECULATE_OFF.draft_tokens, 1, 32)
+        n_draft = _number(body, "draft_tokens", int, None, 1, 32)
+        k = SPECULATE_OFF.draft_tokens if n_draft is None else n_draft
         speculate = SpeculateOptions(mode or "lookup", draft_tokens=k)
     stream = bool(body.get("stream", False))
     opts = body.get("stream_options") or {}
@@ -562,6 +564,7 @@ def _parse_common(body: dict, default_max: int, max_keys: tuple[str, ...]) -> Ge
         include_usage=bool(opts.get("include_usage", False)),
         end_user=user or None,
         speculate=speculate,
+        draft_tokens=n_draft,
     )
 
 
@@ -1007,6 +1010,9 @@ class _Job:
         spec = self.req.speculate
         if spec is not None:
             if isinstance(self.served.scheduler, Scheduler):
+                if self.req.draft_tokens is None:  # the server's --draft-tokens
+                    own = self.served.scheduler.options.speculate
+                    spec = replace(spec, draft_tokens=own.draft_tokens)
                 extra["speculate"] = spec
             elif spec.enabled:  # (a version placed over Ray steps without drafts)
                 raise _bad(f"speculate: {self.served.ref} is not served locally", "speculate")

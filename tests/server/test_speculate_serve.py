@@ -47,6 +47,36 @@ def test_a_request_speculates_with_the_same_text(served):
             complete(**bad)
 
 
+def test_a_request_without_draft_tokens_drafts_the_servers_number(served, monkeypatch):
+    # "speculate": "lookup" alone takes the server's --draft-tokens, not a global default.
+    from dataclasses import replace
+
+    url, tokens, _, app, _ = served
+    scheduler = app.state.czyx.models["stdlib@1"].scheduler
+    monkeypatch.setattr(
+        scheduler,
+        "options",
+        replace(
+            scheduler.options,
+            speculate=replace(scheduler.options.speculate, draft_tokens=2),
+        ),
+    )
+    seen = []
+    submit = scheduler.submit
+
+    def spy(*args, **kw):
+        seen.append(kw.get("speculate"))
+        return submit(*args, **kw)
+
+    monkeypatch.setattr(scheduler, "submit", spy)
+    c = _client(url, tokens["alice"])
+    for extra in ({"speculate": "lookup"}, {"speculate": "lookup", "draft_tokens": 5}):
+        c.completions.create(
+            model="stdlib@1", prompt=PROMPT, max_tokens=4, temperature=0, extra_body=extra
+        )
+    assert [(s.mode, s.draft_tokens) for s in seen] == [("lookup", 2), ("lookup", 5)]
+
+
 def test_serve_flag_sets_the_default():
     from czyx.cli import build_parser
     from czyx.cli.commands.serve import serve_options
