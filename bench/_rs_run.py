@@ -172,12 +172,13 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
             toks = []
             r0 = read_bytes()
             t0_ns = time.monotonic_ns()
-            t0 = time.perf_counter()
+            t0, cpu0, main0 = time.perf_counter(), time.process_time(), time.thread_time()
             for i in range(len(feed)):
                 tok = int(np.argmax(logits)) if a.greedy else feed[i]
                 toks.append(tok)
                 logits = eng.decode(tok)
             decode = time.perf_counter() - t0
+            cpu = (time.process_time() - cpu0, time.thread_time() - main0)
             r1 = read_bytes()
             st = eng.stats().minus(s0)
             out = {
@@ -194,6 +195,10 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
                 "hit_rate": st.hit_rate,
                 "decode_read_bytes": r1 - r0,
                 "decode_in_c": bool(eng.model.decode_in_c()),
+                # CPU seconds over the timed tokens: the whole process, and the decoding
+                # thread alone (the rest: the kernel pool's workers and the readers)
+                "decode_cpu_s": cpu[0],
+                "decode_main_cpu_s": cpu[1],
                 # prefetched experts over the timed tokens, and those later used
                 "prefetches": getattr(c, "prefetches", 0) - p0[0],
                 "prefetches_used": getattr(c, "prefetch_hits", 0) - p0[1],
@@ -226,7 +231,7 @@ def bound_figures(consumer, transfers, t0_ns: int) -> dict:
     exts = [consumer.expert_extent(t.layer, t.expert) for t in window]
     exposed = sum(t.exposed_ns for t in window) / 1e9
     leads = [(t.t_first_use - t.t_request) / 1e3 for t in window if t.t_first_use is not None]
-    raw = 0.0
+    raw = raw_cpu = 0.0
     if exts:
         buf = aligned_empty(max(x.length for x in exts), hugepage=True)
         paths = consumer.expert_block_paths()
@@ -235,10 +240,11 @@ def bound_figures(consumer, transfers, t0_ns: int) -> dict:
             for x in exts:
                 if x.block not in readers:
                     readers[x.block] = RawReader(paths[x.block], direct=True)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for x in exts:
                 readers[x.block].read_into(x.offset, buf[: x.length])
             raw = time.perf_counter() - t0
+            raw_cpu = time.thread_time() - c0
         finally:
             for r in readers.values():
                 r.close()
@@ -246,6 +252,7 @@ def bound_figures(consumer, transfers, t0_ns: int) -> dict:
         "raw_reads": len(exts),
         "raw_read_bytes": int(sum(x.length for x in exts)),
         "raw_read_s": raw,
+        "raw_read_cpu_s": raw_cpu,  # the reading thread's CPU: what a read costs a core
         "exposed_wait_s": exposed,
         "lead_us_median": float(np.median(leads)) if leads else float("nan"),
         "lead_us_p10": float(np.percentile(leads, 10)) if leads else float("nan"),

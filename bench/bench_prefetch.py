@@ -36,7 +36,12 @@ sys.path.insert(0, str(HERE))
 import bench_scale as bs  # noqa: E402
 from _machine import machine  # noqa: E402
 
-MODES = {"demand": ["--no-prefetch"], "fill": [], "evict": ["--prefetch-evicts"]}
+MODES = {
+    "demand": ["--no-prefetch"],
+    "fill": [],
+    "evict": ["--prefetch-evicts"],
+    "fill-uring": ["--io", "io_uring"],  # fill, the reads through io_uring, not preadv
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,6 +54,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=["demand", "fill", "evict"],
+        help="the first is the baseline of the ratios",
+    )
     ap.add_argument("--md", default=str(HERE / "PREFETCH.md"))
     a = ap.parse_args(argv)
     _, store, shape, _ = bs.model_pair(a)
@@ -69,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         residents.append(resident)
         # The modes' order turns each round: the run after the resident one (whose large
         # arena the kernel is still reclaiming) is slower, whichever mode it is.
-        names = list(MODES)
+        names = list(a.modes)
         order = names[r % len(names) :] + names[: r % len(names)]
         for mb in a.budgets:
             for mode in order:
@@ -107,16 +119,17 @@ def report(a, shape, runs, residents, load0, load1, argv) -> list[str]:
         + ").",
         "",
         "Modes: `demand` no prediction; `fill` (the default) predictions read into free "
-        "slots only; `evict` (`--prefetch-evicts`) predictions may evict resident experts. "
-        "Precision: the fraction of predicted reads a later acquire used.",
+        "slots only; `evict` (`--prefetch-evicts`) predictions may evict resident experts; "
+        "`fill-uring` fill with the reads through io_uring (`--io io_uring`) instead of "
+        "O_DIRECT preadv. Precision: the fraction of predicted reads a later acquire used.",
         "",
-        "| budget | mode | decode tok/s | vs demand (rounds) | MB read / token | "
+        f"| budget | mode | decode tok/s | vs {a.modes[0]} (rounds) | MB read / token | "
         "prefetches used / read | hit rate |",
         "|---|---|---|---|---|---|---|",
     ]
     for mb in a.budgets:
-        base = {r["round"]: r for r in runs[(mb, "demand")] if r.get("rc") == 0}
-        for mode in MODES:
+        base = {r["round"]: r for r in runs[(mb, a.modes[0])] if r.get("rc") == 0}
+        for mode in a.modes:
             rs = runs[(mb, mode)]
             m = bs._median_run(rs)
             if m.get("rc") != 0:
@@ -148,9 +161,33 @@ def report(a, shape, runs, residents, load0, load1, argv) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mb in a.budgets:
-        for mode in MODES:
+        for mode in a.modes:
             per = [bs.bound_of(r, residents[r["round"]]) for r in runs[(mb, mode)]]
             lines.append(bs.bound_rows(f"{mb} MiB, {mode}", per))
+    lines += [
+        "",
+        "## What the reads cost the CPU (the median-speed round)",
+        "",
+        "Per timed decode token: the process's CPU time, the decoding thread's, the rest "
+        "(the kernel pool's workers and the expert readers); and the CPU time of the bound's "
+        "raw re-read of the same extents, one thread, no compute, beside its wall time.",
+        "",
+        "| budget, mode | process CPU ms | decoding thread ms | other threads ms | "
+        "raw read CPU ms | raw read wall ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mb in a.budgets:
+        for mode in a.modes:
+            m = bs._median_run(runs[(mb, mode)])
+            if m.get("rc") != 0 or "decode_cpu_s" not in m:
+                lines.append(f"| {mb} MiB, {mode} | failed | | | | |")
+                continue
+            n = max(1, m["n_decode"])
+            cpu, main = m["decode_cpu_s"] / n * 1e3, m["decode_main_cpu_s"] / n * 1e3
+            lines.append(
+                f"| {mb} MiB, {mode} | {cpu:.1f} | {main:.1f} | {cpu - main:.1f} | "
+                f"{m.get('raw_read_cpu_s', 0.0) / n * 1e3:.1f} | {m['raw_read_s'] / n * 1e3:.1f} |"
+            )
     return lines
 
 
