@@ -13,7 +13,12 @@ from czyx.store.models.gguf_export import export_gguf
 from czyx.store.models.mount import mount
 from czyx.store.quant.codec import QuantCodec
 from czyx.store.quant.policy import parse_policy
-from czyx.testing.gguf_writer import reference_model, tiny_bpe_tokenizer_json, write_gguf
+from czyx.testing.gguf_writer import (
+    reference_model,
+    same_tensors,
+    tiny_bpe_tokenizer_json,
+    write_gguf,
+)
 from czyx.testing.refmodels import ARCHS, hf_greedy
 
 from .test_gguf import gguf_model
@@ -61,12 +66,7 @@ def test_native_gguf_round_trips_bit_exactly(tmp_path):
     with Store.open(tmp_path / "s") as store:
         mount(store, tmp_path / "in.gguf", "m@1")
         (path,) = export_gguf(store, "m@1", tmp_path / "out.gguf")
-    src = {t.name: t for t in gguf.GGUFReader(tmp_path / "in.gguf").tensors}
-    out = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    assert set(src) == set(out)
-    for name, t in src.items():
-        assert out[name].tensor_type == t.tensor_type, name
-        assert np.array_equal(np.asarray(out[name].data), np.asarray(t.data)), name
+    same_tensors(tmp_path / "in.gguf", path)
     ref = gguf.GGUFReader(path)
     assert ref.fields["tokenizer.ggml.model"].contents() == "gpt2"
     assert "source" in ref.fields["czyx.format_history"].contents()
