@@ -58,6 +58,33 @@ def test_exported_gguf_runs_in_llama_cpp_with_the_same_greedy_tokens(tmp_path, a
     assert _greedy_llama_cpp(path) == _greedy_transformers(model)
 
 
+def _llama_cpp_knows(arch: str) -> bool:
+    """Whether the installed llama.cpp names ``arch`` (its architecture table's string)."""
+    from pathlib import Path
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    libs = list(Path(llama_cpp.__file__).parent.glob("lib/libllama*"))
+    return any(b"\0" + arch.encode() + b"\0" in lib.read_bytes() for lib in libs)
+
+
+@pytest.mark.parametrize("arch", ["llama4_text", "qwen3_next", "jamba"])
+def test_llama_cpp_decodes_a_converter_layout_gguf_as_czyx_does(tmp_path, arch):
+    """llama.cpp loads each newer architecture as the converter lays it out (the test
+    writer) and decodes the same greedy tokens as czyx mounted from that file."""
+    from .test_gguf_archs import _run, hybrid, llama4
+
+    gguf_arch = {"llama4_text": "llama4", "qwen3_next": "qwen3next"}.get(arch, arch)
+    if not _llama_cpp_knows(gguf_arch):
+        pytest.skip(f"this llama.cpp has no {gguf_arch} architecture")
+    model = llama4(vocab_size=320) if arch == "llama4_text" else hybrid(arch, vocab_size=320)
+    path = tmp_path / "m.gguf"
+    write_gguf(model, path, "f32", tokenizer_json=tiny_bpe_tokenizer_json(320))
+    with Store.open(tmp_path / "s") as store:
+        mount(store, path, "m@1")
+    _, tokens = _run(tmp_path / "s", "m@1", STEPS, PROMPT)
+    assert _greedy_llama_cpp(path) == tokens
+
+
 def test_native_gguf_round_trips_bit_exactly(tmp_path):
     import gguf
 
