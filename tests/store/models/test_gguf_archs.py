@@ -251,8 +251,16 @@ def _arch_fields(path) -> dict:
     return {k: f.contents() for k, f in fields.items() if k.startswith(f"{arch}.")}
 
 
-@pytest.mark.parametrize("qtype", ["f32", "q8_0"])
-@pytest.mark.parametrize("arch", ["qwen3_next", "jamba"])
+@pytest.mark.parametrize(
+    ("arch", "qtype"),
+    [
+        ("qwen3_next", "f32"),
+        ("qwen3_next", "q8_0"),
+        ("qwen3_next", "bf16"),
+        ("jamba", "f32"),
+        ("jamba", "q8_0"),
+    ],
+)
 def test_hybrid_gguf_runs_as_transformers_and_exports_back(tmp_path, arch, qtype):
     """A hybrid model as llama.cpp's converter writes it mounts with transformers' logits
     and greedy tokens, and exports back tensor for tensor with the same metadata."""
