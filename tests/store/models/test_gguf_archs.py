@@ -310,3 +310,22 @@ def test_gguf_hybrid_is_not_exported_as_safetensors(tmp_path):
         mount(store, tmp_path / "m.gguf", "m@1")
         with pytest.raises(ExportError, match="export it as GGUF"):
             export(store, "m@1", tmp_path / "out")
+
+
+def test_bf16_qwen3next_exports_its_norms_as_the_converter_adds_in_bf16(tmp_path):
+    """The converter adds 1 to a bf16 checkpoint's norms in bf16, then writes F32:
+    the export rounds the same way (and -exp(A_log) to bf16 too, within a bf16 ulp)."""
+    import gguf
+    import torch
+
+    model = hybrid("qwen3_next").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "ckpt")
+    with Store.open(tmp_path / "s") as store:
+        mount(store, tmp_path / "ckpt", "m@1")
+        (path,) = export_gguf(store, "m@1", tmp_path / "out.gguf")
+    out = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(path).tensors}
+    layer = model.model.layers[0]
+    want = (layer.input_layernorm.weight.detach() + 1).float().numpy()
+    assert np.array_equal(out["blk.0.attn_norm.weight"], want)
+    a = (-torch.exp(layer.linear_attn.A_log.detach())).float().numpy()
+    assert np.abs(out["blk.0.ssm_a"] - a).max() <= np.abs(a).max() * 2**-8
