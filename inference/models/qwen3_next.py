@@ -140,7 +140,10 @@ class Qwen3NextDecoder(HybridDecoder):
             return lw.lin_a_log
         a_log = self._a_logs.get(i)
         if a_log is None:
-            a_log = self._a_logs[i] = np.log(-np.asarray(lw.lin_neg_a, F32)).astype(F32)
+            neg_a = np.asarray(lw.lin_neg_a, F32)
+            if not (neg_a < 0).all():  # (NaN included): no A_log gives it
+                raise UnsupportedModelError(f"layer {i}: ssm_a holds a value not below 0")
+            a_log = self._a_logs[i] = np.log(-neg_a).astype(F32)
         return a_log
 
     # ------------------------------------------------------------------ mixers

@@ -329,3 +329,21 @@ def test_bf16_qwen3next_exports_its_norms_as_the_converter_adds_in_bf16(tmp_path
     assert np.array_equal(out["blk.0.attn_norm.weight"], want)
     a = (-torch.exp(layer.linear_attn.A_log.detach())).float().numpy()
     assert np.abs(out["blk.0.ssm_a"] - a).max() <= np.abs(a).max() * 2**-8
+
+
+def test_qwen3next_gguf_whose_ssm_a_is_not_negative_is_refused(tmp_path, monkeypatch):
+    """``A = -exp(A_log)`` is below 0: a file holding a value that is not fails closed."""
+    from czyx.inference.errors import UnsupportedModelError
+    from czyx.testing import gguf_writer
+
+    real = gguf_writer._hybrid_tensors
+
+    def flipped(cfg, arch, name, t):
+        return [(n, -b if name.endswith(".A_log") else b) for n, b in real(cfg, arch, name, t)]
+
+    monkeypatch.setattr(gguf_writer, "_hybrid_tensors", flipped)
+    write_gguf(hybrid("qwen3_next"), tmp_path / "m.gguf", "f32")
+    with Store.open(tmp_path / "s") as store:
+        mount(store, tmp_path / "m.gguf", "m@1")
+    with pytest.raises(UnsupportedModelError, match="ssm_a holds a value not below 0"):
+        _run(tmp_path / "s", "m@1", steps=1)
