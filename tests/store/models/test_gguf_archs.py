@@ -347,3 +347,33 @@ def test_qwen3next_gguf_whose_ssm_a_is_not_negative_is_refused(tmp_path, monkeyp
         mount(store, tmp_path / "m.gguf", "m@1")
     with pytest.raises(UnsupportedModelError, match="ssm_a holds a value not below 0"):
         _run(tmp_path / "s", "m@1", steps=1)
+
+
+def test_qwen3next_qkvz_halves_of_two_types_join_as_their_exact_values(tmp_path, monkeypatch):
+    """attn_qkv Q8_0 beside an F16 attn_gate: in_proj_qkvz is read as the float32 of
+    each half's values, rows in HF order."""
+    import gguf
+
+    from czyx.store.models.gguf import qkvz_dims, qkvz_rows
+    from czyx.store.models.gguf_source import GGUFCheckpoint
+    from czyx.testing import gguf_writer
+
+    real = gguf_writer._tensor_type
+    f16 = gguf.GGMLQuantizationType.F16
+    monkeypatch.setattr(
+        gguf_writer, "_tensor_type", lambda n, a, qt: f16 if "attn_gate" in n else real(n, a, qt)
+    )
+    model = hybrid("qwen3_next")
+    write_gguf(model, tmp_path / "m.gguf", "q8_0")
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    qkv, gate = tensors["blk.0.attn_qkv.weight"], tensors["blk.0.attn_gate.weight"]
+    halves = [gguf.quants.dequantize(np.asarray(qkv.data), qkv.tensor_type)]
+    halves.append(np.asarray(gate.data).astype(np.float32))
+    with GGUFCheckpoint(tmp_path / "m.gguf") as ckpt:
+        name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+        got = ckpt.array(name)
+        rows = qkvz_rows(*qkvz_dims(ckpt.config))
+    assert got.dtype == np.float32
+    assert np.array_equal(got, np.concatenate(halves)[rows])
+    want = model.model.layers[0].linear_attn.in_proj_qkvz.weight.detach().numpy()
+    assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
