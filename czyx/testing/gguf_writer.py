@@ -40,6 +40,8 @@ _ARCH = {
     "deepseek_v3": "deepseek2",
     "phimoe": "phimoe",
     "llama4_text": "llama4",
+    "qwen3_next": "qwen3next",
+    "jamba": "jamba",
 }
 _MAP = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -96,7 +98,7 @@ _MLA = {
 }
 
 
-_PACKAGE_NAMED = ("llama4",)
+_PACKAGE_NAMED = ("llama4", "qwen3next", "jamba")
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -110,34 +112,89 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _gguf_package_state(model: Any, arch: str) -> dict[str, np.ndarray]:
     """The converter's tensors of the architectures it names with the ``gguf`` package's
-    own ``TensorNameMap`` (Llama 4), so this writer shares no name table with czyx.
+    own ``TensorNameMap`` (Llama 4, Qwen3-Next, Jamba), so this writer shares no name
+    table with czyx.
 
-    Llama 4 (``Llama4Model.modify_tensors``): the stacked experts are HF's transposed
-    ``gate_up_proj [E, H, 2I]`` (gate the first half of the last axis) and ``down_proj
-    [E, I, H]``, written as llama.cpp's ``[E, I, H]`` / ``[E, H, I]`` stacks; q/k rows
-    as they are (``undo_permute = False``).
+    The stacked experts are HF's ``gate_up_proj [E, 2I, H]`` (Llama 4: transposed,
+    ``[E, H, 2I]``, gate the first half of the last axis) and ``down_proj [E, H, I]``
+    (Llama 4 ``[E, I, H]``), written as llama.cpp's ``[E, I, H]`` / ``[E, H, I]`` stacks.
+    Llama 4's q/k rows as they are (``undo_permute = False``); Qwen3-Next and Jamba
+    through :func:`_hybrid_tensors` first.
     """
     import gguf
 
     cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    transposed = arch == "llama4"
     out: dict[str, np.ndarray] = {}
     for name, t in model.state_dict().items():
         a = t.detach().float().numpy()
         if name.endswith(".experts.gate_up_proj"):
-            gate_up = a.swapaxes(1, 2)
+            gate_up = a.swapaxes(1, 2) if transposed else a
             half = gate_up.shape[1] // 2
             stem = name.removesuffix(".gate_up_proj")
             out[names[f"{stem}.gate_proj"] + ".weight"] = gate_up[:, :half]
             out[names[f"{stem}.up_proj"] + ".weight"] = gate_up[:, half:]
         elif name.endswith(".experts.down_proj"):
-            out[names[name] + ".weight"] = a.swapaxes(1, 2)
+            out[names[name] + ".weight"] = a.swapaxes(1, 2) if transposed else a
         else:
-            mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
-            if mapped is None:
-                raise KeyError(f"the gguf package maps no {arch} tensor {name}")
-            out[mapped] = a
+            for new, b in _hybrid_tensors(cfg, arch, name, t.detach().float()):
+                mapped = new if new.startswith("blk.") else _mapped(names, arch, new)
+                if mapped.endswith("ffn_gate_inp_shexp.weight"):
+                    b = b.reshape(-1)  # ([1, H] in HF: llama.cpp's files hold it 1-D)
+                if arch == "jamba" and "ssm_conv1d" in mapped:
+                    b = b.squeeze()  # JambaModel: squeezes what maps to SSM_CONV1D
+                out[mapped] = b.numpy()
     return out
+
+
+def _mapped(names: Any, arch: str, name: str) -> str:
+    mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
+    if mapped is None:
+        raise KeyError(f"the gguf package maps no {arch} tensor {name}")
+    return mapped
+
+
+def _hybrid_tensors(cfg: Any, arch: str, name: str, t: Any) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` pairs the converter makes of HF tensor ``name`` before naming it.
+
+    Qwen3-Next (``Qwen3NextModel.modify_tensors``): ``A_log`` as ``-exp(A_log)``,
+    ``dt_bias`` renamed ``dt_proj.bias``, ``conv1d`` squeezed, every ``*norm.weight`` but
+    ``linear_attn.norm`` as ``w + 1``, and ``in_proj_qkvz`` split into ``attn_qkv`` (every
+    key head's q, then k, then v) and ``attn_gate`` (z), named here. Jamba
+    (``JambaModel.modify_tensors``): ``A_log`` as ``-exp(A_log)`` (its squeeze is by GGUF
+    name, in :func:`_gguf_package_state`). Llama 4: unchanged.
+    """
+    import gguf
+    import torch
+
+    if arch not in ("qwen3next", "jamba"):
+        return [(name, t)]
+    if name.endswith(".A_log"):
+        return [(name, -torch.exp(t))]
+    if arch == "jamba":
+        return [(name, t)]
+    if name.endswith(".dt_bias"):
+        return [(name.rpartition(".dt_bias")[0] + ".dt_proj.bias", t)]
+    if "conv1d" in name:
+        return [(name, t.squeeze())]
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return [(name, t + 1)]
+    if "in_proj_qkvz.weight" not in name:
+        return [(name, t)]
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    split = [dk, dk, nv // nk * dv, nv // nk * dv]
+    q, k, v, z = torch.split(t.permute(1, 0).reshape(-1, nk, sum(split)), split, dim=-1)
+    hidden = cfg.hidden_size
+    qkv = torch.cat([x.reshape(hidden, -1) for x in (q, k, v)], dim=-1).permute(1, 0)
+    bid = int(name.split(".")[2])
+    fmt = gguf.TENSOR_NAMES
+    return [
+        (fmt[gguf.MODEL_TENSOR.ATTN_QKV].format(bid=bid) + ".weight", qkv.contiguous()),
+        (fmt[gguf.MODEL_TENSOR.ATTN_GATE].format(bid=bid) + ".weight",
+         z.reshape(hidden, -1).permute(1, 0).contiguous()),
+    ]  # fmt: skip
 
 
 def _state(model: Any) -> dict[str, np.ndarray]:
@@ -247,6 +304,9 @@ def _tensor_type(name: str, a: np.ndarray, qt: Any) -> Any:
     router = name.endswith((".gate.weight", "shared_expert_gate.weight", ".router.weight"))
     if a.ndim == 1 or "ffn_gate_inp" in name or router:
         return q.F32
+    # forced F32 too: conv1d, and names without .weight (Jamba's 2-D A_log / ssm_a)
+    if "conv1d" in name or name.endswith((".A_log", ".ssm_a")):
+        return q.F32
     if qt not in (q.F32, q.F16, q.BF16) and a.shape[-1] % 32:
         return q.F16
     return qt
@@ -323,6 +383,8 @@ def write_gguf(
     writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     if arch == "deepseek2":
         _deepseek_parameters(writer, cfg)
+    elif arch == "jamba":
+        _jamba_parameters(writer, cfg)
     else:
         _parameters(writer, cfg, arch)
     writer.add_file_type(
@@ -389,13 +451,24 @@ def _parameters(writer: Any, cfg: Any, arch: str) -> None:
     if arch != "phimoe":  # Phi3MiniModel.set_gguf_parameters writes no key/value length
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    params = getattr(cfg, "rope_parameters", None) or {}
+    partial = params.get("partial_rotary_factor") or getattr(cfg, "partial_rotary_factor", 0.25)
+    # (Qwen3NextModel: the partial rope width)
+    writer.add_rope_dimension_count(int(head_dim * partial) if arch == "qwen3next" else head_dim)
     if arch == "phimoe":
         writer.add_sliding_window(cfg.sliding_window or 0)
-    if arch in ("qwen2moe", "qwen3moe"):
+    if arch in ("qwen2moe", "qwen3moe", "qwen3next"):
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "qwen3next"):
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "qwen3next":  # Qwen3NextModel.set_gguf_parameters
+        writer.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+        writer.add_ssm_state_size(cfg.linear_key_head_dim)
+        writer.add_ssm_group_count(cfg.linear_num_key_heads)
+        writer.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+        writer.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+        # (read from config.json, where transformers' save keeps no such key: 4)
+        writer.add_full_attention_interval(getattr(cfg, "full_attention_interval", 4))
     if arch == "olmoe" and getattr(cfg, "clip_qkv", None) is not None:
         writer.add_clamp_kqv(float(cfg.clip_qkv))
     if arch in ("llama", "llama4"):
@@ -405,6 +478,28 @@ def _parameters(writer: Any, cfg: Any, arch: str) -> None:
         writer.add_expert_feed_forward_length(cfg.intermediate_size)
         if all(t == "full_attention" for t in getattr(cfg, "layer_types", None) or ["x"]):
             writer.add_sliding_window(0)  # every layer full attention: llama.cpp's no-SWA
+
+
+def _jamba_parameters(writer: Any, cfg: Any) -> None:
+    """``JambaModel.set_gguf_parameters``: KV heads per layer (0 on Mamba layers)."""
+    hidden, n = cfg.hidden_size, cfg.num_hidden_layers
+    offset, period = cfg.attn_layer_offset, cfg.attn_layer_period
+    kv = [0] * offset + [
+        cfg.num_key_value_heads if (i - offset) % period == 0 else 0 for i in range(offset, n)
+    ]
+    writer.add_block_count(n)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(kv)
+    writer.add_ssm_conv_kernel(cfg.mamba_d_conv or 4)
+    writer.add_ssm_inner_size(cfg.mamba_expand * hidden)
+    writer.add_ssm_state_size(cfg.mamba_d_state or 16)
+    writer.add_ssm_time_step_rank(cfg.mamba_dt_rank or -(hidden // -16))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps or 1e-6)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
 
 
 def _deepseek_parameters(writer: Any, cfg: Any) -> None:
@@ -464,6 +559,35 @@ def _deepseek_parameters(writer: Any, cfg: Any) -> None:
     writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
     if yarn and params.get("mscale_all_dim") is not None:
         writer.add_rope_scaling_yarn_log_mul(0.1 * params["mscale_all_dim"])
+
+
+def same_tensors(
+    src: str | os.PathLike[str], out: str | os.PathLike[str], ulp: tuple[str, ...] = ()
+) -> set[str]:
+    """Assert two GGUF files hold the same tensors, each of the same type and bytes.
+
+    ``ulp``: name endings of F32 tensors allowed to differ by one unit in the last place
+    (a transcendental function's rounding: torch's float32 exp is not correctly rounded).
+
+    Returns
+    -------
+    set of str
+        Their tensor names.
+    """
+    import gguf
+
+    a = {t.name: t for t in gguf.GGUFReader(src).tensors}
+    b = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
+    for name, t in a.items():
+        assert b[name].tensor_type == t.tensor_type, name
+        x, y = np.asarray(t.data), np.asarray(b[name].data)
+        if name.endswith(ulp) and t.tensor_type == gguf.GGMLQuantizationType.F32:
+            steps = np.abs(x.view(np.int32).astype(np.int64) - y.view(np.int32))
+            assert x.shape == y.shape and steps.max(initial=0) <= 1, name
+        else:
+            assert np.array_equal(y, x), name
+    return set(b)
 
 
 def tiny_bpe_tokenizer_json(vocab: int) -> str:

@@ -72,7 +72,10 @@ class JambaDecoder(HybridDecoder):
     def _mixer_roles(self, i: int) -> tuple[str, ...]:
         if self.block_types[i] == MAMBA:
             has_bias = self.consumer.has_trunk("mamba_conv_bias", i)
-            return tuple(r for r in MAMBA_ROLES if r != "mamba_conv_bias" or has_bias)
+            # a GGUF source holds llama.cpp's A = -exp(A_log) (mamba_neg_a): used as it is
+            neg_a = self.consumer.has_trunk("mamba_neg_a", i)
+            swap = {"mamba_a_log": "mamba_neg_a"} if neg_a else {}
+            return tuple(swap.get(r, r) for r in MAMBA_ROLES if r != "mamba_conv_bias" or has_bias)
         return ("q_proj", "k_proj", "v_proj")
 
     def _attention(
@@ -133,7 +136,9 @@ class JambaDecoder(HybridDecoder):
         final_conv = kv.conv[j].copy() if kv.tracking else None
         neg_a = self._neg_a.get(i)
         if neg_a is None:  # -exp(A_log): the layer's constant, computed once
-            neg_a = self._neg_a[i] = neg_a_of(lw.mamba_a_log)
+            held = lw.mamba_neg_a  # (a GGUF source's own A: llama.cpp's very numbers)
+            neg_a = neg_a_of(lw.mamba_a_log) if held is None else np.ascontiguousarray(held)
+            self._neg_a[i] = neg_a
         pool = self.kernels().pool.ptr if self._czk else None  # the decode kernels' threads
 
         def scan_step(lo: int, hi: int) -> np.ndarray:

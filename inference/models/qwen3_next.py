@@ -12,7 +12,10 @@ Differences from the shared base:
   (``partial_rotary_factor``, default 0.25).
 * Every RMS norm but the DeltaNet's gated one scales by ``1 + weight``
   (zero-centred weights); the loaded weights are stored as ``1 + w`` (the
-  same float32 product transformers computes).
+  same float32 product transformers computes). A version read from llama.cpp's
+  GGUF already holds ``1 + w`` (``NORMS_HOLD_ONE_PLUS``) and its ``A`` as
+  ``lin_neg_a`` (``-exp(A_log)``): both are used as the file has them, since
+  neither inverse is exact in float32 (see :meth:`Qwen3NextDecoder._a_log`).
 * The MoE block adds a shared expert behind a sigmoid gate (as Qwen2-MoE);
   ``norm_topk_prob`` (default true) renormalises the top-k.
 * The cache is a :class:`~inference.models.deltanet.HybridCache`: KV for the
@@ -47,10 +50,8 @@ from czyx.inference.models.deltanet import (
 )
 from czyx.inference.models.hybrid import HybridDecoder
 from czyx.store.consumer import ModelConsumer, ModelInfo
-from czyx.store.models.archs import LINEAR_ATTN_ROLES
+from czyx.store.models.archs import LINEAR_ATTN_ROLES, NORMS_HOLD_ONE_PLUS, ONE_PLUS_ROLES
 
-#: Roles whose RMS norm scales by ``1 + weight`` (Qwen3NextRMSNorm).
-ONE_PLUS_ROLES = frozenset({"input_norm", "post_attn_norm", "final_norm", "q_norm", "k_norm"})
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
@@ -99,6 +100,8 @@ class Qwen3NextDecoder(HybridDecoder):
         full = [i for i, t in enumerate(self.layer_types) if t == FULL]
         linear = [i for i, t in enumerate(self.layer_types) if t == LINEAR]
         self._place(full, linear)
+        self._norms_held = bool(c.get(NORMS_HOLD_ONE_PLUS))
+        self._a_logs: dict[int, np.ndarray] = {}  # layer -> log(-A) of a GGUF source's A
         super().__init__(consumer, experts, trunk_window)
 
     @classmethod
@@ -115,12 +118,33 @@ class Qwen3NextDecoder(HybridDecoder):
 
     def _trunk(self, role: str, layer: int | None, shape: tuple[int, ...] | None) -> Weight:
         t = super()._trunk(role, layer, shape)
-        if role in ONE_PLUS_ROLES and isinstance(t, np.ndarray):
+        if role in ONE_PLUS_ROLES and isinstance(t, np.ndarray) and not self._norms_held:
             t = F32(1.0) + t  # transformers: normed * (1.0 + weight), in float32
         return t
 
     def _mixer_roles(self, i: int) -> tuple[str, ...]:
-        return LINEAR_ATTN_ROLES if self.layer_types[i] == LINEAR else self.attention_roles
+        if self.layer_types[i] != LINEAR:
+            return self.attention_roles
+        if self.consumer.has_trunk("lin_neg_a", i):  # a GGUF source: A, not A_log
+            return tuple("lin_neg_a" if r == "lin_a_log" else r for r in LINEAR_ATTN_ROLES)
+        return LINEAR_ATTN_ROLES
+
+    def _a_log(self, i: int, lw: Layer) -> np.ndarray:
+        """Layer ``i``'s ``A_log``, or for a GGUF source ``log(-A)`` of its ``A``.
+
+        The DeltaNet kernel takes ``A_log`` (it computes ``-exp(A_log)`` itself), so a
+        file's ``A = -exp(A_log)`` goes in as ``log(-A)``: exact to about an ulp of A, not
+        bit for bit (a kernel taking A would make it llama.cpp's own arithmetic).
+        """
+        if lw.lin_a_log is not None:
+            return lw.lin_a_log
+        a_log = self._a_logs.get(i)
+        if a_log is None:
+            neg_a = np.asarray(lw.lin_neg_a, F32)
+            if not (neg_a < 0).all():  # (NaN included): no A_log gives it
+                raise UnsupportedModelError(f"layer {i}: ssm_a holds a value not below 0")
+            a_log = self._a_logs[i] = np.log(-neg_a).astype(F32)
+        return a_log
 
     # ------------------------------------------------------------------ mixers
 
@@ -166,9 +190,10 @@ class Qwen3NextDecoder(HybridDecoder):
         j = self.slot[i]
         conv_w = lw.lin_conv.reshape(d.conv_dim, d.conv_kernel)
         pool = self.kernels().pool.ptr if self._czk else None  # the decode kernels' threads
+        a_log = self._a_log(i, lw)
         core = run_recurrent(
             kv, j, start, t,
-            lambda lo, hi: gdn(mixed[lo:hi], b[lo:hi], a[lo:hi], conv_w, lw.lin_a_log,
+            lambda lo, hi: gdn(mixed[lo:hi], b[lo:hi], a[lo:hi], conv_w, a_log,
                                lw.lin_dt_bias, kv.conv[j], kv.state[j], d, pool),
         )  # fmt: skip
         y = gated_rms_norm(core, z, lw.lin_norm, self.cfg.rms_eps).reshape(t, d.value_dim)

@@ -76,9 +76,20 @@ NEWER_ROLES = (
     "mamba_dt_norm",  # [dt_rank]
     "mamba_b_norm",  # [d_state]
     "mamba_c_norm",  # [d_state]
+    # llama.cpp's ssm_a of a GGUF source, A = -exp(A_log) as the file holds it (held
+    # instead of A_log: the decoders use A directly, and an export writes it back as is).
+    "lin_neg_a",  # [n_v_heads]
+    "mamba_neg_a",  # [I, d_state]
 )
 #: The roles only a linear-attention (gated DeltaNet) layer has.
 LINEAR_ATTN_ROLES = ("lin_qkvz", "lin_ba", "lin_conv", "lin_dt_bias", "lin_a_log", "lin_norm")
+#: Qwen3-Next's roles whose RMS norm scales by ``1 + weight`` (all but the DeltaNet's own).
+ONE_PLUS_ROLES = frozenset({"input_norm", "post_attn_norm", "final_norm", "q_norm", "k_norm"})
+#: A config key set (true) on a Qwen3-Next version read from GGUF: its :data:`ONE_PLUS_ROLES`
+#: weights are stored as llama.cpp's file holds them, ``1 + w`` (``(1 + w) - 1`` is not exact
+#: in float32 below 0.5, so they are kept as they are: the decoder adds no 1, an export
+#: writes them back byte for byte).
+NORMS_HOLD_ONE_PLUS = "czyx_norms_hold_one_plus"
 #: The roles only a Mamba (selective state space) layer has.
 MAMBA_ROLES = (
     "mamba_in_proj",
@@ -237,6 +248,7 @@ _GATED_DELTANET = (
     (r"linear_attn\.conv1d\.weight", "lin_conv"),
     (r"linear_attn\.dt_bias", "lin_dt_bias"),
     (r"linear_attn\.A_log", "lin_a_log"),
+    (r"linear_attn\.ssm_a", "lin_neg_a"),  # (a GGUF source's -exp(A_log))
     (r"linear_attn\.norm\.weight", "lin_norm"),
     (r"linear_attn\.out_proj\.weight", "o_proj"),
 )
@@ -250,6 +262,7 @@ _JAMBA = (
     (r"mamba\.dt_proj\.weight", "mamba_dt_proj"),
     (r"mamba\.dt_proj\.bias", "mamba_dt_bias"),
     (r"mamba\.A_log", "mamba_a_log"),
+    (r"mamba\.ssm_a", "mamba_neg_a"),  # (a GGUF source's -exp(A_log))
     (r"mamba\.D", "mamba_d"),
     (r"mamba\.dt_layernorm\.weight", "mamba_dt_norm"),
     (r"mamba\.b_layernorm\.weight", "mamba_b_norm"),

@@ -46,7 +46,13 @@ from czyx.store.core.blockfile import fsync_dir, fsync_file
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
 from czyx.store.interfaces import StoreInterface
-from czyx.store.models.archs import FILE_ROLES, SIDE_FILES, TOKENIZER_FILE, TOKENIZER_ROLE
+from czyx.store.models.archs import (
+    FILE_ROLES,
+    NORMS_HOLD_ONE_PLUS,
+    SIDE_FILES,
+    TOKENIZER_FILE,
+    TOKENIZER_ROLE,
+)
 from czyx.store.models.checkpoint import DTYPES
 from czyx.store.models.expert_transform import from_contract
 from czyx.store.models.model import ModelSpace
@@ -181,6 +187,12 @@ def export(
             f"version is quantized (expert format {fmt!r}, policy "
             f"{(space.root.get('quant') or {}).get('policy')!r}); export with dequantize=True "
             "(czyx export --dequantize) to write its dequantized values"
+        )
+    held = [r for r in ("lin_neg_a", "mamba_neg_a") if any(k[0] == r for k in space.trunk)]
+    if held or space.root["config"].get(NORMS_HOLD_ONE_PLUS):
+        raise ExportError(
+            "version holds llama.cpp's own values (ssm_a = -exp(A_log), norms as 1 + w), "
+            "whose HF inverse is not exact in float32: export it as GGUF"
         )
     source = space.root["source"]
     rebuilt = packed or source.get("format") == "gguf" or source.get("conversion")

@@ -6,13 +6,22 @@ which llama.cpp converts as ``llama``; Qwen2-MoE ``qwen2moe``; Qwen3-MoE
 attention and head biases; DeepSeek-V3, Kimi-K2 and DeepSeek-V2 ``deepseek2``,
 told apart by ``expert_gating_func``, sigmoid or softmax, :func:`resolve_arch`;
 Llama 4 text ``llama4``, whose chunked attention, NoPE layers and temperature
-llama.cpp fixes in code, :data:`LLAMA4_CHUNK`):
+llama.cpp fixes in code, :data:`LLAMA4_CHUNK`; the hybrids Qwen3-Next ``qwen3next``
+and Jamba ``jamba``, whose converter transforms are described at ``_QWEN3NEXT_LAYER``):
 
 * the map between llama.cpp tensor names (``blk.N.attn_q.weight``,
   stacked experts ``blk.N.ffn_{gate,up,down}_exps.weight [E, I, H]``...) and
   the Hugging Face names the store's architecture tables classify
   (:mod:`store.models.archs`); a GGUF file is read as the HF checkpoint it
   was converted from, so planning and the engine need nothing new;
+* the hybrids' recurrent layers: Qwen3-Next's ``in_proj_qkvz`` is split into
+  ``attn_qkv`` / ``attn_gate`` (:func:`qkvz_rows`, a row permutation joined back at
+  mount), conv1d squeezed; ``ssm_a = -exp(A_log)`` and Qwen3-Next's ``1 + w`` norms are
+  kept as the file holds them (roles ``lin_neg_a`` / ``mamba_neg_a``, config key
+  :data:`~store.models.archs.NORMS_HOLD_ONE_PLUS`), since neither inverse is exact in
+  float32: the engine uses them as llama.cpp does and an export writes the same bytes;
+  Jamba's attention and expert layers are its per-layer ``head_count_kv`` and the
+  layers with an ``ffn_gate_inp``, read back as its periods and offsets;
 * llama.cpp's rope layout: its converter permutes the q/k rows of ``llama``
   models (Mixtral) from the HF rotate-half order to interleaved pairs
   (``convert_hf_to_gguf.LlamaModel.permute``); :func:`qk_rows` gives the
@@ -58,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from czyx.store.models.archs import llama4_moe_layers
+from czyx.store.models.archs import NORMS_HOLD_ONE_PLUS, llama4_moe_layers
 from czyx.store.models.mount_errors import CheckpointError
 
 #: PhiMoE's ``router_jitter_noise`` (transformers' default): GGUF has no field for it,
@@ -146,6 +155,42 @@ _LLAMA4 = GGUFArch(
     tuple(f"{_FEED}.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")),  # type: ignore[arg-type]
     _LLAMA4_LAYER,
 )
+# Qwen3NextModel.modify_tensors: in_proj_qkvz is split into attn_qkv / attn_gate
+# (QKVZ_HALVES, rows regrouped: qkvz_rows), dt_bias renamed ssm_dt.bias, conv1d squeezed
+# to [C, K], A_log written as ssm_a = -exp(A_log), and every RMS norm weight but the
+# DeltaNet's own (ssm_norm) as 1 + w; post_attention_layernorm is post_attention_norm.
+# ssm_a reads back as the role lin_neg_a (linear_attn.ssm_a) and the norms as they are
+# (archs.NORMS_HOLD_ONE_PLUS): neither inverse is exact in float32, so czyx keeps what the file
+# holds, runs it as llama.cpp does and exports it byte for byte.
+_QWEN3NEXT_LAYER = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.ssm_a",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+# JambaModel.modify_tensors: Mamba's A_log as ssm_a = -exp(A_log) (read back as the role
+# mamba_neg_a, mamba.ssm_a), conv1d squeezed; dense layers' MLP as ffn_{gate,up,down}.
+_JAMBA_LAYER = {
+    "ffn_norm.weight": "pre_ff_layernorm.weight",
+    "ssm_in.weight": "mamba.in_proj.weight",
+    "ssm_conv1d.weight": "mamba.conv1d.weight",
+    "ssm_conv1d.bias": "mamba.conv1d.bias",
+    "ssm_x.weight": "mamba.x_proj.weight",
+    "ssm_dt.weight": "mamba.dt_proj.weight",
+    "ssm_dt.bias": "mamba.dt_proj.bias",
+    "ssm_a": "mamba.ssm_a",
+    "ssm_d": "mamba.D",
+    "ssm_dt_norm.weight": "mamba.dt_layernorm.weight",
+    "ssm_b_norm.weight": "mamba.b_layernorm.weight",
+    "ssm_c_norm.weight": "mamba.c_layernorm.weight",
+    "ssm_out.weight": "mamba.out_proj.weight",
+    "ffn_gate.weight": "feed_forward.gate_proj.weight",
+    "ffn_up.weight": "feed_forward.up_proj.weight",
+    "ffn_down.weight": "feed_forward.down_proj.weight",
+}
 #: llama.cpp's ``expert_gating_func`` values (``LLAMA_EXPERT_GATING_FUNC_TYPE_*``).
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
 
@@ -202,22 +247,29 @@ ARCHS: dict[str, GGUFArch] = {
         ),
         _DEEPSEEK_V3,
         _LLAMA4,
+        # Qwen3-Next (Qwen3NextModel): gated DeltaNet beside gated attention; Jamba
+        # (JambaModel): Mamba beside attention. Their converter transforms: _QWEN3NEXT_LAYER.
+        GGUFArch(
+            "qwen3next",
+            "qwen3_next",
+            "Qwen3NextForCausalLM",
+            False,  # NEOX rope (partial): unpermuted
+            True,
+            "model.layers.{l}.mlp.gate.weight",
+            _PROJ,  # type: ignore[arg-type]
+            _QWEN3NEXT_LAYER,
+        ),
+        GGUFArch(
+            "jamba",
+            "jamba",
+            "JambaForCausalLM",
+            False,  # (no rope at all)
+            False,
+            _FEED + ".router.weight",
+            tuple(f"{_FEED}.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")),  # type: ignore[arg-type]
+            _JAMBA_LAYER,
+        ),
     )
-}
-#: Architectures czyx runs from safetensors whose llama.cpp layout it does not read or
-#: write yet, by llama.cpp name: ``(czyx model_type, what is missing)``. Both directions
-#: refuse them with that line rather than guess at the converter's transforms.
-PENDING: dict[str, tuple[str, str]] = {
-    "qwen3next": (
-        "qwen3_next",
-        "its gated-DeltaNet tensors (Qwen3NextModel's attn_qkv/attn_gate split of "
-        "in_proj_qkvz, ssm_a = -exp(A_log), norms stored as 1 + w) have no czyx mapping yet",
-    ),
-    "jamba": (
-        "jamba",
-        "its Mamba tensors (JambaModel's ssm_a = -exp(A_log), squeezed ssm_conv1d, ssm_x, "
-        "ssm_dt and the dt/B/C norms) have no czyx mapping yet",
-    ),
 }
 # llama.cpp's deepseek2 holds DeepSeek-V2 and V3 (and Kimi-K2): the gating function
 # tells them apart (resolve_arch); ARCHS names the V3 reading, BY_CZYX has both.
@@ -279,6 +331,8 @@ _MLA_LAYER = {
 }
 KV_B_HALVES = {"attn_k_b.weight": "k", "attn_v_b.weight": "v"}
 KV_B = "self_attn.kv_b_proj.weight"
+QKVZ_HALVES = {"attn_qkv.weight": "qkv", "attn_gate.weight": "z"}
+QKVZ = "linear_attn.in_proj_qkvz.weight"
 EXPERT_STACKS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 _BLK = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -292,11 +346,16 @@ class GGUFName:
     layer: int | None
     part: int | None = None
     qk: str | None = None  # "q" or "k": rows in rope order when the arch permutes
-    kv: str | None = None  # "k" or "v": a half of deepseek2's split kv_b_proj
+    # a half of a tensor the converter splits: "k" or "v" of deepseek2's kv_b_proj,
+    # "qkv" or "z" of qwen3next's in_proj_qkvz
+    kv: str | None = None
+    squeezed: bool = False  # a depthwise conv1d [C, K] whose HF form is [C, 1, K]
 
 
 def classify(arch: GGUFArch, name: str) -> GGUFName | None:
     """The HF meaning of GGUF tensor ``name``; ``None`` if unknown (the caller refuses)."""
+    if name == "output_norm.weight" and arch.gguf == "jamba":
+        return GGUFName("model.final_layernorm.weight", None)
     if name in _GLOBAL:
         return GGUFName(_GLOBAL[name], None)
     m = _BLK.fullmatch(name)
@@ -312,15 +371,53 @@ def classify(arch: GGUFArch, name: str) -> GGUFName | None:
             return GGUFName(f"model.layers.{layer}.{KV_B}", layer, kv=KV_B_HALVES[rest])
         hf = _MLA_LAYER.get(rest)
         return None if hf is None else GGUFName(f"model.layers.{layer}.{hf}", layer)
+    if arch.gguf == "qwen3next" and rest in QKVZ_HALVES:
+        return GGUFName(f"model.layers.{layer}.{QKVZ}", layer, kv=QKVZ_HALVES[rest])
     hf = (arch.layer_names or {}).get(rest) or _LAYER.get(rest)
     if hf is None:
         return None
     qk = rest[5] if rest.startswith(("attn_q.", "attn_k.")) and arch.permute_qk else None
-    return GGUFName(f"model.layers.{layer}.{hf}", layer, qk=qk)
+    squeezed = rest == "ssm_conv1d.weight"
+    return GGUFName(f"model.layers.{layer}.{hf}", layer, qk=qk, squeezed=squeezed)
 
 
-def gguf_name(arch: GGUFArch, role: str, layer: int | None) -> str:
-    """The llama.cpp name of trunk ``role`` (czyx role names, :mod:`store.models.archs`)."""
+# The recurrent layers' roles by llama.cpp arch: role -> blk.N.<name> (a recurrent
+# layer's o_proj is its ssm_out). ssm_a is written from either A_log or A (see _QWEN3NEXT_LAYER).
+_RECURRENT_ROLES = {
+    "qwen3next": {
+        "post_attn_norm": "post_attention_norm.weight",
+        "lin_ba": "ssm_ba.weight",
+        "lin_conv": "ssm_conv1d.weight",
+        "lin_dt_bias": "ssm_dt.bias",
+        "lin_a_log": "ssm_a",
+        "lin_neg_a": "ssm_a",
+        "lin_norm": "ssm_norm.weight",
+    },
+    "jamba": {
+        "mamba_in_proj": "ssm_in.weight",
+        "mamba_conv": "ssm_conv1d.weight",
+        "mamba_conv_bias": "ssm_conv1d.bias",
+        "mamba_x_proj": "ssm_x.weight",
+        "mamba_dt_proj": "ssm_dt.weight",
+        "mamba_dt_bias": "ssm_dt.bias",
+        "mamba_a_log": "ssm_a",
+        "mamba_neg_a": "ssm_a",
+        "mamba_d": "ssm_d",
+        "mamba_dt_norm": "ssm_dt_norm.weight",
+        "mamba_b_norm": "ssm_b_norm.weight",
+        "mamba_c_norm": "ssm_c_norm.weight",
+    },
+}
+
+
+def gguf_name(arch: GGUFArch, role: str, layer: int | None, recurrent: bool = False) -> str:
+    """The llama.cpp name of trunk ``role`` (czyx role names, :mod:`store.models.archs`);
+    ``recurrent``: ``layer`` is a DeltaNet or Mamba layer (its ``o_proj`` is ``ssm_out``)."""
+    if recurrent and role == "o_proj":
+        return f"blk.{layer}.ssm_out.weight"
+    hybrid = _RECURRENT_ROLES.get(arch.gguf, {})
+    if layer is not None and role in hybrid:
+        return f"blk.{layer}.{hybrid[role]}"
     if layer is None:
         return {
             "embed": "token_embd.weight",
@@ -404,6 +501,44 @@ def qk_rows(rows: int, n_head: int) -> np.ndarray:
     return np.argsort(permute)
 
 
+def qkvz_rows(n_k_heads: int, n_v_heads: int, k_dim: int, v_dim: int) -> np.ndarray:
+    """Row order joining llama.cpp's ``attn_qkv`` and ``attn_gate`` into HF's
+    ``in_proj_qkvz``: ``hf = np.concatenate([qkv, gate])[qkvz_rows(...)]``.
+
+    HF groups the rows by key head, ``[q (k_dim), k (k_dim), v (r v_dim), z (r v_dim)]``
+    each (``r = n_v_heads / n_k_heads``); ``Qwen3NextModel.modify_tensors`` regroups them
+    as every head's q, then k, then v (``attn_qkv``) and every z (``attn_gate``). A pure
+    row permutation: exact for every type, quantized rows included.
+    """
+    r = n_v_heads // n_k_heads
+    kd, vd, vg = n_k_heads * k_dim, n_v_heads * v_dim, r * v_dim
+    parts = []
+    for g in range(n_k_heads):
+        q = np.arange(g * k_dim, (g + 1) * k_dim)
+        v = np.arange(g * vg, (g + 1) * vg)
+        parts += [q, kd + q, 2 * kd + v, 2 * kd + vd + v]
+    return np.concatenate(parts)
+
+
+def qkvz_dims(config: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    """``(n_k_heads, n_v_heads, k_dim, v_dim)`` of a Qwen3-Next config (for :func:`qkvz_rows`)."""
+    return (
+        int(config["linear_num_key_heads"]),
+        int(config["linear_num_value_heads"]),
+        int(config["linear_key_head_dim"]),
+        int(config["linear_value_head_dim"]),
+    )
+
+
+def qkvz_split(hf_rows: np.ndarray, dims: tuple[int, int, int, int]) -> tuple:
+    """``(attn_qkv, attn_gate)`` rows of HF ``in_proj_qkvz`` rows (any element type), as
+    the converter splits them; ``dims`` as :func:`qkvz_dims` gives them."""
+    joined = np.empty_like(hf_rows)
+    joined[qkvz_rows(*dims)] = hf_rows
+    n_qkv = 2 * dims[0] * dims[2] + dims[1] * dims[3]
+    return joined[:n_qkv], joined[n_qkv:]
+
+
 def kv_b_join(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
     """HF ``kv_b_proj [n_head * (qk_nope + v_head_dim), kv_lora_rank]`` of llama.cpp's
     ``attn_k_b [n_head, kv_lora_rank, qk_nope]`` and ``attn_v_b [n_head, v_head_dim,
@@ -429,12 +564,9 @@ def kv_b_split(kv_b: np.ndarray, n_head: int, qk_nope: int) -> tuple[np.ndarray,
 def resolve_arch(name: str, meta: Mapping[str, Any]) -> GGUFArch | None:
     """The :class:`GGUFArch` of a file's ``general.architecture``; ``None`` if unknown.
 
-    Raises :class:`UnsupportedGGUFError` for the :data:`PENDING` architectures.
     ``deepseek2`` is DeepSeek-V3 (Kimi-K2...) when its experts are gated by a sigmoid
     and DeepSeek-V2 when by a softmax (llama.cpp's default when the key is absent).
     """
-    if name in PENDING:
-        raise UnsupportedGGUFError(f"GGUF architecture {name!r}: {PENDING[name][1]}")
     if name != "deepseek2":
         return ARCHS.get(name)
     gating = int(_get(meta, "deepseek2.expert_gating_func", GATING_SOFTMAX))
@@ -494,7 +626,7 @@ def config_from_gguf(
         "hidden_size": hidden,
         "num_hidden_layers": int(_get(meta, f"{a}.block_count", need=True)),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_get(meta, f"{a}.attention.head_count_kv", heads)),
+        "num_key_value_heads": _kv_heads(_get(meta, f"{a}.attention.head_count_kv", heads)),
         "max_position_embeddings": int(_get(meta, f"{a}.context_length", 4096)),
         "rms_norm_eps": float(_get(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(_get(meta, f"{a}.rope.freq_base", 10000.0)),
@@ -504,6 +636,10 @@ def config_from_gguf(
         "hidden_act": "silu",
         "norm_topk_prob": arch.renormalize,
     }
+    if arch.czyx == "jamba":
+        _jamba_config(meta, cfg, n_experts, names)
+        _token_ids(meta, cfg)
+        return cfg
     key_len = _get(meta, f"{a}.attention.key_length")
     if key_len is not None and int(key_len) != hidden // heads:
         cfg["head_dim"] = int(key_len)
@@ -539,12 +675,107 @@ def config_from_gguf(
             intermediate_size=int(ff) if ff is not None else int(expert_ff),
             use_sliding_window=False,
         )
-        if arch.czyx == "qwen2_moe":
+        if arch.czyx in ("qwen2_moe", "qwen3_next"):
             shared = _get(meta, f"{a}.expert_shared_feed_forward_length")
             if shared is not None:
                 cfg["shared_expert_intermediate_size"] = int(shared)
+        if arch.czyx == "qwen3_next":
+            _qwen3next_config(meta, cfg)
     _token_ids(meta, cfg)
     return cfg
+
+
+def _kv_heads(value: Any) -> int:
+    """``num_key_value_heads`` of ``attention.head_count_kv``: a number, or per layer
+    (Jamba's, 0 on its Mamba layers) one count shared by every attention layer."""
+    if not isinstance(value, list):
+        return int(value)
+    counts = {int(v) for v in value if int(v)}
+    if len(counts) > 1:
+        raise UnsupportedGGUFError(f"attention.head_count_kv {value}: layers differ in KV heads")
+    return counts.pop() if counts else 1
+
+
+def _qwen3next_config(meta: Mapping[str, Any], cfg: dict[str, Any]) -> None:
+    """The Qwen3-Next fields of ``cfg`` (``Qwen3NextModel.set_gguf_parameters``: the
+    DeltaNet widths under ``ssm.*``, the partial rope as ``rope.dimension_count``)."""
+    a = "qwen3next"
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    v_heads = int(_get(meta, f"{a}.ssm.time_step_rank", need=True))
+    inner = int(_get(meta, f"{a}.ssm.inner_size", need=True))
+    if v_heads <= 0 or inner % v_heads:
+        raise GGUFError(f"{a}.ssm.inner_size {inner} is not {v_heads} value heads")
+    # llama.cpp's default interval when the key is absent
+    every = int(_get(meta, f"{a}.full_attention_interval", 4))
+    if every < 1:
+        raise GGUFError(f"{a}.full_attention_interval {every}")
+    n = cfg["num_hidden_layers"]
+    cfg.update(
+        head_dim=head_dim,
+        partial_rotary_factor=int(_get(meta, f"{a}.rope.dimension_count", need=True)) / head_dim,
+        linear_conv_kernel_dim=int(_get(meta, f"{a}.ssm.conv_kernel", need=True)),
+        linear_key_head_dim=int(_get(meta, f"{a}.ssm.state_size", need=True)),
+        linear_num_key_heads=int(_get(meta, f"{a}.ssm.group_count", need=True)),
+        linear_num_value_heads=v_heads,
+        linear_value_head_dim=inner // v_heads,
+        full_attention_interval=every,
+        layer_types=[_QWEN3NEXT_TYPES[(i + 1) % every == 0] for i in range(n)],
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        **{NORMS_HOLD_ONE_PLUS: True},
+    )
+
+
+_QWEN3NEXT_TYPES = ("linear_attention", "full_attention")
+
+
+def _every(layers: list[int], n: int, what: str) -> tuple[int, int]:
+    """``(period, offset)`` with ``layers == [i for i < n if i % period == offset]``
+    (Jamba's attention and expert layers); none: ``(n + 1, n)``."""
+    if not layers:
+        return n + 1, n
+    period = layers[1] - layers[0] if len(layers) > 1 else n
+    offset = layers[0] % period
+    if [i for i in range(n) if i % period == offset] != layers:
+        raise UnsupportedGGUFError(
+            f"jamba {what} layers {layers}: not every n-th layer from an offset"
+        )
+    return period, offset
+
+
+def _jamba_config(
+    meta: Mapping[str, Any], cfg: dict[str, Any], n_experts: int, names: Collection[str]
+) -> None:
+    """The Jamba fields of ``cfg`` (``JambaModel.set_gguf_parameters``). llama.cpp finds
+    the attention layers by their ``head_count_kv`` entry (0 on Mamba layers) and the
+    expert layers by their ``ffn_gate_inp``: read back as Jamba's periods and offsets."""
+    a, n = "jamba", cfg["num_hidden_layers"]
+    kv = _get(meta, f"{a}.attention.head_count_kv", need=True)
+    per_layer = [int(v) for v in kv] if isinstance(kv, list) else [int(kv)] * n
+    if len(per_layer) != n:
+        raise GGUFError(f"{a}.attention.head_count_kv has {len(per_layer)} layers, not {n}")
+    attn = _every([i for i, h in enumerate(per_layer) if h], n, "attention")
+    moe = _every([i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" in names], n, "expert")
+    hidden = cfg["hidden_size"]
+    inner = int(_get(meta, f"{a}.ssm.inner_size", need=True))
+    if inner % hidden:
+        raise UnsupportedGGUFError(f"{a}.ssm.inner_size {inner} is not a multiple of {hidden}")
+    cfg.update(
+        num_experts=n_experts,
+        intermediate_size=int(_get(meta, f"{a}.feed_forward_length", need=True)),
+        attn_layer_period=attn[0],
+        attn_layer_offset=attn[1],
+        expert_layer_period=moe[0],
+        expert_layer_offset=moe[1],
+        mamba_d_state=int(_get(meta, f"{a}.ssm.state_size", need=True)),
+        mamba_d_conv=int(_get(meta, f"{a}.ssm.conv_kernel", need=True)),
+        mamba_dt_rank=int(_get(meta, f"{a}.ssm.time_step_rank", need=True)),
+        mamba_expand=inner // hidden,
+        mamba_conv_bias=any(f"blk.{i}.ssm_conv1d.bias" in names for i in range(n)),
+        mamba_proj_bias=False,
+        use_mamba_kernels=False,
+    )
+    del cfg["rope_theta"], cfg["norm_topk_prob"]  # (no rope; top-k never renormalised)
 
 
 # What llama.cpp's llama4 fixes in code (llama-model.cpp, LLM_ARCH_LLAMA4) rather than
@@ -857,12 +1088,6 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
         scaling GGUF cannot express, or routing llama.cpp would compute otherwise.
     """
     arch = BY_CZYX.get(str(config.get("model_type")))
-    pending = {czyx: (gguf, why) for gguf, (czyx, why) in PENDING.items()}
-    if arch is None and config.get("model_type") in pending:
-        gguf, why = pending[config["model_type"]]
-        raise UnsupportedGGUFError(
-            f"model_type {config['model_type']!r} as llama.cpp's {gguf}: {why}"
-        )
     if arch is None:
         raise UnsupportedGGUFError(f"model_type {config.get('model_type')!r} has no GGUF export")
     if arch.gguf == "deepseek2":  # (its YaRN has a GGUF form)
@@ -889,6 +1114,8 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
         )
     if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
         raise UnsupportedGGUFError("dense layers between sparse ones have no GGUF form")
+    if arch.czyx == "jamba":
+        return arch, _jamba_metadata(config)
     heads_kv = config.get("num_key_value_heads") or config["num_attention_heads"]
     if arch.czyx == "olmoe" and int(heads_kv) != int(config["num_attention_heads"]):
         # its k_norm spans n_embd: llama.cpp refuses the file (as OLMoE itself has no GQA)
@@ -935,7 +1162,80 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
             meta[f"{a}.expert_shared_feed_forward_length"] = int(
                 config["shared_expert_intermediate_size"]
             )
+    if arch.czyx == "qwen3_next":
+        _qwen3next_metadata(config, meta)
     return arch, meta
+
+
+def _qwen3next_metadata(config: Mapping[str, Any], meta: dict[str, Any]) -> None:
+    """The ``qwen3next.*`` keys ``Qwen3NextModel.set_gguf_parameters`` adds; refuses what
+    llama.cpp lays out otherwise (attention layers not every ``interval``-th, a partial
+    rope width that is not whole)."""
+    a, n = "qwen3next", int(config["num_hidden_layers"])
+    if config.get("attention_bias"):
+        raise UnsupportedGGUFError("attention_bias=true: llama.cpp's qwen3next has no q/k/v bias")
+    types = list(config.get("layer_types") or [])
+    every = int(config.get("full_attention_interval") or 4)
+    if types:  # transformers saves the list; the interval is its first full layer's place
+        every = types.index("full_attention") + 1 if "full_attention" in types else n + 1
+    if types and types != [_QWEN3NEXT_TYPES[(i + 1) % every == 0] for i in range(n)]:
+        raise UnsupportedGGUFError(
+            f"layer_types {types}: llama.cpp's qwen3next has only full_attention_interval"
+        )
+    head_dim = int(meta[f"{a}.attention.key_length"])
+    params = config.get("rope_parameters") or {}
+    partial = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25)))
+    if head_dim * partial != int(head_dim * partial):
+        raise UnsupportedGGUFError(f"partial_rotary_factor {partial} of head_dim {head_dim}")
+    v_heads = int(config["linear_num_value_heads"])
+    meta[f"{a}.ssm.conv_kernel"] = int(config["linear_conv_kernel_dim"])
+    meta[f"{a}.ssm.state_size"] = int(config["linear_key_head_dim"])
+    meta[f"{a}.ssm.group_count"] = int(config["linear_num_key_heads"])
+    meta[f"{a}.ssm.time_step_rank"] = v_heads
+    meta[f"{a}.ssm.inner_size"] = int(config["linear_value_head_dim"]) * v_heads
+    meta[f"{a}.full_attention_interval"] = every
+    meta[f"{a}.rope.dimension_count"] = int(head_dim * partial)
+
+
+def _jamba_metadata(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``jamba.*`` metadata of a Jamba config (``JambaModel.set_gguf_parameters``): the KV
+    head count per layer (0 on Mamba layers) says which layers attend."""
+    a, n = "jamba", int(config["num_hidden_layers"])
+    if config.get("mamba_proj_bias"):
+        raise UnsupportedGGUFError("mamba_proj_bias=true: llama.cpp's jamba has no ssm_in bias")
+    period, offset, e_period, e_offset = (
+        int(config[k]) if config.get(k) is not None else default
+        for k, default in (
+            ("attn_layer_period", 8),
+            ("attn_layer_offset", 4),
+            ("expert_layer_period", 2),
+            ("expert_layer_offset", 1),
+        )
+    )  # (transformers' defaults)
+    if offset >= period or e_offset >= e_period:
+        # the converter counts layers from the offset on, transformers by i % period
+        raise UnsupportedGGUFError(
+            f"jamba layer offsets ({offset}, {e_offset}) not below their periods "
+            f"({period}, {e_period}): llama.cpp would place those layers otherwise"
+        )
+    hidden, kv = int(config["hidden_size"]), int(config["num_key_value_heads"])
+    dt_rank = config.get("mamba_dt_rank")
+    dt_rank = -(hidden // -16) if dt_rank in (None, "auto") else int(dt_rank)  # ceil(H / 16)
+    return {
+        f"{a}.block_count": n,
+        f"{a}.context_length": int(config.get("max_position_embeddings") or 4096),
+        f"{a}.embedding_length": hidden,
+        f"{a}.feed_forward_length": int(config["intermediate_size"]),
+        f"{a}.attention.head_count": int(config["num_attention_heads"]),
+        f"{a}.attention.head_count_kv": [kv if i % period == offset else 0 for i in range(n)],
+        f"{a}.ssm.conv_kernel": int(config.get("mamba_d_conv") or 4),
+        f"{a}.ssm.inner_size": int(config.get("mamba_expand") or 2) * hidden,
+        f"{a}.ssm.state_size": int(config.get("mamba_d_state") or 16),
+        f"{a}.ssm.time_step_rank": dt_rank,
+        f"{a}.attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-6)),
+        f"{a}.expert_count": int(config["num_experts"]),
+        f"{a}.expert_used_count": int(config["num_experts_per_tok"]),
+    }
 
 
 # ----------------------------------------------------------------- tokenizer

@@ -21,6 +21,12 @@ where mount rebuilt it as float32 from quantized halves, each half gets the type
 the source file gave it back if, and only if, re-encoding reproduces the stored
 values exactly (it does for the values a Q8_0/Q4_0 dequantized to).
 
+Qwen3-Next and Jamba are written as their converter transforms them: ``in_proj_qkvz``
+as ``attn_qkv`` / ``attn_gate``, conv1d squeezed, ``A_log`` as ``ssm_a = -exp(A_log)``
+and Qwen3-Next's norms as ``1 + w``, computed as the converter computes them for a
+version mounted from safetensors and written back as they are for one mounted from
+GGUF (which holds llama.cpp's own values: byte-exact both ways).
+
 Routed experts are stacked per layer as ``ffn_{gate,up,down}_exps``; q/k rows
 of ``llama``-arch models (Mixtral) are permuted to llama.cpp's rope order; the
 mounted ``tokenizer.json`` (byte-level BPE) becomes the ``tokenizer.ggml.*``
@@ -40,7 +46,13 @@ import numpy as np
 from czyx.space import Selector
 from czyx.store.core.checksum import checksum
 from czyx.store.errors import ChecksumError
-from czyx.store.models.archs import FILE_ROLES, SIDE_FILES, TOKENIZER_ROLE
+from czyx.store.models.archs import (
+    FILE_ROLES,
+    NORMS_HOLD_ONE_PLUS,
+    ONE_PLUS_ROLES,
+    SIDE_FILES,
+    TOKENIZER_ROLE,
+)
 from czyx.store.models.checkpoint import DTYPES
 from czyx.store.models.export import Progress, chat_template, format_history, staged_file
 from czyx.store.models.gguf import (
@@ -50,7 +62,10 @@ from czyx.store.models.gguf import (
     gguf_tokenizer_fields,
     kv_b_split,
     qk_permute,
+    qkvz_dims,
+    qkvz_split,
 )
+from czyx.store.models.gguf_source import _to_bf16
 from czyx.store.models.model import ModelSpace
 from czyx.store.quant.formats import get_format, is_quant_format, views
 
@@ -174,6 +189,7 @@ def export_gguf(
     kv = int(config.get("num_key_value_heads") or heads)
     tokenizer = None
     kept: dict[str, bytes] = {}  # the side files, by role
+    recurrent = {layer for role, layer in space.trunk if role in ("lin_qkvz", "mamba_in_proj")}
     trunk: list[tuple[str, str, Any]] = []  # (GGUF name, role, record): converted as written
     for (role, layer), tref in sorted(
         space.trunk.items(), key=lambda kv_: (kv_[0][1] is not None, kv_[0][1] or 0, kv_[0][0])
@@ -185,8 +201,11 @@ def export_gguf(
         elif arch.gguf == "deepseek2" and role == "kv_b_proj":  # written as its two halves
             trunk.append((f"blk.{layer}.attn_k_b.weight", "kv_b_proj:k", tref))
             trunk.append((f"blk.{layer}.attn_v_b.weight", "kv_b_proj:v", tref))
+        elif role == "lin_qkvz":  # written as the converter splits it
+            trunk.append((f"blk.{layer}.attn_qkv.weight", "lin_qkvz:qkv", tref))
+            trunk.append((f"blk.{layer}.attn_gate.weight", "lin_qkvz:z", tref))
         else:
-            trunk.append((gguf_name(arch, role, layer), role, tref))
+            trunk.append((gguf_name(arch, role, layer, layer in recurrent), role, tref))
     source_types = (space.root.get("source") or {}).get("tensor_types") or {}
 
     def trunk_tensor(name: str, role: str, tref: Any) -> tuple[np.ndarray, Any]:
@@ -195,16 +214,22 @@ def export_gguf(
         qfmt = tref.record.get("qfmt")
         if role.startswith("kv_b_proj:"):
             return _kv_b_half(raw, tref, qfmt, config, role[-1], source_types.get(name), name)
+        if qfmt is not None and role in _CONVERTED:
+            raise UnsupportedGGUFError(f"{name}: a {qfmt} {role} (llama.cpp's is F32)")
         if qfmt is not None:
             data, qt = to_gguf_blocks(raw, qfmt, (shape[0], shape[1]), name)
         else:
             data, qt = _float_tensor(raw, tref.dtype, shape)
-            if data.ndim == 1 or role == "router" or role == "shared_expert_gate":
+            if role in _CONVERTED:  # Qwen3-Next / Jamba: as the converter writes them
+                data, qt = _converted(data, qt, role, config), _q().F32
+            elif data.ndim == 1 or role == "router" or role == "shared_expert_gate":
                 data, qt = _widen(data, qt), _q().F32
             if role == "shared_expert_gate":
                 data = data.reshape(-1)
         if arch.permute_qk and role in ("q_proj", "k_proj"):
             data = data[qk_permute(shape[0], heads if role == "q_proj" else kv)]
+        if role.startswith("lin_qkvz:"):
+            data = qkvz_split(data, qkvz_dims(config))[role.endswith(":z")]
         return np.ascontiguousarray(data), qt
 
     with _ExpertStacks(space) as stacks, staged_file(path) as tmp:
@@ -253,6 +278,42 @@ def export_gguf(
                     progress(done, total)
         writer.close()
     return [path]
+
+
+# Roles whose HF values the converter transforms (Qwen3NextModel / JambaModel), all
+# written F32: A_log as -exp(A_log), conv1d squeezed, Qwen3-Next's norms as 1 + w.
+_CONVERTED = frozenset({"lin_a_log", "mamba_a_log", "lin_conv", "mamba_conv", *ONE_PLUS_ROLES})
+
+
+def _converted(data: np.ndarray, qt: Any, role: str, config: dict) -> np.ndarray:
+    """The F32 values the converter writes for ``role`` (see :data:`_CONVERTED`).
+
+    It computes in the checkpoint's own dtype and then widens (1-D tensors and conv1d are
+    F32 in its files), so each value is rounded to the stored type before widening. Its
+    ``-torch.exp`` is computed here as the float64 exponential rounded to float32: the
+    correctly rounded value, where torch's vectorised float32 exp may be an ulp off (so
+    an export's ``ssm_a`` is within an ulp of the converter's, and does not depend on
+    which torch or CPU the converter ran on).
+    A GGUF source's own values (``lin_neg_a``, and norms under ``NORMS_HOLD_ONE_PLUS``)
+    are not in this set or skip it: they go back as they are.
+    """
+    wide = _widen(data, qt)
+    if role.endswith("_conv"):
+        return wide.reshape(wide.shape[0], -1)
+    if role in ONE_PLUS_ROLES:
+        if config.get("model_type") != "qwen3_next" or config.get(NORMS_HOLD_ONE_PLUS):
+            return wide
+        return _rounded(wide + np.float32(1.0), qt)
+    return -_rounded(np.exp(wide.astype(np.float64)).astype(np.float32), qt)
+
+
+def _rounded(values: np.ndarray, qt: Any) -> np.ndarray:
+    """float32 ``values`` rounded to the float type ``qt`` (nearest even) and widened back."""
+    if qt == _q().F16:
+        return values.astype(np.float16).astype(np.float32)
+    if qt == _q().BF16:
+        return _widen(_to_bf16(values), qt)
+    return values.astype(np.float32)
 
 
 def _add_info(writer: Any, name: str, shape: tuple, dtype: Any, nbytes: int, qt: Any) -> int:
@@ -328,6 +389,8 @@ def _add_kv(writer: Any, key: str, value: Any) -> None:
         writer.add_bool(key, value)
     elif isinstance(value, str):
         writer.add_string(key, value)
+    elif isinstance(value, list):  # (Jamba's per-layer head_count_kv)
+        writer.add_array(key, value)
     elif isinstance(value, float):
         writer.add_float32(key, value)
     else:

@@ -50,6 +50,8 @@ from czyx.store.models.gguf import (
     config_from_gguf,
     kv_b_join,
     qk_rows,
+    qkvz_dims,
+    qkvz_rows,
     resolve_arch,
     tokenizer_json_from_gguf,
 )
@@ -212,7 +214,7 @@ class GGUFCheckpoint:
         self._halves: dict[str, dict[str, tuple[str, Any, Path]]] = {}
         for name, (t, f) in raw.items():
             self._add(name, t, f)
-        self._join_kv_b()
+        self._join_halves()
 
     # -- naming ---------------------------------------------------------------------
     def _dtype(self, t: Any, name: str) -> str:
@@ -238,11 +240,15 @@ class GGUFCheckpoint:
             )
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         dtype = self._dtype(t, name)
-        if kind.kv is not None:  # a half of kv_b_proj: joined once both are seen
-            if len(shape) != 3:
-                raise GGUFError(f"kv_b half of shape {list(shape)}", file=str(f), tensor=name)
+        if kind.hf is not None and kind.hf in self._vt:
+            raise GGUFError(f"two tensors read as {kind.hf}", file=str(f), tensor=name)
+        if kind.kv is not None:  # a half of kv_b_proj / in_proj_qkvz: joined once both are seen
+            if len(shape) != (3 if kind.kv in ("k", "v") else 2):
+                raise GGUFError(f"a split half of shape {list(shape)}", file=str(f), tensor=name)
             self._halves.setdefault(kind.hf, {})[kind.kv] = (name, t, f)
             return
+        if kind.squeezed and len(shape) == 2:  # the converter's squeezed conv1d [C, K]
+            shape = (shape[0], 1, shape[1])
         if kind.part is not None:
             if len(shape) != 3:
                 raise GGUFError(f"expert stack of shape {list(shape)}", file=str(f), tensor=name)
@@ -260,17 +266,23 @@ class GGUFCheckpoint:
             rows = qk_rows(shape[0], heads)
         self._vt[kind.hf] = VTensor(kind.hf, name, t, f, shape, dtype, rows=rows)
 
-    def _join_kv_b(self) -> None:
-        """HF ``kv_b_proj`` of each layer's ``attn_k_b`` / ``attn_v_b`` pair."""
+    def _join_halves(self) -> None:
+        """HF ``kv_b_proj`` of each layer's ``attn_k_b`` / ``attn_v_b`` pair (deepseek2),
+        ``in_proj_qkvz`` of each ``attn_qkv`` / ``attn_gate`` pair (qwen3next)."""
         ftypes = _float_types()
+        qkvz = self.arch.gguf == "qwen3next"  # type: ignore[union-attr]
+        pair = ("qkv", "z") if qkvz else ("k", "v")
         for hf, halves in self._halves.items():
-            if set(halves) != {"k", "v"}:
+            if set(halves) != set(pair):
                 have = next(iter(halves.values()))[0]
                 raise MissingTensorError(
-                    "attn_k_b and attn_v_b come in pairs", file=str(self.path), tensor=have
+                    f"the split halves {pair} come in pairs", file=str(self.path), tensor=have
                 )
             if hf in self._vt:
-                raise GGUFError("both attn_kv_b and its split halves", file=str(self.path))
+                raise GGUFError("both a tensor and its split halves", file=str(self.path))
+            if qkvz:
+                self._join_qkvz(hf, halves["qkv"], halves["z"])
+                continue
             (kname, k, f), (_, v, _) = halves["k"], halves["v"]
             heads, rank, nope = (int(d) for d in reversed(k.shape.tolist()))
             vheads, vdim, vrank = (int(d) for d in reversed(v.shape.tolist()))
@@ -294,9 +306,39 @@ class GGUFCheckpoint:
             shape = (heads * (nope + vdim), rank)
             self._vt[hf] = VTensor(hf, kname, k, f, shape, dtype, halves=(k, v), joined=joined)
 
+    def _join_qkvz(self, hf: str, qkv: tuple[str, Any, Path], z: tuple[str, Any, Path]) -> None:
+        """HF ``in_proj_qkvz`` of one ``attn_qkv`` / ``attn_gate`` pair: a row permutation
+        (:func:`~store.models.gguf.qkvz_rows`), read in the pair's own type when they share
+        one (quantized rows too), else as the exact float32 of their values."""
+        (qname, q, f), (_, g, _) = qkv, z
+        nk, nv, dk, dv = qkvz_dims(self.config)
+        rows = (int(q.shape[-1]), int(g.shape[-1]))
+        cols = {int(q.shape[0]), int(g.shape[0])}
+        if rows != (2 * nk * dk + nv * dv, nv * dv) or cols != {self.config["hidden_size"]}:
+            raise GGUFError(
+                f"attn_qkv {rows[0]} / attn_gate {rows[1]} rows do not match the metadata's "
+                "DeltaNet widths",
+                file=str(f),
+                tensor=qname,
+            )
+        same = q.tensor_type == g.tensor_type
+        joined = q.tensor_type if same else _qt().F32
+        dtype = self._dtype(q, qname) if same else "F32"
+        shape = (sum(rows), self.config["hidden_size"])
+        self._vt[hf] = VTensor(hf, qname, q, f, shape, dtype, halves=(q, g), joined=joined)
+
+    def _qkvz_join_rows(self, vt: VTensor) -> np.ndarray:
+        q, g = vt.halves  # type: ignore[misc]
+        if vt.joined == q.tensor_type:  # one type: the stored rows (quant blocks) as they are
+            parts = [_rows(t) for t in (q, g)]
+        else:
+            parts = [_widened(self._half(t), t) for t in (q, g)]
+        return np.concatenate(parts)[qkvz_rows(*qkvz_dims(self.config))]
+
     def _half(self, t: Any) -> np.ndarray:
-        """One kv_b half as a numpy ``[n_head, ., .]`` of its float type (bf16 as uint16
-        bits), or, quantized, its reference float32 dequantization."""
+        """One split half (kv_b's ``[n_head, ., .]``, qkvz's 2-D) as a numpy array of its
+        float type (bf16 as uint16 bits), or, quantized, its reference float32
+        dequantization."""
         import gguf
 
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -346,7 +388,8 @@ class GGUFCheckpoint:
     def gguf_rows(self, vt: VTensor) -> np.ndarray:
         """The tensor's stored rows as numpy (quantized: ``uint8 [R, row bytes]``), HF order."""
         if vt.halves is not None:
-            return self._kv_b_rows(vt)
+            qkvz = self.arch.gguf == "qwen3next"  # type: ignore[union-attr]
+            return self._qkvz_join_rows(vt) if qkvz else self._kv_b_rows(vt)
         data = vt.tensor.data
         if vt.expert is not None:
             data = data[vt.expert]
@@ -439,8 +482,16 @@ def _plain(v: Any) -> Any:
     return v
 
 
+def _rows(t: Any) -> np.ndarray:
+    """A 2-D GGUF tensor's stored rows (bf16 as uint16 bits, quantized as uint8 blocks)."""
+    data = np.asarray(t.data)
+    if t.tensor_type == _qt().BF16:
+        data = data.view(np.uint16)
+    return data.reshape(int(t.shape[-1]), -1)
+
+
 def _widened(a: np.ndarray, t: Any) -> np.ndarray:
-    """Float32 of a kv_b half read by ``_half`` (exact: f16/bf16 widen, f32 and
+    """Float32 of a split half read by ``_half`` (exact: f16/bf16 widen, f32 and
     dequantized values are already float32)."""
     if t.tensor_type == _qt().BF16:
         return (a.astype(np.uint32) << 16).view(np.float32)

@@ -124,6 +124,8 @@ _ROLE_TO_CLASS = {
     "mamba_dt_bias": "bias",
     "mamba_a_log": "bias",
     "mamba_d": "bias",
+    "lin_neg_a": "bias",  # (a GGUF source's A = -exp(A_log))
+    "mamba_neg_a": "bias",
 }
 
 _FLOAT_NAMES = ("f32", "float", "none")

@@ -13,7 +13,12 @@ from czyx.store.models.gguf_export import export_gguf
 from czyx.store.models.mount import mount
 from czyx.store.quant.codec import QuantCodec
 from czyx.store.quant.policy import parse_policy
-from czyx.testing.gguf_writer import reference_model, tiny_bpe_tokenizer_json, write_gguf
+from czyx.testing.gguf_writer import (
+    reference_model,
+    same_tensors,
+    tiny_bpe_tokenizer_json,
+    write_gguf,
+)
 from czyx.testing.refmodels import ARCHS, hf_greedy
 
 from .test_gguf import gguf_model
@@ -53,6 +58,33 @@ def test_exported_gguf_runs_in_llama_cpp_with_the_same_greedy_tokens(tmp_path, a
     assert _greedy_llama_cpp(path) == _greedy_transformers(model)
 
 
+def _llama_cpp_knows(arch: str) -> bool:
+    """Whether the installed llama.cpp names ``arch`` (its architecture table's string)."""
+    from pathlib import Path
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    libs = list(Path(llama_cpp.__file__).parent.glob("lib/libllama*"))
+    return any(b"\0" + arch.encode() + b"\0" in lib.read_bytes() for lib in libs)
+
+
+@pytest.mark.parametrize("arch", ["llama4_text", "qwen3_next", "jamba"])
+def test_llama_cpp_decodes_a_converter_layout_gguf_as_czyx_does(tmp_path, arch):
+    """llama.cpp loads each newer architecture as the converter lays it out (the test
+    writer) and decodes the same greedy tokens as czyx mounted from that file."""
+    from .test_gguf_archs import _run, hybrid, llama4
+
+    gguf_arch = {"llama4_text": "llama4", "qwen3_next": "qwen3next"}.get(arch, arch)
+    if not _llama_cpp_knows(gguf_arch):
+        pytest.skip(f"this llama.cpp has no {gguf_arch} architecture")
+    model = llama4(vocab_size=320) if arch == "llama4_text" else hybrid(arch, vocab_size=320)
+    path = tmp_path / "m.gguf"
+    write_gguf(model, path, "f32", tokenizer_json=tiny_bpe_tokenizer_json(320))
+    with Store.open(tmp_path / "s") as store:
+        mount(store, path, "m@1")
+    _, tokens = _run(tmp_path / "s", "m@1", STEPS, PROMPT)
+    assert _greedy_llama_cpp(path) == tokens
+
+
 def test_native_gguf_round_trips_bit_exactly(tmp_path):
     import gguf
 
@@ -61,12 +93,7 @@ def test_native_gguf_round_trips_bit_exactly(tmp_path):
     with Store.open(tmp_path / "s") as store:
         mount(store, tmp_path / "in.gguf", "m@1")
         (path,) = export_gguf(store, "m@1", tmp_path / "out.gguf")
-    src = {t.name: t for t in gguf.GGUFReader(tmp_path / "in.gguf").tensors}
-    out = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    assert set(src) == set(out)
-    for name, t in src.items():
-        assert out[name].tensor_type == t.tensor_type, name
-        assert np.array_equal(np.asarray(out[name].data), np.asarray(t.data)), name
+    same_tensors(tmp_path / "in.gguf", path)
     ref = gguf.GGUFReader(path)
     assert ref.fields["tokenizer.ggml.model"].contents() == "gpt2"
     assert "source" in ref.fields["czyx.format_history"].contents()
