@@ -15,7 +15,7 @@ the full Qwen3-30B-A3B shape is generated in q4 only).
    inside the cap (the cap minus what its resident run held besides the
    experts, minus a margin; or with ``--czyx-budget default`` as its users run
    it, no budget given: the engine sizes its slots to the group's room),
-   O_DIRECT reads, prefetch on. Reported: prefill and
+   O_DIRECT reads, the engine's prefetch. Reported: prefill and
    decode tokens/s, bytes read from storage per decoded token
    (``/proc/self/io``), czyx's hit rate, the group's peak memory
    (``memory.max_usage_in_bytes``) and whether the kernel killed anything.
@@ -372,7 +372,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{shape['top_k']}, hidden {shape['hidden']}, expert intermediate {shape['inter']}, "
         f"vocab {shape['vocab']}. llama.cpp: `{gguf.name}` ({stored / 2**20:.0f} MiB, mmap); "
         f"czyx: `{a.tag}` ({a.format} experts and matrices, routers float; O_DIRECT slot "
-        f"cache, prefetch; capped slots: {slots}).{same} {a.prompt}-token prompt, "
+        f"cache, predictions into free slots, the per-expert pipeline; capped slots: "
+        f"{slots}).{same} {a.prompt}-token prompt, "
         f"{a.warmup} untimed then "
         f"{a.tokens} timed teacher-forced decode tokens (the resident czyx run prewarms every "
         f"expert), {a.threads} threads each, wall clock; {a.rounds} interleaved round(s), each row "

@@ -171,8 +171,9 @@ def run_demo(
         )
         say(f"   eviction: {_policy_words(policy)}")
         say(
-            "   prefetch: each layer's experts predicted from the residual stream entering "
-            "it and by look-ahead, read by C threads while the layer computes"
+            "   prefetch: while slots are free, each layer's experts predicted from the "
+            "residual stream entering it and by look-ahead, read by C threads; then reads on "
+            "demand, a layer's resident experts computed while its missing ones land"
         )
         say("   " + "-" * 60)
         out.write(prompt)
