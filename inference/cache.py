@@ -365,6 +365,9 @@ class ExpertCache:
         self.tier_reads = np.zeros(n_tiers, np.int64)
         #: Expert reads per tier in each forward step so far (:meth:`advance` closes one).
         self.tier_steps: list[tuple[int, ...]] = []
+        #: Keep :attr:`tier_steps` (one entry a step: the engine keeps them only for an
+        #: X-Ray, so a long generation without one does not grow a list).
+        self.record_tier_steps = True
         self._tier_mark: np.ndarray | None = None
         # Called as hook(slot, tier) when a slot changes tier (the C kernels' descriptors).
         self._retier_hooks: list = []
@@ -532,7 +535,7 @@ class ExpertCache:
         stays at token 0 (a decaying policy then never decays: plain LFU).
         """
         self.tokens += int(n_tokens)
-        if self.tier_map is not None:
+        if self.tier_map is not None and self.record_tier_steps:
             self._tier_step()
         if self._set_token is not None:
             self._set_token(self.tokens - 1)

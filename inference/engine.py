@@ -299,6 +299,7 @@ class Engine:
                 native=options.native,
                 xray=xray,
             )
+        self.cache.record_tier_steps = xray is not None
         try:
             self.model = cls(consumer, self.cache, trunk_window=trunk_window)
         except BaseException:

@@ -184,6 +184,8 @@ def test_a_tight_budget_reads_fewer_bytes_than_the_high_version(versions) -> Non
                     cache_bytes=3 * slot, steps=12)  # fmt: skip
     assert e1.cache.n_slots == e0.cache.n_slots
     assert e1.stats().bytes_read < e0.stats().bytes_read
+    # Without an X-Ray no per-step record grows with the generation.
+    assert e1.cache.tier_steps == [] and e1.cache.tier_reads.sum() > 0
     e0.close(), e1.close()
 
 
