@@ -40,6 +40,7 @@ acquires has to read again. Warm, that engine pays nothing for streaming.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -220,7 +221,7 @@ class StreamingExpertCache(ExpertCache):
         self._route_mask: np.ndarray | None = None
         self.prefetches = self.prefetch_hits = 0
         self.predicted_total = self.predicted_correct = 0
-        self._kernels: Callable[[], DecodeKernels] | None = None
+        self._kernels: weakref.WeakMethod | None = None
         self._logit_rows = np.empty(self.table.shape[1], np.float32)
         self._waits: list[Transfer] = []  # the current acquire's transfers to wait for
         self._pending_at: dict[int, Transfer] = {}  # position -> transfer, until waited
@@ -306,14 +307,17 @@ class StreamingExpertCache(ExpertCache):
         the cores the readers and the decode kernels need (on two cores that
         slowed decode more than the predictions' reads saved).
         """
-        self._kernels = kernels
+        # Weakly: the decoder holds this cache, and a strong reference back would keep both
+        # (and the arena's reserved bytes) alive until a garbage collection.
+        self._kernels = None if kernels is None else weakref.WeakMethod(kernels)
 
     def _logits(self, router: np.ndarray, x: np.ndarray) -> np.ndarray:
         """``x @ router.T``: router logits ``[T, E]`` (the router may be packed)."""
-        if self._kernels is None or x.shape[0] != 1:
+        kernels = None if self._kernels is None or x.shape[0] != 1 else self._kernels()
+        if kernels is None:
             return mm_t(x, router)  # for float32, x @ router.T
         out = self._logit_rows[: router.shape[0]]
-        self._kernels().matvec(router, np.ascontiguousarray(x[0], np.float32), out)
+        kernels().matvec(router, np.ascontiguousarray(x[0], np.float32), out)
         return out[None]
 
     def _predictable(self, n_tokens: int) -> bool:
