@@ -282,12 +282,14 @@ def report(res: dict, tgts: list[tuple[str, float, float]], a: argparse.Namespac
         "summed over rounds. Expert bytes: the slot cache's reads per decoded token; "
         "storage: the process's `/proc/self/io` read_bytes per decoded token (the trunk's "
         "page faults under the cap included); exposed read wait: the time the engine was "
-        "blocked on expert reads, per decoded token.",
+        "blocked on expert reads, per decoded token; experts acquired: the slot cache's hits and "
+        "misses per decoded token (a step acquires each expert its rows chose once: "
+        f"{shape['layers'] * shape['top_k']} a token without drafts).",
         "",
         "| config | target acceptance | p | decode tok/s | vs off | per round | acceptance "
         "achieved | tokens per forward pass | expert MiB per token | vs off | storage MiB per "
-        "token | hit rate | exposed read wait ms per token |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "token | hit rate | experts acquired per token | exposed read wait ms per token |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for cfg, rs in by.items():
         med = statistics.median(r["tok_s"] for r in rs)
@@ -304,7 +306,7 @@ def report(res: dict, tgts: list[tuple[str, float, float]], a: argparse.Namespac
             f"{dec / sum(r['passes'] for r in rs):.2f} | {per_tok / 2**20:.1f} | "
             f"{per_tok / base_bytes:.2f}x | "
             f"{sum(r['storage_bytes'] for r in rs) / dec / 2**20:.1f} | "
-            f"{hits / max(hits + misses, 1):.3f} | "
+            f"{hits / max(hits + misses, 1):.3f} | {(hits + misses) / dec:.1f} | "
             f"{sum(r['wait_s'] for r in rs) / dec * 1e3:.1f} |"
         )
     return lines
