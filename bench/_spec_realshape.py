@@ -149,7 +149,7 @@ def run_child(a: argparse.Namespace) -> dict:
     configs = [("off", None), *[(f"replay p={p:.3f}", p) for p in a.keep]]
     runs = []
     with OpenedModel(a.store, a.tag, None) as model:
-        options = EngineOptions(io=a.io, readers=2, prefetch=a.prefetch == "on")
+        options = EngineOptions(io=a.io, readers=2, prefetch=a.prefetch == "on", policy=a.policy)
         eng = Engine(model.consumer, options=options, threads=a.threads)
         info = {
             "budget_bytes": eng.budget_bytes,
@@ -194,7 +194,8 @@ def run_capped(a: argparse.Namespace, rs_dir: Path, keep: list[float]) -> dict:
         *("--text", str(TEXT), "--prompt", str(a.rs_prompt), "--warmup", str(a.rs_warmup)),
         *("--tokens", str(a.rs_tokens), "--threads", str(a.rs_threads)),
         *("--rounds", str(a.rs_rounds), "--draft-tokens", str(a.draft_tokens)),
-        *("--prefetch", a.rs_prefetch, "--json", str(out), "--keep", *map(str, keep)),
+        *("--prefetch", a.rs_prefetch, "--policy", a.rs_policy),
+        *("--json", str(out), "--keep", *map(str, keep)),
     ]
     evict([gguf, *sorted(p for p in store.rglob("*.blk"))])
     group = open_group("spec-rs", cap)
@@ -261,7 +262,8 @@ def report(res: dict, tgts: list[tuple[str, float, float]], a: argparse.Namespac
         f"`bench/realshape.py`'s {shape['arch']} shape, {shape['layers']} layers, "
         f"{shape['experts']} experts top-{shape['top_k']}, hidden {shape['hidden']}, expert "
         f"intermediate {shape['inter']}, vocab {shape['vocab']}; czyx `{a.rs_tag}` (q8) read "
-        f"O_DIRECT, prefetch {a.rs_prefetch}, {a.rs_threads} kernel threads. The engine ran in "
+        f"O_DIRECT, prefetch {a.rs_prefetch}, eviction policy `{a.rs_policy}`, "
+        f"{a.rs_threads} kernel threads. The engine ran in "
         f"a cgroup v1 memory group capped at {res['cap'] / 2**20:.0f} MiB (the GGUF file's "
         f"{res['gguf_bytes'] / 2**20:.0f} MiB / {a.rs_ratio}; model files evicted from the "
         "page cache first) with no slot budget given: the engine chose "
@@ -328,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--keep", type=float, nargs="+", required=True)
     ap.add_argument("--io", default="direct")
     ap.add_argument("--prefetch", choices=["on", "off"], default="on")
+    ap.add_argument("--policy", default="decay", help="the slot cache's eviction policy")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     Path(a.json).write_text(json.dumps(run_child(a)))

@@ -526,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rs-rounds", type=int, default=3, help="realshape: rounds")
     ap.add_argument("--rs-prefetch", choices=["on", "off"], default="on")
     ap.add_argument(
+        "--rs-policy", default="decay", help="realshape: eviction policy (the engine's default)"
+    )
+    ap.add_argument(
         "--rs-acceptances",
         nargs="+",
         default=["q2", "lookup", "0.6", "0.75"],
