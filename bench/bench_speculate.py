@@ -4,11 +4,15 @@ Greedy decode of ``czyx-moe-stdlib`` (mounted into a scratch store, every expert
 resident and warm) without drafts and with prompt lookup (``--speculate lookup``),
 on code prompts written for this benchmark (not files of the model's training set:
 they are new code) and on an English prose prompt; optionally (``--self``) with the
-model's own quantized version as the draft (``draft:stdlib@q4``). Configurations
-are interleaved round by round; each figure is the median over the rounds of
-decode tokens/s, with the ratio to the non-speculative run of the same rounds. The
-tokens of every speculative run are checked identical to the non-speculative ones.
-Writes ``bench/SPECULATE.md``.
+model's own quantized version as the draft (``draft:stdlib@q4``); optionally
+(``--llama``) beside llama.cpp's prompt-lookup decoding on the same weights, exported
+as GGUF by czyx (:mod:`bench._spec_llama`). Configurations are interleaved round by
+round; each figure is the median over the rounds of decode tokens/s, with the ratio
+to the non-speculative run of the same rounds. The tokens of every speculative run
+are checked identical to the non-speculative ones. Writes ``bench/SPECULATE.md``.
+``--realshape DIR`` instead runs the real-shape model under a memory cap with
+drafts replayed at set acceptances (:mod:`bench._spec_realshape`) and writes
+``bench/SPECULATE-realshape.md``.
 
 Usage::
 
@@ -16,6 +20,8 @@ Usage::
     python bench/bench_speculate.py --self          # also the q4 version as the draft
     python bench/bench_speculate.py --mtp           # also --speculate mtp (tiny DeepSeek-V3)
     python bench/bench_speculate.py --self --draft-policy selective --out bench/SPECULATE-q2.md
+    python bench/bench_speculate.py --self --llama  # also llama.cpp's prompt lookup (~+3 min)
+    python bench/bench_speculate.py --realshape /work/data/olmoe4   # as root: cgroup v1 cap
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy
 
 import argparse
+import shlex
 import statistics
 import sys
 import tempfile
@@ -35,10 +42,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._machine import machine  # noqa: E402
+from bench._spec_llama import llama_missing  # noqa: E402
 
 # Code the model never saw: written for this benchmark (its training set is CPython's
 # own standard library; see inference/assets/czyx-moe-stdlib/TRAINING.md).
 DRAFT_TAG = "stdlib@draft"  # the --self draft version (quantized by --draft-policy)
+GGUF_TAG = "stdlib@vocab"  # --llama: the model with a byte vocabulary, exported as GGUF
 
 PROMPTS = {
     "code: ring buffer": '''class RingBuffer:
@@ -174,13 +183,24 @@ def interleaved(engine, prompts, configs, tokens, rounds, make_spec):
                 if out != want[name]:
                     raise SystemExit(f"{cfg} on {name!r}: tokens differ from non-speculative")
                 rate[name][cfg].append(st.decode_tokens_per_s)
-                a = acc[name][cfg]
-                a[0] += st.accepted
-                a[1] += st.drafted
-                a[2] += len(st.draft_steps) if st.draft_steps else st.decode_steps
-                a[3] += st.decode_steps
-                a[4] += st.decode_cache.bytes_read
+                tally(acc[name][cfg], st)
     return rate, acc
+
+
+def tally(t: list[int], st) -> None:
+    """Add a czyx run's (accepted, drafted, forward passes, decoded tokens, decode expert
+    bytes read) to the totals ``t``."""
+    t[0] += st.accepted
+    t[1] += st.drafted
+    t[2] += len(st.draft_steps) if st.draft_steps else st.decode_steps
+    t[3] += st.decode_steps
+    t[4] += st.decode_cache.bytes_read
+
+
+def counts(t: list[int]) -> str:
+    """The acceptance and tokens-per-forward-pass cells of totals ``t`` (see :func:`tally`)."""
+    accept = f"{t[0] / t[1]:.2f} ({t[0]}/{t[1]})" if t[1] else "-"
+    return f"{accept} | {t[3] / t[2] if t[2] else 0.0:.2f}"
 
 
 def rows(rate, acc, configs, bytes_column=False):
@@ -191,9 +211,7 @@ def rows(rate, acc, configs, bytes_column=False):
         for cfg in configs:
             med = statistics.median(rate[name][cfg])
             a = acc[name][cfg]
-            accept = f"{a[0] / a[1]:.2f} ({a[0]}/{a[1]})" if a[1] else "-"
-            per_pass = a[3] / a[2] if a[2] else 0.0
-            row = f"| {name} | {cfg} | {med:.1f} | {med / base:.2f}x | {accept} | {per_pass:.2f} |"
+            row = f"| {name} | {cfg} | {med:.1f} | {med / base:.2f}x | {counts(a)} |"
             if bytes_column:
                 row += f" {a[4] / max(a[3], 1) / 1024:.1f} |"
             out.append(row)
@@ -263,6 +281,85 @@ def served_rows(served):
     return out
 
 
+LLAMA_CONFIGS = ("czyx off", "czyx lookup", "llama.cpp", "llama.cpp lookup")
+
+
+def llama_rounds(engine, gguf: Path, prompts, args, lookup_opts):
+    """czyx without drafts and with prompt lookup, llama.cpp without a draft model and with
+    its ``LlamaPromptLookupDecoding`` (at most ``--draft-tokens`` tokens, as czyx's), on
+    the same prompts, greedy length and threads, in the same rounds (the order rotated
+    round by round). Per prompt and config: each round's decode tok/s, the totals of
+    :func:`tally`, and the tokens (each config's checked equal over rounds; czyx's
+    lookup's equal to czyx's off)."""
+    from bench._spec_llama import LlamaGreedy
+    from czyx.inference.generate import generate_ids
+    from czyx.inference.speculative import Speculator
+
+    n_ctx = max(len(ids) for ids in prompts.values()) + args.tokens + args.draft_tokens + 8
+    llamas = {
+        "llama.cpp": LlamaGreedy(gguf, args.threads, n_ctx),
+        "llama.cpp lookup": LlamaGreedy(gguf, args.threads, n_ctx, lookup=args.draft_tokens),
+    }
+    rate = {p: {c: [] for c in LLAMA_CONFIGS} for p in prompts}
+    acc = {p: {c: [0, 0, 0, 0, 0] for c in LLAMA_CONFIGS} for p in prompts}
+    toks: dict[str, dict[str, list[int]]] = {p: {} for p in prompts}
+    try:
+        for r in range(args.rounds):
+            k = r % len(LLAMA_CONFIGS)
+            for name, ids in prompts.items():
+                for cfg in LLAMA_CONFIGS[k:] + LLAMA_CONFIGS[:k]:
+                    t = acc[name][cfg]
+                    if cfg in llamas:
+                        run = llamas[cfg].run(ids, args.tokens)
+                        out = run.tokens
+                        rate[name][cfg].append(run.decode_tok_s)
+                        t[0] += run.accepted
+                        t[1] += run.drafted
+                        t[2] += run.passes
+                        t[3] += len(out) - 1
+                    else:
+                        spec = Speculator.open(lookup_opts, engine) if cfg != "czyx off" else None
+                        out, st = generate_ids(engine, ids, args.tokens, speculate=spec)
+                        rate[name][cfg].append(st.decode_tokens_per_s)
+                        tally(t, st)
+                    if toks[name].setdefault(cfg, out) != out:
+                        raise SystemExit(f"{cfg} on {name!r}: tokens differ between rounds")
+            for name in prompts:
+                if toks[name]["czyx lookup"] != toks[name]["czyx off"]:
+                    raise SystemExit(f"czyx lookup on {name!r}: tokens differ from off")
+    finally:
+        for llm in llamas.values():
+            llm.close()
+    return rate, acc, toks
+
+
+def llama_rows(rate, acc, toks) -> tuple[list[str], list[str]]:
+    """The llama.cpp section's two tables' rows: per prompt and config (tok/s, ratio to its
+    own engine's plain decode, acceptance, tokens per forward pass); per prompt the
+    ratios across engines and whether the greedy tokens agree."""
+    from bench._spec_llama import agreement
+
+    runs, ratios = [], []
+    for name in rate:
+        med = {c: statistics.median(rate[name][c]) for c in LLAMA_CONFIGS}
+        for cfg in LLAMA_CONFIGS:
+            plain = med["llama.cpp" if cfg.startswith("llama") else "czyx off"]
+            runs.append(
+                f"| {name} | {cfg} | {med[cfg]:.1f} | {med[cfg] / plain:.2f}x | "
+                f"{counts(acc[name][cfg])} |"
+            )
+        t = toks[name]
+        ratios.append(
+            f"| {name} | **{med['czyx lookup'] / med['llama.cpp lookup']:.2f}x** | "
+            f"{med['czyx off'] / med['llama.cpp']:.2f}x | "
+            f"{med['czyx lookup'] / med['czyx off']:.2f}x | "
+            f"{med['llama.cpp lookup'] / med['llama.cpp']:.2f}x | "
+            f"{agreement(t['czyx off'], t['llama.cpp'])} | "
+            f"{agreement(t['llama.cpp'], t['llama.cpp lookup'])} |"
+        )
+    return runs, ratios
+
+
 def wide_rounds(args, scratch: Path):
     """A synthetic Mixtral-shaped model read from disk (``--wide H``: hidden H, 8 layers of
     16 fp16 experts, top-2), a quarter of its experts cached, reads ``O_DIRECT`` where
@@ -303,12 +400,7 @@ def wide_rounds(args, scratch: Path):
             if out != ref[len(prompt) :]:
                 raise SystemExit(f"wide {cfg}: tokens differ from non-speculative")
             rates[cfg].append(st.decode_tokens_per_s)
-            t = tot[cfg]
-            t[0] += st.accepted
-            t[1] += st.drafted
-            t[2] += len(st.draft_steps) if st.draft_steps else st.decode_steps
-            t[3] += st.decode_steps
-            t[4] += st.decode_cache.bytes_read
+            tally(tot[cfg], st)
     engine.close()
     model.close()
     return rates, tot, shape
@@ -364,6 +456,34 @@ def mtp_rounds(args, scratch: Path):
     return got
 
 
+def realshape_main(args, command: str) -> int:
+    """``--realshape DIR``: that section alone (:mod:`bench._spec_realshape`), written to
+    ``--out`` (default ``bench/SPECULATE-realshape.md``)."""
+    from bench._spec_realshape import report, run_capped, targets
+
+    out = Path(args.out or ROOT / "bench" / "SPECULATE-realshape.md")
+    tgts = targets(args.rs_acceptances, args.draft_tokens)
+    load0, t0 = load(), time.perf_counter()
+    res = run_capped(args, Path(args.realshape), [p for _, _, p in tgts])
+    wall = time.perf_counter() - t0
+    lines = [
+        "# Speculative decoding on the real-shape model under a memory cap",
+        "",
+        f"`{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); {machine()}.",
+        "",
+        f"Load average {load0} before, {load()} after ({wall:.0f} s in all, the child's "
+        "store opening and warm-up included). The bundled model's own speculation figures "
+        "are in `bench/SPECULATE.md`.",
+        "",
+        *report(res, tgts, args),
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    out.write_text(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=96, help="tokens generated per run")
@@ -386,8 +506,44 @@ def main(argv: list[str] | None = None) -> int:
         help="also --speculate mtp on a tiny random DeepSeek-V3 with an MTP layer "
         "(needs torch and transformers)",
     )
-    ap.add_argument("--out", default=str(ROOT / "bench" / "SPECULATE.md"))
+    ap.add_argument(
+        "--llama",
+        action="store_true",
+        help="also llama.cpp's prompt-lookup decoding on the same weights (exported GGUF)",
+    )
+    ap.add_argument(
+        "--realshape",
+        metavar="DIR",
+        help="only the real-shape model of DIR (realshape.py gen) under a memory cap, drafts "
+        "replayed at set acceptances (writes bench/SPECULATE-realshape.md)",
+    )
+    ap.add_argument("--rs-tag", default="rs@q8", help="realshape: the version")
+    ap.add_argument("--rs-ratio", type=float, default=3.6, help="realshape: stored bytes / cap")
+    ap.add_argument("--rs-prompt", type=int, default=16, help="realshape: prompt tokens")
+    ap.add_argument("--rs-warmup", type=int, default=24, help="realshape: untimed decode tokens")
+    ap.add_argument("--rs-tokens", type=int, default=48, help="realshape: timed decode tokens")
+    ap.add_argument("--rs-threads", type=int, default=2, help="realshape: kernel threads")
+    ap.add_argument("--rs-rounds", type=int, default=3, help="realshape: rounds")
+    ap.add_argument("--rs-prefetch", choices=["on", "off"], default="on")
+    ap.add_argument(
+        "--rs-policy", default="decay", help="realshape: eviction policy (the engine's default)"
+    )
+    ap.add_argument(
+        "--rs-acceptances",
+        nargs="+",
+        default=["q2", "lookup", "0.6", "0.75"],
+        help="realshape: target acceptances (numbers, or q2 / lookup: the bundled model's "
+        "measured ones, from bench/SPECULATE-q2.md and bench/SPECULATE.md)",
+    )
+    ap.add_argument("--out", default=None, help="the report (default bench/SPECULATE.md)")
     args = ap.parse_args(argv)
+    command = "python bench/bench_speculate.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv
+    )
+    if args.realshape:
+        return realshape_main(args, command.strip())
+    args.out = args.out or str(ROOT / "bench" / "SPECULATE.md")
+    llama_why = llama_missing() if args.llama else "not asked for (--llama)"
 
     from czyx.inference.assets import bundled_model_dir
     from czyx.inference.engine import Engine
@@ -410,6 +566,16 @@ def main(argv: list[str] | None = None) -> int:
 
             policy = QuantCodec(parse_policy(args.draft_policy))
             mount(st, bundled_model_dir(), DRAFT_TAG, quant=policy)
+        gguf = None
+        if llama_why is None:  # the same weights, written by czyx's own exporter
+            from bench._spec_llama import with_byte_vocabulary
+            from czyx.store.models.gguf_export import export_gguf
+
+            # The checkpoint with a byte vocabulary (llama.cpp loads no GGUF without one),
+            # its tensors stdlib@1's.
+            ckpt = with_byte_vocabulary(bundled_model_dir(), Path(tmp.name) / "ckpt")
+            mount(st, ckpt, GGUF_TAG)
+            (gguf,) = export_gguf(st, GGUF_TAG, Path(tmp.name) / "stdlib.gguf")
     opened = OpenedModel(store_dir, "stdlib@1", None)
     prompts = {name: list(text.encode()) for name, text in PROMPTS.items()}
 
@@ -439,6 +605,13 @@ def main(argv: list[str] | None = None) -> int:
     engine.close()
     if draft is not None:
         draft.close()
+
+    # A2: beside llama.cpp's prompt lookup on the same weights, every expert resident.
+    llama = None
+    if gguf is not None:
+        engine = Engine(opened.consumer, threads=args.threads)
+        llama = llama_rows(*llama_rounds(engine, gguf, prompts, args, lookup_opts))
+        engine.close()
 
     # B: experts streamed through a partial cache, drafts at set acceptances.
     code = {k: v for k, v in prompts.items() if k.startswith("code")}
@@ -470,9 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Speculative decoding on czyx-moe-stdlib",
         "",
-        f"`python bench/bench_speculate.py{' --self' if args.self else ''}"
-        f"{'' if args.draft_policy == 'q4-all' else ' --draft-policy ' + args.draft_policy}` "
-        f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); {machine()}.",
+        f"`{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); {machine()}.",
         "",
         f"Greedy, {args.tokens} tokens per run, {args.rounds} rounds with the configurations "
         f"interleaved, medians of decode tokens/s; load average {load0} before, {load1} after "
@@ -521,6 +692,40 @@ def main(argv: list[str] | None = None) -> int:
         "| --- | --- | --- | --- | --- | --- |",
         *served_rows(served),
     ]
+    lines += ["", "## Beside llama.cpp's prompt-lookup decoding, the same weights", ""]
+    if llama is None:
+        lines.append(f"Not run: {llama_why}.")
+    else:
+        lines += [
+            f"The stored version `{GGUF_TAG}` (the bundled checkpoint, the same fp16 tensors as "
+            "`stdlib@1`, mounted with a 256-token byte vocabulary added: llama.cpp loads no "
+            "GGUF without one) "
+            "written as GGUF by czyx's own exporter (`czyx export --format gguf`: F16 "
+            "matrices, norms and router F32), run by "
+            "llama-cpp-python's `Llama.generate` greedily, without a draft model and with "
+            f"`LlamaPromptLookupDecoding(num_pred_tokens={args.draft_tokens})` (its default "
+            "n-gram of 2, no adaptive length: it drafts whenever the last 2 or 1 tokens "
+            "occurred before), `use_extra_bufts=False`, "
+            f"{args.threads} thread(s), token ids in; czyx without drafts and with "
+            f"`--speculate lookup` (n-gram 3, at most {args.draft_tokens} drafts, adaptive), "
+            f"every expert resident, {args.threads} kernel thread(s). Same prompts, "
+            f"{args.tokens} greedy tokens, all four in the same {args.rounds} rounds (order "
+            "rotated round by round); decode tok/s as czyx counts it (every token but the "
+            "first over the time from the first to the last), medians, ratios of medians. "
+            "llama.cpp's acceptance: its drafts against the tokens it generated (accepted: "
+            "each draft's prefix equal to the next tokens), within the requested length.",
+            "",
+            "| prompt | config | decode tok/s | vs its own plain decode | acceptance | "
+            "tokens per forward pass |",
+            "| --- | --- | --- | --- | --- | --- |",
+            *llama[0],
+            "",
+            "| prompt | czyx lookup / llama.cpp lookup | czyx off / llama.cpp off | "
+            "czyx lookup / czyx off | llama.cpp lookup / llama.cpp off | greedy ids: czyx vs "
+            "llama.cpp | greedy ids: llama.cpp lookup vs off |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+            *llama[1],
+        ]
     if wide is not None:
         rates, tot, shape = wide
         base = statistics.median(rates["off"])
@@ -539,10 +744,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for cfg, t in tot.items():
             med = statistics.median(rates[cfg])
-            accept = f"{t[0] / t[1]:.2f} ({t[0]}/{t[1]})" if t[1] else "-"
             lines.append(
-                f"| {cfg} | {med:.2f} | {med / base:.2f}x | {accept} | "
-                f"{t[3] / max(t[2], 1):.2f} | {t[4] / max(t[3], 1) / 2**20:.1f} |"
+                f"| {cfg} | {med:.2f} | {med / base:.2f}x | {counts(t)} | "
+                f"{t[4] / max(t[3], 1) / 2**20:.1f} |"
             )
     if mtp is not None:
         lines += [
@@ -576,9 +780,21 @@ def main(argv: list[str] | None = None) -> int:
         "expert bytes per token rise with rejected drafts (a step's rows choose a union of "
         "experts that a partial cache evicts and reads again), and fall to about the "
         "non-speculative figure only near full acceptance.",
-        "- Not measured here: llama.cpp's prompt-lookup decoding on the same weights "
-        "(building llama-cpp-python takes both cores for 15+ minutes on this machine).",
     ]
+    if llama is not None:
+        lines.append(
+            "- Beside llama.cpp: both drafters take the tokens after an earlier occurrence of "
+            "the text's tail (llama.cpp: its earliest occurrence of the last 2 tokens, else "
+            "of the last one; czyx: the latest of the last 3, 2 or 1). llama.cpp drafts its "
+            "full length whenever there is a match (on a byte vocabulary a 1-token match is "
+            "almost always there) and keeps every row's logits once a draft model is set; "
+            "czyx's adaptive length drafts only where the measured acceptance and row cost "
+            "say a draft pays."
+        )
+    lines.append(
+        "- The real-shape model under a memory cap, drafts replayed at set acceptances: "
+        "`bench/SPECULATE-realshape.md` (`--realshape DIR`)."
+    )
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)
