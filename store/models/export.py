@@ -194,6 +194,11 @@ def export(
             "version holds llama.cpp's own values (ssm_a = -exp(A_log), norms as 1 + w), "
             "whose HF inverse is not exact in float32: export it as GGUF"
         )
+    if any(k[0] == "rope_freqs" for k in space.trunk):
+        raise ExportError(
+            "version holds a GGUF's rope_freqs (llama.cpp's rope factors), which no "
+            "transformers config expresses: export it as GGUF"
+        )
     source = space.root["source"]
     rebuilt = packed or source.get("format") == "gguf" or source.get("conversion")
     if not rebuilt:
