@@ -227,8 +227,8 @@ def test_llama4_features_llama_cpp_fixes_otherwise_are_refused(over, match):
 LONG_PROMPT = np.random.default_rng(6).integers(0, 96, 40)
 
 
-def llama4_llama3_rope():
-    return llama4(rope_parameters=LLAMA3_ROPE, original_max_position_embeddings=64)
+def llama4_llama3_rope(**kw):
+    return llama4(rope_parameters=LLAMA3_ROPE, original_max_position_embeddings=64, **kw)
 
 
 def _rope_freqs(path) -> np.ndarray:
