@@ -265,6 +265,19 @@ def test_llama4_gguf_with_rope_freqs_runs_as_transformers_and_exports_back(tmp_p
     assert np.abs(reference(plain, LONG_PROMPT, 0)[0] - want).max() > 100 * tol
 
 
+def test_rope_freqs_without_its_rope_type_or_the_type_without_them_is_refused(tmp_path):
+    """Mount checks the tensor and the rope type that reads it come together."""
+    from czyx.store.models.mount_errors import MissingTensorError
+
+    llama4().save_pretrained(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "config.json"
+    config = json.loads(path.read_text())
+    config["rope_parameters"] = {"rope_type": "freq_factors", "rope_theta": 10000.0}
+    path.write_text(json.dumps(config))
+    with Store.open(tmp_path / "s") as store, pytest.raises(MissingTensorError, match="without"):
+        mount(store, tmp_path / "ckpt", "m@1")
+
+
 def test_safetensors_llama4_with_llama3_rope_exports_the_converters_rope_freqs(tmp_path):
     """The export computes ``rope_freqs`` as ``LlamaModel.generate_extra_tensors`` does (the
     same float32 bytes as the converter's torch loop), and the GGUF runs as the model."""
