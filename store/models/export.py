@@ -180,6 +180,11 @@ def export(
         format differs from the source's, or source bytes no record covers.
     """
     space = ModelSpace(store, ref)
+    if any(k[0] == "rope_freqs" for k in space.trunk):  # (before what dequantizing answers)
+        raise ExportError(
+            "version holds a GGUF's rope_freqs (llama.cpp's rope factors), which no "
+            "transformers config expresses: export it as GGUF"
+        )
     fmt = space.root["expert"]["format"]
     packed = is_quant_format(fmt) or any("qfmt" in r.record for r in space.trunk.values())
     if packed and not dequantize:
@@ -193,11 +198,6 @@ def export(
         raise ExportError(
             "version holds llama.cpp's own values (ssm_a = -exp(A_log), norms as 1 + w), "
             "whose HF inverse is not exact in float32: export it as GGUF"
-        )
-    if any(k[0] == "rope_freqs" for k in space.trunk):
-        raise ExportError(
-            "version holds a GGUF's rope_freqs (llama.cpp's rope factors), which no "
-            "transformers config expresses: export it as GGUF"
         )
     source = space.root["source"]
     rebuilt = packed or source.get("format") == "gguf" or source.get("conversion")

@@ -238,7 +238,8 @@ def _rope_freqs(path) -> np.ndarray:
     return np.asarray(t.data)
 
 
-def test_llama4_gguf_with_rope_freqs_runs_as_transformers_and_exports_back(tmp_path):
+@pytest.mark.parametrize("qtype", ["f32", "q8_0"])
+def test_llama4_gguf_with_rope_freqs_runs_as_transformers_and_exports_back(tmp_path, qtype):
     """A Llama 4 GGUF with the converter's ``rope_freqs`` (llama3 rope scaling) runs each
     frequency divided by its stored factor, as llama.cpp does: transformers' llama3 logits
     and greedy tokens; export writes the factors back byte for byte; a safetensors export
@@ -246,7 +247,7 @@ def test_llama4_gguf_with_rope_freqs_runs_as_transformers_and_exports_back(tmp_p
     from czyx.store.models.export import ExportError, export
 
     model = llama4_llama3_rope()
-    write_gguf(model, tmp_path / "m.gguf", "f32")
+    write_gguf(model, tmp_path / "m.gguf", qtype)
     ff = _rope_freqs(tmp_path / "m.gguf")
     assert ff.min() == 1 and ff.max() == 8 and ((ff > 1) & (ff < 8)).any()
     with Store.open(tmp_path / "s") as store:
@@ -256,7 +257,7 @@ def test_llama4_gguf_with_rope_freqs_runs_as_transformers_and_exports_back(tmp_p
             export(store, "m@1", tmp_path / "hf")
     assert "rope_freqs.weight" in same_tensors(tmp_path / "m.gguf", path)
     got, tokens = _run(tmp_path / "s", "m@1", prompt=LONG_PROMPT)
-    want, want_tokens = reference(reference_model(model, "f32"), LONG_PROMPT, 12)
+    want, want_tokens = reference(reference_model(model, qtype), LONG_PROMPT, 12)
     tol = 1e-5 * float(want.max() - want.min())
     assert np.abs(got - want).max() < tol
     assert tokens == want_tokens
