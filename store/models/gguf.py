@@ -1203,9 +1203,10 @@ def llama3_rope_freqs(config: Mapping[str, Any]) -> np.ndarray:
     low_freq_factor``, ``1 / ((1 - smooth) / factor + smooth)`` between (llama.cpp
     divides each frequency by its factor: transformers' llama3 inverse frequencies, to
     float32 rounding). ``original`` is the one transformers runs (its
-    ``original_max_position_embeddings``); the converter reads only a top-level key and
-    defaults to 8192 (what Llama 4's configs hold in ``rope_scaling``), so for a config
-    with neither this writes what the model runs, not what the converter would.
+    ``original_max_position_embeddings``, top level first, then the rope parameters); the
+    converter reads only the top-level key, else 8192 (the value Llama 4's configs hold in
+    ``rope_scaling``). Where they differ (another value only in the rope parameters), this
+    writes the factors the model runs, not the converter's.
 
     Returns
     -------
