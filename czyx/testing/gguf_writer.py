@@ -13,6 +13,8 @@ architectures czyx runs, written with the ``gguf`` package's ``GGUFWriter``:
   ``attn_v_b``, ``exp_probs_b.bias``, shared experts ``ffn_*_shexp``,
   multi-token-prediction layers dropped;
 * routed experts stacked per layer as ``ffn_{gate,up,down}_exps [E, I, H]``;
+* a Llama 4 with llama3 rope scaling gets ``rope_freqs.weight`` first, as
+  ``LlamaModel.generate_extra_tensors`` computes it (torch, its loop);
 * 1-D tensors and the routers (``ffn_gate_inp``) kept F32, as the converter
   forces; other matrices in ``qtype`` (``f32``, ``f16``, ``bf16``, ``q8_0``,
   and, as ``llama-quantize`` would produce them, ``q4_0``/``q4_1``), a matrix
@@ -407,7 +409,10 @@ def write_gguf(
         writer.add_unk_token_id(0)
         writer.add_add_space_prefix(True)
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    for name, a in _state(model).items():
+    state = _state(model)
+    if arch == "llama4" and (cfg.rope_parameters or {}).get("rope_type") == "llama3":
+        state = {"rope_freqs.weight": _converter_rope_freqs(cfg.to_dict()), **state}
+    for name, a in state.items():
         if arch == "llama" and name.endswith("attn_q.weight"):
             a = _permute(a, heads)
         elif arch == "llama" and name.endswith("attn_k.weight"):
@@ -428,6 +433,39 @@ def write_gguf(
     if split_max_tensors:
         return sorted(path.parent.glob(path.stem + "-*-of-*.gguf"))
     return [path]
+
+
+def _converter_rope_freqs(hparams: dict[str, Any]) -> np.ndarray:
+    """``LlamaModel.generate_extra_tensors``' llama3 factors, step by step as it computes
+    them (0-d float32 torch tensors; ``original_max_position_embeddings`` read at the top
+    level only, 8192 without it)."""
+    import math
+
+    import torch
+
+    rope = hparams.get("rope_parameters") or hparams.get("rope_scaling") or {}
+    base = rope.get("rope_theta", 10000.0)
+    dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low_freq_factor = rope.get("low_freq_factor", 1.0)
+    high_freq_factor = rope.get("high_freq_factor", 4.0)
+    old_context_len = hparams.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    rope_factors: list[Any] = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(rope_factors, dtype=torch.float32).numpy()
 
 
 def _parameters(writer: Any, cfg: Any, arch: str) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -53,11 +53,12 @@ from czyx.inference.models.base import (
     swiglu_columns,
     swiglu_fused,
 )
-from czyx.inference.models.rope import RopeConfig, Rotary, rope_config
+from czyx.inference.models.rope import RopeConfig, Rotary, rope_config, with_freq_factors
 from czyx.inference.profile import RouteRecorder
 from czyx.inference.trunkwindow import TrunkWindow, TrunkWindowStats
 from czyx.store.consumer import ModelConsumer, ModelInfo
 from czyx.store.models.archs import ALL_LAYER_ROLES
+from czyx.store.models.rope import FREQ_FACTORS
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,10 @@ class MoEDecoder:
     ) -> None:
         self.consumer = consumer
         self.cfg = self.parse_config(consumer.info)
+        if self.cfg.rope.params is not None and self.cfg.rope.params.rope_type == FREQ_FACTORS:
+            # a GGUF's rope_freqs (inference.models.rope): the trunk's factors feed the rope
+            ff = self._trunk("rope_freqs", None, (self.cfg.rope.rotary_dim // 2,))
+            self.cfg = replace(self.cfg, rope=with_freq_factors(self.cfg.rope, ff))
         self.experts = experts
         cfg = self.cfg
         self.embed = self._trunk("embed", None, (cfg.vocab_size, cfg.hidden_size))

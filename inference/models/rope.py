@@ -1,4 +1,5 @@
-"""Rotary embeddings with transformers' rope scalings: linear, dynamic NTK, YaRN, Llama-3, LongRoPE.
+"""Rotary embeddings with transformers' rope scalings: linear, dynamic NTK, YaRN, Llama-3, LongRoPE;
+and llama.cpp's stored frequency factors.
 
 Scope: inverse frequencies and their attention scaling, computed from the
 store's validated :class:`~czyx.store.models.rope.RopeParams` with the same
@@ -18,19 +19,26 @@ transformers' ``dynamic_rope_update`` adds at run time:
 
 YaRN and LongRoPE scale cos and sin by their attention factor (transformers
 multiplies it into both, so attention scores scale by its square).
+
+``freq_factors`` (:data:`~czyx.store.models.rope.FREQ_FACTORS`) is a GGUF file's
+``rope_freqs``: the default inverse frequencies divided by per-frequency factors,
+as llama.cpp's rope applies them (``theta_i = pos * base^(-2i/d) / ff[i]``). The
+factors are a trunk tensor, not config: a rope type here, fed by the decoder with
+the stored tensor (:func:`with_freq_factors`), so the file's own values run (the
+llama3 parameters they came from are not in the file) and nothing is recomputed.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from czyx.inference.errors import UnsupportedModelError
 from czyx.inference.models.base import RopeConfig as BaseRopeConfig
 from czyx.inference.models.base import Rotary as BaseRotary
-from czyx.store.models.rope import RopeParams, UnsupportedRopeError, rope_params
+from czyx.store.models.rope import FREQ_FACTORS, RopeParams, UnsupportedRopeError, rope_params
 
 F32 = np.float32
 
@@ -56,6 +64,23 @@ def rope_config(config: dict, head_dim: int) -> RopeConfig:
         raise UnsupportedModelError(str(exc)) from None
     linear = p.factor if p.rope_type == "linear" and p.factor else 1.0
     return RopeConfig(theta=p.theta, rotary_dim=p.rotary_dim, linear_factor=linear, params=p)
+
+
+def with_freq_factors(rope: RopeConfig, factors: np.ndarray) -> RopeConfig:
+    """``rope`` (of type :data:`~czyx.store.models.rope.FREQ_FACTORS`) with its stored factors.
+
+    Raises
+    ------
+    UnsupportedModelError
+        ``factors`` is not ``rotary_dim // 2`` positive finite numbers.
+    """
+    ff = np.asarray(factors, F32).reshape(-1)
+    if ff.size != rope.rotary_dim // 2 or not (np.isfinite(ff).all() and (ff > 0).all()):
+        raise UnsupportedModelError(
+            f"rope_freqs: {ff.size} factors for rotary width {rope.rotary_dim}, each must be > 0"
+        )
+    assert rope.params is not None
+    return replace(rope, params=replace(rope.params, freq_factors=tuple(map(float, ff))))
 
 
 def _exponents(dim: int) -> np.ndarray:
@@ -100,6 +125,10 @@ def inv_freq_and_scaling(p: RopeParams, seq_len: int | None = None) -> tuple[np.
         smoothed = (F32(1.0) - smooth) * scaled / F32(p.factor) + smooth * scaled
         medium = ~(wavelen < F32(high_wl)) & ~(wavelen > F32(low_wl))
         return np.where(medium, smoothed, scaled).astype(F32), 1.0
+    if p.rope_type == FREQ_FACTORS:
+        if p.freq_factors is None:
+            raise UnsupportedModelError("rope type 'freq_factors' without the stored rope_freqs")
+        return (_default_inv_freq(base, dim) / np.asarray(p.freq_factors, F32)).astype(F32), 1.0
     if p.rope_type == "yarn":
         return _yarn(p)
     if p.rope_type == "longrope":

@@ -80,6 +80,9 @@ NEWER_ROLES = (
     # instead of A_log: the decoders use A directly, and an export writes it back as is).
     "lin_neg_a",  # [n_v_heads]
     "mamba_neg_a",  # [I, d_state]
+    # (global) a GGUF's rope_freqs: llama.cpp's per-frequency rope factors (rope type
+    # store.models.rope.FREQ_FACTORS), held as the file has them; no transformers tensor
+    "rope_freqs",  # [rotary_dim // 2]
 )
 #: The roles only a linear-attention (gated DeltaNet) layer has.
 LINEAR_ATTN_ROLES = ("lin_qkvz", "lin_ba", "lin_conv", "lin_dt_bias", "lin_a_log", "lin_norm")
@@ -105,7 +108,7 @@ MAMBA_ROLES = (
     "mamba_c_norm",
 )
 #: The global roles among NEWER_ROLES (layer None).
-NEWER_GLOBAL_ROLES = ("final_norm_bias", "lm_head_bias")
+NEWER_GLOBAL_ROLES = ("final_norm_bias", "lm_head_bias", "rope_freqs")
 #: Per-layer roles beyond the consumer contract's (the engine's Layer has a slot each).
 EXTRA_ROLES = MLA_ROLES + tuple(r for r in NEWER_ROLES if r not in NEWER_GLOBAL_ROLES)
 #: The role of kept multi-token-prediction tensors (layer = their index in name order).
@@ -217,6 +220,9 @@ _HY_V3 = (
     (r"mlp\.shared_(?:experts|mlp)\.up_proj\.weight", "shared_up_proj"),
     (r"mlp\.shared_(?:experts|mlp)\.down_proj\.weight", "shared_down_proj"),
 )
+#: czyx's tensor name of a GGUF's ``rope_freqs.weight`` (role ``rope_freqs``): no
+#: transformers checkpoint has it, a GGUF source is read as one that does.
+ROPE_FREQS_NAME = "model.rope_freqs"
 # Llama 4 text: everything MLP-side under feed_forward (its experts only stacked).
 _LLAMA4 = (
     (r"feed_forward\.router\.weight", "router"),
@@ -676,6 +682,7 @@ ARCHS: dict[str, ArchSpec] = {
             ("num_local_experts",),
             ("intermediate_size",),
             "gate_up_t",
+            global_trunk=((re.escape(ROPE_FREQS_NAME), "rope_freqs"),),
             fused_pattern=re.compile(_L + r"feed_forward\.experts\.(gate_up_proj|down_proj)"),
         ),
         ArchSpec(

@@ -180,6 +180,11 @@ def export(
         format differs from the source's, or source bytes no record covers.
     """
     space = ModelSpace(store, ref)
+    if any(k[0] == "rope_freqs" for k in space.trunk):  # (before what dequantizing answers)
+        raise ExportError(
+            "version holds a GGUF's rope_freqs (llama.cpp's rope factors), which no "
+            "transformers config expresses: export it as GGUF"
+        )
     fmt = space.root["expert"]["format"]
     packed = is_quant_format(fmt) or any("qfmt" in r.record for r in space.trunk.values())
     if packed and not dequantize:

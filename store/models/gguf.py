@@ -52,9 +52,14 @@ and Jamba ``jamba``, whose converter transforms are described at ``_QWEN3NEXT_LA
   so they are repacked without drift; every other type needs an explicit
   conversion policy (:mod:`store.models.gguf_source`).
 
+* a ``llama4`` file's ``rope_freqs.weight`` (the converter's llama3 rope scaling, one
+  divisor per rotary frequency): kept as the trunk role ``rope_freqs`` and run as the
+  rope type :data:`~store.models.rope.FREQ_FACTORS` (the file's values, as llama.cpp
+  applies them); a llama3 config exports it as :func:`llama3_rope_freqs` computes it.
+
 Anything else (another architecture, an unknown tensor, a rope scaling other
-than deepseek2's YARN, an unknown gating function) is refused with
-:class:`UnsupportedGGUFError`.
+than deepseek2's YARN and llama4's rope_freqs, an unknown gating function) is
+refused with :class:`UnsupportedGGUFError`.
 """
 
 from __future__ import annotations
@@ -67,8 +72,9 @@ from typing import Any
 
 import numpy as np
 
-from czyx.store.models.archs import NORMS_HOLD_ONE_PLUS, llama4_moe_layers
+from czyx.store.models.archs import NORMS_HOLD_ONE_PLUS, ROPE_FREQS_NAME, llama4_moe_layers
 from czyx.store.models.mount_errors import CheckpointError
+from czyx.store.models.rope import FREQ_FACTORS, rope_params
 
 #: PhiMoE's ``router_jitter_noise`` (transformers' default): GGUF has no field for it,
 #: so only this value goes to and comes from a GGUF file.
@@ -354,6 +360,8 @@ class GGUFName:
 
 def classify(arch: GGUFArch, name: str) -> GGUFName | None:
     """The HF meaning of GGUF tensor ``name``; ``None`` if unknown (the caller refuses)."""
+    if name == ROPE_FREQS and arch.gguf in ROPE_FREQS_ARCHS:
+        return GGUFName(ROPE_FREQS_NAME, None)
     if name == "output_norm.weight" and arch.gguf == "jamba":
         return GGUFName("model.final_layernorm.weight", None)
     if name in _GLOBAL:
@@ -425,6 +433,7 @@ def gguf_name(arch: GGUFArch, role: str, layer: int | None, recurrent: bool = Fa
             "lm_head": "output.weight",
             "final_norm_bias": "output_norm.bias",
             "lm_head_bias": "output.bias",
+            "rope_freqs": ROPE_FREQS,
         }.get(role) or _refuse_role(role)
     inv = {
         "input_norm": "attn_norm.weight",
@@ -618,8 +627,6 @@ def config_from_gguf(
         raise UnsupportedGGUFError(f"{a} GGUF without experts (a dense model) is not a MoE")
     if arch.gguf == "deepseek2":
         return _deepseek_config(meta, arch, n_vocab, tied)
-    if arch.gguf == "llama4" and "rope_freqs.weight" in names:
-        raise UnsupportedGGUFError("a llama4 GGUF with rope_freqs (llama3 rope scaling)")
     cfg: dict[str, Any] = {
         "architectures": [arch.hf_class],
         "model_type": arch.czyx,
@@ -636,6 +643,8 @@ def config_from_gguf(
         "hidden_act": "silu",
         "norm_topk_prob": arch.renormalize,
     }
+    if a in ROPE_FREQS_ARCHS and ROPE_FREQS in names:  # the trunk's factors (rope_freqs)
+        cfg["rope_parameters"] = {"rope_type": FREQ_FACTORS, "rope_theta": cfg["rope_theta"]}
     if arch.czyx == "jamba":
         _jamba_config(meta, cfg, n_experts, names)
         _token_ids(meta, cfg)
@@ -1092,10 +1101,12 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
         raise UnsupportedGGUFError(f"model_type {config.get('model_type')!r} has no GGUF export")
     if arch.gguf == "deepseek2":  # (its YaRN has a GGUF form)
         return arch, _deepseek_metadata(config, arch)
-    if config.get("rope_scaling") or (config.get("rope_parameters") or {}).get(
-        "rope_type", "default"
-    ) not in ("default", None):
-        raise UnsupportedGGUFError("a rope scaling cannot be exported to GGUF")
+    kind = config_rope_type(config)
+    if kind != "default" and not (arch.gguf in ROPE_FREQS_ARCHS and kind in ROPE_FREQS_TYPES):
+        raise UnsupportedGGUFError(
+            f"rope type {kind!r} has no {arch.gguf} GGUF form (llama.cpp's converter writes "
+            f"llama3 as rope_freqs, which czyx exports for {', '.join(ROPE_FREQS_ARCHS)})"
+        )
     if config.get("sliding_window") and (
         arch.czyx == "mixtral" or config.get("use_sliding_window")
     ):  # (PhiMoE's window is a GGUF field: phimoe.attention.sliding_window)
@@ -1165,6 +1176,60 @@ def gguf_metadata(config: Mapping[str, Any]) -> tuple[GGUFArch, dict[str, Any]]:
     if arch.czyx == "qwen3_next":
         _qwen3next_metadata(config, meta)
     return arch, meta
+
+
+# llama.cpp's rope_freqs.weight: F32 factors, one per rotary frequency, each dividing
+# it (ggml_rope_ext's freq_factors). LlamaModel.generate_extra_tensors (Llama4Model's too)
+# writes them for a llama3 rope; a llama4 file with them mounts as rope type FREQ_FACTORS.
+ROPE_FREQS = "rope_freqs.weight"
+ROPE_FREQS_ARCHS = ("llama4",)
+#: The rope types a GGUF expresses as rope_freqs: llama3 (computed on export), FREQ_FACTORS
+#: (a GGUF's own, written back as they are).
+ROPE_FREQS_TYPES = ("llama3", FREQ_FACTORS)
+
+
+def config_rope_type(config: Mapping[str, Any]) -> str:
+    """The rope type of ``config`` (``rope_parameters`` over ``rope_scaling``; ``default``)."""
+    params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def llama3_rope_freqs(config: Mapping[str, Any]) -> np.ndarray:
+    """The ``rope_freqs`` factors of a llama3-rope ``config``, as the converter computes them.
+
+    ``LlamaModel.generate_extra_tensors``: the default inverse frequencies of
+    ``head_dim`` in float32, then per frequency, in float32: 1 where its wavelength is
+    below ``original / high_freq_factor``, ``factor`` above ``original /
+    low_freq_factor``, ``1 / ((1 - smooth) / factor + smooth)`` between (llama.cpp
+    divides each frequency by its factor: transformers' llama3 inverse frequencies, to
+    float32 rounding). ``original`` is the one transformers runs (its
+    ``original_max_position_embeddings``, top level first, then the rope parameters); the
+    converter reads only the top-level key, else 8192 (the value Llama 4's configs hold in
+    ``rope_scaling``). Where they differ (another value only in the rope parameters), this
+    writes the factors the model runs, not the converter's.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``float32 [head_dim // 2]``.
+    """
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    p = rope_params(config, head_dim)
+    if p.rope_type != "llama3":
+        raise UnsupportedGGUFError(f"rope type {p.rope_type!r} has no llama3 rope_freqs")
+    f32 = np.float32
+    exps = np.arange(0, head_dim, 2, dtype=f32) / f32(head_dim)
+    freqs = f32(1.0) / np.power(f32(p.theta), exps, dtype=f32)
+    old, low, high, factor = p.original_max, p.low_freq_factor, p.high_freq_factor, p.factor
+    assert old is not None and low is not None and high is not None and factor is not None
+    # (a Python number over a tensor is torch's reciprocal times the number)
+    wavelen = (f32(1.0) / freqs) * f32(2 * np.pi)
+    smooth = ((f32(1.0) / wavelen) * f32(old) - f32(low)) / f32(high - low)
+    with np.errstate(divide="ignore"):  # (only outside the band, where it is not taken)
+        mid = f32(1.0) / ((f32(1.0) - smooth) / f32(factor) + smooth)
+    ff = np.where(wavelen > f32(old / low), f32(factor), mid)
+    return np.where(wavelen < f32(old / high), f32(1.0), ff).astype(f32)
 
 
 def _qwen3next_metadata(config: Mapping[str, Any], meta: dict[str, Any]) -> None:

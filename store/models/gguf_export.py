@@ -56,11 +56,14 @@ from czyx.store.models.archs import (
 from czyx.store.models.checkpoint import DTYPES
 from czyx.store.models.export import Progress, chat_template, format_history, staged_file
 from czyx.store.models.gguf import (
+    ROPE_FREQS,
     UnsupportedGGUFError,
+    config_rope_type,
     gguf_metadata,
     gguf_name,
     gguf_tokenizer_fields,
     kv_b_split,
+    llama3_rope_freqs,
     qk_permute,
     qkvz_dims,
     qkvz_split,
@@ -206,9 +209,13 @@ def export_gguf(
             trunk.append((f"blk.{layer}.attn_gate.weight", "lin_qkvz:z", tref))
         else:
             trunk.append((gguf_name(arch, role, layer, layer in recurrent), role, tref))
+    if config_rope_type(config) == "llama3":  # LlamaModel.generate_extra_tensors: first, F32
+        trunk.insert(0, (ROPE_FREQS, "rope_freqs:llama3", None))
     source_types = (space.root.get("source") or {}).get("tensor_types") or {}
 
     def trunk_tensor(name: str, role: str, tref: Any) -> tuple[np.ndarray, Any]:
+        if role == "rope_freqs:llama3":
+            return llama3_rope_freqs(config), _q().F32
         raw = space.read_trunk_raw(tref)
         shape = tuple(tref.shape)
         qfmt = tref.record.get("qfmt")

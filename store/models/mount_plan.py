@@ -29,7 +29,7 @@ from czyx.store.models.mount_errors import (
     ShapeMismatchError,
     UnexpectedTensorError,
 )
-from czyx.store.models.rope import rope_params
+from czyx.store.models.rope import FREQ_FACTORS, RopeParams, rope_params
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,7 @@ def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
     validate_config(cfg, n_experts)
     hidden, inter = spec.hidden_size(cfg), spec.expert_intermediate(cfg)
     sparse = spec.sparse_layers(cfg)
-    rope_params(cfg, spec.rope_head_dim(cfg))  # an unsupported rope is refused here, not at run
+    rope = rope_params(cfg, spec.rope_head_dim(cfg))  # an unsupported rope is refused here
     trunk: list[TrunkEntry] = []
     seen_roles: dict[tuple[str, int | None], str] = {}
     per_expert: dict[tuple[int, int], dict[str, str]] = {}
@@ -285,6 +285,8 @@ def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
             raise UnexpectedTensorError(f"duplicates {parts[kind.part]!r}", file=file, tensor=name)
         parts[kind.part] = name
 
+    if not partial:
+        _check_rope_freqs(ckpt, rope, seen_roles)
     # Each kept tensor is a trunk record of role "mtp" at its index in name order.
     trunk += [TrunkEntry(name, MTP_ROLE, i) for i, name in enumerate(sorted(kept))]
     experts: dict[tuple[int, int], tuple[PartSource, PartSource, PartSource]] = {}
@@ -325,6 +327,27 @@ def plan_checkpoint(ckpt: Checkpoint, *, partial: bool = False) -> ModelPlan:
         experts,
         spec.expert_transform,
     )
+
+
+def _check_rope_freqs(
+    ckpt: Checkpoint, rope: RopeParams, seen_roles: dict[tuple[str, int | None], str]
+) -> None:
+    """A ``rope_freqs`` tensor (a GGUF's rope factors) exactly where the rope type
+    :data:`~czyx.store.models.rope.FREQ_FACTORS` reads it, one per rotary frequency."""
+    name = seen_roles.get(("rope_freqs", None))
+    if (rope.rope_type == FREQ_FACTORS) != (name is not None):
+        raise MissingTensorError(
+            f"rope type {rope.rope_type!r} with{'out' if name is None else ''} a rope_freqs "
+            f"tensor (only {FREQ_FACTORS!r} reads one)",
+            file=str(ckpt.path),
+        )
+    if name is not None and tuple(ckpt.info(name).shape) != (rope.rotary_dim // 2,):
+        raise ShapeMismatchError(
+            f"shape {tuple(ckpt.info(name).shape)}, not ({rope.rotary_dim // 2},): one factor "
+            f"per frequency of rotary width {rope.rotary_dim}",
+            file=str(ckpt.info(name).file),
+            tensor=name,
+        )
 
 
 def _add_trunk(

@@ -23,8 +23,14 @@ from typing import Any
 
 from czyx.store.models.mount_errors import MountError
 
-#: Rope types the engine implements (transformers' names).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+#: czyx's rope type of a model whose rotary frequencies are the default ones divided by
+#: per-frequency factors held in its trunk (role ``rope_freqs``): llama.cpp's
+#: ``rope_freqs.weight`` of a GGUF file, ``theta_i = pos * base^(-2i/d) / ff[i]`` (its
+#: ``ggml_rope_ext`` freq_factors). The config names only the type; the factors stay the
+#: file's tensor (export writes it back byte for byte) and the engine reads them from there.
+FREQ_FACTORS = "freq_factors"
+#: Rope types the engine implements (transformers' names, and czyx's :data:`FREQ_FACTORS`).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", FREQ_FACTORS)
 
 
 class UnsupportedRopeError(MountError):
@@ -56,6 +62,7 @@ class RopeParams:
     high_freq_factor: float | None = None
     long_factor: tuple[float, ...] | None = None
     short_factor: tuple[float, ...] | None = None
+    freq_factors: tuple[float, ...] | None = None  # FREQ_FACTORS: the trunk's, filled by the engine
 
 
 def _num(params: Mapping[str, Any], key: str, rope_type: str) -> float:

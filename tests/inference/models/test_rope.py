@@ -138,3 +138,28 @@ def test_rope_parameters_missing_a_field_are_refused():
             },
             8,
         )
+
+
+def test_stored_freq_factors_divide_the_default_frequencies_as_llama3_scales_them():
+    """The rope type ``freq_factors`` (a GGUF's rope_freqs): each default frequency over
+    its factor. With the converter's llama3 factors, transformers' llama3 frequencies to
+    float32 rounding; factors of another count are refused."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from czyx.inference.errors import UnsupportedModelError
+    from czyx.inference.models.rope import RopeConfig, with_freq_factors
+    from czyx.store.models.gguf import llama3_rope_freqs
+
+    config = _config("llama3")
+    want = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")[0].numpy()
+    ff = llama3_rope_freqs({**config.to_dict(), "original_max_position_embeddings": 16})
+    assert (ff == 8).any() and ((ff > 1) & (ff < 8)).any()  # (the band's inside and above)
+    p = rope_params({"rope_parameters": {"rope_type": "freq_factors", "rope_theta": 500.0}}, 16)
+    rope = RopeConfig(p.theta, p.rotary_dim, 1.0, p)
+    got, att = inv_freq_and_scaling(with_freq_factors(rope, ff).params)
+    assert att == 1.0 and got.dtype == np.float32
+    default, _ = inv_freq_and_scaling(rope_params({"rope_theta": 500.0}, 16))
+    np.testing.assert_array_equal(got, (default / ff).astype(np.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+    with pytest.raises(UnsupportedModelError, match="rope_freqs: 7 factors"):
+        with_freq_factors(rope, ff[:7])

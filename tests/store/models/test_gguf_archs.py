@@ -12,10 +12,12 @@ with the same logits. What GGUF cannot hold (PhiMoE's longrope mscales, a
 non-default ``router_jitter_noise``) is refused. Llama 4 text the same way
 (``Llama4Model``: ``llama4``, experts from HF's transposed stacks, q/k unpermuted),
 with what llama.cpp fixes in code (chunks of 8192, NoPE every fourth layer, its
-temperature) refused on export when the config differs. Qwen3-Next and Jamba as
-``Qwen3NextModel`` / ``JambaModel`` convert them (in_proj_qkvz split, ``ssm_a =
--exp(A_log)``, squeezed conv1d, Qwen3-Next's norms as ``1 + w``): mounted with
-transformers' logits and greedy tokens, exported back byte for byte, and a safetensors
+temperature) refused on export when the config differs; its llama3 rope scaling as the
+converter writes it (``rope_freqs.weight``, each frequency's divisor) mounts, runs and
+exports back, and a safetensors Llama 4 with it exports the converter's factors.
+Qwen3-Next and Jamba as ``Qwen3NextModel`` / ``JambaModel`` convert them (in_proj_qkvz
+split, ``ssm_a = -exp(A_log)``, squeezed conv1d, Qwen3-Next's norms as ``1 + w``): mounted
+with transformers' logits and greedy tokens, exported back byte for byte, and a safetensors
 model exported to the converter's own bytes.
 """
 
@@ -144,6 +146,20 @@ LLAMA4 = dict(
 )
 
 
+# Llama 4's released rope: llama3 scaling. An original context of 64 (top level too, where
+# the converter reads it) puts the 16 frequencies of a 32-wide head on both sides of its
+# band: factors 1, between, and 8 (rope_freqs.weight); a prompt of 40 tokens makes
+# them matter.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
 def llama4(**kw):
     return build_tiny_model("llama4_text", 3, **{**LLAMA4, **kw})
 
@@ -198,16 +214,87 @@ def test_llama4_gguf_runs_as_transformers_and_exports_back(tmp_path, qtype, over
         ({"no_rope_layers": [1, 0, 1, 1]}, "fixes chunked attention"),
         ({"use_qk_norm": False}, "use_qk_norm"),
         ({"moe_layers": [1, 2]}, "moe_layers"),
+        # (the converter writes llama3 alone, as rope_freqs)
+        ({"rope_parameters": {**LLAMA3_ROPE, "rope_type": "linear"}}, "rope type 'linear'"),
     ],
 )
 def test_llama4_features_llama_cpp_fixes_otherwise_are_refused(over, match):
     config = json.loads(llama4(**over).config.to_json_string())
     with pytest.raises(UnsupportedGGUFError, match=match):
         gguf_metadata(config)
-    meta = {"llama4.embedding_length": 64, "llama4.attention.head_count": 2}
-    meta |= {"llama4.block_count": 4, "llama4.expert_count": 8, "llama4.expert_used_count": 1}
-    with pytest.raises(UnsupportedGGUFError, match="rope_freqs"):
-        config_from_gguf(meta, GGUF_ARCHS["llama4"], 96, True, ["rope_freqs.weight"])
+
+
+LONG_PROMPT = np.random.default_rng(6).integers(0, 96, 40)
+
+
+def llama4_llama3_rope(**kw):
+    return llama4(rope_parameters=LLAMA3_ROPE, original_max_position_embeddings=64, **kw)
+
+
+def _rope_freqs(path) -> np.ndarray:
+    import gguf
+
+    (t,) = [t for t in gguf.GGUFReader(path).tensors if t.name == "rope_freqs.weight"]
+    return np.asarray(t.data)
+
+
+@pytest.mark.parametrize("qtype", ["f32", "q8_0"])
+def test_llama4_gguf_with_rope_freqs_runs_as_transformers_and_exports_back(tmp_path, qtype):
+    """A Llama 4 GGUF with the converter's ``rope_freqs`` (llama3 rope scaling) runs each
+    frequency divided by its stored factor, as llama.cpp does: transformers' llama3 logits
+    and greedy tokens; export writes the factors back byte for byte; a safetensors export
+    is refused (no transformers config holds them)."""
+    from czyx.store.models.export import ExportError, export
+
+    model = llama4_llama3_rope()
+    write_gguf(model, tmp_path / "m.gguf", qtype)
+    ff = _rope_freqs(tmp_path / "m.gguf")
+    assert ff.min() == 1 and ff.max() == 8 and ((ff > 1) & (ff < 8)).any()
+    with Store.open(tmp_path / "s") as store:
+        mount(store, tmp_path / "m.gguf", "m@1")
+        (path,) = export_gguf(store, "m@1", tmp_path / "out.gguf")
+        with pytest.raises(ExportError, match="rope_freqs"):
+            export(store, "m@1", tmp_path / "hf")
+    assert "rope_freqs.weight" in same_tensors(tmp_path / "m.gguf", path)
+    got, tokens = _run(tmp_path / "s", "m@1", prompt=LONG_PROMPT)
+    want, want_tokens = reference(reference_model(model, qtype), LONG_PROMPT, 12)
+    tol = 1e-5 * float(want.max() - want.min())
+    assert np.abs(got - want).max() < tol
+    assert tokens == want_tokens
+    plain = llama4()  # the same weights without the scaling: the factors do matter here
+    plain.load_state_dict(model.state_dict())
+    assert np.abs(reference(plain, LONG_PROMPT, 0)[0] - want).max() > 100 * tol
+
+
+def test_rope_freqs_without_its_rope_type_or_the_type_without_them_is_refused(tmp_path):
+    """Mount checks the tensor and the rope type that reads it come together."""
+    from czyx.store.models.mount_errors import MissingTensorError
+
+    llama4().save_pretrained(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "config.json"
+    config = json.loads(path.read_text())
+    config["rope_parameters"] = {"rope_type": "freq_factors", "rope_theta": 10000.0}
+    path.write_text(json.dumps(config))
+    with Store.open(tmp_path / "s") as store, pytest.raises(MissingTensorError, match="without"):
+        mount(store, tmp_path / "ckpt", "m@1")
+
+
+def test_safetensors_llama4_with_llama3_rope_exports_the_converters_rope_freqs(tmp_path):
+    """The export computes ``rope_freqs`` as ``LlamaModel.generate_extra_tensors`` does (the
+    same float32 bytes as the converter's torch loop), and the GGUF runs as the model."""
+    model = llama4_llama3_rope()
+    model.save_pretrained(tmp_path / "ckpt")
+    write_gguf(model, tmp_path / "want.gguf", "f32")
+    with Store.open(tmp_path / "s") as store:
+        mount(store, tmp_path / "ckpt", "m@1")
+        (path,) = export_gguf(store, "m@1", tmp_path / "out.gguf")
+    assert _rope_freqs(path).tobytes() == _rope_freqs(tmp_path / "want.gguf").tobytes()
+    with Store.open(tmp_path / "s2") as store:
+        mount(store, path, "g@1")
+    got, tokens = _run(tmp_path / "s2", "g@1", prompt=LONG_PROMPT)
+    want, want_tokens = reference(model, LONG_PROMPT, 12)
+    assert np.abs(got - want).max() < 1e-5 * float(want.max() - want.min())
+    assert tokens == want_tokens
 
 
 def test_llama4_gguf_without_its_feed_forward_lengths_is_malformed():

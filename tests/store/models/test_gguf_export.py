@@ -67,16 +67,18 @@ def _llama_cpp_knows(arch: str) -> bool:
     return any(b"\0" + arch.encode() + b"\0" in lib.read_bytes() for lib in libs)
 
 
-@pytest.mark.parametrize("arch", ["llama4_text", "qwen3_next", "jamba"])
+@pytest.mark.parametrize("arch", ["llama4_text", "llama4_text-llama3", "qwen3_next", "jamba"])
 def test_llama_cpp_decodes_a_converter_layout_gguf_as_czyx_does(tmp_path, arch):
     """llama.cpp loads each newer architecture as the converter lays it out (the test
-    writer) and decodes the same greedy tokens as czyx mounted from that file."""
-    from .test_gguf_archs import _run, hybrid, llama4
+    writer) and decodes the same greedy tokens as czyx mounted from that file (Llama 4
+    also with llama3 rope scaling: its rope_freqs divide the frequencies in both)."""
+    from .test_gguf_archs import _run, hybrid, llama4, llama4_llama3_rope
 
-    gguf_arch = {"llama4_text": "llama4", "qwen3_next": "qwen3next"}.get(arch, arch)
+    gguf_arch = {"qwen3_next": "qwen3next"}.get(arch, "llama4" if "llama4" in arch else arch)
     if not _llama_cpp_knows(gguf_arch):
         pytest.skip(f"this llama.cpp has no {gguf_arch} architecture")
-    model = llama4(vocab_size=320) if arch == "llama4_text" else hybrid(arch, vocab_size=320)
+    makers = {"llama4_text": llama4, "llama4_text-llama3": llama4_llama3_rope}
+    model = makers[arch](vocab_size=320) if arch in makers else hybrid(arch, vocab_size=320)
     path = tmp_path / "m.gguf"
     write_gguf(model, path, "f32", tokenizer_json=tiny_bpe_tokenizer_json(320))
     with Store.open(tmp_path / "s") as store:
