@@ -225,6 +225,8 @@ class StreamingExpertCache(ExpertCache):
         self._logit_rows = np.empty(self.table.shape[1], np.float32)
         self._waits: list[Transfer] = []  # the current acquire's transfers to wait for
         self._pending_at: dict[int, Transfer] = {}  # position -> transfer, until waited
+        self._slot_pos = np.zeros(self.n_slots, np.int64)  # slot -> position in the acquire
+        self._positions = np.arange(max(self.n_slots, top_k), dtype=np.int64)
 
     # ------------------------------------------------------------------ look-ahead
 
@@ -477,13 +479,12 @@ class StreamingExpertCache(ExpertCache):
         out = self._out[: len(experts)]
         if not waits:
             return out, []
-        # Position of each awaited slot, in request order (transfer ids increase).
-        by_slot = {t.slot: t for t in waits}
-        pending = sorted(
-            (j for j, s in enumerate(out.tolist()) if s in by_slot),
-            key=lambda j: by_slot[int(out[j])].id,
-        )
-        self._pending_at = {j: by_slot[int(out[j])] for j in pending}
+        # The position of each awaited transfer's slot: in-flight hits first, then the misses,
+        # in the order this call met them.
+        slot_pos = self._slot_pos
+        slot_pos[out] = self._positions[: len(out)]
+        pending = [int(slot_pos[t.slot]) for t in waits]
+        self._pending_at = dict(zip(pending, waits, strict=True))
         return out, pending
 
     def wait_ready(self, j: int) -> None:
