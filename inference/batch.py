@@ -684,7 +684,8 @@ def _attention(model, i, lw, x, kvs, starts, positions, offs) -> np.ndarray:
         kv.write(i, starts[s], ks, vs)
         end = starts[s] + t
         out[a:b] = attention(qs, kv.k[i][:, :end], kv.v[i][:, :end], pos, cfg.sliding_windows[i])
-    return linear_rows(out, lw.o_proj)
+    out = linear_rows(out, lw.o_proj)
+    return out if lw.o_bias is None else out + lw.o_bias  # as the engine's _attention
 
 
 def _routed(model, i: int, lw, x: np.ndarray, offs, masks, own_expert: bool) -> np.ndarray:

@@ -298,8 +298,6 @@ class MoEDecoder:
         def in_c(m: str) -> bool:
             if m == "post_qkv":
                 return self._c_qkv is not None
-            if m == "_attention" and cls._attention is cls.c_attention:
-                return True  # an override the C attention call reproduces (an o_bias)
             return getattr(cls, m) is getattr(MoEDecoder, m)
 
         # The C MoE calls weight each expert's output: a model that weights its input
@@ -572,11 +570,6 @@ class MoEDecoder:
                 h = h + self._mlp(i, lw, x)
         return h
 
-    #: An override of ``_attention`` that the C attention call reproduces (it adds
-    #: the layer's ``o_bias`` after the output projection): a subclass whose override
-    #: only adds that bias sets ``c_attention = _attention``. None: the base's alone.
-    c_attention: ClassVar[Callable[..., np.ndarray] | None] = None
-
     # Steps the C decode path implements itself: a subclass overriding any of them
     # (MLA attention and its latent cache, shared experts) decodes in numpy; post_qkv
     # counts as implemented when c_post_qkv describes it (OLMoE's and Qwen3-MoE's q/k norms).
@@ -706,8 +699,11 @@ class MoEDecoder:
         if self.observer is not None:
             self.observer(f"L{i}.o_in", out)
         if isinstance(lw.o_proj, np.ndarray):
-            return matmul_small(lw.o_proj, np.ascontiguousarray(out.T)).T
-        return mm_t(out, lw.o_proj)
+            out = matmul_small(lw.o_proj, np.ascontiguousarray(out.T)).T
+        else:
+            out = mm_t(out, lw.o_proj)
+        # A layer's o_bias (an optional role), as the C attention call adds it too.
+        return out if lw.o_bias is None else out + lw.o_bias
 
     def _observe(self, name: str) -> Observe:
         """The calibration hook for the input called ``name``, or None when not calibrating."""

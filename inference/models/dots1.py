@@ -55,15 +55,6 @@ class Dots1Decoder(Glm4MoeDecoder):
         ]
         return _glm_like(info, [window if t == "sliding_attention" else None for t in types])
 
-    def _attention(
-        self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
-    ) -> np.ndarray:
-        out = super()._attention(i, lw, x, kv, start, positions)
-        return out if lw.o_bias is None else out + lw.o_bias
-
-    # The C attention call adds the layer's o_bias itself: it reproduces this override.
-    c_attention = _attention
-
 
 class SolarOpenDecoder(Glm4MoeDecoder):
     """``SolarOpenForCausalLM`` in numpy."""
@@ -114,8 +105,6 @@ class ExaoneMoeDecoder(Dots1Decoder):
     """
 
     arch = "exaone_moe"
-    # The C attention call always rotates: this class's _attention does not.
-    c_attention = None
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:

@@ -57,8 +57,9 @@ class Ernie45MoeDecoder(MoEDecoder):
     def _attention(
         self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
     ) -> np.ndarray:
-        out = super()._attention(i, lw, x, kv, start, positions)
-        return out if lw.o_bias is None else out + lw.o_bias
+        # The base's (its o_bias included), overridden only to keep this model off the C
+        # attention call, which rotates halves: ERNIE's rotary is interleaved.
+        return super()._attention(i, lw, x, kv, start, positions)
 
     def route(
         self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None

@@ -27,7 +27,7 @@ import numpy as np
 
 from czyx.inference.errors import UnsupportedModelError
 from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import F32, KVCache, softmax
+from czyx.inference.models.base import F32, softmax
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
 from czyx.inference.models.rope import RopeConfig, Rotary
 from czyx.store.consumer import ModelInfo
@@ -159,12 +159,6 @@ class PhimoeDecoder(MoEDecoder):
         if mask is not None:
             logits = np.where(mask, logits, F32(-np.inf))
         return sparsemixer(logits, self.jitter)
-
-    def _attention(
-        self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
-    ) -> np.ndarray:
-        out = super()._attention(i, lw, x, kv, start, positions)
-        return out if lw.o_bias is None else out + lw.o_bias
 
     def finish_logits(self, logits: np.ndarray) -> np.ndarray:
         """The lm_head's bias (``lm_head_bias``), when the checkpoint has one."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from czyx.inference.models.base import KVCache
 from czyx.inference.models.decoder import DecoderConfig, Layer, common_config
 from czyx.inference.models.qknorm import QKNormDecoder
 from czyx.inference.models.qwen2_moe import layer_windows
@@ -50,13 +49,3 @@ class Qwen3MoeDecoder(QKNormDecoder):
         if type(self).post_qkv is not Qwen3MoeDecoder.post_qkv:
             return None
         return (2, None)
-
-    def _attention(
-        self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
-    ) -> np.ndarray:
-        out = super()._attention(i, lw, x, kv, start, positions)
-        return out if lw.o_bias is None else out + lw.o_bias
-
-    # The C attention call adds the layer's o_bias itself (after the output
-    # projection, before the residual add): it reproduces this override.
-    c_attention = _attention
