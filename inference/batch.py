@@ -345,18 +345,13 @@ def _forward_c(
         # with a part's experts kept until the last part sums them.
         held = idx[0] if n == 1 else kern.union(n, table[i])
         for c0 in range(0, held.size, cap):
-            experts = held[c0 : c0 + cap]
             part = (
                 None if held.size <= cap
                 else "first" if c0 == 0
                 else "last" if c0 + cap >= held.size
                 else "part"
             )  # fmt: skip
-            slots = cache.acquire(i, experts)
-            try:  # each row's MoE layer, then its residual add (mlp_out is the identity)
-                kern.moe_batch(cache, 0, n, experts, slots, True, part)
-            finally:
-                cache.release()
+            _moe_streamed(kern, cache, i, n, held[c0 : c0 + cap], part)
     for kv, s, t in zip(kvs, starts, lens, strict=True):
         kv.length = s + t
     if model.hidden_hook is not None:
@@ -379,6 +374,45 @@ def _forward_c(
     # through the scheduler's sampling, events and (served) HTTP writes.
     kern.pool.park()
     return [model.finish_logits(lg) for lg in logits]
+
+
+def _moe_streamed(
+    kern, cache, layer: int, n: int, held: np.ndarray, part: str | None = None
+) -> None:
+    """One acquire of a layer's MoE for the step's ``n`` rows: the experts ``held`` (at
+    most the cache's ``max_acquire``), each row's residual added with the last part.
+
+    The pipeline of the one-token decode (``MoEDecoder._routed_one``) for a batch:
+    the acquire returns once the misses' reads are issued, every row's products
+    with the resident experts are computed while they land, then each missing
+    expert's as its bytes arrive. These calls are :meth:`DecodeKernels.moe_batch`'s
+    parts (``part``: this acquire's own place among a layer's acquires when its
+    experts exceed the cache), the weighted sums coming with the layer's last: the
+    operations of one call, so the rows are bit-identical whatever the arrival order.
+    """
+    slots, pending = cache.acquire_streamed(layer, held)
+    try:
+        if not pending:  # every expert resident (each row's MoE, then its residual add)
+            kern.moe_batch(cache, 0, n, held, slots, True, part)
+            return
+        late = np.zeros(held.size, bool)
+        late[pending] = True
+        order = np.concatenate([np.flatnonzero(~late), np.asarray(pending, np.int64)])
+        experts, at = held[order], slots[order]
+        # The resident experts together, then each read alone, in request order.
+        cuts = [0, *range(max(held.size - len(pending), 1), held.size + 1)]
+        opens = part in (None, "first")  # this acquire begins the layer's products
+        closes = part in (None, "last")  # ... and ends them with the weighted sums
+        for p in range(len(cuts) - 1):
+            a, b = cuts[p], cuts[p + 1]
+            if late[order[a]]:
+                kern.pool.park()  # the workers would spin through the wait on the readers' core
+                cache.wait_ready(int(order[a]))
+            first, last = p == 0 and opens, p == len(cuts) - 2 and closes
+            sub = None if first and last else "first" if first else "last" if last else "part"
+            kern.moe_batch(cache, 0, n, experts[a:b], at[a:b], True, sub)
+    finally:
+        cache.release()
 
 
 def _waves(chunks: list[np.ndarray], kvs: Sequence[KVCache], starts: list[int], threads: int):

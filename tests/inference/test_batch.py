@@ -221,8 +221,8 @@ def test_decode_tokens_are_the_engines_own_decode(engine, fraction):
     try:
         assert model.decode_in_c()
         calls = []
-        acquire = model.experts.acquire
-        model.experts.acquire = lambda i, e: calls.append((i, list(e))) or acquire(i, e)
+        acquire = model.experts.acquire_streamed
+        model.experts.acquire_streamed = lambda i, e: calls.append((i, list(e))) or acquire(i, e)
         kvs = [model.new_kv() for _ in PROMPTS]
         first = forward_batch(model, [np.frombuffer(p, np.uint8) for p in PROMPTS], kvs)
         toks = [int(np.argmax(lg)) for lg in first]
@@ -242,6 +242,41 @@ def test_decode_tokens_are_the_engines_own_decode(engine, fraction):
         if fraction is not None:
             assert eng.stats().misses > 0
     finally:
-        model.experts.__dict__.pop("acquire", None)
+        model.experts.__dict__.pop("acquire_streamed", None)
         if eng is not engine:
             eng.close()
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_streamed_step_computes_each_read_as_it_lands_bit_for_bit(engine, reverse):
+    """At a quarter of the expert bytes a step's reads are waited for one by one, the
+    resident experts computed first (the one-token decode's pipeline, in the batched
+    step): every row of a verified chunk and of a decode token beside it is the resident
+    step's bit for bit, also when the reads are taken in the opposite order."""
+    from czyx.inference.streaming import StreamOptions
+
+    def run(model):
+        kvs = [model.new_kv(), model.new_kv()]
+        forward_batch(model, [np.frombuffer(p, np.uint8) for p in PROMPTS[:2]], kvs)
+        chunks = [np.frombuffer(b"def f(x):\n", np.uint8), np.array([7])]
+        return forward_batch(model, chunks, kvs, all_logits=[True, False])
+
+    want = run(engine.model)
+    small = Engine(engine.consumer, cache_fraction=0.25, stream=StreamOptions(prefetch=False))
+    cache = small.model.experts
+    acquire, wait = cache.acquire_streamed, cache.wait_ready
+    pending_sizes, waited = [], []
+
+    def acquire_streamed(layer, experts):
+        slots, pending = acquire(layer, experts)
+        pending_sizes.append(len(pending))
+        return slots, pending[::-1] if reverse else pending
+
+    cache.acquire_streamed = acquire_streamed
+    cache.wait_ready = lambda j: waited.append(j) or wait(j)
+    try:
+        got = run(small.model)
+    finally:
+        small.close()
+    assert max(pending_sizes) >= 2 and len(waited) == sum(pending_sizes)
+    assert all(np.array_equal(a, b) for a, b in zip(want, got, strict=True))
