@@ -340,18 +340,14 @@ def _forward_c(
             lookahead(i, x)
         model.count_routes(i, idx, w)
         # The experts to hold: the engine's own acquire for one token (its top-k in
-        # its order), else the union (hits first), each acquired once for the step:
-        # in parts of at most `cap` when it exceeds the cache, every row's products
-        # with a part's experts kept until the last part sums them.
+        # its order), else the union (hits first), each acquired once for the step,
+        # every row's products with a part's experts kept until the last part sums them.
         held = idx[0] if n == 1 else kern.union(n, table[i])
-        for c0 in range(0, held.size, cap):
-            part = (
-                None if held.size <= cap
-                else "first" if c0 == 0
-                else "last" if c0 + cap >= held.size
-                else "part"
-            )  # fmt: skip
-            _moe_streamed(kern, cache, i, n, held[c0 : c0 + cap], part)
+        cuts = _acquire_parts(held, table[i], cap, top_k) if n > 1 else (0, held.size)
+        final = len(cuts) - 2
+        for q in range(final + 1):
+            part = None if final == 0 else "first" if q == 0 else "last" if q == final else "part"
+            _moe_streamed(kern, cache, i, n, held[cuts[q] : cuts[q + 1]], part)
     for kv, s, t in zip(kvs, starts, lens, strict=True):
         kv.length = s + t
     if model.hidden_hook is not None:
@@ -374,6 +370,32 @@ def _forward_c(
     # through the scheduler's sampling, events and (served) HTTP writes.
     kern.pool.park()
     return [model.finish_logits(lg) for lg in logits]
+
+
+def _acquire_parts(held: np.ndarray, resident: np.ndarray, cap: int, top_k: int) -> list[int]:
+    """Where a step's acquires of one layer's experts ``held`` (its union, the resident
+    ones first) begin and end: the resident experts in one, then the misses in parts of
+    at most ``top_k`` (and of the cache's ``cap``).
+
+    Why the misses go a token's worth at a time: acquired together, every miss takes a
+    slot the cache kept (a verification step's union, several tokens' experts, can
+    evict most of a small cache in one layer); in parts, a part's misses may replace
+    the ones an earlier part read and computed, used once and now released, so the
+    experts the cache kept across tokens stay (measured in ``bench/SPECULATE-realshape.md``).
+    """
+    size = held.size
+    r = int(np.count_nonzero(resident[held] >= 0))
+    if size - r <= top_k and size <= cap:
+        return [0, size]
+    step = max(1, min(top_k, cap))
+    cuts = [0, *range(r if r else step, size, step), size]
+    out = [0]
+    for c in cuts[1:]:  # (the resident part too may exceed the cache: parts of cap)
+        while c - out[-1] > cap:
+            out.append(out[-1] + cap)
+        if c > out[-1]:
+            out.append(c)
+    return out
 
 
 def _moe_streamed(

@@ -8,8 +8,12 @@ KV budget and cancellation fail closed and free what they hold.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 from czyx.inference.assets import bundled_model_dir
 from czyx.inference.batch import (
@@ -18,6 +22,7 @@ from czyx.inference.batch import (
     QueueFull,
     RequestTooLarge,
     Scheduler,
+    _acquire_parts,
     _copy_kv,
     forward_batch,
 )
@@ -280,3 +285,28 @@ def test_a_streamed_step_computes_each_read_as_it_lands_bit_for_bit(engine, reve
         small.close()
     assert max(pending_sizes) >= 2 and len(waited) == sum(pending_sizes)
     assert all(np.array_equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+@given(
+    size=hs.integers(1, 40),
+    resident=hs.integers(0, 40),
+    cap=hs.integers(1, 48),
+    top_k=hs.integers(1, 8),
+)
+@settings(max_examples=300, deadline=None)
+def test_acquire_parts_keep_hits_apart_and_misses_a_token_at_a_time(size, resident, cap, top_k):
+    """For every union: the parts cover it in order and none exceeds the cache; it is one
+    acquire exactly when its misses are at most a token's top-k and it fits the cache, and
+    otherwise no part mixes a resident expert with a miss, the misses a top-k at a time."""
+    r = min(resident, size)
+    held = np.arange(size, dtype=np.int64)
+    table = np.full(size, -1, np.int32)
+    table[:r] = np.arange(r)
+    cuts = _acquire_parts(held, table, cap, top_k)
+    assert cuts[0] == 0 and cuts[-1] == size
+    parts = list(itertools.pairwise(cuts))
+    assert all(0 < b - a <= cap for a, b in parts)
+    assert (len(parts) == 1) == (size - r <= top_k and size <= cap)
+    if len(parts) > 1:
+        assert all(b <= r or a >= r for a, b in parts)
+        assert all(b - a <= min(top_k, cap) for a, b in parts if a >= r)
