@@ -203,6 +203,8 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
                 "prefetches": getattr(c, "prefetches", 0) - p0[0],
                 "prefetches_used": getattr(c, "prefetch_hits", 0) - p0[1],
             }
+            if a.save_profile:
+                eng.routing_profile().save(a.save_profile)
             if xray is not None:
                 out.update(bound_figures(model.consumer, xray.transfers, t0_ns))
                 out["belady_read_bytes"] = belady_bytes(rec, len(feed), st.n_slots, eng)
@@ -291,6 +293,9 @@ def main(argv: list[str] | None = None) -> None:
         "--warm-prefill", action="store_true", help="an untimed prefill of the prompt first"
     )
     ap.add_argument("--logits", default=None, help="save the prompt's last logits (.npy)")
+    ap.add_argument(
+        "--save-profile", default=None, help="czyx: save the run's routing profile (JSON)"
+    )
     ap.add_argument(
         "--bound", action="store_true", help="czyx: time the run's own reads without compute"
     )
