@@ -129,7 +129,9 @@ def open_tiered(
     hi_ref, lo_ref = spec.refs(ref)
     high = open_consumer(store, token, hi_ref, direct=direct, lazy_trunk=lazy_trunk)
     try:
-        low = open_consumer(store, token, lo_ref, direct=direct, lazy_trunk=lazy_trunk)
+        # Only the low version's experts are read (the trunk is the high one's): its
+        # trunk stays on disk, not a second copy in memory beside the high one's.
+        low = open_consumer(store, token, lo_ref, direct=direct, trunk=False)
     except BaseException:
         high.close()
         raise

@@ -205,6 +205,7 @@ def open_consumer(
     *,
     direct: bool = False,
     lazy_trunk: bool = False,
+    trunk: bool = True,
     tenant: str | None = None,
 ) -> StoreModel:
     """Open model version ``ref`` for inference through ``token``: view and consumer.
@@ -218,7 +219,7 @@ def open_consumer(
         (local use still goes through a checked, audited portal open).
     ref:
         ``NAME@VERSION``, a :class:`Selector` or 64 hex digits.
-    direct, lazy_trunk:
+    direct, lazy_trunk, trunk:
         As :func:`czyx.store.models.model.open_version`.
     tenant:
         The tenant the caller acts for.
@@ -234,7 +235,9 @@ def open_consumer(
     if token is None:
         token = open_authority(store).root_token()
     view = open_model(store, token, ref, tenant=tenant)
-    return open_version(store, ref, view=view, direct=direct, lazy_trunk=lazy_trunk)
+    return open_version(
+        store, ref, view=view, direct=direct, lazy_trunk=lazy_trunk, trunk=trunk
+    )
 
 
 def grant_model(

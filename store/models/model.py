@@ -298,7 +298,10 @@ class StoreModel(BlockFileExperts):
     verify and convert them on every call, and the caller owns (and frees) the
     result. That is for engines whose trunk does not fit their memory budget
     (``inference.trunkwindow``); the global roles and the tokenizer stay as in
-    the eager mode.
+    the eager mode. With ``trunk=False`` no trunk tensor is read or held at all:
+    the version's experts alone (the low tier of :mod:`store.models.tiered`,
+    whose trunk is the high version's); :meth:`has_trunk` is then False for
+    every role.
     """
 
     def __init__(
@@ -309,6 +312,7 @@ class StoreModel(BlockFileExperts):
         view: ClassView | None = None,
         direct: bool = False,
         lazy_trunk: bool = False,
+        trunk: bool = True,
     ) -> None:
         space = ModelSpace(store, ref)
         self._space = space
@@ -360,7 +364,7 @@ class StoreModel(BlockFileExperts):
             if k[0] not in FILE_ROLES and k[0] != MTP_ROLE and k[1] is not None:
                 self._layer_nbytes[k[1]] += r.record["len"]
         for k, r in space.trunk.items():
-            if k[0] in FILE_ROLES or k[0] == MTP_ROLE:  # not run: kept for export only
+            if not trunk or k[0] in FILE_ROLES or k[0] == MTP_ROLE:  # (FILE, MTP: export only)
                 continue
             if lazy_trunk and k[1] is not None:
                 self._lazy[k] = r
@@ -657,6 +661,7 @@ def open_version(
     view: ClassView,
     direct: bool = False,
     lazy_trunk: bool = False,
+    trunk: bool = True,
 ) -> StoreModel:
     """Open a mounted model version for inference.
 
@@ -678,10 +683,15 @@ def open_version(
         Do not read per-layer trunk tensors at open: each ``trunk`` /
         ``trunk_quantized`` call reads and verifies one (for a trunk that does
         not fit the memory budget, see ``inference.trunkwindow``).
+    trunk
+        False: read and hold no trunk tensor, only the experts are served (a
+        tier's low version).
     """
     if view is None:
         raise ModelSpaceError("a model version opens only through a portal's view")
-    model = StoreModel(store, tag_or_selector, view=view, direct=direct, lazy_trunk=lazy_trunk)
+    model = StoreModel(
+        store, tag_or_selector, view=view, direct=direct, lazy_trunk=lazy_trunk, trunk=trunk
+    )
     if view is not None and getattr(view, "space", model._space.selector) != model._space.selector:
         model.close()
         raise ModelSpaceError("the portal's view is onto another space than this model")

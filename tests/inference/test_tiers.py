@@ -257,6 +257,11 @@ def test_stored_versions_open_as_tiers_and_refuse_other_pairs(store, monkeypatch
     with Store.open(store, create=False) as st:
         tiered = open_tiered(st, None, "m@q4", "q4,q2:0.5")
         assert tiered.formats == ("q4", "q2") and tiered.names == ("m@q4", "m@q2")
+        # The low version serves experts alone: its trunk is neither read nor held.
+        high, low = opened[-2:]
+        assert high.has_trunk("embed") and not low.has_trunk("embed")
+        assert not low._trunk and not low._packed and not low._lazy
+        assert low.trunk_digest() == high.trunk_digest()
         info = tiered.info
         _, _, eng = _run(tiered, EngineOptions(tiers="q4,q2:0.5"), _hot(info),
                          cache_bytes=4 * info.expert_slot_nbytes)  # fmt: skip
