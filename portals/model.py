@@ -235,9 +235,7 @@ def open_consumer(
     if token is None:
         token = open_authority(store).root_token()
     view = open_model(store, token, ref, tenant=tenant)
-    return open_version(
-        store, ref, view=view, direct=direct, lazy_trunk=lazy_trunk, trunk=trunk
-    )
+    return open_version(store, ref, view=view, direct=direct, lazy_trunk=lazy_trunk, trunk=trunk)
 
 
 def grant_model(
