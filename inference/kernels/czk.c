@@ -744,6 +744,10 @@ CZK_AVX2 static inline __attribute__((always_inline)) __m128i czk_h8(const uint1
 CZK_AVX2 static inline __attribute__((always_inline)) __m128i czk_wscales_part(
     const uint16_t *sc, int64_t b0, int64_t nb, int64_t bpg) {
     if (bpg == 1) return czk_h8(sc + b0, nb - b0);
+    if (bpg == 2 && b0 + 8 <= nb) { /* (q2, q3: groups of 64) each of 4 halves twice */
+        const __m128i h = _mm_loadl_epi64((const __m128i *)(sc + b0 / 2));
+        return _mm_unpacklo_epi16(h, h);
+    }
     const int sh = __builtin_ctzll((unsigned long long)bpg);
     uint16_t t[8];
     for (int l = 0; l < 8; l++) t[l] = b0 + l < nb ? sc[(b0 + l) >> sh] : 0;
@@ -837,6 +841,23 @@ CZK_AVX2 static inline void czk_pair_avx2(const uint8_t *c, int bits, int64_t p,
         const __m256i m4 = _mm256_set1_epi8(15);
         *lo = _mm256_and_si256(v, m4);
         *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    } else if (bits == 2) {
+        /* Byte j holds codes 4j .. 4j + 3 at bits 0, 2, 4, 6: each shift's codes masked
+         * out, then interleaved back into column order (czk_pair_codes' bytes). */
+        const __m128i v = full ? _mm_loadu_si128((const __m128i *)(c + 16 * p))
+                               : _mm_loadl_epi64((const __m128i *)(c + 16 * p));
+        const __m128i m2 = _mm_set1_epi8(3);
+        const __m128i t0 = _mm_and_si128(v, m2), t1 = _mm_and_si128(_mm_srli_epi16(v, 2), m2);
+        const __m128i t2 = _mm_and_si128(_mm_srli_epi16(v, 4), m2);
+        const __m128i t3 = _mm_and_si128(_mm_srli_epi16(v, 6), m2);
+        const __m128i a = _mm_unpacklo_epi8(t0, t1), b = _mm_unpacklo_epi8(t2, t3);
+        *lo = _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
+        if (full) {
+            const __m128i e = _mm_unpackhi_epi8(t0, t1), f = _mm_unpackhi_epi8(t2, t3);
+            *hi = _mm256_set_m128i(_mm_unpackhi_epi16(e, f), _mm_unpacklo_epi16(e, f));
+        } else {
+            *hi = _mm256_setzero_si256();
+        }
     } else {
         uint8_t u[64];
         czk_pair_codes(c, bits, p, full, u);

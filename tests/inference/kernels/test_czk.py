@@ -23,7 +23,7 @@ from czyx.store.quant.formats import dequantize, get_format, quantize, unpack_co
 
 pytestmark = pytest.mark.skipif(not fused.have_czk(), reason="inference._czk not built")
 F32 = np.float32
-FORMATS = ("q2", "q3", "q4", "q8", "q4g64", "q8g64", "q3g32")
+FORMATS = ("q2", "q3", "q4", "q8", "q4g64", "q8g64", "q3g32", "q2g32")
 
 
 def ref_quantize_input(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -173,7 +173,7 @@ def test_quantized_matvec_is_exactly_its_numpy_reference(level, name, wide):
     k.close()
 
 
-@pytest.mark.parametrize("name", ["q8", "q4", "q4g64"])
+@pytest.mark.parametrize("name", ["q8", "q4", "q4g64", "q2", "q2g32"])
 @pytest.mark.parametrize("groups", [1, 2, 3, 4, 5, 8, 9, 12, 16, 17])
 def test_short_rows_are_exactly_their_numpy_reference(level, name, groups):
     """Rows of fewer blocks than a SIMD step (a small model's): the scales and mins of
