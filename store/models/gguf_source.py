@@ -566,6 +566,14 @@ class Drift:
         self.sq_ref += float((ref.astype(np.float64) ** 2).sum())
         self.max_abs = max(self.max_abs, float(np.abs(diff).max(initial=0.0)))
 
+    def add32(self, got: np.ndarray, ref: np.ndarray) -> None:
+        """:meth:`add` for float32 arrays at a third of its cost (a requantized expert's
+        three matrices each): the difference in float32, its squares summed in float64."""
+        diff = np.subtract(got, ref, dtype=np.float32)
+        self.sq_err += float(np.square(diff).sum(dtype=np.float64))
+        self.sq_ref += float(np.square(ref, dtype=np.float32).sum(dtype=np.float64))
+        self.max_abs = max(self.max_abs, float(np.abs(diff).max(initial=0.0)))
+
     @property
     def rel_rms(self) -> float:
         return (self.sq_err / self.sq_ref) ** 0.5 if self.sq_ref else 0.0
@@ -778,7 +786,7 @@ class GGUFMountSource(MountSource):
                 part[:] = native_pack(self.ckpt.gguf_rows(vt), vt.qtype)[0]
             elif first:  # drift once per expert (a two-pass mount assembles twice)
                 ref = self._float[pos : pos + size].reshape(vt.shape)
-                self._drift(vt.gguf, vt, fmt.name).add(dequantize(part, fmt, vt.shape), ref)
+                self._drift(vt.gguf, vt, fmt.name).add32(dequantize(part, fmt, vt.shape), ref)
                 self.conversion.requantized.add(vt.gguf)
             pos += size
 
