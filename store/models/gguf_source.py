@@ -217,6 +217,7 @@ class GGUFCheckpoint:
                     raise GGUFError("tensor in two split files", file=str(f), tensor=t.name)
                 raw[t.name] = (t, f)
         self.gguf_tensors = raw
+        self._maps = {f: r.data for f, r in zip(self.files, readers, strict=True)}
         n_vocab = int(raw["token_embd.weight"][0].shape[1]) if "token_embd.weight" in raw else 0
         if not n_vocab:
             raise MissingTensorError("no token_embd.weight", file=str(self.files[0]))
@@ -413,6 +414,27 @@ class GGUFCheckpoint:
         if vt.rows is not None:
             data = data[vt.rows]
         return data
+
+    def release(self, vt: VTensor) -> None:
+        """Drop the pages of ``vt``'s bytes from this process's mapping of its file.
+
+        A mount reads each expert once; without this every page of the file it read
+        would stay mapped, and the mount's resident size grow to the file's. The pages
+        stay in the page cache (a later read maps them back), so this is only ever a
+        hint; where the mapping offers no ``madvise`` it does nothing.
+        """
+        import mmap
+
+        whole = self._maps.get(vt.file)
+        mm = getattr(whole, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise") or vt.halves is not None:
+            return
+        data = vt.tensor.data if vt.expert is None else vt.tensor.data[vt.expert]
+        start = data.ctypes.data - whole.ctypes.data  # type: ignore[union-attr]
+        lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the bytes only
+        hi = (start + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi > lo:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def reference(self, name: str) -> np.ndarray:
         """Float32 values of ``name`` (GGUF's reference dequantization; exact for floats)."""
@@ -797,17 +819,19 @@ class GGUFMountSource(MountSource):
         """Expert ``key``'s extent (gate | up | down) as stored, into ``out``."""
         first = key not in self._seen
         self._seen.add(key)
+        vts = [self.ckpt.vtensor(p.tensor) for p in self.plan.experts[key]]
         if self._requant_experts:
             self._requantize_expert(key, out, first)
-            return
-        pos = 0
-        for p in self.plan.experts[key]:
-            vt = self.ckpt.vtensor(p.tensor)
-            data = self._pack(vt, self.expert_fmt, vt.gguf if first else None)
-            out[pos : pos + data.size] = data
-            pos += data.size
-        if pos != out.size:
-            raise GGUFError(f"expert {key}: {pos} bytes assembled, the extent has {out.size}")
+        else:
+            pos = 0
+            for vt in vts:
+                data = self._pack(vt, self.expert_fmt, vt.gguf if first else None)
+                out[pos : pos + data.size] = data
+                pos += data.size
+            if pos != out.size:
+                raise GGUFError(f"expert {key}: {pos} bytes assembled, the extent has {out.size}")
+        for vt in vts:  # read once per pass: keep the mount's resident size at a few experts
+            self.ckpt.release(vt)
 
     def stored_tensor(self, t: Any) -> tuple[np.ndarray, str | None]:
         """``(bytes, quantized format or None)`` of trunk entry ``t``."""

@@ -222,3 +222,14 @@ def test_cli_requantizes_with_the_flag_only(tmp_path, capsys):
     assert "mounted: m@q2" in out
     assert "converted blk.0.ffn_down_exps.weight: Q8_0 -> q2, relative RMS error" in out
     assert "requantized 6 tensors under --quant none,expert=q2 (lossy" in out
+
+
+def test_released_pages_read_back_the_same(tmp_path):
+    from czyx.store.models.gguf_source import GGUFCheckpoint
+
+    write_gguf(tiny_model("olmoe", seed=2, **_MODEL), tmp_path / "m.gguf", "q8_0")
+    with GGUFCheckpoint(tmp_path / "m.gguf") as ckpt:
+        name = "model.layers.1.mlp.experts.3.down_proj.weight"
+        before = ckpt.reference(name)
+        ckpt.release(ckpt.vtensor(name))  # a hint to the kernel: the bytes map back
+        assert np.array_equal(ckpt.reference(name), before)
