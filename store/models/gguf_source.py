@@ -777,12 +777,13 @@ class GGUFMountSource(MountSource):
             self._drift(drift_key, vt, fmt).add(got, ref.reshape(got.shape))
         return packed
 
-    def _requantize_expert(self, key: tuple[int, int], out: np.ndarray, first: bool) -> None:
-        """Expert ``key`` under the store policy: its parts' reference values, back to
-        back as a float32 checkpoint's extent, through the codec (as ``--quant`` on that
-        checkpoint); a part whose native repack is the format is repacked instead."""
-        parts = self.plan.experts[key]
-        vts = [self.ckpt.vtensor(p.tensor) for p in parts]
+    def _requantize_expert(
+        self, key: tuple[int, int], vts: list[VTensor], out: np.ndarray, first: bool
+    ) -> None:
+        """Expert ``key`` (its gate, up and down ``vts``) under the store policy: their
+        reference values, back to back as a float32 checkpoint's extent, through the codec
+        (as ``--quant`` on that checkpoint); a part whose native repack is the format is
+        repacked instead."""
         fmt = self.qlayout.fmt  # type: ignore[union-attr]
         if not any(self._requantizes(vt, fmt.name) for vt in vts):
             pos = 0
@@ -821,7 +822,7 @@ class GGUFMountSource(MountSource):
         self._seen.add(key)
         vts = [self.ckpt.vtensor(p.tensor) for p in self.plan.experts[key]]
         if self._requant_experts:
-            self._requantize_expert(key, out, first)
+            self._requantize_expert(key, vts, out, first)
         else:
             pos = 0
             for vt in vts:
