@@ -156,6 +156,9 @@ def test_q4_0_requantizes_to_q2_and_keeps_its_native_q4(tmp_path):
     want = np.concatenate([quantize(ref[1][p][3], "q2") for p in ("gate", "up", "down")])
     assert np.array_equal(slot[: want.size], want)
     assert q2.trunk_selector == plain.trunk_selector
+    with Store.open(tmp_path / "s") as st:  # the same content again: nothing written
+        again = mount(st, tmp_path / "m.gguf", "m@q2", quant=_codec(Q2), allow_requantize=True)
+    assert again.selector == q2.selector and not again.created and again.bytes_written == 0
 
 
 def test_a_trunk_class_the_policy_names_is_requantized_too(tmp_path):
