@@ -27,6 +27,19 @@ other axis, so no store group format can hold it without requantizing).
 The routed experts of a version share one format (one extent layout): if the
 expert stacks do not all have the same native type, the policy decides for
 all of them (``native`` refuses).
+
+Requantizing (``czyx mount --quant POLICY --allow-requantize``, llama-quantize's
+flag): a store quant policy (``store.quant.policy``) on a quantized GGUF. Each
+tensor whose role class the policy names a format for is dequantized by the
+``gguf`` package's reference dequantizer and quantized by the store's quantizer,
+exactly as ``--quant`` quantizes a float32 checkpoint of those values (the
+policy's group fallbacks and importance map included); its drift is recorded as a
+conversion's. A tensor whose native repack already is that format (Q8_0 under
+``q8``) keeps the lossless repack. Every other tensor is stored as a plain mount
+stores it, so ``none,expert=q4`` leaves the trunk, its records and its selector
+those of the plain mount (two such versions pair as tiers:
+:mod:`store.models.tiered`). The manifest's ``quant.policy`` then reads
+``gguf:<conversion policy>+requantize:<store policy>``.
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from czyx.store.models.archs import MTP_ROLE
 from czyx.store.models.checkpoint import DTYPES, TensorInfo
 from czyx.store.models.gguf import (
     ARCHS,
@@ -203,6 +217,7 @@ class GGUFCheckpoint:
                     raise GGUFError("tensor in two split files", file=str(f), tensor=t.name)
                 raw[t.name] = (t, f)
         self.gguf_tensors = raw
+        self._maps = {f: r.data for f, r in zip(self.files, readers, strict=True)}
         n_vocab = int(raw["token_embd.weight"][0].shape[1]) if "token_embd.weight" in raw else 0
         if not n_vocab:
             raise MissingTensorError("no token_embd.weight", file=str(self.files[0]))
@@ -400,6 +415,27 @@ class GGUFCheckpoint:
             data = data[vt.rows]
         return data
 
+    def release(self, vt: VTensor) -> None:
+        """Drop the pages of ``vt``'s bytes from this process's mapping of its file.
+
+        A mount reads each expert once; without this every page of the file it read
+        would stay mapped, and the mount's resident size grow to the file's. The pages
+        stay in the page cache (a later read maps them back), so this is only ever a
+        hint; where the mapping offers no ``madvise`` it does nothing.
+        """
+        import mmap
+
+        whole = self._maps.get(vt.file)
+        mm = getattr(whole, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise") or vt.halves is not None:
+            return
+        data = vt.tensor.data if vt.expert is None else vt.tensor.data[vt.expert]
+        start = data.ctypes.data - whole.ctypes.data  # type: ignore[union-attr]
+        lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the bytes only
+        hi = (start + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi > lo:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
     def reference(self, name: str) -> np.ndarray:
         """Float32 values of ``name`` (GGUF's reference dequantization; exact for floats)."""
         import gguf
@@ -552,6 +588,14 @@ class Drift:
         self.sq_ref += float((ref.astype(np.float64) ** 2).sum())
         self.max_abs = max(self.max_abs, float(np.abs(diff).max(initial=0.0)))
 
+    def add32(self, got: np.ndarray, ref: np.ndarray) -> None:
+        """:meth:`add` for float32 arrays at a third of its cost (a requantized expert's
+        three matrices each): the difference in float32, its squares summed in float64."""
+        diff = np.subtract(got, ref, dtype=np.float32)
+        self.sq_err += float(np.square(diff).sum(dtype=np.float64))
+        self.sq_ref += float(np.square(ref, dtype=np.float32).sum(dtype=np.float64))
+        self.max_abs = max(self.max_abs, float(np.abs(diff).max(initial=0.0)))
+
     @property
     def rel_rms(self) -> float:
         return (self.sq_err / self.sq_ref) ** 0.5 if self.sq_ref else 0.0
@@ -598,29 +642,70 @@ class DriftConversion:
 
 
 class GGUFConversion(DriftConversion):
-    """The manifest's ``quant`` section of a GGUF mount: policy, stored formats, drift."""
+    """The manifest's ``quant`` section of a GGUF mount: policy, stored formats, drift.
 
-    def __init__(self, ckpt: GGUFCheckpoint, expert_fmt: str) -> None:
+    ``requant``: the store quant codec of a requantizing mount (its policy is named in
+    :attr:`policy_label`, its importance map's provenance recorded)."""
+
+    def __init__(self, ckpt: GGUFCheckpoint, expert_fmt: str, requant: Any = None) -> None:
         super().__init__(expert_fmt)
         self.ckpt = ckpt
+        self.requant = requant
+        #: drift keys of the tensors requantized under :attr:`requant`'s policy
+        self.requantized: set[str] = set()
 
     @property
     def policy_label(self) -> str:
-        """``gguf:<the checkpoint's policy>``."""
-        return f"gguf:{self.ckpt.policy}"
+        """``gguf:<the checkpoint's policy>``, with ``+requantize:<store policy>`` when
+        requantizing."""
+        label = f"gguf:{self.ckpt.policy}"
+        if self.requant is not None:
+            label += f"+requantize:{self.requant.policy.name}"
+        return label
+
+    def manifest(self) -> dict[str, object]:
+        """:meth:`DriftConversion.manifest`, with a requantizing codec's importance origin."""
+        out = super().manifest()
+        if self.requant is not None:
+            out["importance"] = self.requant.provenance
+        return out
+
+    def report(self) -> list[str]:
+        """:meth:`DriftConversion.report`, then (when requantizing) one summary line."""
+        lines = super().report()
+        if self.requant is None:
+            return lines
+        policy = self.requant.policy.name
+        if not self.requantized:
+            return [*lines, f"requantized no tensor under --quant {policy} (all kept as stored)"]
+        worst = max(self.drift[k].rel_rms for k in self.requantized)
+        return [
+            *lines,
+            f"requantized {len(self.requantized)} tensors under --quant {policy} (lossy: the "
+            f"file's values are not kept); worst relative RMS error {worst:.3e}",
+        ]
 
 
 class GGUFMountSource(MountSource):
-    """Stored bytes of a GGUF model's tensors, per the module docstring's rules."""
+    """Stored bytes of a GGUF model's tensors, per the module docstring's rules.
 
-    def __init__(self, ckpt: GGUFCheckpoint, plan: Any) -> None:
+    ``requant``: a ``store.quant.codec.QuantCodec`` whose policy's formats replace
+    the file's own for the classes it names (the module docstring's requantizing);
+    ``None``: every tensor as the file and the conversion policy say.
+    """
+
+    def __init__(self, ckpt: GGUFCheckpoint, plan: Any, requant: Any = None) -> None:
         self.ckpt, self.plan = ckpt, plan
+        self.requant = requant
         self.tokenizer = None if ckpt.tokenizer_json is None else ckpt.tokenizer_json.encode()
         stacks = {ckpt.vtensor(p.tensor).qtype for parts in plan.experts.values() for p in parts}
         ntypes, ftypes = _native_types(), _float_types()
         fmts = {ntypes.get(t) for t in stacks}
         self.expert_fmt: str | None
-        if stacks <= set(ftypes) or ckpt.policy in _FLOAT_POLICY:
+        requant_layout = None if requant is None else requant.expert_layout(plan.inter, plan.hidden)
+        if requant_layout is not None:
+            self.expert_fmt = requant_layout.fmt.name  # the store policy's, for every stack
+        elif stacks <= set(ftypes) or ckpt.policy in _FLOAT_POLICY:
             self.expert_fmt = None  # float experts (the plan checked they share a dtype)
         elif len(fmts) == 1 and None not in fmts:
             self.expert_fmt = fmts.pop()  # one native type: repacked without loss
@@ -640,10 +725,32 @@ class GGUFMountSource(MountSource):
         self.expert_nbytes = plan.expert_nbytes if self.qlayout is None else self.qlayout.nbytes
         self.buf = np.empty(self.expert_nbytes, np.uint8)
         self._scratch = np.empty(0, np.uint8)
+        self._float = np.empty(0, np.float32)  # a requantized expert's reference values
+        self._requant_experts = requant_layout is not None
         quantized = any(t.tensor_type not in ftypes for t, _ in ckpt.gguf_tensors.values())
-        self.conversion = GGUFConversion(ckpt, self.expert_fmt or plan.expert_format)
-        self.codec = self.conversion if quantized else None
+        self.conversion = GGUFConversion(ckpt, self.expert_fmt or plan.expert_format, requant)
+        self.codec = self.conversion if quantized or requant is not None else None
+        # The trunk manifest names the store policy only where a trunk tensor is
+        # requantized: otherwise the trunk is the plain mount's, selector included.
+        self.trunk_quant = requant if any(self._trunk_requant(t) for t in plan.trunk) else None
         self._seen: set[tuple[int, int]] = set()
+
+    def _requantizes(self, vt: VTensor, fmt: str) -> bool:
+        """Whether storing ``vt`` as ``fmt`` requantizes it (its native repack, if it has
+        one, is another format)."""
+        return _native_types().get(vt.qtype) != fmt
+
+    def _trunk_requant(self, t: Any) -> str | None:
+        """The format the store policy requantizes trunk entry ``t`` to, or None (kept as
+        a plain mount stores it; multi-token-prediction tensors are, as ``--quant`` keeps
+        them)."""
+        if self.requant is None or t.role == MTP_ROLE:
+            return None
+        vt = self.ckpt.vtensor(t.tensor)
+        fmt = self.requant.policy.decide(t.role, vt.shape).fmt
+        if fmt is None or not self._requantizes(vt, fmt.name):
+            return None
+        return fmt.name
 
     def _pack(self, vt: VTensor, fmt: str | None, drift_key: str | None) -> np.ndarray:
         """Bytes of ``vt`` stored as ``fmt`` (None: its float dtype); drift recorded once."""
@@ -670,6 +777,42 @@ class GGUFMountSource(MountSource):
             self._drift(drift_key, vt, fmt).add(got, ref.reshape(got.shape))
         return packed
 
+    def _requantize_expert(
+        self, key: tuple[int, int], vts: list[VTensor], out: np.ndarray, first: bool
+    ) -> None:
+        """Expert ``key`` (its gate, up and down ``vts``) under the store policy: their
+        reference values, back to back as a float32 checkpoint's extent, through the codec
+        (as ``--quant`` on that checkpoint); a part whose native repack is the format is
+        repacked instead."""
+        fmt = self.qlayout.fmt  # type: ignore[union-attr]
+        if not any(self._requantizes(vt, fmt.name) for vt in vts):
+            pos = 0
+            for vt in vts:
+                data = native_pack(self.ckpt.gguf_rows(vt), vt.qtype)[0]
+                out[pos : pos + data.size] = data
+                pos += data.size
+            return
+        n = sum(int(np.prod(vt.shape)) for vt in vts)
+        if self._float.size < n:
+            self._float = np.empty(n, np.float32)
+        pos = 0
+        for vt in vts:
+            size = int(np.prod(vt.shape))
+            self._float[pos : pos + size] = self.ckpt.reference(vt.name).reshape(-1)
+            pos += size
+        raw = self._float[:n].view(np.uint8)
+        self.requant.encode_expert_raw(self.qlayout, *key, raw, "F32", out=out)
+        pos = 0
+        for vt, part in zip(vts, self.qlayout.split(out), strict=True):  # type: ignore[union-attr]
+            size = int(np.prod(vt.shape))
+            if not self._requantizes(vt, fmt.name):  # lossless where the format allows
+                part[:] = native_pack(self.ckpt.gguf_rows(vt), vt.qtype)[0]
+            elif first:  # drift once per expert (a two-pass mount assembles twice)
+                ref = self._float[pos : pos + size].reshape(vt.shape)
+                self._drift(vt.gguf, vt, fmt.name).add32(dequantize(part, fmt, vt.shape), ref)
+                self.conversion.requantized.add(vt.gguf)
+            pos += size
+
     def _drift(self, key: str, vt: VTensor, target: str) -> Drift:
         return self.conversion.drift.setdefault(key, Drift(vt.type_name, target))
 
@@ -677,19 +820,33 @@ class GGUFMountSource(MountSource):
         """Expert ``key``'s extent (gate | up | down) as stored, into ``out``."""
         first = key not in self._seen
         self._seen.add(key)
-        pos = 0
-        for p in self.plan.experts[key]:
-            vt = self.ckpt.vtensor(p.tensor)
-            data = self._pack(vt, self.expert_fmt, vt.gguf if first else None)
-            out[pos : pos + data.size] = data
-            pos += data.size
-        if pos != out.size:
-            raise GGUFError(f"expert {key}: {pos} bytes assembled, the extent has {out.size}")
+        vts = [self.ckpt.vtensor(p.tensor) for p in self.plan.experts[key]]
+        if self._requant_experts:
+            self._requantize_expert(key, vts, out, first)
+        else:
+            pos = 0
+            for vt in vts:
+                data = self._pack(vt, self.expert_fmt, vt.gguf if first else None)
+                out[pos : pos + data.size] = data
+                pos += data.size
+            if pos != out.size:
+                raise GGUFError(f"expert {key}: {pos} bytes assembled, the extent has {out.size}")
+        for vt in vts:  # read once per pass: keep the mount's resident size at a few experts
+            self.ckpt.release(vt)
 
     def stored_tensor(self, t: Any) -> tuple[np.ndarray, str | None]:
         """``(bytes, quantized format or None)`` of trunk entry ``t``."""
         vt = self.ckpt.vtensor(t.tensor)
-        fmt = None
+        fmt = self._trunk_requant(t)
+        if fmt is not None:  # the store policy's format: quantized as --quant would
+            ref = self.ckpt.reference(vt.name)
+            data, got_fmt = self.requant.encode_trunk(t.role, t.layer, ref)
+            assert got_fmt == fmt  # the same policy decision as _trunk_requant's
+            packed = dequantize(data, fmt, ref.shape)
+            self._drift(vt.gguf, vt, fmt).add(packed, ref)
+            self.conversion.requantized.add(vt.gguf)
+            self.conversion.trunk_formats[t.role] = fmt
+            return data, fmt
         if vt.qtype not in _float_types() and self.ckpt.policy not in _FLOAT_POLICY:
             fmt = _native_types().get(vt.qtype) or self.ckpt.policy  # native, else the policy's
         if fmt is not None and len(vt.shape) != 2:

@@ -169,6 +169,7 @@ def mount(
     progress: bool = False,
     quant: Any = None,
     convert: str | None = None,
+    allow_requantize: bool = False,
 ) -> MountResult:
     """Publish the checkpoint at ``path`` as ``tag`` (``NAME@VERSION``).
 
@@ -199,6 +200,12 @@ def mount(
         Conversion policy for source formats the store has no native format
         for (GGUF quant types, FP8 weights): see :mod:`store.models.sources`.
         ``path`` may also be a ``.gguf`` file or a directory of split GGUF files.
+    allow_requantize
+        Let ``quant`` requantize a quantized GGUF's tensors (llama-quantize's
+        ``--allow-requantize``): the classes the policy names a format for are
+        dequantized and quantized to it, every other tensor is stored as without
+        ``quant`` (:mod:`store.models.gguf_source`). Without it such a mount is
+        refused; it needs ``quant``, and any source but a GGUF refuses it.
 
     Returns
     -------
@@ -211,14 +218,24 @@ def mount(
     """
     t0 = time.perf_counter()
     name, _ = parse_tag(tag)
+    if allow_requantize and quant is None:
+        raise MountError("--allow-requantize needs --quant POLICY (the classes to requantize)")
     with open_checkpoint(path, convert) as ckpt:
         plan = plan_checkpoint(ckpt, partial=adapter_of is not None)
         if quant is not None and adapter_of is not None:
             raise MountError("a quantized adapter is not supported: quantize the base instead")
         one_pass = quant is not None and _can_write_pending(store)
         src = make_source(
-            ckpt, plan, quant, spool_dir=getattr(store, "path", None), spool=not one_pass
+            ckpt,
+            plan,
+            quant,
+            spool_dir=getattr(store, "path", None),
+            spool=not one_pass,
+            allow_requantize=allow_requantize,
         )
+        # A requantizing GGUF source names the policy in its trunk only where it
+        # changed a trunk tensor (else the trunk is the plain mount's, shared).
+        quant = getattr(src, "trunk_quant", quant)
         with src:
             if one_pass:
                 return _mount_one_pass(

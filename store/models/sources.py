@@ -7,7 +7,11 @@ dtypes) and :func:`make_source` the matching
 :class:`~store.models.mount_source.MountSource` (the bytes that are stored).
 A source whose format needs a conversion (a GGUF type without a native store
 format, FP8 or MXFP4 weights) is converted only under the ``convert`` policy the
-caller names; without one it is refused with a typed error.
+caller names; without one it is refused with a typed error. A store quant
+policy (``--quant``) on a quantized GGUF requantizes only when the caller allows
+it (``allow_requantize``, the CLI's ``--allow-requantize``); on a float GGUF that
+flag changes nothing (there is nothing to requantize), on any other source it is
+refused.
 """
 
 from __future__ import annotations
@@ -43,14 +47,26 @@ def open_checkpoint(path: str | os.PathLike[str], convert: str | None = None) ->
 
 
 def make_source(
-    ckpt: Any, plan: Any, quant: Any = None, spool_dir: Any = None, spool: bool = True
+    ckpt: Any,
+    plan: Any,
+    quant: Any = None,
+    spool_dir: Any = None,
+    spool: bool = True,
+    allow_requantize: bool = False,
 ) -> MountSource:
     """The :class:`MountSource` of an opened checkpoint (``quant``: a ``QuantCodec``;
     ``spool_dir``: where a quantizing source keeps its spool file; ``spool=False``:
-    keep none, the caller stores each tensor's bytes as they are made)."""
+    keep none, the caller stores each tensor's bytes as they are made;
+    ``allow_requantize``: let ``quant`` requantize a quantized GGUF's tensors)."""
     from czyx.store.models.fp8 import FP8Checkpoint, FP8MountSource
     from czyx.store.models.gguf_source import GGUFCheckpoint, GGUFMountSource
 
+    if allow_requantize and not isinstance(ckpt, GGUFCheckpoint):
+        from czyx.store.models.gguf import ConversionPolicyError
+
+        raise ConversionPolicyError(
+            "--allow-requantize is for a quantized GGUF file; this source is not one"
+        )
     if isinstance(ckpt, FP8Checkpoint):
         if quant is not None:
             from czyx.store.models.gguf import ConversionPolicyError
@@ -77,10 +93,13 @@ def make_source(
         ):
             from czyx.store.models.gguf import ConversionPolicyError
 
-            raise ConversionPolicyError(
-                "--quant on a quantized GGUF would requantize its quantized tensors; "
-                "use --convert q8|q4 (or mount the float GGUF)"
-            )
+            if not allow_requantize:
+                raise ConversionPolicyError(
+                    "--quant on a quantized GGUF would requantize its quantized tensors: "
+                    "add --allow-requantize (lossy, drift recorded), or use --convert q8|q4 "
+                    "(or mount the float GGUF)"
+                )
+            return GGUFMountSource(ckpt, plan, requant=quant)
         src = MountSource(ckpt, plan, quant, spool_dir=spool_dir, spool=spool)
         src.tokenizer = None if ckpt.tokenizer_json is None else ckpt.tokenizer_json.encode()
         return src

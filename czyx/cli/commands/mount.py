@@ -71,6 +71,15 @@ def register(subparsers: Any) -> None:
             "the drift of each converted tensor is printed and recorded. Default: refuse them"
         ),
     )
+    p.add_argument(
+        "--allow-requantize",
+        action="store_true",
+        help=(
+            "with --quant on a quantized GGUF: requantize the classes the policy names a "
+            "format for (e.g. none,expert=q2: the file's Q8_0 experts as q2, the rest as "
+            "stored); lossy, the drift of each tensor is printed and recorded"
+        ),
+    )
     p.set_defaults(func=run)
 
 
@@ -81,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.importance is not None and args.quant is None:
         raise ValueError("--importance needs --quant POLICY")
+    if args.allow_requantize and args.quant is None:
+        raise ValueError("--allow-requantize needs --quant POLICY")
     path = _local_path(args.path, args.revision)
     class_perm = None
     if args.class_order:
@@ -115,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress and sys.stderr.isatty(),
             quant=codec,
             convert=args.convert,
+            # a policy that quantizes nothing (--quant none) has nothing to requantize
+            allow_requantize=args.allow_requantize and codec is not None,
         )
     print(result.summary())
     return 0
