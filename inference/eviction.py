@@ -342,7 +342,7 @@ class NextUsePolicy(DecayPolicy):
         step = float(max(token - self._token, 1))
         if step != self._step:  # a batch or a prefill: the layer cycle spans more tokens
             self._step = step
-            self._ahead = self._frac * step
+            np.multiply(self._frac, step, out=self._ahead)
         self._token = int(token)
         super().set_token(token)
 
