@@ -209,7 +209,12 @@ def belady(ids: np.ndarray, budget: int) -> np.ndarray:
 
 
 def nextuse(
-    experts: np.ndarray, n_experts: int, budget: int, half_life: float = 32.0
+    experts: np.ndarray,
+    n_experts: int,
+    budget: int,
+    half_life: float = 32.0,
+    start_half_life: float = 4.0,
+    warmup: float = 224.0,
 ) -> np.ndarray:
     """Hit mask of the expected-next-use policy, served as the engine serves a layer.
 
@@ -219,7 +224,9 @@ def nextuse(
     ``1 / (c * score) + d / n_layers`` tokens, where ``score`` is the expert's
     use count decayed with ``half_life`` (as :func:`hotness`), ``c = 1 -
     2**(-1 / half_life)`` and ``d`` how many layers ahead its layer comes (the
-    group's own layer: ``n_layers``); ties to the lowest id. A plain loop with
+    group's own layer: ``n_layers``); ties to the lowest id. The half-life grows
+    linearly from ``start_half_life`` at token 0 to ``half_life`` at token
+    ``warmup``, the clock advancing ``ln 2 / h`` a token. A plain loop with
     a scan of the cache per miss: the reference the engine's
     :class:`~czyx.inference.eviction.NextUsePolicy` is tested against.
 
@@ -232,7 +239,9 @@ def nextuse(
     budget : int
         Cache slots, at least ``k``.
     half_life : float
-        Tokens after which a score halves.
+        Tokens after which a score halves, once warm.
+    start_half_life, warmup : float
+        The half-life at token 0, and the tokens it takes to reach ``half_life``.
 
     Returns
     -------
@@ -242,14 +251,16 @@ def nextuse(
     t_, n_layers, k = experts.shape
     if budget < k:
         raise LocalityError(f"budget {budget} below top_k {k}")
-    rate = math.log(2.0) / half_life
-    log_inv_c = -math.log1p(-(2.0 ** (-1.0 / half_life)))
+    ln2 = math.log(2.0)
     lv = [-math.inf] * (n_layers * n_experts)
     cached: set[int] = set()
     hits = np.zeros(t_ * n_layers * k, dtype=bool)
     i = 0
+    now = 0.0
     for t in range(t_):
-        now = t * rate
+        h = start_half_life + (half_life - start_half_life) * min(t / warmup, 1.0)
+        now += 1 * ln2 / h
+        log_inv_c = -math.log1p(-(2.0 ** (-1.0 / h)))
         for layer in range(n_layers):
             group = [layer * n_experts + int(e) for e in experts[t, layer]]
             resident = [x in cached for x in group]

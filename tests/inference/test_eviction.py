@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,8 @@ from czyx.inference.cache import POLICIES, ExpertCache
 from czyx.inference.eviction import (
     HALF_LIFE_TOKENS,
     PROTECTED_FRAC,
+    START_HALF_LIFE_TOKENS,
+    WARMUP_TOKENS,
     DecayPolicy,
     NextUsePolicy,
     SLRUPolicy,
@@ -255,8 +258,11 @@ def test_held_and_pinned_slots_survive_every_miss(policy, n_slots, pinned, steps
 
 def test_defaults_are_the_locality_studys():
     assert inspect.signature(replay.hotness).parameters["half_life"].default == HALF_LIFE_TOKENS
-    assert inspect.signature(replay.nextuse).parameters["half_life"].default == HALF_LIFE_TOKENS
-    assert inspect.signature(NextUsePolicy).parameters["half_life"].default == HALF_LIFE_TOKENS
+    for f in (replay.nextuse, NextUsePolicy):
+        params = inspect.signature(f).parameters
+        assert params["half_life"].default == HALF_LIFE_TOKENS
+        assert params["start_half_life"].default == START_HALF_LIFE_TOKENS
+        assert params["warmup"].default == WARMUP_TOKENS
     assert inspect.signature(replay.slru).parameters["protected_frac"].default == PROTECTED_FRAC
     assert {"lru", "lfu", "decay", "slru"} <= set(POLICIES)
 
@@ -333,6 +339,12 @@ def test_cyclic_evicts_what_the_layer_cycle_needs_last():
         CyclicPolicy(3, 12, half_life=0)
 
 
+@pytest.mark.parametrize("bad", [dict(half_life=0.0), dict(start_half_life=64.0), dict(warmup=0.0)])
+def test_nextuse_parameters_are_validated(bad):
+    with pytest.raises(ValueError, match=r"half_life|warmup"):
+        NextUsePolicy(4, 8, **bad)
+
+
 def _batched_sweep_misses(policy: str) -> int:
     """Four sequences stepping three layers together, each keeping to its own experts
     (a token's top-2 drawn from a per-sequence set of three), the batch's union of a
@@ -376,15 +388,18 @@ def _routed(rows: list[list[int]], n_layers: int, n_experts: int, k: int) -> np.
     n_layers=st.integers(1, 4),
     k=st.integers(1, 3),
     extra=st.integers(0, 8),
+    warmup=st.sampled_from([1.0, 16.0, WARMUP_TOKENS]),
     rows=st.lists(st.lists(st.integers(0, 7), min_size=12, max_size=12), min_size=1, max_size=60),
 )
-def test_engine_nextuse_is_the_hits_first_replay(n_layers, k, extra, rows):
-    """For any routing (k distinct experts a layer) and any budget that holds a layer, the
-    cache with ``nextuse`` scores exactly :func:`replay.nextuse`, group by group."""
+def test_engine_nextuse_is_the_hits_first_replay(n_layers, k, extra, warmup, rows):
+    """For any routing (k distinct experts a layer), any budget that holds a layer and a
+    half-life warm within or after the trace, the cache with ``nextuse`` scores exactly
+    :func:`replay.nextuse`, group by group."""
     n_experts = 8
     experts = _routed(rows, n_layers, n_experts, k)
     n_slots = k + extra
-    c = ExpertCache(FakeConsumer(n_layers, n_experts), SLOT * n_slots, top_k=k, policy="nextuse")
+    policy = NextUsePolicy(n_slots, n_layers * n_experts, warmup=warmup)
+    c = ExpertCache(FakeConsumer(n_layers, n_experts), SLOT * n_slots, top_k=k, policy=policy)
     got = []
     for t in range(len(experts)):
         c.advance(1)
@@ -394,7 +409,7 @@ def test_engine_nextuse_is_the_hits_first_replay(n_layers, k, extra, rows):
             c.release()
             got.append(c.hits - before)
     c.check()
-    want = replay.nextuse(experts, n_experts, n_slots).reshape(-1, k).sum(axis=1)
+    want = replay.nextuse(experts, n_experts, n_slots, warmup=warmup).reshape(-1, k).sum(axis=1)
     assert np.array_equal(np.array(got), want)
 
 
@@ -482,3 +497,24 @@ def test_nextuse_has_no_overflow_for_a_long_unused_expert():
     p.touch(1)
     with np.errstate(all="raise"):
         assert p.victim(np.zeros(2, bool)) == 0
+
+
+def test_nextuse_half_life_grows_from_its_start_to_decays():
+    p = NextUsePolicy(2, 8)
+    assert p.half_life_at(0) == START_HALF_LIFE_TOKENS
+    assert (
+        p.half_life_at(int(WARMUP_TOKENS) // 2) == (START_HALF_LIFE_TOKENS + HALF_LIFE_TOKENS) / 2
+    )
+    assert p.half_life_at(int(WARMUP_TOKENS)) == p.half_life_at(10**6) == HALF_LIFE_TOKENS
+    # A use's weight halves over the half-life of the moment: 4 tokens at the start.
+    p.set_layout(2, 4)
+    p.set_token(0)
+    p.filled(0, 0)
+    p.touch(0)
+    lv0 = p.lv[0]
+    for t in range(1, 5):
+        p.set_token(t)
+    assert (
+        abs((p._now - lv0) - math.log(2.0) * sum(1 / p.half_life_at(t) for t in range(1, 5)))
+        < 1e-12
+    )
