@@ -31,7 +31,8 @@ with bypass on the request stream (the bound ``bench/_rs_run.py`` reports);
 ``belady, no bypass`` is MIN inside the same cache (every miss takes a slot,
 the victim is the unheld expert whose next use is farthest): what the engine's
 constraint leaves of the optimum. Study-only candidates (not engine policies):
-decay with TinyLFU-style admission (a newcomer whose score is below its
+``nextuse`` with a fixed 32-token half-life (no warm-up), decay with
+TinyLFU-style admission (a newcomer whose score is below its
 victim's is inserted cold: the next victim until it is used again), decay
 with per-layer quotas (victims from the layers over ``slots / L`` first), and
 decay with other half-lives.
@@ -256,7 +257,13 @@ def study_policies():
             s = int(score.argmin())
             return -1 if blocked[s] else s
 
+    from czyx.inference.eviction import NextUsePolicy
+
     return {
+        "nextuse, fixed half-life 32": (
+            lambda n, k: NextUsePolicy(n, k, start_half_life=32.0),
+            "nextuse without its warm-up",
+        ),
         "decay, admission": (DecayAdmit, "TinyLFU-style cold insertion"),
         "decay, layer quotas": (DecayQuota, "per-layer partitions of slots / L"),
         "decay, half-life 16": (lambda n, k: DecayPolicy(n, k, 16.0), "shorter memory"),
