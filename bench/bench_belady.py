@@ -30,7 +30,10 @@ victim. Bounds: ``belady`` is :func:`czyx.inference.locality.replay.belady`, MIN
 with bypass on the request stream (the bound ``bench/_rs_run.py`` reports);
 ``belady, no bypass`` is MIN inside the same cache (every miss takes a slot,
 the victim is the unheld expert whose next use is farthest): what the engine's
-constraint leaves of the optimum. Study-only candidates (not engine policies):
+constraint leaves of the optimum; ``hindsight frequency`` keeps the trace's
+``slots - k`` most used experts (counted over the whole trace, in hindsight)
+and turns the other slots over LRU: what exact knowledge of each expert's
+frequency, without its timing, is worth. Study-only candidates (not engine policies):
 ``nextuse`` with a fixed 32-token half-life (no warm-up), decay with
 TinyLFU-style admission (a newcomer whose score is below its
 victim's is inserted cold: the next victim until it is used again), decay
@@ -186,6 +189,45 @@ class BeladyNoBypass:
         return -1 if blocked[s] else s
 
 
+class HindsightFrequency:
+    """The most used experts of the whole trace (known in hindsight) kept, LRU for the rest.
+
+    An offline policy for the replay only: the ``n_slots - k`` experts the trace
+    routes to most often are never victims once loaded while another slot is
+    evictable; the other slots turn over least recently used first. The best a
+    policy that knows each expert's frequency exactly (and nothing of when it
+    comes) can do with a fixed hot set.
+    """
+
+    name = "hindsight-frequency"
+
+    def __init__(self, n_slots: int, experts: np.ndarray, n_experts: int) -> None:
+        _, n_layers, k = experts.shape
+        keys = experts.astype(np.int64) + np.arange(n_layers)[:, None] * n_experts
+        counts = np.bincount(keys.ravel(), minlength=n_layers * n_experts)
+        self.hot = np.zeros(n_layers * n_experts, bool)
+        self.hot[np.argsort(-counts, kind="stable")[: max(n_slots - k, 0)]] = True
+        self.key = np.zeros(n_slots, np.int64)
+        self.last_use = np.zeros(n_slots, np.int64)
+        self.clock = 0
+        self._scratch = np.empty(n_slots, np.int64)
+
+    def filled(self, slot: int, key: int) -> None:
+        self.key[slot] = key
+
+    def touch(self, slot: int) -> None:
+        self.clock += 1
+        self.last_use[slot] = self.clock
+
+    def victim(self, blocked: np.ndarray) -> int:
+        sc = self._scratch
+        np.copyto(sc, self.last_use)
+        sc[self.hot[self.key]] += 1 << 40  # a hot expert only when nothing else is left
+        np.putmask(sc, blocked, np.iinfo(np.int64).max)
+        s = int(sc.argmin())
+        return -1 if blocked[s] else s
+
+
 def study_policies():
     """Candidates replayed here only: ``{name: (factory(n_slots, n_keys), description)}``."""
     from czyx.inference.eviction import DecayPolicy
@@ -317,6 +359,9 @@ def study(experts: np.ndarray, n_experts: int, slots: list[int], warm: int) -> l
         runs = {"belady": base}
         runs["belady, no bypass"] = replay_engine(
             BeladyNoBypass(n, experts, n_experts), experts, n_experts, n
+        )
+        runs["hindsight frequency"] = replay_engine(
+            HindsightFrequency(n, experts, n_experts), experts, n_experts, n
         )
         for pol in ENGINE_POLICIES:
             runs[pol] = replay_engine(pol, experts, n_experts, n)
