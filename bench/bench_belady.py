@@ -10,7 +10,7 @@ Run from the repository root::
     # the real-shape traces (once; a resident run of the 16-layer model, ~7.5 GB RAM,
     # about 4 minutes a text at 1 thread), written to .traces/ (git-ignored)
     python bench/bench_belady.py --record-rs16 /work/data/rs16/store
-    # the study (about 15 minutes on one core)
+    # the study (about 2 minutes on one core)
     python bench/bench_belady.py --md bench/BELADY.md
 
 Traces: the bundled model's (``inference/assets/czyx-moe-stdlib``: 4 layers x 16
