@@ -396,6 +396,20 @@ def table(rows: list[dict], n_keys: int, names: dict[int, str], warm: int) -> li
     return md
 
 
+def keep_reading(text: str, path: Path) -> str:
+    """``text`` with the hand-written sections of the report at ``path`` kept: everything
+    from its first ``## `` heading to the first trace's table heading (``## `"``)."""
+    if not path.exists():
+        return text
+    old = path.read_text()
+    start = old.find("\n## ")
+    end = old.find("\n## `", start)
+    if start < 0 or end < 0 or start == end:
+        return text
+    at = text.find("\n## `")
+    return text[:at] + old[start:end] + text[at:]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--record-rs16", metavar="STORE", help="record the real-shape traces and stop")
@@ -445,6 +459,13 @@ def main(argv: list[str] | None = None) -> int:
     ]
     slots = [int(s) for s in a.slots.split(",")]
     names = {185: ", SCALE-16's 3.6x cap", 460: ", SCALE-16's 1.8x cap"}
+    md += [
+        "",
+        f"Budgets: for the real shape {', '.join(map(str, slots))} slots (185 and 460: the "
+        "slots the engine chose under `bench/SCALE-16.md`'s caps, 1255 MiB of slots at the "
+        "3.6x cap and 3107 MiB at the 1.8x cap, of 7,077,888 B each); for the bundled model "
+        "12.5, 25 and 50 % of its experts.",
+    ]
     for path in traces:
         experts = np.load(path)
         t_, n_layers, k = experts.shape
@@ -473,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(md).replace("{LOAD1}", load1).replace("{WALL}", f"{wall:.0f}") + "\n"
     print(text)
     if a.md:
-        Path(a.md).write_text(text)
+        Path(a.md).write_text(keep_reading(text, Path(a.md)))
     return 0
 
 
