@@ -33,7 +33,10 @@ the victim is the unheld expert whose next use is farthest): what the engine's
 constraint leaves of the optimum; ``hindsight frequency`` keeps the trace's
 ``slots - k`` most used experts (counted over the whole trace, in hindsight)
 and turns the other slots over LRU: what exact knowledge of each expert's
-frequency, without its timing, is worth. Study-only candidates (not engine policies):
+frequency, without its timing, is worth; ``nextuse, next token's routing
+known`` never evicts an expert the next ``L`` layer visits route to (a
+perfect one-token look-ahead): what a prediction of the next token's routing
+would be worth. Study-only candidates (not engine policies):
 ``nextuse`` with a fixed 32-token half-life (no warm-up), decay with
 TinyLFU-style admission (a newcomer whose score is below its
 victim's is inserted cold: the next victim until it is used again), decay
@@ -228,6 +231,38 @@ class HindsightFrequency:
         return -1 if blocked[s] else s
 
 
+def nextuse_seeing_ahead(n_slots: int, experts: np.ndarray, n_experts: int):
+    """``nextuse`` told the routing of the next ``n_layers`` layer visits (one token ahead):
+    an expert routed there is never a victim while another slot is evictable. An offline
+    variant for the replay only: what a perfect prediction of the next token's routing
+    would be worth to the engine's policy."""
+    from czyx.inference.eviction import NextUsePolicy
+
+    t_, n_layers, _ = experts.shape
+
+    class SeeingAhead(NextUsePolicy):
+        def __init__(self) -> None:
+            super().__init__(n_slots, n_layers * n_experts)
+            self.soon = np.zeros(n_layers * n_experts, bool)
+            self._held = np.empty(n_slots, bool)
+
+        def set_layer(self, layer: int) -> None:
+            super().set_layer(layer)
+            self.soon[:] = False
+            for d in range(1, n_layers + 1):  # the next n_layers layer visits
+                t, la = self._token + (layer + d) // n_layers, (layer + d) % n_layers
+                if t < t_:
+                    self.soon[la * n_experts + experts[t, la]] = True
+
+        def victim(self, blocked: np.ndarray) -> int:
+            np.take(self.soon, self.key, out=self._held)
+            self._held |= blocked
+            s = super().victim(self._held)
+            return s if s >= 0 else super().victim(blocked)
+
+    return SeeingAhead()
+
+
 def study_policies():
     """Candidates replayed here only: ``{name: (factory(n_slots, n_keys), description)}``."""
     from czyx.inference.eviction import DecayPolicy
@@ -365,6 +400,9 @@ def study(experts: np.ndarray, n_experts: int, slots: list[int], warm: int) -> l
         )
         for pol in ENGINE_POLICIES:
             runs[pol] = replay_engine(pol, experts, n_experts, n)
+        runs["nextuse, next token's routing known"] = replay_engine(
+            nextuse_seeing_ahead(n, experts, n_experts), experts, n_experts, n
+        )
         for name, (make, _) in study_pols.items():
             runs[name] = replay_engine(make(n, n_layers * n_experts), experts, n_experts, n)
         for name, m in runs.items():
