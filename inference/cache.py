@@ -39,7 +39,7 @@ from typing import Protocol
 import numpy as np
 
 from czyx.inference.errors import CacheBudgetError, SlotInUseError, UnsupportedModelError
-from czyx.inference.eviction import CyclicPolicy, DecayPolicy, SLRUPolicy
+from czyx.inference.eviction import CyclicPolicy, DecayPolicy, NextUsePolicy, SLRUPolicy
 from czyx.inference.kernels.linear import packed_expert_from_views
 from czyx.store.consumer import ModelConsumer
 from czyx.store.io.widen import widen_into
@@ -189,6 +189,7 @@ POLICIES = {
     "decay": DecayPolicy,
     "slru": SLRUPolicy,
     "cyclic": CyclicPolicy,
+    "nextuse": NextUsePolicy,
 }
 
 
@@ -286,7 +287,7 @@ class ExpertCache:
         ``n_layers * n_experts``.
     policy
         A name in :data:`POLICIES` (``"lru"``, ``"lfu"``, ``"decay"``,
-        ``"slru"``, ``"cyclic"``) or an :class:`EvictionPolicy` instance.
+        ``"slru"``, ``"cyclic"``, ``"nextuse"``) or an :class:`EvictionPolicy` instance.
 
     ``bytes_read`` counts a whole slot per miss (what the arena receives; the
     store may read the padded stride in direct mode).

@@ -298,6 +298,7 @@ def _policy_words(policy: str) -> str:
         "lfu": "least frequently used",
         "slru": "segmented LRU",
         "cyclic": "decaying frequency weighed by how soon the layer cycle returns",
+        "nextuse": "the farthest expected next use (decay's rate plus the layer cycle)",
     }
     return words.get(policy, policy)
 

@@ -17,6 +17,11 @@ other measures (seeks, bytes) can be computed on the misses:
   future, or do not admit the incoming one if it is that item): the offline
   optimum, an upper bound for every other policy.
 
+and, outside :data:`POLICIES` (it needs the layer structure, not just the
+request stream), :func:`nextuse`: the engine's ``nextuse`` policy replayed
+in the engine's order (a layer's resident experts first, then its misses,
+never evicting an expert the same layer group holds).
+
 All policies start cold and are demand-driven; ids are ``layer * E + expert``.
 Replay is sequential by nature, so it is a plain loop over requests with O(1)
 (or O(log B) for the heap policies) work each.
@@ -200,6 +205,89 @@ def belady(ids: np.ndarray, budget: int) -> np.ndarray:
             size += 1
         cur[x] = nx
         heapq.heappush(heap, (-nx, x))
+    return hits
+
+
+def nextuse(
+    experts: np.ndarray,
+    n_experts: int,
+    budget: int,
+    half_life: float = 32.0,
+    start_half_life: float = 4.0,
+    warmup: float = 224.0,
+) -> np.ndarray:
+    """Hit mask of the expected-next-use policy, served as the engine serves a layer.
+
+    Decode order, one token per forward step: for each token and layer, the
+    layer's resident experts are used first, then each miss evicts the
+    resident (not of this layer group) whose expected next use lies farthest:
+    ``1 / (c * score) + d / n_layers`` tokens, where ``score`` is the expert's
+    use count decayed with ``half_life`` (as :func:`hotness`), ``c = 1 -
+    2**(-1 / half_life)`` and ``d`` how many layers ahead its layer comes (the
+    group's own layer: ``n_layers``); ties to the lowest id. The half-life grows
+    linearly from ``start_half_life`` at token 0 to ``half_life`` at token
+    ``warmup``, the clock advancing ``ln 2 / h`` a token. A plain loop with
+    a scan of the cache per miss: the reference the engine's
+    :class:`~czyx.inference.eviction.NextUsePolicy` is tested against.
+
+    Parameters
+    ----------
+    experts : np.ndarray
+        ``[T, L, k]`` routed experts (a trace's :attr:`RoutingTrace.experts`).
+    n_experts : int
+        Experts per layer; ids are ``layer * n_experts + expert``.
+    budget : int
+        Cache slots, at least ``k``.
+    half_life : float
+        Tokens after which a score halves, once warm.
+    start_half_life, warmup : float
+        The half-life at token 0, and the tokens it takes to reach ``half_life``.
+
+    Returns
+    -------
+    np.ndarray
+        bool ``[T*L*k]`` in :func:`request_stream` order.
+    """
+    t_, n_layers, k = experts.shape
+    if budget < k:
+        raise LocalityError(f"budget {budget} below top_k {k}")
+    ln2 = math.log(2.0)
+    lv = [-math.inf] * (n_layers * n_experts)
+    cached: set[int] = set()
+    hits = np.zeros(t_ * n_layers * k, dtype=bool)
+    i = 0
+    now = 0.0
+    for t in range(t_):
+        h = start_half_life + (half_life - start_half_life) * min(t / warmup, 1.0)
+        now += 1 * ln2 / h
+        log_inv_c = -math.log1p(-(2.0 ** (-1.0 / h)))
+        for layer in range(n_layers):
+            group = [layer * n_experts + int(e) for e in experts[t, layer]]
+            resident = [x in cached for x in group]
+            hits[i : i + k] = resident
+            held: set[int] = set()
+            # Hits first (all held), then the misses in order.
+            order = [j for j in range(k) if resident[j]] + [j for j in range(k) if not resident[j]]
+            for j in order:
+                x = group[j]
+                if x in cached:
+                    pass
+                elif len(cached) >= budget:
+                    far, victim = -math.inf, -1
+                    for y in sorted(cached - held):
+                        d = (y // n_experts - layer) % n_layers or n_layers
+                        w = math.exp(min(now + log_inv_c - lv[y], 700.0)) + d / n_layers
+                        if w > far:
+                            far, victim = w, y
+                    cached.discard(victim)
+                    cached.add(x)
+                else:
+                    cached.add(x)
+                held.add(x)
+                old = lv[x]
+                s = math.exp(old - now) if old > -math.inf else 0.0
+                lv[x] = math.log(s + 1.0) + now
+            i += k
     return hits
 
 

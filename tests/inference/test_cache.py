@@ -112,7 +112,7 @@ def test_class_prefix_range():
 @given(
     n_slots=st.integers(2, 12),
     pinned=st.integers(0, 3),
-    policy=st.sampled_from(["lru", "lfu", "decay", "slru", "cyclic"]),
+    policy=st.sampled_from(["lru", "lfu", "decay", "slru", "cyclic", "nextuse"]),
     steps=st.lists(
         st.tuples(st.integers(0, 2), st.lists(st.integers(0, 7), min_size=1, max_size=2)),
         min_size=1,
@@ -181,7 +181,7 @@ def test_unknown_policy_is_refused():
         ExpertCache(FakeConsumer(), SLOT * 4, top_k=1, policy="belady")
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "decay", "slru", "cyclic"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "decay", "slru", "cyclic", "nextuse"])
 def test_fetch_path_allocates_no_buffers(policy):
     """Hits and misses reuse the arena: no per-fetch copy of a slot (tracemalloc peak)."""
     import tracemalloc

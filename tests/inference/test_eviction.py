@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from czyx.inference.cache import POLICIES, ExpertCache
-from czyx.inference.eviction import HALF_LIFE_TOKENS, PROTECTED_FRAC, DecayPolicy, SLRUPolicy
+from czyx.inference.eviction import (
+    HALF_LIFE_TOKENS,
+    PROTECTED_FRAC,
+    START_HALF_LIFE_TOKENS,
+    WARMUP_TOKENS,
+    DecayPolicy,
+    NextUsePolicy,
+    SLRUPolicy,
+)
 from czyx.inference.locality import replay
 from czyx.inference.trace import text_sha256
 from czyx.testing.fakes import FakeConsumer
@@ -196,7 +205,7 @@ def test_engine_lru_at_a_tight_budget_is_the_hits_first_replay(stdlib_trace, str
 
 @settings(max_examples=60, deadline=None)
 @given(
-    cls=st.sampled_from([DecayPolicy, SLRUPolicy]),
+    cls=st.sampled_from([DecayPolicy, SLRUPolicy, NextUsePolicy]),
     n_slots=st.integers(1, 10),
     ops=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 29), st.integers(0, 5)), max_size=60),
     blocked_bits=st.lists(st.booleans(), min_size=10, max_size=10),
@@ -222,7 +231,7 @@ def test_victim_is_never_a_blocked_slot(cls, n_slots, ops, blocked_bits):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    policy=st.sampled_from(["decay", "slru", "cyclic"]),
+    policy=st.sampled_from(["decay", "slru", "cyclic", "nextuse"]),
     n_slots=st.integers(3, 10),
     pinned=st.integers(0, 3),
     steps=st.lists(
@@ -249,6 +258,11 @@ def test_held_and_pinned_slots_survive_every_miss(policy, n_slots, pinned, steps
 
 def test_defaults_are_the_locality_studys():
     assert inspect.signature(replay.hotness).parameters["half_life"].default == HALF_LIFE_TOKENS
+    for f in (replay.nextuse, NextUsePolicy):
+        params = inspect.signature(f).parameters
+        assert params["half_life"].default == HALF_LIFE_TOKENS
+        assert params["start_half_life"].default == START_HALF_LIFE_TOKENS
+        assert params["warmup"].default == WARMUP_TOKENS
     assert inspect.signature(replay.slru).parameters["protected_frac"].default == PROTECTED_FRAC
     assert {"lru", "lfu", "decay", "slru"} <= set(POLICIES)
 
@@ -325,6 +339,12 @@ def test_cyclic_evicts_what_the_layer_cycle_needs_last():
         CyclicPolicy(3, 12, half_life=0)
 
 
+@pytest.mark.parametrize("bad", [dict(half_life=0.0), dict(start_half_life=64.0), dict(warmup=0.0)])
+def test_nextuse_parameters_are_validated(bad):
+    with pytest.raises(ValueError, match=r"half_life|warmup"):
+        NextUsePolicy(4, 8, **bad)
+
+
 def _batched_sweep_misses(policy: str) -> int:
     """Four sequences stepping three layers together, each keeping to its own experts
     (a token's top-2 drawn from a per-sequence set of three), the batch's union of a
@@ -346,3 +366,155 @@ def _batched_sweep_misses(policy: str) -> int:
 def test_cyclic_reads_less_than_decay_and_lru_when_a_batch_overflows_the_slots():
     got = {p: _batched_sweep_misses(p) for p in ("cyclic", "decay", "lru")}
     assert got["cyclic"] < got["decay"] and got["cyclic"] < got["lru"], got
+
+
+# --------------------------------------------------------------------------- nextuse
+
+
+def _routed(rows: list[list[int]], n_layers: int, n_experts: int, k: int) -> np.ndarray:
+    """``[T, n_layers, k]`` experts from hypothesis draws, each layer's k distinct: the
+    distinct values of its draws in order, topped up with the lowest unused experts."""
+    out = np.empty((len(rows), n_layers, k), np.int64)
+    for t, row in enumerate(rows):
+        for layer in range(n_layers):
+            picks = list(dict.fromkeys(row[layer * k : (layer + 1) * k]))
+            picks += [e for e in range(n_experts) if e not in picks][: k - len(picks)]
+            out[t, layer] = picks
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n_layers=st.integers(1, 4),
+    k=st.integers(1, 3),
+    extra=st.integers(0, 8),
+    warmup=st.sampled_from([1.0, 16.0, WARMUP_TOKENS]),
+    rows=st.lists(st.lists(st.integers(0, 7), min_size=12, max_size=12), min_size=1, max_size=60),
+)
+def test_engine_nextuse_is_the_hits_first_replay(n_layers, k, extra, warmup, rows):
+    """For any routing (k distinct experts a layer), any budget that holds a layer and a
+    half-life warm within or after the trace, the cache with ``nextuse`` scores exactly
+    :func:`replay.nextuse`, group by group."""
+    n_experts = 8
+    experts = _routed(rows, n_layers, n_experts, k)
+    n_slots = k + extra
+    policy = NextUsePolicy(n_slots, n_layers * n_experts, warmup=warmup)
+    c = ExpertCache(FakeConsumer(n_layers, n_experts), SLOT * n_slots, top_k=k, policy=policy)
+    got = []
+    for t in range(len(experts)):
+        c.advance(1)
+        for layer in range(n_layers):
+            before = c.hits
+            c.acquire(layer, experts[t, layer])
+            c.release()
+            got.append(c.hits - before)
+    c.check()
+    want = replay.nextuse(experts, n_experts, n_slots, warmup=warmup).reshape(-1, k).sum(axis=1)
+    assert np.array_equal(np.array(got), want)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_engine_nextuse_at_a_tight_budget_is_its_replay(stdlib_trace, stream):
+    """At 12.5 % (8 slots for 8 requests a token) the engine's ``nextuse``, on the default
+    streaming path and on the synchronous cache, scores exactly :func:`replay.nextuse` on
+    the routing a resident run recorded, group by group."""
+    from czyx.inference.engine import Engine
+    from czyx.inference.options import EngineOptions
+
+    opened, text, experts, n_experts = stdlib_trace
+    eng = Engine(
+        opened.consumer,
+        cache_fraction=0.125,
+        options=EngineOptions(policy="nextuse", stream=stream, prefetch=False),
+    )
+    cache = eng.cache
+    assert isinstance(cache.policy, NextUsePolicy)
+    per_call: list[int] = []
+    name = "acquire_streamed" if stream else "acquire"
+    acquire = getattr(cache, name)
+
+    def counting(layer, ex):
+        before = cache.hits
+        out = acquire(layer, ex)
+        per_call.append(cache.hits - before)
+        return out
+
+    setattr(cache, name, counting)
+    try:
+        for b in text:
+            eng.decode(b)
+        cache.check()
+        n_slots = cache.n_slots
+    finally:
+        eng.close()
+    want = replay.nextuse(experts, n_experts, n_slots).reshape(-1, experts.shape[2]).sum(axis=1)
+    assert np.array_equal(np.array(per_call), want)
+    assert want.sum() > 0 and (want < experts.shape[2]).sum() > 0
+
+
+def test_nextuse_weighs_the_layer_cycle_only_between_equal_rates():
+    """Equal scores: the filled layer's other experts go first (needed next step), the next
+    layer's last (needed within this step); a rate twice as high outweighs any layer."""
+    n_layers, n_exp = 3, 4
+    p = NextUsePolicy(3, n_layers * n_exp)
+    p.set_layout(n_layers, n_exp)
+    p.set_token(0)
+    for slot, layer in enumerate((0, 1, 2)):
+        p.filled(slot, layer * n_exp)
+        p.touch(slot)
+    p.set_layer(1)
+    assert p.victim(np.zeros(3, bool)) == 1  # layer 1's other expert: the next step
+    assert p.victim(np.array([False, True, False])) == 0  # layer 0: 2 layers ahead
+    p.set_layer(2)
+    assert p.victim(np.array([False, False, True])) == 1  # layer 1 is 2 ahead, 0 is 1
+    p.touch(2)  # layer 2's expert now scores 2: its wait halves, more than a layer's worth
+    p.set_layer(0)
+    assert p.victim(np.array([True, False, False])) == 1  # 1 ahead but scores 1
+    assert p.victim(np.ones(3, bool)) == -1
+
+
+def test_nextuse_counts_the_layer_cycle_in_tokens_of_the_last_step():
+    """Waits are in tokens, so the layer term is too: a forward step of 4 tokens (a batch,
+    a prefill) makes the filled layer's other experts 4 tokens away, the next layer's 2
+    (of 2 layers); a decode step after it, 1 and 0.5 again."""
+    p = NextUsePolicy(2, 8)
+    p.set_layout(2, 4)
+    assert p._ahead.tolist() == [1.0, 0.5]
+    p.set_token(3)  # the first step: tokens 0..3
+    assert p._ahead.tolist() == [4.0, 2.0]
+    p.set_token(4)
+    assert p._ahead.tolist() == [1.0, 0.5]
+
+
+def test_nextuse_has_no_overflow_for_a_long_unused_expert():
+    p = NextUsePolicy(2, 8)
+    p.set_layout(2, 4)
+    p.set_token(0)
+    p.filled(0, 0)
+    p.touch(0)
+    p.set_token(10**7)  # 3e5 half-lives later: its wait is past any float
+    p.filled(1, 5)
+    p.touch(1)
+    with np.errstate(all="raise"):
+        assert p.victim(np.zeros(2, bool)) == 0
+
+
+def test_nextuse_half_life_grows_from_its_start_to_decays():
+    p = NextUsePolicy(2, 8)
+    assert p.half_life_at(0) == START_HALF_LIFE_TOKENS
+    assert (
+        p.half_life_at(int(WARMUP_TOKENS) // 2) == (START_HALF_LIFE_TOKENS + HALF_LIFE_TOKENS) / 2
+    )
+    assert p.half_life_at(int(WARMUP_TOKENS)) == p.half_life_at(10**6) == HALF_LIFE_TOKENS
+    # A use's weight halves over the half-life of the moment: 4 tokens at the start.
+    p.set_layout(2, 4)
+    p.set_token(0)
+    p.filled(0, 0)
+    p.touch(0)
+    lv0 = p.lv[0]
+    for t in range(1, 5):
+        p.set_token(t)
+    assert (
+        abs((p._now - lv0) - math.log(2.0) * sum(1 / p.half_life_at(t) for t in range(1, 5)))
+        < 1e-12
+    )

@@ -39,6 +39,7 @@ def test_run_defaults_to_decay_eviction():
     parse = sub.choices["run"].parse_args
     assert parse(["m@1", "--prompt", "x"]).policy == "decay"
     assert parse(["m@1", "--prompt", "x", "--policy", "lru"]).policy == "lru"
+    assert parse(["m@1", "--prompt", "x", "--policy", "nextuse"]).policy == "nextuse"
 
 
 def test_cache_budget_flags_are_exclusive():
@@ -87,7 +88,7 @@ def test_policy_choices_run_and_generate_the_same_text(tmp_path, capsys):
     with Store.open(tmp_path / "st") as st:
         mount(st, ckpt, "tiny@1")
     texts = {}
-    for policy in ("lru", "lfu", "decay", "slru"):
+    for policy in ("lru", "lfu", "decay", "slru", "nextuse"):
         argv = ["run", "tiny@1", "--store", str(tmp_path / "st"), "--prompt", "def f(x):"]
         argv += ["--max-tokens", "8", "--cache-fraction", "0.25", "--policy", policy]
         assert main(argv) == 0

@@ -31,11 +31,12 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineOptions = DEFAUL
     )
     p.add_argument(
         "--policy",
-        choices=["lru", "lfu", "decay", "slru", "cyclic"],
+        choices=["lru", "lfu", "decay", "slru", "cyclic", "nextuse"],
         default=defaults.policy,
         help=f"expert eviction policy (default {defaults.policy}; decay: decaying frequency, "
         "half-life 32 tokens; slru: segmented LRU, 80%% protected; cyclic: decaying frequency "
-        "over forward steps divided by how many layers ahead the expert's layer comes)",
+        "over forward steps divided by how many layers ahead the expert's layer comes; "
+        "nextuse: the farthest expected next use, decay's rate plus the layer cycle)",
     )
     p.add_argument(
         "--pin-classes",
