@@ -166,6 +166,33 @@ class Replay:
         pass
 
 
+def row_costs(engine, prompt: list[int], most: int, repeats: int = 200) -> list[tuple]:
+    """What one more verified row costs: a decode step and verification steps of 2 ..
+    ``most + 1`` rows after ``prompt``, timed in turn (``repeats`` of each, the KV cut
+    back after every step), medians. Per step size ``(rows, us, r, ceiling)``: ``r`` the
+    cost of each row past the first relative to a decode step, ``ceiling`` the most a
+    step of that many rows can speed decoding up, every draft accepted: rows / (1 + r *
+    (rows - 1))."""
+    engine.reset()
+    engine.prefill(prompt)
+    base = engine.position
+    tok = prompt[-1]
+    times: dict[int, list[float]] = {n: [] for n in range(1, most + 2)}
+    for _ in range(repeats):
+        for n in times:
+            t0 = time.perf_counter()
+            engine.decode(tok) if n == 1 else engine.verify([tok] * n)
+            times[n].append(time.perf_counter() - t0)
+            engine.rollback(base)
+    one = statistics.median(times[1])
+    out = []
+    for n, ts in times.items():
+        med = statistics.median(ts)
+        r = (med / one - 1.0) / (n - 1) if n > 1 else 1.0
+        out.append((n, med * 1e6, r, n / (1.0 + r * (n - 1))))
+    return out
+
+
 def interleaved(engine, prompts, configs, tokens, rounds, make_spec):
     """Run every (prompt, config) ``rounds`` times, interleaved; per (prompt, config) the
     decode tok/s of each round and the summed (accepted, drafted, passes, tokens,
@@ -602,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         return draft
 
     rate_a, acc_a = interleaved(engine, prompts, configs, args.tokens, args.rounds, make_spec)
+    costs = row_costs(engine, prompts["code: ring buffer"], args.draft_tokens)
     engine.close()
     if draft is not None:
         draft.close()
@@ -666,6 +694,18 @@ def main(argv: list[str] | None = None) -> int:
         head,
         "| --- | --- | --- | --- | --- | --- |",
         *rows(rate_a, acc_a, configs),
+        "",
+        "What a verified row costs here (`row_costs`: a decode step and verification steps "
+        "of 2 .. k + 1 rows after the ring-buffer prompt, timed in turn, 200 of each, "
+        "medians; r: each row past the first relative to a decode step; ceiling: the "
+        "speed-up of that step with every draft accepted, rows / (1 + r (rows - 1))). A "
+        "verified row costs about what a decode step does where the step is the row's "
+        "arithmetic (every expert resident, each row's experts mostly its own), which "
+        "bounds prompt lookup's gain on this model whatever the acceptance.",
+        "",
+        "| rows in the step | step us | r | ceiling at acceptance 1 |",
+        "| --- | --- | --- | --- |",
+        *(f"| {n} | {us:.0f} | {r:.2f} | {c:.2f}x |" for n, us, r, c in costs),
         "",
         f"## Experts streamed ({args.fraction:.0%} of them in {slots} slots), drafts at set "
         "acceptances",
