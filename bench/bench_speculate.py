@@ -698,10 +698,11 @@ def main(argv: list[str] | None = None) -> int:
         "What a verified row costs here (`row_costs`: a decode step and verification steps "
         "of 2 .. k + 1 rows after the ring-buffer prompt, timed in turn, 200 of each, "
         "medians; r: each row past the first relative to a decode step; ceiling: the "
-        "speed-up of that step with every draft accepted, rows / (1 + r (rows - 1))). A "
-        "verified row costs about what a decode step does where the step is the row's "
-        "arithmetic (every expert resident, each row's experts mostly its own), which "
-        "bounds prompt lookup's gain on this model whatever the acceptance.",
+        "speed-up of that step with every draft accepted, rows / (1 + r (rows - 1))). With "
+        "every expert resident a step is its rows' arithmetic (each row's experts mostly its "
+        "own, its attention over its own context), so a verified row costs a large share of "
+        "a decode step, and the ceiling column bounds prompt lookup's gain on this model "
+        "whatever the acceptance.",
         "",
         "| rows in the step | step us | r | ceiling at acceptance 1 |",
         "| --- | --- | --- | --- |",
