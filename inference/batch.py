@@ -703,7 +703,7 @@ def _class_hooks(cls: type) -> _Hooks:
     scale, the logits). An override of a step it cannot call per row group
     would be silently skipped, so it is refused instead.
     """
-    from czyx.inference.models.decoder import MoEDecoder
+    from czyx.inference.models.decoder import ATTENTION_STEPS, MoEDecoder
 
     def over(name: str) -> bool:
         return getattr(cls, name, None) is not getattr(MoEDecoder, name, None)
@@ -716,7 +716,8 @@ def _class_hooks(cls: type) -> _Hooks:
             f"{cls.__name__}: batched serving cannot reproduce its {', '.join(unsupported)}"
         )
     masks = "mask" in inspect.signature(cls.route).parameters
-    return _Hooks(over("_attention"), hasattr(cls, "_expert"), over("routed_extra"), masks)
+    attention = any(map(over, ATTENTION_STEPS))  # then its own _attention, per sequence
+    return _Hooks(attention, hasattr(cls, "_expert"), over("routed_extra"), masks)
 
 
 def _attention(model, i, lw, x, kvs, starts, positions, offs) -> np.ndarray:
