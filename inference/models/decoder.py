@@ -201,7 +201,8 @@ class MoEDecoder:
     #: Whether float (unquantized) q/k/v/o projections run in column form
     #: (:func:`~czyx.inference.models.base.matmul_small`, the faster); False keeps
     #: ``x @ w.T``, which rounds differently, for the architectures whose attention
-    #: has always computed that way (Llama 4, EXAONE-MoE): their logits stay the same bits.
+    #: has always computed that way (Llama 4, EXAONE-MoE, GPT-OSS, HunYuan-V1), so their
+    #: logits keep the same bits.
     column_projections: ClassVar[bool] = True
     required_roles: ClassVar[tuple[str, ...]] = (
         "input_norm",
