@@ -33,7 +33,7 @@ import numpy as np
 
 from czyx.inference.errors import UnsupportedModelError
 from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import F32, attention, sigmoid
+from czyx.inference.models.base import F32, attention, forbid_experts, sigmoid
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
 from czyx.inference.models.rope import Rotary
 from czyx.store.consumer import ModelInfo
@@ -124,10 +124,7 @@ class Llama4TextDecoder(MoEDecoder):
         self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """The top-k router logits (a portal's forbidden experts at ``-inf``), sigmoided."""
-        logits = mm_t(x, lw.router)
-        if mask is not None:
-            logits = np.where(mask, logits, F32(-np.inf))
-        return top_k_sigmoid(logits, self.cfg.top_k)
+        return top_k_sigmoid(forbid_experts(mm_t(x, lw.router), mask), self.cfg.top_k)
 
     def routed_extra(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
         """The ungated shared expert beside the routed ones."""
