@@ -1,5 +1,5 @@
-"""Fixtures the inference tests share: the C kernels' SIMD paths and thread splits, and an
-engine whose rope depends on the length reached."""
+"""Fixtures the inference tests share: the C kernels' SIMD paths and thread splits, the
+bundled model mounted in a store, and an engine whose rope depends on the length reached."""
 
 from __future__ import annotations
 
@@ -48,3 +48,20 @@ def longrope_engine():
     eng = Engine(StateDictConsumer(tm), threads=1)
     yield eng
     eng.close()
+
+
+@pytest.fixture(scope="module")
+def bundled_consumer(tmp_path_factory):
+    """A consumer of the bundled model, mounted as ``stdlib@1`` in a store of the test
+    module's own (closed, with the store, after the module)."""
+    from czyx.inference.assets import bundled_model_dir
+    from czyx.portals import open_consumer
+    from czyx.store import Store
+    from czyx.store.models.mount import mount
+
+    store = Store.open(tmp_path_factory.mktemp("bundled") / "store")
+    mount(store, bundled_model_dir(), "stdlib@1")
+    consumer = open_consumer(store, None, "stdlib@1")
+    yield consumer
+    consumer.close()
+    store.close()
