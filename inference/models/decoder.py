@@ -491,6 +491,14 @@ class MoEDecoder:
             x, lw.shared_gate_proj, lw.shared_up_proj, lw.shared_down_proj, observe
         )
 
+    def add_gated_shared(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
+        """``routed`` plus the layer's shared expert scaled by its sigmoid gate
+        (:func:`shared_expert`): the ``routed_extra`` of Qwen2-MoE and Qwen3-Next."""
+        observe = None
+        if self.observer is not None:  # calibrating: name the shared expert's down input
+            observe = self._observe(f"L{lw.index}.shared.down_in")
+        return routed + shared_expert(lw, x, observe)
+
     def route(
         self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:

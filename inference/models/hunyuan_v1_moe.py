@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 
 from czyx.inference.errors import UnsupportedModelError
-from czyx.inference.models.base import rms_norm, swiglu
+from czyx.inference.models.base import rms_norm
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
 from czyx.store.consumer import ModelInfo
 
@@ -49,10 +49,5 @@ class HunYuanMoeV1Decoder(MoEDecoder):
         return rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
 
     def routed_extra(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
-        """Add the shared MLP."""
-        observe = None
-        if self.observer is not None:
-            observe = self._observe(f"L{lw.index}.shared.down_in")
-        return routed + swiglu(
-            x, lw.shared_gate_proj, lw.shared_up_proj, lw.shared_down_proj, observe
-        )
+        """Add the ungated shared MLP."""
+        return self.add_ungated_shared(lw, x, routed)
