@@ -56,7 +56,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -703,7 +703,7 @@ def _class_hooks(cls: type) -> _Hooks:
     scale, the logits). An override of a step it cannot call per row group
     would be silently skipped, so it is refused instead.
     """
-    from czyx.inference.models.decoder import MoEDecoder
+    from czyx.inference.models.decoder import ATTENTION_STEPS, MoEDecoder
 
     def over(name: str) -> bool:
         return getattr(cls, name, None) is not getattr(MoEDecoder, name, None)
@@ -716,7 +716,8 @@ def _class_hooks(cls: type) -> _Hooks:
             f"{cls.__name__}: batched serving cannot reproduce its {', '.join(unsupported)}"
         )
     masks = "mask" in inspect.signature(cls.route).parameters
-    return _Hooks(over("_attention"), hasattr(cls, "_expert"), over("routed_extra"), masks)
+    attention = any(map(over, ATTENTION_STEPS))  # then its own _attention, per sequence
+    return _Hooks(attention, hasattr(cls, "_expert"), over("routed_extra"), masks)
 
 
 def _attention(model, i, lw, x, kvs, starts, positions, offs) -> np.ndarray:
@@ -1020,6 +1021,24 @@ class SchedulerStats:
     accepted: int = 0  # drafted tokens accepted
 
 
+@dataclass
+class StepCounters:
+    """A scheduler's running step totals (updated under its lock): the fields of
+    :class:`SchedulerStats` that every scheduler counts the same way."""
+
+    steps: int = 0
+    step_tokens: int = 0
+    decode_tokens: int = 0
+    generated: int = 0
+    busy_seconds: float = 0.0
+
+    def step(self, tokens: int, seconds: float) -> None:
+        """One forward step over ``tokens`` tokens, computed in ``seconds``."""
+        self.steps += 1
+        self.step_tokens += tokens
+        self.busy_seconds += seconds
+
+
 class Scheduler:
     """Continuous batching over one model: a worker thread stepping every active sequence.
 
@@ -1066,9 +1085,8 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._closed = False
         self._kv_used = 0
-        self._steps = self._step_tokens = self._decode_tokens = self._generated = 0
+        self._counts = StepCounters()
         self._last_batch = 0
-        self._busy = 0.0
         # Finished prompts' KV, oldest first: (prompt ids, KV cache, reusable positions).
         self._prefixes: collections.OrderedDict[int, tuple[np.ndarray, KVCache, int]] = (
             collections.OrderedDict()
@@ -1199,14 +1217,10 @@ class Scheduler:
             return SchedulerStats(
                 waiting=len(self._waiting),
                 active=len(self._active),
-                steps=self._steps,
-                step_tokens=self._step_tokens,
-                decode_tokens=self._decode_tokens,
-                generated=self._generated,
                 last_batch=self._last_batch,
                 kv_used=self._kv_used,
                 kv_budget=self.options.kv_bytes,
-                busy_seconds=self._busy,
+                **asdict(self._counts),
                 prefix_hits=self._prefix_hits,
                 prefix_tokens=self._prefix_tokens,
                 prefix_entries=len(self._prefixes),
@@ -1458,10 +1472,8 @@ class Scheduler:
         if watch is not None:
             self._emit_frames(work, watch, n_tokens, now - t0)
         with self._lock:
-            self._steps += 1
-            self._step_tokens += n_tokens
+            self._counts.step(n_tokens, now - t0)
             self._last_batch = len(work)
-            self._busy += now - t0
             for (seq, chunk), lg in zip(work, logits, strict=True):
                 if seq.closing is not None:  # its last token is now in the KV: keep the state
                     hist = [] if seq.history is None else seq.history[0].tolist()
@@ -1476,7 +1488,7 @@ class Scheduler:
                     self._verify(seq, chunk, lg, now)
                     continue
                 if decoding:
-                    self._decode_tokens += 1
+                    self._counts.decode_tokens += 1
                 else:
                     seq.fed += int(chunk.size)
                     if seq.fed < seq.prompt.size:
@@ -1529,7 +1541,7 @@ class Scheduler:
         seq.generated.append(tok)
         if seq.spec is not None:
             seq.text.append(tok)
-        self._generated += 1
+        self._counts.generated += 1
         seq.handle._emit(Token(tok, len(seq.generated) - 1, now))
         if tok in seq.eos:
             self._end(seq, "stop")
@@ -1553,7 +1565,7 @@ class Scheduler:
         try:
             for i, d in enumerate(drafts):
                 tok, ok = seq.sampler.verify(rows[i], d)
-                self._decode_tokens += 1
+                self._counts.decode_tokens += 1
                 ended = self._emit_token(seq, tok, now)
                 if not ok or ended:
                     accepted += ok
@@ -1562,7 +1574,7 @@ class Scheduler:
                 keep += 1
             else:
                 tok = seq.sampler(rows[len(drafts)])  # every draft accepted: one more
-                self._decode_tokens += 1
+                self._counts.decode_tokens += 1
                 ended = self._emit_token(seq, tok, now)
         except Exception as exc:  # fail closed: this sequence alone ends, with the error
             if seq in self._active:

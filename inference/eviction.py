@@ -101,8 +101,11 @@ class DecayPolicy:
 
     def victim(self, blocked: np.ndarray) -> int:
         """The unblocked slot with the lowest score (then the lowest expert id), or -1."""
-        score = self._score
-        np.take(self.lv, self.key, out=score)
+        return self._lowest(np.take(self.lv, self.key, out=self._score), blocked)
+
+    def _lowest(self, score: np.ndarray, blocked: np.ndarray) -> int:
+        """The unblocked slot with the lowest ``score [n_slots]`` (overwritten), then the
+        lowest expert id, or -1 when every slot is blocked."""
         np.putmask(score, blocked, np.inf)
         # Ties (e.g. experts used once in the same token) go to the lowest id, as in
         # the replay's heap of (score, id): mask everything above the minimum, argmin ids.
@@ -192,7 +195,43 @@ _LN2 = math.log(2.0)
 HALF_LIFE_STEPS = 4.0
 
 
-class CyclicPolicy(DecayPolicy):
+class _LayerCyclePolicy(DecayPolicy):
+    """Decay's scores, plus where each slot's expert comes in the layer cycle: the base of
+    the policies that weigh how many layers ahead of the filled one an expert's layer is
+    (:class:`CyclicPolicy`, :class:`NextUsePolicy`).
+
+    The cache tells the policy the layer it is filling (:meth:`set_layer`); a
+    subclass's ``set_layout`` sets :attr:`n_layers` and :attr:`n_experts` (keys are
+    ``layer * n_experts + expert``) and its own table by layers ahead.
+    """
+
+    def __init__(self, n_slots: int, n_keys: int, half_life: float) -> None:
+        super().__init__(n_slots, n_keys, half_life)
+        self.slot_layer = np.zeros(n_slots, np.int64)
+        self.n_layers = 1
+        self.n_experts = max(n_keys, 1)
+        self.layer = 0
+        self._off = np.empty(n_slots, np.int64)
+
+    def set_layer(self, layer: int) -> None:
+        """The cache is filling ``layer`` now."""
+        self.layer = int(layer)
+
+    def filled(self, slot: int, key: int) -> None:
+        """``slot`` now holds expert ``key``."""
+        self.key[slot] = key
+        self.slot_layer[slot] = key // self.n_experts
+
+    def _by_layers_ahead(self, table: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``table[d]`` per slot into ``out``, ``d`` how many layers ahead of the filled
+        layer the slot's expert's layer comes (0: the filled layer itself)."""
+        off = self._off
+        np.subtract(self.slot_layer, self.layer, out=off)
+        np.remainder(off, self.n_layers, out=off)
+        return np.take(table, off, out=out)
+
+
+class CyclicPolicy(_LayerCyclePolicy):
     """Decaying frequency weighted by how soon the layer cycle comes back to an expert.
 
     A forward step visits the sparse layers in order, so when layer ``L`` is
@@ -231,13 +270,8 @@ class CyclicPolicy(DecayPolicy):
 
     def __init__(self, n_slots: int, n_keys: int, half_life: float = HALF_LIFE_STEPS) -> None:
         super().__init__(n_slots, n_keys, half_life)  # scores and touch() as decay's
-        self.slot_layer = np.zeros(n_slots, np.int64)
-        self.n_layers = 1
-        self.n_experts = max(n_keys, 1)
         self._log_dist = np.zeros(1)  # log(distance) by (slot layer - current layer) mod n_layers
-        self.layer = 0
         self._steps = -1
-        self._off = np.empty(n_slots, np.int64)
         self._ld = np.empty(n_slots)
 
     def set_layout(self, n_layers: int, n_experts: int) -> None:
@@ -247,37 +281,19 @@ class CyclicPolicy(DecayPolicy):
         dist[0] = self.n_layers  # the current layer's other experts: the next step
         self._log_dist = np.log(dist)
 
-    def set_layer(self, layer: int) -> None:
-        """The cache is filling ``layer`` now."""
-        self.layer = int(layer)
-
     def set_token(self, token: int) -> None:
         """A forward step starts (the token index itself is not used: time is steps)."""
         self._steps += 1
         self._now = self._steps * self.rate
 
-    def filled(self, slot: int, key: int) -> None:
-        """``slot`` now holds expert ``key``."""
-        self.key[slot] = key
-        self.slot_layer[slot] = key // self.n_experts
-
     def victim(self, blocked: np.ndarray) -> int:
         """The unblocked slot with the lowest score / distance (ties: lowest key), or -1."""
-        score, off = self._score, self._off
-        np.take(self.lv, self.key, out=score)
-        np.subtract(self.slot_layer, self.layer, out=off)
-        np.remainder(off, self.n_layers, out=off)
-        np.take(self._log_dist, off, out=self._ld)
-        score -= self._ld
-        np.putmask(score, blocked, np.inf)
-        np.not_equal(score, score.min(), out=self._not_min)
-        np.copyto(self._tie, self.key)
-        np.putmask(self._tie, self._not_min, _NEVER)
-        s = int(self._tie.argmin())
-        return -1 if blocked[s] else s
+        score = np.take(self.lv, self.key, out=self._score)
+        score -= self._by_layers_ahead(self._log_dist, self._ld)
+        return self._lowest(score, blocked)
 
 
-class NextUsePolicy(DecayPolicy):
+class NextUsePolicy(_LayerCyclePolicy):
     """Evict the expert whose expected next use lies farthest (an online Belady).
 
     Decay's score (uses decayed with a half-life of ``half_life`` tokens) read
@@ -354,15 +370,10 @@ class NextUsePolicy(DecayPolicy):
         # expert scoring 1 (used once, now).
         self._h = self.start_half_life
         self._log_inv_c = -math.log1p(-(2.0 ** (-1.0 / self._h)))
-        self.slot_layer = np.zeros(n_slots, np.int64)
-        self.n_layers = 1
-        self.n_experts = max(n_keys, 1)
-        self.layer = 0
         self._token = -1  # the first step's tokens are 0..token
         self._step = 1.0  # tokens per forward step (the last advance's)
         self._frac = np.ones(1)  # d / n_layers by (slot layer - filled layer) mod n_layers
         self._ahead = np.zeros(1)  # _frac * _step
-        self._off = np.empty(n_slots, np.int64)
         self._lag = np.empty(n_slots)
 
     def set_layout(self, n_layers: int, n_experts: int) -> None:
@@ -372,10 +383,6 @@ class NextUsePolicy(DecayPolicy):
         frac[0] = 1.0  # the filled layer's other experts: not before the next step
         self._frac = frac
         self._ahead = frac * self._step
-
-    def set_layer(self, layer: int) -> None:
-        """The cache is filling ``layer`` now."""
-        self.layer = int(layer)
 
     def half_life_at(self, token: int) -> float:
         """The half-life in force at token index ``token``."""
@@ -397,11 +404,6 @@ class NextUsePolicy(DecayPolicy):
         # The clock runs at the half-life of the moment: (tokens * ln 2) / h.
         self._now += dt * _LN2 / h
 
-    def filled(self, slot: int, key: int) -> None:
-        """``slot`` now holds expert ``key``."""
-        self.key[slot] = key
-        self.slot_layer[slot] = key // self.n_experts
-
     def victim(self, blocked: np.ndarray) -> int:
         """The unblocked slot with the farthest expected next use (ties: lowest key), or -1."""
         wait = self._score
@@ -410,15 +412,6 @@ class NextUsePolicy(DecayPolicy):
         np.subtract(self._now + self._log_inv_c, wait, out=wait)
         np.minimum(wait, self._MAX_LOG_WAIT, out=wait)
         np.exp(wait, out=wait)
-        off = self._off
-        np.subtract(self.slot_layer, self.layer, out=off)
-        np.remainder(off, self.n_layers, out=off)
-        np.take(self._ahead, off, out=self._lag)
-        wait += self._lag
+        wait += self._by_layers_ahead(self._ahead, self._lag)
         np.negative(wait, out=wait)  # the farthest first: argmin of the negated
-        np.putmask(wait, blocked, np.inf)
-        np.not_equal(wait, wait.min(), out=self._not_min)
-        np.copyto(self._tie, self.key)
-        np.putmask(self._tie, self._not_min, _NEVER)
-        s = int(self._tie.argmin())
-        return -1 if blocked[s] else s
+        return self._lowest(wait, blocked)

@@ -31,7 +31,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,7 @@ from czyx.inference.batch import (
     QueueFull,
     SchedulerClosed,
     SchedulerStats,
+    StepCounters,
     Token,
 )
 from czyx.inference.distributed.ray_cluster import TIMEOUT_S, DistributedError, _ray
@@ -119,8 +120,7 @@ class RayScheduler:
         self._ids = itertools.count(1)
         self._base = id(self) << 24  # request ids unique to this scheduler on the actors
         self._closed = False
-        self._steps = self._step_tokens = self._decode_tokens = self._generated = 0
-        self._busy = 0.0
+        self._counts = StepCounters()
         self._thread = threading.Thread(target=self._run, name="czyx-ray-serve", daemon=True)
         self._thread.start()
 
@@ -182,14 +182,10 @@ class RayScheduler:
             return SchedulerStats(
                 waiting=len(self._waiting),
                 active=len(self._running),
-                steps=self._steps,
-                step_tokens=self._step_tokens,
-                decode_tokens=self._decode_tokens,
-                generated=self._generated,
                 last_batch=1,
                 kv_used=0,
                 kv_budget=None,
-                busy_seconds=self._busy,
+                **asdict(self._counts),
             )
 
     def close(self, timeout: float = 30.0) -> None:
@@ -252,10 +248,8 @@ class RayScheduler:
             self._finish(req, "error", f"{type(exc).__name__}: {exc}")
             return
         n = int(req.prompt.size) if not req.generated else 1
-        self._steps += 1
-        self._step_tokens += n
-        self._decode_tokens += int(bool(req.generated))
-        self._busy += now - req.started
+        self._counts.step(n, now - req.started)
+        self._counts.decode_tokens += int(bool(req.generated))
         if self.on_step is not None:
             self.on_step(1, n, now - req.started)
         if req.handle.cancelled:
@@ -267,7 +261,7 @@ class RayScheduler:
             self._finish(req, "error", f"{type(exc).__name__}: {exc}")
             return
         req.generated.append(tok)
-        self._generated += 1
+        self._counts.generated += 1
         req.handle._emit(Token(tok, len(req.generated) - 1, now))
         if tok in req.eos:
             self._finish(req, "stop")

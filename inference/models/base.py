@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from czyx.inference.errors import UnsupportedModelError
+from czyx.inference.errors import ScopeRoutingError, UnsupportedModelError
 from czyx.inference.kernels.linear import GateUp, Weight, mm_t
 
 F32 = np.float32
@@ -194,9 +194,7 @@ def route_topk(
         ``[T, top_k]`` int64 expert indices in descending probability order
         (as ``torch.topk``) and their float32 weights.
     """
-    logits = router_logits.astype(F32, copy=False)
-    if mask is not None:
-        logits = np.where(mask, logits, np.float32(-np.inf))
+    logits = forbid_experts(router_logits.astype(F32, copy=False), mask)
     probs = softmax(logits, axis=-1)
     n = probs.shape[-1]
     if top_k < n:
@@ -214,6 +212,31 @@ def route_topk(
 
 
 # --------------------------------------------------------------------------- rope
+
+
+def forbid_experts(scores: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """Routing ``scores [T, E]`` with the experts a scoped portal forbids at ``-inf``.
+
+    ``mask`` is ``bool [E]`` (the permitted experts) or None (all permitted:
+    ``scores`` itself). A portal's caveat must narrow the *choice*, not only the
+    reads, or routing picks an expert the run then cannot read.
+    """
+    return scores if mask is None else np.where(mask, scores, F32(-np.inf))
+
+
+def refuse_forbidden(idx: np.ndarray, mask: np.ndarray | None) -> None:
+    """Refuse a routing whose chosen experts ``idx`` include one ``mask`` forbids.
+
+    A top-k over forbidden-at-``-inf`` scores still picks a forbidden expert
+    when too few permitted ones are left to fill it (a group-limited selection
+    can leave too few); such a token is refused, never routed outside the grant.
+
+    Raises
+    ------
+    ScopeRoutingError
+    """
+    if mask is not None and not mask[idx].all():
+        raise ScopeRoutingError("the portal's classes cannot fill this token's top-k")
 
 
 def group_by_expert(

@@ -6,7 +6,8 @@ tensors resident and its big matrices through a
 :class:`~inference.trunkwindow.TrunkWindow`), and the pre-norm decoder loop
 (attention with a KV cache, then a routed-expert MLP) with hooks an
 architecture overrides: :meth:`MoEDecoder.post_qkv` (q/k norms, clipping),
-:meth:`MoEDecoder.routed_extra` (a shared expert) and
+:meth:`MoEDecoder.position_qk` and :meth:`MoEDecoder.attend` (NoPE layers, chunked
+attention), :meth:`MoEDecoder.routed_extra` (a shared expert) and
 :meth:`MoEDecoder.parse_config`.
 
 Routed experts are reached only through the :class:`~inference.cache.ExpertCache`:
@@ -168,6 +169,12 @@ class Layer:
 
 ROLE_SLOTS = tuple(name for name in Layer.__slots__ if name != "index")
 
+#: The steps of a layer's attention an architecture may override. A class that
+#: overrides any of them attends through its own :meth:`MoEDecoder._attention` in
+#: numpy: never the C attention call (rope, sliding window and softmax as the base
+#: does them), and one sequence at a time in a batched step (``inference.batch``).
+ATTENTION_STEPS = ("_attention", "position_qk", "attend")
+
 
 class MoEDecoder:
     """A pre-norm MoE transformer decoder over a :class:`ModelConsumer`.
@@ -191,6 +198,12 @@ class MoEDecoder:
     #: Llama 4 scales a routed expert's *input* by its router weight (and adds its
     #: output unweighted); every other architecture weights the output.
     weight_expert_input: ClassVar[bool] = False
+    #: Whether float (unquantized) q/k/v/o projections run in column form
+    #: (:func:`~czyx.inference.models.base.matmul_small`, the faster); False keeps
+    #: ``x @ w.T``, which rounds differently, for the architectures whose attention
+    #: has always computed that way (Llama 4, EXAONE-MoE, GPT-OSS, HunYuan-V1), so their
+    #: logits keep the same bits.
+    column_projections: ClassVar[bool] = True
     required_roles: ClassVar[tuple[str, ...]] = (
         "input_norm",
         "post_attn_norm",
@@ -478,6 +491,14 @@ class MoEDecoder:
             x, lw.shared_gate_proj, lw.shared_up_proj, lw.shared_down_proj, observe
         )
 
+    def add_gated_shared(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
+        """``routed`` plus the layer's shared expert scaled by its sigmoid gate
+        (:func:`shared_expert`): the ``routed_extra`` of Qwen2-MoE and Qwen3-Next."""
+        observe = None
+        if self.observer is not None:  # calibrating: name the shared expert's down input
+            observe = self._observe(f"L{lw.index}.shared.down_in")
+        return routed + shared_expert(lw, x, observe)
+
     def route(
         self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -573,9 +594,9 @@ class MoEDecoder:
     # Steps the C decode path implements itself: a subclass overriding any of them
     # (MLA attention and its latent cache, shared experts) decodes in numpy; post_qkv
     # counts as implemented when c_post_qkv describes it (OLMoE's and Qwen3-MoE's q/k norms).
-    _C_DECODE_BASE = ("post_qkv", "routed_extra", "_attention", "new_kv")
+    _C_DECODE_BASE = ("post_qkv", "routed_extra", *ATTENTION_STEPS, "new_kv")
     # The subset the C attention call implements (others run numpy attention per layer).
-    _C_ATTN_BASE = ("post_qkv", "_attention", "new_kv")
+    _C_ATTN_BASE = ("post_qkv", *ATTENTION_STEPS, "new_kv")
     # The steps a decode layer skips when it calls _routed_one directly.
     _DIRECT_BASE = ("_mlp", "_routed", "_routed_one", "mlp_out", "routed_extra")
 
@@ -673,7 +694,8 @@ class MoEDecoder:
         t = x.shape[0]
         if self.observer is not None:
             self.observer(f"L{i}.attn_in", x)
-        if all(isinstance(m, np.ndarray) for m in (lw.q_proj, lw.k_proj, lw.v_proj)):
+        columns = self.column_projections
+        if columns and all(isinstance(m, np.ndarray) for m in (lw.q_proj, lw.k_proj, lw.v_proj)):
             # Column form, as the experts: a tall weight times the tokens as columns,
             # in small unpacked BLAS blocks; q/k/v are [T, width] transposed views.
             # (Not one concatenated [q; k; v] matrix: the consumer keeps its trunk,
@@ -691,19 +713,43 @@ class MoEDecoder:
         q = q.reshape(t, cfg.n_heads, hd).transpose(1, 0, 2)
         k = k.reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
         v = v.reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
-        q = self.rotary.apply(q, positions)
-        k = self.rotary.apply(k, positions)
+        q, k = self.position_qk(i, lw, q, k, positions)
         kv.write(i, start, k, v)
         end = start + t
-        out = attention(q, kv.k[i][:, :end], kv.v[i][:, :end], positions, cfg.sliding_windows[i])
+        out = self.attend(i, lw, q, kv.k[i][:, :end], kv.v[i][:, :end], positions)
         if self.observer is not None:
             self.observer(f"L{i}.o_in", out)
-        if isinstance(lw.o_proj, np.ndarray):
+        if columns and isinstance(lw.o_proj, np.ndarray):
             out = matmul_small(lw.o_proj, np.ascontiguousarray(out.T)).T
         else:
             out = mm_t(out, lw.o_proj)
         # A layer's o_bias (an optional role), as the C attention call adds it too.
         return out if lw.o_bias is None else out + lw.o_bias
+
+    def position_qk(
+        self, i: int, lw: Layer, q: np.ndarray, k: np.ndarray, positions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Give layer ``i``'s queries ``[n_heads, T, hd]`` and keys their ``positions``: RoPE.
+
+        An architecture that places queries and keys otherwise overrides it
+        (NoPE layers, norms after the rotation, a query temperature); the C
+        attention call rotates by itself, so such a model attends in numpy
+        (:data:`ATTENTION_STEPS`).
+        """
+        return self.rotary.apply(q, positions), self.rotary.apply(k, positions)
+
+    def attend(
+        self, i: int, lw: Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray
+    ) -> np.ndarray:
+        """Layer ``i``'s attention of the placed queries ``q`` at positions ``pos`` over its
+        cached keys and values ``k``, ``v`` (``[n_kv_heads, L, hd]``, positions ``0..L-1``).
+
+        Causal, within the layer's sliding window; returns ``[T, n_heads * hd]``
+        (:func:`~czyx.inference.models.base.attention`). An architecture with
+        another mask (chunks) or score (sinks) overrides it, and attends in numpy
+        (:data:`ATTENTION_STEPS`).
+        """
+        return attention(q, k, v, pos, self.cfg.sliding_windows[i])
 
     def _observe(self, name: str) -> Observe:
         """The calibration hook for the input called ``name``, or None when not calibrating."""

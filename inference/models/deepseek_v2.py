@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from czyx.inference.errors import ScopeRoutingError, UnsupportedModelError
+from czyx.inference.errors import UnsupportedModelError
 from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import F32, softmax
+from czyx.inference.models.base import F32, refuse_forbidden, softmax
 from czyx.inference.models.decoder import DecoderConfig, Layer
 from czyx.inference.models.deepseek_v3 import top_k_desc
 from czyx.inference.models.mla import MLADecoder, mla_config
@@ -55,7 +55,6 @@ class DeepseekV2Decoder(MLADecoder):
             np.put_along_axis(keep, top_k_desc(group_best, topk_group), True, axis=-1)
             probs = np.where(np.repeat(keep, e // n_group, axis=-1), probs, F32(0.0))
         idx = top_k_desc(probs, self.cfg.top_k)
-        if mask is not None and not mask[idx].all():
-            raise ScopeRoutingError("the portal's classes cannot fill this token's top-k")
+        refuse_forbidden(idx, mask)
         w = np.take_along_axis(probs, idx, axis=-1) * F32(c.get("routed_scaling_factor") or 1.0)
         return idx.astype(np.int64, copy=False), w.astype(F32, copy=False)

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from czyx.inference.errors import MissingTensorError, ScopeRoutingError
+from czyx.inference.errors import MissingTensorError
 from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import F32, sigmoid
+from czyx.inference.models.base import F32, forbid_experts, refuse_forbidden, sigmoid
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder
 from czyx.inference.models.mla import MLADecoder, mla_config
 from czyx.store.consumer import ModelInfo
@@ -59,9 +59,7 @@ def sigmoid_group_topk(
     its top-k from permitted experts is refused, never routed outside the grant.
     """
     scores = sigmoid(logits.astype(F32, copy=False))
-    choice = scores + bias
-    if mask is not None:
-        choice = np.where(mask, choice, F32(-np.inf))
+    choice = forbid_experts(scores + bias, mask)
     t, e = choice.shape
     if n_group > 1 and topk_group < n_group:
         grouped = choice.reshape(t, n_group, e // n_group)
@@ -71,8 +69,7 @@ def sigmoid_group_topk(
         np.put_along_axis(keep, top_k_desc(group_scores, topk_group), True, axis=-1)
         choice = np.where(np.repeat(keep, e // n_group, axis=-1), choice, F32(-np.inf))
     idx = top_k_desc(choice, top_k)
-    if mask is not None and not mask[idx].all():
-        raise ScopeRoutingError("the portal's classes cannot fill this token's top-k")
+    refuse_forbidden(idx, mask)
     w = np.take_along_axis(scores, idx, axis=-1)
     if renormalize:
         w = w / (np.sum(w, axis=-1, keepdims=True) + F32(1e-20))

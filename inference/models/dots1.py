@@ -21,7 +21,6 @@ import numpy as np
 
 from czyx.inference.errors import MissingTensorError, UnsupportedModelError
 from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import KVCache, attention
 from czyx.inference.models.decoder import DecoderConfig, Layer, common_config
 from czyx.inference.models.deepseek_v3 import sigmoid_group_topk
 from czyx.inference.models.glm4_moe import Glm4MoeDecoder
@@ -105,6 +104,7 @@ class ExaoneMoeDecoder(Dots1Decoder):
     """
 
     arch = "exaone_moe"
+    column_projections = False
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:
@@ -115,25 +115,10 @@ class ExaoneMoeDecoder(Dots1Decoder):
         windows = [window if t == "sliding_attention" else None for t in types]
         return _glm_like(info, windows)
 
-    def _attention(
-        self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
-    ) -> np.ndarray:
-        cfg = self.cfg
-        t, hd = x.shape[0], cfg.head_dim
-        if self.observer is not None:
-            self.observer(f"L{i}.attn_in", x)
-        q, k, v = self.finish_qkv(lw, mm_t(x, lw.q_proj), mm_t(x, lw.k_proj), mm_t(x, lw.v_proj))
-        q = q.reshape(t, cfg.n_heads, hd).transpose(1, 0, 2)
-        k = k.reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
-        v = v.reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
-        nope = self.consumer.info.config.get("sliding_window") and not cfg.sliding_windows[i]
-        if not nope:
-            q = self.rotary.apply(q, positions)
-            k = self.rotary.apply(k, positions)
-        kv.write(i, start, k, v)
-        end = start + t
-        out = attention(q, kv.k[i][:, :end], kv.v[i][:, :end], positions, cfg.sliding_windows[i])
-        if self.observer is not None:
-            self.observer(f"L{i}.o_in", out)
-        out = mm_t(out, lw.o_proj)
-        return out if lw.o_bias is None else out + lw.o_bias
+    def position_qk(
+        self, i: int, lw: Layer, q: np.ndarray, k: np.ndarray, positions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """RoPE, but not on the full layers of a model with a sliding window (NoPE)."""
+        if self.consumer.info.config.get("sliding_window") and not self.cfg.sliding_windows[i]:
+            return q, k
+        return super().position_qk(i, lw, q, k, positions)

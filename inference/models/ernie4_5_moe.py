@@ -16,9 +16,9 @@ import dataclasses
 
 import numpy as np
 
-from czyx.inference.errors import MissingTensorError, ScopeRoutingError
+from czyx.inference.errors import MissingTensorError
 from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import F32, KVCache, softmax
+from czyx.inference.models.base import F32, KVCache, forbid_experts, refuse_forbidden, softmax
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
 from czyx.inference.models.deepseek_v3 import top_k_desc
 from czyx.inference.models.rope import Rotary
@@ -68,12 +68,9 @@ class Ernie45MoeDecoder(MoEDecoder):
         if lw.router_bias is None:
             raise MissingTensorError(f"layer {lw.index} has no e_score_correction_bias")
         probs = softmax(mm_t(x, lw.router).astype(F32, copy=False), axis=-1)
-        choice = probs + lw.router_bias.reshape(-1)
-        if mask is not None:  # a scoped portal: choose among its experts only
-            choice = np.where(mask, choice, F32(-np.inf))
+        choice = forbid_experts(probs + lw.router_bias.reshape(-1), mask)
         idx = top_k_desc(choice, self.cfg.top_k)
-        if mask is not None and not mask[idx].all():
-            raise ScopeRoutingError("the portal's classes cannot fill this token's top-k")
+        refuse_forbidden(idx, mask)
         w = np.take_along_axis(probs, idx, axis=-1)
         w = w / np.maximum(np.sum(w, axis=-1, keepdims=True), self.norm_min)
         return idx.astype(np.int64, copy=False), w.astype(F32, copy=False)

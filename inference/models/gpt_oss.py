@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import F32, KVCache, sigmoid
+from czyx.inference.models.base import F32, sigmoid
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
 from czyx.inference.models.granitemoe import softmax_of_top_k
 from czyx.store.consumer import ModelInfo
@@ -36,6 +36,7 @@ class GptOssDecoder(MoEDecoder):
     """``GptOssForCausalLM`` in numpy."""
 
     arch = "gpt_oss"
+    column_projections = False
     required_roles = (*MoEDecoder.required_roles, "sinks")
     optional_roles = (*MoEDecoder.optional_roles, "o_bias")
     sparse_roles = ("router", "router_bias", "expert_gate_up_bias", "expert_down_bias")
@@ -64,26 +65,11 @@ class GptOssDecoder(MoEDecoder):
                 b = np.asarray(lw.expert_gate_up_bias, F32)
                 self.gu_bias[lw.index] = np.concatenate([b[:, 0::2], b[:, 1::2]], axis=1)
 
-    def _attention(
-        self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
+    def attend(
+        self, i: int, lw: Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray
     ) -> np.ndarray:
-        cfg = self.cfg
-        t, hd = x.shape[0], cfg.head_dim
-        if self.observer is not None:
-            self.observer(f"L{i}.attn_in", x)
-        q = _biased(mm_t(x, lw.q_proj), lw.q_bias)
-        k = _biased(mm_t(x, lw.k_proj), lw.k_bias)
-        v = _biased(mm_t(x, lw.v_proj), lw.v_bias)
-        q = self.rotary.apply(q.reshape(t, cfg.n_heads, hd).transpose(1, 0, 2), positions)
-        k = self.rotary.apply(k.reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2), positions)
-        kv.write(i, start, k, v.reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2))
-        end = start + t
-        out = sink_attention(
-            q, kv.k[i][:, :end], kv.v[i][:, :end], positions, cfg.sliding_windows[i], lw.sinks
-        )
-        if self.observer is not None:
-            self.observer(f"L{i}.o_in", out)
-        return _biased(mm_t(out, lw.o_proj), lw.o_bias)
+        """The base's attention with the layer's sink logits in each head's softmax."""
+        return sink_attention(q, k, v, pos, self.cfg.sliding_windows[i], lw.sinks)
 
     def route(self, lw: Layer, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Top-k of the biased router logits, softmax over those k."""
@@ -125,10 +111,6 @@ class GptOssDecoder(MoEDecoder):
             finally:
                 cache.release()
         return contrib.sum(axis=1)
-
-
-def _biased(y: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-    return y if bias is None else y + bias
 
 
 def sink_attention(

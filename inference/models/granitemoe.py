@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from czyx.inference.errors import ScopeRoutingError, UnsupportedModelError
+from czyx.inference.errors import UnsupportedModelError
 from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import F32, KVCache, silu
+from czyx.inference.models.base import F32, KVCache, forbid_experts, refuse_forbidden, silu
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
 from czyx.store.consumer import ModelInfo
 
@@ -74,12 +74,8 @@ class GraniteMoeDecoder(MoEDecoder):
         self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Softmax over the top-k router logits (``mask``: a scoped portal's experts)."""
-        logits = mm_t(x, lw.router)
-        if mask is not None:
-            logits = np.where(mask, logits, np.float32(-np.inf))
-        idx, w = softmax_of_top_k(logits, self.cfg.top_k)
-        if mask is not None and not mask[idx].all():
-            raise ScopeRoutingError("the portal's classes cannot fill this token's top-k")
+        idx, w = softmax_of_top_k(forbid_experts(mm_t(x, lw.router), mask), self.cfg.top_k)
+        refuse_forbidden(idx, mask)
         return idx, w
 
     def finish_logits(self, logits: np.ndarray) -> np.ndarray:

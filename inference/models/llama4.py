@@ -33,7 +33,7 @@ import numpy as np
 
 from czyx.inference.errors import UnsupportedModelError
 from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import F32, KVCache, attention, sigmoid
+from czyx.inference.models.base import F32, attention, forbid_experts, sigmoid
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
 from czyx.inference.models.rope import Rotary
 from czyx.store.consumer import ModelInfo
@@ -69,6 +69,7 @@ class Llama4TextDecoder(MoEDecoder):
 
     arch = "llama4_text"
     weight_expert_input = True
+    column_projections = False
     optional_roles = (*MoEDecoder.optional_roles, "o_bias")
     sparse_roles = ("router", "shared_gate_proj", "shared_up_proj", "shared_down_proj")
 
@@ -98,42 +99,32 @@ class Llama4TextDecoder(MoEDecoder):
         self.attn_scale = F32(c.get("attn_scale", 0.1))
         self.rotary = Rotary(self.cfg.rope, interleaved=True)
 
-    def _attention(
-        self, i: int, lw: Layer, x: np.ndarray, kv: KVCache, start: int, positions: np.ndarray
-    ) -> np.ndarray:
-        cfg = self.cfg
-        t, hd = x.shape[0], cfg.head_dim
-        if self.observer is not None:
-            self.observer(f"L{i}.attn_in", x)
-        q, k, v = self.finish_qkv(lw, mm_t(x, lw.q_proj), mm_t(x, lw.k_proj), mm_t(x, lw.v_proj))
-        q = q.reshape(t, cfg.n_heads, hd).transpose(1, 0, 2)
-        k = k.reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
-        v = v.reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
+    def position_qk(
+        self, i: int, lw: Layer, q: np.ndarray, k: np.ndarray, positions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rope layers rotate (then the L2 q/k norms); NoPE layers scale the queries by
+        the attention temperature instead."""
         if self.use_rope[i]:
-            q = self.rotary.apply(q, positions)
-            k = self.rotary.apply(k, positions)
+            q, k = super().position_qk(i, lw, q, k, positions)
             if self.qk_norm:  # weightless RMS norm over each head
-                q, k = _l2(q, cfg.rms_eps), _l2(k, cfg.rms_eps)
+                q, k = _l2(q, self.cfg.rms_eps), _l2(k, self.cfg.rms_eps)
         elif self.temperature:
             pos = positions.astype(F32) + F32(1.0)
             scale = np.log1p(np.floor(pos / self.floor_scale)) * self.attn_scale + F32(1.0)
             q = q * scale.astype(F32)[None, :, None]
-        kv.write(i, start, k, v)
-        end = start + t
-        out = attention(q, kv.k[i][:, :end], kv.v[i][:, :end], positions, None, self.chunks[i])
-        if self.observer is not None:
-            self.observer(f"L{i}.o_in", out)
-        out = mm_t(out, lw.o_proj)
-        return out if lw.o_bias is None else out + lw.o_bias
+        return q, k
+
+    def attend(
+        self, i: int, lw: Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray
+    ) -> np.ndarray:
+        """Chunked attention on the rope layers, full attention on the NoPE ones."""
+        return attention(q, k, v, pos, None, self.chunks[i])
 
     def route(
         self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """The top-k router logits (a portal's forbidden experts at ``-inf``), sigmoided."""
-        logits = mm_t(x, lw.router)
-        if mask is not None:
-            logits = np.where(mask, logits, F32(-np.inf))
-        return top_k_sigmoid(logits, self.cfg.top_k)
+        return top_k_sigmoid(forbid_experts(mm_t(x, lw.router), mask), self.cfg.top_k)
 
     def routed_extra(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
         """The ungated shared expert beside the routed ones."""

@@ -27,7 +27,7 @@ import numpy as np
 
 from czyx.inference.errors import UnsupportedModelError
 from czyx.inference.kernels.linear import mm_t
-from czyx.inference.models.base import F32, softmax
+from czyx.inference.models.base import F32, forbid_experts, softmax
 from czyx.inference.models.decoder import DecoderConfig, Layer, MoEDecoder, common_config
 from czyx.inference.models.rope import RopeConfig, Rotary
 from czyx.store.consumer import ModelInfo
@@ -155,10 +155,7 @@ class PhimoeDecoder(MoEDecoder):
         self, lw: Layer, x: np.ndarray, mask: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Sparsemixer's two experts (a portal's forbidden experts never chosen)."""
-        logits = mm_t(x, lw.router)
-        if mask is not None:
-            logits = np.where(mask, logits, F32(-np.inf))
-        return sparsemixer(logits, self.jitter)
+        return sparsemixer(forbid_experts(mm_t(x, lw.router), mask), self.jitter)
 
     def finish_logits(self, logits: np.ndarray) -> np.ndarray:
         """The lm_head's bias (``lm_head_bias``), when the checkpoint has one."""

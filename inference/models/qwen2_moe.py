@@ -16,7 +16,6 @@ from czyx.inference.models.decoder import (
     Layer,
     MoEDecoder,
     common_config,
-    shared_expert,
 )
 from czyx.store.consumer import ModelInfo
 
@@ -59,7 +58,4 @@ class Qwen2MoeDecoder(MoEDecoder):
 
     def routed_extra(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
         """Add the gated shared expert."""
-        observe = None
-        if self.observer is not None:  # calibrating: name the shared expert's down input
-            observe = self._observe(f"L{lw.index}.shared.down_in")
-        return routed + shared_expert(lw, x, observe)
+        return self.add_gated_shared(lw, x, routed)

@@ -38,7 +38,6 @@ from czyx.inference.models.decoder import (
     Layer,
     MoEDecoder,
     common_config,
-    shared_expert,
 )
 from czyx.inference.models.deltanet import (
     DeltaNetDims,
@@ -205,7 +204,4 @@ class Qwen3NextDecoder(HybridDecoder):
 
     def routed_extra(self, lw: Layer, x: np.ndarray, routed: np.ndarray) -> np.ndarray:
         """Add the sigmoid-gated shared expert."""
-        observe = None
-        if self.observer is not None:
-            observe = self._observe(f"L{lw.index}.shared.down_in")
-        return routed + shared_expert(lw, x, observe)
+        return self.add_gated_shared(lw, x, routed)

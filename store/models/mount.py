@@ -281,9 +281,7 @@ def _mount(
         layout = make_layout(plan.n_layers, plan.n_experts, outer, class_perm)
 
     keys = sorted(plan.experts, key=lambda k: layout.ordinal(*k))
-    source_total = sum(ckpt.info(t.tensor).nbytes for t in plan.trunk)
-    source_total += len(keys) * plan.expert_nbytes
-    bar = _bar(progress, source_total, "hash")
+    bar = _bar(progress, _source_nbytes(ckpt, plan), "hash")
     expert_hash = {}
     for k, digest in src.expert_hashes(keys):
         expert_hash[k] = digest
@@ -301,14 +299,9 @@ def _mount(
         trunk_total += len(src.tokenizer or b"") + sum(map(len, src.side_files.values()))
     total = trunk_total + len(keys) * src.expert_nbytes
 
-    trunk_manifest = _trunk_manifest(
-        ckpt, plan, trunk_hash, src.tokenizer, trunk_qfmt, quant, src.side_files
+    trunk_manifest, trunk_sel, manifest, sel = _manifests(
+        ckpt, plan, src, layout, expert_hash, trunk_hash, trunk_qfmt, quant, base_sel, base_manifest
     )
-    trunk_sel = Selector.from_content(canonical_manifest(trunk_manifest)) if plan.trunk else None
-    manifest = _model_manifest_for(
-        ckpt, plan, layout, expert_hash, trunk_sel, base_sel, base_manifest, src
-    )
-    sel = Selector.from_content(canonical_manifest(manifest))
     _check_tag_free(store, tag, sel)
     n_tensors = len(ckpt)
     if store.has_space(sel):
@@ -437,14 +430,12 @@ def _mount_one_pass(
     keys = sorted(plan.experts, key=lambda k: layout.ordinal(*k))
     stride = round_up(src.expert_nbytes, EXTENT_ALIGN)
     shared_index = _shared_index(store, name, None)
-    source_total = sum(ckpt.info(t.tensor).nbytes for t in plan.trunk)
-    source_total += len(keys) * plan.expert_nbytes
     with ExitStack() as stack:
         px = stack.enter_context(PendingSpace(store))
         pt = stack.enter_context(PendingSpace(store)) if plan.trunk else None
         if stride % px.alignment:
             raise MountError(f"block alignment {px.alignment} does not divide stride {stride}")
-        bar = _bar(progress, source_total, "mount")
+        bar = _bar(progress, _source_nbytes(ckpt, plan), "mount")
         expert_hash: dict[tuple[int, int], str] = {}
         expert_ext: dict[tuple[int, int], Any] = {}
 
@@ -478,14 +469,9 @@ def _mount_one_pass(
                 trunk_total += len(blob)
         total = trunk_total + len(keys) * src.expert_nbytes
 
-        trunk_manifest = _trunk_manifest(
-            ckpt, plan, trunk_hash, src.tokenizer, trunk_qfmt, quant, src.side_files
+        trunk_manifest, trunk_sel, manifest, sel = _manifests(
+            ckpt, plan, src, layout, expert_hash, trunk_hash, trunk_qfmt, quant, None, None
         )
-        trunk_sel = (
-            Selector.from_content(canonical_manifest(trunk_manifest)) if plan.trunk else None
-        )
-        manifest = _model_manifest_for(ckpt, plan, layout, expert_hash, trunk_sel, None, None, src)
-        sel = Selector.from_content(canonical_manifest(manifest))
         _check_tag_free(store, tag, sel)
         if store.has_space(sel):
             return _tag_published(store, src, tag, sel, trunk_sel, len(ckpt), total, t0)
@@ -509,6 +495,37 @@ def _mount_one_pass(
                     new += nbytes
                 w.put(expert_record_key(layout, layer, e), rec)
     return _tag_new(store, src, tag, sel, trunk_sel, len(ckpt), total, written + new, shared, t0)
+
+
+def _source_nbytes(ckpt: Checkpoint, plan: ModelPlan) -> int:
+    """Bytes a mount reads from the checkpoint: the planned trunk tensors and experts."""
+    trunk = sum(ckpt.info(t.tensor).nbytes for t in plan.trunk)
+    return trunk + len(plan.experts) * plan.expert_nbytes
+
+
+def _manifests(
+    ckpt: Checkpoint,
+    plan: ModelPlan,
+    src: MountSource,
+    layout: Any,
+    expert_hash: dict[tuple[int, int], str],
+    trunk_hash: dict[str, str],
+    trunk_qfmt: dict[str, str | None],
+    quant: Any,
+    base_sel: Selector | None,
+    base_manifest: dict[str, Any] | None,
+) -> tuple[dict[str, Any], Selector | None, dict[str, Any], Selector]:
+    """The trunk's and the version's manifests and the selectors derived from them (no
+    trunk space, and so no trunk selector, where the plan has no trunk), as both the
+    two-pass and the one-pass mount compute them from the content hashes."""
+    trunk_manifest = _trunk_manifest(
+        ckpt, plan, trunk_hash, src.tokenizer, trunk_qfmt, quant, src.side_files
+    )
+    trunk_sel = Selector.from_content(canonical_manifest(trunk_manifest)) if plan.trunk else None
+    manifest = _model_manifest_for(
+        ckpt, plan, layout, expert_hash, trunk_sel, base_sel, base_manifest, src
+    )
+    return trunk_manifest, trunk_sel, manifest, Selector.from_content(canonical_manifest(manifest))
 
 
 def _trunk_record(

@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from czyx.inference.assets import bundled_model_dir
 from czyx.inference.batch import (
     BatchOptions,
     Done,
@@ -28,9 +27,6 @@ from czyx.inference.batch import (
 )
 from czyx.inference.engine import Engine
 from czyx.inference.generate import generate_ids
-from czyx.portals import open_consumer
-from czyx.store import Store
-from czyx.store.models.mount import mount
 
 PROMPTS = [
     b"def main(argv):\n    ",
@@ -45,16 +41,10 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("batch")
-    store = Store.open(root / "store")
-    mount(store, bundled_model_dir(), "stdlib@1")
-    consumer = open_consumer(store, None, "stdlib@1")
-    eng = Engine(consumer, stream=None)
+def engine(bundled_consumer):
+    eng = Engine(bundled_consumer, stream=None)
     yield eng
     eng.close()
-    consumer.close()
-    store.close()
 
 
 def _solo_logits(model, prompt: bytes) -> list[np.ndarray]:

@@ -78,23 +78,11 @@ def test_an_override_the_batch_cannot_call_is_refused() -> None:
         Scheduler(model)
 
 
-def test_batched_c_decode_follows_length_dependent_rope() -> None:
+def test_batched_c_decode_follows_length_dependent_rope(longrope_engine) -> None:
     """LongRoPE's tables depend on the length reached: a batched C decode step sets
     each token's own before its attention, so a short and a long sequence decoded
     together get what each gets alone."""
-    from czyx.testing.refmodels import StateDictConsumer, tiny_model
-
-    rope = {
-        "rope_theta": 1e4,
-        "rope_type": "longrope",
-        "long_factor": [1.0 + 0.5 * i for i in range(8)],
-        "short_factor": [1.0 + 0.1 * i for i in range(8)],
-        "original_max_position_embeddings": 10,
-    }
-    tm = tiny_model("mixtral", seed=4, head_dim=16, max_position_embeddings=12,
-                    rope_parameters=rope)  # fmt: skip
-    eng = Engine(StateDictConsumer(tm), threads=1)
-    model = eng.model
+    model = longrope_engine.model
     assert decodes_in_c(model)
     rng = np.random.default_rng(3)
     seqs = [rng.integers(0, 256, 4), rng.integers(0, 256, 14)]  # below, above the switch
@@ -106,4 +94,3 @@ def test_batched_c_decode_follows_length_dependent_rope() -> None:
         kv = model.new_kv()
         forward_batch(model, [np.array(s)], [kv])
         assert np.array_equal(model.forward(np.array([t]), kv), g)
-    eng.close()

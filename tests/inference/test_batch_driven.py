@@ -9,7 +9,6 @@ import threading
 
 import pytest
 
-from czyx.inference.assets import bundled_model_dir
 from czyx.inference.batch import (
     BatchOptions,
     Done,
@@ -20,9 +19,6 @@ from czyx.inference.batch import (
 from czyx.inference.engine import Engine
 from czyx.inference.options import EngineOptions
 from czyx.inference.sampling import SamplingParams
-from czyx.portals import open_consumer
-from czyx.store import Store
-from czyx.store.models.mount import mount
 
 PROMPTS = [
     b"def main(argv):\n    ",
@@ -37,16 +33,10 @@ MAX_STEPS = 10_000
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("driven")
-    store = Store.open(root / "store")
-    mount(store, bundled_model_dir(), "stdlib@1")
-    consumer = open_consumer(store, None, "stdlib@1")
-    eng = Engine(consumer, options=EngineOptions(stream=None))
+def engine(bundled_consumer):
+    eng = Engine(bundled_consumer, options=EngineOptions(stream=None))
     yield eng
     eng.close()
-    consumer.close()
-    store.close()
 
 
 def _drive(sched: Scheduler) -> int:

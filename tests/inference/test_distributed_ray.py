@@ -29,12 +29,8 @@ from czyx.inference.distributed.ray_cluster import (  # noqa: E402
     local_ray,
 )
 from czyx.inference.distributed.stages import greedy  # noqa: E402
-from czyx.inference.engine import Engine  # noqa: E402
-from czyx.inference.opened import OpenedModel  # noqa: E402
-from czyx.inference.options import EngineOptions  # noqa: E402
 from czyx.store import Store  # noqa: E402
-from czyx.store.models.mount import mount  # noqa: E402
-from czyx.testing.cluster_stores import node_store  # noqa: E402
+from czyx.testing.cluster_stores import bundled_node_stores, greedy_reference  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -43,32 +39,11 @@ PROMPTS = [[5, 17, 99, 3, 44, 8], [1, 2, 3], [200, 100, 50, 25]]
 N = 5
 
 
-def _single_process(om, prompt):
-    e = Engine(om.consumer, options=EngineOptions(stream=False))
-    try:
-        return greedy(lambda r, t: e.prefill(t) if len(t) > 1 else e.decode(int(t[0])), prompt, N)
-    finally:
-        e.close()
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("ray")
-    with Store.open(root / "src") as src:
-        mount(src, ASSET, "m@1")
-        tok = {
-            "full0": node_store(src, "m@1", root / "full0"),
-            "full1": node_store(src, "m@1", root / "full1"),
-            "sub0": node_store(src, "m@1", root / "sub0", classes=(0, 5)),
-            "sub1": node_store(src, "m@1", root / "sub1", classes=(6, 255)),
-        }
-    om = OpenedModel(str(root / "src"), "m@1", None)
-    refs = []
-    try:
-        for p in PROMPTS:
-            refs.append(_single_process(om, p))
-    finally:
-        om.close()
+    tok = bundled_node_stores(root)
+    refs = [greedy_reference(root, p, N) for p in PROMPTS]
     nodes = int(os.environ.get("CZYX_RAY_NODES", "3"))
     cluster = local_ray(num_cpus=2 if nodes == 1 else 1, nodes=nodes)
     cluster.__enter__()

@@ -3,20 +3,14 @@ process (each on its own replicated store) against the single-process engine."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from czyx.inference.distributed.stages import ExpertShard, LayerStage, class_owners, greedy
-from czyx.inference.engine import Engine
-from czyx.inference.opened import OpenedModel
-from czyx.inference.options import EngineOptions
 from czyx.store import Store
 from czyx.store.models.mount import mount
-from czyx.testing.cluster_stores import node_store
+from czyx.testing.cluster_stores import bundled_node_stores, greedy_reference
 
-ASSET = Path(__file__).resolve().parents[2] / "inference" / "assets" / "czyx-moe-stdlib"
 PROMPT = [5, 17, 99, 3, 44, 8]
 N = 6
 
@@ -24,23 +18,8 @@ N = 6
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
-    with Store.open(root / "src") as src:
-        mount(src, ASSET, "m@1")
-        nodes = {
-            "full0": node_store(src, "m@1", root / "full0"),
-            "full1": node_store(src, "m@1", root / "full1"),
-            "sub0": node_store(src, "m@1", root / "sub0", classes=(0, 5)),
-            "sub1": node_store(src, "m@1", root / "sub1", classes=(6, 255)),
-        }
-    om = OpenedModel(str(root / "src"), "m@1", None)
-    try:
-        e = Engine(om.consumer, options=EngineOptions(stream=False))
-        toks, logits = greedy(
-            lambda r, t: e.prefill(t) if len(t) > 1 else e.decode(int(t[0])), PROMPT, N
-        )
-        e.close()
-    finally:
-        om.close()
+    nodes = bundled_node_stores(root)
+    toks, logits = greedy_reference(root, PROMPT, N)
     return root, nodes, toks, logits
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from czyx.inference.assets import bundled_model_dir
 from czyx.inference.batch import BatchOptions, Done, Scheduler, Token
 from czyx.inference.engine import Engine
 from czyx.inference.options import EngineOptions
@@ -21,9 +20,6 @@ from czyx.inference.routewatch import (
     RESIDENT_PREFETCHED,
     RouteFrame,
 )
-from czyx.portals import open_consumer
-from czyx.store import Store
-from czyx.store.models.mount import mount
 
 PROMPT = b"def main(argv):\n    "
 OTHERS = [b"import os\nimport sys\n", b"class Parser:\n    def __init__(self", b"# Copyright"]
@@ -31,16 +27,10 @@ N = 8
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("routewatch")
-    store = Store.open(root / "store")
-    mount(store, bundled_model_dir(), "stdlib@1")
-    consumer = open_consumer(store, None, "stdlib@1")
-    eng = Engine(consumer, options=EngineOptions(stream=False))
+def engine(bundled_consumer):
+    eng = Engine(bundled_consumer, options=EngineOptions(stream=False))
     yield eng
     eng.close()
-    consumer.close()
-    store.close()
 
 
 class _Rows:

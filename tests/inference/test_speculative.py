@@ -152,19 +152,8 @@ def test_greedy_tokens_are_those_without_drafts(tmp_path, arch) -> None:
         eng.close()
 
 
-def test_a_length_dependent_rope_verifies_one_position_at_a_time() -> None:
-    from czyx.testing.refmodels import StateDictConsumer, tiny_model
-
-    rope = {
-        "rope_theta": 1e4,
-        "rope_type": "longrope",
-        "long_factor": [1.0 + 0.5 * i for i in range(8)],
-        "short_factor": [1.0 + 0.1 * i for i in range(8)],
-        "original_max_position_embeddings": 10,
-    }
-    tm = tiny_model("mixtral", seed=4, head_dim=16, max_position_embeddings=12,
-                    rope_parameters=rope)  # fmt: skip
-    eng = Engine(StateDictConsumer(tm), threads=1)
+def test_a_length_dependent_rope_verifies_one_position_at_a_time(longrope_engine) -> None:
+    eng = longrope_engine
     assert not eng.verifies_in_one_step
     with pytest.raises(ValueError, match="one position at a time"):
         eng.verify([1, 2])
@@ -173,7 +162,6 @@ def test_a_length_dependent_rope_verifies_one_position_at_a_time() -> None:
     got, stats = generate_ids(eng, prompt, 12, speculate=_spec(Replay(prompt + want, 256)))
     assert got == want
     assert 0 < stats.accepted < stats.drafted
-    eng.close()
 
 
 @pytest.fixture(scope="module")

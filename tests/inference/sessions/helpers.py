@@ -52,6 +52,16 @@ def sessions_for(store, tenant: str = "alice", **kw):
     return SessionStore(store, open_authority(store).grant([], tenant=tenant).token, **kw)
 
 
+def steps(live, n: int) -> tuple[list[int], list[np.ndarray]]:
+    """``n`` steps of the :class:`LiveSession` ``live``: its tokens and a copy of each
+    step's logits."""
+    toks, logits = [], []
+    for _ in range(n):
+        toks.append(live.step())
+        logits.append(live.logits.copy())
+    return toks, logits
+
+
 def states_equal(a: SessionState, b: SessionState) -> bool:
     """Exact equality of every field (arrays bit for bit)."""
     same_logits = (a.logits is None and b.logits is None) or (

@@ -23,13 +23,12 @@ from czyx.inference.sessions.format import (
 )
 from czyx.inference.sessions.live import LiveSession
 from czyx.inference.sessions.store import RECORD_KEY
-from czyx.store import Store
 from czyx.testing.tiny_models import build_tiny_model
 from tests.inference.sessions.helpers import (
     MODEL_A,
     engine_factory,
     random_state,
-    sessions_for,
+    steps,
 )
 
 SAMPLED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=77)
@@ -38,21 +37,6 @@ SAMPLED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=77)
 @pytest.fixture(scope="module", params=["qwen3_next", "jamba"])
 def make(request):
     return engine_factory(build_tiny_model(request.param, 3, initializer_range=0.2), MODEL_A)
-
-
-@pytest.fixture
-def sessions(tmp_path):
-    st = Store.open(tmp_path / "st")
-    yield sessions_for(st, "alice")
-    st.close()
-
-
-def _steps(live: LiveSession, n: int) -> tuple[list[int], list[np.ndarray]]:
-    toks, logits = [], []
-    for _ in range(n):
-        toks.append(live.step())
-        logits.append(live.logits.copy())
-    return toks, logits
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -65,9 +49,9 @@ def test_hybrid_resume_reprocesses_nothing_and_is_bit_identical(make, sessions, 
     a.feed(_prompt(70))
     a.generate(5)
     info = sessions.save("chat", a.state())
-    ref_toks, ref_logits = _steps(a, 10)
+    ref_toks, ref_logits = steps(a, 10)
     a.feed([5, 6, 7])  # a new user turn
-    ref_toks2, ref_logits2 = _steps(a, 4)
+    ref_toks2, ref_logits2 = steps(a, 4)
 
     rec = sessions.store.get(sessions.store.resolve_tag(f"session:chat@{info.version:08d}"),
                              RECORD_KEY)  # fmt: skip
@@ -78,9 +62,9 @@ def test_hybrid_resume_reprocesses_nothing_and_is_bit_identical(make, sessions, 
     # Zero reprocessing: nothing was prefilled and no token went through a layer.
     assert b.reused == 75 and b.prefilled == 0 and engine.kv.length == 75
     assert int(engine.model.route_counts.sum()) == routed_before
-    toks, logits = _steps(b, 10)
+    toks, logits = steps(b, 10)
     b.feed([5, 6, 7])
-    toks2, logits2 = _steps(b, 4)
+    toks2, logits2 = steps(b, 4)
     assert toks == ref_toks and toks2 == ref_toks2
     assert all(np.array_equal(x, y) for x, y in zip(logits, ref_logits, strict=True))
     assert all(np.array_equal(x, y) for x, y in zip(logits2, ref_logits2, strict=True))
@@ -91,10 +75,10 @@ def test_hybrid_fork_is_whole_and_a_cut_is_refused(make, sessions):
     a.feed(_prompt(40, 1))
     a.generate(3)
     sessions.save("chat", a.state())
-    ref = _steps(a, 6)
+    ref = steps(a, 6)
     sessions.fork("chat", "branch")  # at the full length: the parent's own state
     b = LiveSession.resume(make(), sessions.read("branch", model=MODEL_A), "alice")
-    got = _steps(b, 6)
+    got = steps(b, 6)
     assert got[0] == ref[0] and all(np.array_equal(x, y) for x, y in zip(got[1], ref[1]))
     with pytest.raises(RecurrentCutError, match="43 positions"):
         sessions.fork("chat", "cut", at=20)

@@ -16,14 +16,13 @@ from czyx.inference.sampling import SamplingParams
 from czyx.inference.sessions.errors import ModelVersionMismatchError
 from czyx.inference.sessions.live import LiveSession, run_with_session
 from czyx.inference.tokenizer import ByteTokenizer
-from czyx.store import Store
 from czyx.testing.refmodels import tiny_model
 from tests.inference.sessions.helpers import (
     MODEL_A,
     MODEL_B,
     engine_factory,
     freeze_consumer,
-    sessions_for,
+    steps,
 )
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -40,21 +39,6 @@ def make(model):
     return engine_factory(model, MODEL_A)
 
 
-@pytest.fixture
-def sessions(tmp_path):
-    st = Store.open(tmp_path / "st")
-    yield sessions_for(st, "alice")
-    st.close()
-
-
-def _steps(live: LiveSession, n: int) -> tuple[list[int], list[np.ndarray]]:
-    toks, logits = [], []
-    for _ in range(n):
-        toks.append(live.step())
-        logits.append(live.logits.copy())
-    return toks, logits
-
-
 def _prompt(n: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(1, 256, n).tolist()
 
@@ -65,32 +49,32 @@ def test_resume_is_bit_identical_to_a_run_that_never_stopped(make, sessions, sam
     a.feed(_prompt(70))
     a.generate(9)
     sessions.save("chat", a.state())
-    ref_toks, ref_logits = _steps(a, 12)
+    ref_toks, ref_logits = steps(a, 12)
     a.feed([5, 6, 7])  # a new user turn
-    ref_toks2, ref_logits2 = _steps(a, 6)
+    ref_toks2, ref_logits2 = steps(a, 6)
 
     b = LiveSession.resume(make(), sessions.read("chat", model=MODEL_A), "alice")
     assert b.reused == 79 and b.prefilled == 0
-    toks, logits = _steps(b, 12)
+    toks, logits = steps(b, 12)
     b.feed([5, 6, 7])
-    toks2, logits2 = _steps(b, 6)
+    toks2, logits2 = steps(b, 6)
     assert toks == ref_toks and toks2 == ref_toks2
     assert all(np.array_equal(x, y) for x, y in zip(logits, ref_logits))
     assert all(np.array_equal(x, y) for x, y in zip(logits2, ref_logits2))
     if sampling.temperature:
         # The continuation is really sampled: a fresh RNG would have diverged.
         c = LiveSession.resume(make(), sessions.read("chat"), "alice", sampling=SAMPLED)
-        assert _steps(c, 12)[0] != ref_toks
+        assert steps(c, 12)[0] != ref_toks
 
 
 def test_resume_on_a_tiered_engine_is_bit_identical(model, sessions):
     a = LiveSession.start(engine_factory(model)(), SAMPLED, "alice")
     a.feed(_prompt(40, 1))
     sessions.save("chat", a.state())
-    ref = _steps(a, 8)
+    ref = steps(a, 8)
     tiered = Engine(engine_factory(model)().consumer, cache_fraction=0.3)
     b = LiveSession.resume(tiered, sessions.read("chat"), "alice")
-    got = _steps(b, 8)
+    got = steps(b, 8)
     assert tiered.stats().misses > tiered.stats().n_slots  # it really streamed experts
     assert got[0] == ref[0] and all(np.array_equal(x, y) for x, y in zip(got[1], ref[1]))
 
@@ -100,7 +84,7 @@ def test_resume_in_another_process(make, sessions, tmp_path):
     a.feed(_prompt(100, 2))
     a.generate(5)
     sessions.save("chat", a.state())
-    ref_toks, ref_logits = _steps(a, 10)
+    ref_toks, ref_logits = steps(a, 10)
     out, frozen = tmp_path / "child.npz", tmp_path / "model.pkl"
     frozen.write_bytes(pickle.dumps(freeze_consumer(a.engine.consumer)))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
