@@ -110,6 +110,32 @@ def test_engine_lru_matches_the_replay_for_top_2(n_slots, rows):
     assert np.array_equal(got, want)
 
 
+def _hits_per_acquire(eng, stream: bool, text) -> tuple[list[int], int]:
+    """Decode ``text`` token by token on ``eng``; the hits of each of its cache's layer
+    acquires, in order, and its slot count (the engine is closed after)."""
+    cache = eng.cache
+    per_call: list[int] = []
+    # Decoding acquires through acquire_streamed (which the plain acquire also calls on
+    # the streaming cache): count each layer's hits there, once per call.
+    name = "acquire_streamed" if stream else "acquire"
+    acquire = getattr(cache, name)
+
+    def counting(layer, ex):
+        before = cache.hits
+        out = acquire(layer, ex)
+        per_call.append(cache.hits - before)
+        return out
+
+    setattr(cache, name, counting)
+    try:
+        for b in text:
+            eng.decode(b)
+        cache.check()
+        return per_call, cache.n_slots
+    finally:
+        eng.close()
+
+
 def _grouped_lru_hits(experts: np.ndarray, n_slots: int, n_experts: int = E) -> np.ndarray:
     """Hits per layer group of an LRU that serves a group's resident experts first."""
     from collections import OrderedDict
@@ -177,27 +203,7 @@ def test_engine_lru_at_a_tight_budget_is_the_hits_first_replay(stdlib_trace, str
         cache_fraction=0.125,
         options=EngineOptions(policy="lru", stream=stream, prefetch=False),
     )
-    cache = eng.cache
-    per_call: list[int] = []
-    # Decoding acquires through acquire_streamed (which the plain acquire also calls on
-    # the streaming cache): count each layer's hits there, once per call.
-    name = "acquire_streamed" if stream else "acquire"
-    acquire = getattr(cache, name)
-
-    def counting(layer, ex):
-        before = cache.hits
-        out = acquire(layer, ex)
-        per_call.append(cache.hits - before)
-        return out
-
-    setattr(cache, name, counting)
-    try:
-        for b in text:
-            eng.decode(b)
-        cache.check()
-        n_slots = cache.n_slots
-    finally:
-        eng.close()
+    per_call, n_slots = _hits_per_acquire(eng, stream, text)
     want = _grouped_lru_hits(experts, n_slots, n_experts)
     assert np.array_equal(np.array(per_call), want)
     assert want.sum() > 0 and (want < experts.shape[2]).sum() > 0
@@ -427,26 +433,8 @@ def test_engine_nextuse_at_a_tight_budget_is_its_replay(stdlib_trace, stream):
         cache_fraction=0.125,
         options=EngineOptions(policy="nextuse", stream=stream, prefetch=False),
     )
-    cache = eng.cache
-    assert isinstance(cache.policy, NextUsePolicy)
-    per_call: list[int] = []
-    name = "acquire_streamed" if stream else "acquire"
-    acquire = getattr(cache, name)
-
-    def counting(layer, ex):
-        before = cache.hits
-        out = acquire(layer, ex)
-        per_call.append(cache.hits - before)
-        return out
-
-    setattr(cache, name, counting)
-    try:
-        for b in text:
-            eng.decode(b)
-        cache.check()
-        n_slots = cache.n_slots
-    finally:
-        eng.close()
+    assert isinstance(eng.cache.policy, NextUsePolicy)
+    per_call, n_slots = _hits_per_acquire(eng, stream, text)
     want = replay.nextuse(experts, n_experts, n_slots).reshape(-1, experts.shape[2]).sum(axis=1)
     assert np.array_equal(np.array(per_call), want)
     assert want.sum() > 0 and (want < experts.shape[2]).sum() > 0
