@@ -280,6 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--md", default=str(HERE / "SCALE.md"))
     ap.add_argument("--no-llama", action="store_true", help="czyx alone (llama.cpp not built)")
+    ap.add_argument(
+        "--prefetch-evicts", action="store_true", help="czyx: predictions may evict (the option)"
+    )
     ap.add_argument("--stats-tokens", type=int, default=256)
     ap.add_argument(
         "--rounds", type=int, default=1, help="interleaved rounds; each row is its median round"
@@ -313,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     ]
     llama = ["--engine", "llama", "--model", str(gguf), *common]
     czyx = ["--engine", "czyx", "--store", str(store), "--tag", a.tag, *common]
+    if a.prefetch_evicts:
+        czyx.append("--prefetch-evicts")
     blocks = sorted(p for p in store.rglob("*") if p.is_file() and p.stat().st_size > 1 << 20)
     files = [gguf, *blocks]
     stored = gguf.stat().st_size
