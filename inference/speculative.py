@@ -240,7 +240,9 @@ class DraftLength:
     again (twice as rarely after each probe rejected, down to one in eight times
     that). The first :data:`PLAIN_FIRST` steps are plain ones (they measure the
     plain step's time), and so is every :data:`REMEASURE_EVERY`-th step that would
-    draft.
+    draft. :attr:`probing` tells a decode loop that the length it was given is a
+    probe: drafts the measurements say do not pay, there only to measure the
+    acceptance again, which :func:`speculative_decode` verifies one token at a time.
 
     ``measure=False`` keeps ``r`` at ``cost`` and ignores times: the lengths then
     follow the acceptances alone (a seeded sampled run is reproducible; with
@@ -276,6 +278,11 @@ class DraftLength:
         self._rows: collections.deque[float] = collections.deque(maxlen=WINDOW)
 
     @property
+    def probing(self) -> bool:
+        """Whether the last length :meth:`next` gave was a probe."""
+        return self._probing
+
+    @property
     def acceptance(self) -> float:
         """The measured per-token acceptance (the prior before any draft)."""
         return self._ok / (self._ok + self._bad)
@@ -292,6 +299,7 @@ class DraftLength:
 
     def next(self) -> int:
         """This step's draft length."""
+        self._probing = False  # (a probe the drafter had no tokens for is not pending)
         if not self.adaptive:
             return self.most
         if self.measure and len(self._plains) < PLAIN_FIRST:
@@ -316,7 +324,8 @@ class DraftLength:
 
     def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         """Count a step's outcome: ``accepted`` of ``drafted`` (a prefix) accepted, in
-        ``seconds`` (drafting, forward pass and choices) where measured."""
+        ``seconds`` (drafting, forward pass and choices) where measured: a step whose
+        drafts were verified in one batched step, the only kind whose time prices a row."""
         if drafted <= 0:
             return
         if self._probing:  # back off while probes fail
@@ -436,6 +445,10 @@ def speculative_decode(
     and the drafts in one step (:meth:`Engine.verify`), keeps the accepted prefix
     and the token chosen at the first rejection (or after the last draft) and
     rolls the KV cache back to them. No drafts: a plain :meth:`Engine.decode`.
+    A probe (:attr:`DraftLength.probing`: drafts the measured acceptance and row
+    cost say do not pay) is verified one token at a time, each draft decoded only
+    once its predecessor was accepted: a rejected probe then costs what a plain
+    step does, where a batched step would have paid for rows it throws away.
     Stops after an end-of-sequence id or ``max_tokens``; the last token is left
     pending (unprocessed), as without speculation.
     """
@@ -471,7 +484,8 @@ def speculative_decode(
                 break
             continue
         base = engine.position  # the pending token's position
-        if batched:
+        one_step = batched and not spec.length.probing
+        if one_step:
             rows = engine.verify([pending, *drafts])
         else:
             rows = [engine.decode(pending)]
@@ -486,14 +500,14 @@ def speculative_decode(
             if stop:  # the run ends on this draft: left unprocessed, as a pending token is
                 break
             keep += 1
-            if not batched:  # the next draft's logits, now that this one is in
+            if not one_step:  # the next draft's logits, now that this one is in
                 rows.append(engine.decode(d))
         if accepted == len(drafts) and not stop:
             tok = sampler(rows[accepted])  # every draft accepted: one more token
             stop = emit(tok)
         if engine.position > keep:
             engine.rollback(keep)
-        spec.length.update(len(drafts), accepted, clock() - t0)
+        spec.length.update(len(drafts), accepted, clock() - t0 if one_step else None)
         spec.steps.append((len(drafts), accepted))
         pending = tok
         if stop:

@@ -91,9 +91,11 @@ def test_draft_length_follows_the_acceptance() -> None:
     assert dl.acceptance < 0.1 and dl.best() == 0
     ks = [dl.next() for _ in range(PROBE_EVERY)]
     assert ks == [0] * (PROBE_EVERY - 1) + [1]  # a probe after PROBE_EVERY idle steps
+    assert dl.probing
     dl.update(1, 0)  # rejected: the next probe comes twice as late
     ks = [dl.next() for _ in range(2 * PROBE_EVERY)]
-    assert ks == [0] * (2 * PROBE_EVERY - 1) + [1]
+    assert ks == [0] * (2 * PROBE_EVERY - 1) + [1] and dl.probing
+    assert dl.next() == 0 and not dl.probing  # a probe with no drafts is not pending
     assert DraftLength(3, adaptive=False).next() == 3
     with pytest.raises(ValueError):
         DraftLength(0)
@@ -272,6 +274,34 @@ def test_sampled_tokens_keep_their_distribution(bundled) -> None:
     assert wrong > _chi2_critical(wdf) or any(
         counts.get(c, 0) and keep_all.get(c, 0.0) == 0 for c in exact
     )
+
+
+def test_probes_are_verified_one_token_at_a_time(bundled, monkeypatch) -> None:
+    """Drafts the length says do not pay (probes) are decoded one by one, each only after
+    its predecessor was accepted, so a rejected probe costs a plain step; drafts that
+    pay go through one batched step. The tokens are those without drafts either way."""
+    _, eng = bundled
+    prompt = list(b"def parse(line):\n    return line.split(")
+    n = 3 * PROBE_EVERY
+    want, _ = generate_ids(eng, prompt, n)
+    steps = []
+    verify = eng.verify
+    monkeypatch.setattr(eng, "verify", lambda ids: steps.append(len(ids)) or verify(ids))
+    for cost, probes in ((5.0, True), (0.01, False)):
+        steps.clear()
+        # measure=False: the length follows the acceptance and this fixed row cost.
+        spec = Speculator(
+            Replay(prompt + want, eng.cfg.vocab_size), DraftLength(4, cost=cost, measure=False)
+        )
+        got, stats = generate_ids(eng, prompt, n, speculate=spec)
+        assert got == want
+        drafting = [d for d, _ in spec.steps if d]
+        assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted
+        if probes:  # a row dearer than the step: only probes, one draft each, no batch
+            assert drafting == [1] * len(drafting) and steps == []
+        else:  # every drafting step one batched verification of the pending token + drafts
+            assert steps == [d + 1 for d in drafting]
+        assert eng.position == len(prompt) + n - 1  # the last token left pending
 
 
 def test_verify_rows_are_one_token_decodes(bundled) -> None:
