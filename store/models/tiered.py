@@ -128,9 +128,11 @@ class TieredModel:
         self.info = replace(hi, expert_slot_nbytes=max(self.strides))
         self.tier = np.full((hi.n_layers, hi.n_experts), HIGH, np.int8)
         self._versions = (high, low)
-        # Where the low version's block indices start among the files handed to the
-        # store's reads (set by open_expert_reads: one addition per low fetch, no lookup).
-        self._low_block0 = 0
+        # Where the low version's block indices start among both versions' files (those
+        # handed to the store's reads, expert_fds, expert_block_paths): one addition per
+        # low fetch, no lookup.
+        fds = self._fds()
+        self._low_block0 = fds[1] if fds is not None else 0
 
     # ------------------------------------------------------------------ the tier map
 
@@ -187,6 +189,12 @@ class TieredModel:
             raise NotImplementedError("a tier version has no block files")
         return fds[0]
 
+    def expert_block_paths(self) -> list[str]:
+        """Both versions' block files, indexed as :meth:`expert_fds` (the low version's
+        after the high's)."""
+        paths = [v.expert_block_paths() for v in self._versions]  # type: ignore[attr-defined]
+        return paths[0] + paths[1]
+
     def read_expert(self, layer: int, router_byte: int, slot: np.ndarray) -> None:
         """Read one expert, verified, from the version its tier names."""
         t = int(self.tier[layer, router_byte])
@@ -208,7 +216,6 @@ class TieredModel:
         """The store's expert reads over both versions' block files (or, where a version
         has none, through :meth:`read_expert`)."""
         fds = self._fds()
-        self._low_block0 = fds[1] if fds is not None else 0
         return ExpertReads(
             slots,
             self.expert_extent,

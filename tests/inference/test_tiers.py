@@ -263,6 +263,20 @@ def test_stored_versions_open_as_tiers_and_refuse_other_pairs(store, monkeypatch
         assert not low._trunk and not low._packed and not low._lazy
         assert low.trunk_digest() == high.trunk_digest()
         info = tiered.info
+        # Each expert's extent, read from the file its block index names, is the bytes its
+        # tier's version reads (the low version's blocks after the high version's).
+        paths = tiered.expert_block_paths()
+        assert len(paths) == len(tiered.expert_fds()) == len(set(paths))
+        tiered.tier[0, 1] = 1 - HIGH
+        for e in (0, 1):
+            ext = tiered.expert_extent(0, e)
+            with open(paths[ext.block], "rb") as fh:
+                fh.seek(ext.offset)
+                raw = np.frombuffer(fh.read(ext.length), np.uint8)
+            slot = np.zeros(info.expert_slot_nbytes, np.uint8)
+            tiered.read_expert(0, e, slot)
+            assert np.array_equal(slot[: ext.length], raw), e
+        tiered.tier[0, 1] = HIGH
         _, _, eng = _run(tiered, EngineOptions(tiers="q4,q2:0.5"), _hot(info),
                          cache_bytes=4 * info.expert_slot_nbytes)  # fmt: skip
         assert eng.cache.tier_reads.min() > 0
