@@ -21,8 +21,12 @@ stored (so the two are tiers of one model)::
    (``bench/_rs_run.py``) of ``store/models/mount.py``, as ``bench/bench_scale.py``.
 
 Reported: decode tok/s (median over rounds, and each round's ratio against pure q4
-in the same round), expert MiB read per token, hit rate, slots, the group's peak
-and OOM kills, load averages. The tiers' quality cost is measured on the trained
+in the same round), expert MiB read per token, hit rate, the time per token the
+decoding thread was blocked on reads (exposed wait) and the time the same bytes take
+to read without compute (the read half of the overlap bound), slots, the group's
+peak and OOM kills, load averages; beside them, in the same rounds, pure q4 and pure
+q2 resident (uncapped, every expert read first): their compute alone, the other half
+of the bound. The tiers' quality cost is measured on the trained
 bundled model (``bench/TIERS.md``: random real-shape weights have no quality).
 
 Run: ``python bench/bench_tiers_realshape.py --out DIR`` (writes ``--md``,
@@ -74,7 +78,7 @@ def row(label: str, runs: list[dict], base: list[dict]) -> str:
     ok = [r for r in runs if r.get("rc") == 0]
     if not ok:
         why = runs[0].get("stderr", "").strip().splitlines()[-1:] if runs else ["not run"]
-        return f"| {label} | failed: {why[0] if why else '?'} |" + " |" * 9
+        return f"| {label} | failed: {why[0] if why else '?'} |" + " |" * 12
     rate = statistics.median(r["decode_tok_s"] for r in ok)
     per = [
         r["decode_tok_s"] / b["decode_tok_s"]
@@ -86,9 +90,18 @@ def row(label: str, runs: list[dict], base: list[dict]) -> str:
     hit = statistics.median(r["hit_rate"] for r in ok)
     peak = max(r.get("group_peak", 0) for r in ok) / 2**20
     kills = sum(r.get("oom_kills", 0) for r in runs)
+
+    def per_token_ms(key: str) -> str:
+        if not all(key in r for r in ok):
+            return "-"
+        return f"{statistics.median(1e3 * r[key] / r['n_decode'] for r in ok):.1f}"
+
     return (
         f"| {label} | {rate:.2f} | {rate / base_rate:.2f}x | "
-        f"{', '.join(f'{p:.2f}' for p in per)} | {mib:.1f} | {hit:.3f} | {ok[0]['slots']} | "
+        f"{', '.join(f'{p:.2f}' for p in per)} | "
+        f"{statistics.median(1e3 * r['decode_s'] / r['n_decode'] for r in ok):.1f} | "
+        f"{per_token_ms('exposed_wait_s')} | {per_token_ms('raw_read_s')} | "
+        f"{mib:.1f} | {hit:.3f} | {ok[0]['slots']} | "
         f"{ok[0]['budget_bytes'] / 2**20:.0f} | {peak:.0f} | {kills} |"
     )
 
@@ -106,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--profile-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--policy", default=None, help="eviction policy (default: the engine's)")
     ap.add_argument("--md", default=str(HERE / "TIERS-realshape.md"))
     a = ap.parse_args(argv)
     command = "python bench/bench_tiers_realshape.py " + shlex.join(
@@ -127,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     load0, t0 = load(), time.perf_counter()
     common = [
         "--engine", "czyx", "--store", str(store), "--vocab", str(shape["vocab"]),
-        "--threads", str(a.threads), "--default-budget",
+        "--threads", str(a.threads), *(["--policy", a.policy] if a.policy else []),
+        "--default-budget",
     ]  # fmt: skip
     profile = Path(f"/tmp/czyx-tiers-profile-{os.getpid()}.json")
     prof = run(
@@ -141,21 +156,27 @@ def main(argv: list[str] | None = None) -> int:
         "--text", str(TEXT), "--prompt", str(a.prompt), "--warmup", str(a.warmup),
         "--tokens", str(a.tokens), "--hot", str(profile),
     ]  # fmt: skip
-    configs = [("pure q4", [*common, "--tag", a.high, *timed])]
+    capped = [*common, *timed, "--bound"]
+    configs = [("pure q4", [*capped, "--tag", a.high])]
     configs += [
         (
             f"tiers {high_ver},{low_ver}:{f:g}",
-            [*common, "--tag", a.high, *timed, "--tiers", f"{high_ver},{low_ver}:{f:g}"],
+            [*capped, "--tag", a.high, "--tiers", f"{high_ver},{low_ver}:{f:g}"],
         )
         for f in a.fractions
     ]
-    configs.append(("pure q2", [*common, "--tag", a.low, *timed]))
+    configs.append(("pure q2", [*capped, "--tag", a.low]))
+    # Compute alone: every expert read before the first token, no cap (cache_fraction 1).
+    resident = [*common[:-1], *timed, "--prewarm"]
+    configs += [(f"pure {v}, resident", [*resident, "--tag", t]) for v, t in
+                ((high_ver, a.high), (low_ver, a.low))]  # fmt: skip
     results: dict[str, list[dict]] = {label: [] for label, _ in configs}
     for rnd in range(a.rounds):
         k = rnd % len(configs)
         for label, args in configs[k:] + configs[:k]:
             evict(files)
-            res = run(args, cap, label.replace(" ", "-").replace(",", "-"))
+            group = None if label.endswith("resident") else cap
+            res = run(args, group, label.replace(" ", "-").replace(",", ""))
             results[label].append(res)
             rate = res.get("decode_tok_s", float("nan"))
             print(f"round {rnd + 1} {label}: rc {res.get('rc')} {rate:.2f} tok/s", flush=True)
@@ -189,9 +210,16 @@ def main(argv: list[str] | None = None) -> int:
         'rounds, "per round" each round\'s ratio against pure q4 in the same round. '
         "Quality (KL, top-1 agreement, NLL on the trained bundled model): `bench/TIERS.md`.",
         "",
-        "| config | decode tok/s | vs pure q4 | per round | expert MiB per token | hit rate "
-        "| slots | slot MiB | group peak MiB | OOM kills |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "Per token: ms of decode; ms the decoding thread waited on expert reads (exposed "
+        "wait); ms the run's own reads take alone (`bench/_rs_run.py --bound`: the same "
+        "extents read O_DIRECT in a row after the run, no compute). The resident rows run "
+        "uncapped with every expert read first: the compute half of the overlap bound "
+        "max(read, compute).",
+        "",
+        "| config | decode tok/s | vs pure q4 | per round | ms per token | exposed read "
+        "wait ms | read alone ms | expert MiB per token | hit rate | slots | slot MiB | group "
+        "peak MiB | OOM kills |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *(row(label, results[label], base) for label, _ in configs),
         "",
     ]
