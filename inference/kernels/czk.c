@@ -826,6 +826,14 @@ CZK_AVX2 static inline __attribute__((always_inline)) void czk_mterm_nv(
     for (int v = 0; v < NV; v++) out[v] = czk_hsum8(_mm256_add_ps(lo[v], hi[v]));
 }
 
+/* The 32 two-bit codes of 8 bytes, one byte each, in column order (czk_pair_avx2). */
+CZK_AVX2 static inline __m256i czk_q2_lanes(const uint8_t *b) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+    v = _mm256_or_si256(v, _mm256_slli_epi32(v, 6));
+    v = _mm256_or_si256(v, _mm256_slli_epi32(v, 12));
+    return _mm256_and_si256(v, _mm256_set1_epi8(3));
+}
+
 /* Codes of the pair p as two 32-byte halves in input order (see czk_pair_codes). */
 CZK_AVX2 static inline void czk_pair_avx2(const uint8_t *c, int bits, int64_t p, int full,
                                           __m256i *lo, __m256i *hi) {
@@ -842,22 +850,12 @@ CZK_AVX2 static inline void czk_pair_avx2(const uint8_t *c, int bits, int64_t p,
         *lo = _mm256_and_si256(v, m4);
         *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
     } else if (bits == 2) {
-        /* Byte j holds codes 4j .. 4j + 3 at bits 0, 2, 4, 6: each shift's codes masked
-         * out, then interleaved back into column order (czk_pair_codes' bytes). */
-        const __m128i v = full ? _mm_loadu_si128((const __m128i *)(c + 16 * p))
-                               : _mm_loadl_epi64((const __m128i *)(c + 16 * p));
-        const __m128i m2 = _mm_set1_epi8(3);
-        const __m128i t0 = _mm_and_si128(v, m2), t1 = _mm_and_si128(_mm_srli_epi16(v, 2), m2);
-        const __m128i t2 = _mm_and_si128(_mm_srli_epi16(v, 4), m2);
-        const __m128i t3 = _mm_and_si128(_mm_srli_epi16(v, 6), m2);
-        const __m128i a = _mm_unpacklo_epi8(t0, t1), b = _mm_unpacklo_epi8(t2, t3);
-        *lo = _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
-        if (full) {
-            const __m128i e = _mm_unpackhi_epi8(t0, t1), f = _mm_unpackhi_epi8(t2, t3);
-            *hi = _mm256_set_m128i(_mm_unpackhi_epi16(e, f), _mm_unpacklo_epi16(e, f));
-        } else {
-            *hi = _mm256_setzero_si256();
-        }
+        /* Byte j holds codes 4j .. 4j + 3 at bits 0, 2, 4, 6. Widened to 32-bit lane j
+         * and ORed with its copies shifted by 6 and 12 (so by 6, 12 and 18), code 4j + i
+         * lands at bits 8i, 8i + 1: masked, the lanes' bytes are the codes in column
+         * order (czk_pair_codes' bytes) without a shuffle. */
+        *lo = czk_q2_lanes(c + 16 * p);
+        *hi = full ? czk_q2_lanes(c + 16 * p + 8) : _mm256_setzero_si256();
     } else {
         uint8_t u[64];
         czk_pair_codes(c, bits, p, full, u);
