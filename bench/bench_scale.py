@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--prefetch-evicts", action="store_true", help="czyx: predictions may evict (the option)"
     )
+    ap.add_argument("--policy", default=None, help="czyx: eviction policy (default: the engine's)")
     ap.add_argument("--stats-tokens", type=int, default=256)
     ap.add_argument(
         "--rounds", type=int, default=1, help="interleaved rounds; each row is its median round"
@@ -318,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     czyx = ["--engine", "czyx", "--store", str(store), "--tag", a.tag, *common]
     if a.prefetch_evicts:
         czyx.append("--prefetch-evicts")
+    if a.policy:
+        czyx += ["--policy", a.policy]
     blocks = sorted(p for p in store.rglob("*") if p.is_file() and p.stat().st_size > 1 << 20)
     files = [gguf, *blocks]
     stored = gguf.stat().st_size
@@ -377,7 +380,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{shape['top_k']}, hidden {shape['hidden']}, expert intermediate {shape['inter']}, "
         f"vocab {shape['vocab']}. llama.cpp: `{gguf.name}` ({stored / 2**20:.0f} MiB, mmap); "
         f"czyx: `{a.tag}` ({a.format} experts and matrices, routers float; O_DIRECT slot "
-        f"cache, predictions into free slots, the per-expert pipeline; capped slots: "
+        f"cache, eviction policy {a.policy or 'the default'}, predictions "
+        f"{'that may evict' if a.prefetch_evicts else 'into free slots'}, the per-expert "
+        "pipeline; capped slots: "
         f"{slots}).{same} {a.prompt}-token prompt, "
         f"{a.warmup} untimed then "
         f"{a.tokens} timed teacher-forced decode tokens (the resident czyx run prewarms every "
