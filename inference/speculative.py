@@ -142,9 +142,15 @@ class PromptLookup:
         h.extend(history[seen:])
         # A continuation starting at e (< len(h)) follows the n-gram h[e-n:e]; the
         # tail's own n-grams (e == len(h)) have none yet and are indexed next time.
-        for e in range(max(seen, 1), len(h)):
-            for n in range(1, min(self.ngram, e) + 1):
-                self._index[n][tuple(h[e - n : e])] = e
+        # Per length, the new positions' n-grams in one update (zip of n shifted
+        # slices: a prompt of a thousand tokens is indexed in about a decode step), in
+        # increasing e, so the latest continuation wins.
+        end = len(h)
+        for n in range(1, self.ngram + 1):
+            lo = max(seen, n)
+            if lo < end:
+                grams = zip(*(h[lo - n + i : end - n + i] for i in range(n)))
+                self._index[n].update(zip(grams, range(lo, end)))
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest match of the history's tail."""

@@ -9,6 +9,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from czyx.inference.engine import Engine
 from czyx.inference.generate import generate_ids
@@ -66,6 +68,35 @@ def test_prompt_lookup_takes_the_latest_longest_match() -> None:
     assert PromptLookup(2).propose([5, 6, 8, 0, 6, 9, 5, 6], 1) == [8]
     with pytest.raises(ValueError, match="ngram"):
         PromptLookup(0)
+
+
+def _latest_match(history: list[int], ngram: int, k: int) -> list[int]:
+    """Prompt lookup by brute force: the latest earlier occurrence of the longest tail."""
+    size = len(history)
+    if size < 2 or k <= 0:
+        return []
+    for n in range(min(ngram, size - 1), 0, -1):
+        for e in range(size - 1, n - 1, -1):
+            if history[e - n : e] == history[size - n :]:
+                return history[e : e + k]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ngram=st.integers(1, 4),
+    chunks=st.lists(st.lists(st.integers(0, 3), max_size=12), min_size=1, max_size=8),
+    k=st.integers(0, 5),
+    restart=st.integers(0, 8),
+)
+def test_prompt_lookup_is_the_latest_longest_match_for_all_histories(ngram, chunks, k, restart):
+    """For every history grown chunk by chunk (and one started afresh), the indexed
+    drafts are the brute-force search's."""
+    look = PromptLookup(ngram)
+    history: list[int] = []
+    for i, chunk in enumerate(chunks):
+        history = list(chunk) if i == restart else history + chunk
+        assert look.propose(history, k) == _latest_match(history, ngram, k)
 
 
 def test_prompt_lookup_reindexes_a_history_that_is_not_an_extension() -> None:
