@@ -127,6 +127,7 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
             prefetch_evicts=a.prefetch_evicts,
             tiers=a.tiers,
             **({"policy": a.policy} if a.policy else {}),
+            **({"lookahead": a.lookahead} if a.lookahead is not None else {}),
         )
         kw = {"cache_bytes": a.cache_mb << 20} if a.cache_mb else {"cache_fraction": 1.0}
         if a.default_budget:  # the engine's own choice: what fits this process's memory
@@ -281,6 +282,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-prefetch", action="store_true")
     ap.add_argument("--prefetch-evicts", action="store_true", help="czyx: predictions may evict")
     ap.add_argument("--policy", default=None, help="czyx: eviction policy (default: the engine's)")
+    ap.add_argument(
+        "--lookahead",
+        type=int,
+        default=None,
+        help="czyx: layers predicted ahead (0: early only)",
+    )
     ap.add_argument("--greedy", action="store_true")
     ap.add_argument("--warmup", type=int, default=0, help="untimed decode tokens first")
     ap.add_argument("--prewarm", action="store_true", help="czyx: read every expert first")

@@ -2,13 +2,16 @@
 
 Runs ``bench/_rs_run.py`` on a ``bench/realshape.py gen`` directory (no memory cap: the
 slot budget is the constraint), each run a fresh process with the model's files evicted
-first, for each ``--budgets`` value (MiB of expert slots) and three prefetch modes:
+first, for each ``--budgets`` value (MiB of expert slots) and the prefetch modes:
 
 - ``demand``: no prediction (``--no-prefetch``), every read on demand;
 - ``fill``: the engine's default, predictions read into free slots only (they warm the
   cache up and stop once it is full);
 - ``evict``: ``--prefetch-evicts``, a prediction may evict a resident expert (the
-  default before this bench).
+  default before this bench);
+- ``early-evict``: evicting predictions from early routing alone (each layer's router
+  on the residual stream entering it, read while its attention runs; no look-ahead);
+- ``nextuse``: ``fill`` with the ``nextuse`` eviction policy instead of the default.
 
 Every decode is the per-expert pipeline (a layer's resident experts are computed while
 its reads land). Per run: decode tokens/s, expert bytes read per token, and the overlap
@@ -41,6 +44,8 @@ MODES = {
     "fill": [],
     "evict": ["--prefetch-evicts"],
     "fill-uring": ["--io", "io_uring"],  # fill, the reads through io_uring, not preadv
+    "early-evict": ["--prefetch-evicts", "--lookahead", "0"],
+    "nextuse": ["--policy", "nextuse"],
 }
 
 
