@@ -142,9 +142,9 @@ class PromptLookup:
         h.extend(history[seen:])
         # A continuation starting at e (< len(h)) follows the n-gram h[e-n:e]; the
         # tail's own n-grams (e == len(h)) have none yet and are indexed next time.
-        # Per length, the new positions' n-grams in one update (zip of n shifted
-        # slices: a prompt of a thousand tokens is indexed in about a decode step), in
-        # increasing e, so the latest continuation wins.
+        # Per length, the new positions' n-grams in one update (a zip of n shifted
+        # slices, not a Python loop per position: a whole prompt is indexed before the
+        # second token), in increasing e, so the latest continuation wins.
         end = len(h)
         for n in range(1, self.ngram + 1):
             lo = max(seen, n)
