@@ -7,8 +7,8 @@
    offline attenuation;
 3. generate a continuation of a Python prompt through the tenant's portal with
    the expert cache at a quarter of the expert bytes, streaming the text
-   (eviction: decaying frequency, :data:`DEMO_POLICY`, which beats LRU at this
-   budget in ``bench/bench_policies.py``);
+   (eviction: :data:`DEMO_POLICY`, the engine's default, the expected next use,
+   which reads fewer bytes than decaying frequency and LRU in ``bench/BELADY.md``);
 4. report tokens/s, hit rate, bytes read per token and exposed I/O wait, with
    the same run at a full cache for comparison;
 5. suggest the next commands.

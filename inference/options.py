@@ -76,7 +76,7 @@ class EngineOptions:
         default): one version. Changes the outputs: opt-in.
     """
 
-    policy: str = "decay"
+    policy: str = "nextuse"
     stream: bool = True
     io: str | None = None
     readers: int = 2

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from czyx.inference.demo import run_demo
+from czyx.inference.options import EngineOptions
 
 
 def test_demo_end_to_end(tmp_path):
@@ -26,9 +27,10 @@ def test_demo_end_to_end(tmp_path):
     # quarter cache at most once per slot (it is full after the prompt).
     assert full.prefetch_reads > 0 and 0.0 < full.prefetch_recall <= 1.0
     assert tiered.prefetch_reads <= tiered.n_slots
-    # Both runs evict by decaying frequency, and the narration says so.
-    assert tiered.policy == full.policy == "decay"
-    assert "eviction: decaying frequency" in text
+    # Both runs evict by the engine's default (the expected next use), and the narration
+    # says so.
+    assert tiered.policy == full.policy == EngineOptions().policy == "nextuse"
+    assert "eviction: the farthest expected next use" in text
     for needle in ("1. mount", "2. grant", "refused", "3. generate", "4. report", "5. next"):
         assert needle in text
 

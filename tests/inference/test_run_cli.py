@@ -29,7 +29,7 @@ def test_run_help_lists_the_issue_options():
     assert "decay" in out and "slru" in out
 
 
-def test_run_defaults_to_decay_eviction():
+def test_run_defaults_to_nextuse_eviction():
     import argparse
 
     from czyx.cli.commands import run as run_cmd
@@ -37,9 +37,9 @@ def test_run_defaults_to_decay_eviction():
     sub = argparse.ArgumentParser().add_subparsers()
     run_cmd.register(sub)
     parse = sub.choices["run"].parse_args
-    assert parse(["m@1", "--prompt", "x"]).policy == "decay"
+    assert parse(["m@1", "--prompt", "x"]).policy == "nextuse"
     assert parse(["m@1", "--prompt", "x", "--policy", "lru"]).policy == "lru"
-    assert parse(["m@1", "--prompt", "x", "--policy", "nextuse"]).policy == "nextuse"
+    assert parse(["m@1", "--prompt", "x", "--policy", "decay"]).policy == "decay"
 
 
 def test_cache_budget_flags_are_exclusive():
