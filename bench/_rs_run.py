@@ -227,6 +227,22 @@ def belady_bytes(rec, n_timed: int, n_slots: int, eng) -> int:
     return misses * int(eng.cache.slot_nbytes)
 
 
+def device_busy(spans: list[tuple[int | None, int | None]]) -> tuple[float, float]:
+    """Seconds during which at least one read of ``spans`` (start, end ns) was in flight,
+    and the mean number in flight over them."""
+    done = [(a, b) for a, b in spans if a is not None and b is not None]
+    events = sorted([(a, 1) for a, _ in done] + [(b, -1) for _, b in done])
+    busy = area = depth = 0
+    last = None
+    for t, d in events:
+        if last is not None and depth > 0:
+            busy += t - last
+            area += depth * (t - last)
+        depth += d
+        last = t
+    return busy / 1e9, area / busy if busy else 0.0
+
+
 def bound_figures(consumer, transfers, t0_ns: int) -> dict:
     """The read half of the overlap bound, timed on the run's own extents (see the docstring)."""
     from czyx.store.io.reader import RawReader, aligned_empty
@@ -234,6 +250,9 @@ def bound_figures(consumer, transfers, t0_ns: int) -> dict:
     window = [t for t in transfers if t.t_request >= t0_ns and t.error is None]
     exts = [consumer.expert_extent(t.layer, t.expert) for t in window]
     exposed = sum(t.exposed_ns for t in window) / 1e9
+    busy, in_flight = device_busy(
+        [(t.read.t_start, t.read.t_complete) for t in window if t.read is not None]
+    )
     leads = [(t.t_first_use - t.t_request) / 1e3 for t in window if t.t_first_use is not None]
     raw = raw_cpu = 0.0
     if exts:
@@ -258,6 +277,8 @@ def bound_figures(consumer, transfers, t0_ns: int) -> dict:
         "raw_read_s": raw,
         "raw_read_cpu_s": raw_cpu,  # the reading thread's CPU: what a read costs a core
         "exposed_wait_s": exposed,
+        "device_busy_s": busy,  # the run's own reads as they ran: time any was in flight
+        "reads_in_flight": in_flight,  # ... and how many were, on average over that time
         "lead_us_median": float(np.median(leads)) if leads else float("nan"),
         "lead_us_p10": float(np.percentile(leads, 10)) if leads else float("nan"),
     }

@@ -162,8 +162,9 @@ def report(a, shape, runs, residents, load0, load1, argv) -> list[str]:
         "",
         "| budget, mode | MB read / token | raw read ms / token | compute ms / token | "
         "bound ms | serial ms | actual ms | bound / actual (rounds) | exposed wait ms / token "
-        "| read lead us (median / p10) | bytes / Belady |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| device busy ms / token (reads in flight) | read lead us (median / p10) | "
+        "bytes / Belady |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mb in a.budgets:
         for mode in a.modes:

@@ -207,6 +207,8 @@ def bound_of(run_: dict, resident: dict) -> dict | None:
         "actual": actual,
         "fraction": max(read, compute) / actual,
         "exposed": run_["exposed_wait_s"] / n,
+        "busy": run_.get("device_busy_s", float("nan")) / n,
+        "in_flight": run_.get("reads_in_flight", float("nan")),
         "lead_med": run_["lead_us_median"],
         "lead_p10": run_["lead_us_p10"],
         "mb": run_["raw_read_bytes"] / n / 1e6,
@@ -218,13 +220,14 @@ def bound_rows(label: str, per_round: list[dict | None]) -> str:
     """A table row: the round with the median fraction, and every round's fraction."""
     got = sorted((b for b in per_round if b is not None), key=lambda b: b["fraction"])
     if not got:
-        return f"| {label} | failed | | | | | | | | | |"
+        return f"| {label} | failed | | | | | | | | | | |"
     b = got[(len(got) - 1) // 2]
     each = ", ".join(f"{x['fraction']:.2f}" for x in got)
     return (
         f"| {label} | {b['mb']:.1f} | {b['read'] * 1e3:.1f} | {b['compute'] * 1e3:.1f} | "
         f"{b['bound'] * 1e3:.1f} | {b['serial'] * 1e3:.1f} | {b['actual'] * 1e3:.1f} | "
         f"{b['fraction']:.2f} ({each}) | {b['exposed'] * 1e3:.1f} | "
+        f"{b['busy'] * 1e3:.1f} ({b['in_flight']:.2f}) | "
         f"{b['lead_med']:.0f} / {b['lead_p10']:.0f} | {b['vs_belady']:.2f} |"
     )
 
@@ -437,14 +440,18 @@ def main(argv: list[str] | None = None) -> None:
         "run read, re-read afterwards in its process with no compute; the resident run's "
         "compute time; the bound max(read, compute) and the serial sum; the run's own time; "
         "bound / own time (1: at the bound; the median round, then every round); the exposed "
-        "I/O wait; and how early each read was requested before its first use (median / 10th "
+        "I/O wait; the time the run's own reads kept the device busy (any in flight) and how "
+        "many were in flight on average then (the bound's read is one thread reading in a row; "
+        "a device that serves one stream faster than several shows it here); how early each "
+        "read was requested before its first use (median / 10th "
         "percentile, microseconds); the expert bytes the engine read over the timed tokens "
         "(prefetches included) over Belady's offline optimum on the run's own routing with "
         "its slot count.",
         "",
         "| run | MB read | read ms | compute ms | bound ms | serial ms | own ms | "
-        "bound / own | exposed wait ms | lead us (median / p10) | bytes / Belady |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "bound / own | exposed wait ms | device busy ms (reads in flight) | "
+        "lead us (median / p10) | bytes / Belady |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for j, (r, cap, _rl, _rc, _mb) in enumerate(capped):
         per = [bound_of(x[2][j][3], x[1]) for x in rounds]
