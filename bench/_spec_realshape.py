@@ -34,9 +34,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from czyx.inference.options import EngineOptions
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TEXT = ROOT / "store" / "models" / "mount.py"  # the text bench_scale.py feeds this model
+DEFAULT_POLICY = EngineOptions().policy  # the eviction policy when none is given
 
 
 def replay_keep(acceptance: float, k: int) -> float:
@@ -140,7 +143,6 @@ def run_child(a: argparse.Namespace) -> dict:
     from bench.realshape import text_ids
     from czyx.inference.engine import Engine
     from czyx.inference.opened import OpenedModel
-    from czyx.inference.options import EngineOptions
     from czyx.inference.speculative import DraftLength, Speculator
 
     ids = text_ids(Path(a.text).read_bytes(), a.vocab, a.prompt + a.warmup + a.tokens)
@@ -149,7 +151,9 @@ def run_child(a: argparse.Namespace) -> dict:
     configs = [("off", None), *[(f"replay p={p:.3f}", p) for p in a.keep]]
     runs = []
     with OpenedModel(a.store, a.tag, None) as model:
-        options = EngineOptions(io=a.io, readers=2, prefetch=a.prefetch == "on", policy=a.policy)
+        options = EngineOptions(
+            io=a.io, readers=2, prefetch=a.prefetch == "on", policy=a.policy or DEFAULT_POLICY
+        )
         eng = Engine(model.consumer, options=options, threads=a.threads)
         info = {
             "budget_bytes": eng.budget_bytes,
@@ -194,7 +198,7 @@ def run_capped(a: argparse.Namespace, rs_dir: Path, keep: list[float]) -> dict:
         *("--text", str(TEXT), "--prompt", str(a.rs_prompt), "--warmup", str(a.rs_warmup)),
         *("--tokens", str(a.rs_tokens), "--threads", str(a.rs_threads)),
         *("--rounds", str(a.rs_rounds), "--draft-tokens", str(a.draft_tokens)),
-        *("--prefetch", a.rs_prefetch, "--policy", a.rs_policy),
+        *("--prefetch", a.rs_prefetch, "--policy", a.rs_policy or DEFAULT_POLICY),
         *("--json", str(out), "--keep", *map(str, keep)),
     ]
     evict([gguf, *sorted(p for p in store.rglob("*.blk"))])
@@ -262,7 +266,7 @@ def report(res: dict, tgts: list[tuple[str, float, float]], a: argparse.Namespac
         f"`bench/realshape.py`'s {shape['arch']} shape, {shape['layers']} layers, "
         f"{shape['experts']} experts top-{shape['top_k']}, hidden {shape['hidden']}, expert "
         f"intermediate {shape['inter']}, vocab {shape['vocab']}; czyx `{a.rs_tag}` (q8) read "
-        f"O_DIRECT, prefetch {a.rs_prefetch}, eviction policy `{a.rs_policy}`, "
+        f"O_DIRECT, prefetch {a.rs_prefetch}, eviction policy `{a.rs_policy or DEFAULT_POLICY}`, "
         f"{a.rs_threads} kernel threads. The engine ran in "
         f"a cgroup v1 memory group capped at {res['cap'] / 2**20:.0f} MiB (the GGUF file's "
         f"{res['gguf_bytes'] / 2**20:.0f} MiB / {a.rs_ratio}; model files evicted from the "
@@ -330,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--keep", type=float, nargs="+", required=True)
     ap.add_argument("--io", default="direct")
     ap.add_argument("--prefetch", choices=["on", "off"], default="on")
-    ap.add_argument("--policy", default="decay", help="the slot cache's eviction policy")
+    ap.add_argument("--policy", default=None, help="eviction policy (default: the engine's)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     Path(a.json).write_text(json.dumps(run_child(a)))

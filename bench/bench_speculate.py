@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rs-rounds", type=int, default=3, help="realshape: rounds")
     ap.add_argument("--rs-prefetch", choices=["on", "off"], default="on")
     ap.add_argument(
-        "--rs-policy", default="decay", help="realshape: eviction policy (the engine's default)"
+        "--rs-policy", default=None, help="realshape: eviction policy (default: the engine's)"
     )
     ap.add_argument(
         "--rs-acceptances",
