@@ -122,12 +122,12 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
     with OpenedModel(a.store, a.tag, None, tiers=a.tiers) as model:
         opts = EngineOptions(
             io=a.io,
-            readers=2,
             prefetch=not a.no_prefetch,
             prefetch_evicts=a.prefetch_evicts,
             tiers=a.tiers,
             **({"policy": a.policy} if a.policy else {}),
             **({"lookahead": a.lookahead} if a.lookahead is not None else {}),
+            **({"readers": a.readers} if a.readers is not None else {}),
         )
         kw = {"cache_bytes": a.cache_mb << 20} if a.cache_mb else {"cache_fraction": 1.0}
         if a.default_budget:  # the engine's own choice: what fits this process's memory
@@ -300,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         "--default-budget", action="store_true", help="czyx: no budget given (the engine's default)"
     )
     ap.add_argument("--io", default="direct")
+    ap.add_argument("--readers", type=int, default=None, help="czyx: reader threads (the default)")
     ap.add_argument("--no-prefetch", action="store_true")
     ap.add_argument("--prefetch-evicts", action="store_true", help="czyx: predictions may evict")
     ap.add_argument("--policy", default=None, help="czyx: eviction policy (default: the engine's)")

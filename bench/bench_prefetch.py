@@ -11,7 +11,8 @@ first, for each ``--budgets`` value (MiB of expert slots) and the prefetch modes
   default before this bench);
 - ``early-evict``: evicting predictions from early routing alone (each layer's router
   on the residual stream entering it, read while its attention runs; no look-ahead);
-- ``nextuse``: ``fill`` with the ``nextuse`` eviction policy instead of the default.
+- ``nextuse``: ``fill`` with the ``nextuse`` eviction policy;
+- ``one-reader``: ``fill`` with one expert reader thread instead of two.
 
 Every decode is the per-expert pipeline (a layer's resident experts are computed while
 its reads land). Per run: decode tokens/s, expert bytes read per token, and the overlap
@@ -46,6 +47,7 @@ MODES = {
     "fill-uring": ["--io", "io_uring"],  # fill, the reads through io_uring, not preadv
     "early-evict": ["--prefetch-evicts", "--lookahead", "0"],
     "nextuse": ["--policy", "nextuse"],
+    "one-reader": ["--readers", "1"],
 }
 
 
