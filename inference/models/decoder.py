@@ -198,12 +198,6 @@ class MoEDecoder:
     #: Llama 4 scales a routed expert's *input* by its router weight (and adds its
     #: output unweighted); every other architecture weights the output.
     weight_expert_input: ClassVar[bool] = False
-    #: Whether float (unquantized) q/k/v/o projections run in column form
-    #: (:func:`~czyx.inference.models.base.matmul_small`, the faster); False keeps
-    #: ``x @ w.T``, which rounds differently, for the architectures whose attention
-    #: has always computed that way (Llama 4, EXAONE-MoE, GPT-OSS, HunYuan-V1), so their
-    #: logits keep the same bits.
-    column_projections: ClassVar[bool] = True
     required_roles: ClassVar[tuple[str, ...]] = (
         "input_norm",
         "post_attn_norm",
@@ -694,8 +688,7 @@ class MoEDecoder:
         t = x.shape[0]
         if self.observer is not None:
             self.observer(f"L{i}.attn_in", x)
-        columns = self.column_projections
-        if columns and all(isinstance(m, np.ndarray) for m in (lw.q_proj, lw.k_proj, lw.v_proj)):
+        if all(isinstance(m, np.ndarray) for m in (lw.q_proj, lw.k_proj, lw.v_proj)):
             # Column form, as the experts: a tall weight times the tokens as columns,
             # in small unpacked BLAS blocks; q/k/v are [T, width] transposed views.
             # (Not one concatenated [q; k; v] matrix: the consumer keeps its trunk,
@@ -719,7 +712,7 @@ class MoEDecoder:
         out = self.attend(i, lw, q, kv.k[i][:, :end], kv.v[i][:, :end], positions)
         if self.observer is not None:
             self.observer(f"L{i}.o_in", out)
-        if columns and isinstance(lw.o_proj, np.ndarray):
+        if isinstance(lw.o_proj, np.ndarray):
             out = matmul_small(lw.o_proj, np.ascontiguousarray(out.T)).T
         else:
             out = mm_t(out, lw.o_proj)

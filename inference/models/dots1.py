@@ -104,7 +104,6 @@ class ExaoneMoeDecoder(Dots1Decoder):
     """
 
     arch = "exaone_moe"
-    column_projections = False
 
     @classmethod
     def parse_config(cls, info: ModelInfo) -> DecoderConfig:

@@ -36,7 +36,6 @@ class GptOssDecoder(MoEDecoder):
     """``GptOssForCausalLM`` in numpy."""
 
     arch = "gpt_oss"
-    column_projections = False
     required_roles = (*MoEDecoder.required_roles, "sinks")
     optional_roles = (*MoEDecoder.optional_roles, "o_bias")
     sparse_roles = ("router", "router_bias", "expert_gate_up_bias", "expert_down_bias")

@@ -25,7 +25,6 @@ class HunYuanMoeV1Decoder(MoEDecoder):
     """``HunYuanMoEV1ForCausalLM`` in numpy."""
 
     arch = "hunyuan_v1_moe"
-    column_projections = False
     required_roles = (*MoEDecoder.required_roles, "q_norm", "k_norm")
     optional_roles = (*MoEDecoder.optional_roles, "o_bias")
     sparse_roles = ("router", "shared_gate_proj", "shared_up_proj", "shared_down_proj")

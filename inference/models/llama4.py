@@ -69,7 +69,6 @@ class Llama4TextDecoder(MoEDecoder):
 
     arch = "llama4_text"
     weight_expert_input = True
-    column_projections = False
     optional_roles = (*MoEDecoder.optional_roles, "o_bias")
     sparse_roles = ("router", "shared_gate_proj", "shared_up_proj", "shared_down_proj")
 
