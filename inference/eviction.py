@@ -310,19 +310,15 @@ class NextUsePolicy(_LayerCyclePolicy):
     reorders experts whose waits are within a step of each other, which is
     where decay's choice is a coin toss and Belady's is not (the next layer's
     experts are needed within this step, the filled layer's not before the
-    next one). Replayed on the 16-layer real shape's routing it reads fewer
-    bytes than decay at every budget from 12.5 % to 45 % of the experts, cold
-    and warm; on the bundled model as many or fewer over whole traces
-    (``bench/BELADY.md``).
+    next one). ``bench/BELADY.md`` replays it against decay and Belady.
 
     The half-life starts short and lengthens as history accrues: from
     ``start_half_life`` at token 0 linearly to ``half_life`` at token
     ``warmup``. A cold cache has only a few tokens of history, and a long
     half-life would then weigh the first tokens' uses like the last ones
-    (frequency since the start, which keeps whatever came first); replayed
-    on the real shape at 12.5 % to 25 % of the experts, the schedule cuts the
-    reads of a run's first 32 tokens by 9 to 15 % against a fixed 32-token
-    half-life and leaves steady decoding as it was (``bench/BELADY.md``).
+    (frequency since the start, which keeps whatever came first); the
+    schedule matters for a run's first tokens, not for steady decoding
+    (``bench/BELADY.md``).
     Scores live in the log domain relative to a clock that advances by
     ``ln 2 / h`` a token at the half-life ``h`` of the moment, so a changing
     half-life never rescales them.

@@ -841,7 +841,8 @@ class GGUFMountSource(MountSource):
         if fmt is not None:  # the store policy's format: quantized as --quant would
             ref = self.ckpt.reference(vt.name)
             data, got_fmt = self.requant.encode_trunk(t.role, t.layer, ref)
-            assert got_fmt == fmt  # the same policy decision as _trunk_requant's
+            if got_fmt != fmt:  # the codec decided otherwise than the policy it holds
+                raise GGUFError(f"{vt.name}: requantized to {got_fmt}, the policy says {fmt}")
             packed = dequantize(data, fmt, ref.shape)
             self._drift(vt.gguf, vt, fmt).add(packed, ref)
             self.conversion.requantized.add(vt.gguf)

@@ -317,18 +317,25 @@ def test_slru_protected_frac_is_validated():
 # --------------------------------------------------------------------------- cyclic
 
 
+def _one_expert_per_layer(policy_cls):
+    """A layer-cycle policy over 3 layers of 4 experts, 3 slots: slot L holds layer L's
+    expert 0, each used once at token 0 (equal scores)."""
+    n_layers, n_exp = 3, 4
+    p = policy_cls(3, n_layers * n_exp)
+    p.set_layout(n_layers, n_exp)
+    p.set_token(0)
+    for slot in range(n_layers):
+        p.filled(slot, slot * n_exp)
+        p.touch(slot)
+    return p
+
+
 def test_cyclic_evicts_what_the_layer_cycle_needs_last():
     """Equal scores: the filled layer's other experts go first (needed next step), then the
     layer just computed, and the next layer's last (needed within this step)."""
     from czyx.inference.eviction import CyclicPolicy
 
-    n_layers, n_exp = 3, 4
-    p = CyclicPolicy(3, n_layers * n_exp)
-    p.set_layout(n_layers, n_exp)
-    p.set_token(0)
-    for slot, layer in enumerate((0, 1, 2)):
-        p.filled(slot, layer * n_exp)
-        p.touch(slot)
+    p = _one_expert_per_layer(CyclicPolicy)
     free = np.zeros(3, bool)
     p.set_layer(1)
     assert p.victim(free) == 1  # layer 1's other expert: not needed before the next step
@@ -443,13 +450,7 @@ def test_engine_nextuse_at_a_tight_budget_is_its_replay(stdlib_trace, stream):
 def test_nextuse_weighs_the_layer_cycle_only_between_equal_rates():
     """Equal scores: the filled layer's other experts go first (needed next step), the next
     layer's last (needed within this step); a rate twice as high outweighs any layer."""
-    n_layers, n_exp = 3, 4
-    p = NextUsePolicy(3, n_layers * n_exp)
-    p.set_layout(n_layers, n_exp)
-    p.set_token(0)
-    for slot, layer in enumerate((0, 1, 2)):
-        p.filled(slot, layer * n_exp)
-        p.touch(slot)
+    p = _one_expert_per_layer(NextUsePolicy)
     p.set_layer(1)
     assert p.victim(np.zeros(3, bool)) == 1  # layer 1's other expert: the next step
     assert p.victim(np.array([False, True, False])) == 0  # layer 0: 2 layers ahead
