@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from czyx.inference.eviction import HALF_LIFE_TOKENS, START_HALF_LIFE_TOKENS, WARMUP_TOKENS
 from czyx.inference.locality.errors import LocalityError
 from czyx.inference.trace import RoutingTrace
 
@@ -212,9 +213,9 @@ def nextuse(
     experts: np.ndarray,
     n_experts: int,
     budget: int,
-    half_life: float = 32.0,
-    start_half_life: float = 4.0,
-    warmup: float = 224.0,
+    half_life: float = HALF_LIFE_TOKENS,
+    start_half_life: float = START_HALF_LIFE_TOKENS,
+    warmup: float = WARMUP_TOKENS,
 ) -> np.ndarray:
     """Hit mask of the expected-next-use policy, served as the engine serves a layer.
 
