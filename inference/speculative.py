@@ -246,9 +246,11 @@ class DraftLength:
     again (twice as rarely after each probe rejected, down to one in eight times
     that). The first :data:`PLAIN_FIRST` steps are plain ones (they measure the
     plain step's time), and so is every :data:`REMEASURE_EVERY`-th step that would
-    draft. :attr:`probing` tells a decode loop that the length it was given is a
-    probe: drafts the measurements say do not pay, there only to measure the
-    acceptance again, which :func:`speculative_decode` verifies one token at a time.
+    draft; until a batched verification is timed, drafts are one-token probes while
+    none has been accepted (the prior's row cost is a guess). :attr:`probing` tells
+    a decode loop that the length it was given is a probe: drafts the measurements
+    say do not pay, there only to measure the acceptance again, which
+    :func:`speculative_decode` verifies one token at a time.
 
     ``measure=False`` keeps ``r`` at ``cost`` and ignores times: the lengths then
     follow the acceptances alone (a seeded sampled run is reproducible; with
@@ -272,6 +274,7 @@ class DraftLength:
         self.cost = cost
         self.measure = measure
         self.decay = decay
+        self._prior = prior
         self._ok = prior  # pseudo-counts: the prior acceptance as one observation
         self._bad = 1.0 - prior
         self._idle = 0
@@ -311,6 +314,13 @@ class DraftLength:
         if self.measure and len(self._plains) < PLAIN_FIRST:
             return 0  # plain steps first: their time is the unit
         k = self.best()
+        if k > 0 and self.measure and not self._rows and self.acceptance <= self._prior:
+            # No batched verification timed yet, nor any draft accepted: the first drafts
+            # are probes (one token at a time), so a text that never matches does not pay
+            # for a batched step at the prior's cost (on a small resident model a row costs
+            # nearly a plain step); a probe accepted lets the next step batch and time rows.
+            self._probing = True
+            return 1
         if k > 0 and self.measure:
             self._drafting += 1
             if self._drafting % REMEASURE_EVERY == 0:

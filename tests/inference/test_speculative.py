@@ -147,6 +147,24 @@ def test_draft_length_weighs_the_measured_step_cost() -> None:
     assert dear.cost > 0.9 and dear.next() <= 1  # a row costs a step: hardly worth it
 
 
+def test_first_drafts_are_probes_until_a_row_is_timed() -> None:
+    """Before any batched verification is timed, the prior's row cost is a guess: drafts
+    are one-token probes until one is accepted, then a batched step times the rows."""
+    miss, hit = DraftLength(4), DraftLength(4)
+    for dl in (miss, hit):
+        for _ in range(PLAIN_FIRST):
+            assert dl.next() == 0
+            dl.plain(1.0)
+        assert dl.next() == 1 and dl.probing  # the prior would batch: probe instead
+    miss.update(1, 0)  # rejected: no batched step at the prior's cost
+    assert [miss.next() for _ in range(2 * PROBE_EVERY)] == [0] * (2 * PROBE_EVERY - 1) + [1]
+    hit.update(1, 1)  # accepted: the next step batches, and its time prices a row
+    k = hit.next()
+    assert k > 1 and not hit.probing
+    hit.update(k, k, 1.1)
+    assert hit.cost < 0.1 and hit.next() == 4 and not hit.probing
+
+
 def test_speculate_options_fail_closed() -> None:
     assert not SpeculateOptions().enabled
     assert SpeculateOptions("draft:m@q2").draft_ref == "m@q2"
