@@ -116,6 +116,10 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
     from czyx.inference.options import EngineOptions
 
     threadpool_limits(a.threads)
+    if a.consumer_hash:  # the checksum on the decoding thread at first use (as before)
+        from czyx.store.io.experts import ExpertReads
+
+        ExpertReads.hash_in_readers = False
     t0 = time.perf_counter()
     if a.tiers and not a.hot:
         raise SystemExit("--tiers needs --hot PROFILE (the usage that picks the high experts)")
@@ -302,6 +306,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--io", default="direct")
     ap.add_argument("--readers", type=int, default=None, help="czyx: reader threads (the default)")
     ap.add_argument("--no-prefetch", action="store_true")
+    ap.add_argument(
+        "--consumer-hash", action="store_true", help="czyx: hash extents on the decoding thread"
+    )
     ap.add_argument("--prefetch-evicts", action="store_true", help="czyx: predictions may evict")
     ap.add_argument("--policy", default=None, help="czyx: eviction policy (default: the engine's)")
     ap.add_argument(

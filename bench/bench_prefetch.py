@@ -12,7 +12,9 @@ first, for each ``--budgets`` value (MiB of expert slots) and the prefetch modes
 - ``early-evict``: evicting predictions from early routing alone (each layer's router
   on the residual stream entering it, read while its attention runs; no look-ahead);
 - ``nextuse``: ``fill`` with the ``nextuse`` eviction policy;
-- ``one-reader``: ``fill`` with one expert reader thread instead of two.
+- ``one-reader``: ``fill`` with one expert reader thread instead of two;
+- ``consumer-hash``: ``fill`` with each extent's checksum taken on the decoding thread
+  at first use, as before the native readers hashed what they read.
 
 Every decode is the per-expert pipeline (a layer's resident experts are computed while
 its reads land). Per run: decode tokens/s, expert bytes read per token, and the overlap
@@ -48,6 +50,7 @@ MODES = {
     "early-evict": ["--prefetch-evicts", "--lookahead", "0"],
     "nextuse": ["--policy", "nextuse"],
     "one-reader": ["--readers", "1"],
+    "consumer-hash": ["--consumer-hash"],
 }
 
 
@@ -128,7 +131,9 @@ def report(a, shape, runs, residents, load0, load1, argv) -> list[str]:
         "Modes: `demand` no prediction; `fill` (the default) predictions read into free "
         "slots only; `evict` (`--prefetch-evicts`) predictions may evict resident experts; "
         "`fill-uring` fill with the reads through io_uring (`--io io_uring`) instead of "
-        "O_DIRECT preadv. Precision: the fraction of predicted reads a later acquire used.",
+        "O_DIRECT preadv; `consumer-hash` fill with each extent's checksum taken on the "
+        "decoding thread at first use (the native readers hash what they read otherwise). "
+        "Precision: the fraction of predicted reads a later acquire used.",
         "",
         f"| budget | mode | decode tok/s | vs {a.modes[0]} (rounds) | MB read / token | "
         "prefetches used / read | hit rate |",

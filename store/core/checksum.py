@@ -41,3 +41,40 @@ def checksum(buf: bytes | bytearray | memoryview | np.ndarray) -> int:
             raise ValueError("checksum: array must be C-contiguous")
         buf = buf.reshape(-1).view(np.uint8)
     return _xxh3(buf)
+
+
+_NATIVE: list[int | None] = []  # the address, found once (None: not available)
+
+
+def native_checksum() -> int | None:
+    """The address of a C function ``uint64_t f(const void *data, size_t len)`` computing
+    :func:`checksum`, or None where there is none.
+
+    It is the ``XXH3_64bits`` the ``xxhash`` extension exports (the function behind
+    :func:`checksum`), so C code (the native read pool's threads) can hash an extent
+    without the GIL. It is checked against :func:`checksum` on sample buffers before it
+    is returned: a build whose symbol is missing or computes anything else gives None,
+    and callers hash in Python instead.
+    """
+    if not _NATIVE:
+        _NATIVE.append(_find_native())
+    return _NATIVE[0]
+
+
+def _find_native() -> int | None:
+    import ctypes
+
+    try:
+        from xxhash import _xxhash
+
+        fn = ctypes.CDLL(_xxhash.__file__).XXH3_64bits
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_uint64
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 17, 240, 4096 + 3, 1 << 20):
+        buf = rng.integers(0, 256, n, dtype=np.uint8)
+        if fn(buf.ctypes.data, n) != checksum(buf):
+            return None
+    return ctypes.cast(fn, ctypes.c_void_p).value

@@ -11,7 +11,8 @@ Built by ``setup.py`` (it discovers every ``_*_build.py``) or in place with
   needed), ``IORING_OP_READ`` at a chosen queue depth, short reads resubmitted;
 - ``czyx_pool_*``: the native read pool (``readpool.c``, next to this file):
   POSIX reader threads that run those kernels without the GIL, a priority
-  heap of queued reads, per-read completion and source-identity checks
+  heap of queued reads, per-read completion and source-identity checks, and
+  the extent's checksum where the pool is given the store's hash function
   (:mod:`store.readpool`).
 
 Every transfer is a ``czyx_xfer``: the kernels fill ``done`` (bytes read),
@@ -49,6 +50,7 @@ typedef struct {
     int64_t offset; int64_t length; char *buf;
     int64_t done; int64_t err; int64_t t_start_ns; int64_t t_first_ns; int64_t t_done_ns;
     int64_t seq; int32_t src; int32_t priority; int32_t state; int32_t demand;
+    int64_t hash_len; uint64_t hash;
 } czyx_job;
 typedef struct czyx_pool czyx_pool;
 czyx_pool *czyx_pool_new(int n_jobs, int n_threads, unsigned uring_entries, int *err);
@@ -57,7 +59,8 @@ int czyx_pool_add_source(czyx_pool *p, int kind, int fd, int direct, int64_t ali
                          const char *map, int64_t map_size, uint64_t dev, uint64_t ino,
                          int64_t size, int64_t mtime_ns, const char *path);
 int czyx_pool_submit(czyx_pool *p, int j, int src, int64_t offset, int64_t length, char *buf,
-                     int priority, int demand);
+                     int priority, int demand, int64_t hash_len);
+void czyx_pool_set_hash(czyx_pool *p, void *fn);
 int czyx_pool_wait(czyx_pool *p, int j);
 int czyx_pool_state(czyx_pool *p, int j);
 czyx_job *czyx_pool_job(czyx_pool *p, int j);

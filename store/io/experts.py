@@ -85,6 +85,7 @@ class ExpertRead:
         "nbytes",
         "offset",
         "pool",
+        "read_hash",
         "seq",
         "slot",
         "source",
@@ -113,6 +114,7 @@ class ExpertRead:
         self.t_first_byte: int | None = None
         self.t_complete: int | None = None
         self.verified = False
+        self.read_hash: int | None = None  # the native reader's checksum of the bytes
         # Python readers: the completion event and the claim (taken by whoever runs it).
         self.event: threading.Event | None = None
         self.claim: threading.Lock | None = None
@@ -151,6 +153,10 @@ class ExpertReads:
         An I/O path name (:data:`czyx.store.io.iopaths.PATHS`); None: the one
         ``czyx bench io`` measured fastest here, else buffered ``pread``.
     """
+
+    #: The native readers hash each extent they read (False: :meth:`check` hashes it on
+    #: the consumer's thread at first use; ``bench/bench_prefetch.py`` compares the two).
+    hash_in_readers = True
 
     def __init__(
         self,
@@ -264,7 +270,10 @@ class ExpertReads:
                 f"expert (layer {layer}, {cls}) has no block file and the consumer no read_expert"
             )
         if psrc >= 0:
-            r.seq = self.pool.submit(slot, psrc, ext.offset, n, priority=priority, demand=demand)
+            hash_len = r.nbytes if self.hash_in_readers and self.pool.hashes else 0
+            r.seq = self.pool.submit(
+                slot, psrc, ext.offset, n, priority=priority, demand=demand, hash_len=hash_len
+            )
             r.pool = self.pool
             return r
         r.event = threading.Event()
@@ -321,7 +330,7 @@ class ExpertReads:
         """
         if r.error is None and not r.verified:
             r.verified = True
-            if r.pool is not None:  # the C readers do not hash
+            if r.pool is not None:  # (a Python reader verified in _run)
                 r.error = self._check_sum(r)
         if r.error is not None:
             raise r.error
@@ -333,6 +342,7 @@ class ExpertReads:
         r.t_first_byte = timing.first_ns
         r.t_complete = timing.done_ns or time.monotonic_ns()
         r.completed_bytes = min(timing.nbytes, r.nbytes)
+        r.read_hash = r.pool.hashed(r.slot)
         if self.sources[r.block].staging_copy:
             r.staging_copy_bytes = timing.nbytes
         try:
@@ -341,8 +351,13 @@ class ExpertReads:
             r.error = exc
 
     def _check_sum(self, r: ExpertRead) -> ChecksumError | None:
-        """Compare the slot's bytes with the extent's recorded checksum; record the result."""
-        got = checksum(self.slots[r.slot][: r.nbytes])
+        """Compare the slot's bytes with the extent's recorded checksum; record the result.
+
+        The native reader's hash of them where it took one (the bytes are unchanged since:
+        nothing writes a slot while its transfer is unused), else hashed here."""
+        got = r.read_hash
+        if got is None:
+            got = checksum(self.slots[r.slot][: r.nbytes])
         if got == r.checksum:
             r.checksum_result = "ok"
             return None

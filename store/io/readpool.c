@@ -16,8 +16,12 @@
  * file is still the one that was opened (fstat: size and mtime; stat of the
  * path: device and inode), stamps CLOCK_MONOTONIC times (Python's
  * time.monotonic_ns) and marks the job done under the pool's mutex; waiters
- * sleep on a condition variable. The extent's checksum is verified by the
- * consumer (store.readpool), not here. A consumer that finds its job still
+ * sleep on a condition variable. Where the pool was given the store's checksum
+ * function (czyx_pool_set_hash: XXH3-64, store/core/checksum.py) and the job a
+ * length to hash, the worker also hashes the bytes it read, so the consumer's
+ * verification (store.io.experts) is a comparison, not a pass over the extent on
+ * the thread that computes; the consumer compares before first use either way.
+ * A consumer that finds its job still
  * queued takes it out of the heap and runs it on its own thread: a blocked
  * consumer gains nothing from a thread hand-off.
  */
@@ -40,7 +44,10 @@ typedef struct {
     int64_t offset; int64_t length; char *buf;
     int64_t done; int64_t err; int64_t t_start_ns; int64_t t_first_ns; int64_t t_done_ns;
     int64_t seq; int32_t src; int32_t priority; int32_t state; int32_t demand;
+    int64_t hash_len; uint64_t hash; /* hash_len 0: not hashed (by the pool) */
 } czyx_job;
+
+typedef uint64_t (*czyx_hash_fn)(const void *data, size_t len);
 
 typedef struct {
     int kind; int fd; int direct; int id_fd; int64_t align;
@@ -60,6 +67,7 @@ typedef struct czyx_pool {
     pthread_t *threads; int n_threads;
     unsigned uring_entries;
     czyx_ring *inline_ring; int inline_busy; /* the consumer's own ring, one user at a time */
+    czyx_hash_fn hash; /* the store's checksum, or NULL: the consumer hashes */
 } czyx_pool;
 
 static int job_before(czyx_pool *p, int a, int b) {
@@ -123,7 +131,9 @@ static void run_job(czyx_pool *p, czyx_job *j, czyx_ring **ring) {
         else if ((uint64_t)st.st_dev != s->dev || (uint64_t)st.st_ino != s->ino)
             j->err = CZYX_E_REPLACED;
     }
-    j->t_done_ns = czyx_now_ns();
+    j->t_done_ns = czyx_now_ns(); /* the read's completion: hashing is not I/O time */
+    if (j->hash_len > 0 && (j->err || j->done < j->hash_len)) j->hash_len = 0;
+    if (j->hash_len > 0) j->hash = p->hash(j->buf, (size_t)j->hash_len);
 }
 
 static void finish_locked(czyx_pool *p, czyx_job *j) {
@@ -227,7 +237,7 @@ int czyx_pool_add_source(czyx_pool *p, int kind, int fd, int direct, int64_t ali
 
 /* Queue a read into job j; -EBUSY while j is queued or running, -EINVAL on a bad index. */
 int czyx_pool_submit(czyx_pool *p, int j, int src, int64_t offset, int64_t length, char *buf,
-                     int priority, int demand) {
+                     int priority, int demand, int64_t hash_len) {
     if (j < 0 || j >= p->n_jobs) return -EINVAL;
     pthread_mutex_lock(&p->mu);
     czyx_job *job = &p->jobs[j];
@@ -239,6 +249,8 @@ int czyx_pool_submit(czyx_pool *p, int j, int src, int64_t offset, int64_t lengt
     job->offset = offset; job->length = length; job->buf = buf;
     job->done = 0; job->err = 0; job->t_start_ns = job->t_first_ns = job->t_done_ns = 0;
     job->src = src; job->priority = priority; job->demand = demand ? 1 : 0;
+    job->hash_len = p->hash && hash_len > 0 && hash_len <= length ? hash_len : 0;
+    job->hash = 0;
     job->seq = p->seq++;
     job->state = CZYX_JOB_QUEUED;
     if (job->demand) p->demands++;
@@ -292,6 +304,10 @@ int czyx_pool_state(czyx_pool *p, int j) {
 }
 
 czyx_job *czyx_pool_job(czyx_pool *p, int j) { return &p->jobs[j]; }
+
+/* Have the workers hash what they read with fn (NULL: they do not). Set before any
+   submission: a job's hash_len is decided when it is queued. */
+void czyx_pool_set_hash(czyx_pool *p, void *fn) { p->hash = (czyx_hash_fn)fn; }
 
 /* Hold queued jobs (1) or let them run (0): a slow device, for fault injection. */
 void czyx_pool_pause(czyx_pool *p, int paused) {

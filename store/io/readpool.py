@@ -12,7 +12,11 @@ consumer running small numpy operations holds most of the time.)
 
 The extent's checksum is not verified here: :meth:`ReadPool.result` returns
 the bytes' timing and the caller verifies before use
-(:class:`inference.planner.TransferPlanner` does, at first use).
+(:class:`inference.planner.TransferPlanner` does, at first use). A read
+submitted with a ``hash_len`` is hashed by the reader thread that read it
+(the store's checksum, :func:`~czyx.store.core.checksum.native_checksum`), so
+that verification compares :meth:`ReadPool.hashed` instead of passing over
+the extent on the consumer's thread.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from czyx.store.core.checksum import native_checksum
 from czyx.store.errors import ReadIOError, ShortReadError, StoreError
 from czyx.store.io.iopaths import (
     DirectSource,
@@ -89,6 +94,11 @@ class ReadPool:
         if pool == _c.ffi.NULL:
             raise OSError(err[0], f"native read pool: cannot start {threads} threads")
         self._pool = pool
+        hash_fn = native_checksum()
+        #: Whether reads submitted with a ``hash_len`` are hashed by the readers.
+        self.hashes = hash_fn is not None
+        if self.hashes:
+            _c.lib.czyx_pool_set_hash(pool, _c.ffi.cast("void *", hash_fn))
         self.n_jobs = int(n_jobs)
         self.threads = int(threads)
         self.sources: list[TransferSource] = []
@@ -161,10 +171,13 @@ class ReadPool:
         *,
         priority: int = 0,
         demand: bool = True,
+        hash_len: int = 0,
     ) -> int:
         """Queue a read of ``length`` bytes at ``offset`` of source ``src`` into ``dest``.
 
         ``dest`` None: the job's registered buffer (:meth:`set_buffers`).
+        ``hash_len`` > 0 (at most ``length``): the reader also hashes the first
+        ``hash_len`` bytes read (:meth:`hashed`), where the pool :attr:`hashes`.
         Direct paths read ``length`` rounded up to the alignment, as
         :meth:`TransferSource.read_into` does. Returns the job's sequence number.
 
@@ -184,7 +197,9 @@ class ReadPool:
             buf = self._ptr[job]
         else:
             raise ValueError(f"job {job}: no destination given and none registered")
-        rc = _c.lib.czyx_pool_submit(self._pool, job, src, offset, n, buf, priority, demand)
+        rc = _c.lib.czyx_pool_submit(
+            self._pool, job, src, offset, n, buf, priority, demand, hash_len
+        )
         if rc:
             raise StoreError(f"native read pool: job {job} cannot be submitted (rc {rc})")
         if dest is not None:
@@ -210,6 +225,12 @@ class ReadPool:
         return ReadTiming(
             int(j.t_start_ns), int(j.t_first_ns) or None, int(j.t_done_ns), int(j.done)
         )
+
+    def hashed(self, job: int) -> int | None:
+        """The checksum the reader took of the finished ``job``'s bytes, or None (not asked,
+        no hash function, or the read failed: :meth:`check` says how)."""
+        j = self._jobs[job]
+        return int(j.hash) if j.hash_len > 0 else None
 
     def check(self, job: int) -> None:
         """Raise the finished ``job``'s typed error, if it has one.

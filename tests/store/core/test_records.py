@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import pathlib
 
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from czyx.space import Selector
@@ -20,7 +21,7 @@ from czyx.store.core.blockfile import (
     read_header,
 )
 from czyx.store.core.catalog import prefix_end
-from czyx.store.core.checksum import checksum
+from czyx.store.core.checksum import checksum, native_checksum
 from czyx.store.core.records import Extent, check_key, check_selector, decode, encode
 from czyx.store.errors import BlockFileError, KeyLengthError, RecordDecodeError
 
@@ -170,3 +171,13 @@ def test_checksum_of_array_equals_checksum_of_its_bytes(data: bytes) -> None:
     if len(data) >= 8:
         f = np.frombuffer(data[: len(data) // 8 * 8], np.float64)
         assert checksum(f) == checksum(data[: len(data) // 8 * 8])
+
+
+@given(st.binary(max_size=5000))
+@settings(max_examples=60)
+def test_the_native_checksum_is_the_checksum(data: bytes) -> None:
+    """The C function the read pool's threads hash with computes :func:`checksum`."""
+    addr = native_checksum()
+    assert addr is not None  # the xxhash wheel exports XXH3_64bits
+    fn = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t)(addr)
+    assert fn(data, len(data)) == checksum(data)

@@ -40,11 +40,13 @@ def test_submit_wait_check_lands_verified_bytes(fc, native):
             n = fc.info.expert_nbytes
             assert np.array_equal(slots[e][:n], fc.base.blobs[(2, e)])
             assert r.checksum_result == "ok" and r.source == "pread" and r.completed_bytes == n
+            assert (r.read_hash is not None) == native  # the C readers hash what they read
         assert [s.name for s in er.opened_sources()] == ["pread"]
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_a_rotten_extent_is_a_checksum_error_at_check(fc, native):
+@pytest.mark.parametrize(("native", "in_readers"), [(True, True), (True, False), (False, True)])
+def test_a_rotten_extent_is_a_checksum_error_at_check(fc, native, in_readers, monkeypatch):
+    monkeypatch.setattr(ExpertReads, "hash_in_readers", in_readers)
     if native and not readpool.available():
         pytest.fail("store._iopaths is not built: the native read pool cannot run")
     st = os.stat(fc.path)
@@ -55,6 +57,7 @@ def test_a_rotten_extent_is_a_checksum_error_at_check(fc, native):
     with open_expert_reads(fc, _slots(fc, 1), readers=1, native=native, io="pread") as er:
         r = er.submit(1, 3, 0)
         er.wait(r)
+        assert (r.read_hash is not None) == (native and in_readers)
         with pytest.raises(ChecksumError, match="checksum"):
             er.check(r)
         assert r.checksum_result == "mismatch"

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from czyx.store.core.checksum import checksum
 from czyx.store.errors import ShortReadError
 from czyx.store.io import iopaths, readpool
 from czyx.store.io.iopaths import StaleSourceError, open_source
@@ -122,6 +123,29 @@ def test_short_stale_and_rewritten_sources_fail_typed(datafile, kind, tmp_path):
         pool.wait(0)
         with pytest.raises(StaleSourceError):
             pool.result(0)
+    finally:
+        pool.close()
+        src.close()
+
+
+def test_readers_hash_what_they_read_where_asked(datafile):
+    """A read submitted with a hash length is hashed by its reader (the store's checksum);
+    one without, or one that failed, carries no hash."""
+    path, data = datafile
+    pool, src, i = _pool(path, jobs=3)
+    dest = aligned_empty(3 * 8192).reshape(3, 8192)
+    try:
+        assert pool.hashes
+        pool.submit(0, i, 4096, 5000, dest[0], hash_len=5000)
+        pool.submit(1, i, 4096, 5000, dest[1])
+        pool.submit(2, i, SIZE - 100, 4096, dest[2], hash_len=4096)  # short: no hash
+        for j in range(3):
+            pool.wait(j)
+        assert pool.hashed(0) == checksum(data[4096:9096])
+        assert pool.hashed(1) is None
+        assert pool.hashed(2) is None
+        with pytest.raises(ShortReadError):
+            pool.result(2)
     finally:
         pool.close()
         src.close()
