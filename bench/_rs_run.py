@@ -128,9 +128,11 @@ def run_czyx(a: argparse.Namespace, prompt: list[int], warm: list[int], feed: li
             io=a.io,
             prefetch=not a.no_prefetch,
             prefetch_evicts=a.prefetch_evicts,
+            prefetch_slots=a.prefetch_slots,
             tiers=a.tiers,
             **({"policy": a.policy} if a.policy else {}),
             **({"lookahead": a.lookahead} if a.lookahead is not None else {}),
+            **({"width": a.width} if a.width is not None else {}),
             **({"readers": a.readers} if a.readers is not None else {}),
         )
         kw = {"cache_bytes": a.cache_mb << 20} if a.cache_mb else {"cache_fraction": 1.0}
@@ -308,6 +310,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-prefetch", action="store_true")
     ap.add_argument(
         "--consumer-hash", action="store_true", help="czyx: hash extents on the decoding thread"
+    )
+    ap.add_argument("--width", type=int, default=None, help="czyx: predicted experts a token")
+    ap.add_argument(
+        "--prefetch-slots", type=int, default=0, help="czyx: slots set aside for predictions"
     )
     ap.add_argument("--prefetch-evicts", action="store_true", help="czyx: predictions may evict")
     ap.add_argument("--policy", default=None, help="czyx: eviction policy (default: the engine's)")

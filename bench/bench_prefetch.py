@@ -13,6 +13,9 @@ first, for each ``--budgets`` value (MiB of expert slots) and the prefetch modes
   on the residual stream entering it, read while its attention runs; no look-ahead);
 - ``nextuse``: ``fill`` with the ``nextuse`` eviction policy;
 - ``one-reader``: ``fill`` with one expert reader thread instead of two;
+- ``stage-8``, ``stage-16``: predictions (look-ahead and early routing) read into 8 or
+  16 slots set aside for them once the cache is full (``--prefetch-slots``), so a wrong
+  guess evicts nothing; a used one joins the cache in place of the policy's victim;
 - ``consumer-hash``: ``fill`` with each extent's checksum taken on the decoding thread
   at first use, as before the native readers hashed what they read.
 
@@ -51,6 +54,10 @@ MODES = {
     "nextuse": ["--policy", "nextuse"],
     "one-reader": ["--readers", "1"],
     "consumer-hash": ["--consumer-hash"],
+    "stage-8": ["--prefetch-slots", "8"],
+    "stage-16": ["--prefetch-slots", "16"],
+    "stage-16-w4": ["--prefetch-slots", "16", "--width", "4"],
+    "stage-16-w2": ["--prefetch-slots", "16", "--width", "2"],
 }
 
 
@@ -132,7 +139,8 @@ def report(a, shape, runs, residents, load0, load1, argv) -> list[str]:
         "slots only; `evict` (`--prefetch-evicts`) predictions may evict resident experts; "
         "`fill-uring` fill with the reads through io_uring (`--io io_uring`) instead of "
         "O_DIRECT preadv; `consumer-hash` fill with each extent's checksum taken on the "
-        "decoding thread at first use (the native readers hash what they read otherwise). "
+        "decoding thread at first use (the native readers hash what they read otherwise); "
+        "`stage-N` predictions into N slots set aside for them (`--prefetch-slots N`). "
         "Precision: the fraction of predicted reads a later acquire used.",
         "",
         f"| budget | mode | decode tok/s | vs {a.modes[0]} (rounds) | MB read / token | "

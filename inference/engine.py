@@ -292,6 +292,7 @@ class Engine:
                 readers=options.readers,
                 prefetch=options.prefetch,
                 prefetch_evicts=options.prefetch_evicts,
+                prefetch_slots=options.prefetch_slots,
                 lookahead=options.lookahead,
                 width=options.width,
                 early=options.early,

@@ -60,6 +60,11 @@ class EngineOptions:
         twice the bytes (about half its predictions were used) and decoded slower
         than demand reads, which the per-expert pipeline already overlaps with the
         resident experts' arithmetic (``bench/PREFETCH.md``).
+    prefetch_slots
+        Slots of the budget set aside for predictions once the cache is full (0, the
+        default: none): a prediction then never evicts a resident expert, and one that
+        is used joins the cache in place of the policy's victim
+        (:class:`~czyx.inference.streaming.StreamingExpertCache`).
     lookahead
         Sparse layers predicted ahead (0: early routing alone).
     width
@@ -83,6 +88,7 @@ class EngineOptions:
     native: bool | None = None
     prefetch: bool = True
     prefetch_evicts: bool = False
+    prefetch_slots: int = 0
     lookahead: int = 1
     width: int | None = None
     early: bool = True
@@ -92,6 +98,8 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.readers < 1:
             raise ValueError(f"readers: {self.readers} must be at least 1")
+        if self.prefetch_slots < 0:
+            raise ValueError(f"prefetch_slots: {self.prefetch_slots} is negative")
         if self.lookahead < 0 or (self.lookahead == 0 and not self.early):
             raise ValueError(f"lookahead: {self.lookahead}: at least 1, or 0 with early routing")
         if self.width is not None and self.width < 1:

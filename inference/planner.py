@@ -331,8 +331,8 @@ class TransferPlanner:
         """Retire every finished transfer; returns them (the owner updates its state).
 
         A native read's read errors are known here (``Transfer.read.error``);
-        its checksum is verified at first use (:meth:`wait`), so a prefetch
-        nobody uses costs no hash.
+        its checksum is compared at first use (:meth:`wait`): the native readers
+        hash as they read, other readers' prefetches nobody uses are not hashed.
         """
         done: list[Transfer] = []
         if not self._n_inflight:

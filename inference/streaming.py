@@ -123,6 +123,12 @@ class StreamingExpertCache(ExpertCache):
     prefetch_evicts
         A prediction may evict a resident expert (False: predictions fill free
         slots only, and are not computed once none is left).
+    prefetch_slots
+        Slots of the budget set aside for predictions once the cache is full (0:
+        none). A prediction is read into the one of them holding the oldest unused
+        prediction, so a wrong guess evicts nothing the cache keeps; a prediction
+        that an acquire uses joins the cache, and the policy's victim (evicted as a
+        miss would have evicted it) becomes the prediction slot in its place.
     lookahead
         How many sparse layers ahead to predict (each with its own router on
         the current hidden state): deeper grows the overlap window and lowers
@@ -153,6 +159,7 @@ class StreamingExpertCache(ExpertCache):
         readers: int = 2,
         prefetch: bool = True,
         prefetch_evicts: bool = False,
+        prefetch_slots: int = 0,
         lookahead: int = 1,
         width: int | None = None,
         early: bool = True,
@@ -176,6 +183,27 @@ class StreamingExpertCache(ExpertCache):
         self.arena[:, ::4096] = 0
         self.prefetch_enabled = prefetch
         self.prefetch_evicts = bool(prefetch_evicts)
+        n_stage = int(prefetch_slots)
+        if n_stage < 0 or n_stage > self.n_slots - top_k:
+            raise ValueError(
+                f"prefetch_slots: {n_stage} is not in 0..{self.n_slots - top_k} (the slots "
+                f"beside one layer's top-{top_k})"
+            )
+        if self.never_evicts or not prefetch:
+            n_stage = 0  # nothing a prediction could evict, or no predictions
+        #: Slots holding predictions not yet used (:class:`StreamingExpertCache`'s
+        #: ``prefetch_slots``); the demand path fills and evicts the others.
+        self.prefetch_slots = n_stage
+        self._regular = self.n_slots - n_stage
+        self.staged = np.zeros(self.n_slots, bool)
+        self.staged[self._regular :] = True
+        self._unstaged = ~self.staged
+        self._staged_at = np.zeros(self.n_slots, np.int64)  # 0: empty, else when staged
+        self._stage_clock = 0
+        self._stage_score = np.empty(self.n_slots, np.int64)
+        self._promote: list[int] = []  # the current acquire's staged hits
+        #: Predictions an acquire used that joined the cache, and unused ones overwritten.
+        self.promotions = self.stage_dropped = 0
         # Under a budget that holds every expert each is read at most once, so a layer's
         # predictions only matter while it is still reading: a layer is "settled" by an
         # acquire whose experts were all resident and verified, and predicted again after
@@ -298,8 +326,11 @@ class StreamingExpertCache(ExpertCache):
 
     def _may_prefetch(self) -> bool:
         """Whether a prediction may be read now: prefetch is on and a slot may take it
-        (any unheld one when predictions may evict, else one never filled)."""
-        return self.prefetch_enabled and (self.prefetch_evicts or self._n_filled < self.n_slots)
+        (any unheld one when predictions may evict, a prediction slot, else one never
+        filled)."""
+        return self.prefetch_enabled and (
+            self.prefetch_evicts or self.prefetch_slots > 0 or self._n_filled < self._regular
+        )
 
     def set_kernels(self, kernels: Callable[[], DecodeKernels] | None) -> None:
         """Compute a single token's predictions with the decoder's C kernels.
@@ -387,9 +418,12 @@ class StreamingExpertCache(ExpertCache):
                 for e in miss.tolist():
                     if row[e] >= 0:
                         continue  # claimed above for an earlier entry of the same layer
-                    if not self.prefetch_evicts and self._n_filled >= self.n_slots:
+                    if self._n_filled < self._regular or self.prefetch_evicts:
+                        s = self._victim()
+                    elif self.prefetch_slots:
+                        s = self._stage_slot()
+                    else:
                         return  # no free slot left, and a prediction may not evict
-                    s = self._victim()
                     if s < 0:
                         return  # no dead slot: prefetch is optional, demand will fetch it
                     self._claim(layer, e, s, PREFETCH, priority=base_priority + depth)
@@ -447,7 +481,12 @@ class StreamingExpertCache(ExpertCache):
             self._score_prediction(layer, experts)
         waits = self._waits
 
+        staged, promote = self.staged, self._promote
+        promote.clear()
+
         def on_hit(s: int) -> None:  # resident or in flight: wait for an unused transfer
+            if staged[s]:
+                promote.append(s)
             t = self._xfer[s]
             if t is not None and not t.used:
                 waits.append(t)
@@ -472,6 +511,8 @@ class StreamingExpertCache(ExpertCache):
             # The shared rule (ExpertCache._hold_layer): hits, resident or in flight, are
             # all held before any miss picks a victim.
             self._hold_layer(layer, experts, fill, on_hit)
+            for s in promote:  # after the layer's experts are held: none is a victim
+                self._join(s)
             self._issue_prefetch()
         except BaseException:
             self.release()
@@ -520,25 +561,75 @@ class StreamingExpertCache(ExpertCache):
         mask[:] = False
         self._has_prediction[layer] = False
 
+    @property
+    def max_acquire(self) -> int:
+        """How many distinct experts one :meth:`acquire` may hold at once (the prediction
+        slots are not the demand path's)."""
+        return self.n_slots - self.n_pinned - self.prefetch_slots
+
     def _victim(self) -> int:
-        if self._n_filled < self.n_slots:
+        """The slot a miss (or an evicting prediction) takes: a never-filled one, else the
+        policy's choice among those neither held, in flight nor holding a prediction."""
+        if self._n_filled < self._regular:
             return self._n_filled
         np.logical_or(self.blocked, self.inflight, out=self._mask)
+        if self.prefetch_slots:
+            self._mask |= self.staged
         return self.policy.victim(self._mask)
+
+    def _stage_slot(self) -> int:
+        """The prediction slot a new prediction takes: an empty one, else the one holding
+        the oldest prediction no acquire has used (-1: all held or in flight)."""
+        score = self._stage_score
+        np.copyto(score, self._staged_at)
+        np.logical_or(self.blocked, self.inflight, out=self._mask)
+        self._mask |= self._unstaged
+        np.putmask(score, self._mask, np.iinfo(np.int64).max)
+        s = int(score.argmin())
+        return -1 if self._mask[s] else s
+
+    def _join(self, s: int) -> None:
+        """Prediction slot ``s`` was used: it joins the cache, and the policy's victim among
+        the other slots (its expert evicted, as a miss would have) becomes a prediction
+        slot. Nothing changes when every other slot is held or in flight."""
+        v = self._victim()
+        if v < 0:
+            return
+        old = int(self.owner[v])
+        if old >= 0:
+            self.table.flat[old] = -1
+            self._unready(old)
+            self.evictions += 1
+        self.owner[v] = -1
+        self._xfer[v] = None
+        if v == self._n_filled:
+            self._n_filled += 1  # (a never-filled slot: the cache was not full yet)
+        self.staged[s], self.staged[v] = False, True
+        self._unstaged[s], self._unstaged[v] = True, False
+        self._staged_at[v] = 0
+        self.promotions += 1
 
     def _claim(
         self, layer: int, expert: int, s: int, kind: str, priority: int | None = None
     ) -> Transfer:
         """Evict slot ``s``'s owner (proven dead by the planner) and read ``expert`` into it."""
         evicted, reason = None, "empty"
-        if s == self._n_filled:
+        if s == self._n_filled and s < self._regular:
             self._n_filled += 1
         old = int(self.owner[s])
+        if self.staged[s]:
+            self._stage_clock += 1
+            self._staged_at[s] = self._stage_clock
         if old >= 0:
             self.table.flat[old] = -1
             self._unready(old)
-            self.evictions += 1
-            evicted, reason = (old // self.n_experts, old % self.n_experts), self.policy.name
+            evicted = (old // self.n_experts, old % self.n_experts)
+            if self.staged[s]:  # an unused prediction: not a cache eviction
+                self.stage_dropped += 1
+                reason = "unused prediction"
+            else:
+                self.evictions += 1
+                reason = self.policy.name
         self.owner[s] = -1  # unowned while written: a failed read leaves no mapping
         self._xfer[s] = None
         nbytes = self._filled_at(s, layer, expert)  # the tier's views, before the read
@@ -604,7 +695,7 @@ class StreamingExpertCache(ExpertCache):
         for layer, expert in hot:
             if self.table[layer, expert] >= 0:
                 continue
-            if self._n_filled >= self.n_slots:
+            if self._n_filled >= self._regular:
                 break
             t = self._claim(layer, expert, self._n_filled, DEMAND)
             self._wait(t)

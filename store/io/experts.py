@@ -12,8 +12,9 @@ Reader kinds, behind the same four calls:
 
 - ``"native"``: the native pool's C threads (:mod:`czyx.store.io.readpool`),
   which never take the GIL; a completion costs the engine nothing while it
-  computes. The C readers do not hash: :meth:`ExpertReads.check` verifies
-  the checksum before first use, so a prefetch nobody uses costs no hash.
+  computes. The C readers hash each extent as they read it (where the
+  store's checksum has a C entry point); :meth:`ExpertReads.check` compares
+  it with the recorded checksum before first use.
 - ``"threads"``: Python reader threads running the same reads (and the
   checksum) through a :class:`~czyx.store.io.iopaths.TransferSource`; used
   when the C build is missing, when asked for, and for extents without a

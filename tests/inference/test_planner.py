@@ -340,10 +340,15 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
             for p in ("decay", "slru")
             for b in (budget, tight)
         ]
-        runs = [(*r, True) for r in runs] + [  # predictions that only fill free slots
-            ("pread", 2, True, b, 1, None, "lru", True, False) for b in (budget, tight)
+        runs = [(*r, True, 0) for r in runs] + [  # predictions that only fill free slots
+            ("pread", 2, True, b, 1, None, "lru", True, False, 0) for b in (budget, tight)
         ]
-        for io, threads, prefetch, nbytes, depth, width, policy, early, evicts in runs:
+        runs += [  # predictions into slots set aside for them
+            ("pread", 2, True, budget, 1, None, p, True, False, k)
+            for p in ("lru", "nextuse")
+            for k in (1, cfg.top_k)
+        ]
+        for io, threads, prefetch, nbytes, depth, width, policy, early, evicts, stage in runs:
             cache = StreamingExpertCache(
                 fc,
                 nbytes,
@@ -354,6 +359,7 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
                 readers=threads,
                 prefetch=prefetch,
                 prefetch_evicts=evicts,
+                prefetch_slots=stage,
                 lookahead=depth,
                 width=width,
                 early=early,
@@ -364,9 +370,12 @@ def test_streamed_runs_are_bit_identical_to_resident_for_any_thread_count(arch, 
             got = [m.forward(np.array(tokens[:4]), kv)]
             before = cache.predicted_total, cache.hits + cache.misses
             got += [m.forward(np.array([tok]), kv) for tok in tokens[4:]]
-            run = (io, threads, prefetch, nbytes, depth, width, policy, early, evicts)
+            run = (io, threads, prefetch, nbytes, depth, width, policy, early, evicts, stage)
             assert np.array_equal(np.stack(got), want), run
-            if not evicts:
+            if stage:  # full, the cache still predicts, and the slots set aside stay so
+                assert cache.staged.sum() == stage and cache.prefetches > 0, run
+                assert cache.promotions > 0 and cache.max_acquire == cache.n_slots - stage
+            elif not evicts:
                 # Full, the cache predicts nothing more: no product, no read.
                 assert cache._n_filled == cache.n_slots
                 p0 = cache.predicted_total, cache.prefetches
@@ -432,6 +441,67 @@ def test_predictions_fill_free_slots_and_stop_when_none_is_left(synth):
         cache.check()
     finally:
         cache.close()
+
+
+def test_predictions_in_prefetch_slots_evict_nothing_the_cache_keeps(synth):
+    """With prefetch slots a full cache still predicts: into the slot of the oldest unused
+    prediction; a used one joins the cache, the policy's victim becomes the slot."""
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, policy="lru", io="pread", prefetch_slots=1)
+    router = np.eye(8, 5, dtype=np.float32)  # expert e < 5 responds to coordinate e
+    cache.set_routers([router] * 3, [np.ones(5, np.float32)] * 3)
+    n = synth.info.expert_nbytes
+
+    settle = cache._settle  # every read in flight done and retired
+
+    try:
+        assert cache.max_acquire == 3
+        for layer, e in ((0, 0), (0, 1), (2, 0)):  # the three other slots, oldest first
+            cache.acquire(layer, np.array([e]))
+            cache.release()
+        cache.preroute(1, np.array([[0, 0, 3, 2, 0]], np.float32))  # predicts {2, 3}
+        # One prediction slot: (1, 2) is read into it, nothing the cache keeps is evicted,
+        # and (1, 3) finds no slot (the one there is in flight).
+        assert cache.prefetches == 1 and cache.evictions == 0
+        assert cache.table[1, 2] >= 0 and cache.table[1, 3] < 0
+        assert (cache.table[[0, 0, 2], [0, 1, 0]] >= 0).all()
+        staged = int(cache.table[1, 2])
+        assert cache.staged[staged] and cache.staged.sum() == 1
+        got = cache.acquire(1, np.array([2, 4]))  # the prediction used, and a miss
+        for e, s in zip((2, 4), got.tolist()):
+            assert np.array_equal(cache.slot_bytes(s)[:n], synth.base.blobs[(1, e)])
+        cache.release()
+        # The miss evicted (0, 0), the least recently used; the prediction joined the cache
+        # and (0, 1), the next victim, gave up its slot to be the prediction slot.
+        assert cache.promotions == 1 and cache.evictions == 2
+        assert cache.table[0, 0] < 0 and cache.table[0, 1] < 0
+        assert not cache.staged[staged] and cache.staged.sum() == 1
+        assert cache.prefetch_hits == 1
+        settle()
+        cache.preroute(2, np.array([[0, 0, 0, 3, 0]], np.float32))  # predicts {3, 0}: 0 is in
+        assert cache.table[2, 3] >= 0 and cache.prefetches == 2
+        settle()
+        cache.acquire(2, np.array([0]))  # (2, 3) was not used
+        cache.release()
+        cache.preroute(0, np.array([[0, 0, 0, 2, 3]], np.float32))  # predicts {3, 4}
+        # The unused prediction's slot takes (0, 3) (in expert order); (0, 4) finds none.
+        assert cache.table[2, 3] < 0 and cache.table[0, 3] >= 0 and cache.table[0, 4] < 0
+        assert cache.stage_dropped == 1 and cache.evictions == 2 and cache.prefetches == 3
+        assert (cache.table[[1, 1, 2], [2, 4, 0]] >= 0).all()  # the cache kept its experts
+        got = cache.acquire(0, np.array([3]))
+        assert np.array_equal(cache.slot_bytes(int(got[0]))[:n], synth.base.blobs[(0, 3)])
+        cache.release()
+        cache.check()
+    finally:
+        cache.close()
+
+
+def test_prefetch_slots_leave_a_layer_its_top_k(synth):
+    with pytest.raises(ValueError, match="prefetch_slots"):
+        StreamingExpertCache(synth, 4 * 4096 * 3, 2, prefetch_slots=3)
+    every = synth.info.n_layers * synth.info.n_experts * synth.info.expert_slot_nbytes
+    cache = StreamingExpertCache(synth, every, 2, prefetch_slots=2)
+    assert cache.prefetch_slots == 0  # the budget holds every expert: nothing to evict
+    cache.close()
 
 
 def test_prefetch_width_is_validated(synth):
