@@ -75,7 +75,7 @@ from czyx.inference.models.base import (
 from czyx.inference.options import SPECULATE_OFF, SpeculateOptions
 from czyx.inference.routewatch import RouteFrame, StepWatch
 from czyx.inference.sampling import Sampler, SamplingParams
-from czyx.inference.speculative import Speculator
+from czyx.inference.speculative import Speculator, choose_tokens
 
 _log = logging.getLogger("czyx.inference.batch")
 
@@ -1561,21 +1561,14 @@ class Scheduler:
         if seq.handle.cancelled:
             return  # reaped before the next step
         keep = seq.kv.length - int(chunk.size) + 1  # the pending token's position, kept
-        accepted, ended = 0, False
+
+        def emit(tok: int) -> bool:
+            self._counts.decode_tokens += 1
+            return self._emit_token(seq, tok, now)
+
         try:
-            for i, d in enumerate(drafts):
-                tok, ok = seq.sampler.verify(rows[i], d)
-                self._counts.decode_tokens += 1
-                ended = self._emit_token(seq, tok, now)
-                if not ok or ended:
-                    accepted += ok
-                    break
-                accepted += 1
-                keep += 1
-            else:
-                tok = seq.sampler(rows[len(drafts)])  # every draft accepted: one more
-                self._counts.decode_tokens += 1
-                ended = self._emit_token(seq, tok, now)
+            accepted, kept, ended = choose_tokens(seq.sampler, rows.__getitem__, drafts, emit)
+            keep += kept
         except Exception as exc:  # fail closed: this sequence alone ends, with the error
             if seq in self._active:
                 self._active.remove(seq)

@@ -444,6 +444,35 @@ class Speculator:
         self.drafter.close()
 
 
+def choose_tokens(
+    sampler: Sampler,
+    row: Callable[[int], np.ndarray],
+    drafts: Sequence[int],
+    emit: Callable[[int], bool],
+) -> tuple[int, int, bool]:
+    """The tokens of a verified step: ``(accepted, kept, stop)``.
+
+    Each draft is checked in turn against its row's logits (``row(i)``: the logits at
+    the pending token for ``i = 0``, after draft ``i - 1`` otherwise) by
+    :meth:`Sampler.verify`, whose token is emitted (``emit(tok)`` returns True to stop);
+    the first rejection ends the step with its token, and when every draft is accepted
+    the last row gives one more. ``row(i)`` is asked for only once draft ``i - 1`` was
+    accepted (a caller may compute it then). ``kept`` counts the accepted drafts whose
+    positions stay processed: all of them, less one when the run stopped on an
+    accepted draft (left unprocessed, as a pending token is).
+    """
+    accepted = 0
+    for i, d in enumerate(drafts):
+        tok, ok = sampler.verify(row(i), d)
+        stop = emit(tok)
+        if not ok:
+            return accepted, accepted, stop
+        accepted += 1
+        if stop:
+            return accepted, accepted - 1, True
+    return accepted, accepted, emit(sampler(row(len(drafts))))
+
+
 def speculative_decode(
     engine: Engine,
     logits: np.ndarray,
@@ -502,30 +531,22 @@ def speculative_decode(
         base = engine.position  # the pending token's position
         one_step = batched and not spec.length.probing
         if one_step:
-            rows = engine.verify([pending, *drafts])
-        else:
+            rows = list(engine.verify([pending, *drafts]))
+        else:  # a probe: each draft's logits once its predecessor was accepted
             rows = [engine.decode(pending)]
-        accepted, stop = 0, False
-        keep = base + 1  # the positions to keep: the pending token's and accepted drafts'
-        for i, d in enumerate(drafts):
-            tok, ok = sampler.verify(rows[i], d)
-            stop = emit(tok)
-            if not ok:
-                break
-            accepted += 1
-            if stop:  # the run ends on this draft: left unprocessed, as a pending token is
-                break
-            keep += 1
-            if not one_step:  # the next draft's logits, now that this one is in
-                rows.append(engine.decode(d))
-        if accepted == len(drafts) and not stop:
-            tok = sampler(rows[accepted])  # every draft accepted: one more token
-            stop = emit(tok)
+
+        def row(i: int, rows: list[np.ndarray] = rows, drafts: list[int] = drafts) -> np.ndarray:
+            if i == len(rows):
+                rows.append(engine.decode(drafts[i - 1]))
+            return rows[i]
+
+        accepted, kept, stop = choose_tokens(sampler, row, drafts, emit)
+        keep = base + 1 + kept  # the pending token's position and the kept drafts'
         if engine.position > keep:
             engine.rollback(keep)
         spec.length.update(len(drafts), accepted, clock() - t0 if one_step else None)
         spec.steps.append((len(drafts), accepted))
-        pending = tok
+        pending = out[-1]
         if stop:
             break
     return out, "eos" if out[-1] in eos else "max_tokens"

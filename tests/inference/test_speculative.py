@@ -27,6 +27,7 @@ from czyx.inference.speculative import (
     PromptLookup,
     SpeculationError,
     Speculator,
+    choose_tokens,
     speculative_decode,
 )
 from czyx.store import Store
@@ -163,6 +164,34 @@ def test_first_drafts_are_probes_until_a_row_is_timed() -> None:
     assert k > 1 and not hit.probing
     hit.update(k, k, 1.1)
     assert hit.cost < 0.1 and hit.next() == 4 and not hit.probing
+
+
+@given(
+    target=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+    drafts=st.lists(st.integers(0, 3), max_size=5),
+    stop_after=st.integers(1, 8),
+)
+def test_choose_tokens_keeps_the_accepted_prefix(target, drafts, stop_after) -> None:
+    """Greedy: the drafts equal to the target's tokens are accepted up to the first that is
+    not, whose target token replaces it; all accepted, one more; a stop ends it at once."""
+    drafts = drafts[: len(target) - 1]
+    rows = [np.eye(4, dtype=np.float32)[t] for t in target]
+    asked, emitted = [], []
+
+    def row(i):
+        asked.append(i)
+        return rows[i]
+
+    def emit(tok):
+        emitted.append(tok)
+        return len(emitted) >= stop_after
+
+    accepted, kept, stop = choose_tokens(Sampler(SamplingParams()), row, drafts, emit)
+    match = next((i for i, (d, t) in enumerate(zip(drafts, target)) if d != t), len(drafts))
+    n = min(match + 1, stop_after)  # tokens emitted: the matches, then the correction
+    assert emitted == target[:n] and asked == list(range(n))
+    assert accepted == min(match, n) and stop == (n >= stop_after)
+    assert kept == accepted - (1 if stop and accepted == n else 0)
 
 
 def test_speculate_options_fail_closed() -> None:
