@@ -41,7 +41,7 @@ import numpy as np
 from czyx.inference.errors import CacheBudgetError, SlotInUseError, UnsupportedModelError
 from czyx.inference.eviction import CyclicPolicy, DecayPolicy, NextUsePolicy, SLRUPolicy
 from czyx.inference.kernels.linear import packed_expert_from_views
-from czyx.store.consumer import ModelConsumer
+from czyx.store.consumer import ModelConsumer, TieredConsumer
 from czyx.store.io.widen import widen_into
 from czyx.store.quant.formats import is_quant_format
 
@@ -346,14 +346,17 @@ class ExpertCache:
         self.arena = arena.reshape(n_slots, self.slot_nbytes)
         # Precomputed per-slot views: a fetch indexes a list, it never slices.
         self._slot_views = [self.arena[s] for s in range(n_slots)]
-        # Per-expert precision tiers (a consumer with ``tier`` and ``expert_views_at``, a
+        # Per-expert precision tiers (a TieredConsumer, such as a
         # :class:`~czyx.store.models.tiered.TieredModel`): each slot has kernel views for
         # either precision, and the ones in use follow the tier of the expert it was last
         # filled with (:meth:`_filled_at`).
-        tiered = hasattr(consumer, "expert_views_at")
+        self._tiered: TieredConsumer | None = (
+            consumer if isinstance(consumer, TieredConsumer) else None
+        )
+        tiered = self._tiered
         #: ``int8 [n_layers, n_experts]`` tier of each expert (None: one precision).
-        self.tier_map: np.ndarray | None = consumer.tier if tiered else None  # type: ignore[attr-defined]
-        n_tiers = len(consumer.formats) if tiered else 1  # type: ignore[attr-defined]
+        self.tier_map: np.ndarray | None = tiered.tier if tiered is not None else None
+        n_tiers = len(tiered.formats) if tiered is not None else 1
         self._tier_weights = [
             [self._make_weights(s, t) for s in range(n_slots)] for t in range(n_tiers)
         ]
@@ -361,7 +364,7 @@ class ExpertCache:
         #: Tier of the expert each slot holds (0 for an empty slot, or without tiers).
         self.slot_tier = np.zeros(n_slots, np.int8)
         #: Bytes a miss at each tier counts (the slot stride without tiers).
-        self.tier_nbytes = tuple(consumer.strides) if tiered else (self.slot_nbytes,)  # type: ignore[attr-defined]
+        self.tier_nbytes = tuple(tiered.strides) if tiered is not None else (self.slot_nbytes,)
         #: Expert reads per tier (misses, prefetches and prewarm reads alike).
         self.tier_reads = np.zeros(n_tiers, np.int64)
         #: Expert reads per tier in each forward step so far (:meth:`advance` closes one).
@@ -418,9 +421,10 @@ class ExpertCache:
         self._ready = [[-1] * self.n_experts for _ in range(self.n_layers)]
 
     def _make_weights(self, s: int, tier: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
-        if self.tier_map is not None:  # packed formats only (TieredModel refuses others)
-            views = self.consumer.expert_views_at(self._slot_views[s], tier)  # type: ignore[attr-defined]
-            fmt = self.consumer.formats[tier]  # type: ignore[attr-defined]
+        tiered = self._tiered
+        if tiered is not None:  # packed formats only (TieredModel refuses others)
+            views = tiered.expert_views_at(self._slot_views[s], tier)
+            fmt = tiered.formats[tier]
             hidden = int(self.consumer.info.config["hidden_size"])
             return packed_expert_from_views(fmt, hidden, views)
         views = self.consumer.expert_views(self._slot_views[s])
@@ -464,8 +468,8 @@ class ExpertCache:
             steps.append(tuple(int(x) for x in self.tier_reads - self._tier_mark))
         reads = [int(x) for x in self.tier_reads]
         return {
-            "versions": list(self.consumer.names),  # type: ignore[attr-defined]
-            "formats": list(self.consumer.formats),  # type: ignore[attr-defined]
+            "versions": list(self._tiered.names),  # type: ignore[union-attr]
+            "formats": list(self._tiered.formats),  # type: ignore[union-attr]
             "high_experts": int((self.tier_map == 0).sum()),  # type: ignore[operator]
             "experts": int(self.n_experts_total),
             "reads": reads,

@@ -158,6 +158,24 @@ class ModelConsumer(Protocol):
         ...
 
 
+@runtime_checkable
+class TieredConsumer(ModelConsumer, Protocol):
+    """A consumer over two versions of one model whose experts each read at one of two
+    precisions (:class:`~czyx.store.models.tiered.TieredModel`): an expert cache sizes
+    its slots for the wider and keeps kernel views of each slot at either."""
+
+    names: tuple[str, str]  # the two versions, high precision first
+    formats: tuple[str, str]  # their expert formats
+    strides: tuple[int, int]  # bytes an expert takes at each tier
+    tier: np.ndarray  # int8 [n_layers, n_experts]: the tier each expert is read at
+
+    def expert_views_at(
+        self, slot: np.ndarray, tier: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``expert_views`` of a slot filled at ``tier``."""
+        ...
+
+
 def gate_up_down_views(
     slot: np.ndarray, nbytes: int, inter: int, hidden: int, dtype: Any = np.float32
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
