@@ -247,7 +247,8 @@ class DraftLength:
     that). The first :data:`PLAIN_FIRST` steps are plain ones (they measure the
     plain step's time), and so is every :data:`REMEASURE_EVERY`-th step that would
     draft; until a batched verification is timed, drafts are one-token probes while
-    none has been accepted (the prior's row cost is a guess). :attr:`probing` tells
+    none has been accepted, then one draft verified in a batched step (the prior's
+    row cost is a guess, and that step is the cheapest that times a row). :attr:`probing` tells
     a decode loop that the length it was given is a probe: drafts the measurements
     say do not pay, there only to measure the acceptance again, which
     :func:`speculative_decode` verifies one token at a time.
@@ -314,12 +315,14 @@ class DraftLength:
         if self.measure and len(self._plains) < PLAIN_FIRST:
             return 0  # plain steps first: their time is the unit
         k = self.best()
-        if k > 0 and self.measure and not self._rows and self.acceptance <= self._prior:
-            # No batched verification timed yet, nor any draft accepted: the first drafts
-            # are probes (one token at a time), so a text that never matches does not pay
-            # for a batched step at the prior's cost (on a small resident model a row costs
-            # nearly a plain step); a probe accepted lets the next step batch and time rows.
-            self._probing = True
+        if k > 0 and self.measure and not self._rows:
+            # No batched verification timed yet: the prior's row cost is a guess (on a small
+            # resident model a row costs nearly a plain step). While no draft has been
+            # accepted the drafts are probes (one token at a time), so a text that never
+            # matches pays for no batched step; after that, the first batched step verifies
+            # a single draft, the cheapest step that times a row.
+            if self.acceptance <= self._prior:
+                self._probing = True
             return 1
         if k > 0 and self.measure:
             self._drafting += 1

@@ -159,10 +159,9 @@ def test_first_drafts_are_probes_until_a_row_is_timed() -> None:
         assert dl.next() == 1 and dl.probing  # the prior would batch: probe instead
     miss.update(1, 0)  # rejected: no batched step at the prior's cost
     assert [miss.next() for _ in range(2 * PROBE_EVERY)] == [0] * (2 * PROBE_EVERY - 1) + [1]
-    hit.update(1, 1)  # accepted: the next step batches, and its time prices a row
-    k = hit.next()
-    assert k > 1 and not hit.probing
-    hit.update(k, k, 1.1)
+    hit.update(1, 1)  # accepted: the next step batches one draft, and its time prices a row
+    assert hit.best() > 1 and hit.next() == 1 and not hit.probing
+    hit.update(1, 1, 1.05)
     assert hit.cost < 0.1 and hit.next() == 4 and not hit.probing
 
 
