@@ -16,6 +16,8 @@ first, for each ``--budgets`` value (MiB of expert slots) and the prefetch modes
 - ``stage-8``, ``stage-16``: predictions (look-ahead and early routing) read into 8 or
   16 slots set aside for them once the cache is full (``--prefetch-slots``), so a wrong
   guess evicts nothing; a used one joins the cache in place of the policy's victim;
+  ``stage-N-wW``: N such slots, W predicted experts a token (``--width``);
+  ``-early``: early routing alone (``--lookahead 0``);
 - ``consumer-hash``: ``fill`` with each extent's checksum taken on the decoding thread
   at first use, as before the native readers hashed what they read.
 
@@ -58,6 +60,9 @@ MODES = {
     "stage-16": ["--prefetch-slots", "16"],
     "stage-16-w4": ["--prefetch-slots", "16", "--width", "4"],
     "stage-16-w2": ["--prefetch-slots", "16", "--width", "2"],
+    "stage-4-w4": ["--prefetch-slots", "4", "--width", "4"],
+    "stage-4-w4-early": ["--prefetch-slots", "4", "--width", "4", "--lookahead", "0"],
+    "stage-8-w4-early": ["--prefetch-slots", "8", "--width", "4", "--lookahead", "0"],
 }
 
 

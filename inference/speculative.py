@@ -278,6 +278,8 @@ class DraftLength:
         self._prior = prior
         self._ok = prior  # pseudo-counts: the prior acceptance as one observation
         self._bad = 1.0 - prior
+        self._best_for: tuple[float, float, float] | None = None  # what _best was chosen for
+        self._best = 0
         self._idle = 0
         self._probe_every = PROBE_EVERY  # doubled by each failed probe (to 8x), reset on success
         self._probing = False  # whether the last length given was a probe
@@ -299,12 +301,16 @@ class DraftLength:
 
     def best(self) -> int:
         """The length maximising expected tokens per unit of step time."""
+        key = (self._ok, self._bad, self.cost)
+        if key == self._best_for:  # unchanged since the last step (a step without drafts)
+            return self._best
         a = min(self.acceptance, 1.0 - 1e-9)
         best, score = 0, 1.0
         for k in range(1, self.most + 1):
             s = (1.0 - a ** (k + 1)) / (1.0 - a) / (1.0 + self.cost * k)
             if s > score + 1e-12:
                 best, score = k, s
+        self._best_for, self._best = key, best
         return best
 
     def next(self) -> int:
@@ -476,6 +482,9 @@ def choose_tokens(
     return accepted, accepted, emit(sampler(row(len(drafts))))
 
 
+_PLAIN = (0, 0)  # a step's (drafted, accepted) without drafts
+
+
 def speculative_decode(
     engine: Engine,
     logits: np.ndarray,
@@ -518,37 +527,38 @@ def speculative_decode(
     clock = time.perf_counter
     # The drafter takes in the prompt before the steps are timed (prompt lookup indexes
     # it, a draft model prefills it): a one-time cost, not a step's.
-    spec.drafter.propose(history, 0)
+    propose, length, steps, decode = spec.drafter.propose, spec.length, spec.steps, engine.decode
+    propose(history, 0)
     while True:
         t0 = clock()
-        k = min(spec.length.next(), max_tokens - len(out) - 1)
-        drafts = spec.drafter.propose(history, k)[:k] if k > 0 else []
-        if not drafts:
-            logits = engine.decode(pending)
-            spec.length.plain(clock() - t0)
-            spec.steps.append((0, 0))
+        k = min(length.next(), max_tokens - len(out) - 1)
+        drafts = propose(history, k)[:k] if k > 0 else []
+        if not drafts:  # a plain step (most of them, on text the drafter cannot predict)
+            logits = decode(pending)
+            length.plain(clock() - t0)
+            steps.append(_PLAIN)
             pending = sampler(logits)
             if emit(pending):
                 break
             continue
         base = engine.position  # the pending token's position
-        one_step = batched and not spec.length.probing
+        one_step = batched and not length.probing
         if one_step:
             rows = list(engine.verify([pending, *drafts]))
         else:  # a probe: each draft's logits once its predecessor was accepted
-            rows = [engine.decode(pending)]
+            rows = [decode(pending)]
 
         def row(i: int, rows: list[np.ndarray] = rows, drafts: list[int] = drafts) -> np.ndarray:
             if i == len(rows):
-                rows.append(engine.decode(drafts[i - 1]))
+                rows.append(decode(drafts[i - 1]))
             return rows[i]
 
         accepted, kept, stop = choose_tokens(sampler, row, drafts, emit)
         keep = base + 1 + kept  # the pending token's position and the kept drafts'
         if engine.position > keep:
             engine.rollback(keep)
-        spec.length.update(len(drafts), accepted, clock() - t0 if one_step else None)
-        spec.steps.append((len(drafts), accepted))
+        length.update(len(drafts), accepted, clock() - t0 if one_step else None)
+        steps.append((len(drafts), accepted))
         pending = out[-1]
         if stop:
             break
