@@ -148,7 +148,14 @@ def run_child(a: argparse.Namespace) -> dict:
     ids = text_ids(Path(a.text).read_bytes(), a.vocab, a.prompt + a.warmup + a.tokens)
     prompt, warm = ids[: a.prompt], ids[a.prompt : a.prompt + a.warmup]
     feed = ids[a.prompt + a.warmup :]
-    configs = [("off", None), *[(f"replay p={p:.3f}", p) for p in a.keep]]
+    import czyx.inference.batch as batch
+
+    parts = [None if x == "topk" else int(x) for x in a.parts]
+    configs = [("off", None, None)] + [
+        (f"replay p={p:.3f}" + ("" if len(parts) == 1 else f", parts {x or 'top-k'}"), p, x)
+        for p in a.keep
+        for x in parts
+    ]
     runs = []
     with OpenedModel(a.store, a.tag, None) as model:
         options = EngineOptions(
@@ -164,7 +171,8 @@ def run_child(a: argparse.Namespace) -> dict:
         try:
             for r in range(a.rounds):
                 k = r % len(configs)
-                for label, p in configs[k:] + configs[:k]:
+                for label, p, part in configs[k:] + configs[:k]:
+                    batch.MISSES_PER_PART = part
                     spec = None
                     if p is not None:
                         drafter = Replay(ids, p, a.vocab, seed=r)
@@ -199,7 +207,7 @@ def run_capped(a: argparse.Namespace, rs_dir: Path, keep: list[float]) -> dict:
         *("--tokens", str(a.rs_tokens), "--threads", str(a.rs_threads)),
         *("--rounds", str(a.rs_rounds), "--draft-tokens", str(a.draft_tokens)),
         *("--prefetch", a.rs_prefetch, "--policy", a.rs_policy or DEFAULT_POLICY),
-        *("--json", str(out), "--keep", *map(str, keep)),
+        *("--json", str(out), "--keep", *map(str, keep), "--parts", *a.rs_parts),
     ]
     evict([gguf, *sorted(p for p in store.rglob("*.blk"))])
     group = open_group("spec-rs", cap)
@@ -305,8 +313,9 @@ def report(res: dict, tgts: list[tuple[str, float, float]], a: argparse.Namespac
         got = f"{accepted / drafted:.2f} ({accepted}/{drafted})" if drafted else "-"
         hits, misses = sum(r["hits"] for r in rs), sum(r["misses"] for r in rs)
         per_tok = sum(r["bytes_read"] for r in rs) / dec
-        label, acc = label_of.get(cfg, ("-", None))
-        p = "-" if acc is None else cfg.split("=")[1]
+        replay = cfg.split(",")[0]  # "replay p=..." (", parts N": a parts configuration)
+        label, acc = label_of.get(replay, ("-", None))
+        p = "-" if acc is None else replay.split("=")[1]
         lines.append(
             f"| {cfg} | {label} | {p} | {med:.2f} | {med / base:.2f}x | {per_round} | {got} | "
             f"{dec / sum(r['passes'] for r in rs):.2f} | {per_tok / 2**20:.1f} | "
@@ -335,6 +344,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--io", default="direct")
     ap.add_argument("--prefetch", choices=["on", "off"], default="on")
     ap.add_argument("--policy", default=None, help="eviction policy (default: the engine's)")
+    ap.add_argument(
+        "--parts",
+        nargs="+",
+        default=["topk"],
+        help="misses a verification step acquires together past its hits (topk, or a count)",
+    )
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     Path(a.json).write_text(json.dumps(run_child(a)))

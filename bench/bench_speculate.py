@@ -562,6 +562,13 @@ def main(argv: list[str] | None = None) -> int:
         help="realshape: target acceptances (numbers, or q2 / lookup: the bundled model's "
         "measured ones, from bench/SPECULATE-q2.md and bench/SPECULATE.md)",
     )
+    ap.add_argument(
+        "--rs-parts",
+        nargs="+",
+        default=["topk"],
+        help="realshape: misses a verification step acquires together past its hits "
+        "(topk: the model's top-k, the engine's; or a count), each a configuration",
+    )
     ap.add_argument("--out", default=None, help="the report (default bench/SPECULATE.md)")
     args = ap.parse_args(argv)
     command = "python bench/bench_speculate.py " + shlex.join(

@@ -343,7 +343,8 @@ def _forward_c(
         # its order), else the union (hits first), each acquired once for the step,
         # every row's products with a part's experts kept until the last part sums them.
         held = idx[0] if n == 1 else kern.union(n, table[i])
-        cuts = _acquire_parts(held, table[i], cap, top_k) if n > 1 else (0, held.size)
+        part_misses = top_k if MISSES_PER_PART is None else MISSES_PER_PART
+        cuts = _acquire_parts(held, table[i], cap, part_misses) if n > 1 else (0, held.size)
         final = len(cuts) - 2
         for q in range(final + 1):
             part = None if final == 0 else "first" if q == 0 else "last" if q == final else "part"
@@ -370,6 +371,12 @@ def _forward_c(
     # through the scheduler's sampling, events and (served) HTTP writes.
     kern.pool.park()
     return [model.finish_logits(lg) for lg in logits]
+
+
+#: Misses a step acquires together past its hits (None: the model's top-k, a token's
+#: worth; see :func:`_acquire_parts`). ``bench/bench_speculate.py --realshape
+#: --rs-parts`` measures other values.
+MISSES_PER_PART: int | None = None
 
 
 def _acquire_parts(held: np.ndarray, resident: np.ndarray, cap: int, top_k: int) -> list[int]:
