@@ -612,6 +612,16 @@ class ExpertCache:
         """Expert ``key`` (``layer * n_experts + expert``) left its slot."""
         self._ready[key // self.n_experts][key % self.n_experts] = -1
 
+    def _unmap(self, s: int) -> int:
+        """Slot ``s`` no longer holds its expert (it is about to be written, or its read
+        failed): its key, or -1 when it held none."""
+        old = int(self.owner[s])
+        if old >= 0:
+            self.table.flat[old] = -1
+            self._unready(old)
+        self.owner[s] = -1
+        return old
+
     def _hold_layer(self, layer: int, experts: np.ndarray, fill, on_hit=None) -> None:
         """Hold ``experts`` of ``layer``, their slots into ``self._out``: the shared acquire rule.
 
@@ -679,13 +689,9 @@ class ExpertCache:
                 )
             if self.blocked[s]:
                 raise SlotInUseError(f"policy {self.policy.name!r} chose held slot {s}")
-            old = int(self.owner[s])
-            if old >= 0:
-                self.table.flat[old] = -1
-                self._unready(old)
+            # Unowned while it is written: a failed read leaves no stale mapping.
+            if self._unmap(s) >= 0:
                 self.evictions += 1
-        # The slot is unowned while it is written: a failed read leaves no stale mapping.
-        self.owner[s] = -1
         nbytes = self._filled_at(s, layer, expert)
         t0 = time.perf_counter()
         self.consumer.read_expert(layer, expert, self._slot_views[s])

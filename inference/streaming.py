@@ -595,12 +595,8 @@ class StreamingExpertCache(ExpertCache):
         v = self._victim()
         if v < 0:
             return
-        old = int(self.owner[v])
-        if old >= 0:
-            self.table.flat[old] = -1
-            self._unready(old)
+        if self._unmap(v) >= 0:
             self.evictions += 1
-        self.owner[v] = -1
         self._xfer[v] = None
         if v == self._n_filled:
             self._n_filled += 1  # (a never-filled slot: the cache was not full yet)
@@ -616,13 +612,11 @@ class StreamingExpertCache(ExpertCache):
         evicted, reason = None, "empty"
         if s == self._n_filled and s < self._regular:
             self._n_filled += 1
-        old = int(self.owner[s])
         if self.staged[s]:
             self._stage_clock += 1
             self._staged_at[s] = self._stage_clock
+        old = self._unmap(s)  # unowned while written: a failed read leaves no mapping
         if old >= 0:
-            self.table.flat[old] = -1
-            self._unready(old)
             evicted = (old // self.n_experts, old % self.n_experts)
             if self.staged[s]:  # an unused prediction: not a cache eviction
                 self.stage_dropped += 1
@@ -630,7 +624,6 @@ class StreamingExpertCache(ExpertCache):
             else:
                 self.evictions += 1
                 reason = self.policy.name
-        self.owner[s] = -1  # unowned while written: a failed read leaves no mapping
         self._xfer[s] = None
         nbytes = self._filled_at(s, layer, expert)  # the tier's views, before the read
         t = self.planner.submit(
@@ -665,11 +658,7 @@ class StreamingExpertCache(ExpertCache):
     def _drop(self, t: Transfer) -> None:
         """Unmap a failed transfer's slot (if it still belongs to that transfer)."""
         if self._xfer[t.slot] is t:
-            key = int(self.owner[t.slot])
-            if key >= 0:
-                self.table.flat[key] = -1
-                self._unready(key)
-            self.owner[t.slot] = -1
+            self._unmap(t.slot)
             self._xfer[t.slot] = None
 
     def _settle(self) -> None:
