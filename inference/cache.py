@@ -300,6 +300,8 @@ class ExpertCache:
 
     #: Bytes of the slot arenas of this process's open caches (they fill as used).
     _live_bytes = 0
+    #: Slots set aside for predictions (:class:`~czyx.inference.streaming.StreamingExpertCache`).
+    prefetch_slots = 0
 
     @classmethod
     def reserved_bytes(cls) -> int:
@@ -492,8 +494,9 @@ class ExpertCache:
 
     @property
     def max_acquire(self) -> int:
-        """How many distinct experts one :meth:`acquire` may hold at once."""
-        return self.n_slots - self.n_pinned
+        """How many distinct experts one :meth:`acquire` may hold at once (slots set aside
+        for predictions, a streaming cache's, are not the demand path's)."""
+        return self.n_slots - self.n_pinned - self.prefetch_slots
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters."""
@@ -734,7 +737,7 @@ class ExpertCache:
             If pinning would leave fewer than ``top_k`` unpinned slots.
         """
         new = [p for p in pairs if not self._is_pinned(*p)]
-        if self.n_pinned + len(new) > self.n_slots - self.top_k:
+        if len(new) > self.max_acquire - self.top_k:
             raise CacheBudgetError(
                 f"pinning {len(new)} more expert(s) would leave fewer than top-{self.top_k} "
                 f"unpinned slots out of {self.n_slots}"

@@ -128,7 +128,9 @@ class StreamingExpertCache(ExpertCache):
         none). A prediction is read into the one of them holding the oldest unused
         prediction, so a wrong guess evicts nothing the cache keeps; a prediction
         that an acquire uses joins the cache, and the policy's victim (evicted as a
-        miss would have evicted it) becomes the prediction slot in its place.
+        miss would have evicted it) becomes the prediction slot in its place (that
+        eviction is in the cache's counters; X-Ray's transfer records name the
+        evictions of reads).
     lookahead
         How many sparse layers ahead to predict (each with its own router on
         the current hidden state): deeper grows the overlap window and lowers
@@ -560,12 +562,6 @@ class StreamingExpertCache(ExpertCache):
         self.predicted_correct += int(mask[experts].sum())
         mask[:] = False
         self._has_prediction[layer] = False
-
-    @property
-    def max_acquire(self) -> int:
-        """How many distinct experts one :meth:`acquire` may hold at once (the prediction
-        slots are not the demand path's)."""
-        return self.n_slots - self.n_pinned - self.prefetch_slots
 
     def _victim(self) -> int:
         """The slot a miss (or an evicting prediction) takes: a never-filled one, else the

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from czyx.inference.cache import ExpertCache
-from czyx.inference.errors import SlotInUseError
+from czyx.inference.errors import CacheBudgetError, SlotInUseError
 from czyx.inference.models import decoder_class
 from czyx.inference.planner import (
     DEMAND,
@@ -498,6 +498,14 @@ def test_predictions_in_prefetch_slots_evict_nothing_the_cache_keeps(synth):
 def test_prefetch_slots_leave_a_layer_its_top_k(synth):
     with pytest.raises(ValueError, match="prefetch_slots"):
         StreamingExpertCache(synth, 4 * 4096 * 3, 2, prefetch_slots=3)
+    cache = StreamingExpertCache(synth, 4 * 4096 * 3, 2, io="pread", prefetch_slots=1)
+    try:
+        cache.pin([(0, 0)])  # 4 slots, 1 set aside: one may be pinned beside a layer's top-2
+        with pytest.raises(CacheBudgetError, match="fewer than top-2"):
+            cache.pin([(0, 1)])
+        assert cache.max_acquire == 2
+    finally:
+        cache.close()
     every = synth.info.n_layers * synth.info.n_experts * synth.info.expert_slot_nbytes
     cache = StreamingExpertCache(synth, every, 2, prefetch_slots=2)
     assert cache.prefetch_slots == 0  # the budget holds every expert: nothing to evict
