@@ -246,12 +246,12 @@ class DraftLength:
     again (twice as rarely after each probe rejected, down to one in eight times
     that). The first :data:`PLAIN_FIRST` steps are plain ones (they measure the
     plain step's time), and so is every :data:`REMEASURE_EVERY`-th step that would
-    draft; until a batched verification is timed, drafts are one-token probes while
-    none has been accepted, then one draft verified in a batched step (the prior's
-    row cost is a guess, and that step is the cheapest that times a row). :attr:`probing` tells
-    a decode loop that the length it was given is a probe: drafts the measurements
-    say do not pay, there only to measure the acceptance again, which
-    :func:`speculative_decode` verifies one token at a time.
+    draft. Until a batched verification is timed the prior's row cost is a guess:
+    drafts are then one-token probes while none has been accepted, and after that
+    one draft verified in a batched step (the cheapest step that times a row).
+    :attr:`probing` tells a decode loop that the length it was given is a probe:
+    drafts the measurements say do not pay, there only to measure the acceptance
+    again, which :func:`speculative_decode` verifies one token at a time.
 
     ``measure=False`` keeps ``r`` at ``cost`` and ignores times: the lengths then
     follow the acceptances alone (a seeded sampled run is reproducible; with
