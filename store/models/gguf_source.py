@@ -780,18 +780,11 @@ class GGUFMountSource(MountSource):
     def _requantize_expert(
         self, key: tuple[int, int], vts: list[VTensor], out: np.ndarray, first: bool
     ) -> None:
-        """Expert ``key`` (its gate, up and down ``vts``) under the store policy: their
-        reference values, back to back as a float32 checkpoint's extent, through the codec
-        (as ``--quant`` on that checkpoint); a part whose native repack is the format is
-        repacked instead."""
+        """Expert ``key`` (its gate, up and down ``vts``, one at least not natively in the
+        format) under the store policy: their reference values, back to back as a float32
+        checkpoint's extent, through the codec (as ``--quant`` on that checkpoint); a part
+        whose native repack is the format is repacked instead."""
         fmt = self.qlayout.fmt  # type: ignore[union-attr]
-        if not any(self._requantizes(vt, fmt.name) for vt in vts):
-            pos = 0
-            for vt in vts:
-                data = native_pack(self.ckpt.gguf_rows(vt), vt.qtype)[0]
-                out[pos : pos + data.size] = data
-                pos += data.size
-            return
         n = sum(int(np.prod(vt.shape)) for vt in vts)
         if self._float.size < n:
             self._float = np.empty(n, np.float32)
@@ -821,9 +814,9 @@ class GGUFMountSource(MountSource):
         first = key not in self._seen
         self._seen.add(key)
         vts = [self.ckpt.vtensor(p.tensor) for p in self.plan.experts[key]]
-        if self._requant_experts:
+        if self._requant_experts and any(self._requantizes(vt, self.expert_fmt) for vt in vts):
             self._requantize_expert(key, vts, out, first)
-        else:
+        else:  # (every part natively in the policy's format: repacked, as a plain mount does)
             pos = 0
             for vt in vts:
                 data = self._pack(vt, self.expert_fmt, vt.gguf if first else None)
