@@ -35,7 +35,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
-TRACES = ROOT / ".traces"
 
 
 def step_unions(experts: np.ndarray, m: int) -> list[list[np.ndarray]]:
@@ -152,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from _machine import machine
+    from bench_belady import rs16_traces
 
-    traces = [Path(p) for p in a.trace] if a.trace else sorted(TRACES.glob("rs16-*.experts.npy"))
+    traces = rs16_traces(a.trace)
     if not traces:
         raise SystemExit(
             "no traces: record them first (python bench/bench_belady.py --record-rs16 STORE)"

@@ -483,11 +483,13 @@ class StreamingExpertCache(ExpertCache):
             self._score_prediction(layer, experts)
         waits = self._waits
 
-        staged, promote = self.staged, self._promote
+        # (without prediction slots a hit costs no lookup for them)
+        staged = self.staged if self.prefetch_slots else None
+        promote = self._promote
         promote.clear()
 
         def on_hit(s: int) -> None:  # resident or in flight: wait for an unused transfer
-            if staged[s]:
+            if staged is not None and staged[s]:
                 promote.append(s)
             t = self._xfer[s]
             if t is not None and not t.used:
@@ -608,13 +610,14 @@ class StreamingExpertCache(ExpertCache):
         evicted, reason = None, "empty"
         if s == self._n_filled and s < self._regular:
             self._n_filled += 1
-        if self.staged[s]:
+        staged = self.prefetch_slots > 0 and bool(self.staged[s])
+        if staged:
             self._stage_clock += 1
             self._staged_at[s] = self._stage_clock
         old = self._unmap(s)  # unowned while written: a failed read leaves no mapping
         if old >= 0:
             evicted = (old // self.n_experts, old % self.n_experts)
-            if self.staged[s]:  # an unused prediction: not a cache eviction
+            if staged:  # an unused prediction: not a cache eviction
                 self.stage_dropped += 1
                 reason = "unused prediction"
             else:
