@@ -45,7 +45,10 @@ from bench._machine import machine  # noqa: E402
 from bench._spec_llama import llama_missing  # noqa: E402
 
 # Code the model never saw: written for this benchmark (its training set is CPython's
-# own standard library; see inference/assets/czyx-moe-stdlib/TRAINING.md).
+# own standard library; see inference/assets/czyx-moe-stdlib/TRAINING.md). Each prompt
+# and the tokens generated after it fit in the 256-byte windows the model was trained on
+# (:func:`trained_context`): past them its rope positions are ones it never saw and its
+# greedy text is noise, which no drafter predicts.
 DRAFT_TAG = "stdlib@draft"  # the --self draft version (quantized by --draft-policy)
 GGUF_TAG = "stdlib@vocab"  # --llama: the model with a byte vocabulary, exported as GGUF
 
@@ -55,57 +58,12 @@ PROMPTS = {
 
     def __init__(self, capacity):
         self.capacity = capacity
-        self.items = [None] * capacity
-        self.start = 0
-        self.size = 0
-
-    def push(self, item):
-        end = (self.start + self.size) % self.capacity
-        self.items[end] = item
-        if self.size < self.capacity:
-            self.size += 1
-        else:
-            self.start = (self.start + 1) % self.capacity
-
-    def pop(self):
-        if self.size == 0:
-            raise IndexError("pop from an empty ring buffer")
-        item = self.items[self.start]
-        self.items[self.start] = None
-        self.start = (self.start + 1) % self.capacity
-        self.size -= 1
-        return item
-
-    def peek(self):
-        if self.size == 0:
-            raise IndexError("peek at an empty ring buffer")
 ''',
     "code: config parser": """def parse_settings(lines):
     settings = {}
     section = None
     for number, line in enumerate(lines, 1):
         line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.startswith("[") and line.endswith("]"):
-            section = line[1:-1].strip()
-            settings.setdefault(section, {})
-            continue
-        if "=" not in line:
-            raise ValueError("line %d: expected key = value" % number)
-        key, value = line.split("=", 1)
-        key = key.strip()
-        value = value.strip()
-        if section is None:
-            raise ValueError("line %d: key outside a section" % number)
-        settings[section][key] = value
-    return settings
-
-
-def format_settings(settings):
-    out = []
-    for section, values in settings.items():
-        out.append("[%s]" % section)
 """,
     "code: vector": """class Vector:
     def __init__(self, x, y, z):
@@ -114,27 +72,22 @@ def format_settings(settings):
         self.z = z
 
     def __add__(self, other):
-        return Vector(self.x + other.x, self.y + other.y, self.z + other.z)
-
-    def __sub__(self, other):
-        return Vector(self.x - other.x, self.y - other.y, self.z - other.z)
-
-    def __mul__(self, k):
-        return Vector(self.x * k, self.y * k, self.z * k)
-
-    def dot(self, other):
-        return self.x * other.x + self.y * other.y + self.z * other.z
-
-    def cross(self, other):
 """,
     "prose": (
         "The harbour town woke slowly that autumn. Fishermen mended their nets on the "
-        "quay while the baker's daughter carried warm bread up the hill to the old "
-        "lighthouse keeper, who had not spoken to anyone since the storm. She left the "
-        "basket by his door, knocked twice, and waited. The wind smelled of rain and "
-        "seaweed, and somewhere below a gull complained about"
+        "quay while the baker's daughter carried warm bread up the hill to the old"
     ),
 }
+
+
+def trained_context() -> int:
+    """The bytes a training window of the bundled model held (its ``seq_len``)."""
+    import json
+
+    from czyx.inference.assets import bundled_model_dir
+
+    log = json.loads((bundled_model_dir() / "training_log.json").read_text())
+    return int(log["args"]["seq_len"])
 
 
 def load() -> str:
@@ -167,21 +120,24 @@ class Replay:
 
 
 def row_costs(engine, prompt: list[int], most: int, repeats: int = 200) -> list[tuple]:
-    """What one more verified row costs: a decode step and verification steps of 2 ..
-    ``most + 1`` rows after ``prompt``, timed in turn (``repeats`` of each, the KV cut
-    back after every step), medians. Per step size ``(rows, us, r, ceiling)``: ``r`` the
-    cost of each row past the first relative to a decode step, ``ceiling`` the most a
-    step of that many rows can speed decoding up, every draft accepted: rows / (1 + r *
-    (rows - 1))."""
+    """What one more verified row costs: after ``prompt``, a decode step of its greedy
+    continuation's first token and verification steps of that token and the next 1 ..
+    ``most`` (the drafts of a step that accepts them all, each row its own token and
+    experts), timed in turn (``repeats`` of each, the KV cut back after every step),
+    medians. Per step size ``(rows, us, r, ceiling)``: ``r`` the cost of each row past
+    the first relative to a decode step, ``ceiling`` the most a step of that many rows
+    can speed decoding up, every draft accepted: rows / (1 + r * (rows - 1))."""
+    from czyx.inference.generate import generate_ids
+
+    cont = generate_ids(engine, prompt, most + 1)[0]
     engine.reset()
     engine.prefill(prompt)
     base = engine.position
-    tok = prompt[-1]
     times: dict[int, list[float]] = {n: [] for n in range(1, most + 2)}
     for _ in range(repeats):
         for n in times:
             t0 = time.perf_counter()
-            engine.decode(tok) if n == 1 else engine.verify([tok] * n)
+            engine.decode(cont[0]) if n == 1 else engine.verify(cont[:n])
             times[n].append(time.perf_counter() - t0)
             engine.rollback(base)
     one = statistics.median(times[1])
@@ -612,6 +568,13 @@ def main(argv: list[str] | None = None) -> int:
             (gguf,) = export_gguf(st, GGUF_TAG, Path(tmp.name) / "stdlib.gguf")
     opened = OpenedModel(store_dir, "stdlib@1", None)
     prompts = {name: list(text.encode()) for name, text in PROMPTS.items()}
+    context = trained_context()
+    for name, ids in prompts.items():
+        if len(ids) + args.tokens > context:
+            raise SystemExit(
+                f"{name!r}: {len(ids)} prompt bytes + --tokens {args.tokens} exceed the "
+                f"{context} bytes the model was trained on"
+            )
 
     # A: prompt lookup (and the q4 self-draft), every expert resident.
     engine = Engine(opened.consumer, threads=args.threads)
@@ -685,7 +648,9 @@ def main(argv: list[str] | None = None) -> int:
         f"({wall:.0f} s in all). Engine kernel threads: {args.threads}. Draft length at most "
         f"{args.draft_tokens}. The tokens of every speculative run were checked identical to "
         "the non-speculative run's. Code prompts: code written for this benchmark (the model "
-        "was trained on CPython's standard library; see `bench/bench_speculate.py`).",
+        "was trained on CPython's standard library; see `bench/bench_speculate.py`), each "
+        f"prompt and its {args.tokens} tokens within the {context}-byte windows the model was "
+        "trained on (past them its greedy text is noise no drafter predicts).",
         "",
         "## Prompt lookup, every expert resident",
         "",
@@ -702,8 +667,10 @@ def main(argv: list[str] | None = None) -> int:
         "| --- | --- | --- | --- | --- | --- |",
         *rows(rate_a, acc_a, configs),
         "",
-        "What a verified row costs here (`row_costs`: a decode step and verification steps "
-        "of 2 .. k + 1 rows after the ring-buffer prompt, timed in turn, 200 of each, "
+        "What a verified row costs here (`row_costs`: after the ring-buffer prompt, a "
+        "decode step of its continuation's first token and verification steps of that "
+        "token and the next 1 .. k, the rows of a step that accepts every draft, timed in "
+        "turn, 200 of each, "
         "medians; r: each row past the first relative to a decode step; ceiling: the "
         "speed-up of that step with every draft accepted, rows / (1 + r (rows - 1))). With "
         "every expert resident a step is its rows' arithmetic (each row's experts mostly its "
@@ -814,14 +781,17 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "## Reading it",
         "",
-        "- The bundled model is a small byte-level code model: its greedy continuations "
-        "seldom repeat a span of the prompt, so prompt lookup drafts few tokens (the counts "
-        "are in the acceptance column). Where it drafted almost nothing, its ratio to off "
-        "measures the drafter's per-token bookkeeping and this machine's run-to-run spread "
-        "(the load average above), not verification.",
-        "- Every expert resident, there is no read for a verified step to share and a "
-        "verified row costs about as much as a plain step on this model, so the measured row "
-        "cost keeps the adaptive length near 0. The self-draft's acceptance and tokens per "
+        "- The bundled model is a small byte-level code model trained on "
+        f"{context}-byte windows; within one, its greedy text often repeats a span of the "
+        "prompt or of itself, and the drafts prompt lookup makes are mostly accepted (the "
+        "acceptance column), but it makes few: see the next point. Where it drafted almost "
+        "nothing, its ratio to off measures the drafter's per-token bookkeeping and this "
+        "machine's run-to-run spread (the load average above), not verification.",
+        "- Every expert resident, there is no read for a verified step to share, and a "
+        "verified row costs about as much as a plain step on this model (its weights stay "
+        "in the CPU's caches: a row is its own arithmetic; the row-cost table), so the "
+        "measured row cost keeps the adaptive length near 0, and the ceiling column bounds "
+        "what any drafter could gain here. The self-draft's acceptance and tokens per "
         "forward pass are in the table; its tok/s there includes the draft's own decode.",
         "- Where experts are read (the streamed and wider tables), one step reads each "
         "chosen expert once for all its rows, and tokens/s rises with the acceptance; "
