@@ -19,14 +19,16 @@ The model: ``inference/assets/czyx-moe-stdlib`` (a byte-level Mixtral: hidden
   byte vocabulary), so neither engine tokenizes.
 
 Each measurement: reset, prefill the same 128-byte prompt (timed: prefill
-tok/s), then 64 greedy steps (argmax of the logits, timed: decode tok/s).
+tok/s; ``--prompt-bytes`` sets its length, up to the model's 1024 positions
+less the decoded ones, where attention over the context dominates a step),
+then 64 greedy steps (argmax of the logits, timed: decode tok/s).
 Every engine and thread count runs once per round, the order rotating per
 round; the figures are medians over rounds, and ratios are czyx over
 llama.cpp in the matching format and thread count, measured in the same run.
 The load average is printed before and after (the machine is shared).
 
 Run: ``OPENBLAS_NUM_THREADS=1 python bench/bench_speed.py`` (``--rounds``,
-``--threads 1 2``, ``--out bench/SPEED.md``).
+``--threads 1 2``, ``--prompt-bytes 128``, ``--out bench/SPEED.md``).
 """
 
 from __future__ import annotations
@@ -58,13 +60,15 @@ def _rel(path: str) -> str:
         return str(p)
 
 
-def prompt_tokens() -> list[int]:
-    """128 bytes of a standard-library source file (the domain the model was trained on)."""
+def prompt_tokens(n: int = PROMPT_BYTES) -> list[int]:
+    """``n`` bytes of a standard-library source file (the domain the model was trained on)."""
     import json
 
     src = Path(json.__file__).with_name("decoder.py").read_bytes()
     start = src.index(b"def ")
-    return list(src[start : start + PROMPT_BYTES])
+    if start + n > len(src):
+        raise SystemExit(f"--prompt-bytes {n}: json/decoder.py has {len(src) - start}")
+    return list(src[start : start + n])
 
 
 def load_model():
@@ -206,7 +210,7 @@ def _experts(sd: dict, p: str, n_exp: int, inter: int):
 class LlamaRunner:
     """llama.cpp through llama-cpp-python: ids in, the last token's logits out."""
 
-    def __init__(self, path: str, threads: int, vocab: int) -> None:
+    def __init__(self, path: str, threads: int, vocab: int, n_ctx: int = 512) -> None:
         import llama_cpp
         import llama_cpp.llama_cpp as ll
         from _llama import without_extra_bufts
@@ -214,9 +218,9 @@ class LlamaRunner:
         with without_extra_bufts():
             self.llm = llama_cpp.Llama(
                 model_path=path,
-                n_ctx=512,
-                n_batch=512,
-                n_ubatch=512,
+                n_ctx=n_ctx,
+                n_batch=n_ctx,
+                n_ubatch=n_ctx,
                 n_threads=threads,
                 n_threads_batch=threads,
                 verbose=False,
@@ -351,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--no-sync", action="store_true", help="skip the sync-cache czyx engines")
+    ap.add_argument(
+        "--prompt-bytes", type=int, default=PROMPT_BYTES, help="prompt length (the context)"
+    )
     args = ap.parse_args(argv)
 
     from czyx.inference.kernels import fused
@@ -359,7 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     tm, cfg = load_model()
     base = StateDictConsumer(tm)
-    prompt = prompt_tokens()
+    prompt = prompt_tokens(args.prompt_bytes)
+    if len(prompt) + N_DECODE > cfg["max_position_embeddings"]:
+        raise SystemExit(
+            f"--prompt-bytes {len(prompt)} + {N_DECODE} decoded exceed the model's "
+            f"{cfg['max_position_embeddings']} positions"
+        )
+    n_ctx = max(512, len(prompt) + N_DECODE)
     work = tempfile.mkdtemp(prefix="bench_speed_")
     runners: dict[tuple[str, str, int], object] = {}
     consumers = {f: czyx_consumer(base, q) for f, q in CZYX_FORMATS.items()}
@@ -367,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         path = os.path.join(work, f"model-{qname}.gguf")
         write_gguf(tm, cfg, path, qname)
         for t in args.threads:
-            runners[("llama.cpp", fmt, t)] = LlamaRunner(path, t, cfg["vocab_size"])
+            runners[("llama.cpp", fmt, t)] = LlamaRunner(path, t, cfg["vocab_size"], n_ctx)
     for fmt in CZYX_FORMATS:
         for t in args.threads:
             runners[("czyx", fmt, t)] = CzyxRunner(consumers[fmt], t, stream=True)
@@ -422,6 +435,7 @@ def _report(args, med, toks, load0, load1, simd: str, breakdown: dict) -> list[s
     cmd = "OPENBLAS_NUM_THREADS=1 python bench/bench_speed.py " + " ".join(
         [f"--rounds {args.rounds}", "--threads " + " ".join(map(str, args.threads))]
         + (["--no-sync"] if args.no_sync else [])
+        + ([] if args.prompt_bytes == PROMPT_BYTES else [f"--prompt-bytes {args.prompt_bytes}"])
         + ([] if Path(args.out).resolve() == DEFAULT_OUT else [f"--out {_rel(args.out)}"])
     )
     out = [
@@ -435,7 +449,7 @@ def _report(args, med, toks, load0, load1, simd: str, breakdown: dict) -> list[s
         f"python {platform.python_version()}",
         f"- load average before: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; "
         f"after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} (shared machine)",
-        f"- model: inference/assets/czyx-moe-stdlib; prompt {PROMPT_BYTES} bytes, "
+        f"- model: inference/assets/czyx-moe-stdlib; prompt {args.prompt_bytes} bytes, "
         f"{N_DECODE} greedy tokens; medians of {args.rounds} interleaved rounds (wall time)",
         "- czyx: `Engine` as `czyx run` builds it (streaming cache, all resident); "
         "czyx-sync: `Engine(options=EngineOptions(stream=False))`",
@@ -445,7 +459,8 @@ def _report(args, med, toks, load0, load1, simd: str, breakdown: dict) -> list[s
         "Decode tok/s (ratio: czyx / llama.cpp, same format and threads, same run)",
         args.threads, engines, med, 1,
     )  # fmt: skip
-    out += _table("Prefill tok/s (128-token prompt)", args.threads, engines, med, 0)
+    title = f"Prefill tok/s ({args.prompt_bytes}-token prompt)"
+    out += _table(title, args.threads, engines, med, 0)
     out += _table(
         "Decode tokens per CPU-second of the process (1 thread: robust to the neighbours' load)",
         args.threads[:1], engines, med, 2,

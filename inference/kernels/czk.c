@@ -1558,7 +1558,7 @@ typedef struct {
 } czk_heads_ctx;
 
 /* s[start, end) <- exp(s - mx) in place, summed in index order; returns 1 / sum.
- * One scalar loop shared by every attention path, so their softmax agrees. */
+ * The portable path's softmax (the SIMD paths' is czk_softmax8_avx2). */
 static inline float czk_softmax_span(float *s, int64_t start, int64_t end, float mx) {
     float sum = 0.0f;
     for (int64_t j = start; j < end; j++) {
@@ -1569,27 +1569,112 @@ static inline float czk_softmax_span(float *s, int64_t start, int64_t end, float
 }
 
 #if CZK_X86
-/* The same loops with eight-float vectors (head_dim a multiple of 8); the dot
- * product's eight lanes are summed in czk_tree8's order, as the portable path. */
+/* exp of eight lanes: Cephes' expf (2^n times a degree-5 polynomial of the remainder
+ * on [-ln2/2, ln2/2], n = round(x log2 e), ln 2 in two parts), within 2 ulp of expf.
+ * Inputs are clamped to [-87.33, 88.37]: below, 2^-126 rather than expf's denormals
+ * (a softmax term next to the maximum's 1, so no sum changes), above, no overflow. */
+CZK_AVX2 static inline __m256 czk_exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* s[start, end) <- exp(s - mx) in place, eight at a time (the tail in a padded block);
+ * returns 1 / their sum (eight lane sums, then czk_hsum8). */
+CZK_AVX2 static float czk_softmax8_avx2(float *s, int64_t start, int64_t end, float mx) {
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = start;
+    for (; j + 8 <= end; j += 8) {
+        const __m256 e = czk_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    if (j < end) { /* the last n < 8: a block padded past them, its pad lanes zeroed */
+        float t[8];
+        const int n = (int)(end - j);
+        for (int i = 0; i < 8; i++) t[i] = i < n ? s[j + i] - mx : 0.0f;
+        const __m256 live = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),
+                                          _mm256_set1_ps((float)n), _CMP_LT_OQ);
+        const __m256 e = _mm256_and_ps(czk_exp8(_mm256_loadu_ps(t)), live);
+        _mm256_storeu_ps(t, e);
+        for (int i = 0; i < n; i++) s[j + i] = t[i];
+        acc = _mm256_add_ps(acc, e);
+    }
+    return 1.0f / czk_hsum8(acc);
+}
+
+/* Eight dot products at once, lane j = czk_hsum8 of row j's eight lane sums: the
+ * rows' accumulators transposed so lane j holds ((a0 + a4) + (a2 + a6)) + ((a1 + a5)
+ * + (a3 + a7)) of row j, czk_hsum8's tree, in one vector (no horizontal sum a row). */
+CZK_AVX2 static inline __m256 czk_hsum8x8(const __m256 *a) {
+    __m256 h[4];
+    for (int j = 0; j < 4; j++) /* [lo + hi of row j | of row j + 4] */
+        h[j] = _mm256_add_ps(_mm256_permute2f128_ps(a[j], a[j + 4], 0x20),
+                             _mm256_permute2f128_ps(a[j], a[j + 4], 0x31));
+    /* per 128-bit lane (s0 + s2, s1 + s3) of two rows side by side */
+    const __m256 pq = _mm256_add_ps(_mm256_shuffle_ps(h[0], h[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm256_shuffle_ps(h[0], h[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 rs = _mm256_add_ps(_mm256_shuffle_ps(h[2], h[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm256_shuffle_ps(h[2], h[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_shuffle_ps(pq, rs, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm256_shuffle_ps(pq, rs, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The same loops with eight-float vectors (head_dim a multiple of 8): each score is
+ * the dot product's eight lanes summed in czk_tree8's order, as the portable path,
+ * eight positions at a time; the softmax is czk_softmax8_avx2's. */
 CZK_AVX2 static void czk_heads_avx2(czk_heads_ctx *c, int64_t t0, int64_t t1) {
     const int hd = c->a->head_dim, groups = c->a->n_heads / c->a->n_kv;
+    const float scale = c->a->scale;
     for (int64_t h = t0; h < t1; h++) {
         const int64_t g = h / groups;
         const float *q = c->q + h * hd;
         const float *k = c->kc + g * c->cap * hd, *v = c->vc + g * c->cap * hd;
         float *s = c->scores + h * c->end;
-        float mx = -INFINITY;
-        for (int64_t j = c->start; j < c->end; j++) {
+        __m256 mx8 = _mm256_set1_ps(-INFINITY);
+        int64_t j = c->start;
+        for (; j + 8 <= c->end; j += 8) {
+            __m256 acc[8];
+            for (int r = 0; r < 8; r++) {
+                const float *kj = k + (j + r) * hd;
+                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kj));
+                for (int i = 8; i < hd; i += 8)
+                    a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + i),
+                                                       _mm256_loadu_ps(kj + i)));
+                acc[r] = a;
+            }
+            const __m256 t = _mm256_mul_ps(czk_hsum8x8(acc), _mm256_set1_ps(scale));
+            _mm256_storeu_ps(s + j, t);
+            mx8 = _mm256_max_ps(mx8, t);
+        }
+        float mt[8];
+        _mm256_storeu_ps(mt, mx8);
+        float mx = mt[0];
+        for (int i = 1; i < 8; i++) mx = mt[i] > mx ? mt[i] : mx;
+        for (; j < c->end; j++) {
             const float *kj = k + j * hd;
             __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kj));
             for (int i = 8; i < hd; i += 8)
                 acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + i),
                                                        _mm256_loadu_ps(kj + i)));
-            const float t = czk_hsum8(acc) * c->a->scale;
+            const float t = czk_hsum8(acc) * scale;
             s[j] = t;
             mx = t > mx ? t : mx;
         }
-        const float inv = czk_softmax_span(s, c->start, c->end, mx);
+        const float inv = czk_softmax8_avx2(s, c->start, c->end, mx);
         float *o = c->out + h * hd;
         /* Each output lane sums p_j * v_j over the positions in order; four
          * lanes-of-eight at a time (independent chains), the rest eight by eight. */

@@ -504,6 +504,32 @@ def test_olmoe_decodes_in_c_as_its_numpy_attention(clip):
     assert np.abs(c - ref).max() <= 1e-5 * float(ref.max() - ref.min())
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_attention_over_spans_of_every_length_is_the_numpy_attention(level, window):
+    """The SIMD paths' heads (eight scores at a time, their softmax's exp a polynomial,
+    the last few positions in a padded block) against the decoder's numpy attention:
+    spans of 1 to 70 positions (every remainder mod 8, several blocks), from position
+    0 and, in a sliding window, from positions no block boundary lines up with."""
+    from czyx.inference.engine import Engine
+    from czyx.testing.refmodels import StateDictConsumer, tiny_model
+
+    prompt = np.random.default_rng(3).integers(0, 256, 70)
+    model = tiny_model("mixtral", seed=4, hidden_size=64, sliding_window=window)
+    assert model.config.hidden_size // model.config.num_attention_heads % 8 == 0
+    logits = []
+    for fast in (True, False):
+        eng = Engine(StateDictConsumer(model), threads=1)
+        assert eng.model.decode_in_c()
+        eng.model._fast_attn = fast  # False: numpy attention, the rest unchanged
+        out = [eng.decode(int(t)) for t in prompt]  # the token at position p: p + 1 keys
+        eng.reset()
+        out.append(eng.prefill(prompt))  # the batched step's prompt path, the same heads
+        logits.append(np.stack(out))
+        eng.close()
+    c, ref = logits
+    assert np.abs(c - ref).max() <= 1e-5 * float(ref.max() - ref.min())
+
+
 def test_attention_refuses_a_bad_qk_norm_mode():
     from czyx.inference.engine import Engine
     from czyx.testing.refmodels import StateDictConsumer, tiny_model
