@@ -207,8 +207,8 @@ def forward_batch(
     ids = [np.asarray(c, np.int64).reshape(-1) for c in chunks]
     if any(c.size == 0 for c in ids):
         raise ValueError("forward_batch: a chunk is empty")
-    every = np.concatenate(ids)  # the step's ids checked at once, whatever the batch
-    if every.min() < 0 or every.max() >= cfg.vocab_size:
+    every = ids[0] if len(ids) == 1 else np.concatenate(ids)  # checked at once, whatever the batch
+    if (every.view(np.uint64) >= cfg.vocab_size).any():  # (a negative id: past any vocabulary)
         raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
     if allowed is not None and len(allowed) != len(ids):
         raise ValueError("forward_batch needs one allowed-experts entry per chunk")
@@ -355,11 +355,12 @@ def _forward_c(
         _hand_hidden(model, kvs, starts, bt.h, rows or [np.array([q]) for q in range(n)])
     if rows is not None and any(all_logits):  # those chunks' every row, others' last, in order
         picks = [r if a else r[-1:] for r, a in zip(rows, all_logits, strict=True)]
-        order = np.concatenate(picks)
-        bt.h[: order.size] = bt.h[order]
-        logits = kern.head_batch(model.final_norm, model.lm_head, cfg.rms_eps, order.size).copy()
+        if len(picks) > 1:  # (one chunk's every row: rows 0 .. n already, in order)
+            order = np.concatenate(picks)
+            bt.h[: order.size] = bt.h[order]
+        ends = [0, *itertools.accumulate(p.size for p in picks)]
+        logits = kern.head_batch(model.final_norm, model.lm_head, cfg.rms_eps, ends[-1]).copy()
         kern.pool.park()
-        ends = np.cumsum([0, *(p.size for p in picks)])
         return [
             model.finish_logits(logits[a:b] if every else logits[a])
             for a, b, every in zip(ends[:-1], ends[1:], all_logits, strict=True)
@@ -454,45 +455,63 @@ def _waves(chunks: list[np.ndarray], kvs: Sequence[KVCache], starts: list[int], 
     sized so every thread has one (the batched decode's grouping). The groups of a
     wave name different caches, and each token's arithmetic is the one-token
     kernels' whatever its group: rows, groups and waves change only which weight
-    rows are shared and what runs in parallel.
+    rows are shared and what runs in parallel. The layout depends on the chunks'
+    sizes alone (:func:`_wave_plan`, kept across steps): a step fills in its caches,
+    positions and tokens.
     """
-    single = [q for q, c in enumerate(chunks) if c.size == 1]
-    multi = [q for q, c in enumerate(chunks) if c.size > 1]
-    row_kv: list = []
-    row_pos: list[int] = []
-    tokens: list[int] = []
-    last = np.empty(len(chunks), np.int64)
-    rows: list[list[int]] = [[] for _ in chunks]
+    waves, src, chunk, offset, last, rows = _wave_plan(tuple(c.size for c in chunks), threads)
+    row_kv = [kvs[q] for q in chunk]
+    row_pos = [starts[q] + j for q, j in zip(chunk, offset, strict=True)]
+    every = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+    return waves, row_kv, row_pos, every[src].tolist(), last, rows
+
+
+@functools.lru_cache(maxsize=256)
+def _wave_plan(sizes: tuple[int, ...], threads: int):
+    """:func:`_waves`' layout for chunks of ``sizes``: ``((waves, groups), each row's
+    index into the chunks' concatenated tokens, its chunk, its offset in that chunk,
+    each chunk's last row, each chunk's rows)``; read-only arrays, shared by the steps
+    of that shape (a verification step's, a served batch's)."""
+    single = [q for q, n in enumerate(sizes) if n == 1]
+    multi = [q for q, n in enumerate(sizes) if n > 1]
+    base = np.cumsum([0, *sizes[:-1]])
+    chunk: list[int] = []
+    offset: list[int] = []
+    last = np.empty(len(sizes), np.int64)
+    rows: list[list[int]] = [[] for _ in sizes]
     groups, waves = [0], [0]
 
     def put(q: int, j0: int, j1: int) -> None:  # tokens j0 .. j1 of chunk q, as rows
         for j in range(j0, j1):
-            rows[q].append(len(tokens))
-            row_kv.append(kvs[q])
-            row_pos.append(starts[q] + j)
-            tokens.append(int(chunks[q][j]))
-        if j1 == chunks[q].size:
-            last[q] = len(tokens) - 1
+            rows[q].append(len(chunk))
+            chunk.append(q)
+            offset.append(j)
+        if j1 == sizes[q]:
+            last[q] = len(chunk) - 1
 
     size = min(4, max(1, -(-len(single) // max(threads, 1))))
     for a in range(0, len(single), size):
         for q in single[a : a + size]:
             put(q, 0, 1)
-        groups.append(len(tokens))
-    for w in range(-(-max(chunks[q].size for q in multi) // 4)):
+        groups.append(len(chunk))
+    for w in range(-(-max((sizes[q] for q in multi), default=0) // 4)):
         for q in multi:
-            if 4 * w < chunks[q].size:
-                put(q, 4 * w, min(4 * w + 4, chunks[q].size))
-                groups.append(len(tokens))
+            if 4 * w < sizes[q]:
+                put(q, 4 * w, min(4 * w + 4, sizes[q]))
+                groups.append(len(chunk))
         waves.append(len(groups) - 1)
-    return (
+    src = np.array([base[q] + j for q, j in zip(chunk, offset, strict=True)], np.int64)
+    plan = (
         (np.array(waves, np.int64), np.array(groups, np.int64)),
-        row_kv,
-        row_pos,
-        tokens,
+        src,
+        tuple(chunk),
+        tuple(offset),
         last,
         [np.array(r, np.int64) for r in rows],
     )
+    for arr in (*plan[0], src, last, *plan[5]):
+        arr.flags.writeable = False
+    return plan
 
 
 def _forward_c_each(model, tokens: list[int], kvs: Sequence[KVCache]) -> list[np.ndarray]:

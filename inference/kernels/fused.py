@@ -512,14 +512,18 @@ class DecodeKernels:
         if bt is None or bt.cap < n or bt.n_layers != n_layers:
             cap = max(n, 8, 2 * bt.cap if bt is not None else 0)
             bt = self._batch = DecodeBatch(self.hidden, self.logits.size, self.top_k, n_layers, cap)
-        for r, kv in enumerate(kvs):
-            bt.kvp[r] = _kv_pointers(kv, n_layers, n_kv, head_dim)
-            bt.kvcap[r] = kv.k[0].shape[1]
+        r = 0
+        while r < n:  # a run of rows of one cache (a prompt chunk's) at once
+            kv, e = kvs[r], r + 1
+            while e < n and kvs[e] is kv:
+                e += 1
+            bt.kvp[r:e] = _kv_pointers(kv, n_layers, n_kv, head_dim)
+            bt.kvcap[r:e] = kv.k[0].shape[1]
+            r = e
         if positions is None:
-            bt.pos[:n] = [kv.length for kv in kvs]
-        else:
-            bt.pos[:n] = positions
-        top = int(bt.pos[:n].max())
+            positions = [kv.length for kv in kvs]
+        bt.pos[:n] = positions
+        top = max(positions)
         self._rope_to(rotary, top)
         self._batch_top = top
         return bt

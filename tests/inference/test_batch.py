@@ -57,6 +57,17 @@ def _solo_logits(model, prompt: bytes) -> list[np.ndarray]:
     return out
 
 
+@pytest.mark.parametrize("bad", [-1, -(2**62), 256, 2**40])
+def test_a_token_outside_the_vocabulary_is_refused_before_anything_runs(engine, bad):
+    model = engine.model
+    kvs = [model.new_kv(), model.new_kv()]
+    forward_batch(model, [np.array([1, 2, 3]), np.array([4])], kvs)
+    for chunks in ([np.array([5, bad])], [np.array([5]), np.array([bad, 6])]):
+        with pytest.raises(ValueError, match="out of range"):
+            forward_batch(model, chunks, kvs[: len(chunks)])
+        assert [kv.length for kv in kvs] == [3, 1]
+
+
 def test_a_step_shared_with_others_is_bit_identical_to_the_sequence_alone(engine):
     model = engine.model
     alone = [_solo_logits(model, p) for p in PROMPTS[:5]]
