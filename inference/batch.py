@@ -75,7 +75,7 @@ from czyx.inference.models.base import (
 from czyx.inference.options import SPECULATE_OFF, SpeculateOptions
 from czyx.inference.routewatch import RouteFrame, StepWatch
 from czyx.inference.sampling import Sampler, SamplingParams
-from czyx.inference.speculative import Speculator, choose_tokens
+from czyx.inference.speculative import SharedRowCost, Speculator, choose_tokens
 
 _log = logging.getLogger("czyx.inference.batch")
 
@@ -1112,6 +1112,7 @@ class Scheduler:
         self._closed = False
         self._kv_used = 0
         self._counts = StepCounters()
+        self._row_cost = SharedRowCost()  # what a drafted row costs in these steps
         self._last_batch = 0
         # Finished prompts' KV, oldest first: (prompt ids, KV cache, reusable positions).
         self._prefixes: collections.OrderedDict[int, tuple[np.ndarray, KVCache, int]] = (
@@ -1413,19 +1414,26 @@ class Scheduler:
             self._finish(seq, "cancelled")
 
     def _plan(self) -> list[tuple[_Seq, np.ndarray]]:
-        """This step's work: every decoding sequence's token, then prefill chunks that fit."""
+        """This step's work: every decoding sequence's token, then prefill chunks that fit.
+
+        A greedy sequence's draft length weighs the row cost measured on the shared
+        steps (:class:`SharedRowCost`; its tokens do not depend on the lengths); a
+        sampled one's follows its acceptance alone, so its seed reproduces it."""
         work: list[tuple[_Seq, np.ndarray]] = []
         budget = self.options.step_tokens
-        for seq in self._active:
-            if seq.fed == seq.prompt.size and seq.generated:
-                seq.drafts = []
-                if seq.spec is not None and seq.closing is None:
-                    room = min(seq.max_tokens - len(seq.generated), budget) - 1
-                    k = min(seq.spec.length.next(), room)
-                    if k > 0:
-                        seq.drafts = seq.spec.drafter.propose(seq.text, k)[:k]
-                work.append((seq, np.array([seq.generated[-1], *seq.drafts], np.int64)))
-                budget -= 1 + len(seq.drafts)
+        decoding = [s for s in self._active if s.fed == s.prompt.size and s.generated]
+        row_cost = self._row_cost.cost(len(decoding)) if decoding else 0.0
+        for seq in decoding:
+            seq.drafts = []
+            if seq.spec is not None and seq.closing is None:
+                if seq.sampler.params.temperature == 0.0:
+                    seq.spec.length.cost = row_cost
+                room = min(seq.max_tokens - len(seq.generated), budget) - 1
+                k = min(seq.spec.length.next(), room)
+                if k > 0:
+                    seq.drafts = seq.spec.drafter.propose(seq.text, k)[:k]
+            work.append((seq, np.array([seq.generated[-1], *seq.drafts], np.int64)))
+            budget -= 1 + len(seq.drafts)
         for seq in self._active:
             if seq.fed < seq.prompt.size:
                 chunk = seq.prompt[seq.fed : seq.fed + self.options.prefill_chunk]
@@ -1499,6 +1507,8 @@ class Scheduler:
             self._emit_frames(work, watch, n_tokens, now - t0)
         with self._lock:
             self._counts.step(n_tokens, now - t0)
+            if all(s.fed == s.prompt.size for s, _ in work):  # a decode step: it prices a row
+                self._row_cost.add(n_tokens, now - t0)
             self._last_batch = len(work)
             for (seq, chunk), lg in zip(work, logits, strict=True):
                 if seq.closing is not None:  # its last token is now in the KV: keep the state

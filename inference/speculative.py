@@ -368,6 +368,49 @@ class DraftLength:
             self.cost = statistics.median(self._rows)  # (the first replaces the prior)
 
 
+class SharedRowCost:
+    """What one more row costs in a shared step (a server's batch), relative to a
+    decoding sequence's share of that step: the row cost :class:`DraftLength` weighs.
+
+    A step of ``R`` rows (every decoding sequence's pending token and its drafts)
+    takes about ``a + b R`` seconds: ``a`` what any step pays (its calls, the expert
+    reads its rows share), ``b`` a row's own arithmetic. In a step of ``n`` decoding
+    sequences each sequence's plain share is ``a / n + b`` and a drafted row adds
+    ``b``, so the row cost is ``b / (a / n + b)``: near 1 where rows are arithmetic
+    (a small resident model), small where a step waits on reads. ``a`` and ``b`` are
+    the least-squares line through the last ``window`` decode steps (their row
+    counts differ as sequences join, end and draft; a negative intercept or slope is
+    taken as 0); before two row counts have been seen, ``prior``.
+    """
+
+    def __init__(self, prior: float = VERIFY_COST, window: int = 4 * WINDOW) -> None:
+        self.prior = prior
+        self._steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self._line: tuple[float, float] | None = None  # (a, b) of the last fit
+        self._stale = False
+
+    def add(self, rows: int, seconds: float) -> None:
+        """Count a decode step (no prompt chunk in it) of ``rows`` rows."""
+        if rows > 0 and seconds > 0:
+            self._steps.append((int(rows), float(seconds)))
+            self._stale = True
+
+    def cost(self, n: int) -> float:
+        """The row cost for a step of ``n`` decoding sequences."""
+        if self._stale:
+            self._stale = False
+            rows = np.array([r for r, _ in self._steps], np.float64)
+            if np.unique(rows).size >= 2:
+                secs = np.array([t for _, t in self._steps], np.float64)
+                b, a = np.polyfit(rows, secs, 1)
+                self._line = (max(float(a), 0.0), max(float(b), 0.0))
+        if self._line is None:
+            return self.prior
+        a, b = self._line
+        share = a / max(n, 1) + b
+        return b / share if share > 0.0 else self.prior
+
+
 @dataclass
 class Speculator:
     """A drafter and its draft length: what :func:`generate_ids` speculates with.

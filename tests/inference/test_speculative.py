@@ -25,6 +25,7 @@ from czyx.inference.speculative import (
     DraftLength,
     ModelDrafter,
     PromptLookup,
+    SharedRowCost,
     SpeculationError,
     Speculator,
     choose_tokens,
@@ -163,6 +164,28 @@ def test_first_drafts_are_probes_until_a_row_is_timed() -> None:
     assert hit.best() > 1 and hit.next() == 1 and not hit.probing
     hit.update(1, 1, 1.05)
     assert hit.cost < 0.1 and hit.next() == 4 and not hit.probing
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    a=st.floats(0.0, 5.0),
+    b=st.floats(0.01, 5.0),
+    rows=st.lists(st.integers(1, 40), min_size=2, max_size=30),
+    n=st.integers(1, 16),
+)
+def test_the_shared_row_cost_is_a_rows_share_of_the_fitted_step(a, b, rows, n) -> None:
+    """Steps of ``a + b R`` seconds: once two row counts are seen, a row costs
+    ``b / (a / n + b)`` of an n-sequence step's plain share; before, the prior."""
+    rc = SharedRowCost(prior=0.25)
+    for r in rows[:1] * 3:
+        rc.add(r, a + b * r)
+    assert rc.cost(n) == 0.25  # one row count: no slope yet
+    for r in rows:
+        rc.add(r, a + b * r)
+    if len(set(rows)) > 1:
+        assert math.isclose(rc.cost(n), b / (a / n + b), rel_tol=1e-6, abs_tol=1e-9)
+    rc.add(1, 100.0)  # a step slowed by another process pulls the line, never below 0
+    assert 0.0 <= rc.cost(n) <= 1.0
 
 
 @given(
@@ -501,6 +524,32 @@ def test_served_drafts_ride_in_the_batch_and_change_no_token(bundled, c_decode) 
     assert st.active == 0 and st.kv_used == 0
     with pytest.raises(ValueError, match="not served"):
         BatchOptions(speculate=SpeculateOptions("draft:m@q2"))
+
+
+def test_a_seeded_sampled_served_request_ignores_the_measured_row_cost(bundled) -> None:
+    """Served drafts of a greedy request follow the row cost its steps measure (its tokens
+    are the same at any length); a sampled request's follow its acceptance alone, so its
+    seed gives the same tokens before and after the scheduler has measured rows."""
+    from dataclasses import replace
+
+    from czyx.inference.batch import BatchOptions, Scheduler
+
+    _, eng = bundled
+    base = BatchOptions(max_batch=4, prefill_chunk=16, step_tokens=64)
+    sched = Scheduler(eng.model, replace(base, speculate=SpeculateOptions("lookup")))
+    sampled = SamplingParams(temperature=0.3, seed=11)
+    prompt = list(b"the set the set the set the set the set the set the ")  # drafts accepted
+    try:
+        first = sched.submit(prompt, 24, sampling=sampled).result(timeout=60)[0]
+        greedy = [list(p) for p in (b"import os\nimport ", b"if x:\n    pass\nif ", b"# C")]
+        for h in [sched.submit(p, 24) for p in greedy]:  # steps of 1 to 3 sequences
+            h.result(timeout=60)
+        fitted = sched._row_cost.cost(2)
+        again = sched.submit(prompt, 24, sampling=sampled).result(timeout=60)[0]
+    finally:
+        sched.close()
+    assert fitted != sched._row_cost.prior  # rows were priced by the greedy traffic
+    assert again == first
 
 
 def test_scoped_windowed_and_streamed_engines_speculate_unchanged(tmp_path) -> None:
