@@ -257,7 +257,12 @@ def report(res: dict, tgts: list[tuple[str, float, float]], a: argparse.Namespac
     """The section's Markdown lines (from :func:`run_capped`'s result)."""
     import statistics
 
-    title = f"## The real-shape model under a {a.rs_ratio}x cap, drafts replayed at set acceptances"
+    where = (
+        f"under a {a.rs_ratio}x cap"
+        if a.rs_ratio > 1
+        else f"in a group larger than the model (stored {a.rs_ratio}x the cap: near-resident)"
+    )
+    title = f"## The real-shape model {where}, drafts replayed at set acceptances"
     if "skipped" in res:
         return [title, "", f"Skipped: {res['skipped']}."]
     shape, runs = res["shape"], res["runs"]

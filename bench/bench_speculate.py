@@ -450,7 +450,7 @@ def realshape_main(args, command: str) -> int:
     res = run_capped(args, Path(args.realshape), [p for _, _, p in tgts])
     wall = time.perf_counter() - t0
     lines = [
-        "# Speculative decoding on the real-shape model under a memory cap",
+        "# Speculative decoding on the real-shape model in a memory group",
         "",
         f"`{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); {machine()}.",
         "",
