@@ -1634,74 +1634,111 @@ CZK_AVX2 static inline __m256 czk_hsum8x8(const __m256 *a) {
                          _mm256_shuffle_ps(pq, rs, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* Query heads sharing one key-value head go through its rows together, a few at a
+ * time (at most this many): a block of keys or values is read from memory once for
+ * all of them and from the L1 cache for the rest. */
+#define CZK_HEADS_SHARE 16
+/* Positions a block of values holds (p.v): 32 rows of up to 128 floats stay in L1. */
+#define CZK_PV_BLOCK 32
+
 /* The same loops with eight-float vectors (head_dim a multiple of 8): each score is
  * the dot product's eight lanes summed in czk_tree8's order, as the portable path,
- * eight positions at a time; the softmax is czk_softmax8_avx2's. */
+ * eight positions at a time; the softmax is czk_softmax8_avx2's; each output lane
+ * sums p_j * v_j over the positions in order. The heads of [t0, t1) that share a
+ * key-value head run together (up to CZK_HEADS_SHARE), block by block of positions:
+ * each head's operations, and so its output, are those it computes alone. */
 CZK_AVX2 static void czk_heads_avx2(czk_heads_ctx *c, int64_t t0, int64_t t1) {
     const int hd = c->a->head_dim, groups = c->a->n_heads / c->a->n_kv;
     const float scale = c->a->scale;
-    for (int64_t h = t0; h < t1; h++) {
-        const int64_t g = h / groups;
-        const float *q = c->q + h * hd;
+    const int64_t j0 = c->start, j1 = c->end;
+    for (int64_t h0 = t0; h0 < t1;) {
+        const int64_t g = h0 / groups;
+        int64_t h1 = (g + 1) * groups;
+        h1 = h1 < t1 ? h1 : t1;
+        h1 = h1 - h0 > CZK_HEADS_SHARE ? h0 + CZK_HEADS_SHARE : h1;
+        const int nh = (int)(h1 - h0);
         const float *k = c->kc + g * c->cap * hd, *v = c->vc + g * c->cap * hd;
-        float *s = c->scores + h * c->end;
-        __m256 mx8 = _mm256_set1_ps(-INFINITY);
-        int64_t j = c->start;
-        for (; j + 8 <= c->end; j += 8) {
-            __m256 acc[8];
-            for (int r = 0; r < 8; r++) {
-                const float *kj = k + (j + r) * hd;
-                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kj));
+        __m256 mx8[CZK_HEADS_SHARE];
+        float inv[CZK_HEADS_SHARE];
+        for (int e = 0; e < nh; e++) mx8[e] = _mm256_set1_ps(-INFINITY);
+        int64_t j = j0;
+        for (; j + 8 <= j1; j += 8) { /* eight keys, every head's eight scores */
+            for (int e = 0; e < nh; e++) {
+                const float *q = c->q + (h0 + e) * hd;
+                __m256 acc[8];
+                for (int r = 0; r < 8; r++) {
+                    const float *kj = k + (j + r) * hd;
+                    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kj));
+                    for (int i = 8; i < hd; i += 8)
+                        a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + i),
+                                                           _mm256_loadu_ps(kj + i)));
+                    acc[r] = a;
+                }
+                const __m256 t = _mm256_mul_ps(czk_hsum8x8(acc), _mm256_set1_ps(scale));
+                _mm256_storeu_ps(c->scores + (h0 + e) * j1 + j, t);
+                mx8[e] = _mm256_max_ps(mx8[e], t);
+            }
+        }
+        for (int e = 0; e < nh; e++) {
+            const float *q = c->q + (h0 + e) * hd;
+            float *s = c->scores + (h0 + e) * j1;
+            float mt[8];
+            _mm256_storeu_ps(mt, mx8[e]);
+            float mx = mt[0];
+            for (int i = 1; i < 8; i++) mx = mt[i] > mx ? mt[i] : mx;
+            for (int64_t jj = j; jj < j1; jj++) {
+                const float *kj = k + jj * hd;
+                __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kj));
                 for (int i = 8; i < hd; i += 8)
-                    a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + i),
-                                                       _mm256_loadu_ps(kj + i)));
-                acc[r] = a;
+                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + i),
+                                                           _mm256_loadu_ps(kj + i)));
+                const float t = czk_hsum8(acc) * scale;
+                s[jj] = t;
+                mx = t > mx ? t : mx;
             }
-            const __m256 t = _mm256_mul_ps(czk_hsum8x8(acc), _mm256_set1_ps(scale));
-            _mm256_storeu_ps(s + j, t);
-            mx8 = _mm256_max_ps(mx8, t);
+            inv[e] = czk_softmax8_avx2(s, j0, j1, mx);
         }
-        float mt[8];
-        _mm256_storeu_ps(mt, mx8);
-        float mx = mt[0];
-        for (int i = 1; i < 8; i++) mx = mt[i] > mx ? mt[i] : mx;
-        for (; j < c->end; j++) {
-            const float *kj = k + j * hd;
-            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kj));
-            for (int i = 8; i < hd; i += 8)
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + i),
-                                                       _mm256_loadu_ps(kj + i)));
-            const float t = czk_hsum8(acc) * scale;
-            s[j] = t;
-            mx = t > mx ? t : mx;
-        }
-        const float inv = czk_softmax8_avx2(s, c->start, c->end, mx);
-        float *o = c->out + h * hd;
-        /* Each output lane sums p_j * v_j over the positions in order; four
-         * lanes-of-eight at a time (independent chains), the rest eight by eight. */
-        int i = 0;
-        for (; i + 32 <= hd; i += 32) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t j = c->start; j < c->end; j++) {
-                const __m256 pj = _mm256_set1_ps(s[j] * inv);
-                const float *vj = v + j * hd + i;
-                a0 = _mm256_add_ps(a0, _mm256_mul_ps(pj, _mm256_loadu_ps(vj)));
-                a1 = _mm256_add_ps(a1, _mm256_mul_ps(pj, _mm256_loadu_ps(vj + 8)));
-                a2 = _mm256_add_ps(a2, _mm256_mul_ps(pj, _mm256_loadu_ps(vj + 16)));
-                a3 = _mm256_add_ps(a3, _mm256_mul_ps(pj, _mm256_loadu_ps(vj + 24)));
+        /* p.v a block of values at a time, every head's partial sums kept in its output
+         * between blocks: four lanes-of-eight at a time (independent chains), the rest
+         * eight by eight. */
+        for (int64_t b0 = j0; b0 < j1; b0 += CZK_PV_BLOCK) {
+            const int64_t b1 = b0 + CZK_PV_BLOCK < j1 ? b0 + CZK_PV_BLOCK : j1;
+            for (int e = 0; e < nh; e++) {
+                const float *s = c->scores + (h0 + e) * j1;
+                float *o = c->out + (h0 + e) * hd;
+                const float iv = inv[e];
+                int i = 0;
+                for (; i + 32 <= hd; i += 32) {
+                    __m256 a0, a1, a2, a3;
+                    if (b0 == j0) {
+                        a0 = a1 = a2 = a3 = _mm256_setzero_ps();
+                    } else {
+                        a0 = _mm256_loadu_ps(o + i), a1 = _mm256_loadu_ps(o + i + 8);
+                        a2 = _mm256_loadu_ps(o + i + 16), a3 = _mm256_loadu_ps(o + i + 24);
+                    }
+                    for (int64_t jj = b0; jj < b1; jj++) {
+                        const __m256 pj = _mm256_set1_ps(s[jj] * iv);
+                        const float *vj = v + jj * hd + i;
+                        a0 = _mm256_add_ps(a0, _mm256_mul_ps(pj, _mm256_loadu_ps(vj)));
+                        a1 = _mm256_add_ps(a1, _mm256_mul_ps(pj, _mm256_loadu_ps(vj + 8)));
+                        a2 = _mm256_add_ps(a2, _mm256_mul_ps(pj, _mm256_loadu_ps(vj + 16)));
+                        a3 = _mm256_add_ps(a3, _mm256_mul_ps(pj, _mm256_loadu_ps(vj + 24)));
+                    }
+                    _mm256_storeu_ps(o + i, a0);
+                    _mm256_storeu_ps(o + i + 8, a1);
+                    _mm256_storeu_ps(o + i + 16, a2);
+                    _mm256_storeu_ps(o + i + 24, a3);
+                }
+                for (; i < hd; i += 8) {
+                    __m256 acc = b0 == j0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + i);
+                    for (int64_t jj = b0; jj < b1; jj++)
+                        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(s[jj] * iv),
+                                                               _mm256_loadu_ps(v + jj * hd + i)));
+                    _mm256_storeu_ps(o + i, acc);
+                }
             }
-            _mm256_storeu_ps(o + i, a0);
-            _mm256_storeu_ps(o + i + 8, a1);
-            _mm256_storeu_ps(o + i + 16, a2);
-            _mm256_storeu_ps(o + i + 24, a3);
         }
-        for (; i < hd; i += 8) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t j = c->start; j < c->end; j++)
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(s[j] * inv),
-                                                       _mm256_loadu_ps(v + j * hd + i)));
-            _mm256_storeu_ps(o + i, acc);
-        }
+        h0 = h1;
     }
 }
 #endif

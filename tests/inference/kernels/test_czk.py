@@ -530,6 +530,32 @@ def test_attention_over_spans_of_every_length_is_the_numpy_attention(level, wind
     assert np.abs(c - ref).max() <= 1e-5 * float(ref.max() - ref.min())
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(16, 2), (32, 1)])
+def test_query_heads_sharing_a_kv_head_run_together_as_alone(level, split_loops, heads, kv_heads):
+    """The SIMD heads go through a key-value head's rows once for the query heads that
+    share it (up to 16 at a time, values in blocks of 32 positions): against the numpy
+    attention, and bit for bit whatever the thread split cuts a group into (one
+    thread, and three, which split the heads mid-group)."""
+    from czyx.inference.engine import Engine
+    from czyx.testing.refmodels import StateDictConsumer, tiny_model
+
+    prompt = np.random.default_rng(9).integers(0, 256, 75)
+    model = tiny_model(
+        "qwen3_moe", seed=5, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=16 if heads == 32 else 32,
+    )  # fmt: skip
+    runs = []
+    for fast, threads in ((True, 1), (True, 3), (False, 1)):
+        eng = Engine(StateDictConsumer(model), threads=threads)
+        eng.model._fast_attn = fast  # False: numpy attention, the rest unchanged
+        out = [eng.prefill(prompt[:40])] + [eng.decode(int(t)) for t in prompt[40:]]
+        runs.append(np.stack(out))
+        eng.close()
+    one, three, ref = runs
+    assert np.array_equal(one, three)
+    assert np.abs(one - ref).max() <= 1e-5 * float(ref.max() - ref.min())
+
+
 def test_attention_refuses_a_bad_qk_norm_mode():
     from czyx.inference.engine import Engine
     from czyx.testing.refmodels import StateDictConsumer, tiny_model
