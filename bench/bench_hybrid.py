@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _report import write_report
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -188,10 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| {per[long_][1] / per[short][1]:.2f} |",
         "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    Path(args.out).write_text(text)
-    return 0
+    return write_report(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -36,17 +36,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from _machine import machine  # noqa: E402
+from _report import write_report  # noqa: E402
 
 FORMATS = {"q8": "Q8_0", "q4": "Q4_0"}  # czyx format -> llama.cpp type
-SHAPE = dict(
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    hidden_size=2048,
-    num_hidden_layers=2,
-    intermediate_size=256,
-    sliding_window=None,
-)
+# Qwen3-30B-A3B's attention (32 query heads over 4 key-value heads of 128, hidden 2048);
+# two layers of small experts, no sliding window.
+ATTENTION = {"hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4}
+SHAPE = {**ATTENTION, "head_dim": 128, "num_hidden_layers": 2, "intermediate_size": 256}
 
 
 def text_ids(n: int) -> list[int]:
@@ -78,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     t_start = time.perf_counter()
     most = max(args.contexts) + args.decode
-    tm = tiny_model("mixtral", seed=3, max_position_embeddings=most + 64, **SHAPE)
+    tm = tiny_model(
+        "mixtral", seed=3, max_position_embeddings=most + 64, sliding_window=None, **SHAPE
+    )
     cfg = tm.config.to_dict()
     work = tempfile.TemporaryDirectory(prefix="bench_long_")
     gguf = str(Path(work.name) / f"model-{FORMATS[args.format]}.gguf")
@@ -126,16 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         "| llama.cpp prefill tok/s | czyx prefill tok/s | prefill czyx / llama.cpp |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for n in args.contexts:
-        (lp, ld), (cp, cd) = med[("llama.cpp", n)], med[("czyx", n)]
-        lines.append(
-            f"| {n} | {ld:.1f} | {cd:.1f} | **{cd / ld:.2f}x** | {lp:.0f} | {cp:.0f} | "
-            f"{cp / lp:.2f}x |"
-        )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).write_text(text)
-    return 0
+    pairs = [(n, med[("llama.cpp", n)], med[("czyx", n)]) for n in args.contexts]
+    lines += [
+        f"| {n} | {ld:.1f} | {cd:.1f} | **{cd / ld:.2f}x** | {lp:.0f} | {cp:.0f} | {cp / lp:.2f}x |"
+        for n, (lp, ld), (cp, cd) in pairs
+    ]
+    return write_report(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _machine import machine  # noqa: E402
+from _report import write_report  # noqa: E402
 from bench_store import run_threads  # noqa: E402
 
 
@@ -137,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {beside} | {k} | {med:.2f} | {med / one[beside]:.2f}x | "
             f"{', '.join(f'{x:.2f}' for x in v)} |"
         )
-    text = "\n".join(md) + "\n"
-    print(text)
-    Path(a.md).write_text(text)
-    return 0
+    return write_report(md, a.md)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._machine import machine  # noqa: E402
+from bench._report import write_report  # noqa: E402
 from bench._spec_llama import llama_missing  # noqa: E402
 
 # Code the model never saw: written for this benchmark (its training set is CPython's
@@ -461,10 +462,7 @@ def realshape_main(args, command: str) -> int:
         *report(res, tgts, args),
         "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    out.write_text(text)
-    return 0
+    return write_report(lines, out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -813,10 +811,7 @@ def main(argv: list[str] | None = None) -> int:
         "- The real-shape model under a memory cap, drafts replayed at set acceptances: "
         "`bench/SPECULATE-realshape.md` (`--realshape DIR`)."
     )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).write_text(text)
-    return 0
+    return write_report(lines, args.out)
 
 
 if __name__ == "__main__":

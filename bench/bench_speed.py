@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _report import write_report
 
 PROMPT_BYTES = 128
 N_DECODE = 64
@@ -405,10 +406,7 @@ def main(argv: list[str] | None = None) -> int:
 
     med = {k: tuple(statistics.median(r[i] for r in v) for i in range(3)) for k, v in res.items()}
     lines = _report(args, med, toks, load0, load1, fused.level(), breakdown)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).write_text(text)
-    return 0
+    return write_report(lines, args.out)
 
 
 def _table(title: str, threads: list[int], engines: list[str], med: dict, col: int) -> list[str]:

@@ -48,6 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _machine import machine  # noqa: E402
+from _report import write_report  # noqa: E402
 from bench_scale import TEXT, cgroups_writable, evict, run  # noqa: E402
 
 PROFILE_TEXT = HERE.parent / "store" / "models" / "gguf_source.py"
@@ -223,10 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         *(row(label, results[label], base) for label, _ in configs),
         "",
     ]
-    text = "\n".join(md)
-    print(text)
-    Path(a.md).write_text(text)
-    return 0
+    return write_report(md, a.md)
 
 
 if __name__ == "__main__":
