@@ -1575,7 +1575,9 @@ static inline float czk_softmax_span(float *s, int64_t start, int64_t end, float
  * Inputs are clamped to [-87.33, 88.37]: below, 2^-126 rather than expf's denormals
  * (a softmax term next to the maximum's 1, so no sum changes), above, no overflow. */
 CZK_AVX2 static inline __m256 czk_exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
+    /* (the constant first: max_ps and min_ps return their second operand for a NaN,
+     * so a NaN score stays NaN, as expf leaves it) */
+    x = _mm256_min_ps(_mm256_set1_ps(88.37626f), _mm256_max_ps(_mm256_set1_ps(-87.33654f), x));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
