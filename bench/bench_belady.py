@@ -70,6 +70,19 @@ RS16_TEXTS = ("store/models/mount.py", "inference/cache.py")
 COLD = 32  # tokens of the cold-start column
 
 
+def add_trace_args(ap: argparse.ArgumentParser, slots: str, slots_help: str) -> None:
+    """The arguments of a study of the recorded real-shape routing (``--trace``,
+    ``--rs16-experts``, ``--slots``), shared by this script and ``bench_step_reads.py``."""
+    ap.add_argument(
+        "--trace",
+        action="append",
+        help="[T, L, k] experts .npy of the 16-layer real shape (default: .traces/rs16-*, "
+        "bench_belady.py --record-rs16)",
+    )
+    ap.add_argument("--rs16-experts", type=int, default=64, help="experts per layer of --trace")
+    ap.add_argument("--slots", default=slots, help=slots_help)
+
+
 def rs16_traces(given: list[str] | None) -> list[Path]:
     """The ``--trace`` files, else the ones ``--record-rs16`` wrote (``.traces/rs16-*``)."""
     return [Path(p) for p in given] if given else sorted(TRACES.glob("rs16-*.experts.npy"))
@@ -458,16 +471,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--record-rs16", metavar="STORE", help="record the real-shape traces and stop")
     ap.add_argument("--tag", default="rs@q8", help="version --record-rs16 opens")
     ap.add_argument("--rs16-tokens", type=int, default=512, help="decode tokens per text")
-    ap.add_argument(
-        "--trace",
-        action="append",
-        help="[T, L, k] experts .npy of the 16-layer real shape (default: .traces/rs16-*)",
-    )
-    ap.add_argument("--rs16-experts", type=int, default=64, help="experts per layer of --trace")
-    ap.add_argument(
-        "--slots",
-        default="128,185,256,460",
-        help="slot budgets of --trace (185 and 460: the engine's slots at bench/SCALE-16.md's "
+    add_trace_args(
+        ap,
+        "128,185,256,460",
+        "slot budgets of --trace (185 and 460: the engine's slots at bench/SCALE-16.md's "
         "3.6x and 1.8x caps)",
     )
     ap.add_argument("--bundled-files", type=int, default=4)

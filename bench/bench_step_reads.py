@@ -132,17 +132,13 @@ def table(rows) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench_belady import add_trace_args, rs16_traces
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--trace",
-        action="append",
-        help="[T, L, k] experts .npy (default: .traces/rs16-*, bench_belady.py --record-rs16)",
-    )
-    ap.add_argument("--experts", type=int, default=64, help="experts per layer of the traces")
-    ap.add_argument(
-        "--slots",
-        default="164,185",
-        help="slot budgets (164: bench/SPECULATE-realshape-16.md's engine at the 3.6x cap; "
+    add_trace_args(
+        ap,
+        "164,185",
+        "slot budgets (164: bench/SPECULATE-realshape-16.md's engine at the 3.6x cap; "
         "185: bench/SCALE-16.md's)",
     )
     ap.add_argument("--sizes", default="1,2,3,4,5", help="tokens verified a step")
@@ -151,7 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from _machine import machine
-    from bench_belady import rs16_traces
 
     traces = rs16_traces(a.trace)
     if not traces:
@@ -185,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             f"## `{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}`",
             "",
             f"{experts.shape[0]} tokens, {experts.shape[1]} layers, top-{experts.shape[2]} of "
-            f"{a.experts}.",
+            f"{a.rs16_experts}.",
             "",
-            *table(study(experts, a.experts, slots, sizes, a.warm)),
+            *table(study(experts, a.rs16_experts, slots, sizes, a.warm)),
         ]
     text = "\n".join(md).replace("{WALL}", f"{time.perf_counter() - t0:.0f}") + "\n"
     print(text)

@@ -331,6 +331,7 @@ def _forward_c(
     lookahead = getattr(cache, "lookahead", None)
     args = (model.rotary, cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, *model._c_qkv)
     top_k, renorm = cfg.top_k, cfg.renormalize
+    part_misses = top_k if MISSES_PER_PART is None else MISSES_PER_PART
     for i in range(cfg.n_layers):
         lw = window.layer(i) if window is not None else model.layers[i]
         if model.layer_hook is not None:
@@ -343,7 +344,6 @@ def _forward_c(
         # its order), else the union (hits first), each acquired once for the step,
         # every row's products with a part's experts kept until the last part sums them.
         held = idx[0] if n == 1 else kern.union(n, table[i])
-        part_misses = top_k if MISSES_PER_PART is None else MISSES_PER_PART
         cuts = _acquire_parts(held, table[i], cap, part_misses) if n > 1 else (0, held.size)
         final = len(cuts) - 2
         for q in range(final + 1):
@@ -1422,11 +1422,13 @@ class Scheduler:
         work: list[tuple[_Seq, np.ndarray]] = []
         budget = self.options.step_tokens
         decoding = [s for s in self._active if s.fed == s.prompt.size and s.generated]
-        row_cost = self._row_cost.cost(len(decoding)) if decoding else 0.0
+        row_cost = None  # fitted once a greedy drafter asks (a step without drafting: never)
         for seq in decoding:
             seq.drafts = []
             if seq.spec is not None and seq.closing is None:
                 if seq.sampler.params.temperature == 0.0:
+                    if row_cost is None:
+                        row_cost = self._row_cost.cost(len(decoding))
                     seq.spec.length.cost = row_cost
                 room = min(seq.max_tokens - len(seq.generated), budget) - 1
                 k = min(seq.spec.length.next(), room)
